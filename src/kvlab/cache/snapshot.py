@@ -1,0 +1,213 @@
+"""The KV snapshot: kvlab's immutable picture of a model's cache.
+
+A :class:`KVSnapshot` holds, for every layer, the cached keys (post-RoPE, as the model stores them)
+and values, plus what is needed to use or compare them later: the token ids, the RoPE position of
+every cached token, the RoPE spec, and the fingerprint of the model that made it. Operations return
+new snapshots and never write into the tensors of an existing one; treat the tensors as read-only.
+
+Positions are explicit because after a roll, an eviction or a transplant they are no longer
+``0..T-1``; a query's position is ``next_position`` unless a caller says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.errors import BadInputError, IncompatibleCacheError, UnsupportedModelError
+from kvlab.rope.ops import shift_keys
+from kvlab.rope.spec import RopeSpec
+
+
+@dataclass(frozen=True, eq=False)
+class KVSnapshot:
+    """Per-layer K/V of one cached sequence.
+
+    Attributes:
+        keys: one tensor per layer, ``[batch, kv_heads, T, head_dim]``, post-RoPE.
+        values: same shapes as ``keys``.
+        token_ids: ``[batch, T]`` int64, the token cached at each slot.
+        positions: ``[T]`` int64, the RoPE position each slot's key was rotated to.
+        rope: the model's RoPE, or None for models without rotary embeddings.
+        fingerprint: the model fingerprint (architecture + config + weights hash).
+        model_name: a human-readable model name, for reports only.
+    """
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    rope: RopeSpec | None
+    fingerprint: str
+    model_name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", tuple(self.keys))
+        object.__setattr__(self, "values", tuple(self.values))
+        if len(self.keys) == 0 or len(self.keys) != len(self.values):
+            raise BadInputError(f"a snapshot needs matching K and V layers, got {len(self.keys)} and {len(self.values)}")
+        shape = tuple(self.keys[0].shape)
+        if len(shape) != 4:
+            raise BadInputError(f"cached keys must be [batch, kv_heads, seq, head_dim], got shape {shape}")
+        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            if tuple(k.shape) != shape or tuple(v.shape[:3]) != shape[:3]:
+                raise IncompatibleCacheError(
+                    f"layer {i} has K {tuple(k.shape)} / V {tuple(v.shape)}, layer 0 has K {shape}; "
+                    "kvlab snapshots need one geometry for all layers"
+                )
+        if tuple(self.token_ids.shape) != (shape[0], shape[2]):
+            raise BadInputError(f"token_ids {tuple(self.token_ids.shape)} do not match the cache [{shape[0]}, {shape[2]}]")
+        if tuple(self.positions.shape) != (shape[2],):
+            raise BadInputError(f"positions {tuple(self.positions.shape)} do not match {shape[2]} cached tokens")
+
+    # -- geometry -------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    def __len__(self) -> int:
+        return self.seq_len
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys[0].shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the K and V tensors (not counting ids and positions)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.nbytes // max(self.seq_len * self.batch_size, 1)
+
+    @property
+    def next_position(self) -> int:
+        """The RoPE position the next token would get: one past the largest cached position."""
+        return int(self.positions.max().item()) + 1 if self.seq_len else 0
+
+    def token_list(self, row: int = 0) -> list[int]:
+        return [int(t) for t in self.token_ids[row].tolist()]
+
+    def stacked_keys(self) -> torch.Tensor:
+        """All layers' keys as one ``[layers, batch, kv_heads, T, head_dim]`` tensor (a copy)."""
+        return torch.stack(self.keys)
+
+    def stacked_values(self) -> torch.Tensor:
+        return torch.stack(self.values)
+
+    # -- pure operations -----------------------------------------------------------------------
+    def replace(self, **changes) -> KVSnapshot:
+        """A new snapshot with some fields replaced (tensors are shared, never written)."""
+        return dataclasses.replace(self, **changes)
+
+    def select(self, indices: Sequence[int] | torch.Tensor) -> KVSnapshot:
+        """Keep only the given slots (in the given order); positions are kept, keys are not re-rotated."""
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.device)
+        if idx.ndim != 1 or idx.numel() == 0:
+            raise BadInputError("select needs a non-empty 1-D list of slot indices")
+        if int(idx.min()) < 0 or int(idx.max()) >= self.seq_len:
+            raise BadInputError(f"slot indices must lie in [0, {self.seq_len}), got {int(idx.min())}..{int(idx.max())}")
+        return self.replace(
+            keys=tuple(k.index_select(2, idx) for k in self.keys),
+            values=tuple(v.index_select(2, idx) for v in self.values),
+            token_ids=self.token_ids.index_select(1, idx.to(self.token_ids.device)),
+            positions=self.positions.index_select(0, idx.to(self.positions.device)),
+        )
+
+    def slice(self, start: int = 0, stop: int | None = None) -> KVSnapshot:
+        """Slots ``start:stop`` (views, positions kept)."""
+        stop = self.seq_len if stop is None else stop
+        if not 0 <= start < stop <= self.seq_len:
+            raise BadInputError(f"slice {start}:{stop} is empty or outside a cache of {self.seq_len} tokens")
+        return self.replace(
+            keys=tuple(k[:, :, start:stop] for k in self.keys),
+            values=tuple(v[:, :, start:stop] for v in self.values),
+            token_ids=self.token_ids[:, start:stop],
+            positions=self.positions[start:stop],
+        )
+
+    def with_positions(self, new_positions: Sequence[int] | torch.Tensor) -> KVSnapshot:
+        """Re-rotate every key from its current position to ``new_positions`` (exact RoPE shift)."""
+        new = torch.as_tensor(new_positions, dtype=torch.long)
+        if tuple(new.shape) != (self.seq_len,):
+            raise BadInputError(f"need {self.seq_len} new positions, got shape {tuple(new.shape)}")
+        rope = self.require_rope("re-positioning keys")
+        delta = (new - self.positions.cpu()).to(self.device)
+        if bool((delta == 0).all()):
+            return self.replace(positions=new)
+        return self.replace(keys=tuple(shift_keys(k, delta, rope) for k in self.keys), positions=new)
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> KVSnapshot:
+        return self.replace(
+            keys=tuple(k.to(device=device, dtype=dtype) for k in self.keys),
+            values=tuple(v.to(device=device, dtype=dtype) for v in self.values),
+        )
+
+    def clone(self) -> KVSnapshot:
+        """A deep copy whose tensors share no storage with this snapshot."""
+        return self.replace(
+            keys=tuple(k.clone() for k in self.keys),
+            values=tuple(v.clone() for v in self.values),
+            token_ids=self.token_ids.clone(),
+            positions=self.positions.clone(),
+        )
+
+    def require_rope(self, what: str) -> RopeSpec:
+        if self.rope is None:
+            raise UnsupportedModelError(f"{what} needs a model with rotary position embeddings (RoPE)")
+        return self.rope
+
+    def require_compatible(self, other: KVSnapshot, what: str = "combining these caches") -> None:
+        """Raise unless ``other`` comes from the same model with the same geometry and dtype."""
+        if other.fingerprint != self.fingerprint:
+            raise IncompatibleCacheError(
+                f"{what}: the caches come from different models ({self.fingerprint[:12]} vs {other.fingerprint[:12]})"
+            )
+        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        theirs = (other.num_layers, other.num_kv_heads, other.head_dim, other.dtype)
+        if mine != theirs:
+            raise IncompatibleCacheError(f"{what}: cache geometry {mine} differs from {theirs}")
+
+    def describe(self) -> str:
+        return (
+            f"KVSnapshot({self.model_name or self.fingerprint[:12]}: {self.num_layers} layers x "
+            f"[{self.batch_size}, {self.num_kv_heads}, {self.seq_len}, {self.head_dim}] {str(self.dtype).replace('torch.', '')}, "
+            f"positions {int(self.positions.min()) if self.seq_len else 0}..{self.next_position - 1})"
+        )
+
+    __repr__ = describe
+
+
+def concat(first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:
+    """Slots of ``first`` then ``second``, positions and keys kept as they are (no re-rotation)."""
+    first.require_compatible(second, "concatenating caches")
+    return first.replace(
+        keys=tuple(torch.cat((a, b), dim=2) for a, b in zip(first.keys, second.keys, strict=True)),
+        values=tuple(torch.cat((a, b), dim=2) for a, b in zip(first.values, second.values, strict=True)),
+        token_ids=torch.cat((first.token_ids, second.token_ids), dim=1),
+        positions=torch.cat((first.positions, second.positions)),
+    )

@@ -1,0 +1,74 @@
+"""Options and output shared by every experiment command (``--out``, ``--json``, ``--model``, profile)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table as RichTable
+
+from kvlab.errors import BadInputError
+from kvlab.experiments import Experiment, ExperimentContext, ExperimentResult
+from kvlab.report.writer import run_dir, to_jsonable
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="smollm2-135m (bundled), a local folder, or a cached HF id.")]
+OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Folder for run directories.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
+QuickOpt = Annotated[bool, typer.Option("--quick", help="Smoke-test profile (a few minutes at most).")]
+FullOpt = Annotated[bool, typer.Option("--full", help="Thorough profile (slower; says how long).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for sampling windows and permutations.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16.")]
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def profile_from(quick: bool, full: bool) -> str:
+    if quick and full:
+        raise BadInputError("choose --quick or --full, not both")
+    return "quick" if quick else "full" if full else "default"
+
+
+def run_and_report(experiment: Experiment, *, out: Path, json_out: bool, model: str = "smollm2-135m",
+                   profile: str = "default", seed: int = 0, dtype: str = "float32", **options: Any) -> ExperimentResult:
+    """Run one experiment into ``<out>/<name>-<timestamp>/`` and print a summary (or JSON)."""
+    from kvlab.runner import progress_display, run_experiment
+
+    folder = run_dir(out, experiment.name)
+    with progress_display(enabled=not json_out and sys.stderr.isatty()) as progress:
+        ctx = ExperimentContext(out_dir=folder, profile=profile, seed=seed, model_spec=model, dtype=dtype,
+                                progress=progress, options={k: v for k, v in options.items() if v is not None})
+        result = run_experiment(experiment, ctx)
+    if json_out:
+        doc = json.loads((folder / "result.json").read_text())
+        doc["report_dir"] = str(folder)
+        sys.stdout.write(json.dumps(to_jsonable(doc), indent=2) + "\n")
+    else:
+        print_result(result)
+        console.print(f"\nreport: [bold]{folder / 'index.html'}[/bold]")
+    return result
+
+
+def print_result(result: ExperimentResult) -> None:
+    console.print(f"[bold]{result.title}[/bold] ({result.status})")
+    for table in result.tables:
+        rt = RichTable(title=table.title, title_justify="left")
+        for col in table.columns:
+            rt.add_column(str(col))
+        for row in table.rows:
+            rt.add_row(*[_cell(v) for v in row])
+        console.print(rt)
+    for note in result.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4g}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)

@@ -1,0 +1,51 @@
+"""``kvlab study`` (the main job) and ``kvlab experiments`` (what a study runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table as RichTable
+
+from kvlab.cli.common import FullOpt, ModelOpt, OutOpt, QuickOpt, SeedOpt, console, profile_from
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("study")
+    def study_cmd(
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+        only: Annotated[list[str] | None, typer.Option("--only", help="Run only these experiments (repeatable).")] = None,
+    ) -> None:
+        """Run every registered experiment on the model and write one HTML report."""
+        from kvlab.runner import run_study
+
+        profile = profile_from(quick, full)
+        if profile == "full":
+            console.print("[yellow]--full runs every experiment at its largest size; expect an hour or more here.[/yellow]")
+        outcome = run_study(out=out, model_spec=model, profile=profile, seed=seed, only=only)
+        rt = RichTable(title="kvlab study", title_justify="left")
+        for col in ("experiment", "status", "seconds"):
+            rt.add_column(col)
+        for name, result in outcome.results:
+            rt.add_row(name, result.status, f"{outcome.seconds[name]:.1f}")
+        console.print(rt)
+        console.print(f"report: [bold]{outcome.run_dir / 'index.html'}[/bold]")
+        if outcome.failed:
+            raise typer.Exit(1)
+
+    @app.command("experiments")
+    def experiments_cmd() -> None:
+        """List the experiments a study runs, in order."""
+        from kvlab.experiments import registry
+
+        rt = RichTable(title="experiments", title_justify="left")
+        for col in ("name", "title", "in study"):
+            rt.add_column(col)
+        for exp in registry().values():
+            rt.add_row(exp.name, exp.title, "yes" if exp.in_study else "no")
+        console.print(rt)

@@ -1,0 +1,147 @@
+"""What an experiment is: a function from a context (model, profile, output folder) to a result.
+
+Each experiment lives in one module of ``kvlab.experiments`` and exposes ``EXPERIMENT``, an
+:class:`Experiment`. The study runner discovers them (no central list to edit), runs them in
+``order``, and the report renders every :class:`ExperimentResult` the same way: summary numbers,
+tables, figures with captions, notes, and the raw arrays saved beside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from kvlab.errors import BadInputError
+
+Profile = Literal["quick", "default", "full"]
+PROFILES: tuple[str, ...] = ("quick", "default", "full")
+
+
+@dataclass
+class Figure:
+    """A PNG written into the experiment's folder, with the one-line caption the report shows."""
+
+    filename: str
+    caption: str
+
+
+@dataclass
+class Table:
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+    caption: str = ""
+
+    def to_json(self) -> dict:
+        return {"title": self.title, "columns": self.columns, "rows": self.rows, "caption": self.caption}
+
+
+@dataclass
+class ExperimentResult:
+    """Everything an experiment measured; ``arrays`` are saved to ``arrays.npz`` next to ``result.json``."""
+
+    name: str
+    title: str
+    summary: dict[str, Any] = field(default_factory=dict)
+    tables: list[Table] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    data_sources: list[str] = field(default_factory=list)
+    status: Literal["ok", "not_applicable", "failed"] = "ok"
+    description: str = ""
+
+
+class Progress:
+    """The slice of a rich progress display an experiment may use (a no-op when there is none)."""
+
+    def __init__(self, rich_progress: Any = None):
+        self._p = rich_progress
+
+    @contextlib.contextmanager
+    def task(self, description: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
+        """``with ctx.progress.task("rolls", total=n) as advance: ... advance(1)``."""
+        if self._p is None:
+            yield lambda n=1: None
+            return
+        task_id = self._p.add_task(description, total=total)
+        try:
+            yield lambda n=1: self._p.advance(task_id, n)
+        finally:
+            self._p.update(task_id, completed=total if total is not None else 1, total=total or 1, visible=False)
+
+    def log(self, message: str) -> None:
+        if self._p is not None:
+            self._p.console.print(message)
+
+
+@dataclass
+class ExperimentContext:
+    """What an experiment gets: where to write, how much to do, and the model (loaded on first use)."""
+
+    out_dir: Path
+    profile: Profile = "default"
+    seed: int = 0
+    model_spec: str = "smollm2-135m"
+    dtype: str = "float32"
+    progress: Progress = field(default_factory=Progress)
+    options: dict[str, Any] = field(default_factory=dict)
+    _model: Any = None
+
+    def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise BadInputError(f"unknown profile '{self.profile}'; choose one of {', '.join(PROFILES)}")
+        self.out_dir = Path(self.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def model(self):
+        """The :class:`~kvlab.model.ModelHandle` for ``model_spec`` (shared across experiments of a study)."""
+        if self._model is None:
+            from kvlab.model import load_model
+
+            self._model = load_model(self.model_spec, dtype=self.dtype, progress=self.progress.log)
+        return self._model
+
+    def pick(self, quick: Any, default: Any, full: Any = None) -> Any:
+        """A setting by profile: ``ctx.pick(quick=4, default=20, full=100)``."""
+        return {"quick": quick, "default": default, "full": default if full is None else full}[self.profile]
+
+    def figure(self, name: str, fig: Any, caption: str) -> Figure:
+        """Save a matplotlib figure as ``<name>.png`` in the experiment folder and close it."""
+        import matplotlib.pyplot as plt
+
+        filename = f"{name}.png"
+        fig.savefig(self.out_dir / filename, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        return Figure(filename=filename, caption=caption)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A registered experiment: ``run(ctx, **options) -> ExperimentResult``."""
+
+    name: str
+    title: str
+    run: Callable[..., ExperimentResult]
+    order: int = 100
+    description: str = ""
+    in_study: bool = True
+
+
+def shared_data_dir() -> Path | None:
+    """``$KVLAB_SHARED_DATA`` or ``../shared/data`` beside the checkout, if present (tests, benchmarks)."""
+    env = os.environ.get("KVLAB_SHARED_DATA")
+    candidates = [Path(env)] if env else []
+    here = Path(__file__).resolve()
+    candidates += [p / "shared" / "data" for p in here.parents[2:6]]
+    candidates.append(Path.cwd().parent / "shared" / "data")
+    for c in candidates:
+        if c.is_dir():
+            return c
+    return None

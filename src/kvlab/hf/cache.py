@@ -1,0 +1,123 @@
+"""The one place that touches transformers' cache API (``DynamicCache`` and its layers).
+
+transformers changed this API in 4.53, 4.54, 4.57, 5.0, ~5.5, 5.16 and 5.20; every other kvlab
+module works on :class:`~kvlab.cache.KVSnapshot` and calls the functions here, so the next change
+is fixed in one file (and caught by ``tests/test_hf_adapter.py``).
+
+Facts relied on (transformers 5.x): a cache has ``.layers``; each layer has ``.keys`` / ``.values``
+of shape ``[batch, kv_heads, seq, head_dim]`` (post-RoPE keys); sliding-window layers set
+``is_sliding`` and drop tokens older than their window; a forward pass writes into the cache it is
+given, so :func:`to_hf_cache` copies by default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvlab.cache.snapshot import KVSnapshot
+from kvlab.errors import UnsupportedModelError
+from kvlab.rope.spec import RopeSpec
+
+
+def sliding_windows(config: Any) -> list[int | None]:
+    """Per layer: the sliding-window size of that layer's attention, or None for full attention."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n = int(text.num_hidden_layers)
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * n if window is not None else [None] * n
+
+
+def check_fits_sliding_windows(config: Any, total_tokens: int) -> None:
+    """Refuse a sequence that a sliding-window layer would silently truncate.
+
+    kvlab snapshots keep every token in every layer; a sliding-window layer (Mistral, Gemma-3 local
+    layers) that has dropped tokens cannot be represented, so such sequences are refused up front.
+    """
+    windows = [w for w in sliding_windows(config) if w is not None]
+    if windows and total_tokens >= min(windows):
+        raise UnsupportedModelError(
+            f"this model has sliding-window attention layers (window {min(windows)}); kvlab snapshots hold every "
+            f"token in every layer, so sequences must stay below {min(windows)} tokens (got {total_tokens})"
+        )
+
+
+def new_hf_cache(config: Any) -> DynamicCache:
+    """An empty transformers cache laid out for ``config`` (sliding layers included)."""
+    return DynamicCache(config=config)
+
+
+def hf_cache_length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def hf_cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(keys, values)]`` per layer, as views into the transformers cache (do not write into them)."""
+    out = []
+    for i, layer in enumerate(cache.layers):
+        if layer.keys is None or layer.values is None:
+            raise UnsupportedModelError(f"cache layer {i} holds no keys (KV sharing or a non-attention layer)")
+        out.append((layer.keys, layer.values))
+    return out
+
+
+def snapshot_from_hf(
+    cache: Any,
+    *,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    rope: RopeSpec | None,
+    fingerprint: str,
+    model_name: str = "",
+    copy: bool = False,
+) -> KVSnapshot:
+    """Capture a transformers cache as a snapshot.
+
+    ``token_ids [batch, T]`` and ``positions [T]`` describe the cached slots. With ``copy=False`` the
+    snapshot shares tensors with ``cache``; that is safe for ``DynamicCache``, whose updates replace
+    tensors (``torch.cat``) rather than write into them, but call with ``copy=True`` if the cache will
+    be used with an in-place cache class afterwards.
+    """
+    layers = hf_cache_layers(cache)
+    for i, layer in enumerate(cache.layers):
+        cumulative = getattr(layer, "cumulative_length", None)
+        if getattr(layer, "is_sliding", False) and cumulative is not None and int(cumulative) > layer.keys.shape[-2]:
+            raise UnsupportedModelError(
+                f"layer {i} is a sliding-window layer that already dropped tokens "
+                f"({int(cumulative)} seen, {layer.keys.shape[-2]} kept); kvlab snapshots need every token"
+            )
+    keys = tuple(k.detach().clone() if copy else k.detach() for k, _ in layers)
+    values = tuple(v.detach().clone() if copy else v.detach() for _, v in layers)
+    return KVSnapshot(
+        keys=keys,
+        values=values,
+        token_ids=token_ids.detach().to("cpu", torch.long),
+        positions=positions.detach().to("cpu", torch.long),
+        rope=rope,
+        fingerprint=fingerprint,
+        model_name=model_name,
+    )
+
+
+def to_hf_cache(snapshot: KVSnapshot, config: Any = None, *, copy: bool = True) -> DynamicCache:
+    """A ``DynamicCache`` holding the snapshot's K/V, ready to pass as ``past_key_values``.
+
+    A forward pass extends the returned cache, so by default its tensors are copies and the snapshot
+    stays untouched. ``copy=False`` shares storage; that is safe with ``DynamicCache`` (updates
+    concatenate into new tensors) and saves one copy of the cache per call.
+    """
+    if config is not None:
+        check_fits_sliding_windows(config, snapshot.seq_len)
+    cache = new_hf_cache(config) if config is not None else DynamicCache()
+    if config is not None and len(cache.layers) != snapshot.num_layers:
+        raise UnsupportedModelError(
+            f"the model has {len(cache.layers)} cache layers, the snapshot {snapshot.num_layers}"
+        )
+    for i, (k, v) in enumerate(zip(snapshot.keys, snapshot.values, strict=True)):
+        cache.update(k.clone() if copy else k, v.clone() if copy else v, i)
+    return cache

@@ -1,0 +1,110 @@
+"""Loading models offline and running them on kvlab snapshots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlab.errors import ModelNotFoundError
+from kvlab.model.facts import ModelFacts, facts_from_config, load_config_file
+from kvlab.model.handle import Forward, Generation, ModelHandle
+from kvlab.model.loading import (
+    BUNDLED_NAME,
+    cache_dir,
+    parse_dtype,
+    quantization_config_4bit,
+    resolve_model_dir,
+)
+
+_HANDLES: dict[tuple, ModelHandle] = {}
+
+
+def load_model(
+    spec: str = BUNDLED_NAME,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    load_in_4bit: bool = False,
+    progress: Any = None,
+    reuse: bool = True,
+) -> ModelHandle:
+    """Load a causal LM offline and wrap it in a :class:`ModelHandle`.
+
+    ``spec`` is ``smollm2-135m`` (the bundled model, the default), a local folder with a
+    ``config.json``, or a Hugging Face id already in the local cache. Nothing is ever downloaded:
+    an unknown spec raises :class:`~kvlab.errors.ModelNotFoundError` saying what to install or copy.
+    ``load_in_4bit`` reproduces the Phase 1 log's NF4 set-up and needs CUDA + bitsandbytes.
+    With ``reuse`` (default), loading the same spec twice in one process returns the same handle.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    key = (spec, torch_dtype, device, attn_implementation, load_in_4bit)
+    if reuse and key in _HANDLES:
+        return _HANDLES[key]
+    path, name = resolve_model_dir(spec, progress)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation, "local_files_only": True}
+    if load_in_4bit:
+        kwargs["quantization_config"] = quantization_config_4bit()
+        kwargs["device_map"] = device
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as exc:
+        raise ModelNotFoundError(f"could not load model weights from {path}: {exc}") from None
+    if not load_in_4bit:
+        model = model.to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        tokenizer = None
+    digest = _remembered_weights_digest(path, torch_dtype)
+    handle = ModelHandle(model, tokenizer, name=name, weights_digest=digest)
+    if digest is None:
+        _remember_weights_digest(path, torch_dtype, handle.weights_digest())
+    if reuse:
+        _HANDLES[key] = handle
+    return handle
+
+
+def _digest_key(path: Path, dtype: torch.dtype) -> str:
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+    stamp = ";".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in files)
+    return f"{path.resolve()}|{dtype}|{stamp}"
+
+
+def _remembered_weights_digest(path: Path, dtype: torch.dtype) -> str | None:
+    try:
+        return json.loads((cache_dir() / "weights-digests.json").read_text()).get(_digest_key(path, dtype))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _remember_weights_digest(path: Path, dtype: torch.dtype, digest: str) -> None:
+    memo = cache_dir() / "weights-digests.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    known[_digest_key(path, dtype)] = digest
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".{memo.name}.tmp")
+    tmp.write_text(json.dumps(known, indent=0))
+    tmp.replace(memo)
+
+
+__all__ = [
+    "BUNDLED_NAME",
+    "Forward",
+    "Generation",
+    "ModelFacts",
+    "ModelHandle",
+    "facts_from_config",
+    "load_config_file",
+    "load_model",
+]

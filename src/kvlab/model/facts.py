@@ -1,0 +1,151 @@
+"""Architecture facts of a model, from its config alone (no weights needed).
+
+These feed ``kvlab inspect``'s tables and memory projections; they work for a 70B model's
+``config.json`` on a laptop.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlab.errors import BadInputError
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What decides the size and shape of a model's KV cache."""
+
+    name: str
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    num_parameters: int
+    weights_dtype: str
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
+
+    @property
+    def gqa_ratio(self) -> float:
+        return self.num_attention_heads / self.num_kv_heads
+
+    @property
+    def attention_kind(self) -> str:
+        if self.num_kv_heads == self.num_attention_heads:
+            return "MHA (multi-head)"
+        if self.num_kv_heads == 1:
+            return "MQA (multi-query)"
+        return f"GQA ({self.num_attention_heads}:{self.num_kv_heads})"
+
+    def kv_bytes_per_token(self, dtype: str = "float32") -> int:
+        """layers x 2 (K and V) x kv_heads x head_dim x bytes per element."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+
+    def kv_bytes_formula(self, dtype: str = "float32") -> str:
+        return (
+            f"{self.num_layers} layers x 2 (K,V) x {self.num_kv_heads} kv_heads x {self.head_dim} head_dim x "
+            f"{dtype_bytes(dtype)} bytes ({dtype}) = {self.kv_bytes_per_token(dtype):,} bytes/token"
+        )
+
+    def weights_bytes(self, dtype: str | None = None) -> int:
+        return self.num_parameters * dtype_bytes(dtype or self.weights_dtype)
+
+    def crossover_tokens(self, cache_dtype: str, weights_dtype: str | None = None, batch: int = 1) -> int:
+        """Context length at which the KV cache (for ``batch`` sequences) outgrows the weights."""
+        per_token = self.kv_bytes_per_token(cache_dtype) * batch
+        return -(-self.weights_bytes(weights_dtype) // per_token)
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"gqa_ratio": self.gqa_ratio, "attention_kind": self.attention_kind}
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    name = str(dtype).replace("torch.", "")
+    if name not in DTYPE_BYTES:
+        raise BadInputError(f"unknown dtype '{name}'; choose one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def estimate_num_parameters(config: Any) -> int:
+    """Parameter count of a decoder-only transformer from its config (exact for Llama-style models).
+
+    Counts embeddings, attention projections (with biases where the config says so), the MLP (gated
+    for SiLU-style activations, two matrices for GELU-style), norms and an untied LM head.
+    """
+    h = int(config.hidden_size)
+    n_layers = int(config.num_hidden_layers)
+    n_heads = int(config.num_attention_heads)
+    n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+    head_dim = int(getattr(config, "head_dim", None) or h // n_heads)
+    inter = int(getattr(config, "intermediate_size", None) or 4 * h)
+    vocab = int(config.vocab_size)
+    model_type = getattr(config, "model_type", "")
+    bias_qkv = bool(getattr(config, "attention_bias", False)) or model_type in ("qwen2", "phi")
+    bias_o = model_type == "phi"
+    attn = h * head_dim * (n_heads + 2 * n_kv) + n_heads * head_dim * h
+    attn += (head_dim * (n_heads + 2 * n_kv) if bias_qkv else 0) + (h if bias_o else 0)
+    gated = str(getattr(config, "hidden_act", "silu")) in ("silu", "swish")
+    mlp = (3 if gated else 2) * h * inter + (0 if gated else inter + h)
+    norms = (2 if model_type != "phi" else 2) * h
+    embed = vocab * h
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    head = 0 if tied else vocab * h + (vocab if model_type == "phi" else 0)
+    return embed + n_layers * (attn + mlp + norms) + h + head
+
+
+def facts_from_config(config: Any, name: str = "", num_parameters: int | None = None) -> ModelFacts:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n_heads = int(text.num_attention_heads)
+    from kvlab.hf.cache import sliding_windows
+
+    windows = sliding_windows(text)
+    sliding = [w for w in windows if w is not None]
+    dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32"
+    return ModelFacts(
+        name=name or getattr(text, "_name_or_path", "") or text.model_type,
+        architecture=(getattr(config, "architectures", None) or ["?"])[0],
+        model_type=text.model_type,
+        num_layers=int(text.num_hidden_layers),
+        hidden_size=int(text.hidden_size),
+        num_attention_heads=n_heads,
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or n_heads),
+        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // n_heads),
+        vocab_size=int(text.vocab_size),
+        max_positions=int(getattr(text, "max_position_embeddings", 0) or 0),
+        num_parameters=int(num_parameters if num_parameters is not None else estimate_num_parameters(text)),
+        weights_dtype=str(dtype).replace("torch.", ""),
+        sliding_window=min(sliding) if sliding else None,
+        num_sliding_layers=len(sliding),
+    )
+
+
+def load_config_file(path: str | Path) -> Any:
+    """A transformers config object from a ``config.json`` file (no weights, no network)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError(f"no config file at {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"{path} is not a JSON config file ({exc})") from None
+    if "model_type" not in data:
+        raise BadInputError(f"{path} has no 'model_type'; is it a Hugging Face config.json?")
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as exc:
+        raise BadInputError(f"{path}: transformers does not know model_type '{model_type}' ({exc})") from None

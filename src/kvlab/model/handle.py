@@ -1,0 +1,291 @@
+"""A loaded model and the few things kvlab does with it: tokenize, prefill, extend a cache, decode.
+
+Every forward pass goes through :meth:`ModelHandle.forward`, which takes an optional
+:class:`~kvlab.cache.KVSnapshot` as the past, explicit RoPE positions for the new tokens, and
+returns logits plus a new snapshot; the past snapshot is never modified. Queries get the positions
+you pass (default: the snapshot's ``next_position`` onward), so a rolled or transplanted cache is
+used exactly as its positions say.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from kvlab.cache.snapshot import KVSnapshot
+from kvlab.errors import BadInputError
+from kvlab.hf.cache import check_fits_sliding_windows, new_hf_cache, snapshot_from_hf, to_hf_cache
+from kvlab.model.facts import ModelFacts, facts_from_config
+from kvlab.rope.spec import RopeSpec, rope_spec_from_model
+
+TokensLike = str | Sequence[int] | torch.Tensor
+
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "_attn_implementation_autoset", "dtype",
+                         "torch_dtype", "_commit_hash", "quantization_config", "use_cache", "output_attentions"}
+
+
+@dataclass(frozen=True, eq=False)
+class Forward:
+    """Result of one forward pass.
+
+    Attributes:
+        snapshot: the cache after the pass (past slots + the new tokens).
+        logits: ``[T_new, vocab]`` float32 logits for the new tokens (batch row 0), or ``[batch, T_new, vocab]``
+            when the batch has more than one row.
+        attentions: per layer ``[batch, heads, T_new, S_total]`` attention weights, if requested.
+    """
+
+    snapshot: KVSnapshot
+    logits: torch.Tensor
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def last_logits(self) -> torch.Tensor:
+        return self.logits[..., -1, :]
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    text: str
+    snapshot: KVSnapshot
+    step_logits: torch.Tensor | None = None  # [steps, vocab] when kept
+
+
+class ModelHandle:
+    """A model, its tokenizer (if any) and kvlab's view of it (facts, RoPE spec, fingerprint)."""
+
+    def __init__(self, model: Any, tokenizer: Any = None, *, name: str = "", weights_digest: str | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
+        self._weights_digest = weights_digest
+
+    # -- facts -------------------------------------------------------------------------------------
+    @cached_property
+    def facts(self) -> ModelFacts:
+        n_params = sum(p.numel() for p in self.model.parameters())
+        return facts_from_config(self.config, name=self.name, num_parameters=n_params)
+
+    @cached_property
+    def rope(self) -> RopeSpec | None:
+        return rope_spec_from_model(self.model)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def max_positions(self) -> int:
+        return self.facts.max_positions
+
+    def weights_digest(self) -> str:
+        """sha256 over every parameter's name, dtype, shape and bytes (computed once)."""
+        if self._weights_digest is None:
+            h = hashlib.sha256()
+            for name, tensor in sorted(self.model.state_dict().items()):
+                t = tensor.detach().to("cpu").contiguous()
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                if t.numel():
+                    h.update(t.reshape(-1).view(torch.uint8).numpy())
+            self._weights_digest = h.hexdigest()
+        return self._weights_digest
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 of architecture + config + weights: two caches are comparable only if these match."""
+        cfg = {k: v for k, v in self.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+        payload = json.dumps(
+            {"config": cfg, "dtype": str(self.dtype), "weights": self.weights_digest()}, sort_keys=True, default=str
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    # -- tokens ------------------------------------------------------------------------------------
+    def encode(self, text: str, *, chat: bool = False, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``text`` (plain, no BOS unless the tokenizer adds one), or of a one-turn chat."""
+        if self.tokenizer is None:
+            raise BadInputError("this model has no tokenizer; pass token ids instead of text")
+        if not isinstance(text, str) or not text.strip():
+            raise BadInputError("empty text: give at least one non-blank character")
+        if chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return [int(i) for i in ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(int(i)) for i in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def _as_ids(self, tokens: TokensLike) -> torch.Tensor:
+        if isinstance(tokens, str):
+            ids = torch.tensor([self.encode(tokens)], dtype=torch.long)
+        else:
+            ids = torch.as_tensor(tokens, dtype=torch.long)
+            if ids.ndim == 1:
+                ids = ids[None]
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise BadInputError("no tokens to process: give non-empty text or a non-empty list of token ids")
+        vocab = int(self.config.vocab_size)
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise BadInputError(f"token ids must lie in [0, {vocab}), got {int(ids.min())}..{int(ids.max())}")
+        return ids
+
+    # -- forward passes ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: TokensLike,
+        past: KVSnapshot | None = None,
+        *,
+        positions: Sequence[int] | torch.Tensor | None = None,
+        output_attentions: bool = False,
+        all_logits: bool = True,
+    ) -> Forward:
+        """Run ``tokens`` on top of ``past`` (or from scratch) and return logits and the new snapshot.
+
+        ``positions`` are the RoPE positions of the new tokens (default: contiguous from
+        ``past.next_position``, or 0). The attention mask is causal over cache slots, so every new
+        token sees every past slot, whatever its position.
+        """
+        ids = self._as_ids(tokens).to(self.device)
+        n_new = ids.shape[1]
+        start = past.next_position if past is not None else 0
+        pos = torch.arange(start, start + n_new) if positions is None else torch.as_tensor(positions, dtype=torch.long)
+        if tuple(pos.shape) != (n_new,):
+            raise BadInputError(f"got {tuple(pos.shape)} positions for {n_new} new tokens")
+        if self.max_positions and int(pos.max()) >= self.max_positions:
+            raise BadInputError(
+                f"positions up to {int(pos.max())} exceed the model's maximum of {self.max_positions} "
+                f"({n_new} new tokens starting at position {int(pos[0])})"
+            )
+        if past is not None:
+            if past.fingerprint != self.fingerprint:
+                from kvlab.errors import IncompatibleCacheError
+
+                raise IncompatibleCacheError(
+                    f"the cache was made by another model ({past.model_name or past.fingerprint[:12]}), not {self.name}"
+                )
+            if past.batch_size != ids.shape[0]:
+                raise BadInputError(f"the cache has batch {past.batch_size}, the tokens batch {ids.shape[0]}")
+        total = n_new + (past.seq_len if past is not None else 0)
+        check_fits_sliding_windows(self.config, total)
+        cache = to_hf_cache(past, self.config, copy=False) if past is not None else new_hf_cache(self.config)
+        ctx = self.eager_attention() if output_attentions else contextlib.nullcontext()
+        with ctx:
+            out = self.model(
+                input_ids=ids,
+                past_key_values=cache,
+                position_ids=pos.to(self.device)[None].expand(ids.shape[0], -1),
+                use_cache=True,
+                output_attentions=output_attentions,
+                logits_to_keep=0 if all_logits else 1,
+            )
+        token_ids = ids.cpu() if past is None else torch.cat((past.token_ids, ids.cpu()), dim=1)
+        positions_all = pos if past is None else torch.cat((past.positions, pos))
+        snapshot = snapshot_from_hf(
+            out.past_key_values,
+            token_ids=token_ids,
+            positions=positions_all,
+            rope=self.rope,
+            fingerprint=self.fingerprint,
+            model_name=self.name,
+        )
+        logits = out.logits.float()
+        logits = logits[0] if logits.shape[0] == 1 else logits
+        attentions = tuple(a.detach() for a in out.attentions) if output_attentions else None
+        return Forward(snapshot=snapshot, logits=logits, attentions=attentions)
+
+    def prefill(self, tokens: TokensLike, *, start_position: int = 0, **kw) -> Forward:
+        """Process ``tokens`` from an empty cache, the first at RoPE position ``start_position``."""
+        n = self._as_ids(tokens).shape[1]
+        if start_position < 0:
+            raise BadInputError(f"start_position must be >= 0, got {start_position}")
+        return self.forward(tokens, None, positions=torch.arange(start_position, start_position + n), **kw)
+
+    def extend(self, past: KVSnapshot, tokens: TokensLike, **kw) -> Forward:
+        """Feed ``tokens`` after the cached ones (the cache of A, then B, equals prefilling A+B)."""
+        return self.forward(tokens, past, **kw)
+
+    def decode_step(self, past: KVSnapshot, token_id: int, *, position: int | None = None) -> Forward:
+        """One new token on top of ``past``; returns its ``[vocab]`` logits as ``logits[-1]``."""
+        return self.forward([int(token_id)], past, positions=None if position is None else [position])
+
+    @torch.no_grad()
+    def generate(
+        self,
+        past: KVSnapshot,
+        first_logits: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        stop_at_eos: bool = True,
+        keep_logits: bool = False,
+    ) -> Generation:
+        """Greedy continuation of a cache whose last next-token logits are ``first_logits [vocab]``.
+
+        The returned snapshot holds ``past`` plus every generated token but the last (which was never fed).
+        """
+        if max_new_tokens < 1:
+            raise BadInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        eos = self._eos_ids() if stop_at_eos else set()
+        snap, logits, out, kept = past, first_logits, [], []
+        for step_no in range(max_new_tokens):
+            if keep_logits:
+                kept.append(logits.float().cpu())
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            if tok in eos or step_no == max_new_tokens - 1:
+                break
+            step = self.decode_step(snap, tok)
+            snap, logits = step.snapshot, step.logits[-1]
+        return Generation(
+            token_ids=out,
+            text=self.decode([t for t in out if t not in eos]),
+            snapshot=snap,
+            step_logits=torch.stack(kept) if kept else None,
+        )
+
+    def generate_text(self, text: str, max_new_tokens: int = 20, *, chat: bool = False) -> Generation:
+        ids = self.encode(text, chat=chat)
+        first = self.prefill(ids, all_logits=False)
+        return self.generate(first.snapshot, first.logits[-1], max_new_tokens)
+
+    def _eos_ids(self) -> set[int]:
+        eos = getattr(self.config, "eos_token_id", None)
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    @contextlib.contextmanager
+    def eager_attention(self) -> Iterator[None]:
+        """Temporarily switch to eager attention, the only kind that returns attention weights."""
+        before = self.model.config._attn_implementation
+        if before == "eager":
+            yield
+            return
+        self.model.set_attn_implementation("eager")
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(before)
+
+    def __repr__(self) -> str:
+        return f"ModelHandle({self.name}, {self.facts.attention_kind}, {str(self.dtype).replace('torch.', '')})"

