@@ -1,0 +1,66 @@
+"""Shared fixtures: the bundled real model (loaded once per session) and tiny random models per family."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+CONFIG_DIR = SHARED_DATA / "model-configs"
+
+# Families the RoPE and cache tests run on (config files from ../shared/data/model-configs).
+FAMILY_CONFIGS = {
+    "llama": "tinyllama-1.1b-chat-v1.0.json",
+    "qwen2": "qwen2.5-7b.json",
+    "mistral": "mistral-7b-v0.1.json",
+    "phi": "phi-2.json",
+    "llama3-scaling": "llama-3.1-8b.json",
+    "smollm2": "smollm2-135m-instruct.json",
+}
+
+
+def config_path(family: str) -> Path:
+    path = CONFIG_DIR / FAMILY_CONFIGS[family]
+    if not path.is_file():
+        pytest.skip(f"{path} is absent (../shared/data not beside the checkout)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The bundled SmolLM2-135M model, fp32 (converted once into ~/.cache/kvlab on first use)."""
+    from kvlab import load_model
+
+    return load_model("smollm2-135m")
+
+
+_TINY: dict = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Factory: ``tiny_model("qwen2")`` -> a small random-weight ModelHandle of that family (cached)."""
+    from kvlab.model.random import tiny_random_model
+
+    def make(family: str, **kw):
+        key = (family, tuple(sorted(kw.items())))
+        if key not in _TINY:
+            _TINY[key] = tiny_random_model(config_path(family), **kw)
+        return _TINY[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data is not beside the checkout")
+    return SHARED_DATA
