@@ -41,7 +41,9 @@ def load_model(
     With ``reuse`` (default), loading the same spec twice in one process returns the same handle.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     torch_dtype = parse_dtype(dtype)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
