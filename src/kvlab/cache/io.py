@@ -13,11 +13,12 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file, save_file
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import IncompatibleCacheError, SnapshotFileError
@@ -48,25 +49,35 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see either the old file or the complete new one."""
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp_path)``, fsync, then rename over ``path``: readers see the old or the new file.
+
+    On any failure (including an interrupted write) the temporary file is removed and ``path`` is
+    left as it was.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_write`)."""
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
 def save_snapshot(snapshot: KVSnapshot, path: str | Path) -> Path:
@@ -82,8 +93,7 @@ def save_snapshot(snapshot: KVSnapshot, path: str | Path) -> Path:
         "num_layers": snapshot.num_layers,
         "sha256": tensors_digest(tensors),
     }
-    data = save(tensors, metadata={"kvlab": json.dumps(meta)})
-    atomic_write_bytes(path, data)
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvlab": json.dumps(meta)}))
     return path
 
 

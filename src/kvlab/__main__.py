@@ -1,0 +1,5 @@
+"""``python -m kvlab`` = the ``kvlab`` command."""
+
+from kvlab.cli import entry
+
+entry()

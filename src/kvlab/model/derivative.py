@@ -1,0 +1,137 @@
+"""A fine-tuned derivative of the bundled model: the second model of a same-geometry transplant.
+
+The thread transplanted caches between a base and an instruct model. kvlab has one bundled model,
+so it makes its own relative: a copy fine-tuned for a few hundred steps on a text (Shakespeare
+where ``../shared/data`` is present, else any file given). Same tokenizer, same cache geometry,
+different weights: exactly the pair a transplant needs. The result is saved under
+``cache_dir()/derivatives/<name>`` (never in the repository) with a ``derivative.json`` that
+records the base fingerprint, the text, the steps and the loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvlab.errors import BadInputError, ModelNotFoundError
+from kvlab.model.loading import cache_dir
+
+DEFAULT_NAME = "smollm2-135m-shakespeare"
+
+
+@dataclass(frozen=True)
+class DerivativeInfo:
+    name: str
+    base_spec: str
+    base_fingerprint: str
+    text_source: str
+    steps: int
+    seq_len: int
+    batch: int
+    learning_rate: float
+    seed: int
+    seconds: float
+    loss_first: float
+    loss_last: float
+    losses: list[float]
+
+
+def derivative_dir(name: str = DEFAULT_NAME) -> Path:
+    """Where the derivative named ``name`` lives (it may not exist yet)."""
+    return cache_dir() / "derivatives" / name
+
+
+def derivative_info(name: str = DEFAULT_NAME) -> DerivativeInfo | None:
+    """The saved derivative's metadata, or None if it has not been built."""
+    meta = derivative_dir(name) / "derivative.json"
+    if not meta.is_file() or not (derivative_dir(name) / "config.json").is_file():
+        return None
+    return DerivativeInfo(**json.loads(meta.read_text()))
+
+
+def build_command(name: str = DEFAULT_NAME) -> str:
+    return "kvlab transfer finetune-derivative" + ("" if name == DEFAULT_NAME else f" --name {name}")
+
+
+def load_derivative(name: str = DEFAULT_NAME, dtype: str = "float32"):
+    """The derivative as a :class:`~kvlab.model.ModelHandle`; raises with the build command if absent."""
+    from kvlab.model import load_model
+
+    if derivative_info(name) is None:
+        raise ModelNotFoundError(f"derivative '{name}' is not built yet; build it with: {build_command(name)}")
+    return load_model(str(derivative_dir(name)), dtype=dtype)
+
+
+def finetune_derivative(
+    base,
+    text: str,
+    *,
+    text_source: str,
+    name: str = DEFAULT_NAME,
+    steps: int = 200,
+    seq_len: int = 64,
+    batch: int = 2,
+    learning_rate: float = 5e-5,
+    seed: int = 0,
+    progress: Callable[[int, float], None] | None = None,
+) -> DerivativeInfo:
+    """Fine-tune a copy of ``base`` (a ModelHandle) on ``text`` and save it as a derivative.
+
+    Trains every weight except the (tied) embeddings with AdamW on random ``seq_len``-token windows;
+    ``base`` itself is never modified. Writes atomically: a temp folder renamed into place.
+    """
+    import copy
+    import shutil
+
+    if steps < 1 or seq_len < 8 or batch < 1:
+        raise BadInputError(f"need steps >= 1, seq_len >= 8, batch >= 1 (got {steps}, {seq_len}, {batch})")
+    if base.tokenizer is None:
+        raise BadInputError("fine-tuning a derivative needs a model with a tokenizer")
+    ids = torch.tensor(base.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if ids.numel() < seq_len * 4:
+        raise BadInputError(f"the training text has {ids.numel()} tokens; give at least {seq_len * 4}")
+    gen = torch.Generator().manual_seed(seed)
+    model = copy.deepcopy(base.model).float().train()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    losses: list[float] = []
+    started = time.perf_counter()
+    for step in range(steps):
+        starts = torch.randint(0, ids.numel() - seq_len, (batch,), generator=gen)
+        x = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+        lr = learning_rate * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        if progress is not None:
+            progress(step + 1, losses[-1])
+    model.eval()
+    target = derivative_dir(name)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    base.tokenizer.save_pretrained(tmp)
+    head = max(1, min(10, steps // 5))
+    info = DerivativeInfo(
+        name=name, base_spec=base.name, base_fingerprint=base.fingerprint, text_source=text_source, steps=steps,
+        seq_len=seq_len, batch=batch, learning_rate=learning_rate, seed=seed,
+        seconds=time.perf_counter() - started, loss_first=sum(losses[:head]) / head,
+        loss_last=sum(losses[-head:]) / head, losses=losses,
+    )
+    (tmp / "derivative.json").write_text(json.dumps(asdict(info), indent=1))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return info

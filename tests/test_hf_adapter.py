@@ -1,0 +1,65 @@
+"""The transformers cache adapter: round trips, sliding-window refusal, and that nothing else touches the API."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab.errors import UnsupportedModelError
+from kvlab.hf import hf_cache_layers, hf_cache_length, sliding_windows, snapshot_from_hf, to_hf_cache
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "kvlab"
+
+
+def test_roundtrip_through_dynamic_cache(tiny_model):
+    handle = tiny_model("llama")
+    snap = handle.prefill(list(range(3, 15))).snapshot
+    cache = to_hf_cache(snap, handle.config)
+    assert hf_cache_length(cache) == 12
+    back = snapshot_from_hf(cache, token_ids=snap.token_ids, positions=snap.positions, rope=snap.rope,
+                            fingerprint=snap.fingerprint)
+    assert all(torch.equal(a, b) for a, b in zip(back.keys, snap.keys, strict=True))
+
+
+def test_to_hf_cache_copies_by_default(tiny_model):
+    handle = tiny_model("llama")
+    snap = handle.prefill(list(range(3, 15))).snapshot
+    cache = to_hf_cache(snap, handle.config)
+    k, _ = hf_cache_layers(cache)[0]
+    k.zero_()  # a careless in-place write into the transformers cache...
+    assert snap.keys[0].abs().sum() > 0  # ...does not reach the snapshot
+
+
+def test_raw_model_call_with_adapter_cache_matches_kvlab_extend(tiny_model):
+    handle = tiny_model("qwen2")
+    a, b = list(range(20, 40)), [7, 8, 9]
+    snap = handle.prefill(a).snapshot
+    out = handle.model(input_ids=torch.tensor([b]), past_key_values=to_hf_cache(snap, handle.config), use_cache=True)
+    ours = handle.extend(snap, b)
+    assert torch.allclose(out.logits[0].float(), ours.logits, atol=1e-5)
+
+
+def test_sliding_window_layers_are_detected_and_long_sequences_refused(tiny_model):
+    mistral = tiny_model("mistral")
+    assert sliding_windows(mistral.config) == [4096, 4096]
+    mistral.config.sliding_window = 8
+    try:
+        with pytest.raises(UnsupportedModelError, match="sliding-window"):
+            mistral.prefill(list(range(1, 20)))
+    finally:
+        mistral.config.sliding_window = 4096
+
+
+def test_no_module_outside_kvlab_hf_touches_the_transformers_cache_api():
+    pattern = re.compile(r"cache_utils|DynamicCache|\.layers\[\w+\]\.(keys|values)|past_key_values\.layers")
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        if "hf" in path.relative_to(SRC).parts[:1]:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.relative_to(SRC)}:{n}: {line.strip()}")
+    assert not offenders, "transformers' cache API used outside kvlab/hf:\n" + "\n".join(offenders)
