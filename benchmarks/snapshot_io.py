@@ -60,14 +60,21 @@ def main() -> None:
             "save_snapshot (sha256 + fsync + rename)": lambda: save_snapshot(snap, path),
             "plain copy of the file (+ fsync)": plain_copy,
             "load_snapshot (checksum verified)": lambda: load_snapshot(path),
-            "load_snapshot (verify=False, lazy mmap; bytes read on use)": lambda: load_snapshot(path, verify=False),
+            "load_snapshot (verify=False, lazy mmap; bytes read on use)": lambda: load_snapshot(
+                path, verify=False
+            ),
             "plain read of the file": plain_read,
         }
         plain_copy()
         timings = {name: best(fn, args.repeats) for name, fn in rows.items()}
     copy_s, read_s = timings["plain copy of the file (+ fsync)"], timings["plain read of the file"]
-    lines = [f"Cache: {args.tokens} tokens of SmolLM2-135M fp32 = {mb:.1f} MB of K/V ({file_mb:.1f} MB file). "
-             f"Best of {args.repeats}.", "", "| operation | seconds | MB/s | vs plain copy/read |", "|---|---|---|---|"]
+    lines = [
+        f"Cache: {args.tokens} tokens of SmolLM2-135M fp32 = {mb:.1f} MB of K/V ({file_mb:.1f} MB file). "
+        f"Best of {args.repeats}.",
+        "",
+        "| operation | seconds | MB/s | vs plain copy/read |",
+        "|---|---|---|---|",
+    ]
     for name, s in timings.items():
         ref = copy_s if name.startswith(("save", "plain copy")) else read_s
         lines.append(f"| {name} | {s:.3f} | {file_mb / s:,.0f} | {ref / s:.2f}x |")

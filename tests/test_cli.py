@@ -19,8 +19,17 @@ def run_cli(capsys, *args):
 
 
 def test_inspect_config_tinyllama_fp16(capsys, tmp_path):
-    code, out, _ = run_cli(capsys, "inspect", "--config", str(config_path("llama")), "--dtype", "float16",
-                           "--json", "--out", str(tmp_path))
+    code, out, _ = run_cli(
+        capsys,
+        "inspect",
+        "--config",
+        str(config_path("llama")),
+        "--dtype",
+        "float16",
+        "--json",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0
     doc = json.loads(out)
     assert doc["summary"]["bytes_per_token"] == 22_528  # the Phase 1 log's figure
@@ -57,8 +66,12 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, args, message):
 
 
 def test_cli_process_exit_code_and_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "kvlab", "inspect", "not/a-model", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlab", "inspect", "not/a-model", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "kvlab: error:" in proc.stderr
 

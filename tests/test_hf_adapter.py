@@ -19,8 +19,13 @@ def test_roundtrip_through_dynamic_cache(tiny_model):
     snap = handle.prefill(list(range(3, 15))).snapshot
     cache = to_hf_cache(snap, handle.config)
     assert hf_cache_length(cache) == 12
-    back = snapshot_from_hf(cache, token_ids=snap.token_ids, positions=snap.positions, rope=snap.rope,
-                            fingerprint=snap.fingerprint)
+    back = snapshot_from_hf(
+        cache,
+        token_ids=snap.token_ids,
+        positions=snap.positions,
+        rope=snap.rope,
+        fingerprint=snap.fingerprint,
+    )
     assert all(torch.equal(a, b) for a, b in zip(back.keys, snap.keys, strict=True))
 
 
@@ -37,7 +42,9 @@ def test_raw_model_call_with_adapter_cache_matches_kvlab_extend(tiny_model):
     handle = tiny_model("qwen2")
     a, b = list(range(20, 40)), [7, 8, 9]
     snap = handle.prefill(a).snapshot
-    out = handle.model(input_ids=torch.tensor([b]), past_key_values=to_hf_cache(snap, handle.config), use_cache=True)
+    out = handle.model(
+        input_ids=torch.tensor([b]), past_key_values=to_hf_cache(snap, handle.config), use_cache=True
+    )
     ours = handle.extend(snap, b)
     assert torch.allclose(out.logits[0].float(), ours.logits, atol=1e-5)
 

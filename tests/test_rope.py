@@ -83,8 +83,11 @@ def test_different_positions_do_change_cosine():
     rotated_a, rotated_b = apply_rope(a, pa, spec), apply_rope(a, pb, spec)
     cos = torch.nn.functional.cosine_similarity
     assert cos(rotated_a, rotated_b, dim=-1).min() < 0.99
-    assert torch.allclose(cos(remove_rope(rotated_a, pa, spec), remove_rope(rotated_b, pb, spec), dim=-1),
-                          torch.ones(2, 3, 7, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(
+        cos(remove_rope(rotated_a, pa, spec), remove_rope(rotated_b, pb, spec), dim=-1),
+        torch.ones(2, 3, 7, dtype=torch.float64),
+        atol=1e-12,
+    )
 
 
 def test_partial_rotary_leaves_pass_through_dims():
@@ -166,8 +169,12 @@ def test_dynamic_ntk_is_flagged_not_shift_exact():
 
 def test_yarn_scaling_is_read_from_the_model_code():
     cfg = load_config_file(config_path("qwen2"))
-    cfg.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1_000_000.0,
-                           "original_max_position_embeddings": 32_768}
+    cfg.rope_parameters = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "rope_theta": 1_000_000.0,
+        "original_max_position_embeddings": 32_768,
+    }
     spec = rope_spec_from_config(cfg)
     assert spec.rope_type == "yarn" and spec.shift_exact
     assert spec.attention_scaling > 1.0

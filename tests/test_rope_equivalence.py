@@ -21,8 +21,10 @@ def max_key_error(handle, ids, d):
     base = handle.prefill(ids).snapshot
     moved = handle.prefill(ids, start_position=d).snapshot
     assert moved.positions[0].item() == d
-    return max((shift_keys(k0, d, base.rope) - kd).abs().max().item()
-               for k0, kd in zip(base.keys, moved.keys, strict=True))
+    return max(
+        (shift_keys(k0, d, base.rope) - kd).abs().max().item()
+        for k0, kd in zip(base.keys, moved.keys, strict=True)
+    )
 
 
 def pre_rope_keys_layer0(handle, ids):

@@ -65,7 +65,7 @@ def test_injected_cache_then_b_equals_prefill_of_a_plus_b(tiny_model, family):
     a, b = list(range(10, 30)), list(range(100, 112))
     full = handle.prefill(a + b)
     injected = handle.extend(handle.prefill(a).snapshot, b)
-    assert (full.logits[len(a):] - injected.logits).abs().max().item() < 1e-4
+    assert (full.logits[len(a) :] - injected.logits).abs().max().item() < 1e-4
     assert injected.snapshot.positions.tolist() == list(range(len(a) + len(b)))
 
 

@@ -5,6 +5,7 @@ The core objects: :func:`load_model` gives a :class:`ModelHandle`; its ``prefill
 exactly; :func:`save_snapshot` / :func:`load_snapshot` store snapshots safely.
 """
 
+from kvlab import data
 from kvlab.cache import KVSnapshot, concat, load_snapshot, save_snapshot
 from kvlab.errors import (
     BadInputError,
@@ -31,6 +32,7 @@ __all__ = [
     "UnsupportedModelError",
     "apply_rope",
     "concat",
+    "data",
     "load_model",
     "load_snapshot",
     "remove_rope",

@@ -35,23 +35,36 @@ def progress_display(enabled: bool = True):
         yield Progress(None)
         return
     with RichProgress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=stderr, transient=False,
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=stderr,
+        transient=False,
     ) as p:
         yield Progress(p)
 
 
 def _manifest_line(m: dict) -> str:
     model = m.get("model", {})
-    return (f"{m.get('command', '')} · model {model.get('name', m.get('model_spec', ''))} "
-            f"{model.get('fingerprint', '')[:12]} · profile {m.get('profile')} · seed {m.get('seed')} · "
-            f"kvlab {m['versions']['kvlab']}, torch {m['versions']['torch']}, transformers {m['versions']['transformers']}")
+    return (
+        f"{m.get('command', '')} · model {model.get('name', m.get('model_spec', ''))} "
+        f"{model.get('fingerprint', '')[:12]} · profile {m.get('profile')} · seed {m.get('seed')} · "
+        f"kvlab {m['versions']['kvlab']}, torch {m['versions']['torch']}, transformers {m['versions']['transformers']}"
+    )
 
 
 def finish(result: ExperimentResult, ctx: ExperimentContext, started: float) -> dict:
     """Write ``result.json``, ``arrays.npz`` and ``index.html`` for one experiment; returns the manifest."""
-    m = manifest(model=ctx._model, model_spec=ctx.model_spec, profile=ctx.profile, seed=ctx.seed, started=started,
-                 extra={"options": {k: str(v) for k, v in ctx.options.items()}} if ctx.options else None)
+    m = manifest(
+        model=ctx._model,
+        model_spec=ctx.model_spec,
+        profile=ctx.profile,
+        seed=ctx.seed,
+        started=started,
+        extra={"options": {k: str(v) for k, v in ctx.options.items()}} if ctx.options else None,
+    )
     write_result(result, ctx.out_dir, m)
     write_experiment_page(result, ctx.out_dir, _manifest_line(m))
     return m
@@ -94,7 +107,9 @@ def run_study(
         if missing:
             from kvlab.errors import BadInputError
 
-            raise BadInputError(f"unknown experiment(s) {', '.join(missing)}; known: {', '.join(sorted(known))}")
+            raise BadInputError(
+                f"unknown experiment(s) {', '.join(missing)}; known: {', '.join(sorted(known))}"
+            )
         experiments = [e for e in experiments if e.name in only]
     root = run_dir(out, "study")
     results: list[tuple[str, ExperimentResult]] = []
@@ -105,16 +120,27 @@ def run_study(
     with progress_display(show_progress) as progress:
         with progress.task("study", total=len(experiments)) as advance:
             for exp in experiments:
-                ctx = ExperimentContext(out_dir=root / exp.name, profile=profile, seed=seed, model_spec=model_spec,
-                                        dtype=dtype, progress=progress, _model=model)
+                ctx = ExperimentContext(
+                    out_dir=root / exp.name,
+                    profile=profile,
+                    seed=seed,
+                    model_spec=model_spec,
+                    dtype=dtype,
+                    progress=progress,
+                    _model=model,
+                )
                 progress.log(f"[bold]{exp.title}[/bold]")
                 started = time.perf_counter()
                 try:
                     result = exp.run(ctx)
                 except Exception as exc:  # a study records failures and carries on
                     detail = str(exc) if isinstance(exc, KvlabError) else traceback.format_exc(limit=6)
-                    result = ExperimentResult(name=exp.name, title=exp.title, status="failed",
-                                              notes=[f"{type(exc).__name__}: {detail}"])
+                    result = ExperimentResult(
+                        name=exp.name,
+                        title=exp.title,
+                        status="failed",
+                        notes=[f"{type(exc).__name__}: {detail}"],
+                    )
                     failed.append(exp.name)
                     progress.log(f"[red]{exp.name} failed: {exc}[/red]")
                 model = ctx._model or model
@@ -122,10 +148,20 @@ def run_study(
                 seconds[exp.name] = round(time.perf_counter() - started, 2)
                 results.append((exp.name, result))
                 advance(1)
-    m = manifest(model=model, model_spec=model_spec, profile=profile, seed=seed, started=t0,
-                 extra={"experiments": seconds})
-    summary = ExperimentResult(name="study", title="kvlab study", summary={"seconds": seconds, "failed": failed})
+    m = manifest(
+        model=model,
+        model_spec=model_spec,
+        profile=profile,
+        seed=seed,
+        started=t0,
+        extra={"experiments": seconds},
+    )
+    summary = ExperimentResult(
+        name="study", title="kvlab study", summary={"seconds": seconds, "failed": failed}
+    )
     write_result(summary, root, m)
-    subtitle = f"{m.get('model', {}).get('name', model_spec)} · profile {profile} · {len(results)} experiments"
+    subtitle = (
+        f"{m.get('model', {}).get('name', model_spec)} · profile {profile} · {len(results)} experiments"
+    )
     write_study_index(root, results, subtitle, _manifest_line(m))
     return StudyOutcome(run_dir=root, results=results, failed=failed, seconds=seconds)

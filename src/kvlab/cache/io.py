@@ -114,7 +114,9 @@ def read_metadata(path: str | Path) -> dict:
     if meta.get("format") != FORMAT:
         raise SnapshotFileError(f"{path} is not a kvlab snapshot file")
     if meta.get("version") != FORMAT_VERSION:
-        raise SnapshotFileError(f"{path} has snapshot format version {meta.get('version')}, this kvlab reads {FORMAT_VERSION}")
+        raise SnapshotFileError(
+            f"{path} has snapshot format version {meta.get('version')}, this kvlab reads {FORMAT_VERSION}"
+        )
     return meta
 
 

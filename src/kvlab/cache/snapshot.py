@@ -48,7 +48,9 @@ class KVSnapshot:
         object.__setattr__(self, "keys", tuple(self.keys))
         object.__setattr__(self, "values", tuple(self.values))
         if len(self.keys) == 0 or len(self.keys) != len(self.values):
-            raise BadInputError(f"a snapshot needs matching K and V layers, got {len(self.keys)} and {len(self.values)}")
+            raise BadInputError(
+                f"a snapshot needs matching K and V layers, got {len(self.keys)} and {len(self.values)}"
+            )
         shape = tuple(self.keys[0].shape)
         if len(shape) != 4:
             raise BadInputError(f"cached keys must be [batch, kv_heads, seq, head_dim], got shape {shape}")
@@ -59,9 +61,13 @@ class KVSnapshot:
                     "kvlab snapshots need one geometry for all layers"
                 )
         if tuple(self.token_ids.shape) != (shape[0], shape[2]):
-            raise BadInputError(f"token_ids {tuple(self.token_ids.shape)} do not match the cache [{shape[0]}, {shape[2]}]")
+            raise BadInputError(
+                f"token_ids {tuple(self.token_ids.shape)} do not match the cache [{shape[0]}, {shape[2]}]"
+            )
         if tuple(self.positions.shape) != (shape[2],):
-            raise BadInputError(f"positions {tuple(self.positions.shape)} do not match {shape[2]} cached tokens")
+            raise BadInputError(
+                f"positions {tuple(self.positions.shape)} do not match {shape[2]} cached tokens"
+            )
 
     # -- geometry -------------------------------------------------------------------------------
     @property
@@ -130,7 +136,9 @@ class KVSnapshot:
         if idx.ndim != 1 or idx.numel() == 0:
             raise BadInputError("select needs a non-empty 1-D list of slot indices")
         if int(idx.min()) < 0 or int(idx.max()) >= self.seq_len:
-            raise BadInputError(f"slot indices must lie in [0, {self.seq_len}), got {int(idx.min())}..{int(idx.max())}")
+            raise BadInputError(
+                f"slot indices must lie in [0, {self.seq_len}), got {int(idx.min())}..{int(idx.max())}"
+            )
         return self.replace(
             keys=tuple(k.index_select(2, idx) for k in self.keys),
             values=tuple(v.index_select(2, idx) for v in self.values),

@@ -15,7 +15,9 @@ from kvlab.errors import BadInputError
 from kvlab.experiments import Experiment, ExperimentContext, ExperimentResult
 from kvlab.report.writer import run_dir, to_jsonable
 
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="smollm2-135m (bundled), a local folder, or a cached HF id.")]
+ModelOpt = Annotated[
+    str, typer.Option("--model", "-m", help="smollm2-135m (bundled), a local folder, or a cached HF id.")
+]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Folder for run directories.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 QuickOpt = Annotated[bool, typer.Option("--quick", help="Smoke-test profile (a few minutes at most).")]
@@ -33,15 +35,31 @@ def profile_from(quick: bool, full: bool) -> str:
     return "quick" if quick else "full" if full else "default"
 
 
-def run_and_report(experiment: Experiment, *, out: Path, json_out: bool, model: str = "smollm2-135m",
-                   profile: str = "default", seed: int = 0, dtype: str = "float32", **options: Any) -> ExperimentResult:
+def run_and_report(
+    experiment: Experiment,
+    *,
+    out: Path,
+    json_out: bool,
+    model: str = "smollm2-135m",
+    profile: str = "default",
+    seed: int = 0,
+    dtype: str = "float32",
+    **options: Any,
+) -> ExperimentResult:
     """Run one experiment into ``<out>/<name>-<timestamp>/`` and print a summary (or JSON)."""
     from kvlab.runner import progress_display, run_experiment
 
     folder = run_dir(out, experiment.name)
     with progress_display(enabled=not json_out and sys.stderr.isatty()) as progress:
-        ctx = ExperimentContext(out_dir=folder, profile=profile, seed=seed, model_spec=model, dtype=dtype,
-                                progress=progress, options={k: v for k, v in options.items() if v is not None})
+        ctx = ExperimentContext(
+            out_dir=folder,
+            profile=profile,
+            seed=seed,
+            model_spec=model,
+            dtype=dtype,
+            progress=progress,
+            options={k: v for k, v in options.items() if v is not None},
+        )
         result = run_experiment(experiment, ctx)
     if json_out:
         doc = json.loads((folder / "result.json").read_text())

@@ -13,10 +13,18 @@ from kvlab.cli.common import JsonOpt, ModelOpt, OutOpt, QuickOpt, run_and_report
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
     def inspect_cmd(
-        model_arg: Annotated[str | None, typer.Argument(metavar="[MODEL]", help="Model spec (default: bundled).")] = None,
-        config: Annotated[Path | None, typer.Option("--config", help="A config.json: project without weights.")] = None,
-        prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="Prompt(s) to cache (repeatable).")] = None,
-        dtype: Annotated[str, typer.Option("--dtype", help="Cache dtype for bytes/token (default: the model's).")] = "",
+        model_arg: Annotated[
+            str | None, typer.Argument(metavar="[MODEL]", help="Model spec (default: bundled).")
+        ] = None,
+        config: Annotated[
+            Path | None, typer.Option("--config", help="A config.json: project without weights.")
+        ] = None,
+        prompt: Annotated[
+            list[str] | None, typer.Option("--prompt", "-p", help="Prompt(s) to cache (repeatable).")
+        ] = None,
+        dtype: Annotated[
+            str, typer.Option("--dtype", help="Cache dtype for bytes/token (default: the model's).")
+        ] = "",
         model: ModelOpt = "smollm2-135m",
         out: OutOpt = Path("runs"),
         json_out: JsonOpt = False,
@@ -26,6 +34,12 @@ def register(app: typer.Typer) -> None:
         from kvlab.experiments import get_experiment
 
         run_and_report(
-            get_experiment("inspect"), out=out, json_out=json_out, model=model_arg or model,
-            profile="quick" if quick else "default", config=config, prompts=prompt or None, cache_dtype=dtype or None,
+            get_experiment("inspect"),
+            out=out,
+            json_out=json_out,
+            model=model_arg or model,
+            profile="quick" if quick else "default",
+            config=config,
+            prompts=prompt or None,
+            cache_dtype=dtype or None,
         )

@@ -19,14 +19,18 @@ def register(app: typer.Typer) -> None:
         quick: QuickOpt = False,
         full: FullOpt = False,
         seed: SeedOpt = 0,
-        only: Annotated[list[str] | None, typer.Option("--only", help="Run only these experiments (repeatable).")] = None,
+        only: Annotated[
+            list[str] | None, typer.Option("--only", help="Run only these experiments (repeatable).")
+        ] = None,
     ) -> None:
         """Run every registered experiment on the model and write one HTML report."""
         from kvlab.runner import run_study
 
         profile = profile_from(quick, full)
         if profile == "full":
-            console.print("[yellow]--full runs every experiment at its largest size; expect an hour or more here.[/yellow]")
+            console.print(
+                "[yellow]--full runs every experiment at its largest size; expect an hour or more here.[/yellow]"
+            )
         outcome = run_study(out=out, model_spec=model, profile=profile, seed=seed, only=only)
         rt = RichTable(title="kvlab study", title_justify="left")
         for col in ("experiment", "status", "seconds"):

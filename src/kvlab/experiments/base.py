@@ -74,7 +74,9 @@ class Progress:
         try:
             yield lambda n=1: self._p.advance(task_id, n)
         finally:
-            self._p.update(task_id, completed=total if total is not None else 1, total=total or 1, visible=False)
+            self._p.update(
+                task_id, completed=total if total is not None else 1, total=total or 1, visible=False
+            )
 
     def log(self, message: str) -> None:
         if self._p is not None:

@@ -50,14 +50,20 @@ def architecture_table(facts: ModelFacts, rope_summary: str | None) -> Table:
 def projections(facts: ModelFacts, weights_dtype: str | None = None) -> dict[str, Any]:
     """Cache bytes at the standard lengths and the model maximum, per dtype and batch, plus crossovers."""
     lengths = sorted({*PROJECTION_TOKENS, facts.max_positions} - {0})
-    out: dict[str, Any] = {"tokens": lengths, "bytes": {}, "beyond_max": [n > facts.max_positions for n in lengths]}
+    out: dict[str, Any] = {
+        "tokens": lengths,
+        "bytes": {},
+        "beyond_max": [n > facts.max_positions for n in lengths],
+    }
     for dt in CACHE_DTYPES:
         for b in BATCHES:
             out["bytes"][f"{dt}/batch{b}"] = [facts.kv_bytes_per_token(dt) * n * b for n in lengths]
     wd = weights_dtype or facts.weights_dtype
     out["weights_bytes"] = facts.weights_bytes(wd)
     out["weights_dtype"] = wd
-    out["crossover_tokens"] = {f"{dt}/batch{b}": facts.crossover_tokens(dt, wd, b) for dt in CACHE_DTYPES for b in BATCHES}
+    out["crossover_tokens"] = {
+        f"{dt}/batch{b}": facts.crossover_tokens(dt, wd, b) for dt in CACHE_DTYPES for b in BATCHES
+    }
     return out
 
 
@@ -68,10 +74,14 @@ def _projection_figure(ctx: ExperimentContext, facts: ModelFacts, proj: dict) ->
     xs = np.logspace(2, np.log10(max(proj["tokens"]) * 1.2), 200)
     for dt, style in zip(("float32", "bfloat16", "int8"), ("-", "--", ":"), strict=True):
         ax.plot(xs, facts.kv_bytes_per_token(dt) * xs / 2**30, style, label=f"KV cache, {dt}, batch 1")
-    ax.plot(xs, facts.kv_bytes_per_token("bfloat16") * xs * 8 / 2**30, "-.", label="KV cache, bfloat16, batch 8")
+    ax.plot(
+        xs, facts.kv_bytes_per_token("bfloat16") * xs * 8 / 2**30, "-.", label="KV cache, bfloat16, batch 8"
+    )
     ax.axhline(proj["weights_bytes"] / 2**30, color="k", lw=1.2, label=f"weights ({proj['weights_dtype']})")
     if facts.max_positions:
-        ax.axvline(facts.max_positions, color="grey", lw=0.8, ls="--", label=f"max positions {facts.max_positions:,}")
+        ax.axvline(
+            facts.max_positions, color="grey", lw=0.8, ls="--", label=f"max positions {facts.max_positions:,}"
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
@@ -96,8 +106,13 @@ def sink_indicators(model: Any, n_tokens: int) -> dict[str, np.ndarray]:
     k_norm = np.stack([k[0].float().norm(dim=-1).numpy() for k in snap.keys])  # [L, Hkv, T]
     v_norm = np.stack([v[0].float().norm(dim=-1).numpy() for v in snap.values])
     first_share = att[:, :, 1:, 0].mean(axis=-1)  # [L, H]: share of attention on position 0
-    return {"received": received, "k_norm": k_norm, "v_norm": v_norm, "first_token_share": first_share,
-            "token_ids": np.array(ids)}
+    return {
+        "received": received,
+        "k_norm": k_norm,
+        "v_norm": v_norm,
+        "first_token_share": first_share,
+        "token_ids": np.array(ids),
+    }
 
 
 def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: str) -> list:
@@ -122,25 +137,49 @@ def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: st
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(f"{name}: attention sinks over {T} tokens of prose")
-    figs.append(ctx.figure("sinks_per_position", fig, "Position 0 (the first text token, no BOS) draws most "
-                                                      "attention in most layers: the attention sink."))
+    figs.append(
+        ctx.figure(
+            "sinks_per_position",
+            fig,
+            "Position 0 (the first text token, no BOS) draws most "
+            "attention in most layers: the attention sink.",
+        )
+    )
     share = sinks["first_token_share"]
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     ax.plot(np.arange(share.shape[0]), share.mean(axis=1), marker="o", ms=3, label="mean over heads")
-    ax.fill_between(np.arange(share.shape[0]), share.min(axis=1), share.max(axis=1), alpha=0.25, label="min–max over heads")
+    ax.fill_between(
+        np.arange(share.shape[0]),
+        share.min(axis=1),
+        share.max(axis=1),
+        alpha=0.25,
+        label="min–max over heads",
+    )
     ax.set_xlabel("layer")
     ax.set_ylabel("share of attention on position 0")
     ax.set_ylim(0, 1)
     ax.set_title(f"{name}: sink strength by layer")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    figs.append(ctx.figure("sink_by_layer", fig, "Share of each query's attention that goes to position 0, per layer."))
+    figs.append(
+        ctx.figure(
+            "sink_by_layer", fig, "Share of each query's attention that goes to position 0, per layer."
+        )
+    )
     return figs
 
 
-def run(ctx: ExperimentContext, *, config: str | Path | None = None, prompts: list[str] | None = None,
-        cache_dtype: str | None = None, generate_tokens: int | None = None) -> ExperimentResult:
-    result = ExperimentResult(name="inspect", title="Cache inspection (Phase 1)", description=__doc__.strip().split("\n")[0])
+def run(
+    ctx: ExperimentContext,
+    *,
+    config: str | Path | None = None,
+    prompts: list[str] | None = None,
+    cache_dtype: str | None = None,
+    generate_tokens: int | None = None,
+) -> ExperimentResult:
+    result = ExperimentResult(
+        name="inspect", title="Cache inspection (Phase 1)", description=__doc__.strip().split("\n")[0]
+    )
     model = None
     if config is not None:
         cfg = load_config_file(config)
@@ -156,35 +195,56 @@ def run(ctx: ExperimentContext, *, config: str | Path | None = None, prompts: li
     dtype_bytes(cache_dtype)  # validates
     result.tables.append(architecture_table(facts, rope.summary() if rope else None))
     per_token = {dt: facts.kv_bytes_per_token(dt) for dt in ("float32", "bfloat16", "float16", "int8")}
-    result.summary.update({
-        "model": facts.name,
-        "cache_dtype": cache_dtype,
-        "bytes_per_token": facts.kv_bytes_per_token(cache_dtype),
-        "bytes_per_token_formula": facts.kv_bytes_formula(cache_dtype),
-        "bytes_per_token_by_dtype": per_token,
-        "gqa_ratio": facts.gqa_ratio,
-        "num_parameters": facts.num_parameters,
-    })
-    result.tables.append(Table("Bytes per token", ["dtype", "bytes/token", "formula"],
-                               [[dt, b, facts.kv_bytes_formula(dt)] for dt, b in per_token.items()]))
+    result.summary.update(
+        {
+            "model": facts.name,
+            "cache_dtype": cache_dtype,
+            "bytes_per_token": facts.kv_bytes_per_token(cache_dtype),
+            "bytes_per_token_formula": facts.kv_bytes_formula(cache_dtype),
+            "bytes_per_token_by_dtype": per_token,
+            "gqa_ratio": facts.gqa_ratio,
+            "num_parameters": facts.num_parameters,
+        }
+    )
+    result.tables.append(
+        Table(
+            "Bytes per token",
+            ["dtype", "bytes/token", "formula"],
+            [[dt, b, facts.kv_bytes_formula(dt)] for dt, b in per_token.items()],
+        )
+    )
     proj = projections(facts)
     result.summary["weights_bytes"] = proj["weights_bytes"]
     result.summary["crossover_tokens"] = proj["crossover_tokens"]
     rows = []
     for i, n in enumerate(proj["tokens"]):
         tag = " (beyond max)" if proj["beyond_max"][i] else (" (max)" if n == facts.max_positions else "")
-        rows.append([f"{n:,}{tag}"] + [_mb(proj["bytes"][f"{dt}/batch{b}"][i]) for dt in ("float32", "bfloat16") for b in BATCHES])
-    result.tables.append(Table(
-        "Projected cache size (MiB)", ["tokens"] + [f"{dt} b{b}" for dt in ("float32", "bfloat16") for b in BATCHES], rows,
-        caption=f"Weights: {_mb(proj['weights_bytes']):,.0f} MiB in {proj['weights_dtype']}. The cache outgrows them at "
-                f"{proj['crossover_tokens'][f'{cache_dtype}/batch1'] if cache_dtype in CACHE_DTYPES else '?':,} tokens "
-                f"({cache_dtype}, batch 1) and at {proj['crossover_tokens']['bfloat16/batch8']:,} tokens (bfloat16, batch 8).",
-    ))
+        rows.append(
+            [f"{n:,}{tag}"]
+            + [_mb(proj["bytes"][f"{dt}/batch{b}"][i]) for dt in ("float32", "bfloat16") for b in BATCHES]
+        )
+    result.tables.append(
+        Table(
+            "Projected cache size (MiB)",
+            ["tokens"] + [f"{dt} b{b}" for dt in ("float32", "bfloat16") for b in BATCHES],
+            rows,
+            caption=f"Weights: {_mb(proj['weights_bytes']):,.0f} MiB in {proj['weights_dtype']}. The cache outgrows them at "
+            f"{proj['crossover_tokens'][f'{cache_dtype}/batch1'] if cache_dtype in CACHE_DTYPES else '?':,} tokens "
+            f"({cache_dtype}, batch 1) and at {proj['crossover_tokens']['bfloat16/batch8']:,} tokens (bfloat16, batch 8).",
+        )
+    )
     result.arrays["projection_tokens"] = np.array(proj["tokens"])
-    result.figures.append(ctx.figure("growth", _projection_figure(ctx, facts, proj),
-                                     "KV cache memory vs context length, per dtype and batch, against the weights."))
+    result.figures.append(
+        ctx.figure(
+            "growth",
+            _projection_figure(ctx, facts, proj),
+            "KV cache memory vs context length, per dtype and batch, against the weights.",
+        )
+    )
     if model is None:
-        result.notes.append("Config only: per-layer shapes, measured bytes and attention sinks need the model's weights.")
+        result.notes.append(
+            "Config only: per-layer shapes, measured bytes and attention sinks need the model's weights."
+        )
         return result
 
     prompts = list(prompts) if prompts else list(PHASE1_PROMPTS)
@@ -194,24 +254,61 @@ def run(ctx: ExperimentContext, *, config: str | Path | None = None, prompts: li
         for prompt in prompts:
             ids = model.encode(prompt)
             if len(ids) >= model.max_positions:
-                raise BadInputError(f"prompt has {len(ids)} tokens, the model's maximum is {model.max_positions}")
+                raise BadInputError(
+                    f"prompt has {len(ids)} tokens, the model's maximum is {model.max_positions}"
+                )
             first = model.prefill(ids, all_logits=False)
-            gen = model.generate(first.snapshot, first.logits[-1], n_gen, stop_at_eos=False) if n_gen else None
+            gen = (
+                model.generate(first.snapshot, first.logits[-1], n_gen, stop_at_eos=False) if n_gen else None
+            )
             snap = gen.snapshot if gen else first.snapshot
             # generate() stops caching the last emitted token; the cache holds prompt + (n_gen - 1) tokens.
             k_shape = list(snap.keys[0].shape)
-            rows.append([prompt, len(ids), snap.seq_len, str(k_shape), str(list(snap.values[0].shape)),
-                         _mb(snap.nbytes), snap.bytes_per_token, gen.text.strip() if gen else ""])
-            layers_meta.append({"prompt": prompt, "layers": [
-                {"layer_idx": i, "key_shape": list(k.shape), "value_shape": list(v.shape),
-                 "key_dtype": str(k.dtype), "value_dtype": str(v.dtype)}
-                for i, (k, v) in enumerate(zip(snap.keys, snap.values, strict=True))]})
+            rows.append(
+                [
+                    prompt,
+                    len(ids),
+                    snap.seq_len,
+                    str(k_shape),
+                    str(list(snap.values[0].shape)),
+                    _mb(snap.nbytes),
+                    snap.bytes_per_token,
+                    gen.text.strip() if gen else "",
+                ]
+            )
+            layers_meta.append(
+                {
+                    "prompt": prompt,
+                    "layers": [
+                        {
+                            "layer_idx": i,
+                            "key_shape": list(k.shape),
+                            "value_shape": list(v.shape),
+                            "key_dtype": str(k.dtype),
+                            "value_dtype": str(v.dtype),
+                        }
+                        for i, (k, v) in enumerate(zip(snap.keys, snap.values, strict=True))
+                    ],
+                }
+            )
             advance(1)
-    result.tables.append(Table(
-        "Cache for the Phase 1 prompts", ["prompt", "prompt tokens", "cached tokens", "key shape", "value shape",
-                                          "cache MiB", "bytes/token (measured)", f"greedy continuation ({n_gen} tokens)"],
-        rows, caption="Measured bytes/token come from the snapshot's tensors and must equal the formula.",
-    ))
+    result.tables.append(
+        Table(
+            "Cache for the Phase 1 prompts",
+            [
+                "prompt",
+                "prompt tokens",
+                "cached tokens",
+                "key shape",
+                "value shape",
+                "cache MiB",
+                "bytes/token (measured)",
+                f"greedy continuation ({n_gen} tokens)",
+            ],
+            rows,
+            caption="Measured bytes/token come from the snapshot's tensors and must equal the formula.",
+        )
+    )
     result.summary["measured_bytes_per_token"] = rows[0][6]
     result.summary["per_layer"] = layers_meta
     n_sink = min(ctx.pick(64, 256), model.max_positions - 1)
@@ -224,13 +321,22 @@ def run(ctx: ExperimentContext, *, config: str | Path | None = None, prompts: li
         "attention_received_median_other": float(np.median(rec[1:])),
         "pos0_over_median": float(rec[0] / np.median(rec[1:])),
         "mean_first_token_share": float(sinks["first_token_share"].mean()),
-        "k_norm_pos0_over_mean": float(sinks["k_norm"].mean(axis=(0, 1))[0] / sinks["k_norm"].mean(axis=(0, 1))[1:].mean()),
-        "v_norm_pos0_over_mean": float(sinks["v_norm"].mean(axis=(0, 1))[0] / sinks["v_norm"].mean(axis=(0, 1))[1:].mean()),
+        "k_norm_pos0_over_mean": float(
+            sinks["k_norm"].mean(axis=(0, 1))[0] / sinks["k_norm"].mean(axis=(0, 1))[1:].mean()
+        ),
+        "v_norm_pos0_over_mean": float(
+            sinks["v_norm"].mean(axis=(0, 1))[0] / sinks["v_norm"].mean(axis=(0, 1))[1:].mean()
+        ),
     }
     result.figures.extend(_sink_figures(ctx, sinks, facts.name))
     result.data_sources.append("Phase 1 prompts; Python documentation (pydoc_data) for the sink passage")
     return result
 
 
-EXPERIMENT = Experiment(name="inspect", title="Cache inspection (Phase 1)", run=run, order=10,
-                        description="Structure, bytes per token, growth and attention sinks of the model's KV cache.")
+EXPERIMENT = Experiment(
+    name="inspect",
+    title="Cache inspection (Phase 1)",
+    run=run,
+    order=10,
+    description="Structure, bytes per token, growth and attention sinks of the model's KV cache.",
+)

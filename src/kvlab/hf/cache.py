@@ -61,7 +61,9 @@ def hf_cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for i, layer in enumerate(cache.layers):
         if layer.keys is None or layer.values is None:
-            raise UnsupportedModelError(f"cache layer {i} holds no keys (KV sharing or a non-attention layer)")
+            raise UnsupportedModelError(
+                f"cache layer {i} holds no keys (KV sharing or a non-attention layer)"
+            )
         out.append((layer.keys, layer.values))
     return out
 
@@ -86,7 +88,11 @@ def snapshot_from_hf(
     layers = hf_cache_layers(cache)
     for i, layer in enumerate(cache.layers):
         cumulative = getattr(layer, "cumulative_length", None)
-        if getattr(layer, "is_sliding", False) and cumulative is not None and int(cumulative) > layer.keys.shape[-2]:
+        if (
+            getattr(layer, "is_sliding", False)
+            and cumulative is not None
+            and int(cumulative) > layer.keys.shape[-2]
+        ):
             raise UnsupportedModelError(
                 f"layer {i} is a sliding-window layer that already dropped tokens "
                 f"({int(cumulative)} seen, {layer.keys.shape[-2]} kept); kvlab snapshots need every token"

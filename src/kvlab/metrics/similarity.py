@@ -74,7 +74,9 @@ def _gather(snap: KVSnapshot, idx: torch.Tensor, which: str) -> torch.Tensor:
     return torch.stack([t[0].index_select(1, idx) for t in tensors])
 
 
-def _interleaved_buggy_derotate(keys: torch.Tensor, positions: torch.Tensor, snap: KVSnapshot) -> torch.Tensor:
+def _interleaved_buggy_derotate(
+    keys: torch.Tensor, positions: torch.Tensor, snap: KVSnapshot
+) -> torch.Tensor:
     """The thread's de-rotation: GPT-J (interleaved) pairing and positions 0..P-1 for both caches."""
     rope = dataclasses.replace(snap.require_rope("de-rotating keys"), pairing="interleaved")
     return remove_rope(keys, positions, rope)
@@ -162,7 +164,9 @@ def summarize(values: np.ndarray, exclude_first: int = 0) -> dict[str, float | l
     }
 
 
-def centroid_cosine(a: KVSnapshot, b: KVSnapshot, which: Literal["k", "v"] = "v", *, derotate: bool = True) -> np.ndarray:
+def centroid_cosine(
+    a: KVSnapshot, b: KVSnapshot, which: Literal["k", "v"] = "v", *, derotate: bool = True
+) -> np.ndarray:
     """Cosine between the mean vectors of two caches, ``[layers, kv_heads]``; lengths may differ.
 
     Keys are de-rotated with each cache's own positions first (when the model has RoPE), so the

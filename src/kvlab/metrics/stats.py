@@ -47,7 +47,11 @@ def bootstrap_ci(
         raise BadInputError("no finite samples to bootstrap")
     if not 0 < confidence < 1:
         raise BadInputError(f"confidence must lie in (0, 1), got {confidence}")
-    fn = {"mean": np.mean, "median": np.median}.get(statistic, statistic) if isinstance(statistic, str) else statistic
+    fn = (
+        {"mean": np.mean, "median": np.median}.get(statistic, statistic)
+        if isinstance(statistic, str)
+        else statistic
+    )
     if isinstance(fn, str):
         raise BadInputError(f"unknown statistic '{statistic}'")
     value = float(fn(x))
@@ -57,7 +61,9 @@ def bootstrap_ci(
     idx = rng.integers(0, x.size, size=(n_boot, x.size))
     stats = np.apply_along_axis(fn, 1, x[idx]) if fn not in (np.mean, np.median) else fn(x[idx], axis=1)
     alpha = (1 - confidence) / 2
-    return Interval(value, float(np.quantile(stats, alpha)), float(np.quantile(stats, 1 - alpha)), int(x.size))
+    return Interval(
+        value, float(np.quantile(stats, alpha)), float(np.quantile(stats, 1 - alpha)), int(x.size)
+    )
 
 
 def bootstrap_curve(

@@ -51,7 +51,11 @@ def load_model(
     if reuse and key in _HANDLES:
         return _HANDLES[key]
     path, name = resolve_model_dir(spec, progress)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation, "local_files_only": True}
+    kwargs: dict[str, Any] = {
+        "dtype": torch_dtype,
+        "attn_implementation": attn_implementation,
+        "local_files_only": True,
+    }
     if load_in_4bit:
         kwargs["quantization_config"] = quantization_config_4bit()
         kwargs["device_map"] = device

@@ -64,7 +64,9 @@ def load_derivative(name: str = DEFAULT_NAME, dtype: str = "float32"):
     from kvlab.model import load_model
 
     if derivative_info(name) is None:
-        raise ModelNotFoundError(f"derivative '{name}' is not built yet; build it with: {build_command(name)}")
+        raise ModelNotFoundError(
+            f"derivative '{name}' is not built yet; build it with: {build_command(name)}"
+        )
     return load_model(str(derivative_dir(name)), dtype=dtype)
 
 
@@ -126,10 +128,19 @@ def finetune_derivative(
     base.tokenizer.save_pretrained(tmp)
     head = max(1, min(10, steps // 5))
     info = DerivativeInfo(
-        name=name, base_spec=base.name, base_fingerprint=base.fingerprint, text_source=text_source, steps=steps,
-        seq_len=seq_len, batch=batch, learning_rate=learning_rate, seed=seed,
-        seconds=time.perf_counter() - started, loss_first=sum(losses[:head]) / head,
-        loss_last=sum(losses[-head:]) / head, losses=losses,
+        name=name,
+        base_spec=base.name,
+        base_fingerprint=base.fingerprint,
+        text_source=text_source,
+        steps=steps,
+        seq_len=seq_len,
+        batch=batch,
+        learning_rate=learning_rate,
+        seed=seed,
+        seconds=time.perf_counter() - started,
+        loss_first=sum(losses[:head]) / head,
+        loss_last=sum(losses[-head:]) / head,
+        losses=losses,
     )
     (tmp / "derivative.json").write_text(json.dumps(asdict(info), indent=1))
     shutil.rmtree(target, ignore_errors=True)

@@ -27,8 +27,17 @@ from kvlab.rope.spec import RopeSpec, rope_spec_from_model
 
 TokensLike = str | Sequence[int] | torch.Tensor
 
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "_attn_implementation_autoset", "dtype",
-                         "torch_dtype", "_commit_hash", "quantization_config", "use_cache", "output_attentions"}
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path",
+    "transformers_version",
+    "_attn_implementation_autoset",
+    "dtype",
+    "torch_dtype",
+    "_commit_hash",
+    "quantization_config",
+    "use_cache",
+    "output_attentions",
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,7 +71,9 @@ class Generation:
 class ModelHandle:
     """A model, its tokenizer (if any) and kvlab's view of it (facts, RoPE spec, fingerprint)."""
 
-    def __init__(self, model: Any, tokenizer: Any = None, *, name: str = "", weights_digest: str | None = None):
+    def __init__(
+        self, model: Any, tokenizer: Any = None, *, name: str = "", weights_digest: str | None = None
+    ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config
@@ -108,7 +119,9 @@ class ModelHandle:
         """sha256 of architecture + config + weights: two caches are comparable only if these match."""
         cfg = {k: v for k, v in self.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
         payload = json.dumps(
-            {"config": cfg, "dtype": str(self.dtype), "weights": self.weights_digest()}, sort_keys=True, default=str
+            {"config": cfg, "dtype": str(self.dtype), "weights": self.weights_digest()},
+            sort_keys=True,
+            default=str,
         )
         return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -121,7 +134,9 @@ class ModelHandle:
             raise BadInputError("empty text: give at least one non-blank character")
         if chat:
             ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=add_generation_prompt, tokenize=True
+                [{"role": "user", "content": text}],
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
             )
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
@@ -168,7 +183,11 @@ class ModelHandle:
         ids = self._as_ids(tokens).to(self.device)
         n_new = ids.shape[1]
         start = past.next_position if past is not None else 0
-        pos = torch.arange(start, start + n_new) if positions is None else torch.as_tensor(positions, dtype=torch.long)
+        pos = (
+            torch.arange(start, start + n_new)
+            if positions is None
+            else torch.as_tensor(positions, dtype=torch.long)
+        )
         if tuple(pos.shape) != (n_new,):
             raise BadInputError(f"got {tuple(pos.shape)} positions for {n_new} new tokens")
         if self.max_positions and int(pos.max()) >= self.max_positions:
@@ -288,4 +307,6 @@ class ModelHandle:
             self.model.set_attn_implementation(before)
 
     def __repr__(self) -> str:
-        return f"ModelHandle({self.name}, {self.facts.attention_kind}, {str(self.dtype).replace('torch.', '')})"
+        return (
+            f"ModelHandle({self.name}, {self.facts.attention_kind}, {str(self.dtype).replace('torch.', '')})"
+        )

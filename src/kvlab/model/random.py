@@ -17,8 +17,9 @@ from kvlab.model.facts import load_config_file
 from kvlab.model.handle import ModelHandle
 
 
-def shrink_config(config: Any, *, layers: int = 2, head_dim: int = 16, kv_heads: int | None = None,
-                  vocab: int = 512) -> Any:
+def shrink_config(
+    config: Any, *, layers: int = 2, head_dim: int = 16, kv_heads: int | None = None, vocab: int = 512
+) -> Any:
     """A small copy of ``config`` with the same family, RoPE and GQA ratio."""
     cfg = copy.deepcopy(config)
     heads = int(cfg.num_attention_heads)
@@ -44,8 +45,14 @@ def shrink_config(config: Any, *, layers: int = 2, head_dim: int = 16, kv_heads:
     return cfg
 
 
-def tiny_random_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                      attn_implementation: str = "sdpa", **shrink) -> ModelHandle:
+def tiny_random_model(
+    config: Any,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    **shrink,
+) -> ModelHandle:
     """A :class:`ModelHandle` around a freshly initialised small model of ``config``'s family.
 
     ``config`` may be a transformers config or a path to a ``config.json``.

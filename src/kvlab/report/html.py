@@ -64,7 +64,9 @@ def _summary_rows(summary: dict, prefix: str = "") -> list[tuple[str, Any]]:
         elif isinstance(value, (list, tuple)) and len(value) > 8:
             continue  # long lists live in result.json / arrays.npz, not in the page
         else:
-            rows.append((name, value if not isinstance(value, (list, tuple)) else ", ".join(_fmt(v) for v in value)))
+            rows.append(
+                (name, value if not isinstance(value, (list, tuple)) else ", ".join(_fmt(v) for v in value))
+            )
     return rows
 
 
@@ -86,16 +88,29 @@ def section_html(result: ExperimentResult, img_prefix: str = "") -> str:
     if rows:
         parts.append(table_html(Table("Summary", ["quantity", "value"], [list(r) for r in rows])))
     if result.notes:
-        parts.append('<h3>Notes</h3><ul class="notes">' + "".join(f"<li>{html.escape(n)}</li>" for n in result.notes) + "</ul>")
+        parts.append(
+            '<h3>Notes</h3><ul class="notes">'
+            + "".join(f"<li>{html.escape(n)}</li>" for n in result.notes)
+            + "</ul>"
+        )
     if result.data_sources:
         parts.append(f'<p class="manifest">Data: {html.escape("; ".join(result.data_sources))}</p>')
     parts.append("</section>")
     return "".join(parts)
 
 
-def page_html(title: str, subtitle: str, sections: Sequence[str], nav: Sequence[tuple[str, str]] = (),
-              manifest_line: str = "") -> str:
-    nav_html = "<nav>" + "".join(f'<a href="{html.escape(h)}">{html.escape(t)}</a>' for h, t in nav) + "</nav>" if nav else ""
+def page_html(
+    title: str,
+    subtitle: str,
+    sections: Sequence[str],
+    nav: Sequence[tuple[str, str]] = (),
+    manifest_line: str = "",
+) -> str:
+    nav_html = (
+        "<nav>" + "".join(f'<a href="{html.escape(h)}">{html.escape(t)}</a>' for h, t in nav) + "</nav>"
+        if nav
+        else ""
+    )
     foot = f'<p class="manifest">{html.escape(manifest_line)}</p>' if manifest_line else ""
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
@@ -107,13 +122,20 @@ def page_html(title: str, subtitle: str, sections: Sequence[str], nav: Sequence[
 
 def write_experiment_page(result: ExperimentResult, out_dir: Path, manifest_line: str = "") -> Path:
     path = Path(out_dir) / "index.html"
-    path.write_text(page_html(f"kvlab · {result.title}", result.description or result.name, [section_html(result)],
-                              manifest_line=manifest_line))
+    path.write_text(
+        page_html(
+            f"kvlab · {result.title}",
+            result.description or result.name,
+            [section_html(result)],
+            manifest_line=manifest_line,
+        )
+    )
     return path
 
 
-def write_study_index(run_dir: Path, results: Sequence[tuple[str, ExperimentResult]], subtitle: str,
-                      manifest_line: str = "") -> Path:
+def write_study_index(
+    run_dir: Path, results: Sequence[tuple[str, ExperimentResult]], subtitle: str, manifest_line: str = ""
+) -> Path:
     """``index.html`` of a study: every experiment's section, images from its sub-folder."""
     sections = [section_html(r, img_prefix=f"{sub}/") for sub, r in results]
     nav = [(f"#{r.name}", r.title) for _, r in results]

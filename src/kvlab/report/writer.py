@@ -30,8 +30,15 @@ def run_dir(base: str | Path, name: str) -> Path:
     return path
 
 
-def manifest(*, model: Any = None, model_spec: str = "", profile: str = "", seed: int = 0,
-             started: float | None = None, extra: dict | None = None) -> dict:
+def manifest(
+    *,
+    model: Any = None,
+    model_spec: str = "",
+    profile: str = "",
+    seed: int = 0,
+    started: float | None = None,
+    extra: dict | None = None,
+) -> dict:
     """Who, what, where: enough to re-run the result (command, versions, model fingerprint, seed)."""
     import torch
     import transformers
@@ -39,21 +46,35 @@ def manifest(*, model: Any = None, model_spec: str = "", profile: str = "", seed
     import kvlab
 
     out: dict[str, Any] = {
-        "command": " ".join(["kvlab", *sys.argv[1:]]) if Path(sys.argv[0]).name == "kvlab" else " ".join(sys.argv),
+        "command": " ".join(["kvlab", *sys.argv[1:]])
+        if Path(sys.argv[0]).name == "kvlab"
+        else " ".join(sys.argv),
         "model_spec": model_spec,
         "profile": profile,
         "seed": seed,
-        "versions": {"kvlab": kvlab.__version__, "torch": torch.__version__,
-                     "transformers": transformers.__version__, "numpy": np.__version__,
-                     "python": platform.python_version()},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "versions": {
+            "kvlab": kvlab.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
         "written": datetime.now().isoformat(timespec="seconds"),
     }
     if started is not None:
         out["duration_s"] = round(time.perf_counter() - started, 2)
     if model is not None:
-        out["model"] = {"name": model.name, "fingerprint": model.fingerprint,
-                        "dtype": str(model.dtype).replace("torch.", ""), "rope": model.rope.summary() if model.rope else None}
+        out["model"] = {
+            "name": model.name,
+            "fingerprint": model.fingerprint,
+            "dtype": str(model.dtype).replace("torch.", ""),
+            "rope": model.rope.summary() if model.rope else None,
+        }
     if extra:
         out.update(extra)
     return out

@@ -20,7 +20,9 @@ from kvlab.rope.spec import RopeSpec
 PositionsLike = int | float | torch.Tensor
 
 
-def _angles(positions: PositionsLike, spec: RopeSpec, length: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _angles(
+    positions: PositionsLike, spec: RopeSpec, length: int, dtype: torch.dtype, device
+) -> torch.Tensor:
     """Angles ``[..., T, rotary_dim/2]`` for the given positions."""
     pos = torch.as_tensor(positions, dtype=dtype, device=device)
     if pos.ndim == 0:

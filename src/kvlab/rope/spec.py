@@ -152,7 +152,9 @@ def rope_spec_from_config(config: Any) -> RopeSpec | None:
     try:
         rotary = cls(config)
     except Exception as exc:  # a rotary class with an unusual signature
-        raise UnsupportedModelError(f"could not build the rotary embedding of {config.model_type}: {exc}") from exc
+        raise UnsupportedModelError(
+            f"could not build the rotary embedding of {config.model_type}: {exc}"
+        ) from exc
     return _spec_from_rotary(rotary, config)
 
 

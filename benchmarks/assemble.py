@@ -1,0 +1,28 @@
+"""Assemble BENCHMARKS.md from the per-benchmark result files in benchmarks/results/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = ["snapshot_io", "study_timing", "rolling", "compression", "store"]
+
+HEADER = """# Benchmarks
+
+Measured on this project's machine (2 CPU cores, 24 GiB, no GPU). Every figure below was produced by
+the command shown with it; speed goals are ratios measured side by side in one run, never timed unit
+tests. Re-run everything with `make bench` (each script rewrites its section in
+`benchmarks/results/`, then this file is re-assembled).
+"""
+
+
+def main() -> None:
+    files = {p.stem: p for p in (ROOT / "benchmarks" / "results").glob("*.md")}
+    names = [n for n in ORDER if n in files] + sorted(n for n in files if n not in ORDER)
+    parts = [HEADER] + [files[n].read_text().strip() + "\n" for n in names]
+    (ROOT / "BENCHMARKS.md").write_text("\n".join(parts))
+    print(f"BENCHMARKS.md: {', '.join(names)}")
+
+
+if __name__ == "__main__":
+    main()
