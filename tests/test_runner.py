@@ -1,0 +1,63 @@
+"""The report plumbing: result.json + arrays.npz + index.html, and a study that survives a failing experiment."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+
+from kvlab import runner
+from kvlab.errors import BadInputError
+from kvlab.experiments import Experiment, ExperimentContext, ExperimentResult, Table
+
+
+def good(ctx: ExperimentContext) -> ExperimentResult:
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    return ExperimentResult(
+        name="good",
+        title="A good experiment",
+        summary={"answer": 42, "curve": list(range(20)), "nan": float("nan")},
+        tables=[Table("t", ["a", "b"], [[1, 2.5]])],
+        figures=[ctx.figure("line", fig, "a line")],
+        arrays={"raw": np.arange(12).reshape(3, 4)},
+        notes=[f"profile {ctx.profile}"],
+    )
+
+
+def bad(ctx: ExperimentContext) -> ExperimentResult:
+    raise BadInputError("this experiment cannot run here")
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    exps = {
+        "good": Experiment("good", "A good experiment", good, order=1),
+        "bad": Experiment("bad", "A failing experiment", bad, order=2),
+    }
+    monkeypatch.setattr(runner, "registry", lambda: exps)
+    return exps
+
+
+def test_study_writes_every_section_and_survives_a_failure(tmp_path, fake_registry):
+    outcome = runner.run_study(out=tmp_path, profile="quick", show_progress=False)
+    assert outcome.failed == ["bad"]
+    root = outcome.run_dir
+    index = (root / "index.html").read_text()
+    assert "good/line.png" in index and "A failing experiment" in index and "cannot run here" in index
+    doc = json.loads((root / "good" / "result.json").read_text())
+    assert doc["summary"]["answer"] == 42 and doc["summary"]["nan"] is None  # strict JSON
+    assert doc["manifest"]["profile"] == "quick" and "torch" in doc["manifest"]["versions"]
+    assert np.load(root / "good" / doc["arrays"]["file"])["raw"].shape == (3, 4)
+    assert (root / "good" / "line.png").stat().st_size > 1000
+    bad_doc = json.loads((root / "bad" / "result.json").read_text())
+    assert bad_doc["status"] == "failed"
+
+
+def test_unknown_profile_and_experiment(tmp_path, fake_registry):
+    with pytest.raises(BadInputError):
+        ExperimentContext(out_dir=tmp_path, profile="huge")
+    with pytest.raises(BadInputError, match="unknown experiment"):
+        runner.run_study(out=tmp_path, only=["nope"], show_progress=False)
