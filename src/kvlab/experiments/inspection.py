@@ -309,6 +309,18 @@ def run(
             caption="Measured bytes/token come from the snapshot's tensors and must equal the formula.",
         )
     )
+    first = layers_meta[0]
+    result.tables.append(
+        Table(
+            f"Per-layer cache tensors for {first['prompt']!r}",
+            ["layer", "key shape", "value shape", "key dtype", "value dtype"],
+            [
+                [m["layer_idx"], str(m["key_shape"]), str(m["value_shape"]), m["key_dtype"], m["value_dtype"]]
+                for m in first["layers"]
+            ],
+            caption="[batch, kv_heads, cached tokens, head_dim]; every prompt's layers are in result.json.",
+        )
+    )
     result.summary["measured_bytes_per_token"] = rows[0][6]
     result.summary["per_layer"] = layers_meta
     n_sink = min(ctx.pick(64, 256), model.max_positions - 1)

@@ -55,18 +55,25 @@ def table_html(table: Table) -> str:
     return f"<h3>{html.escape(table.title)}</h3>{cap}<table><tr>{head}</tr>{body}</table>"
 
 
+def _plain(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
 def _summary_rows(summary: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """Flatten nested summaries to (name, value) rows; long or nested lists stay in result.json only."""
     rows: list[tuple[str, Any]] = []
     for key, value in summary.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             rows.extend(_summary_rows(value, f"{name}."))
-        elif isinstance(value, (list, tuple)) and len(value) > 8:
-            continue  # long lists live in result.json / arrays.npz, not in the page
+        elif isinstance(value, (list, tuple)):
+            if len(value) > 8 or any(isinstance(v, (dict, list, tuple)) for v in value):
+                continue
+            rows.append((name, ", ".join(_plain(v) for v in value)))
         else:
-            rows.append(
-                (name, value if not isinstance(value, (list, tuple)) else ", ".join(_fmt(v) for v in value))
-            )
+            rows.append((name, value))
     return rows
 
 
