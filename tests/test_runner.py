@@ -61,3 +61,10 @@ def test_unknown_profile_and_experiment(tmp_path, fake_registry):
         ExperimentContext(out_dir=tmp_path, profile="huge")
     with pytest.raises(BadInputError, match="unknown experiment"):
         runner.run_study(out=tmp_path, only=["nope"], show_progress=False)
+
+
+def test_cli_study_exits_1_when_an_experiment_failed(tmp_path, fake_registry, capsys):
+    from kvlab.cli import main
+
+    assert main(["study", "--quick", "--only", "bad", "--out", str(tmp_path)]) == 1
+    assert main(["study", "--quick", "--only", "good", "--out", str(tmp_path)]) == 0

@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
-        app(args=argv, standalone_mode=False)
+        # With standalone_mode=False click returns a command's typer.Exit code instead of exiting.
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int):
+            return code
     except KvlabError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return exc.exit_code
