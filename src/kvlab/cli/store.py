@@ -1,0 +1,259 @@
+"""``kvlab store ...``: put, find, list, check and clean a KV store; generate with reuse.
+
+The default store is a local folder (``$KVLAB_STORE`` or ``~/.cache/kvlab/store``); ``--store PATH``
+picks another folder and ``--store redis://host:port/db`` a shared Redis server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvlab.cli.common import FullOpt, JsonOpt, ModelOpt, OutOpt, QuickOpt, SeedOpt, console, profile_from
+from kvlab.errors import BadInputError
+
+StoreOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--store", "-s", help="Store folder, or redis://host:port/db (default: ~/.cache/kvlab/store)."
+    ),
+]
+RedisOpt = Annotated[
+    str | None, typer.Option("--redis", help="Also use this Redis server as a shared tier behind the folder.")
+]
+BlockOpt = Annotated[
+    int, typer.Option("--block-tokens", help="Tokens per block (must match the store's blocks to hit).")
+]
+SaltOpt = Annotated[
+    str | None, typer.Option("--salt", help="Tenant salt: caches are only shared within one salt.")
+]
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"512M"`` -> 536870912; plain integers are bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    try:
+        value = float(t[:-1] if unit else t)
+    except ValueError:
+        raise BadInputError(f"cannot read a size from {text!r}; write e.g. 500M or 2G") from None
+    if value <= 0:
+        raise BadInputError(f"a size must be positive, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def _open(
+    store: str | None,
+    redis: str | None,
+    *,
+    create: bool,
+    block_tokens: int = 64,
+    disk_bytes: str | None = None,
+):
+    from kvlab.store import open_store
+
+    kw: dict[str, Any] = {}
+    if disk_bytes:
+        kw["disk_bytes"] = parse_bytes(disk_bytes)
+    return open_store(store, redis_url=redis, create=create, block_tokens=block_tokens, **kw)
+
+
+def _emit(doc: Any, json_out: bool) -> None:
+    if json_out:
+        sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    else:
+        console.print_json(json.dumps(doc, default=str))
+
+
+def register(app: typer.Typer) -> None:
+    store_app = typer.Typer(
+        help="A tiered, content-addressed KV cache store (memory, disk, Redis).", no_args_is_help=True
+    )
+    app.add_typer(store_app, name="store")
+
+    @store_app.command("put")
+    def put_cmd(
+        text: Annotated[str | None, typer.Argument(help="Text to prefill and store.")] = None,
+        file: Annotated[Path | None, typer.Option("--file", "-f", help="Read the text from a file.")] = None,
+        chat: Annotated[bool, typer.Option("--chat", help="Wrap the text as a one-turn chat.")] = False,
+        store: StoreOpt = None,
+        redis: RedisOpt = None,
+        block_tokens: BlockOpt = 64,
+        salt: SaltOpt = None,
+        model: ModelOpt = "smollm2-135m",
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Prefill TEXT and store its cache as blocks (blocks already stored are skipped)."""
+        from kvlab import load_model
+        from kvlab.data import read_text_file
+
+        if (text is None) == (file is None):
+            raise BadInputError("give the text as an argument or with --file, not both or neither")
+        body = text if text is not None else read_text_file(file).text
+        st = _open(store, redis, create=True, block_tokens=block_tokens)
+        h = load_model(model)
+        ids = h.encode(body, chat=chat)
+        rep = st.put(h.prefill(ids, all_logits=False).snapshot, salt=salt)
+        _emit(
+            {
+                "store": st.describe(),
+                "tokens": len(ids),
+                "blocks_written": rep.blocks_written,
+                "blocks_present": rep.blocks_present,
+                "bytes_written": rep.bytes_written,
+                "last_block": rep.hashes[-1],
+            },
+            json_out,
+        )
+
+    @store_app.command("get")
+    def get_cmd(
+        block: Annotated[str, typer.Argument(help="Block hash (from `kvlab store ls`).")],
+        out_file: Annotated[
+            Path | None,
+            typer.Option("--out", "-o", help="Write the prefix ending at BLOCK as a snapshot file."),
+        ] = None,
+        store: StoreOpt = None,
+        redis: RedisOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Rebuild the cached prefix that ends with BLOCK (and optionally save it as a .kv.safetensors file)."""
+        from kvlab.cache import save_snapshot
+
+        st = _open(store, redis, create=False)
+        snap = st.prefix_snapshot(block.strip())
+        doc = {"block": block, "snapshot": snap.describe(), "tokens": snap.seq_len, "bytes": snap.nbytes}
+        if out_file is not None:
+            doc["file"] = str(save_snapshot(snap, out_file))
+        _emit(doc, json_out)
+
+    @store_app.command("ls")
+    def ls_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = False) -> None:
+        """List stored blocks (hash, parent, tier, tokens, bytes)."""
+        from kvlab.store.inventory import list_blocks
+
+        rows = list_blocks(_open(store, redis, create=False))
+        if json_out:
+            _emit(rows, True)
+            return
+        from rich.table import Table
+
+        t = Table(title=f"{len(rows)} blocks", title_justify="left")
+        for col in ("tier", "hash", "parent", "start", "tokens", "bytes"):
+            t.add_column(col)
+        for r in rows:
+            t.add_row(
+                r["tier"],
+                r["hash"][:16],
+                r["parent"][:16],
+                str(r["start"]),
+                str(r["tokens"]),
+                f"{r['bytes']:,}",
+            )
+        console.print(t)
+
+    @store_app.command("stats")
+    def stats_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = False) -> None:
+        """Blocks and bytes per tier (counters are per process, so they start at zero here)."""
+        _emit(_open(store, redis, create=False).stats(), json_out)
+
+    @store_app.command("gc")
+    def gc_cmd(
+        max_bytes: Annotated[
+            str | None,
+            typer.Option("--max-bytes", help="Evict least recently used blocks down to this size (e.g. 2G)."),
+        ] = None,
+        store: StoreOpt = None,
+        redis: RedisOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Remove leftovers of killed writes, evict beyond the cap, drop stale index entries."""
+        st = _open(store, redis, create=False, disk_bytes=max_bytes)
+        _emit(st.gc(), json_out)
+
+    @store_app.command("verify")
+    def verify_cmd(
+        repair: Annotated[bool, typer.Option("--repair", help="Move corrupt blocks to quarantine.")] = False,
+        store: StoreOpt = None,
+        redis: RedisOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Checksum every stored block; exits with code 2 if any is corrupt."""
+        from kvlab.store.errors import CorruptBlockError
+
+        report = _open(store, redis, create=False).verify(repair=repair)
+        _emit(report, json_out)
+        bad = sum(len(r["corrupt"]) for r in report.values())
+        if bad:
+            done = "moved to quarantine" if repair else "run `kvlab store verify --repair` to quarantine them"
+            raise CorruptBlockError(f"{bad} corrupt block(s) found; {done}")
+
+    @store_app.command("generate")
+    def generate_cmd(
+        prompt: Annotated[str, typer.Argument(help="Prompt text.")],
+        max_new_tokens: Annotated[
+            int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")
+        ] = 32,
+        chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a one-turn chat.")] = False,
+        no_store: Annotated[
+            bool, typer.Option("--no-store-prompt", help="Only read the store; do not add this prompt.")
+        ] = False,
+        store: StoreOpt = None,
+        redis: RedisOpt = None,
+        block_tokens: BlockOpt = 64,
+        salt: SaltOpt = None,
+        model: ModelOpt = "smollm2-135m",
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Greedy generation that loads the prompt's longest stored prefix and prefills only the rest."""
+        from kvlab import load_model
+        from kvlab.store import reuse_generate
+
+        st = _open(store, redis, create=True, block_tokens=block_tokens)
+        res = reuse_generate(
+            load_model(model), st, prompt, max_new_tokens, chat=chat, salt=salt, store_prompt=not no_store
+        )
+        m = res.prefill.match
+        _emit(
+            {
+                "text": res.text,
+                "prompt_tokens": m.total_tokens,
+                "cached_tokens": m.cached_tokens,
+                "computed_tokens": m.to_compute,
+                "tiers": m.tier_blocks,
+                "ttft_ms": round(res.prefill.ttft_ms, 2),
+                "lookup_ms": round(res.prefill.lookup_ms, 2),
+                "store": st.describe(),
+            },
+            json_out,
+        )
+
+    @store_app.command("experiment")
+    def experiment_cmd(
+        redis: RedisOpt = None,
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        json_out: JsonOpt = False,
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+    ) -> None:
+        """Time to first token with stored prefixes (memory, disk, Redis) and non-prefix reuse quality."""
+        from kvlab.cli.common import run_and_report
+        from kvlab.experiments import get_experiment
+
+        run_and_report(
+            get_experiment("store_reuse"),
+            out=out,
+            json_out=json_out,
+            model=model,
+            profile=profile_from(quick, full),
+            seed=seed,
+            redis_url=redis,
+        )

@@ -1,0 +1,344 @@
+"""The disk tier: one safetensors file per block, atomic writes, mmap reads, a byte cap.
+
+Layout: ``<root>/kvlab-store.json`` (marks the folder as a store), ``<root>/blocks/<parent>/<hash>.kvb``
+(grouping by parent makes "children of a parent" one directory listing), ``<root>/quarantine/``
+(blocks that failed their checksum). Invariants: a ``.kvb`` file is only ever created by an atomic
+rename of a complete, fsync'ed temporary file, so readers in any process see a whole block or none;
+every read checks the block's checksum and that it is the block asked for; a file's mtime is its last
+use, and eviction removes the least recently used files until the folder is under its cap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvlab.cache.io import atomic_write_bytes
+from kvlab.errors import BadInputError
+from kvlab.store.block import Block, decode_block, encode_block, read_block_meta
+from kvlab.store.errors import CorruptBlockError, StoreError, StoreWriteError
+from kvlab.store.tier import TierCounters
+
+log = logging.getLogger("kvlab.store")
+
+MARKER = "kvlab-store.json"
+SUFFIX = ".kvb"
+STALE_TEMP_SECONDS = 60.0
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class ReadBuffer:
+    """A reusable read buffer: blocks read into it are views, valid until the next read (copy them out)."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+
+    def view(self, size: int) -> memoryview:
+        if len(self._data) < size:
+            self._data = bytearray(size)  # a new buffer; views of the old one stay valid
+        return memoryview(self._data)[:size]
+
+
+@dataclass(frozen=True)
+class RawRead:
+    """The bytes of one block file as read (``data`` None and no ``error``: the file does not exist)."""
+
+    path: Path
+    data: Any
+    error: str | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    parent: str
+    hash: str
+    path: Path
+    nbytes: int
+    mtime: float
+
+
+class DiskTier:
+    """Blocks as files under ``root``; ``max_bytes`` caps the sum of block file sizes."""
+
+    name = "disk"
+    persistent = True
+
+    def __init__(
+        self, root: str | Path, max_bytes: int = 20 * 2**30, *, create: bool = True, low_water: float = 0.9
+    ):
+        if max_bytes < 1:
+            raise BadInputError(f"the disk tier needs a positive byte cap, got {max_bytes}")
+        self.root = Path(root).expanduser()
+        self.max_bytes = int(max_bytes)
+        self.low_water = low_water
+        self.counters = TierCounters()
+        self._open(create)
+        self._approx_bytes: int | None = None
+
+    def _open(self, create: bool) -> None:
+        root, marker = self.root, self.root / MARKER
+        if root.exists() and not root.is_dir():
+            raise StoreError(f"store path {root} is a file, not a folder; give a folder for --store")
+        if marker.is_file():
+            return
+        if not root.exists() and not create:
+            raise StoreError(f"no kvlab store at {root}; put something in it first or check --store")
+        if root.exists() and any(root.iterdir()):
+            raise StoreError(
+                f"{root} is a non-empty folder without {MARKER}, so it is not a kvlab store; "
+                "pick a new or empty folder"
+            )
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(marker, json.dumps({"format": "kvlab.store", "version": 1}).encode())
+        except OSError as exc:
+            raise StoreError(f"cannot create a store at {root}: {exc.strerror or exc}") from None
+
+    def _path(self, parent: str, block_hash: str) -> Path:
+        return self.root / "blocks" / parent / f"{block_hash}{SUFFIX}"
+
+    # -- reads -------------------------------------------------------------------------------------
+    def contains(self, parent: str, block_hash: str) -> bool:
+        return self._path(parent, block_hash).is_file()
+
+    def get(self, parent: str, block_hash: str, scratch: ReadBuffer | None = None) -> Block | None:
+        """The block or None (missing or corrupt).
+
+        Without ``scratch`` the tensors are views of a read-only mmap of the file (valid as long as they
+        live). With ``scratch`` the file is read into that reusable buffer (grown as needed) and the
+        tensors are views of it, valid only until the next read into it: copy them out first.
+        """
+        return self.finish_read(self.read_raw(parent, block_hash, scratch), parent, block_hash)
+
+    def prefetch(self, parent: str, block_hash: str) -> None:
+        """Ask the kernel to start reading the block's file in the background (a hint; errors ignored)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            fd = os.open(self._path(parent, block_hash), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def read_raw(self, parent: str, block_hash: str, scratch: ReadBuffer | None = None) -> RawRead:
+        """Only the I/O of a read (no checks, no counters), so it can run in a prefetch thread."""
+        path = self._path(parent, block_hash)
+        started = time.perf_counter()
+        data: Any = None
+        error = None
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    error = "empty block file"
+                elif scratch is None:
+                    # MAP_POPULATE maps every page up front: one kernel call instead of a fault per 4 KiB page.
+                    data = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+                else:
+                    data = scratch.view(size)
+                    got = 0
+                    while got < size:
+                        n = f.readinto(data[got:])
+                        if not n:
+                            error = "the file shrank while it was read"
+                            break
+                        got += n
+        except FileNotFoundError:
+            data = None
+        return RawRead(path, data, error, time.perf_counter() - started)
+
+    def finish_read(self, raw: RawRead, parent: str | None, block_hash: str) -> Block | None:
+        """Verify what :meth:`read_raw` read; a corrupt block is quarantined and, like a missing one, a miss."""
+        started = time.perf_counter()
+        if raw.data is None and raw.error is None:
+            self.counters.misses += 1
+            return None
+        try:
+            if raw.error is not None:
+                raise CorruptBlockError(raw.error)
+            block = decode_block(raw.data, expect_hash=block_hash)
+            if parent is not None and block.parent != parent:
+                raise CorruptBlockError(f"block {block_hash[:12]} is filed under the wrong parent")
+        except CorruptBlockError as exc:
+            self._quarantine(raw.path, str(exc))
+            self.counters.misses += 1
+            return None
+        with contextlib.suppress(OSError):  # another process may have evicted it meanwhile
+            os.utime(raw.path)  # the file's mtime is its last use (LRU order for eviction)
+        self.counters.hits += 1
+        self.counters.bytes_loaded += block.nbytes
+        self.counters.load_seconds += raw.seconds + time.perf_counter() - started
+        return block
+
+    def _read(self, path: Path, block_hash: str, parent: str | None) -> Block | None:
+        return self.finish_read(self.read_raw(parent or path.parent.name, block_hash), parent, block_hash)
+
+    def children(self, parent: str) -> dict[str, tuple[int, ...]]:
+        folder = self.root / "blocks" / parent
+        out: dict[str, tuple[int, ...]] = {}
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            return out
+        for name in names:
+            if not name.endswith(SUFFIX) or name.startswith("."):
+                continue
+            try:
+                with open(folder / name, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    meta, _, _ = read_block_meta(n.to_bytes(8, "little") + f.read(min(max(n, 0), 50_000_000)))
+                out[name[: -len(SUFFIX)]] = tuple(int(t) for t in meta["token_ids"])
+            except (OSError, CorruptBlockError, KeyError, ValueError):
+                continue  # unreadable: it will be caught (and quarantined) if it is ever read
+        return out
+
+    def find(self, block_hash: str) -> Block | None:
+        for entry in self.entries():
+            if entry.hash == block_hash:
+                return self._read(entry.path, block_hash, entry.parent)
+        return None
+
+    def entries(self) -> Iterator[DiskEntry]:
+        """Every block file (temporary files of unfinished writes are skipped)."""
+        blocks = self.root / "blocks"
+        if not blocks.is_dir():
+            return
+        for parent_dir in os.scandir(blocks):
+            if not parent_dir.is_dir():
+                continue
+            for e in os.scandir(parent_dir.path):
+                if e.name.endswith(SUFFIX) and not e.name.startswith("."):
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    yield DiskEntry(
+                        parent_dir.name, e.name[: -len(SUFFIX)], Path(e.path), st.st_size, st.st_mtime
+                    )
+
+    def temp_files(self) -> list[Path]:
+        blocks = self.root / "blocks"
+        return sorted(blocks.glob("*/.*.tmp")) if blocks.is_dir() else []
+
+    # -- writes ------------------------------------------------------------------------------------
+    def put(self, block: Block) -> list[Block]:
+        """Write the block (atomically) unless present; evicts LRU files beyond the cap."""
+        path = self._path(block.parent, block.hash)
+        if path.is_file():
+            return []
+        data = encode_block(block)
+        if len(data) > self.max_bytes:
+            self.counters.rejected += 1
+            return []
+        try:
+            atomic_write_bytes(path, data)
+        except OSError as exc:
+            self.counters.errors += 1
+            raise StoreWriteError(
+                f"could not write block {block.hash[:12]} to {self.root}: {exc.strerror or exc}; "
+                "free disk space or lower the disk tier's cap (blocks already stored are intact)"
+            ) from None
+        self.counters.puts += 1
+        if self._approx_bytes is None:
+            self._approx_bytes = self.usage()[1]
+        else:
+            self._approx_bytes += len(data)
+        if self._approx_bytes > self.max_bytes:
+            self.evict_to(int(self.max_bytes * self.low_water))
+        return []
+
+    def evict_to(self, target_bytes: int) -> int:
+        """Delete least recently used block files until the tier holds at most ``target_bytes``."""
+        entries = sorted(self.entries(), key=lambda e: e.mtime)
+        total = sum(e.nbytes for e in entries)
+        removed = 0
+        for e in entries:
+            if total <= target_bytes:
+                break
+            try:
+                e.path.unlink()
+                removed += 1
+                self.counters.evictions += 1
+            except FileNotFoundError:
+                pass  # another process evicted it first
+            total -= e.nbytes
+        self._approx_bytes = total
+        return removed
+
+    def delete(self, block_hash: str) -> bool:
+        for e in self.entries():
+            if e.hash == block_hash:
+                e.path.unlink(missing_ok=True)
+                return True
+        return False
+
+    def _quarantine(self, path: Path, reason: str) -> None:
+        self.counters.corrupt += 1
+        log.warning(
+            "kvlab store: %s is corrupt (%s); moved to quarantine and treated as a miss", path, reason
+        )
+        qdir = self.root / "quarantine"
+        try:
+            qdir.mkdir(exist_ok=True)
+            os.replace(path, qdir / f"{path.stem}.{int(time.time() * 1000)}{SUFFIX}")
+        except OSError:
+            pass
+
+    # -- maintenance -------------------------------------------------------------------------------
+    def usage(self) -> tuple[int, int]:
+        n = total = 0
+        for e in self.entries():
+            n += 1
+            total += e.nbytes
+        return n, total
+
+    def verify(self, *, repair: bool = False) -> dict:
+        """Read and checksum every block; with ``repair``, quarantine corrupt ones."""
+        ok, corrupt = 0, []
+        for e in list(self.entries()):
+            try:
+                with open(e.path, "rb") as f:
+                    block = decode_block(f.read(), expect_hash=e.hash)
+                if block.parent != e.parent:
+                    raise CorruptBlockError("filed under the wrong parent")
+                ok += 1
+            except FileNotFoundError:
+                continue
+            except CorruptBlockError as exc:
+                corrupt.append({"path": str(e.path), "reason": str(exc)})
+                if repair:
+                    self._quarantine(e.path, str(exc))
+        return {"ok": ok, "corrupt": corrupt, "temp_files": [str(p) for p in self.temp_files()]}
+
+    def gc(self, *, max_bytes: int | None = None, stale_seconds: float = STALE_TEMP_SECONDS) -> dict:
+        """Remove leftovers of killed writes (older than ``stale_seconds``), evict to the cap, drop empty folders."""
+        now = time.time()
+        temps = 0
+        for p in self.temp_files():
+            try:
+                if now - p.stat().st_mtime >= stale_seconds:
+                    p.unlink()
+                    temps += 1
+            except FileNotFoundError:
+                pass
+        evicted = self.evict_to(self.max_bytes if max_bytes is None else max_bytes)
+        blocks = self.root / "blocks"
+        if blocks.is_dir():
+            for d in blocks.iterdir():
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # only succeeds when empty
+        return {"temp_files_removed": temps, "evicted": evicted}

@@ -1,0 +1,464 @@
+"""The tiered KV store: put a cache as chained blocks, find the longest stored prefix of a prompt.
+
+Tiers are ordered fastest first (memory, disk, Redis). A put writes new blocks to the first tier and,
+with ``write_through`` (the default), to every persistent tier, so other processes see them at once.
+A lookup walks the prompt's block hashes while some tier has them, then looks for the stored child
+of the last matched block sharing the longest run of the remaining tokens (so a prefix that ends
+inside a block, or is shorter than one, still hits). A block found in a slower tier is promoted to
+the faster ones; a block evicted from a tier is demoted to the next one if that tier lacks it.
+One :class:`KVStore` object is not thread-safe; processes share a store through disk and Redis.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlab.cache.snapshot import KVSnapshot
+from kvlab.errors import BadInputError, IncompatibleCacheError
+from kvlab.store.block import Block
+from kvlab.store.disk import ReadBuffer
+from kvlab.store.errors import BlockNotFoundError
+from kvlab.store.keys import DEFAULT_BLOCK_TOKENS, Namespace, block_hash
+from kvlab.store.memory import MemoryTier
+from kvlab.store.tier import Tier
+
+
+@dataclass(frozen=True)
+class Match:
+    """Result of a lookup: the reusable prefix (``cached_tokens`` slots at positions 0..) or nothing."""
+
+    snapshot: KVSnapshot | None
+    cached_tokens: int
+    total_tokens: int
+    blocks: tuple[str, ...] = ()
+    tier_blocks: dict[str, int] = field(default_factory=dict)
+    lookup_ms: float = 0.0
+
+    @property
+    def to_compute(self) -> int:
+        """Tokens of the prompt that still need a forward pass."""
+        return self.total_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True)
+class PutReport:
+    blocks_written: int
+    blocks_present: int
+    bytes_written: int
+    hashes: tuple[str, ...]
+
+
+class KVStore:
+    """Content-addressed K/V blocks in tiers (see the module docstring for the policy)."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        write_through: bool = True,
+        promote: bool = True,
+    ):
+        if not tiers:
+            raise BadInputError("a store needs at least one tier")
+        if not isinstance(block_tokens, int) or block_tokens < 1:
+            raise BadInputError(f"block_tokens must be a positive integer, got {block_tokens!r}")
+        self.tiers: list[Tier] = list(tiers)
+        self.block_tokens = block_tokens
+        self.write_through = write_through
+        self.promote = promote
+        self.lookups = self.hit_tokens = self.miss_tokens = 0
+
+    # -- namespaces --------------------------------------------------------------------------------
+    def namespace(self, model: Any, *, salt: str | None = None, quantization: str | None = None) -> Namespace:
+        """The namespace of a ModelHandle's (or a snapshot's) caches in this store."""
+        if isinstance(model, KVSnapshot):
+            return Namespace.for_snapshot(
+                model, block_tokens=self.block_tokens, salt=salt, quantization=quantization
+            )
+        return Namespace.for_model(
+            model, block_tokens=self.block_tokens, salt=salt, quantization=quantization
+        )
+
+    # -- put ---------------------------------------------------------------------------------------
+    def put(
+        self,
+        snapshot: KVSnapshot,
+        *,
+        salt: str | None = None,
+        quantization: str | None = None,
+        namespace: Namespace | None = None,
+    ) -> PutReport:
+        """Store a prefix cache (positions ``0..T-1``, batch 1) as blocks; blocks already stored are skipped.
+
+        The stored blocks are copies: later changes to ``snapshot``'s storage cannot reach the store.
+        """
+        if snapshot.batch_size != 1:
+            raise BadInputError(f"the store keeps one sequence per cache; got batch {snapshot.batch_size}")
+        if not torch.equal(snapshot.positions.cpu(), torch.arange(snapshot.seq_len)):
+            raise BadInputError(
+                "only prefix caches (positions 0..T-1, as a prefill makes) can be stored; "
+                "re-prefill a rolled or shifted cache first"
+            )
+        ns = namespace or self.namespace(snapshot, salt=salt, quantization=quantization)
+        if (
+            ns.fingerprint != snapshot.fingerprint
+            or ns.dtype != str(snapshot.dtype).replace("torch.", "")
+            or ns.rope != snapshot.rope
+        ):
+            raise IncompatibleCacheError("the namespace names another model, dtype or RoPE than the snapshot")
+        if ns.block_tokens != self.block_tokens:
+            raise BadInputError(
+                f"namespace block size {ns.block_tokens} differs from the store's {self.block_tokens}"
+            )
+        ids = snapshot.token_list()
+        parent, info, n = ns.root, ns.info(), self.block_tokens
+        written = present = nbytes = 0
+        hashes = []
+        for start in range(0, len(ids), n):
+            chunk = ids[start : start + n]
+            h = block_hash(parent, chunk)
+            hashes.append(h)
+            missing = [
+                i for i, t in enumerate(self.tiers) if (i == 0 or t.persistent) and not t.contains(parent, h)
+            ]
+            if not self.write_through:
+                missing = [i for i in missing if i == 0]
+            if missing:
+                block = Block(
+                    hash=h,
+                    parent=parent,
+                    namespace=ns.root,
+                    start=start,
+                    token_ids=tuple(chunk),
+                    keys=torch.stack([k[0, :, start : start + len(chunk)] for k in snapshot.keys])
+                    .cpu()
+                    .contiguous(),
+                    values=torch.stack([v[0, :, start : start + len(chunk)] for v in snapshot.values])
+                    .cpu()
+                    .contiguous(),
+                    namespace_info=info,
+                )
+                for i in missing:
+                    self._insert(i, block)
+                written += 1
+                nbytes += block.nbytes
+            else:
+                present += 1
+            if len(chunk) < n:
+                break
+            parent = h
+        return PutReport(written, present, nbytes, tuple(hashes))
+
+    def _insert(self, index: int, block: Block) -> None:
+        """Put into tier ``index``; demote whatever it evicts to the next tier that lacks it."""
+        for evicted in self.tiers[index].put(block):
+            for lower in self.tiers[index + 1 :]:
+                if lower.persistent and not lower.contains(evicted.parent, evicted.hash):
+                    lower.counters.demotions_in += 1
+                    self._insert(self.tiers.index(lower), evicted)
+                    break
+
+    # -- lookup ------------------------------------------------------------------------------------
+    def _locate(self, parent: str, h: str) -> int | None:
+        """Index of the fastest tier holding the block (no data read); counts misses on the way."""
+        for i, tier in enumerate(self.tiers):
+            if tier.contains(parent, h):
+                return i
+            tier.counters.misses += 1
+        return None
+
+    def lookup(
+        self, token_ids: Sequence[int] | torch.Tensor, namespace: Namespace, *, max_tokens: int | None = None
+    ) -> Match:
+        """The longest stored prefix of ``token_ids`` (at most ``max_tokens`` of them) as a snapshot.
+
+        ``namespace`` must come from this store (:meth:`namespace`); blocks of any other model, dtype,
+        RoPE or salt hash differently and are never found. Plans the chain first (which tier holds each
+        block), then reads every block straight into one preallocated K and V.
+        """
+        started = time.perf_counter()
+        ids = [
+            int(t)
+            for t in (token_ids.reshape(-1).tolist() if isinstance(token_ids, torch.Tensor) else token_ids)
+        ]
+        if namespace.block_tokens != self.block_tokens:
+            raise BadInputError(
+                f"namespace block size {namespace.block_tokens} differs from the store's {self.block_tokens}"
+            )
+        limit = len(ids) if max_tokens is None else max(0, min(len(ids), int(max_tokens)))
+        n, parent = self.block_tokens, namespace.root
+        plan: list[tuple[int, str, str, int]] = []  # (tier index, parent, hash, tokens to use)
+        planned = 0
+        while planned + n <= limit:
+            h = block_hash(parent, ids[planned : planned + n])
+            where = self._locate(parent, h)
+            if where is None:
+                break
+            plan.append((where, parent, h, n))
+            parent, planned = h, planned + n
+        rest = ids[planned:limit]
+        if rest:
+            best: tuple[int, str, int] | None = None
+            for i, tier in enumerate(self.tiers):
+                for h, kid_ids in tier.children(parent).items():
+                    common = _common_prefix(kid_ids, rest)
+                    if common > (best[2] if best else 0):
+                        best = (i, h, common)
+            if best is not None:
+                plan.append((best[0], parent, best[1], best[2]))
+                planned += best[2]
+        snapshot, used, served = self._load(plan, namespace, ids) if plan else (None, [], {})
+        cached = sum(p[3] for p in plan[: len(used)])
+        self.lookups += 1
+        self.hit_tokens += cached
+        self.miss_tokens += len(ids) - cached
+        return Match(snapshot, cached, len(ids), tuple(used), served, (time.perf_counter() - started) * 1000)
+
+    def _load(
+        self, plan: list[tuple[int, str, str, int]], namespace: Namespace, ids: list[int]
+    ) -> tuple[KVSnapshot | None, list[str], dict[str, int]]:
+        """Read the planned blocks into one K and V; stops early at a block that vanished or is invalid."""
+        total = sum(p[3] for p in plan)
+        scratch = ReadBuffer()
+        keys = values = None
+        used: list[str] = []
+        served: dict[str, int] = {}
+        at = 0
+        # Ask tiers that can (disk: posix_fadvise WILLNEED) to start reading a few blocks ahead, so the
+        # device read of block j+1.. overlaps the checksum and copy of block j. No threads involved.
+        ahead = 8
+        for j in range(min(ahead, len(plan))):
+            self._prefetch(plan[j])
+        for j, (where, parent, h, take) in enumerate(plan):
+            if j + ahead < len(plan):
+                self._prefetch(plan[j + ahead])
+            block, where = self._fetch(where, parent, h, scratch)
+            tier = self.tiers[where]
+            if (
+                block is None
+                or block.namespace != namespace.root
+                or block.start != at
+                or block.token_ids[:take] != tuple(ids[at : at + take])
+            ):
+                break
+            if keys is None:
+                k, v = block.keys, block.values
+                keys = _alloc((k.shape[0], k.shape[1], total, k.shape[3]), k.dtype)
+                values = _alloc((v.shape[0], v.shape[1], total, v.shape[3]), v.dtype)
+            elif (
+                block.keys.shape[:2] + block.keys.shape[3:] != keys.shape[:2] + keys.shape[3:]
+                or block.values.shape[3] != values.shape[3]
+                or block.keys.dtype != keys.dtype
+            ):
+                break
+            keys[:, :, at : at + take].copy_(block.keys[:, :, :take])
+            values[:, :, at : at + take].copy_(block.values[:, :, :take])
+            served[tier.name] = served.get(tier.name, 0) + 1
+            if self.promote and where > 0:
+                self._promote(where, _owned(block))  # the read buffer is reused: promote a private copy
+            used.append(h)
+            at += take
+        if keys is None or values is None:
+            return None, [], served
+        if at < total:  # a planned block vanished or failed its checks: keep what was loaded
+            keys, values = keys[:, :, :at].clone(), values[:, :, :at].clone()
+        snapshot = KVSnapshot(
+            keys=tuple(keys[i].unsqueeze(0) for i in range(keys.shape[0])),
+            values=tuple(values[i].unsqueeze(0) for i in range(values.shape[0])),
+            token_ids=torch.tensor([ids[:at]], dtype=torch.long),
+            positions=torch.arange(at),
+            rope=namespace.rope,
+            fingerprint=namespace.fingerprint,
+            model_name=namespace.model_name,
+        )
+        return snapshot, used, served
+
+    def _prefetch(self, step: tuple[int, str, str, int]) -> None:
+        tier = self.tiers[step[0]]
+        if hasattr(tier, "prefetch"):
+            tier.prefetch(step[1], step[2])
+
+    def _fetch(self, where: int, parent: str, h: str, scratch: ReadBuffer) -> tuple[Block | None, int]:
+        """Read a block from the tier the plan chose, else from any other (a promotion may have moved it)."""
+        for i in [where, *(i for i in range(len(self.tiers)) if i != where)]:
+            block = self.tiers[i].get(parent, h, scratch)
+            if block is not None:
+                return block, i
+        return None, where
+
+    def _promote(self, found_at: int, block: Block) -> None:
+        for j, faster in enumerate(self.tiers[:found_at]):
+            faster.counters.promotions_in += 1
+            self._insert(j, block)
+
+    # -- inspection --------------------------------------------------------------------------------
+    def find_block(self, block_hash: str) -> Block:
+        for tier in self.tiers:
+            block = tier.find(block_hash)
+            if block is not None:
+                return block
+        raise BlockNotFoundError(f"no block {block_hash[:16]} in this store (see `kvlab store ls`)")
+
+    def prefix_snapshot(self, block_hash: str) -> KVSnapshot:
+        """The whole cached prefix that ends with block ``block_hash``, rebuilt from the store."""
+        chain = [self.find_block(block_hash)]
+        while chain[-1].parent != chain[-1].namespace:
+            chain.append(self.find_block(chain[-1].parent))
+        chain.reverse()
+        info = chain[-1].namespace_info
+        if info is None:
+            raise BlockNotFoundError(
+                f"block {block_hash[:16]} does not record its model; cannot rebuild a snapshot"
+            )
+        return _assemble(chain, Namespace.from_info(info))
+
+    def stats(self) -> dict:
+        tiers = {}
+        for t in self.tiers:
+            blocks, nbytes = t.usage()
+            tiers[t.name] = {
+                "blocks": blocks,
+                "bytes": nbytes,
+                "max_bytes": getattr(t, "max_bytes", None),
+                **t.counters.to_json(),
+            }
+        return {
+            "block_tokens": self.block_tokens,
+            "lookups": self.lookups,
+            "hit_tokens": self.hit_tokens,
+            "miss_tokens": self.miss_tokens,
+            "tiers": tiers,
+        }
+
+    def verify(self, *, repair: bool = False) -> dict:
+        return {t.name: t.verify(repair=repair) for t in self.tiers if hasattr(t, "verify")}
+
+    def gc(self) -> dict:
+        return {t.name: t.gc() for t in self.tiers if hasattr(t, "gc")}
+
+    def describe(self) -> str:
+        return (
+            "KVStore("
+            + ", ".join(
+                f"{t.name}:{getattr(t, 'root', getattr(t, 'url', ''))}" if t.persistent else t.name
+                for t in self.tiers
+            )
+            + f", {self.block_tokens} tokens/block)"
+        )
+
+
+def _owned(block: Block) -> Block:
+    """A copy whose tensors live in process memory (not in an mmap or a Redis reply)."""
+    return Block(
+        block.hash,
+        block.parent,
+        block.namespace,
+        block.start,
+        block.token_ids,
+        block.keys.clone(),
+        block.values.clone(),
+        block.namespace_info,
+    )
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+_HUGE_MIN_BYTES = 4 * 2**20
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor; large ones live in anonymous memory advised to use transparent huge pages.
+
+    Filling a fresh 100 MB tensor costs ~25k page faults with 4 KiB pages, as much as reading the data
+    itself; with 2 MiB pages it is ~4x cheaper. Falls back to ``torch.empty`` where unsupported.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < _HUGE_MIN_BYTES or advice is None:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(advice)
+    except (OSError, ValueError):
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _assemble(blocks: list[Block], namespace: Namespace) -> KVSnapshot:
+    """Copy blocks into one ``[layers, kv_heads, T, head_dim]`` K and V; layer views make the snapshot."""
+    total = sum(b.num_tokens for b in blocks)
+    k0, v0 = blocks[0].keys, blocks[0].values
+    keys = _alloc((k0.shape[0], k0.shape[1], total, k0.shape[3]), k0.dtype)
+    values = _alloc((v0.shape[0], v0.shape[1], total, v0.shape[3]), v0.dtype)
+    at = 0
+    ids: list[int] = []
+    for b in blocks:
+        keys[:, :, at : at + b.num_tokens].copy_(b.keys)
+        values[:, :, at : at + b.num_tokens].copy_(b.values)
+        ids.extend(b.token_ids)
+        at += b.num_tokens
+    return KVSnapshot(
+        keys=tuple(keys[i].unsqueeze(0) for i in range(keys.shape[0])),
+        values=tuple(values[i].unsqueeze(0) for i in range(values.shape[0])),
+        token_ids=torch.tensor([ids], dtype=torch.long),
+        positions=torch.arange(total),
+        rope=namespace.rope,
+        fingerprint=namespace.fingerprint,
+        model_name=namespace.model_name,
+    )
+
+
+def default_store_path() -> Path:
+    """``$KVLAB_STORE`` or ``~/.cache/kvlab/store``."""
+    return Path(os.environ.get("KVLAB_STORE") or Path.home() / ".cache" / "kvlab" / "store").expanduser()
+
+
+def open_store(
+    spec: str | Path | None = None,
+    *,
+    memory_bytes: int = 2 * 2**30,
+    disk_bytes: int = 20 * 2**30,
+    redis_url: str | None = None,
+    create: bool = True,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    write_through: bool = True,
+) -> KVStore:
+    """A store from a spec: a folder (memory + disk), ``redis://host:port/db`` (memory + Redis), or ``memory``.
+
+    ``redis_url`` adds a Redis tier behind the disk tier. ``create=False`` refuses a folder that is not
+    already a store (for read-only commands).
+    """
+    from kvlab.store.disk import DiskTier
+
+    tiers: list[Tier] = [MemoryTier(memory_bytes)]
+    spec_s = str(spec) if spec is not None else None
+    if spec_s in ("memory", ":memory:"):
+        pass
+    elif spec_s is not None and spec_s.startswith(("redis://", "rediss://", "unix://")):
+        from kvlab.store.redis_tier import RedisTier
+
+        tiers.append(RedisTier(spec_s))
+    else:
+        tiers.append(DiskTier(default_store_path() if spec is None else spec, disk_bytes, create=create))
+    if redis_url:
+        from kvlab.store.redis_tier import RedisTier
+
+        tiers.append(RedisTier(redis_url))
+    return KVStore(tiers, block_tokens=block_tokens, write_through=write_through)

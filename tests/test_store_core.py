@@ -1,0 +1,315 @@
+"""KV store: chained keys, exact reuse, partial blocks, tiers, eviction, corruption and bad input."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvlab.cache import KVSnapshot
+from kvlab.errors import BadInputError, IncompatibleCacheError
+from kvlab.store import (
+    BlockNotFoundError,
+    DiskTier,
+    KVStore,
+    MemoryTier,
+    Namespace,
+    StoreError,
+    StoreWriteError,
+    chain_hashes,
+    open_store,
+    prefill_with_store,
+)
+from kvlab.store.block import Block, decode_block, encode_block
+from kvlab.store.errors import CorruptBlockError
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """One intra-op thread: on a shared, oversubscribed CPU two threads run these models ~5x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def tiny(tiny_model):
+    return tiny_model("smollm2", layers=2, head_dim=16)
+
+
+def _ids(n: int, seed: int = 0, vocab: int = 500) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+
+def _block(fill: float, n: int = 4, parent: str = "p" * 64, h: str = "h" * 64) -> Block:
+    k = torch.full((2, 1, n, 8), fill)
+    return Block(
+        hash=h, parent=parent, namespace=parent, start=0, token_ids=tuple(range(n)), keys=k, values=k + 1
+    )
+
+
+# -- keys ------------------------------------------------------------------------------------------
+def test_chain_hashes_are_chained_and_stable_across_processes():
+    ns = Namespace(fingerprint="f" * 64, dtype="float32", rope=None, block_tokens=4)
+    ids = list(range(10))
+    hashes = chain_hashes(ids, ns)
+    assert len(hashes) == 2  # only full blocks
+    # Changing a token in block 0 changes every later hash (chaining).
+    other = chain_hashes([99] + ids[1:], ns)
+    assert other[0] != hashes[0] and other[1] != hashes[1]
+    code = (
+        "from kvlab.store import Namespace, chain_hashes;"
+        "ns = Namespace(fingerprint='f' * 64, dtype='float32', rope=None, block_tokens=4);"
+        "print(','.join(chain_hashes(list(range(10)), ns)))"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip().split(",") == hashes
+
+
+def test_namespace_separates_model_dtype_rope_block_size_and_salt(tiny):
+    base = Namespace.for_model(tiny)
+    variants = [
+        Namespace.for_model(tiny, dtype="bfloat16"),
+        Namespace.for_model(tiny, salt="tenant-a"),
+        Namespace.for_model(tiny, quantization="int8"),
+        Namespace.for_model(tiny, block_tokens=32),
+        Namespace(fingerprint="0" * 64, dtype=base.dtype, rope=base.rope),
+        Namespace(fingerprint=base.fingerprint, dtype=base.dtype, rope=None),
+    ]
+    roots = {base.root} | {v.root for v in variants}
+    assert len(roots) == len(variants) + 1
+
+
+def test_block_codec_roundtrip_and_checksum():
+    b = _block(1.5)
+    data = encode_block(b)
+    back = decode_block(data, expect_hash=b.hash)
+    assert (
+        torch.equal(back.keys, b.keys)
+        and torch.equal(back.values, b.values)
+        and back.token_ids == b.token_ids
+    )
+    flipped = bytearray(data)
+    flipped[-3] ^= 0x01
+    with pytest.raises(CorruptBlockError):
+        decode_block(bytes(flipped))
+    with pytest.raises(CorruptBlockError):
+        decode_block(data, expect_hash="x" * 64)
+    with pytest.raises(CorruptBlockError):
+        decode_block(data[: len(data) // 2])
+
+
+# -- exact reuse -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("tiers", ["memory", "disk"])
+def test_reuse_is_exact_on_tiny_model(tiny, tmp_path, tiers):
+    st = open_store(
+        tmp_path / "s" if tiers == "disk" else "memory",
+        block_tokens=8,
+        memory_bytes=1 if tiers == "disk" else 2**30,
+    )
+    ids = _ids(45)
+    st.put(tiny.prefill(ids[:37]).snapshot)
+    pre = prefill_with_store(tiny, st, ids, store_prompt=False)
+    assert pre.cached_tokens == 37  # 4 full blocks + the partial 5-token tail
+    assert pre.match.tier_blocks == {tiers: 5}
+    full = tiny.prefill(ids)
+    torch.testing.assert_close(pre.last_logits, full.logits[-1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(
+        pre.snapshot.keys + pre.snapshot.values, full.snapshot.keys + full.snapshot.values, strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pre.snapshot.token_ids, full.snapshot.token_ids)
+
+
+@pytest.mark.real_model
+def test_reuse_is_exact_on_real_model(smollm, tmp_path):
+    st = open_store(tmp_path / "s", block_tokens=16)
+    shared = smollm.encode("System: you are a careful assistant who answers in one sentence. " * 2)
+    q1, q2 = smollm.encode(" User: what is a lighthouse?"), smollm.encode(" User: how do tides work?")
+    prefill_with_store(smollm, st, shared + q1)  # stores shared + q1
+    pre = prefill_with_store(smollm, st, shared + q2, store_prompt=False)
+    common = len(shared) + sum(1 for _ in zip(q1, q2, strict=False)) if q1[:1] == q2[:1] else len(shared)
+    assert pre.cached_tokens >= len(shared) and pre.cached_tokens <= common
+    full = smollm.prefill(shared + q2, all_logits=False)
+    torch.testing.assert_close(pre.last_logits, full.logits[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_short_prefix_inside_first_block_still_hits(tiny):
+    st = open_store("memory", block_tokens=16)
+    ids = _ids(40, seed=1)
+    st.put(tiny.prefill(ids).snapshot)
+    m = st.lookup(ids[:5] + [7, 7, 7], st.namespace(tiny))
+    assert m.cached_tokens == 5 and m.to_compute == 3
+    assert m.snapshot.token_list() == ids[:5]
+
+
+def test_full_prompt_hit_recomputes_last_token(tiny):
+    st = open_store("memory", block_tokens=4)
+    ids = _ids(12, seed=2)
+    st.put(tiny.prefill(ids).snapshot)
+    pre = prefill_with_store(tiny, st, ids)
+    assert pre.cached_tokens == 11 and pre.match.to_compute == 1
+    torch.testing.assert_close(pre.last_logits, tiny.prefill(ids).logits[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_other_model_dtype_or_rope_never_returned(tiny, tiny_model, tmp_path):
+    st = open_store(tmp_path / "s", block_tokens=4)
+    ids = _ids(20, seed=3)
+    snap = tiny.prefill(ids).snapshot
+    st.put(snap)
+    assert st.lookup(ids, st.namespace(tiny)).cached_tokens == 20
+    other = tiny_model("smollm2", layers=2, head_dim=16, seed=1)
+    assert other.fingerprint != tiny.fingerprint
+    assert st.lookup(ids, st.namespace(other)).snapshot is None
+    half = snap.to(torch.bfloat16)
+    assert st.lookup(ids, st.namespace(half)).snapshot is None
+    ns = st.namespace(tiny)
+    spec = ns.rope
+    shifted_rope = type(spec)(**{**spec.to_json(), "inv_freq": tuple(f * 0.5 for f in spec.inv_freq)})
+    assert st.lookup(ids, Namespace(ns.fingerprint, ns.dtype, shifted_rope, block_tokens=4)).snapshot is None
+    assert st.lookup(ids, st.namespace(tiny, salt="someone-else")).snapshot is None
+
+
+def test_stored_blocks_are_copies_and_put_does_not_touch_input(tiny):
+    st = open_store("memory", block_tokens=4)
+    snap = tiny.prefill(_ids(10, seed=4)).snapshot
+    before = snap.clone()
+    st.put(snap)
+    snap.keys[0].add_(1.0)  # a caller scribbling on its own tensors afterwards
+    got = st.lookup(snap.token_list(), st.namespace(tiny)).snapshot
+    torch.testing.assert_close(got.keys[0], before.keys[0])
+    assert st.put(before).blocks_written == 0  # already stored
+
+
+# -- tiers -----------------------------------------------------------------------------------------
+def test_slru_keeps_reused_blocks_through_a_scan():
+    mem = MemoryTier(max_bytes=_block(0).nbytes * 4)
+    hot = [_block(i, h=f"{i:064x}") for i in range(2)]
+    for b in hot:
+        mem.put(b)
+        assert mem.get(b.parent, b.hash) is not None  # second touch: protected
+    for i in range(10, 30):  # a one-off scan of many new blocks
+        mem.put(_block(i, h=f"{i:064x}"))
+    assert all(mem.contains(b.parent, b.hash) for b in hot)
+    assert mem.counters.evictions == 18
+    assert mem.usage()[1] <= mem.max_bytes
+
+
+def test_memory_eviction_demotes_to_disk_and_disk_hit_promotes(tiny, tmp_path):
+    snap = tiny.prefill(_ids(16, seed=5)).snapshot
+    one_block = Namespace.for_snapshot(snap, block_tokens=4)
+    mem = MemoryTier(max_bytes=snap.nbytes // 2)  # holds two of four blocks
+    disk = DiskTier(tmp_path / "s")
+    st = KVStore([mem, disk], block_tokens=4, write_through=False)
+    st.put(snap, namespace=one_block)
+    assert disk.usage()[0] == 2 and mem.usage()[0] == 2
+    assert disk.counters.demotions_in == 2
+    m = st.lookup(snap.token_list(), one_block)
+    assert m.cached_tokens == 16 and sum(m.tier_blocks.values()) == 4 and m.tier_blocks["disk"] >= 2
+    assert mem.counters.promotions_in >= 2 and mem.usage()[1] <= mem.max_bytes
+
+
+def test_disk_cap_evicts_least_recently_used(tmp_path):
+    one = len(encode_block(_block(0)))
+    disk = DiskTier(tmp_path / "s", max_bytes=one * 3, low_water=1.0)
+    blocks = [_block(i, h=f"{i:064x}") for i in range(5)]
+    for i, b in enumerate(blocks):
+        disk.put(b)
+        os.utime(disk._path(b.parent, b.hash), (1000 + i, 1000 + i))
+        if i == 2:
+            os.utime(disk._path(blocks[0].parent, blocks[0].hash), (2000, 2000))  # block 0 used recently
+    kept = {e.hash for e in disk.entries()}
+    assert kept == {blocks[0].hash, blocks[3].hash, blocks[4].hash}
+    assert disk.usage()[1] <= disk.max_bytes and disk.counters.evictions == 2
+
+
+def test_corrupt_block_file_is_reported_quarantined_and_a_miss(tiny, tmp_path, caplog):
+    st = open_store(tmp_path / "s", block_tokens=4, memory_bytes=1)
+    ids = _ids(12, seed=6)
+    st.put(tiny.prefill(ids).snapshot)
+    disk = st.tiers[1]
+    victim = sorted(disk.entries(), key=lambda e: e.path.stat().st_size)[0]
+    entries = {e.hash: e for e in disk.entries()}
+    second = chain_hashes(ids, st.namespace(tiny))[1]
+    path = entries[second].path
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert victim.path.exists()
+    assert st.verify()["disk"]["corrupt"][0]["path"] == str(path)
+    with caplog.at_level("WARNING", logger="kvlab.store"):
+        m = st.lookup(ids, st.namespace(tiny))
+    assert m.cached_tokens == 4  # block 0 only; the corrupt block 1 is a miss
+    assert disk.counters.corrupt == 1 and "corrupt" in caplog.text
+    assert not path.exists() and len(list((tmp_path / "s" / "quarantine").iterdir())) == 1
+
+
+def test_full_disk_raises_a_clear_error_and_keeps_stored_blocks(tiny, tmp_path, monkeypatch):
+    st = open_store(tmp_path / "s", block_tokens=4)
+    ids = _ids(12, seed=7)
+    st.put(tiny.prefill(ids[:8]).snapshot)
+
+    def no_space(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("kvlab.store.disk.atomic_write_bytes", no_space)
+    with pytest.raises(StoreWriteError, match="No space left"):
+        st.put(tiny.prefill(ids).snapshot)
+    monkeypatch.undo()
+    fresh = open_store(tmp_path / "s", block_tokens=4)
+    assert fresh.lookup(ids, fresh.namespace(tiny)).cached_tokens == 8
+    assert fresh.verify()["disk"]["corrupt"] == []
+
+
+def test_block_larger_than_the_disk_cap_is_refused_not_stored(tmp_path):
+    disk = DiskTier(tmp_path / "s", max_bytes=100)
+    disk.put(_block(1.0))
+    assert disk.usage() == (0, 0) and disk.counters.rejected == 1
+
+
+def test_wrong_store_paths_and_unknown_blocks(tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    with pytest.raises(StoreError, match="is a file"):
+        open_store(f)
+    busy = tmp_path / "home"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("precious")
+    with pytest.raises(StoreError, match="not a kvlab store"):
+        open_store(busy)
+    assert (busy / "notes.txt").read_text() == "precious"
+    with pytest.raises(StoreError, match="no kvlab store"):
+        open_store(tmp_path / "missing", create=False)
+    st = open_store(tmp_path / "new")
+    with pytest.raises(BlockNotFoundError):
+        st.find_block("ab" * 32)
+    assert json.loads((tmp_path / "new" / "kvlab-store.json").read_text())["format"] == "kvlab.store"
+
+
+def test_bad_snapshots_are_refused(tiny):
+    st = open_store("memory", block_tokens=4)
+    snap = tiny.prefill(_ids(8, seed=8)).snapshot
+    with pytest.raises(BadInputError, match="prefix caches"):
+        st.put(snap.with_positions(torch.arange(8) + 3))
+    two = KVSnapshot(
+        keys=tuple(torch.cat([k, k]) for k in snap.keys),
+        values=tuple(torch.cat([v, v]) for v in snap.values),
+        token_ids=torch.cat([snap.token_ids] * 2),
+        positions=snap.positions,
+        rope=snap.rope,
+        fingerprint=snap.fingerprint,
+    )
+    with pytest.raises(BadInputError, match="batch"):
+        st.put(two)
+    with pytest.raises(IncompatibleCacheError):
+        st.put(snap, namespace=Namespace("0" * 64, "float32", snap.rope, block_tokens=4))
+    with pytest.raises(BadInputError):
+        KVStore([MemoryTier()], block_tokens=0)
