@@ -99,3 +99,8 @@ def test_study_quick_only_inspect(capsys, tmp_path, smollm):
     (run,) = list(tmp_path.glob("study-*"))
     assert (run / "index.html").is_file() and (run / "inspect" / "result.json").is_file()
     assert "inspect/growth.png" in (run / "index.html").read_text()
+
+
+def test_bad_input_leaves_no_run_folder(capsys, tmp_path):
+    code, _, _ = run_cli(capsys, "inspect", "--config", "/nonexistent/config.json", "--out", str(tmp_path))
+    assert code == 2 and list(tmp_path.iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -60,7 +61,12 @@ def run_and_report(
             progress=progress,
             options={k: v for k, v in options.items() if v is not None},
         )
-        result = run_experiment(experiment, ctx)
+        try:
+            result = run_experiment(experiment, ctx)
+        except BaseException:
+            # Bad input (or an interrupt) leaves no half-written run folder behind.
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
     if json_out:
         doc = json.loads((folder / "result.json").read_text())
         doc["report_dir"] = str(folder)
