@@ -10,7 +10,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two threads on this 2-core machine; an explicit OMP_NUM_THREADS (e.g. 1 on a loaded machine) wins.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -116,7 +116,7 @@ def finetune_derivative(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if progress is not None:
             progress(step + 1, losses[-1])
     model.eval()

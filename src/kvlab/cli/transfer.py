@@ -1,0 +1,220 @@
+"""``kvlab transfer ...``: cache transfer, K/V swap, transplant and caching-numerics experiments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvlab.cli.common import (
+    FullOpt,
+    JsonOpt,
+    ModelOpt,
+    OutOpt,
+    QuickOpt,
+    SeedOpt,
+    console,
+    profile_from,
+    run_and_report,
+)
+
+
+def _run(
+    name: str, *, out: Path, json_out: bool, model: str, quick: bool, full: bool, seed: int, **options
+) -> None:
+    from kvlab.experiments import get_experiment
+
+    run_and_report(
+        get_experiment(name),
+        out=out,
+        json_out=json_out,
+        model=model,
+        profile=profile_from(quick, full),
+        seed=seed,
+        **options,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    sub = typer.Typer(
+        help="Move caches between prompts and models; K/V swaps; numerics of caching.", no_args_is_help=True
+    )
+    app.add_typer(sub, name="transfer")
+
+    @sub.command("equivalence")
+    def equivalence(
+        pairs: Annotated[int | None, typer.Option(help="Text pairs (A, B).")] = None,
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        json_out: JsonOpt = False,
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+    ) -> None:
+        """cache(A) + B vs prefill(A + B), with and without a special token in the middle."""
+        _run(
+            "transfer_equivalence",
+            out=out,
+            json_out=json_out,
+            model=model,
+            quick=quick,
+            full=full,
+            seed=seed,
+            pairs=pairs,
+        )
+
+    @sub.command("retention")
+    def retention(
+        facts: Annotated[int | None, typer.Option(help="Fact/question pairs to use (max 34).")] = None,
+        sinks: Annotated[int, typer.Option(help="Sink tokens kept when re-positioning.")] = 4,
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        json_out: JsonOpt = False,
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+    ) -> None:
+        """Fact recall with the context given as text, injected cache, re-positioned cache, other preamble."""
+        _run(
+            "context_retention",
+            out=out,
+            json_out=json_out,
+            model=model,
+            quick=quick,
+            full=full,
+            seed=seed,
+            facts=facts,
+            sinks=sinks,
+        )
+
+    @sub.command("layers")
+    def layers(
+        facts: Annotated[int | None, typer.Option(help="Fact/question pairs to use.")] = None,
+        width: Annotated[int | None, typer.Option(help="Layers per sliding window.")] = None,
+        stride: Annotated[int | None, typer.Option(help="Step between windows.")] = None,
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        json_out: JsonOpt = False,
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+    ) -> None:
+        """Which layers carry the fact: transfer the fact turn's cache for layer ranges only."""
+        _run(
+            "layer_transfer",
+            out=out,
+            json_out=json_out,
+            model=model,
+            quick=quick,
+            full=full,
+            seed=seed,
+            facts=facts,
+            width=width,
+            stride=stride,
+        )
+
+    @sub.command("kv-swap")
+    def kv_swap(
+        windows: Annotated[int | None, typer.Option(help="Text windows.")] = None,
+        roll: Annotated[int, typer.Option(help="Tokens rolled off / truncated.")] = 5,
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        json_out: JsonOpt = False,
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+    ) -> None:
+        """K/V source factorial for roll, truncate and cross-text, plus sink-only swaps."""
+        _run(
+            "kv_swap",
+            out=out,
+            json_out=json_out,
+            model=model,
+            quick=quick,
+            full=full,
+            seed=seed,
+            windows=windows,
+            roll=roll,
+        )
+
+    @sub.command("transplant")
+    def transplant_cmd(
+        windows: Annotated[int | None, typer.Option(help="Test windows (as many for training).")] = None,
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        json_out: JsonOpt = False,
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+    ) -> None:
+        """Base <-> fine-tuned derivative cache transplant, and ridge maps between caches (C2C-lite)."""
+        _run(
+            "transplant",
+            out=out,
+            json_out=json_out,
+            model=model,
+            quick=quick,
+            full=full,
+            seed=seed,
+            windows=windows,
+        )
+
+    @sub.command("numerics")
+    def numerics(
+        steps: Annotated[int | None, typer.Option(help="Greedy steps (default 64, --full 200).")] = None,
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        json_out: JsonOpt = False,
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+    ) -> None:
+        """Cached vs recomputed decoding in fp32/bf16/fp16, each against a computed fp64 reference."""
+        _run(
+            "caching_numerics",
+            out=out,
+            json_out=json_out,
+            model=model,
+            quick=quick,
+            full=full,
+            seed=seed,
+            steps=steps,
+        )
+
+    @sub.command("finetune-derivative")
+    def finetune(
+        text: Annotated[
+            Path | None, typer.Option(help="Training text (default: shared Shakespeare).")
+        ] = None,
+        steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 200,
+        name: Annotated[
+            str, typer.Option(help="Name under the kvlab cache dir.")
+        ] = "smollm2-135m-shakespeare",
+        model: ModelOpt = "smollm2-135m",
+        seed: SeedOpt = 0,
+    ) -> None:
+        """Fine-tune a copy of the model on a text and save it under the kvlab cache dir (never the repo)."""
+        from kvlab import load_model
+        from kvlab.data import read_text_file, shared_book
+        from kvlab.errors import BadInputError
+        from kvlab.model.derivative import derivative_dir, finetune_derivative
+
+        source = read_text_file(text) if text is not None else shared_book("shakespeare")
+        if source is None:
+            raise BadInputError("no training text: ../shared/data is absent here; pass --text FILE")
+        base = load_model(model)
+        with typer.progressbar(length=steps, label="fine-tuning", file=None) as bar:
+            info = finetune_derivative(
+                base,
+                source.text,
+                text_source=source.source,
+                name=name,
+                steps=steps,
+                seed=seed,
+                progress=lambda s, loss: bar.update(1),
+            )
+        console.print(
+            f"saved {derivative_dir(name)}: loss {info.loss_first:.3f} -> {info.loss_last:.3f} "
+            f"in {info.seconds:.0f} s"
+        )

@@ -1,0 +1,228 @@
+"""Caches across models: transplant between identical geometries, and learned linear maps ("C2C-lite").
+
+A transplant relabels one model's cache as another's. It is only defined when both models cache
+the same thing per slot: same layers, KV heads, head size and RoPE, and the same token for each
+slot (same tokenizer, or the receiver's token ids given explicitly for every slot).
+
+Between different geometries, :func:`fit_cache_map` learns, per receiver layer and KV head, a ridge
+regression from the sharer's de-rotated keys (and, separately, values) of the depth-matched layer
+to the receiver's. Keys are compared without RoPE so the map learns content, not position. Its
+held-out explained variance says how much of one model's cache is a linear function of the other's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlab.cache.snapshot import KVSnapshot
+from kvlab.errors import BadInputError, IncompatibleCacheError
+from kvlab.rope.ops import apply_rope, remove_rope
+
+
+def same_tokenizer(a: Any, b: Any) -> bool:
+    """True when two ModelHandles map text to the same ids (same vocabulary; tokenizer-less: same size)."""
+    if a.tokenizer is None or b.tokenizer is None:
+        return (
+            a.tokenizer is None
+            and b.tokenizer is None
+            and int(a.config.vocab_size) == int(b.config.vocab_size)
+        )
+    return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+
+
+def geometry(handle: Any) -> tuple[int, int, int]:
+    f = handle.facts
+    return (f.num_layers, f.num_kv_heads, f.head_dim)
+
+
+def transplant(
+    snap: KVSnapshot, donor: Any, receiver: Any, *, token_ids: Sequence[int] | torch.Tensor | None = None
+) -> KVSnapshot:
+    """``snap`` (made by ``donor``) relabelled as ``receiver``'s cache, for a receiver of identical geometry.
+
+    Raises :class:`IncompatibleCacheError` when the geometry or RoPE differ, and when the tokenizers
+    differ unless ``token_ids`` (the receiver's id for every slot, ``[T]``) spell out the alignment.
+    Tensors are converted to the receiver's dtype; ``snap`` is not modified.
+    """
+    if snap.fingerprint != donor.fingerprint:
+        raise IncompatibleCacheError(f"the cache was not made by the donor model {donor.name}")
+    if geometry(donor) != geometry(receiver):
+        raise IncompatibleCacheError(
+            f"cache geometry (layers, kv heads, head dim) differs: {geometry(donor)} vs {geometry(receiver)}; "
+            "use fit_cache_map for models of different geometry"
+        )
+    rd, rr = donor.rope, receiver.rope
+    if (rd is None) != (rr is None) or (
+        rd is not None and (rd.inv_freq != rr.inv_freq or rd.pairing != rr.pairing)
+    ):
+        raise IncompatibleCacheError(
+            "the two models rotate keys differently (RoPE differs); a transplant would misplace every key"
+        )
+    ids = snap.token_ids
+    if token_ids is not None:
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1).expand(snap.batch_size, -1)
+        if ids.shape[1] != snap.seq_len:
+            raise BadInputError(f"token_ids has {ids.shape[1]} ids for a cache of {snap.seq_len} slots")
+    elif not same_tokenizer(donor, receiver):
+        raise IncompatibleCacheError(
+            f"{donor.name} and {receiver.name} tokenize differently; pass token_ids= (the receiver's id for each slot, "
+            "from a span alignment) to say what each slot holds"
+        )
+    return snap.to(dtype=receiver.dtype).replace(
+        token_ids=ids.clone(), fingerprint=receiver.fingerprint, model_name=receiver.name, rope=rr
+    )
+
+
+# -- C2C-lite: ridge maps between caches --------------------------------------------------------------
+def depth_matched_layers(src_layers: int, dst_layers: int) -> list[int]:
+    """For each receiver layer, the sharer layer at the same relative depth."""
+    if dst_layers == 1:
+        return [src_layers - 1]
+    return [round(i * (src_layers - 1) / (dst_layers - 1)) for i in range(dst_layers)]
+
+
+def _features(snaps: Sequence[KVSnapshot], which: str, layer: int) -> torch.Tensor:
+    """``[N, kv_heads, head_dim]`` float64 rows: de-rotated keys or values of one layer, all slots of all snaps."""
+    rows = []
+    for s in snaps:
+        t = s.keys[layer] if which == "k" else s.values[layer]
+        t = t[0].double()  # [H, T, D]
+        if which == "k" and s.rope is not None:
+            t = remove_rope(t, s.positions, s.rope)
+        rows.append(t.transpose(0, 1))  # [T, H, D]
+    return torch.cat(rows)
+
+
+def ridge_fit(x: torch.Tensor, y: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Closed-form ridge ``y ≈ x @ W + b`` (x ``[N, din]``, y ``[N, dout]``, float64); returns (W, b)."""
+    xm, ym = x.mean(0), y.mean(0)
+    xc, yc = x - xm, y - ym
+    gram = xc.T @ xc + alpha * x.shape[0] * torch.eye(x.shape[1], dtype=x.dtype)
+    w = torch.linalg.solve(gram, xc.T @ yc)
+    return w, ym - xm @ w
+
+
+def explained_variance(y: torch.Tensor, pred: torch.Tensor) -> float:
+    """``1 - SSE / SST`` over all output dims (1 = perfect, 0 = as good as the mean, < 0 worse)."""
+    sst = float(((y - y.mean(0)) ** 2).sum())
+    return 1.0 - float(((y - pred) ** 2).sum()) / sst if sst > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class CacheMap:
+    """Per receiver layer and head, ridge weights from the depth-matched sharer layer (all heads)."""
+
+    src_layer: tuple[int, ...]
+    k_weights: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per dst layer: W [Hs*Ds, Hd*Dd], b [Hd*Dd]
+    v_weights: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    dst_heads: int
+    dst_head_dim: int
+    alpha: float
+    ev_k: np.ndarray  # [dst_layers, dst_heads] held-out explained variance
+    ev_v: np.ndarray
+    ev_k_identity: np.ndarray | None = (
+        None  # same geometry only: explained variance of "use the sharer's as is"
+    )
+    ev_v_identity: np.ndarray | None = None
+
+
+def fit_cache_map(
+    src_train: Sequence[KVSnapshot],
+    dst_train: Sequence[KVSnapshot],
+    src_test: Sequence[KVSnapshot],
+    dst_test: Sequence[KVSnapshot],
+    *,
+    alpha: float = 1e-3,
+) -> CacheMap:
+    """Fit ridge maps sharer -> receiver on aligned snapshots (slot ``t`` of each pair holds the same token).
+
+    Pairs must have equal lengths (align by text spans first when tokenizers differ). Explained
+    variance is measured on the test pairs, per receiver layer and KV head, for keys and values.
+    For identical geometries the ridge penalty shrinks toward the identity map (the plain
+    transplant), so a strong penalty falls back to the transplant instead of to zero.
+    """
+    if not src_train or len(src_train) != len(dst_train) or len(src_test) != len(dst_test) or not src_test:
+        raise BadInputError("need equally many sharer and receiver snapshots, for both training and testing")
+    for a, b in zip([*src_train, *src_test], [*dst_train, *dst_test], strict=True):
+        if a.seq_len != b.seq_len:
+            raise IncompatibleCacheError(
+                f"a sharer cache holds {a.seq_len} tokens and its receiver pair {b.seq_len}; align them by text spans first"
+            )
+    if alpha <= 0:
+        raise BadInputError(f"ridge alpha must be > 0, got {alpha}")
+    s0, d0 = src_train[0], dst_train[0]
+    pairs = depth_matched_layers(s0.num_layers, d0.num_layers)
+    same_geometry = (s0.num_layers, s0.num_kv_heads, s0.head_dim) == (
+        d0.num_layers,
+        d0.num_kv_heads,
+        d0.head_dim,
+    )
+    hd, dd = d0.num_kv_heads, d0.head_dim
+    weights: dict[str, list] = {"k": [], "v": []}
+    ev = {w: np.zeros((d0.num_layers, hd)) for w in ("k", "v", "k_id", "v_id")}
+    for li, sl in enumerate(pairs):
+        for which in ("k", "v"):
+            xtr = _features(src_train, which, sl).flatten(1)
+            ytr = _features(dst_train, which, li)
+            xte = _features(src_test, which, sl).flatten(1)
+            yte = _features(dst_test, which, li)
+            if same_geometry:  # shrink toward "use the sharer's cache as is" (W = I), not toward zero
+                w, b = ridge_fit(xtr, ytr.flatten(1) - xtr, alpha * float(xtr.var(0).mean()))
+                w = w + torch.eye(w.shape[0], dtype=w.dtype)
+            else:
+                w, b = ridge_fit(xtr, ytr.flatten(1), alpha * float(xtr.var(0).mean()))
+            pred = (xte @ w + b).reshape(yte.shape)
+            weights[which].append((w.float(), b.float()))
+            for h in range(hd):
+                ev[which][li, h] = explained_variance(yte[:, h], pred[:, h])
+                if same_geometry:
+                    ev[f"{which}_id"][li, h] = explained_variance(
+                        yte[:, h], _features(src_test, which, li)[:, h]
+                    )
+    return CacheMap(
+        src_layer=tuple(pairs),
+        k_weights=tuple(weights["k"]),
+        v_weights=tuple(weights["v"]),
+        dst_heads=hd,
+        dst_head_dim=dd,
+        alpha=alpha,
+        ev_k=ev["k"],
+        ev_v=ev["v"],
+        ev_k_identity=ev["k_id"] if same_geometry else None,
+        ev_v_identity=ev["v_id"] if same_geometry else None,
+    )
+
+
+def apply_cache_map(cmap: CacheMap, snap: KVSnapshot, receiver: Any) -> KVSnapshot:
+    """The receiver-model cache predicted from a sharer cache: mapped de-rotated keys, re-rotated with the receiver's RoPE."""
+    if len(cmap.src_layer) != receiver.facts.num_layers or max(cmap.src_layer) >= snap.num_layers:
+        raise IncompatibleCacheError("this cache map was fitted for other models (layer counts differ)")
+    keys, values = [], []
+    for li, sl in enumerate(cmap.src_layer):
+        for which, out in (("k", keys), ("v", values)):
+            w, b = (cmap.k_weights if which == "k" else cmap.v_weights)[li]
+            x = _features([snap], which, sl).flatten(1).float()
+            if x.shape[1] != w.shape[0]:
+                raise IncompatibleCacheError(
+                    f"sharer cache has {x.shape[1]} features per slot, the map expects {w.shape[0]}"
+                )
+            y = (
+                (x @ w + b).reshape(snap.seq_len, cmap.dst_heads, cmap.dst_head_dim).transpose(0, 1)
+            )  # [H, T, D]
+            if which == "k" and receiver.rope is not None:
+                y = apply_rope(y.double(), snap.positions, receiver.rope).float()
+            out.append(y[None].to(receiver.dtype).contiguous())
+    return KVSnapshot(
+        keys=tuple(keys),
+        values=tuple(values),
+        token_ids=snap.token_ids.clone(),
+        positions=snap.positions.clone(),
+        rope=receiver.rope,
+        fingerprint=receiver.fingerprint,
+        model_name=receiver.name,
+    )
