@@ -1,0 +1,248 @@
+"""``kvlab stream-ppl``, ``kvlab suffix``, ``kvlab generate`` and ``kvlab chat``: suffix caching in practice."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvlab.cli.common import (
+    FullOpt,
+    JsonOpt,
+    ModelOpt,
+    OutOpt,
+    QuickOpt,
+    SeedOpt,
+    profile_from,
+    run_and_report,
+)
+
+WindowOpt = Annotated[int, typer.Option("--window", "-w", help="Recent tokens kept (after the sinks).")]
+SinksOpt = Annotated[
+    int, typer.Option("--sinks", "-s", help="Attention-sink tokens kept forever (0 = plain window).")
+]
+ChunkOpt = Annotated[
+    int, typer.Option("--evict-chunk", help="Tokens evicted at once when the window is full.")
+]
+
+
+def _rolling(handle, window: int, sinks: int, chunk: int):
+    from kvlab.hf.rolling_cache import rolling_cache_for
+
+    return rolling_cache_for(handle, window=window, sinks=sinks, evict_chunk=min(chunk, window))
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("stream-ppl")
+    def stream_ppl_cmd(
+        text_file: Annotated[
+            Path | None,
+            typer.Argument(
+                help="A UTF-8 text file (default: the shared books, else Python's documentation)."
+            ),
+        ] = None,
+        window: Annotated[
+            list[int] | None, typer.Option("--window", "-w", help="Window size(s) (repeatable).")
+        ] = None,
+        sinks: Annotated[
+            list[int] | None, typer.Option("--sinks", "-s", help="Sink counts among 1,2,4,8 (repeatable).")
+        ] = None,
+        tokens: Annotated[int | None, typer.Option("--tokens", help="Tokens of the text to stream.")] = None,
+        samples: Annotated[int | None, typer.Option("--samples", help="Targets re-computed exactly.")] = None,
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        json_out: JsonOpt = False,
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+    ) -> None:
+        """Perplexity over a text per cache policy: full, window, sinks + window, sliding window re-computed."""
+        from kvlab.experiments import get_experiment
+
+        run_and_report(
+            get_experiment("streaming_ppl"),
+            out=out,
+            json_out=json_out,
+            model=model,
+            profile=profile_from(quick, full),
+            seed=seed,
+            text_file=text_file,
+            windows=window or None,
+            sinks=sinks or None,
+            tokens=tokens,
+            recompute_samples=samples,
+        )
+
+    @app.command("suffix")
+    def suffix_cmd(
+        text_file: Annotated[
+            Path | None,
+            typer.Argument(
+                help="A UTF-8 text file for the windows (default: a book or Python's documentation)."
+            ),
+        ] = None,
+        windows: Annotated[
+            int | None, typer.Option("--windows", help="Number of text windows (>= 20 by default).")
+        ] = None,
+        context: Annotated[
+            int | None, typer.Option("--context", help="Tokens per window before the roll.")
+        ] = None,
+        drop: Annotated[
+            list[str] | None, typer.Option("--drop", help="Drops: tokens or a share like 25% (repeatable).")
+        ] = None,
+        sinks: Annotated[
+            list[int] | None, typer.Option("--sinks", "-s", help="Sink counts (repeatable).")
+        ] = None,
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        json_out: JsonOpt = False,
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+    ) -> None:
+        """Suffix caching: roll a cached context with/without sinks vs re-prefill and full context."""
+        from kvlab.experiments import get_experiment
+
+        run_and_report(
+            get_experiment("suffix_caching"),
+            out=out,
+            json_out=json_out,
+            model=model,
+            profile=profile_from(quick, full),
+            seed=seed,
+            text_file=text_file,
+            windows=windows,
+            context_tokens=context,
+            drops=drop or None,
+            sinks=sinks,
+        )
+
+    @app.command("generate")
+    def generate_cmd(
+        prompt: Annotated[str, typer.Argument(help="Prompt text.")],
+        max_new_tokens: Annotated[
+            int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate (0 = until Ctrl-C).")
+        ] = 200,
+        window: WindowOpt = 512,
+        sinks: SinksOpt = 4,
+        evict_chunk: ChunkOpt = 64,
+        temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")] = 0.0,
+        chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the chat template.")] = False,
+        stats: Annotated[
+            bool, typer.Option("--stats", help="Print tokens/s, rolls and memory to stderr at the end.")
+        ] = False,
+        model: ModelOpt = "smollm2-135m",
+        seed: SeedOpt = 0,
+    ) -> None:
+        """Stream tokens with constant memory: sinks + a rolling window, positions re-based as needed."""
+        from kvlab.model import load_model
+        from kvlab.streaming import stream_generate
+        from kvlab.streaming.generate import feed
+
+        handle = load_model(model)
+        cache = _rolling(handle, window, sinks, evict_chunk)
+        first = feed(handle, cache, handle.encode(prompt, chat=chat))
+        t0, n = time.perf_counter(), 0
+        stops = handle._eos_ids() if chat else set()
+        pending: list[int] = []
+        try:
+            for ev in stream_generate(
+                handle,
+                cache,
+                first,
+                max_new_tokens or None,
+                temperature=temperature,
+                seed=seed,
+                stop_ids=stops,
+            ):
+                n += 1
+                if ev.token_id in stops:
+                    break
+                pending.append(ev.token_id)
+                text = handle.decode(pending)
+                if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+                    pending = []
+        except KeyboardInterrupt:
+            pass
+        sys.stdout.write(handle.decode(pending) + "\n")
+        if stats:
+            dt = time.perf_counter() - t0
+            sys.stderr.write(
+                f"[{n} tokens in {dt:.1f} s, {n / max(dt, 1e-9):.1f} tokens/s; {cache.describe()}; "
+                f"cache {cache.nbytes() / 2**20:.1f} MiB]\n"
+            )
+
+    @app.command("chat")
+    def chat_cmd(
+        window: WindowOpt = 1024,
+        sinks: SinksOpt = 4,
+        evict_chunk: ChunkOpt = 64,
+        max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Longest reply.")] = 256,
+        system: Annotated[
+            str, typer.Option("--system", help="System prompt (kept as the sinks' neighbourhood).")
+        ] = "",
+        model: ModelOpt = "smollm2-135m",
+    ) -> None:
+        """Interactive chat whose context rolls (suffix caching) instead of being re-prefilled. Ctrl-D quits."""
+        from kvlab.model import load_model
+        from kvlab.streaming import stream_generate
+        from kvlab.streaming.generate import feed
+
+        handle = load_model(model)
+        if handle.tokenizer is None or not getattr(handle.tokenizer, "chat_template", None):
+            from kvlab.errors import UnsupportedModelError
+
+            raise UnsupportedModelError("kvlab chat needs a tokenizer with a chat template")
+        cache = _rolling(handle, window, sinks, evict_chunk)
+        stops = handle._eos_ids()
+        interactive = sys.stdin.isatty()
+        history: list[dict] = [{"role": "system", "content": system}] if system else []
+        unterminated = False
+        sys.stderr.write(f"kvlab chat: {handle.name}, {sinks} sinks + window {window} (Ctrl-D to quit)\n")
+        while True:
+            if interactive:
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            # Only the new turn is tokenized and fed: the earlier turns live in the rolling cache.
+            turn = handle.tokenizer.apply_chat_template(
+                history + [{"role": "user", "content": line}], add_generation_prompt=True, tokenize=False
+            )
+            prefix = handle.tokenizer.apply_chat_template(history, tokenize=False) if history else ""
+            new_text = turn[len(prefix) :] if turn.startswith(prefix) else turn
+            new_ids = handle.tokenizer(new_text, add_special_tokens=False)["input_ids"]
+            if unterminated:  # the last reply hit --max-new-tokens: close it as the template would
+                new_ids = [handle.tokenizer.eos_token_id, *new_ids]
+            rolls0, rebases0 = cache.rolls, cache.rebases
+            t0 = time.perf_counter()
+            first = feed(handle, cache, new_ids)
+            reply: list[int] = []
+            unterminated = True
+            for ev in stream_generate(handle, cache, first, max_new_tokens, stop_ids=stops):
+                if ev.token_id in stops:
+                    unterminated = False
+                    break
+                reply.append(ev.token_id)
+            dt = time.perf_counter() - t0
+            text = handle.decode(reply).strip()
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+            history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
+            rolled = cache.rolls - rolls0
+            note = f", rolled {rolled}x" if rolled else ""
+            note += f", re-based {cache.rebases - rebases0}x" if cache.rebases > rebases0 else ""
+            sys.stderr.write(
+                f"[{len(reply)} tokens, {len(reply) / max(dt, 1e-9):.1f} tokens/s; {cache.kept} tokens in "
+                f"cache, {cache.tokens_seen} seen{note}]\n"
+            )
+        sys.stderr.write("bye\n")

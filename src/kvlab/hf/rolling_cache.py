@@ -1,0 +1,409 @@
+"""A rolling-window transformers ``Cache``: attention sinks + the last ``window`` tokens, forever.
+
+StreamingLLM's policy on transformers 5.x's layer API, built so that a roll costs almost nothing:
+
+* Slots are always contiguous in RoPE position: slot ``i`` holds position ``base + i``; the sinks sit
+  right before the window. ``next_position = base + slots`` is what :meth:`get_seq_length` returns,
+  so a model called without ``position_ids`` puts its queries where the cache expects them.
+* Evicting ``d`` window tokens is a slice of the window (no key is touched) plus re-rotating the
+  ``sinks`` sink keys from their stored originals (float64 angles, never incremental): ``base`` grows
+  by ``d`` and ``next_position`` does not change. RoPE only sees relative positions, so this equals
+  StreamingLLM's "re-position everything from 0" up to fp32 rounding.
+* Positions stay bounded by an occasional re-base: one rotation of every cached key by ``-base``
+  (``rebase="auto"``: only when ``next_position`` would pass the model's maximum; ``"always"``:
+  after every eviction, StreamingLLM's in-cache positions; ``"never"``: positions follow the token
+  count, which is what ``model.generate`` needs, see below).
+* Eviction and re-basing are lazy: decided at the end of a forward, applied inside the next
+  ``update`` as part of the concatenation every step does anyway; the mask offset accounts for it.
+
+``model.generate(..., past_key_values=RollingCache(..., rebase="never"))`` works unpatched: transformers
+computes query positions from its own token counter, which equals ``next_position`` as long as the
+cache never re-bases. kvlab's own loop (:func:`kvlab.streaming.stream_generate`) lets the cache choose
+the positions and re-bases, so its positions never exceed the model's maximum.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.hf.cache import sliding_windows
+from kvlab.rope.spec import RopeSpec
+
+Rebase = Literal["auto", "always", "never"]
+
+
+def rotate_by(x: torch.Tensor, delta: int, spec: RopeSpec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys ``[..., T, D]`` rotated by one scalar ``delta`` for every token: one fused fp32 pass.
+
+    cos/sin of ``delta * inv_freq`` are computed once in float64 (``[rotary_dim/2]``), so the only
+    error is the fp32 multiply-add. ``out`` (same shape, not overlapping ``x``) receives the result.
+    """
+    if delta == 0:
+        return x if out is None else out.copy_(x)
+    r = spec.rotary_dim
+    cos, sin = _cos_sin(int(delta), spec.inv_freq, x.dtype, str(x.device))
+    out = torch.empty_like(x) if out is None else out
+    if spec.pairing == "half":
+        h = r // 2
+        x1, x2 = x[..., :h], x[..., h:r]
+        o1, o2 = out[..., :h], out[..., h:r]
+        torch.mul(x1, cos, out=o1)
+        o1.addcmul_(x2, -sin)
+        torch.mul(x2, cos, out=o2)
+        o2.addcmul_(x1, sin)
+    else:
+        x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+        o1, o2 = out[..., 0:r:2], out[..., 1:r:2]
+        o1.copy_(x1 * cos - x2 * sin)
+        o2.copy_(x2 * cos + x1 * sin)
+    if r < x.shape[-1]:
+        out[..., r:] = x[..., r:]
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _cos_sin(
+    delta: int, inv_freq: tuple[float, ...], dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of ``delta * inv_freq`` (float64, then cast): one pair per distinct shift, reused by every layer."""
+    theta = float(delta) * torch.tensor(inv_freq, dtype=torch.float64)
+    return theta.cos().to(device=device, dtype=dtype), theta.sin().to(device=device, dtype=dtype)
+
+
+@dataclass
+class RollPlan:
+    """What the next ``update`` applies to every layer before appending: drop ``drop`` window tokens
+    (after the sinks) and rotate the kept window by ``-rebase`` positions."""
+
+    drop: int = 0
+    rebase: int = 0
+
+    @property
+    def pending(self) -> bool:
+        return self.drop > 0 or self.rebase != 0
+
+
+class RollingLayer(CacheLayerMixin):
+    """One layer's ``[sinks | window]`` keys and values, contiguous ``[batch, kv_heads, slots, head_dim]``.
+
+    ``sink_keys`` keeps the sinks' keys as first computed, at positions ``sink_pos0 ..``; the live
+    copy in ``keys[:, :, :sinks]`` is always re-rotated from it, so sinks never drift.
+    """
+
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sink_keys: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise RuntimeError("RollingLayer.update is driven by RollingCache.update")
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[-2])
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = self.sink_keys = None
+        self.is_initialized = False
+
+
+class RollingCache(Cache):
+    """``sinks`` attention-sink tokens + a rolling window of ``window`` recent tokens, for any length.
+
+    Between forward passes at most ``sinks + window`` tokens are kept; when the window overflows, the
+    oldest window tokens are evicted in multiples of ``evict_chunk`` (amortizing the roll). New tokens
+    see every kept token plus each other (causal). Positions: see the module docstring.
+
+    Args:
+        config: the model config (for the layer count; sliding-window models are refused if their
+            window is smaller than ours).
+        rope: the model's :class:`RopeSpec` (``ModelHandle.rope``); must be shift-exact.
+        window: recent tokens kept (after the sinks).
+        sinks: leading tokens kept forever (StreamingLLM's attention sinks); 0 = plain window.
+        evict_chunk: tokens evicted at once when the window overflows (>= 1).
+        max_position: largest RoPE position allowed + 1 (default: the config's maximum).
+        rebase: ``"auto"`` | ``"always"`` | ``"never"`` (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        rope: RopeSpec | None,
+        *,
+        window: int,
+        sinks: int = 4,
+        evict_chunk: int = 64,
+        max_position: int | None = None,
+        rebase: Rebase = "auto",
+    ) -> None:
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        n_layers = int(text.num_hidden_layers)
+        max_pos = int(max_position or getattr(text, "max_position_embeddings", 0) or 0)
+        if rope is None:
+            raise UnsupportedModelError(
+                "a rolling cache re-positions keys, which needs a model with RoPE; "
+                "without RoPE, re-prefill the window instead"
+            )
+        rope.require_shift_exact("a rolling cache")
+        if window < 1 or sinks < 0 or evict_chunk < 1:
+            raise BadInputError(
+                f"need window >= 1, sinks >= 0, evict_chunk >= 1 (got {window}, {sinks}, {evict_chunk})"
+            )
+        if sinks >= window:
+            raise BadInputError(
+                f"sinks ({sinks}) must be fewer than the window ({window}); e.g. --sinks 4 --window 256"
+            )
+        if evict_chunk > window:
+            raise BadInputError(f"evict_chunk ({evict_chunk}) cannot exceed the window ({window})")
+        if max_pos and sinks + window >= max_pos:
+            raise BadInputError(
+                f"sinks + window ({sinks + window}) must stay below the model's maximum position "
+                f"({max_pos}); choose a smaller --window"
+            )
+        if rebase not in ("auto", "always", "never"):
+            raise BadInputError(f"rebase must be 'auto', 'always' or 'never', got {rebase!r}")
+        sw = [w for w in sliding_windows(text) if w is not None]
+        if sw and min(sw) <= sinks + window + evict_chunk:
+            raise UnsupportedModelError(
+                f"the model's own sliding window ({min(sw)}) is smaller than this rolling "
+                f"cache ({sinks} + {window}); use a window below {min(sw) - sinks - evict_chunk}"
+            )
+        super().__init__(layers=[RollingLayer() for _ in range(n_layers)])
+        self.rope, self.window, self.sinks, self.evict_chunk = rope, window, sinks, evict_chunk
+        self.max_position, self.rebase_mode = max_pos, rebase
+        # Lookahead kept free below max_position after a re-base: the largest feed allowed at once.
+        self.headroom = max(1, min(window, max_pos - sinks - window)) if max_pos else window
+        self.base = 0  # position of slot 0
+        self.slots = 0  # tokens held (including those a pending drop will remove)
+        self.sink_pos0 = 0  # position at which the stored sink keys were computed
+        self.plan = RollPlan()
+        self.tokens_seen = 0
+        self.rolls = 0
+        self.rebases = 0
+        self._n_new = 0
+        self._sink_stack: torch.Tensor | None = None
+        self._sinks_rotated: tuple[int, torch.Tensor] | None = None
+
+    # -- positions the model sees -----------------------------------------------------------------
+    @property
+    def kept(self) -> int:
+        """Tokens visible to the next forward (slots minus the pending drop)."""
+        return self.slots - self.plan.drop
+
+    @property
+    def next_position(self) -> int:
+        """RoPE position of the next token (after any pending re-base)."""
+        return self.base + self.slots - self.plan.rebase
+
+    def positions(self) -> torch.Tensor:
+        """``[kept]`` RoPE positions of the kept slots as the next forward sees them (contiguous)."""
+        start = self.next_position - self.kept
+        return torch.arange(start, self.next_position)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.next_position
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.kept
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.kept + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise UnsupportedModelError(
+            "a RollingCache cannot be cropped (it has already forgotten evicted tokens); "
+            "disable assisted/speculative decoding with it"
+        )
+
+    # -- the update --------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Apply the pending roll to this layer, append the new K/V, return everything visible."""
+        n_new = key_states.shape[-2]
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        if layer_idx == 0:
+            self._n_new = n_new
+            if (
+                self.rebase_mode != "never"
+                and self.max_position
+                and self.next_position + n_new > self.max_position
+            ):
+                raise BadInputError(
+                    f"{n_new} new tokens would pass the maximum position {self.max_position}; "
+                    f"feed at most {self.headroom} tokens per forward to a rolling cache"
+                )
+        keys, values = layer.keys, layer.values
+        plan, s = self.plan, min(self.sinks, self.slots)
+        if plan.pending:
+            window_k = keys[:, :, s + plan.drop :]
+            sinks_k = [self._sinks_at(layer_idx, self.base + plan.drop - plan.rebase)] if s else []
+            if plan.rebase:  # rotate straight into the output: the re-base replaces this step's copy
+                kept = s + window_k.shape[-2]
+                full_k = keys.new_empty((*keys.shape[:2], kept + n_new, keys.shape[-1]))
+                if s:
+                    full_k[:, :, :s] = sinks_k[0]
+                rotate_by(window_k, -plan.rebase, self.rope, out=full_k[:, :, s:kept])
+                full_k[:, :, kept:] = key_states
+            else:
+                full_k = torch.cat([*sinks_k, window_k, key_states], dim=-2)
+            full_v = torch.cat([values[:, :, :s], values[:, :, s + plan.drop :], value_states], dim=-2)
+        else:
+            full_k, full_v = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+        if layer.sink_keys is None and self.sinks and full_k.shape[-2] >= self.sinks:
+            layer.sink_keys = full_k[:, :, : self.sinks].clone()
+        layer.keys, layer.values = full_k, full_v
+        if layer_idx == len(self.layers) - 1:
+            self._finish_forward()
+        return full_k, full_v
+
+    def _sinks_at(self, layer_idx: int, base: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s sink keys rotated from their stored originals (one rotation, no drift) to
+        positions ``base ..``; all layers are rotated together once per roll."""
+        if self._sink_stack is None:
+            self._sink_stack = torch.stack([lay.sink_keys for lay in self.layers])  # [L, B, H, sinks, D]
+        if self._sinks_rotated is None or self._sinks_rotated[0] != base:
+            self._sinks_rotated = (base, rotate_by(self._sink_stack, base - self.sink_pos0, self.rope))
+        return self._sinks_rotated[1][layer_idx]
+
+    def _finish_forward(self) -> None:
+        """Bookkeeping after every layer took the plan and the new tokens; decide the next roll."""
+        plan, n_new = self.plan, self._n_new
+        if plan.drop:
+            self.rolls += 1
+        if plan.rebase:
+            self.rebases += 1
+        self.base += plan.drop - plan.rebase
+        self.slots += n_new - plan.drop
+        self.tokens_seen += n_new
+        s = min(self.sinks, self.slots)
+        capacity = self.sinks + self.window
+        drop = 0
+        if self.slots > capacity:
+            over = self.slots - capacity
+            drop = min(self.slots - s, math.ceil(over / self.evict_chunk) * self.evict_chunk)
+        near_max = bool(self.max_position) and self.base + self.slots + self.headroom > self.max_position
+        wants = (self.rebase_mode == "always" and drop > 0) or (self.rebase_mode == "auto" and near_max)
+        rebase = self.base + drop if wants else 0
+        self.plan = RollPlan(drop=drop, rebase=rebase)
+
+    # -- inspection ----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        super().reset()
+        self.base = self.slots = self.tokens_seen = self.rolls = self.rebases = 0
+        self.plan = RollPlan()
+        self._sink_stack = self._sinks_rotated = None
+
+    def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(keys, values)]`` per layer as the next forward will see them (pending roll applied).
+
+        Returns new tensors when a roll is pending, else views of the cache (do not write into them).
+        """
+        out = []
+        plan, s = self.plan, min(self.sinks, self.slots)
+        for layer_idx, layer in enumerate(self.layers):
+            k, v = layer.keys, layer.values
+            if plan.pending:
+                wk = rotate_by(k[:, :, s + plan.drop :], -plan.rebase, self.rope)
+                parts = [wk]
+                vparts = [v[:, :, s + plan.drop :]]
+                if s:
+                    parts.insert(0, self._sinks_at(layer_idx, self.base + plan.drop - plan.rebase))
+                    vparts.insert(0, v[:, :, :s])
+                k, v = torch.cat(parts, dim=-2), torch.cat(vparts, dim=-2)
+            out.append((k, v))
+        return out
+
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            for t in (layer.keys, layer.values, layer.sink_keys)
+            if t is not None
+        )
+
+    def describe(self) -> str:
+        return (
+            f"RollingCache(sinks={self.sinks}, window={self.window}, chunk={self.evict_chunk}, rebase={self.rebase_mode}: "
+            f"{self.kept} kept, positions {self.next_position - self.kept}..{self.next_position - 1}, "
+            f"{self.tokens_seen} seen, {self.rolls} rolls, {self.rebases} re-bases)"
+        )
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+def rolling_cache_for(
+    handle: Any,
+    *,
+    window: int,
+    sinks: int = 4,
+    evict_chunk: int = 64,
+    rebase: Rebase = "auto",
+    max_position: int | None = None,
+) -> RollingCache:
+    """A :class:`RollingCache` for a :class:`~kvlab.model.ModelHandle` (its config, RoPE and maximum)."""
+    return RollingCache(
+        handle.config,
+        handle.rope,
+        window=window,
+        sinks=sinks,
+        evict_chunk=evict_chunk,
+        max_position=max_position or handle.max_positions,
+        rebase=rebase,
+    )
+
+
+@torch.no_grad()
+def partial_prefill_keys(
+    model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, num_layers: int
+) -> list[torch.Tensor]:
+    """Keys ``[batch, kv_heads, T, head_dim]`` of the first ``num_layers`` layers for a fresh prefill.
+
+    A cheap probe (``num_layers / L`` of a full prefill): the model's own decoder loop runs over
+    ``config.num_hidden_layers`` layers, which is lowered for the duration of the call.
+    """
+    from kvlab.hf.cache import new_hf_cache
+
+    cfg = model.config
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    total = int(text.num_hidden_layers)
+    if not 1 <= num_layers <= total:
+        raise BadInputError(f"probe layers must lie in [1, {total}], got {num_layers}")
+    cache = new_hf_cache(cfg)
+    text.num_hidden_layers = num_layers
+    try:
+        model(
+            input_ids=input_ids,
+            past_key_values=cache,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    finally:
+        text.num_hidden_layers = total
+    return [cache.layers[i].keys for i in range(num_layers)]

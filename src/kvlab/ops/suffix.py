@@ -1,0 +1,201 @@
+"""Suffix caching on snapshots: roll a context forward, keep the survivors' K/V, fix their positions.
+
+A roll of ``drop=n`` with ``sinks=s`` keeps slots ``[0, s)`` (the attention sinks) and ``[s + n, T)``,
+and re-positions the kept keys to be contiguous from the first position, so the result looks like
+a prefill of ``sinks + rolled text``. Keys are re-rotated once from their stored positions
+(:meth:`KVSnapshot.with_positions`, float64 angles), never incrementally.
+
+The thread's variants are here by name (:data:`VARIANTS`) next to the exact references, plus
+selective recompute: refresh some slots of a rolled cache exactly (the first ``k`` after the sinks,
+or the ``k`` whose keys deviate most from a cheap probe; CacheBlend's idea applied to rolls).
+
+Shapes: snapshots hold ``[batch, kv_heads, T, head_dim]`` per layer; slot indices are ``[k]`` ints.
+Every function returns a new snapshot and leaves its input untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvlab.cache.snapshot import KVSnapshot, concat
+from kvlab.errors import BadInputError
+
+
+def _check_roll(snapshot: KVSnapshot, drop: int, sinks: int) -> None:
+    if drop < 0 or sinks < 0:
+        raise BadInputError(f"drop and sinks must be >= 0, got drop={drop}, sinks={sinks}")
+    if sinks + drop >= snapshot.seq_len:
+        raise BadInputError(
+            f"dropping {drop} tokens after {sinks} sinks leaves nothing of a {snapshot.seq_len}-token context; "
+            f"drop at most {snapshot.seq_len - sinks - 1}"
+        )
+    if snapshot.batch_size != 1:
+        raise BadInputError(f"rolls work on one sequence (batch 1), got batch {snapshot.batch_size}")
+
+
+def kept_slots(seq_len: int, drop: int, sinks: int) -> list[int]:
+    """Slot indices a roll keeps: ``[0, sinks)`` then ``[sinks + drop, seq_len)``."""
+    return list(range(min(sinks, seq_len))) + list(range(sinks + drop, seq_len))
+
+
+def drop_count(spec: int | float | str, seq_len: int) -> int:
+    """``20`` -> 20 tokens; ``0.25`` or ``"25%"`` -> that share of ``seq_len`` (rounded)."""
+    if isinstance(spec, str):
+        spec = float(spec.rstrip("%")) / 100 if spec.endswith("%") else int(spec)
+    if isinstance(spec, float):
+        if not 0 < spec < 1:
+            raise BadInputError(f"a fractional drop must lie in (0, 1), got {spec}")
+        return max(1, round(spec * seq_len))
+    return int(spec)
+
+
+def roll(snapshot: KVSnapshot, drop: int, sinks: int = 0, *, reposition: bool = True) -> KVSnapshot:
+    """Drop ``drop`` tokens after the first ``sinks`` and keep the rest (cached K and V).
+
+    With ``reposition`` (default) the kept keys are re-rotated to contiguous positions starting at the
+    first slot's position (exact RoPE shift); without it they keep their original positions (queries
+    then continue at the old ``next_position``). Raises for models without RoPE or with a RoPE whose
+    frequencies depend on the length (dynamic NTK): re-prefill with :func:`reprefill_rolled` instead.
+    """
+    _check_roll(snapshot, drop, sinks)
+    kept = snapshot.select(kept_slots(snapshot.seq_len, drop, sinks))
+    if not reposition:
+        return kept
+    rope = snapshot.require_rope("re-positioning a rolled cache")
+    rope.require_shift_exact("re-positioning a rolled cache")
+    start = int(snapshot.positions[0])
+    return kept.with_positions(torch.arange(start, start + kept.seq_len))
+
+
+def rolled_ids(snapshot: KVSnapshot, drop: int, sinks: int = 0) -> list[int]:
+    """Token ids of the rolled context (sinks + survivors)."""
+    _check_roll(snapshot, drop, sinks)
+    ids = snapshot.token_list()
+    return [ids[i] for i in kept_slots(len(ids), drop, sinks)]
+
+
+def reprefill_rolled(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
+    """The exact reference: a fresh prefill of the rolled text (``sinks + survivors``) from the first position.
+
+    With ``sinks=0`` this is "re-prefill of the rolled text"; with sinks, "re-prefill of sinks + rolled text".
+    """
+    ids = rolled_ids(snapshot, drop, sinks)
+    return handle.prefill(ids, start_position=int(snapshot.positions[0]), all_logits=False).snapshot
+
+
+def simulated_roll(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
+    """The thread's ``simulated_roll``: cached K shifted to the new positions + cached V (= :func:`roll`)."""
+    return roll(snapshot, drop, sinks)
+
+
+def k_ropefixed_v_rolled(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
+    """The thread's ``k_ropefixed_v_rolled``: cached K shifted + V taken from a re-prefill of the rolled text."""
+    k = roll(snapshot, drop, sinks)
+    ref = reprefill_rolled(handle, snapshot, drop, sinks)
+    return k.replace(values=ref.values)
+
+
+def naive_slice(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
+    """Kept slots with their original positions (no re-rotation); queries continue at the old positions."""
+    return roll(snapshot, drop, sinks, reposition=False)
+
+
+RollFn = Callable[[Any, KVSnapshot, int, int], KVSnapshot]
+
+# Every way to get a rolled cache, by name: (handle, snapshot, drop, sinks) -> snapshot.
+VARIANTS: dict[str, RollFn] = {
+    "simulated_roll": simulated_roll,
+    "k_ropefixed_v_rolled": k_ropefixed_v_rolled,
+    "naive_slice": naive_slice,
+    "reprefill": reprefill_rolled,
+}
+
+
+def roll_variant(name: str, handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
+    if name not in VARIANTS:
+        raise BadInputError(f"unknown roll variant '{name}'; choose one of {', '.join(VARIANTS)}")
+    return VARIANTS[name](handle, snapshot, drop, sinks)
+
+
+# -- selective recompute ---------------------------------------------------------------------------
+def _runs(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted slots -> contiguous ``[start, stop)`` runs."""
+    runs: list[tuple[int, int]] = []
+    for s in sorted(set(int(i) for i in slots)):
+        if runs and runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+    return runs
+
+
+def recompute_slots(handle: Any, rolled: KVSnapshot, slots: Sequence[int]) -> KVSnapshot:
+    """Recompute the K/V of ``slots`` exactly, each seeing the (already refreshed) slots before it.
+
+    Contiguous runs are one forward each (``past`` = slots before the run, at the run's positions), so
+    recomputing the first ``k`` slots is one prefill of ``k`` tokens and costs ``k`` tokens of compute.
+    The slots after a refreshed one keep their cached K/V (that is the approximation).
+    """
+    if not len(slots):
+        return rolled
+    if min(slots) < 0 or max(slots) >= rolled.seq_len:
+        raise BadInputError(f"slots must lie in [0, {rolled.seq_len}), got {min(slots)}..{max(slots)}")
+    ids = rolled.token_list()
+    current = rolled
+    for start, stop in _runs(slots):
+        past = current.slice(0, start) if start > 0 else None
+        fwd = handle.forward(ids[start:stop], past, positions=rolled.positions[start:stop], all_logits=False)
+        fresh = fwd.snapshot.slice(start, stop)
+        pieces = [
+            p
+            for p in (
+                current.slice(0, start) if start else None,
+                fresh,
+                current.slice(stop) if stop < current.seq_len else None,
+            )
+            if p is not None
+        ]
+        merged = pieces[0]
+        for p in pieces[1:]:
+            merged = concat(merged, p)
+        current = merged
+    return current
+
+
+def recompute_first(handle: Any, rolled: KVSnapshot, k: int, sinks: int = 0) -> KVSnapshot:
+    """Refresh the first ``k`` slots after the sinks (the tokens that lost the most context)."""
+    k = max(0, min(k, rolled.seq_len - sinks))
+    return recompute_slots(handle, rolled, range(sinks, sinks + k))
+
+
+def probe_deviation(handle: Any, rolled: KVSnapshot, probe_layers: int = 2) -> torch.Tensor:
+    """``[T]`` per-slot L2 distance between the rolled keys and a cheap probe's keys.
+
+    The probe is a prefill of the rolled text through the first ``probe_layers`` layers only
+    (``probe_layers / L`` of a re-prefill); the deviation is measured in the probe's last layer
+    (layer 0's keys depend on the token and its position only, so ``probe_layers >= 2``).
+    """
+    from kvlab.hf.rolling_cache import partial_prefill_keys
+
+    if probe_layers < 2:
+        raise BadInputError("the probe needs at least 2 layers (layer 0's keys ignore the context)")
+    ids = torch.tensor([rolled.token_list()], dtype=torch.long, device=handle.device)
+    probe = partial_prefill_keys(handle.model, ids, rolled.positions[None].to(handle.device), probe_layers)[
+        -1
+    ]
+    cached = rolled.keys[probe_layers - 1]
+    return (probe.float() - cached.float()).norm(dim=-1).mean(dim=(0, 1)).cpu()
+
+
+def recompute_most_deviant(
+    handle: Any, rolled: KVSnapshot, k: int, sinks: int = 0, probe_layers: int = 2
+) -> tuple[KVSnapshot, list[int]]:
+    """Refresh the ``k`` slots (after the sinks) whose probe keys deviate most; returns the slots too."""
+    dev = probe_deviation(handle, rolled, probe_layers)
+    dev[:sinks] = -1.0
+    k = max(0, min(k, rolled.seq_len - sinks))
+    chosen = sorted(int(i) for i in torch.topk(dev, k).indices.tolist()) if k else []
+    return recompute_slots(handle, rolled, chosen), chosen

@@ -1,0 +1,193 @@
+"""RollingCache: exact over many rolls and re-bases, works in model.generate, refuses bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvlab.cache.snapshot import concat
+from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for, rotate_by
+from kvlab.rope.ops import shift_keys
+from kvlab.streaming import stream_generate
+from kvlab.streaming.generate import feed
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models are dominated by per-op overhead; a second thread only adds spin-waits on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def reference_logits(
+    handle, ids: list[int], *, window: int, sinks: int, chunk: int, feed_size: int
+) -> list[torch.Tensor]:
+    """The same policy on snapshots: window keys never re-rotated, queries at their absolute positions,
+    sinks re-positioned (once, from their original keys) to sit just before the window."""
+    out, snap, sink0, pending = [], None, None, 0
+    for start in range(0, len(ids), feed_size):
+        piece = ids[start : start + feed_size]
+        if pending:
+            s = min(sinks, snap.seq_len)
+            window_part = snap.slice(s + pending)
+            if s:
+                first = int(window_part.positions[0])
+                snap = concat(sink0.with_positions(torch.arange(first - s, first)), window_part)
+            else:
+                snap = window_part
+        fwd = handle.forward(piece, snap, positions=torch.arange(start, start + len(piece)))
+        snap = fwd.snapshot
+        if sink0 is None and sinks and snap.seq_len >= sinks:
+            sink0 = snap.slice(0, sinks)
+        out.append(fwd.logits)
+        over = snap.seq_len - (sinks + window)
+        pending = (
+            min(snap.seq_len - min(sinks, snap.seq_len), math.ceil(over / chunk) * chunk) if over > 0 else 0
+        )
+    return out
+
+
+def rolling_logits(handle, ids: list[int], cache: RollingCache, feed_size: int) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(ids), feed_size):
+            x = torch.tensor([ids[start : start + feed_size]])
+            out.append(handle.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0].float())
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi", "llama3-scaling"])
+@pytest.mark.parametrize("sinks,rebase", [(0, "always"), (2, "auto"), (4, "always")])
+def test_rolled_logits_equal_reference_over_many_rolls(tiny_model, family, sinks, rebase):
+    h = tiny_model(family)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 500, (240,)).tolist()
+    # max_position 60 forces a re-base every few rolls in "auto" mode.
+    cache = RollingCache(
+        h.config, h.rope, window=24, sinks=sinks, evict_chunk=5, max_position=60, rebase=rebase
+    )
+    got = rolling_logits(h, ids, cache, feed_size=3)
+    ref = reference_logits(h, ids, window=24, sinks=sinks, chunk=5, feed_size=3)
+    assert cache.rolls >= 30 and cache.rebases >= 5
+    assert cache.next_position < 60
+    worst = max(float((a - b).abs().max()) for a, b in zip(got, ref, strict=True))
+    assert worst < 2e-4, worst
+
+
+def test_plain_window_equals_unrotated_slices(tiny_model):
+    """sinks=0: the reference is a plain slice of the cache, keys never touched, queries at absolute positions."""
+    h = tiny_model("qwen2")
+    torch.manual_seed(2)
+    ids = torch.randint(0, 500, (150,)).tolist()
+    cache = RollingCache(h.config, h.rope, window=20, sinks=0, evict_chunk=4, max_position=50, rebase="auto")
+    got = rolling_logits(h, ids, cache, feed_size=1)
+    ref = reference_logits(h, ids, window=20, sinks=0, chunk=4, feed_size=1)
+    assert cache.rebases >= 3
+    assert max(float((a - b).abs().max()) for a, b in zip(got, ref, strict=True)) < 2e-4
+
+
+def test_no_eviction_equals_plain_forward(tiny_model):
+    h = tiny_model("llama")
+    torch.manual_seed(3)
+    ids = torch.randint(0, 500, (40,)).tolist()
+    cache = RollingCache(h.config, h.rope, window=64, sinks=4, evict_chunk=8)
+    got = torch.cat(rolling_logits(h, ids, cache, feed_size=7))
+    ref = h.prefill(ids).logits
+    assert float((got - ref).abs().max()) < 1e-5
+    assert cache.rolls == 0 and cache.kept == 40
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_real_model_exact_over_rolls(smollm):
+    ids = smollm.encode("The quick brown fox jumps over the lazy dog. " * 12)[:120]
+    cache = RollingCache(
+        smollm.config, smollm.rope, window=32, sinks=4, evict_chunk=8, max_position=90, rebase="auto"
+    )
+    got = rolling_logits(smollm, ids, cache, feed_size=4)
+    ref = reference_logits(smollm, ids, window=32, sinks=4, chunk=8, feed_size=4)
+    assert cache.rolls >= 8 and cache.rebases >= 1
+    worst = max(float((a - b).abs().max()) for a, b in zip(got, ref, strict=True))
+    assert worst < 2e-3, worst  # logits of magnitude ~20, fp32
+
+
+def test_model_generate_matches_own_loop(tiny_model):
+    h = tiny_model("llama")
+    torch.manual_seed(4)
+    prompt = torch.randint(0, 500, (1, 12))
+    cache = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="never")
+    with torch.no_grad():
+        g = h.model.generate(
+            prompt, past_key_values=cache, max_new_tokens=50, do_sample=False, pad_token_id=0
+        )
+    assert cache.rolls >= 10
+    new = g[0, 12:].tolist()
+    mine = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="never")
+    first = feed(h, mine, prompt[0].tolist())
+    ours = [e.token_id for e in stream_generate(h, mine, first, 50)]
+    assert new == ours
+
+
+def test_model_generate_without_eviction_equals_dynamic_cache(tiny_model):
+    h = tiny_model("qwen2")
+    prompt = torch.randint(0, 500, (1, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = h.model.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        rolled = h.model.generate(
+            prompt,
+            past_key_values=RollingCache(h.config, h.rope, window=64, sinks=4),
+            max_new_tokens=20,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert plain.tolist() == rolled.tolist()
+
+
+def test_stream_generate_bounded_positions(tiny_model):
+    h = tiny_model("llama")
+    cache = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, max_position=40)
+    first = feed(h, cache, [1, 2, 3, 4, 5])
+    events = list(stream_generate(h, cache, first, 300))
+    assert len(events) == 300
+    assert max(e.position for e in events) < 40
+    assert any(e.rebased for e in events) and any(e.rolled for e in events)
+    assert max(e.kept for e in events) <= 2 + 16 + 1
+
+
+def test_rotate_by_matches_exact_shift(tiny_model):
+    spec = tiny_model("phi").rope  # partial rotary
+    x = torch.randn(2, 3, 10, spec.head_dim)
+    for delta in (-500, -1, 7, 3000):
+        assert torch.allclose(rotate_by(x, delta, spec), shift_keys(x, delta, spec), atol=2e-5)
+
+
+def test_bad_input(tiny_model, smollm):
+    h = tiny_model("llama")
+    with pytest.raises(BadInputError, match="fewer than the window"):
+        RollingCache(h.config, h.rope, window=8, sinks=8)
+    with pytest.raises(BadInputError, match="maximum position"):
+        rolling_cache_for(smollm, window=smollm.max_positions, sinks=0)
+    with pytest.raises(BadInputError):
+        RollingCache(h.config, h.rope, window=8, sinks=0, evict_chunk=0)
+    with pytest.raises(UnsupportedModelError, match="RoPE"):
+        RollingCache(h.config, None, window=8, sinks=1)
+    dyn = h.rope.__class__(**{**h.rope.to_json(), "rope_type": "dynamic", "shift_exact": False})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        RollingCache(h.config, dyn, window=8, sinks=1)
+    cache = RollingCache(h.config, h.rope, window=8, sinks=1, evict_chunk=2, max_position=20)
+    with pytest.raises(BadInputError, match="per forward"):
+        h.model(input_ids=torch.zeros(1, 25, dtype=torch.long), past_key_values=cache, use_cache=True)
+    with pytest.raises(UnsupportedModelError):
+        cache.crop(-1)
+
+
+def test_sliding_window_model_refused(tiny_model):
+    h = tiny_model("mistral")  # sliding_window 4096
+    with pytest.raises(UnsupportedModelError, match="sliding window"):
+        RollingCache(h.config, h.rope, window=4090, sinks=4, evict_chunk=8)
+    RollingCache(h.config, h.rope, window=256, sinks=4)  # fine below the model's own window

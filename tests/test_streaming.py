@@ -1,0 +1,119 @@
+"""Streaming perplexity methods, the two experiments (smoke), and the generate/chat commands."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvlab.errors import BadInputError
+from kvlab.experiments import ExperimentContext, get_experiment
+from kvlab.metrics import nll
+from kvlab.runner import run_experiment
+from kvlab.streaming import stream_nll, streaming_perplexity
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def stream(tiny_model):
+    h = tiny_model("llama")
+    return h, torch.randint(0, 500, (130,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def test_full_and_recompute_are_exact(stream):
+    h, ids = stream
+    full = stream_nll(h, ids, "full", window=32)
+    ref = nll(h.prefill(ids).logits[:-1], torch.tensor(ids[1:])).numpy()
+    assert np.allclose(full.nll, ref, atol=1e-4)
+    rec = stream_nll(h, ids, "recompute", window=32, recompute_targets=[40, 77, 129], recompute_batch=2)
+    for t, v in zip(rec.targets, rec.nll, strict=True):
+        want = float(nll(h.prefill(ids[t - 32 : t]).logits[-1:], torch.tensor([ids[t]]))[0])
+        assert abs(v - want) < 1e-4
+
+
+def test_window_repositioned_equals_absolute(stream):
+    h, ids = stream
+    a = stream_nll(h, ids, "window", window=24, feed=4)
+    b = stream_nll(h, ids, "window_abs", window=24, feed=4)
+    assert a.extra["rebases"] > 5 and b.extra["rebases"] == 0
+    assert a.extra["max_position"] < 24 + 8 < b.extra["max_position"]
+    assert np.allclose(a.nll, b.nll, atol=1e-4)
+
+
+def test_no_eviction_equals_full(stream):
+    h, ids = stream
+    a = stream_nll(h, ids[:60], "sinks4", window=100, feed=8)
+    assert np.allclose(a.nll, stream_nll(h, ids[:60], "full", window=100).nll, atol=1e-4)
+
+
+def test_all_methods_share_targets_and_bad_input(stream):
+    h, ids = stream
+    res = streaming_perplexity(h, ids, window=32, feed=8, recompute_samples=10)
+    sub = res["recompute"].targets
+    assert set(res) >= {"full", "window", "window_abs", "sinks1", "sinks8", "recompute"}
+    for r in res.values():
+        assert np.isfinite(r.ppl_on(sub))
+    with pytest.raises(BadInputError, match="unknown streaming method"):
+        stream_nll(h, ids, "nope", window=32)
+    with pytest.raises(BadInputError):
+        streaming_perplexity(h, ids[:20], window=32)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_streaming_experiment_smoke(smollm, tmp_path):
+    ctx = ExperimentContext(
+        out_dir=tmp_path / "sp",
+        profile="quick",
+        options={"tokens": 120, "windows": [32], "recompute_samples": 6, "sinks": [1, 4]},
+    )
+    ctx._model = smollm
+    result = run_experiment(get_experiment("streaming_ppl"), ctx)
+    assert result.status == "ok", result.notes
+    doc = json.loads((tmp_path / "sp" / "result.json").read_text())
+    assert doc["tables"]
+    assert (tmp_path / "sp" / "ppl_by_method.png").is_file()
+    assert (tmp_path / "sp" / "arrays.npz").is_file()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_suffix_experiment_smoke(smollm, tmp_path):
+    ctx = ExperimentContext(
+        out_dir=tmp_path / "sc", profile="quick", options={"windows": 2, "context_tokens": 48}
+    )
+    ctx._model = smollm
+    result = run_experiment(get_experiment("suffix_caching"), ctx)
+    assert result.status == "ok", result.notes
+    assert (tmp_path / "sc" / "kl_by_drop.png").is_file()
+    arrays = np.load(tmp_path / "sc" / "arrays.npz")
+    assert arrays["kl_to_reprefill"].shape == (2, 2, 2)
+    ratios = result.summary["median_kl_ratio_no_sink_over_sinks"]
+    assert all(np.isfinite(v) for v in ratios.values())
+
+
+@pytest.mark.real_model
+def test_generate_and_chat_commands(smollm):
+    from kvlab.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(
+        app, ["generate", "The river", "-n", "12", "-w", "8", "-s", "2", "--evict-chunk", "2", "--stats"]
+    )
+    assert out.exit_code == 0, out.output
+    assert "rolls" in out.output
+    chat = runner.invoke(
+        app, ["chat", "-w", "48", "-s", "4", "--evict-chunk", "8", "-n", "6"], input="Hi there\nAnd again?\n"
+    )
+    assert chat.exit_code == 0, chat.output
+    assert "bye" in chat.output and chat.output.count("tokens/s") == 2
