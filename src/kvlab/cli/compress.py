@@ -1,0 +1,132 @@
+"""``kvlab compress`` (quantizers and eviction policies, measured) and ``kvlab train-evictor``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvlab.cli.common import (
+    FullOpt,
+    JsonOpt,
+    ModelOpt,
+    OutOpt,
+    QuickOpt,
+    SeedOpt,
+    console,
+    profile_from,
+    run_and_report,
+)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("compress")
+    def compress_cmd(
+        text: Annotated[
+            Path | None,
+            typer.Option(
+                "--text",
+                help="Text file to measure on (default: Frankenstein "
+                "if ../shared is present, else the Python docs).",
+            ),
+        ] = None,
+        bits: Annotated[
+            list[int] | None, typer.Option("--bits", help="Bit widths (repeatable): 8, 4, 3, 2.")
+        ] = None,
+        keep: Annotated[
+            list[float] | None, typer.Option("--keep", help="Kept fractions (repeatable), in (0, 1].")
+        ] = None,
+        method: Annotated[
+            list[str] | None, typer.Option("--method", help="Quantizers (repeatable), e.g. rotation+sinks.")
+        ] = None,
+        policy: Annotated[
+            list[str] | None, typer.Option("--policy", help="Eviction policies (repeatable), e.g. snapkv.")
+        ] = None,
+        windows: Annotated[
+            int | None, typer.Option("--windows", help="Text windows to average over.")
+        ] = None,
+        context: Annotated[int | None, typer.Option("--context", help="Context tokens per window.")] = None,
+        model: ModelOpt = "smollm2-135m",
+        out: OutOpt = Path("runs"),
+        json_out: JsonOpt = False,
+        quick: QuickOpt = False,
+        full: FullOpt = False,
+        seed: SeedOpt = 0,
+    ) -> None:
+        """Quantize and evict the KV cache, and measure distortion, perplexity, needle retrieval, bytes and time."""
+        from kvlab.experiments import get_experiment
+
+        run_and_report(
+            get_experiment("compression"),
+            out=out,
+            json_out=json_out,
+            model=model,
+            profile=profile_from(quick, full),
+            seed=seed,
+            text=text,
+            bits=bits or None,
+            keeps=keep or None,
+            methods=method or None,
+            policies=policy or None,
+            windows=windows,
+            context_tokens=context,
+        )
+
+    @app.command("train-evictor")
+    def train_evictor_cmd(
+        windows: Annotated[
+            int, typer.Option("--windows", help="Training windows (the last quarter is held out).")
+        ] = 24,
+        context: Annotated[int, typer.Option("--context", help="Context tokens per window.")] = 512,
+        future: Annotated[
+            int, typer.Option("--future", help="Future queries whose attention is the target.")
+        ] = 64,
+        steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 1500,
+        text: Annotated[
+            Path | None,
+            typer.Option(
+                "--text", help="Training text (default: the first 150k characters of the Python docs)."
+            ),
+        ] = None,
+        weights: Annotated[
+            Path | None,
+            typer.Option(
+                "--weights", help="Where to write the weights (default: the packaged kvlab/compress/weights)."
+            ),
+        ] = None,
+        model: ModelOpt = "smollm2-135m",
+        seed: SeedOpt = 0,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Train the learned eviction policy (a tiny MLP) on the model's own attention; a few minutes on CPU."""
+        import json
+
+        from kvlab.compress.evict.learned import save_weights, train_evictor
+        from kvlab.data import python_docs, read_text_file, token_windows
+        from kvlab.experiments.compression import TRAIN_CHARS
+        from kvlab.model import load_model
+
+        handle = load_model(model)
+        src = read_text_file(text).text if text else python_docs().text[:TRAIN_CHARS]
+        ids = handle.encode(src)
+        wins = token_windows(ids, context + future, windows, seed=seed)
+        trained, report = train_evictor(
+            handle,
+            wins,
+            context=context,
+            future=future,
+            steps=steps,
+            seed=seed,
+            progress=None if json_out else lambda i, n: console.print(f"window {i}/{n}"),
+        )
+        trained.meta["model"] = handle.name
+        trained.meta["model_fingerprint"] = handle.fingerprint
+        trained.meta["text"] = str(text) if text else f"Python docs, first {TRAIN_CHARS} characters"
+        path = save_weights(trained, weights)
+        report["weights"] = str(path)
+        if json_out:
+            print(json.dumps(report, indent=2))
+        else:
+            for k, v in report.items():
+                console.print(f"{k}: {v}")

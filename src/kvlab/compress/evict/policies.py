@@ -1,0 +1,173 @@
+"""Eviction policies: each a small dataclass with one ``score()``; higher scores are kept.
+
+A policy sees one layer at a time through a :class:`LayerView` and returns ``[batch, kv_heads, T]``
+scores; :func:`~kvlab.compress.evict.select.keep_indices` then keeps the top ``n`` slots per head,
+always including the first ``sinks`` slots and the last ``window`` slots the policy asks for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from kvlab.compress.evict.observe import attention_weights
+from kvlab.errors import BadInputError
+
+
+@dataclass(eq=False)
+class LayerView:
+    """One layer of a prefilled context.
+
+    ``keys``/``values`` ``[B, Hkv, T, D]``; ``positions [T]``; ``queries [B, Hq, T, D]`` post-RoPE (the
+    context's own queries, or None when only the cache is known); ``scaling`` the softmax scale.
+    """
+
+    layer: int
+    num_layers: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    queries: torch.Tensor | None = None
+    scaling: float = 1.0
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[-2]
+
+    def require_queries(self, who: str) -> torch.Tensor:
+        if self.queries is None:
+            raise BadInputError(
+                f"{who} scores tokens by attention and needs the context's queries: "
+                "use kvlab.compress.observe(model, tokens) and evict the Observation"
+            )
+        return self.queries
+
+    def window_attention(self, n: int) -> torch.Tensor:
+        """Attention of the last ``n`` queries, averaged over them and over each KV head's query group: ``[B, Hkv, T]``."""
+        key = ("window", n)
+        if key not in self._memo:
+            q = self.require_queries("this policy")
+            t = self.seq_len
+            n = min(n, t)
+            a = attention_weights(q[:, :, t - n :], self.keys, self.scaling, torch.arange(t - n, t))
+            self._memo[key] = _group_mean(a.mean(dim=2), self.keys.shape[1])
+        return self._memo[key]
+
+    @cached_property
+    def received(self) -> torch.Tensor:
+        """Attention each slot received from every context query, ``[B, Hkv, T]`` (sum over queries, group mean)."""
+        q = self.require_queries("this policy")
+        t = self.seq_len
+        total = torch.zeros(q.shape[0], q.shape[1], t)
+        for s in range(0, t, 256):
+            e = min(s + 256, t)
+            total += attention_weights(q[:, :, s:e], self.keys, self.scaling, torch.arange(s, e)).sum(dim=2)
+        return _group_mean(total, self.keys.shape[1])
+
+
+def _group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, Hq, T]`` -> ``[B, Hkv, T]``: mean over the query heads sharing each KV head."""
+    b, hq, t = x.shape
+    return x.view(b, kv_heads, hq // kv_heads, t).mean(dim=2)
+
+
+def _broadcast(score_t: torch.Tensor, view: LayerView) -> torch.Tensor:
+    b, h = view.keys.shape[:2]
+    return score_t.to(torch.float32)[None, None, :].expand(b, h, -1)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base: ``sinks`` first slots and ``window`` last slots are always kept."""
+
+    sinks: int = 0
+    window: int = 0
+    name = "policy"
+    needs_queries = False
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SlidingWindow(Policy):
+    """Keep the most recent tokens."""
+
+    name = "window"
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return _broadcast(torch.arange(view.seq_len), view)
+
+
+@dataclass(frozen=True)
+class StreamingLLM(SlidingWindow):
+    """Attention sinks + the most recent tokens (Xiao et al. 2023)."""
+
+    sinks: int = 4
+    name = "streaming_llm"
+
+
+@dataclass(frozen=True)
+class H2O(Policy):
+    """Heavy hitters: attention accumulated over every context query, plus a recent window."""
+
+    window: int = 16
+    name = "h2o"
+    needs_queries = True
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return view.received
+
+
+@dataclass(frozen=True)
+class SnapKV(Policy):
+    """Attention from the last ``observe`` queries, average-pooled over ``kernel`` neighbours; the window is kept."""
+
+    window: int = 32
+    observe: int = 32
+    kernel: int = 5
+    name = "snapkv"
+    needs_queries = True
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        a = view.window_attention(self.observe)
+        return torch.nn.functional.avg_pool1d(
+            a, self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=False
+        )
+
+
+@dataclass(frozen=True)
+class TOVA(Policy):
+    """Attention of the last query only (Oren et al. 2024)."""
+
+    name = "tova"
+    needs_queries = True
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return view.window_attention(1)
+
+
+@dataclass(frozen=True)
+class KeyNorm(Policy):
+    """Keep low-norm keys (they draw more attention, Devoto et al. 2024; kvpress's Knorm)."""
+
+    name = "knorm"
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return -view.keys.float().norm(dim=-1)
+
+
+@dataclass(frozen=True)
+class RandomPolicy(Policy):
+    """The control: uniform random scores (seeded per layer)."""
+
+    seed: int = 0
+    name = "random"
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1000 + view.layer)
+        b, h = view.keys.shape[:2]
+        return torch.rand(b, h, view.seq_len, generator=gen)

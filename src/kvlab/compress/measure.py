@@ -1,0 +1,99 @@
+"""Measuring a compressed context against the uncompressed one, with fixed reference queries.
+
+Shapes: reference ``queries`` per layer ``[B, Hq, n, D]`` (the *future* queries, computed with the
+uncompressed cache); keys/values ``[B, Hkv, T, D]`` (or ``[B, Hkv, n_keep, D]`` after eviction).
+Everything returns per-layer numpy arrays so curves over layers and windows can be bootstrapped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlab.compress.evict.observe import attention_weights, expand_kv
+from kvlab.metrics.logits import nll
+
+
+@dataclass(frozen=True)
+class Distortion:
+    """Per layer: q·k relative error and correlation, attention KL (nats), attention-output relative error."""
+
+    qk_rel_error: np.ndarray
+    qk_corr: np.ndarray
+    attn_kl: np.ndarray
+    out_rel_error: np.ndarray
+    kept_mass: np.ndarray  # attention mass (of the uncompressed distribution) on the slots still held
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    a, b = a - a.mean(), b - b.mean()
+    return float((a @ b) / (a.norm() * b.norm() + 1e-30))
+
+
+def distortion(
+    queries: tuple[torch.Tensor, ...],
+    keys: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+    new_keys: tuple[torch.Tensor, ...],
+    new_values: tuple[torch.Tensor, ...],
+    scaling: float,
+    slots: tuple[torch.Tensor, ...] | None = None,
+) -> Distortion:
+    """Compare attention of ``queries`` over the reference cache and over the compressed one.
+
+    ``slots`` (per layer ``[B, Hkv, n_keep]``) marks an evicted cache: q·k and KL are then taken on the
+    kept slots only (KL to the renormalised reference), and ``kept_mass`` says how much attention they held.
+    """
+    out = {k: [] for k in ("qk_rel_error", "qk_corr", "attn_kl", "out_rel_error", "kept_mass")}
+    for i, q in enumerate(queries):
+        hq = q.shape[1]
+        k_ref, v_ref = expand_kv(keys[i].float(), hq), expand_kv(values[i].float(), hq)
+        k_new, v_new = expand_kv(new_keys[i].float(), hq), expand_kv(new_values[i].float(), hq)
+        a = attention_weights(q, keys[i], scaling)
+        b = attention_weights(q, new_keys[i], scaling)
+        s_ref = q.float() @ k_ref.transpose(-1, -2)
+        if slots is not None:
+            idx = expand_kv(slots[i][..., None], hq)[..., 0]  # [B, Hq, n_keep]
+            g = idx[:, :, None, :].expand(-1, -1, q.shape[2], -1)
+            s_ref = s_ref.gather(-1, g)
+            a_kept = a.gather(-1, g)
+            mass = a_kept.sum(-1)
+            a_cmp = a_kept / mass[..., None]
+            out["kept_mass"].append(float(mass.mean()))
+        else:
+            a_cmp = a
+            out["kept_mass"].append(1.0)
+        s_new = q.float() @ k_new.transpose(-1, -2)
+        out["qk_rel_error"].append(float((s_new - s_ref).norm() / s_ref.norm()))
+        out["qk_corr"].append(_corr(s_ref, s_new))
+        kl = (a_cmp * (a_cmp.clamp_min(1e-30).log() - b.clamp_min(1e-30).log())).sum(-1)
+        out["attn_kl"].append(float(kl.mean()))
+        o_ref, o_new = a @ v_ref, b @ v_new
+        out["out_rel_error"].append(float((o_new - o_ref).norm() / o_ref.norm()))
+    return Distortion(**{k: np.array(v) for k, v in out.items()})
+
+
+def continuation_nll(logits: torch.Tensor, continuation: list[int]) -> np.ndarray:
+    """NLL (nats) of ``continuation[1:]`` given ``logits [n, vocab]`` of the continuation tokens."""
+    return nll(logits[:-1], torch.as_tensor(continuation[1:])).numpy()
+
+
+def time_decode_ms(handle: Any, cache: Any, first_token: int, start_position: int, steps: int) -> float:
+    """Median milliseconds per greedy decode step of ``handle.model`` on ``cache`` (which it extends)."""
+    tok, times = first_token, []
+    with torch.no_grad():
+        for s in range(steps):
+            ids = torch.tensor([[tok]], device=handle.device)
+            pos = torch.tensor([[start_position + s]], device=handle.device)
+            t0 = time.perf_counter()
+            logits = handle.model(
+                input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True
+            ).logits
+            times.append((time.perf_counter() - t0) * 1000)
+            tok = int(logits[0, -1].argmax())
+    return float(np.median(times))

@@ -1,0 +1,66 @@
+"""Orthogonal rotations per head and the 1-bit residual sketch (QJL-style).
+
+A rotation ``R [D, D]`` (``R @ R.T = I``) leaves every inner product unchanged, ``(R q)·(R k) = q·k``,
+but spreads a few large channels over all of them, so a scalar quantizer sees flat groups without
+outliers. Rotations are regenerated from a seed, so they cost no stored bytes.
+
+The sketch stores ``sign(S r)`` for a Gaussian ``S [m, D]`` and ``|r|`` of a residual ``r``; then
+``sqrt(pi/2) / m * |r| * S.T @ sign(S r)`` is an unbiased estimate of ``r`` (Gaussian rows ``s``
+satisfy ``E[s sign(s·r)] = sqrt(2/pi) r / |r|``), so ``q · (k_hat + r_hat)`` is unbiased for ``q·k``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from kvlab.errors import BadInputError
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(n)
+
+
+@lru_cache(maxsize=64)
+def rotation_matrix(dim: int, kind: str = "hadamard", seed: int = 0, heads: int = 1) -> torch.Tensor:
+    """``[heads, dim, dim]`` float64 orthogonal matrices, one per head (random signs x Hadamard, or Haar)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "hadamard":
+        if dim & (dim - 1):
+            raise BadInputError(
+                f"a Hadamard rotation needs a power-of-two head_dim, got {dim}; use rotation='random'"
+            )
+        signs = torch.randint(0, 2, (heads, dim), generator=gen).double() * 2 - 1
+        return _hadamard(dim)[None] * signs[:, None, :]  # H @ diag(signs): orthogonal
+    if kind == "random":
+        g = torch.randn(heads, dim, dim, generator=gen, dtype=torch.float64)
+        q, r = torch.linalg.qr(g)
+        return q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
+    raise BadInputError(f"unknown rotation '{kind}'; choose hadamard or random")
+
+
+def rotate_heads(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, D]`` -> ``x @ R_h.T`` per head (float32)."""
+    return torch.einsum("bhtd,hed->bhte", x.float(), rot.float())
+
+
+def unrotate_heads(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("bhte,hed->bhtd", x.float(), rot.float())
+
+
+@lru_cache(maxsize=16)
+def sketch_matrix(dim: int, m: int, seed: int = 1) -> torch.Tensor:
+    """``[m, dim]`` standard Gaussian projection for the residual sketch."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, dim, generator=gen, dtype=torch.float32)
+
+
+def sketch_estimate(signs: torch.Tensor, norms: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """Unbiased residual estimate from ``signs [..., m]`` (+-1) and ``norms [...]``: ``[..., dim]``."""
+    m = proj.shape[0]
+    return math.sqrt(math.pi / 2) / m * norms[..., None] * (signs @ proj)

@@ -1,0 +1,276 @@
+"""A drop-in transformers ``Cache`` that quantizes or evicts as the model runs (transformers 5.x layer API).
+
+``CompressedCache(config, quantizer=...)`` stores every layer as full-precision sinks, packed
+segments (any :class:`~kvlab.compress.quant.Quantizer`) and a full-precision recent tail; each
+``update`` returns the decoded history plus the new tokens, so attention runs on what the cache
+really holds. ``CompressedCache(config, policy=..., keep=0.5, model=model)`` lets the prefill attend
+to everything, then keeps ``keep`` of the slots per layer and head (queries are captured by a
+read-only hook on each ``q_proj``, removed as soon as the prefill is done).
+
+Bookkeeping invariant: ``get_seq_length()`` is the number of tokens *seen* (so default position ids
+continue at the original positions: evicted caches keep their positions), while the attention mask
+and query offset use the number of slots *held*.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvlab.compress.evict.observe import attention_modules
+from kvlab.compress.evict.policies import LayerView, Policy
+from kvlab.compress.evict.select import budget_slots, keep_indices
+from kvlab.compress.quant.methods import Quantizer, Segment, split_plan
+from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.hf.cache import sliding_windows
+from kvlab.rope.ops import apply_rope
+from kvlab.rope.spec import RopeSpec, rope_spec_from_config
+
+
+def _bytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class CompressedLayer(DynamicLayer):
+    """One layer: ``sink_keys`` + packed ``segments`` + full-precision tail (``self.keys``/``self.values``)."""
+
+    def __init__(self, owner: CompressedCache, index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.seen = 0
+        self.sink_keys: torch.Tensor | None = None
+        self.sink_values: torch.Tensor | None = None
+        self.segments: list[Segment] = []
+        self.tail_positions = torch.zeros(0, dtype=torch.long)
+        self.pending_queries: torch.Tensor | None = None
+        self.evicted = False
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def held(self) -> int:
+        if not self.is_initialized:
+            return 0
+        n = self.keys.shape[-2] + sum(s.length for s in self.segments)
+        return n + (self.sink_keys.shape[-2] if self.sink_keys is not None else 0)
+
+    @property
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return _bytes(self.sink_keys, self.sink_values, self.keys, self.values) + sum(
+            s.nbytes for s in self.segments
+        )
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.held + query_length, 0
+
+    # -- contents --------------------------------------------------------------------------------
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything held, as full tensors ``[B, H, held, D]`` (dequantized)."""
+        ks, vs = [], []
+        if self.sink_keys is not None:
+            ks.append(self.sink_keys)
+            vs.append(self.sink_values)
+        for seg in self.segments:
+            k, v = seg.decode()
+            ks.append(k.to(self.dtype))
+            vs.append(v.to(self.dtype))
+        ks.append(self.keys)
+        vs.append(self.values)
+        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n_new = key_states.shape[-2]
+        positions = torch.arange(self.seen, self.seen + n_new)
+        self.seen += n_new
+        cache = self.owner
+        if cache.policy is not None and not self.evicted:
+            return self._evict(key_states, value_states, positions)
+        prior_k, prior_v = self.decoded()
+        out = torch.cat((prior_k, key_states), dim=-2), torch.cat((prior_v, value_states), dim=-2)
+        if cache.quantizer is None:
+            self.keys, self.values = out
+            return out
+        self._store(key_states, value_states, positions)
+        return out
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        q = self.owner.quantizer
+        have = self.sink_keys.shape[-2] if self.sink_keys is not None else 0
+        take = min(max(q.sinks - have, 0), k.shape[-2])
+        if take:
+            sk, sv = k[:, :, :take].clone(), v[:, :, :take].clone()
+            self.sink_keys = sk if self.sink_keys is None else torch.cat((self.sink_keys, sk), dim=-2)
+            self.sink_values = sv if self.sink_values is None else torch.cat((self.sink_values, sv), dim=-2)
+            k, v, positions = k[:, :, take:], v[:, :, take:], positions[take:]
+        tail_k = torch.cat((self.keys, k), dim=-2)
+        tail_v = torch.cat((self.values, v), dim=-2)
+        tail_pos = torch.cat((self.tail_positions, positions))
+        _, stop = split_plan(tail_k.shape[-2], 0, q.window, q.token_multiple())
+        if stop > 0:
+            self.segments.append(
+                q.encode(tail_k[:, :, :stop], tail_v[:, :, :stop], tail_pos[:stop], self.owner.rope)
+            )
+            tail_k, tail_v, tail_pos = tail_k[:, :, stop:], tail_v[:, :, stop:], tail_pos[stop:]
+        self.keys, self.values, self.tail_positions = tail_k.clone(), tail_v.clone(), tail_pos
+
+    def _evict(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        cache = self.owner
+        queries = None
+        if self.pending_queries is not None:
+            raw = self.pending_queries
+            b, t, _ = raw.shape
+            queries = raw.view(b, t, -1, k.shape[-1]).transpose(1, 2).float()
+            if cache.rope is not None:
+                queries = apply_rope(queries, positions, cache.rope).float()
+        view = LayerView(self.index, len(cache.layers), k, v, positions, queries, cache.scaling)
+        n = budget_slots(k.shape[-2], cache.keep)
+        idx = keep_indices(cache.policy.score(view), n, cache.policy.sinks, cache.policy.window)
+        gather = idx[..., None].expand(-1, -1, -1, k.shape[-1])
+        self.keys, self.values = k.gather(2, gather), v.gather(2, gather)
+        self.evicted, self.pending_queries = True, None
+        cache._layer_done()
+        return k, v
+
+
+class CompressedCache(Cache):
+    """A transformers cache that quantizes (``quantizer``) or evicts (``policy`` + ``keep``) as it fills.
+
+    Pass it as ``past_key_values`` to ``model(...)`` or ``model.generate(...)``. Attention-based
+    policies need ``model`` (for the query hooks). ``nbytes`` is what the cache holds for K/V now.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        quantizer: Quantizer | None = None,
+        policy: Policy | None = None,
+        keep: float | None = None,
+        model: Any = None,
+        rope: RopeSpec | None = None,
+    ):
+        if quantizer is not None and policy is not None:
+            raise BadInputError("choose a quantizer or an eviction policy for one CompressedCache, not both")
+        if policy is not None:
+            budget_slots(1000, keep)  # validates the fraction
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if any(w is not None for w in sliding_windows(config)):
+            raise UnsupportedModelError(
+                "CompressedCache supports full-attention models only (this one has sliding-window layers)"
+            )
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        self.rope = rope if rope is not None else rope_spec_from_config(text)
+        if quantizer is not None:
+            quantizer.check(head_dim, self.rope)
+        self.quantizer, self.policy, self.keep = quantizer, policy, keep
+        self.scaling = head_dim**-0.5
+        self._hooks: list[Any] = []
+        super().__init__(layers=[CompressedLayer(self, i) for i in range(int(text.num_hidden_layers))])
+        if policy is not None and policy.needs_queries:
+            if model is None:
+                raise BadInputError(
+                    f"policy '{policy.name}' scores by attention: pass model= so the cache can "
+                    "see the prefill's queries"
+                )
+            mods = attention_modules(model)
+            self.scaling = float(getattr(mods[0], "scaling", self.scaling))
+            for i, m in enumerate(mods):
+                self._hooks.append(m.q_proj.register_forward_hook(self._capture(i)))
+        self._pending_layers = len(self.layers) if policy is not None else 0
+
+    def _capture(self, i: int):
+        def hook(_module, _inputs, output):
+            layer = self.layers[i]
+            if not layer.evicted:
+                layer.pending_queries = output.detach()
+
+        return hook
+
+    def _layer_done(self) -> None:
+        self._pending_layers -= 1
+        if self._pending_layers <= 0:
+            self.close()
+
+    def close(self) -> None:
+        """Remove the query hooks (done automatically once the prefill has been evicted)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].held if layer_idx < len(self.layers) else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def held(self) -> int:
+        return self.layers[0].held
+
+
+def dynamic_cache_from_layers(
+    keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...], config: Any
+) -> DynamicCache:
+    """A ``DynamicCache`` holding copies of per-layer ``[B, H, n, D]`` K/V (e.g. an evicted cache)."""
+    cache = DynamicCache(config=config)
+    if len(cache.layers) != len(keys):
+        raise UnsupportedModelError(f"the model has {len(cache.layers)} cache layers, got {len(keys)}")
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k.clone(), v.clone(), i)
+    return cache
+
+
+@torch.no_grad()
+def logits_on_layers(
+    handle: Any,
+    keys: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+    tokens: list[int],
+    start_position: int,
+) -> torch.Tensor:
+    """``[n, vocab]`` logits of ``tokens`` run after per-layer K/V, at positions ``start_position`` onward.
+
+    Works for caches that are not :class:`~kvlab.cache.KVSnapshot` s (per-head evicted caches); the
+    inputs are copied, never written.
+    """
+    ids = torch.as_tensor([tokens], dtype=torch.long, device=handle.device)
+    pos = torch.arange(start_position, start_position + ids.shape[1], device=handle.device)[None]
+    cache = dynamic_cache_from_layers(keys, values, handle.config)
+    out = handle.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def greedy_on_layers(
+    handle: Any,
+    keys: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+    prompt: list[int],
+    start_position: int,
+    max_new_tokens: int,
+) -> list[int]:
+    """Greedy tokens after per-layer K/V plus ``prompt`` (run at ``start_position`` onward); inputs untouched."""
+    cache = dynamic_cache_from_layers(keys, values, handle.config)
+    ids = torch.as_tensor([prompt], dtype=torch.long, device=handle.device)
+    pos = start_position
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        position_ids = torch.arange(pos, pos + ids.shape[1], device=handle.device)[None]
+        logits = handle.model(
+            input_ids=ids, past_key_values=cache, position_ids=position_ids, use_cache=True, logits_to_keep=1
+        ).logits
+        pos += ids.shape[1]
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        ids = torch.tensor([[tok]], device=handle.device)
+    return out

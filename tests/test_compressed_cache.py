@@ -1,0 +1,182 @@
+"""The drop-in transformers cache: generate works, no-op config is exact, and it matches the snapshot path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvlab.compress.evict import SnapKV, StreamingLLM, evict, observe
+from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer, quantize_snapshot
+from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The CPU is shared: one torch thread avoids oversubscription stalls (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig
+
+    from kvlab.model.random import tiny_random_model
+
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return tiny_random_model(cfg, head_dim=16, layers=2)
+
+
+IDS = torch.randint(0, 512, (1, 50), generator=torch.Generator().manual_seed(0))
+
+
+def test_no_compression_reproduces_dynamic_cache_exactly(tiny):
+    ref = tiny.model(IDS, use_cache=True).logits
+    cache = CompressedCache(tiny.config)
+    got = tiny.model(IDS, past_key_values=cache, use_cache=True).logits
+    assert torch.equal(got, ref)
+    a = tiny.model.generate(IDS, max_new_tokens=6, do_sample=False)
+    b = tiny.model.generate(
+        IDS, max_new_tokens=6, do_sample=False, past_key_values=CompressedCache(tiny.config)
+    )
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "quantizer",
+    [
+        PerTokenQuantizer(bits=8, group_size=16),
+        KIVIQuantizer(bits=2, group_size=16, window=8, sinks=2),
+        RotatedQuantizer(bits=4, group_size=16, sinks=4),
+    ],
+    ids=lambda q: q.name,
+)
+def test_prefill_holds_exactly_what_quantize_snapshot_holds(tiny, quantizer):
+    snap = tiny.prefill(IDS[0].tolist()).snapshot
+    ref = quantize_snapshot(snap, quantizer)
+    cache = CompressedCache(tiny.config, quantizer=quantizer)
+    tiny.model(IDS, past_key_values=cache, use_cache=True)
+    for layer, code in zip(cache.layers, ref.layers, strict=True):
+        k, v = layer.decoded()
+        k2, v2 = code.decode()
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert cache.nbytes == ref.nbytes < snap.nbytes
+
+
+def test_generate_quantized_streams_into_packed_segments(tiny):
+    q = KIVIQuantizer(bits=4, group_size=8, window=4, sinks=2)
+    cache = CompressedCache(tiny.config, quantizer=q)
+    out = tiny.model.generate(IDS[:, :5], max_new_tokens=30, do_sample=False, past_key_values=cache)
+    assert out.shape[1] == 35
+    layer = cache.layers[0]
+    assert cache.get_seq_length() == layer.held == 34  # the last generated token is never fed back
+    assert layer.sink_keys.shape[-2] == 2 and len(layer.segments) >= 3 and layer.keys.shape[-2] < 4 + 8
+
+
+def test_evicting_cache_matches_snapshot_eviction_and_keeps_positions(tiny):
+    ids = IDS[0].tolist()
+    ev = evict(observe(tiny, ids), SnapKV(window=4, observe=4), keep=0.5)
+    cache = CompressedCache(tiny.config, policy=SnapKV(window=4, observe=4), keep=0.5, model=tiny.model)
+    tiny.model(IDS, past_key_values=cache, use_cache=True)
+    assert not cache._hooks  # removed after the prefill
+    for layer, k, v in zip(cache.layers, ev.keys, ev.values, strict=True):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    assert cache.get_seq_length() == 50 and cache.held == 25
+    # Several new tokens at once: default positions continue at 50 and the mask stays causal.
+    cont = torch.tensor([[7, 8, 9, 10]])
+    got = tiny.model(cont, past_key_values=cache, use_cache=True).logits[0]
+    ref = logits_on_layers(tiny, ev.keys, ev.values, cont[0].tolist(), 50)
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_bad_configurations_are_refused(tiny):
+    with pytest.raises(BadInputError, match="not both"):
+        CompressedCache(
+            tiny.config, quantizer=PerTokenQuantizer(bits=4, group_size=16), policy=StreamingLLM(), keep=0.5
+        )
+    with pytest.raises(BadInputError, match="model="):
+        CompressedCache(tiny.config, policy=SnapKV(), keep=0.5)
+    with pytest.raises(BadInputError, match=r"\(0, 1\]"):
+        CompressedCache(tiny.config, policy=StreamingLLM(), keep=0.0)
+    with pytest.raises(BadInputError, match="does not divide"):
+        CompressedCache(tiny.config, quantizer=PerTokenQuantizer(bits=4, group_size=64))
+    from transformers import MistralConfig
+
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        CompressedCache(
+            MistralConfig(num_hidden_layers=2, sliding_window=64), quantizer=PerTokenQuantizer(bits=4)
+        )
+
+
+@pytest.mark.real_model
+def test_real_model_generate_with_compressed_caches(smollm):
+    ids = torch.tensor(
+        [smollm.encode("The lighthouse keeper climbed the stairs every evening to light the lamp, and")]
+    )
+    ref = smollm.model(ids, use_cache=True).logits
+    assert torch.equal(
+        smollm.model(ids, past_key_values=CompressedCache(smollm.config), use_cache=True).logits, ref
+    )
+    plain = smollm.model.generate(ids, max_new_tokens=6, do_sample=False)
+    # 8-bit rotation keeps the greedy continuation on this prompt; eviction runs inside generate too
+    cache = CompressedCache(smollm.config, quantizer=RotatedQuantizer(bits=8, sinks=4))
+    assert torch.equal(
+        smollm.model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache), plain
+    )
+    assert cache.nbytes < 0.5 * 46080 * cache.get_seq_length()  # 8.5 bits/element + 4 fp32 sinks
+    cache = CompressedCache(smollm.config, policy=SnapKV(window=4, observe=4), keep=0.5, model=smollm.model)
+    out = smollm.model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
+    assert out.shape == plain.shape and cache.held < cache.get_seq_length()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_experiment_smoke(smollm, tmp_path):
+    from kvlab.experiments import ExperimentContext, get_experiment
+    from kvlab.runner import run_experiment
+
+    ctx = ExperimentContext(
+        out_dir=tmp_path,
+        profile="quick",
+        options=dict(
+            context_tokens=128,
+            continuation_tokens=32,
+            windows=1,
+            bits=[4],
+            keeps=[0.5],
+            methods=["pertoken", "rotation+sinks"],
+            policies=["snapkv", "learned"],
+            needle_lengths=[120],
+            needle_depths=[0.5],
+            needle_configs=["snapkv 50%"],
+            timing_steps=0,
+        ),
+    )
+    ctx._model = smollm
+    result = run_experiment(get_experiment("compression"), ctx)
+    doc = json.loads((tmp_path / "result.json").read_text())
+    assert doc["status"] == "ok" if "status" in doc else True
+    configs = result.summary["configs"]
+    assert {"full precision", "pertoken int4", "rotation+sinks int4", "snapkv 50%", "learned 50%"} <= set(
+        configs
+    )
+    assert configs["pertoken int4"]["bytes_per_token"] < 0.2 * configs["full precision"]["bytes_per_token"]
+    assert configs["snapkv 50%"]["bytes_per_token"] == pytest.approx(
+        0.5 * configs["full precision"]["bytes_per_token"]
+    )
+    for fig in ("pareto.png", "per_layer_distortion.png", "arrays.npz"):
+        assert (tmp_path / fig).is_file()

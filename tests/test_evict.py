@@ -1,0 +1,162 @@
+"""Eviction policies: exact budgets, forced sinks, clear errors, exact query capture and repacking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.compress.evict import (
+    H2O,
+    POLICIES,
+    TOVA,
+    KeyNorm,
+    LearnedPolicy,
+    RandomPolicy,
+    SlidingWindow,
+    SnapKV,
+    StreamingLLM,
+    attention_weights,
+    budget_slots,
+    evict,
+    keep_indices,
+    make_policy,
+    observe,
+)
+from kvlab.compress.evict.learned import load_weights, save_weights, train_evictor
+from kvlab.errors import BadInputError
+from kvlab.hf.compressed_cache import logits_on_layers
+
+ALL = [SlidingWindow, StreamingLLM, H2O, SnapKV, TOVA, KeyNorm, RandomPolicy, LearnedPolicy]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The CPU is shared: one torch thread avoids oversubscription stalls (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig
+
+    from kvlab.model.random import tiny_random_model
+
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return tiny_random_model(cfg, head_dim=16, layers=2)
+
+
+@pytest.fixture(scope="module")
+def obs(tiny):
+    return observe(tiny, torch.randint(0, 512, (60,), generator=torch.Generator().manual_seed(0)).tolist())
+
+
+def test_captured_queries_reproduce_eager_attention(tiny):
+    ids = list(range(3, 40))
+    o = observe(tiny, ids)
+    with tiny.eager_attention():
+        ref = tiny.prefill(ids, output_attentions=True)
+    for layer in range(o.num_layers):
+        mine = attention_weights(o.queries[layer], o.snapshot.keys[layer], o.scaling, torch.arange(len(ids)))
+        assert torch.allclose(mine, ref.attentions[layer], atol=1e-5)
+
+
+@pytest.mark.parametrize("policy_cls", ALL, ids=lambda c: c.name)
+@pytest.mark.parametrize("keep", [0.1, 0.5, 1.0])
+def test_every_policy_keeps_exactly_the_budget(obs, policy_cls, keep):
+    ev = evict(obs, policy_cls(), keep=keep)
+    n = max(1, round(keep * 60))
+    assert ev.n_keep == n and ev.source_len == 60
+    for k, v, slots, pos in zip(ev.keys, ev.values, ev.slots, ev.positions, strict=True):
+        assert k.shape == (1, 2, n, 16) and v.shape == (1, 2, n, 16)
+        for row in slots[0]:
+            assert len(set(row.tolist())) == n and row.tolist() == sorted(row.tolist())
+        assert torch.equal(pos, obs.snapshot.positions[slots])
+
+
+@pytest.mark.parametrize("policy_cls", ALL, ids=lambda c: c.name)
+def test_sinks_are_always_kept_when_asked(obs, policy_cls):
+    ev = evict(obs, policy_cls(sinks=3), keep=0.1)
+    for slots in ev.slots:
+        assert bool((slots[..., :3] == torch.arange(3)).all())
+
+
+def test_kept_keys_are_the_original_keys(obs):
+    ev = evict(obs, SnapKV(), keep=0.5)
+    for layer, (k, slots) in enumerate(zip(ev.keys, ev.slots, strict=True)):
+        for h in range(2):
+            assert torch.equal(k[0, h], obs.snapshot.keys[layer][0, h, slots[0, h]])
+
+
+def test_window_policy_keeps_the_most_recent():
+    scores = SlidingWindow().score(type("V", (), {"seq_len": 10, "keys": torch.zeros(1, 2, 10, 4)})())
+    assert keep_indices(scores, 4)[0, 0].tolist() == [6, 7, 8, 9]
+    assert keep_indices(scores, 4, sinks=2)[0, 1].tolist() == [0, 1, 8, 9]
+
+
+def test_budgets_outside_the_range_are_refused(obs):
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(BadInputError, match=r"\(0, 1\]"):
+            evict(obs, TOVA(), keep=bad)
+    for bad in (0, 61):
+        with pytest.raises(BadInputError, match="n_keep"):
+            evict(obs, TOVA(), n_keep=bad)
+    with pytest.raises(BadInputError, match="exactly one budget"):
+        budget_slots(10)
+    with pytest.raises(BadInputError, match="sinks"):
+        evict(obs, StreamingLLM(sinks=8), n_keep=4)
+    with pytest.raises(BadInputError, match="queries"):
+        evict(obs.snapshot, SnapKV(), keep=0.5)
+    with pytest.raises(BadInputError, match="unknown eviction policy"):
+        make_policy("lru")
+    assert evict(obs.snapshot, KeyNorm(), keep=0.5).n_keep == 30  # key-only policies need no queries
+
+
+def test_full_budget_reproduces_uncompressed_logits_in_both_modes(tiny, obs):
+    cont = [5, 6, 7, 8]
+    ref = tiny.forward(cont, past=obs.snapshot).logits
+    for mode in ("keep", "repack"):
+        ev = evict(obs, H2O(), keep=1.0, mode=mode)
+        got = logits_on_layers(tiny, ev.keys, ev.values, cont, ev.next_position)
+        assert torch.allclose(got, ref, atol=1e-4), mode
+
+
+def test_repack_rotates_keys_to_contiguous_positions(obs):
+    ev = evict(obs, StreamingLLM(), keep=0.25)
+    rp = ev.repack()
+    assert rp.mode == "repack" and rp.next_position == ev.n_keep
+    for p in rp.positions:
+        assert bool((p == torch.arange(ev.n_keep)).all())
+    # Re-rotating back to the original positions recovers the kept keys (exact up to float rounding).
+    from kvlab.rope.ops import shift_keys
+
+    for k0, k1, pos in zip(ev.keys, rp.keys, ev.positions, strict=True):
+        back = shift_keys(k1, pos - torch.arange(ev.n_keep), obs.snapshot.rope)
+        assert torch.allclose(back, k0, atol=1e-5)
+
+
+def test_learned_policy_weights_load_and_round_trip(tiny, obs, tmp_path):
+    weights = load_weights()  # the packaged file
+    assert weights.w1.shape[0] == 8
+    assert evict(obs, LearnedPolicy(), keep=0.5).n_keep == 30
+    ids = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    trained, report = train_evictor(tiny, [ids[:100], ids[100:]], context=80, future=20, steps=20)
+    path = save_weights(trained, tmp_path / "w.json")
+    again = load_weights(str(path))
+    x = torch.randn(5, 8)
+    assert torch.allclose(again.predict(x), trained.predict(x), atol=1e-6)
+    assert report["test_rows"] > 0 and set(report) >= {"test_spearman", "test_spearman_received_only"}
+    with pytest.raises(BadInputError, match="train-evictor"):
+        load_weights(str(tmp_path / "missing.json"))
+    assert set(POLICIES) == {c.name for c in ALL}
