@@ -332,7 +332,7 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
     convs = shared_conversations()
     if convs and ctx.profile != "quick":
         conv = conversation_rolls(
-            model, convs, CONV_ROLLS, ctx.pick(quick=512, default=1500, full=4000), ctx.progress
+            model, convs, CONV_ROLLS, ctx.pick(quick=512, default=1024, full=4000), ctx.progress
         )
     elif not convs:
         result.notes.append(
