@@ -25,10 +25,9 @@ import torch
 from kvlab.data import Text, default_long_text, python_docs, read_text_file
 from kvlab.errors import BadInputError
 from kvlab.experiments.base import ExperimentContext, shared_data_dir
-from kvlab.metrics.similarity import compare_caches
+from kvlab.metrics.similarity import PreparedCache, compare_caches
 from kvlab.metrics.spectral import rope_pair_energy
 from kvlab.metrics.stats import bootstrap_curve
-from kvlab.rope.ops import remove_rope
 
 SMALL_ROLLS = (1, 2, 3, 5, 10, 20)
 FULL_ARRAY_ROLLS = (1, 5, 20)
@@ -184,12 +183,6 @@ def _key(model: Any, ids: list[int], plan: LongRollPlan) -> str:
     return h.hexdigest()
 
 
-def _last_keys_derotated(snap, slots: torch.Tensor) -> torch.Tensor:
-    """De-rotated keys ``[layers, heads, len(slots), head_dim]`` (float64) of the given slots."""
-    k = torch.stack([t[0].index_select(1, slots) for t in snap.keys]).double()
-    return remove_rope(k, snap.positions.index_select(0, slots), snap.rope)
-
-
 def long_roll_measure(
     model: Any, ids: list[int], plan: LongRollPlan, progress: Any = None, label: str = "long rolls"
 ) -> dict[str, np.ndarray]:
@@ -211,9 +204,10 @@ def long_roll_measure(
         return _MEMO[key]
     s, span, T = plan.start, plan.span, plan.context
     ns, ends = np.asarray(plan.ns), np.asarray(plan.ends)
-    base = model.prefill(ids[s : s + span], all_logits=False).snapshot
-    rope = base.rope
-    L, H = base.num_layers, base.num_kv_heads
+    base_snap = model.prefill(ids[s : s + span], all_logits=False).snapshot
+    base = PreparedCache(base_snap)  # converted and de-rotated once for every n
+    rope = base_snap.rope
+    L, H = base_snap.num_layers, base_snap.num_kv_heads
     N, E = len(ns), len(ends)
     out: dict[str, np.ndarray] = {"ns": ns, "ends": ends, "context": np.asarray(T)}
     metrics = ("k", "v", "kd", "kb") if rope is not None else ("k", "v")
@@ -227,27 +221,28 @@ def long_roll_measure(
     out["per_position_k"] = np.full((N, T), np.nan)
     if rope is not None:
         out["per_position_kd"] = np.full((N, T), np.nan)
-        slots = torch.arange(T)
-        out["energy_mean"] = rope_pair_energy(_last_keys_derotated(base, slots), rope).mean(axis=2)
+        out["energy_mean"] = rope_pair_energy(base.derotated_keys[:, :, :T], rope).mean(axis=2)
         last = torch.as_tensor(ends - 1)
-        out["energy_last"] = np.moveaxis(rope_pair_energy(_last_keys_derotated(base, last), rope), 2, 0)
+        out["energy_last"] = np.moveaxis(
+            rope_pair_energy(base.derotated_keys.index_select(2, last), rope), 2, 0
+        )
     task = progress.task(label, total=N) if progress is not None else None
     advance = task.__enter__() if task is not None else (lambda n=1: None)
     try:
         for j, n in enumerate(ns):
             n = int(n)
             if n > 0:
-                rolled = model.prefill(ids[s + n : s + span], all_logits=False).snapshot
+                rolled = PreparedCache(model.prefill(ids[s + n : s + span], all_logits=False).snapshot)
                 idx_a, idx_b = np.arange(n, span), np.arange(0, span - n)
                 c = compare_caches(
-                    base, rolled, idx_a, idx_b, derotate="correct" if rope is not None else "none"
+                    base, rolled, idx_a, idx_b, derotate="correct" if rope is not None else "none", l2=False
                 )
                 vals = {"k": c.cos_k, "v": c.cos_v}
                 if rope is not None:
                     vals["kd"] = c.cos_k_derotated
                     if n <= BUGGY_MAX_ROLL:  # the thread's mode, reproduced for the small rolls it studied
                         vals["kb"] = compare_caches(
-                            base, rolled, idx_a, idx_b, derotate="buggy"
+                            base, rolled, idx_a, idx_b, derotate="buggy", l2=False
                         ).cos_k_derotated
                 w = T - n  # aligned slots inside the window of length `context`
                 for m, arr in vals.items():
@@ -263,7 +258,12 @@ def long_roll_measure(
                         if m in vals:
                             out[f"full_{m}_n{n}"] = vals[m][..., :w].astype(np.float32)
                 t = compare_caches(
-                    base, base, ends - 1, ends - 1 - n, derotate="correct" if rope is not None else "none"
+                    base,
+                    base,
+                    ends - 1,
+                    ends - 1 - n,
+                    derotate="correct" if rope is not None else "none",
+                    l2=False,
                 )
                 out["trunc_k_last"][j] = np.moveaxis(t.cos_k, -1, 0)
                 out["trunc_v_last"][j] = np.moveaxis(t.cos_v, -1, 0)

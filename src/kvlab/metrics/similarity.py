@@ -33,14 +33,15 @@ Derotate = Literal["none", "correct", "buggy"]
 class CacheComparison:
     """Per-slot similarities, each ``[layers, kv_heads, positions]`` (float64), for batch row 0.
 
-    ``cos_k_derotated`` is None when the model has no RoPE or de-rotation was not asked for.
+    ``cos_k_derotated`` is None when the model has no RoPE or de-rotation was not asked for; ``l2_*``
+    are None when ``l2=False`` was passed.
     ``positions_a`` / ``positions_b`` are the RoPE positions of the compared slots.
     """
 
     cos_k: np.ndarray
     cos_v: np.ndarray
-    l2_k: np.ndarray
-    l2_v: np.ndarray
+    l2_k: np.ndarray | None
+    l2_v: np.ndarray | None
     cos_k_derotated: np.ndarray | None
     positions_a: np.ndarray
     positions_b: np.ndarray
@@ -60,18 +61,65 @@ class CacheComparison:
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
-    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1, eps=1e-12).numpy()
+    """Cosine over the last axis, in float64 (inputs are converted once by the caller)."""
+    a, b = a.double(), b.double()
+    dot = torch.linalg.vecdot(a, b)
+    norms = torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(b, dim=-1)
+    return (dot / norms.clamp_min(1e-12)).numpy()
 
 
 def _l2(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
     a, b = a.double(), b.double()
-    return ((a - b).norm(dim=-1) / (a.norm(dim=-1) + b.norm(dim=-1)).clamp_min(1e-12)).numpy()
+    den = torch.linalg.vector_norm(a, dim=-1) + torch.linalg.vector_norm(b, dim=-1)
+    return (torch.linalg.vector_norm(a - b, dim=-1) / den.clamp_min(1e-12)).numpy()
 
 
-def _gather(snap: KVSnapshot, idx: torch.Tensor, which: str) -> torch.Tensor:
-    """``[layers, kv_heads, P, head_dim]`` of batch row 0 at the given slots."""
-    tensors = snap.keys if which == "k" else snap.values
-    return torch.stack([t[0].index_select(1, idx) for t in tensors])
+def _index(idx: torch.Tensor) -> torch.Tensor | slice:
+    """A slice when the slots are a contiguous ascending run (a view, no gather), else the index."""
+    n = idx.numel()
+    if n and int(idx[-1]) - int(idx[0]) == n - 1 and bool((idx.diff() == 1).all()):
+        return slice(int(idx[0]), int(idx[0]) + n)
+    return idx
+
+
+def _take(t: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:
+    return t[..., idx, :] if isinstance(idx, slice) else t.index_select(-2, idx)
+
+
+class PreparedCache:
+    """A snapshot's batch-row-0 keys, values and correctly de-rotated keys as float64 ``[L, H, T, D]``.
+
+    Comparing one cache against many others (a roll sweep) converts and de-rotates it once instead of
+    once per comparison. Pass it to :func:`compare_caches` wherever a snapshot is accepted. It is a
+    read-only view of the snapshot: nothing here mutates it.
+    """
+
+    def __init__(self, snapshot: KVSnapshot) -> None:
+        self.snapshot = snapshot
+        self.keys = torch.stack([t[0] for t in snapshot.keys]).double()
+        self.values = torch.stack([t[0] for t in snapshot.values]).double()
+        self._derotated: torch.Tensor | None = None
+
+    @property
+    def derotated_keys(self) -> torch.Tensor:
+        if self._derotated is None:
+            self._derotated = remove_rope(self.keys, self.snapshot.positions, self.snapshot.rope)
+        return self._derotated
+
+
+def _side(
+    c: KVSnapshot | PreparedCache, idx: torch.Tensor, derotate: Derotate
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(K, V, de-rotated K or None)`` of the given slots, float64 ``[L, H, P, D]``."""
+    where = _index(idx)
+    if isinstance(c, PreparedCache):
+        k, v = _take(c.keys, where), _take(c.values, where)
+        kd = _take(c.derotated_keys, where) if derotate == "correct" else None
+        return k, v, kd
+    k = torch.stack([_take(t[0], where) for t in c.keys]).double()
+    v = torch.stack([_take(t[0], where) for t in c.values]).double()
+    kd = remove_rope(k, c.positions.index_select(0, idx), c.rope) if derotate == "correct" else None
+    return k, v, kd
 
 
 def _interleaved_buggy_derotate(
@@ -83,26 +131,33 @@ def _interleaved_buggy_derotate(
 
 
 def compare_caches(
-    a: KVSnapshot,
-    b: KVSnapshot,
+    a: KVSnapshot | PreparedCache,
+    b: KVSnapshot | PreparedCache,
     idx_a: torch.Tensor | np.ndarray | list[int] | None = None,
     idx_b: torch.Tensor | np.ndarray | list[int] | None = None,
     *,
     derotate: Derotate = "correct",
     center: bool = False,
+    l2: bool = True,
 ) -> CacheComparison:
     """Similarity of aligned slots of two caches (same geometry; models may differ for transplants).
 
     ``idx_a`` / ``idx_b`` are slot indices of equal length (default: all slots, equal lengths).
     ``center`` subtracts each cache's own mean vector (over the compared slots, per layer and head)
     before comparing, which removes the shared direction that keeps raw K cosine near 0.6 even for
-    unrelated text.
+    unrelated text. Either side may be a :class:`PreparedCache` (same results, less repeated work);
+    ``l2=False`` skips the normalised L2 arrays when only cosines are needed.
     """
+    pa_, pb_ = a, b
+    a = a.snapshot if isinstance(a, PreparedCache) else a
+    b = b.snapshot if isinstance(b, PreparedCache) else b
     if (a.num_layers, a.num_kv_heads, a.head_dim) != (b.num_layers, b.num_kv_heads, b.head_dim):
         raise BadInputError(
             f"cache geometries differ: {a.num_layers}x{a.num_kv_heads}x{a.head_dim} vs "
             f"{b.num_layers}x{b.num_kv_heads}x{b.head_dim}"
         )
+    if derotate not in ("none", "correct", "buggy"):
+        raise BadInputError(f"derotate must be 'none', 'correct' or 'buggy', got {derotate!r}")
     ia = torch.arange(a.seq_len) if idx_a is None else torch.as_tensor(np.asarray(idx_a), dtype=torch.long)
     ib = torch.arange(b.seq_len) if idx_b is None else torch.as_tensor(np.asarray(idx_b), dtype=torch.long)
     if ia.numel() != ib.numel() or ia.numel() == 0:
@@ -110,23 +165,21 @@ def compare_caches(
             f"need the same non-zero number of aligned slots on both sides, got {ia.numel()} and {ib.numel()}; "
             "pass idx_a/idx_b to align caches of different lengths"
         )
+    ia, ib = ia.reshape(-1), ib.reshape(-1)
     for name, idx, snap in (("idx_a", ia, a), ("idx_b", ib, b)):
         if int(idx.min()) < 0 or int(idx.max()) >= snap.seq_len:
             raise BadInputError(f"{name} must lie in [0, {snap.seq_len})")
-    ka, kb = _gather(a, ia, "k"), _gather(b, ib, "k")
-    va, vb = _gather(a, ia, "v"), _gather(b, ib, "v")
+    with_rope = derotate != "none" and a.rope is not None and b.rope is not None
+    mode = derotate if with_rope else "none"
+    ka, va, ra = _side(pa_, ia, mode)
+    kb, vb, rb = _side(pb_, ib, mode)
     pa, pb = a.positions.index_select(0, ia), b.positions.index_select(0, ib)
     dk = None
-    if derotate != "none" and a.rope is not None and b.rope is not None:
-        if derotate == "correct":
-            ra = remove_rope(ka.double(), pa, a.rope)
-            rb = remove_rope(kb.double(), pb, b.rope)
-        elif derotate == "buggy":
-            same = torch.arange(ia.numel())
-            ra = _interleaved_buggy_derotate(ka.double(), same, a)
-            rb = _interleaved_buggy_derotate(kb.double(), same, b)
-        else:
-            raise BadInputError(f"derotate must be 'none', 'correct' or 'buggy', got {derotate!r}")
+    if mode == "buggy":
+        same = torch.arange(ia.numel())
+        ra = _interleaved_buggy_derotate(ka, same, a)
+        rb = _interleaved_buggy_derotate(kb, same, b)
+    if mode != "none":
         if center:
             ra, rb = ra - ra.mean(dim=-2, keepdim=True), rb - rb.mean(dim=-2, keepdim=True)
         dk = _cos(ra, rb)
@@ -136,8 +189,8 @@ def compare_caches(
     return CacheComparison(
         cos_k=_cos(ka, kb),
         cos_v=_cos(va, vb),
-        l2_k=_l2(ka, kb),
-        l2_v=_l2(va, vb),
+        l2_k=_l2(ka, kb) if l2 else None,
+        l2_v=_l2(va, vb) if l2 else None,
         cos_k_derotated=dk,
         positions_a=pa.numpy(),
         positions_b=pb.numpy(),
