@@ -102,6 +102,14 @@ def _index(idx: IndexLike | None, default: int, name: str, bound: int) -> torch.
     return t
 
 
+def _select(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """``index_select`` that returns a view when the indices are one contiguous ascending run."""
+    n = idx.numel()
+    if n and int(idx[-1]) - int(idx[0]) == n - 1 and bool((idx.diff() == 1).all()):
+        return t.narrow(dim, int(idx[0]), n)
+    return t.index_select(dim, idx)
+
+
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     num = (a * b).sum(-1)
     den = a.norm(dim=-1) * b.norm(dim=-1)
@@ -129,7 +137,10 @@ def _js(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _topk_overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
-    """Share of A's k most-attended keys among B's k most-attended; NaN where fewer than k keys carry mass."""
+    """Share of A's k most-attended keys among B's k most-attended; NaN where fewer than k keys carry mass.
+
+    Only the ranking matters, so it runs in the maps' own dtype (no float64 copy).
+    """
     if a.shape[-1] < k:
         return torch.full(a.shape[:-1], math.nan, dtype=torch.float64)
     ta, tb = a.topk(k, dim=-1).indices, b.topk(k, dim=-1).indices
@@ -182,20 +193,22 @@ def compare_attention_rows(
         raise BadInputError(f"k must be >= 1, got {k}")
     per_layer: list[dict[str, torch.Tensor]] = []
     for layer in range(a.shape[0]):  # one layer at a time: [heads, Q, K] float64 stays small
-        rows_a = a[layer].index_select(1, qa).double()  # [H, Q, T_k]
-        rows_b = b[layer].index_select(1, qb).double()
-        pa, pb = rows_a.index_select(2, ka), rows_b.index_select(2, kb)  # [H, Q, K]
+        rows_a32 = _select(a[layer], 1, qa)  # [H, Q, T_k], the maps' own dtype
+        rows_b32 = _select(b[layer], 1, qb)
+        pa32, pb32 = _select(rows_a32, 2, ka), _select(rows_b32, 2, kb)  # [H, Q, K]
+        rows_a, rows_b = rows_a32[..., 0].double(), rows_b32[..., 0].double()  # the sink column
+        pa, pb = pa32.double(), pb32.double()
         ra, rb = pa[..., exclude_first:], pb[..., exclude_first:]
         per_layer.append(
             {
                 "cos": _cosine(pa, pb),
                 "js": _js(pa, pb),
-                "topk": _topk_overlap(pa, pb, k),
+                "topk": _topk_overlap(pa32, pb32, k),
                 "cos_rest": _cosine(ra, rb),
                 "js_rest": _js(ra, rb),
-                "topk_rest": _topk_overlap(ra, rb, k),
-                "sink_a": rows_a[..., 0],
-                "sink_b": rows_b[..., 0],
+                "topk_rest": _topk_overlap(pa32[..., exclude_first:], pb32[..., exclude_first:], k),
+                "sink_a": rows_a,
+                "sink_b": rows_b,
                 "first_aligned_a": pa[..., 0],
                 "first_aligned_b": pb[..., 0],
                 "aligned_mass_a": pa.sum(-1),
