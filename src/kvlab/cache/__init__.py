@@ -1,6 +1,6 @@
 """kvlab's own cache types: the immutable :class:`KVSnapshot` and its file format."""
 
 from kvlab.cache.io import load_snapshot, read_metadata, save_snapshot
-from kvlab.cache.snapshot import KVSnapshot, concat
+from kvlab.cache.snapshot import KVSnapshot, concat, stack_rows
 
-__all__ = ["KVSnapshot", "concat", "load_snapshot", "read_metadata", "save_snapshot"]
+__all__ = ["KVSnapshot", "concat", "stack_rows", "load_snapshot", "read_metadata", "save_snapshot"]

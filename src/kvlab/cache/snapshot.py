@@ -219,3 +219,27 @@ def concat(first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:
         token_ids=torch.cat((first.token_ids, second.token_ids), dim=1),
         positions=torch.cat((first.positions, second.positions)),
     )
+
+
+def stack_rows(snapshots: Sequence[KVSnapshot]) -> KVSnapshot:
+    """Caches of equal length and equal positions as the rows of one batch (new tensors).
+
+    Feeding many caches the same tokens in one batched forward streams the weights once instead of
+    once per cache, which is what decoding costs on a CPU. Rows must come from the same model and
+    share their slot positions (a batch has one position per slot).
+    """
+    if not snapshots:
+        raise BadInputError("stack_rows needs at least one cache")
+    first = snapshots[0]
+    for s in snapshots[1:]:
+        first.require_compatible(s, "stacking caches into a batch")
+        if s.seq_len != first.seq_len or not torch.equal(s.positions, first.positions):
+            raise BadInputError(
+                "stacking caches into a batch needs equal lengths and equal slot positions; "
+                f"got {first.describe()} and {s.describe()}"
+            )
+    return first.replace(
+        keys=tuple(torch.cat(layer, dim=0) for layer in zip(*(s.keys for s in snapshots), strict=True)),
+        values=tuple(torch.cat(layer, dim=0) for layer in zip(*(s.values for s in snapshots), strict=True)),
+        token_ids=torch.cat([s.token_ids for s in snapshots], dim=0),
+    )

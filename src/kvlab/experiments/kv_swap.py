@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvlab.cache.snapshot import KVSnapshot, stack_rows
 from kvlab.data import python_docs, token_windows
 from kvlab.errors import BadInputError
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
@@ -31,73 +32,85 @@ from kvlab.ops.transfer import hybrid_kv, reposition, swap_slots
 METRICS = ("first_token_kl", "ref_nll", "distinct_2", "longest_repeat", "agreement")
 
 
-def _evaluate(
-    model, past, feed: int, ref_cont: list[int], ref_first: torch.Tensor | None, gen_tokens: int
-) -> dict:
-    """Teacher-forced metrics against the reference continuation, then a free greedy continuation."""
-    out = model.forward([feed, *ref_cont[:-1]], past)
-    first = out.logits[0]
-    after_feed = out.snapshot.slice(0, past.seq_len + 1)  # the cache after ``feed`` alone (causal)
-    own = model.generate(after_feed, first, gen_tokens, stop_at_eos=False).token_ids
-    return {
-        "first_token_kl": float(kl_divergence(ref_first, first)) if ref_first is not None else 0.0,
-        "ref_nll": float(nll(out.logits, torch.tensor(ref_cont)).mean()),
-        "distinct_2": distinct_n(own, 2),
-        "longest_repeat": float(longest_repeated_ngram(own)),
-        "agreement": float(agreement_length(own, ref_cont)),
-        "tokens": own,
-        "first_logits": first,
-    }
+def _evaluate_many(
+    model,
+    pasts: dict[str, KVSnapshot],
+    feed: int,
+    ref_cont: list[int],
+    ref_first: torch.Tensor,
+    gen_tokens: int,
+) -> dict[str, dict]:
+    """Per condition: teacher-forced metrics against the reference continuation, then a free greedy one.
+
+    Conditions whose caches share length and slot positions run as the rows of one batch (one pass
+    over the weights per step for all of them).
+    """
+    groups: dict[tuple, list[str]] = {}
+    for name, past in pasts.items():
+        groups.setdefault((past.seq_len, tuple(past.positions.tolist())), []).append(name)
+    res: dict[str, dict] = {}
+    target = torch.tensor(ref_cont)
+    for names in groups.values():
+        batch = stack_rows([pasts[n] for n in names])
+        out = model.forward([[feed, *ref_cont[:-1]]] * len(names), batch)
+        logits = out.logits if out.logits.ndim == 3 else out.logits[None]  # [B, T_new, vocab]
+        after_feed = out.snapshot.slice(0, batch.seq_len + 1)  # the caches after ``feed`` alone (causal)
+        own_rows = model.generate_rows(after_feed, logits[:, 0], gen_tokens)
+        for b, name in enumerate(names):
+            own, first = own_rows[b], logits[b, 0]
+            res[name] = {
+                "first_token_kl": float(kl_divergence(ref_first, first)),
+                "ref_nll": float(nll(logits[b], target).mean()),
+                "distinct_2": distinct_n(own, 2),
+                "longest_repeat": float(longest_repeated_ngram(own)),
+                "agreement": float(agreement_length(own, ref_cont)),
+                "tokens": own,
+                "first_logits": first,
+            }
+    return {name: res[name] for name in pasts}
 
 
 def _window_conditions(model, x: list[int], y: list[int], n: int, gen_tokens: int) -> dict[str, dict]:
-    res: dict[str, dict] = {}
     orig = model.prefill(x[:-1]).snapshot
     tail = orig.slice(n)  # original slots n.. at positions n..
     shifted = reposition(tail, 0)
     ref = model.prefill(x[n:-1]).snapshot
     ref_out = model.forward([x[-1]], ref)
     ref_cont = model.generate(ref_out.snapshot, ref_out.logits[-1], gen_tokens, stop_at_eos=False).token_ids
-    ref_first = ref_out.logits[-1]
-    res["roll: reference (re-prefill)"] = _evaluate(model, ref, x[-1], ref_cont, ref_first, gen_tokens)
+    roll: dict[str, KVSnapshot] = {"roll: reference (re-prefill)": ref}
     for k_name, k_snap in (("K orig@n..", tail), ("K orig shifted", shifted), ("K ref", ref)):
         for v_name, v_snap in (("V orig", tail), ("V ref", ref)):
             if k_snap is ref and v_snap is ref:
                 continue
-            res[f"roll: {k_name} + {v_name}"] = _evaluate(
-                model, hybrid_kv(k_snap, v_snap), x[-1], ref_cont, ref_first, gen_tokens
-            )
+            roll[f"roll: {k_name} + {v_name}"] = hybrid_kv(k_snap, v_snap)
     naive = hybrid_kv(shifted, tail)
     for which in ("k", "v", "kv"):
-        res[f"sink: naive + ref sink {which.upper()}"] = _evaluate(
-            model, swap_slots(naive, ref, [0], which=which), x[-1], ref_cont, ref_first, gen_tokens
-        )
-        res[f"sink: ref - own sink {which.upper()}"] = _evaluate(
-            model, swap_slots(ref, naive, [0], which=which), x[-1], ref_cont, ref_first, gen_tokens
-        )
+        roll[f"sink: naive + ref sink {which.upper()}"] = swap_slots(naive, ref, [0], which=which)
+        roll[f"sink: ref - own sink {which.upper()}"] = swap_slots(ref, naive, [0], which=which)
+    res = _evaluate_many(model, roll, x[-1], ref_cont, ref_out.logits[-1], gen_tokens)
     # truncate: reference is a fresh prefill of the shorter text; the original's first slots are the same by causality.
     cut = len(x) - 1 - n
     tref = model.prefill(x[:cut]).snapshot
     t_out = model.forward([x[cut]], tref)
     t_cont = model.generate(t_out.snapshot, t_out.logits[-1], gen_tokens, stop_at_eos=False).token_ids
     prefix = orig.slice(0, cut)
-    for name, past in (
-        ("truncate: K orig + V orig", prefix),
-        ("truncate: K orig + V ref", hybrid_kv(prefix, tref)),
-        ("truncate: K ref + V orig", hybrid_kv(tref, prefix)),
-    ):
-        res[name] = _evaluate(model, past, x[cut], t_cont, t_out.logits[-1], gen_tokens)
+    trunc = {
+        "truncate: K orig + V orig": prefix,
+        "truncate: K orig + V ref": hybrid_kv(prefix, tref),
+        "truncate: K ref + V orig": hybrid_kv(tref, prefix),
+    }
+    res.update(_evaluate_many(model, trunc, x[cut], t_cont, t_out.logits[-1], gen_tokens))
     # cross-text: K from x, V from y (same length, same positions), and the reverse; reference: x's own cache.
     other = model.prefill(y[: len(x) - 1]).snapshot
     x_out = model.forward([x[-1]], orig)
     x_cont = model.generate(x_out.snapshot, x_out.logits[-1], gen_tokens, stop_at_eos=False).token_ids
     y_first = model.forward([x[-1]], other).logits[-1]
-    for name, past in (
-        ("cross: K x + V y", hybrid_kv(orig, other)),
-        ("cross: K y + V x", hybrid_kv(other, orig)),
-        ("cross: y's own cache", other),
-    ):
-        r = _evaluate(model, past, x[-1], x_cont, x_out.logits[-1], gen_tokens)
+    cross = {
+        "cross: K x + V y": hybrid_kv(orig, other),
+        "cross: K y + V x": hybrid_kv(other, orig),
+        "cross: y's own cache": other,
+    }
+    for name, r in _evaluate_many(model, cross, x[-1], x_cont, x_out.logits[-1], gen_tokens).items():
         r["first_token_kl_vs_y"] = float(kl_divergence(y_first, r["first_logits"]))
         res[name] = r
     return res

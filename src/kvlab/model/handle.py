@@ -281,6 +281,35 @@ class ModelHandle:
             step_logits=torch.stack(kept) if kept else None,
         )
 
+    @torch.no_grad()
+    def generate_rows(
+        self, past: KVSnapshot, first_logits: torch.Tensor, max_new_tokens: int
+    ) -> list[list[int]]:
+        """Greedy continuations of every row of a batched cache at once (no EOS stop).
+
+        ``first_logits`` is ``[batch, vocab]``. One forward per step for the whole batch: on a CPU a
+        decode step costs about one pass over the weights whatever the batch, so B rows cost about
+        what one does. Row b's tokens equal :meth:`generate` on row b alone up to float rounding of
+        the batched matmuls.
+        """
+        if max_new_tokens < 1:
+            raise BadInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        logits = first_logits if first_logits.ndim == 2 else first_logits[None]
+        if logits.shape[0] != past.batch_size:
+            raise BadInputError(f"{logits.shape[0]} logit rows for a cache of batch {past.batch_size}")
+        out: list[list[int]] = [[] for _ in range(past.batch_size)]
+        snap = past
+        for step_no in range(max_new_tokens):
+            toks = logits.argmax(-1)
+            for row, tok in zip(out, toks.tolist(), strict=True):
+                row.append(int(tok))
+            if step_no == max_new_tokens - 1:
+                break
+            step = self.forward(toks[:, None], snap)
+            snap = step.snapshot
+            logits = step.logits[:, -1] if step.logits.ndim == 3 else step.logits[-1:]
+        return out
+
     def generate_text(self, text: str, max_new_tokens: int = 20, *, chat: bool = False) -> Generation:
         ids = self.encode(text, chat=chat)
         first = self.prefill(ids, all_logits=False)
