@@ -213,6 +213,22 @@ def score_answer(model: Any, past: Any, episode: Episode) -> Score:
     return _score_logits(out.logits[len(episode.question) - 1 :], episode, torch, nll)
 
 
+def score_answers(model: Any, pasts: list[Any], episode: Episode) -> list[Score]:
+    """:func:`score_answer` for many caches of one length and positions, as one batched forward."""
+    from kvlab.cache import stack_rows
+
+    if len(pasts) == 1:
+        return [score_answer(model, pasts[0], episode)]
+    import torch
+
+    from kvlab.metrics import nll
+
+    feed = episode.question + episode.answer[:-1]
+    out = model.forward([feed] * len(pasts), stack_rows(pasts))
+    start = len(episode.question) - 1
+    return [_score_logits(out.logits[b, start:], episode, torch, nll) for b in range(len(pasts))]
+
+
 def score_text(model: Any, context: list[int], episode: Episode) -> Score:
     """The same score with ``context`` as text: one prefill of context + question + answer."""
     import torch

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvlab.errors import BadInputError
-from kvlab.experiments._retention_facts import FACTS, build_episodes, score_answer
+from kvlab.experiments._retention_facts import FACTS, build_episodes, score_answers
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
 from kvlab.ops.transfer import transfer_layers
@@ -56,13 +56,13 @@ def run(
         for i, ep in enumerate(episodes):
             donor = model.prefill(ep.preamble + ep.fact).snapshot
             neutral = model.prefill(ep.preamble + ep.neutral_fact).snapshot
-            done: dict[tuple[int, ...], tuple[bool, float]] = {}  # a window equal to a third is run once
+            unique = list(dict.fromkeys(layers for _, layers in conds))  # a window equal to a third runs once
+            pasts = [transfer_layers(neutral, donor, layers) if layers else neutral for layers in unique]
+            done = {
+                layers: (s.exact, s.nll)
+                for layers, s in zip(unique, score_answers(model, pasts, ep), strict=True)
+            }  # every condition has the same length and positions: one batched forward per fact
             for j, (_, layers) in enumerate(conds):
-                if layers not in done:
-                    s = score_answer(
-                        model, transfer_layers(neutral, donor, layers) if layers else neutral, ep
-                    )
-                    done[layers] = (s.exact, s.nll)
                 exact[i, j], nll[i, j] = done[layers]
             advance(1)
     acc = [bootstrap_ci(exact[:, j], seed=ctx.seed) for j in range(len(conds))]
