@@ -158,7 +158,7 @@ class LongRollPlan:
 def plan_for(ctx: ExperimentContext, available: int | None = None) -> LongRollPlan:
     """The profile's plan: step-1 rolls up to ``fine``, then coarser steps up to ~90% of the context."""
     context = int(ctx.options.get("context") or ctx.pick(quick=384, default=1500, full=2000))
-    fine = ctx.pick(quick=24, default=64, full=96)
+    fine = ctx.pick(quick=16, default=64, full=96)
     coarse_step = ctx.pick(quick=64, default=128, full=32)
     n_ends = ctx.pick(quick=4, default=20, full=20)
     end_step = 5
