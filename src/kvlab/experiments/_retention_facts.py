@@ -229,6 +229,17 @@ def score_answers(model: Any, pasts: list[Any], episode: Episode) -> list[Score]
     return [_score_logits(out.logits[b, start:], episode, torch, nll) for b in range(len(pasts))]
 
 
+def score_answers_grouped(model: Any, pasts: dict[str, Any], episode: Episode) -> dict[str, Score]:
+    """:func:`score_answer` for named caches; those with equal length and positions share one batch."""
+    groups: dict[tuple, list[str]] = {}
+    for name, past in pasts.items():
+        groups.setdefault((past.seq_len, tuple(past.positions.tolist())), []).append(name)
+    out: dict[str, Score] = {}
+    for names in groups.values():
+        out.update(zip(names, score_answers(model, [pasts[n] for n in names], episode), strict=True))
+    return {name: out[name] for name in pasts}
+
+
 def score_text(model: Any, context: list[int], episode: Episode) -> Score:
     """The same score with ``context`` as text: one prefill of context + question + answer."""
     import torch

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlab.experiments._retention_facts import FACTS, build_episodes, score_answer, score_text
+from kvlab.experiments._retention_facts import FACTS, build_episodes, score_answers_grouped, score_text
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.metrics import bootstrap_ci
 from kvlab.ops.transfer import concat_caches, drop_prefix
@@ -65,9 +65,9 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
                 "text": score_text(model, ep.preamble + ep.fact, ep),
                 "text_no_preamble": score_text(model, ep.fact, ep),
             }
-            for k, past in pasts.items():
-                if k not in scores:
-                    scores["repos_4" if k == "repos_s" else k] = score_answer(model, past, ep)
+            cached = {k: past for k, past in pasts.items() if k not in scores}
+            for k, sc in score_answers_grouped(model, cached, ep).items():
+                scores["repos_4" if k == "repos_s" else k] = sc
             inj_vs_text[i] = float((scores["injected"].logits - scores["text"].logits).abs().max())
             for j, k in enumerate(keys):
                 exact[i, j], nll[i, j] = scores[k].exact, scores[k].nll
