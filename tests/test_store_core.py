@@ -21,12 +21,13 @@ from kvlab.store import (
     Namespace,
     StoreError,
     StoreWriteError,
+    block_hash,
     chain_hashes,
     open_store,
     prefill_with_store,
 )
 from kvlab.store.block import Block, decode_block, encode_block
-from kvlab.store.errors import CorruptBlockError
+from kvlab.store.errors import CorruptBlockError, UnsupportedBlockError
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +106,178 @@ def test_block_codec_roundtrip_and_checksum():
         decode_block(data, expect_hash="x" * 64)
     with pytest.raises(CorruptBlockError):
         decode_block(data[: len(data) // 2])
+
+
+def _reencode_with_meta(data: bytes, **changes) -> bytes:
+    """The block's bytes with fields of its kvlab metadata replaced (tensors unchanged)."""
+    from safetensors.torch import load, save
+
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["kvlab_block"])
+    meta.update(changes)
+    return save(load(data), metadata={"kvlab_block": json.dumps(meta)})
+
+
+def test_blocks_are_written_with_an_xxh3_checksum():
+    data = encode_block(_block(1.5))
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["kvlab_block"])
+    assert meta["version"] == 2 and meta["checksum"].startswith("xxh3-64:")
+    assert len(meta["checksum"]) == len("xxh3-64:") + 16
+
+
+@pytest.mark.parametrize("where", ["first tensor byte", "middle", "last byte", "token id in header"])
+def test_flipped_byte_in_a_block_file_is_caught_by_the_xxh3_checksum(tmp_path, where, caplog):
+    b = _block(0.25, n=8)
+    disk = DiskTier(tmp_path / "s")
+    disk.put(b)
+    path = disk._path(b.parent, b.hash)
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    if where == "token id in header":  # still valid JSON, so only the checksum can notice
+        at = data.index(b"[0, 1, 2, 3, 4") + len("[0, 1, ")
+        assert data[at : at + 1] == b"2"
+        data[at] = ord("3")
+    else:
+        at = {"first tensor byte": 8 + n, "middle": (8 + n + len(data)) // 2, "last byte": len(data) - 1}[
+            where
+        ]
+        data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_block(bytes(data), expect_hash=b.hash)
+    with caplog.at_level("WARNING", logger="kvlab.store"):
+        assert disk.get(b.parent, b.hash) is None
+    assert disk.counters.corrupt == 1 and "xxh3-64 checksum" in caplog.text
+    assert not path.exists()  # quarantined
+
+
+def test_corrupt_block_read_straight_into_the_snapshot_is_never_returned(tmp_path):
+    """The direct read fills the output before the checksum is known; a failed block must not leak."""
+    ns = Namespace(fingerprint="f" * 64, dtype="float32", rope=None, block_tokens=4)
+    ids = list(range(100, 112))
+    disk = DiskTier(tmp_path / "s")
+    st = KVStore([disk], block_tokens=4)
+    parent, blocks = ns.root, []
+    for i, h in enumerate(chain_hashes(ids, ns)):
+        k = torch.randn(2, 3, 4, 8)
+        blocks.append(Block(h, parent, ns.root, i * 4, tuple(ids[i * 4 : i * 4 + 4]), k, k * 2))
+        disk.put(blocks[-1])
+        parent = h
+    m = st.lookup(ids, ns)
+    assert m.cached_tokens == 12
+    torch.testing.assert_close(m.snapshot.keys[1][0, :, 4:8], blocks[1].keys[1], rtol=0, atol=0)
+    path = disk._path(blocks[1].parent, blocks[1].hash)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x80
+    path.write_bytes(bytes(data))
+    m = st.lookup(ids, ns)
+    assert m.cached_tokens == 4 and m.blocks == (blocks[0].hash,)
+    assert m.snapshot.keys[0].shape[2] == 4
+    torch.testing.assert_close(m.snapshot.values[0][0], blocks[0].values[0], rtol=0, atol=0)
+    assert disk.counters.corrupt == 1
+    # A prefix that ends inside a block uses part of it (the general path, not the direct read).
+    m = st.lookup(ids[:6] + [1, 2], ns)
+    assert m.cached_tokens == 4  # block 1 is gone (quarantined)
+    m = st.lookup(ids[:2] + [1, 2], ns)
+    assert m.cached_tokens == 2
+    torch.testing.assert_close(m.snapshot.keys[1][0], blocks[0].keys[1][:, :2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_direct_disk_read_is_exact_for_every_dtype(tmp_path, dtype):
+    ns = Namespace(fingerprint="f" * 64, dtype=str(dtype).replace("torch.", ""), rope=None, block_tokens=4)
+    ids = list(range(50, 61))  # two full blocks and a 3-token leaf
+    disk = DiskTier(tmp_path / "s")
+    parent, keys, values = ns.root, [], []
+    for start in range(0, len(ids), 4):
+        chunk = ids[start : start + 4]
+        h = block_hash(parent, chunk)
+        keys.append(torch.randn(3, 2, len(chunk), 8).to(dtype))
+        values.append(torch.randn(3, 2, len(chunk), 8).to(dtype))
+        disk.put(Block(h, parent, ns.root, start, tuple(chunk), keys[-1], values[-1]))
+        parent = h
+    m = KVStore([disk], block_tokens=4).lookup(ids, ns)
+    assert m.cached_tokens == 11 and disk.counters.hits == 3
+    assert m.snapshot.keys[0].dtype == dtype
+    for layer in range(3):
+        assert torch.equal(m.snapshot.keys[layer][0], torch.cat([k[layer] for k in keys], dim=1))
+        assert torch.equal(m.snapshot.values[layer][0], torch.cat([v[layer] for v in values], dim=1))
+
+
+def test_legacy_crc32_blocks_are_still_read_and_verified(tmp_path):
+    b = _block(2.0, n=8)
+    legacy = encode_block(b, checksum="crc32")
+    n = int.from_bytes(legacy[:8], "little")
+    meta = json.loads(json.loads(legacy[8 : 8 + n])["__metadata__"]["kvlab_block"])
+    assert meta["version"] == 1 and meta["checksum"].startswith("crc32:")
+    back = decode_block(legacy, expect_hash=b.hash)
+    assert torch.equal(back.keys, b.keys) and torch.equal(back.values, b.values)
+    flipped = bytearray(legacy)
+    flipped[-5] ^= 0x10
+    with pytest.raises(CorruptBlockError, match="crc32 checksum"):
+        decode_block(bytes(flipped))
+    # A store written by an older kvlab: both read paths accept and verify its blocks.
+    ns = Namespace(fingerprint="f" * 64, dtype="float32", rope=None, block_tokens=4)
+    ids = list(range(8))
+    disk = DiskTier(tmp_path / "s")
+    parent, blocks = ns.root, []
+    for i, h in enumerate(chain_hashes(ids, ns)):
+        k = torch.randn(2, 1, 4, 8)
+        blocks.append(Block(h, parent, ns.root, i * 4, tuple(ids[i * 4 : i * 4 + 4]), k, k - 1))
+        path = disk._path(parent, h)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(encode_block(blocks[-1], checksum="crc32"))
+        parent = h
+    m = KVStore([disk], block_tokens=4).lookup(ids, ns)
+    assert m.cached_tokens == 8
+    torch.testing.assert_close(m.snapshot.keys[0][0, :, 4:], blocks[1].keys[0], rtol=0, atol=0)
+    assert disk.get(blocks[0].parent, blocks[0].hash) is not None
+    assert disk.verify()["corrupt"] == []
+    path = disk._path(blocks[1].parent, blocks[1].hash)
+    path.write_bytes(bytes(flipped_at(path.read_bytes(), -1)))
+    assert KVStore([disk], block_tokens=4).lookup(ids, ns).cached_tokens == 4
+    assert disk.counters.corrupt == 1
+
+
+def flipped_at(data: bytes, at: int) -> bytearray:
+    out = bytearray(data)
+    out[at] ^= 0x01
+    return out
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"checksum": "blake9:00ff"}, "unknown checksum format 'blake9'"),
+        ({"checksum": None}, "no usable checksum"),
+        ({"version": 99}, "version 99"),
+    ],
+    ids=["unknown checksum algorithm", "no checksum", "newer block version"],
+)
+def test_block_of_an_unknown_format_is_a_clean_miss(tmp_path, changes, reason, caplog):
+    ns = Namespace(fingerprint="f" * 64, dtype="float32", rope=None, block_tokens=4)
+    ids = list(range(8))
+    disk = DiskTier(tmp_path / "s")
+    st = KVStore([MemoryTier(), disk], block_tokens=4)
+    parent = ns.root
+    hashes = chain_hashes(ids, ns)
+    for i, h in enumerate(hashes):
+        k = torch.randn(2, 1, 4, 8)
+        data = encode_block(Block(h, parent, ns.root, i * 4, tuple(ids[i * 4 : i * 4 + 4]), k, k + 1))
+        path = disk._path(parent, h)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(_reencode_with_meta(data, **changes) if i == 1 else data)
+        parent = h
+    with pytest.raises(UnsupportedBlockError):
+        decode_block(path.read_bytes())
+    assert issubclass(UnsupportedBlockError, CorruptBlockError)  # every tier treats it as a miss
+    assert st.verify()["disk"]["corrupt"][0]["path"] == str(path)
+    with caplog.at_level("WARNING", logger="kvlab.store"):
+        m = st.lookup(ids, ns)
+    assert m.cached_tokens == 4 and disk.counters.corrupt == 1
+    assert reason in caplog.text and "treated as a miss" in caplog.text
+    assert disk.get(parent, hashes[1]) is None  # moved aside: a plain miss from now on
 
 
 # -- exact reuse -----------------------------------------------------------------------------------

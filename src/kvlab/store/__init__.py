@@ -23,6 +23,7 @@ from kvlab.store.errors import (
     StoreError,
     StoreUnavailableError,
     StoreWriteError,
+    UnsupportedBlockError,
 )
 from kvlab.store.keys import Namespace, block_hash, chain_hashes
 from kvlab.store.memory import MemoryTier
@@ -51,6 +52,7 @@ __all__ = [
     "StoreUnavailableError",
     "StoreWriteError",
     "StoredPrefill",
+    "UnsupportedBlockError",
     "block_hash",
     "chain_hashes",
     "default_store_path",

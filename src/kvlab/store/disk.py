@@ -1,4 +1,9 @@
-"""The disk tier: one safetensors file per block, atomic writes, mmap reads, a byte cap.
+"""The disk tier: one safetensors file per block, atomic writes, checked reads, a byte cap.
+
+Reads: :meth:`DiskTier.read_into` (what :class:`~kvlab.store.store.KVStore` lookups use) reads a
+block's tensor bytes straight into the caller's output with ``preadv`` and checks its XXH3-64
+checksum on those bytes while they are still in the CPU cache (one copy in all); :meth:`DiskTier.get`
+returns a :class:`Block` whose tensors view an ``mmap`` of the file or a reusable read buffer.
 
 Layout: ``<root>/kvlab-store.json`` (marks the folder as a store), ``<root>/blocks/<parent>/<hash>.kvb``
 (grouping by parent makes "children of a parent" one directory listing), ``<root>/quarantine/``
@@ -11,19 +16,30 @@ use, and eviction removes the least recently used files until the folder is unde
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvlab.cache.io import atomic_write_bytes
 from kvlab.errors import BadInputError
-from kvlab.store.block import Block, decode_block, encode_block, read_block_meta
+from kvlab.store.block import (
+    Block,
+    BlockHeader,
+    decode_block,
+    encode_block,
+    new_checksum,
+    parse_block_header,
+    read_block_meta,
+)
 from kvlab.store.errors import CorruptBlockError, StoreError, StoreWriteError
 from kvlab.store.tier import TierCounters
 
@@ -32,7 +48,15 @@ log = logging.getLogger("kvlab.store")
 MARKER = "kvlab-store.json"
 SUFFIX = ".kvb"
 STALE_TEMP_SECONDS = 60.0
+TOUCH_SECONDS = (
+    1.0  # read_into leaves a file's mtime alone if it was used this recently (saves a metadata write)
+)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_HEAD_BYTES = 16 * 1024  # first read of a block file: the whole header of a block of up to ~1k tokens
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
+_GROUP_BYTES = 512 * 1024  # read_into reads and hashes this much at a time (fits in L2)
+DECLINED = "declined"  # read_into: the caller's ``dest`` refused the block (nothing read, nothing counted)
 
 
 class ReadBuffer:
@@ -120,7 +144,11 @@ class DiskTier:
         return self.finish_read(self.read_raw(parent, block_hash, scratch), parent, block_hash)
 
     def prefetch(self, parent: str, block_hash: str) -> None:
-        """Ask the kernel to start reading the block's file in the background (a hint; errors ignored)."""
+        """Ask the kernel to start reading the block's file in the background (a hint; errors ignored).
+
+        Skipped when the file's last byte is already in the page cache (probed with a non-blocking
+        1-byte read): ``WILLNEED`` on a cached file only costs time walking its pages.
+        """
         if not hasattr(os, "posix_fadvise"):
             return
         try:
@@ -128,6 +156,13 @@ class DiskTier:
         except OSError:
             return
         try:
+            if _NOWAIT:
+                size = os.fstat(fd).st_size
+                try:
+                    if size and os.preadv(fd, [bytearray(1)], size - 1, _NOWAIT) == 1:
+                        return  # cached (blocks are written and read whole)
+                except OSError:
+                    pass  # not cached (EAGAIN) or no RWF_NOWAIT on this file system
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
@@ -183,6 +218,66 @@ class DiskTier:
         self.counters.bytes_loaded += block.nbytes
         self.counters.load_seconds += raw.seconds + time.perf_counter() - started
         return block
+
+    def read_into(
+        self,
+        parent: str,
+        block_hash: str,
+        dest: Callable[[BlockHeader], tuple[torch.Tensor, torch.Tensor] | None],
+    ) -> BlockHeader | str | None:
+        """Read a block's tensors straight into caller-owned memory: one copy, from the page cache to ``dest``.
+
+        Reads and checks the header, then calls ``dest(header)``, which returns the ``(keys, values)``
+        tensors to fill (``[layers, kv_heads, n, head_dim]``, may be slices of a larger tensor along
+        the token axis), or None to decline; then ``preadv`` reads the tensor bytes into them and the
+        checksum is computed over those bytes where they landed (still in the CPU cache).
+
+        Returns the header on success; ``DECLINED`` if ``dest`` declined or the file's layout needs
+        the general path (:meth:`get`); None for a missing or corrupt block (corrupt: quarantined).
+        On None the destination may hold garbage: the caller must not use it.
+        """
+        path = self._path(parent, block_hash)
+        started = time.perf_counter()
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self.counters.misses += 1
+            return None
+        try:
+            try:
+                st = os.fstat(fd)
+                size = st.st_size
+                head = os.pread(fd, _HEAD_BYTES, 0)
+                need = 8 + int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+                if len(head) < need <= size:
+                    head += os.pread(fd, need - len(head), len(head))
+                hdr = parse_block_header(head, size)
+                if hdr.hash != block_hash:
+                    raise CorruptBlockError(f"block file holds {hdr.hash[:12]}, expected {block_hash[:12]}")
+                if hdr.parent != parent:
+                    raise CorruptBlockError(f"block {block_hash[:12]} is filed under the wrong parent")
+                target = dest(hdr)
+                layout = None if target is None else _chunks(hdr, *target)
+                if layout is None:
+                    return DECLINED
+                hasher = new_checksum(hdr.algorithm, hdr.meta_bytes)
+                if not _read_and_hash(fd, *layout, hdr.data_offset, hasher):
+                    raise CorruptBlockError("the file is shorter than its header says")
+                if hasher.hexdigest() != hdr.checksum:
+                    raise CorruptBlockError(f"block {block_hash[:12]} failed its {hdr.algorithm} checksum")
+            except CorruptBlockError as exc:
+                self._quarantine(path, str(exc))
+                self.counters.misses += 1
+                return None
+            if time.time() - st.st_mtime >= TOUCH_SECONDS:  # mtime = last use (LRU order for eviction)
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+        finally:
+            os.close(fd)
+        self.counters.hits += 1
+        self.counters.bytes_loaded += hdr.data_bytes
+        self.counters.load_seconds += time.perf_counter() - started
+        return hdr
 
     def _read(self, path: Path, block_hash: str, parent: str | None) -> Block | None:
         return self.finish_read(self.read_raw(parent or path.parent.name, block_hash), parent, block_hash)
@@ -342,3 +437,86 @@ class DiskTier:
                 with contextlib.suppress(OSError):
                     d.rmdir()  # only succeeds when empty
         return {"temp_files_removed": temps, "evicted": evicted}
+
+
+def _chunks(
+    hdr: BlockHeader, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[list[memoryview], int] | None:
+    """Writable byte views of ``keys`` and ``values``, one per (layer, head), in the file's byte order.
+
+    Returns the views and their common length, or None when the block cannot be read straight into
+    them (shape, dtype or layout differ, or the file's tensor bytes do not exactly follow one
+    another): the caller then takes the general path.
+    """
+    out: list[tuple[int, list[memoryview]]] = []
+    row = 0
+    for spec, t in ((hdr.k, keys), (hdr.v, values)):
+        if (
+            tuple(t.shape) != spec.shape
+            or t.dtype != spec.dtype
+            or t.device.type != "cpu"
+            or t.stride(3) != 1
+            or (t.shape[2] > 1 and t.stride(2) != t.shape[3])
+        ):
+            return None
+        # One byte view of the whole storage, sliced per (layer, head): the rows of one (layer, head)
+        # are contiguous in a [layers, heads, T, head_dim] tensor sliced along T.
+        size = t.element_size()
+        row = t.shape[2] * t.shape[3] * size
+        flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        base = memoryview(flat.numpy())
+        off = t.storage_offset() * size
+        starts = _row_starts(t.shape[0], t.shape[1], t.stride(0) * size, t.stride(1) * size)
+        out.append((spec.begin, [base[off + x : off + x + row] for x in starts]))
+    out.sort(key=lambda x: x[0])
+    at = 0
+    for begin, views in out:
+        if begin != at:
+            return None
+        at += len(views) * row
+    if at != hdr.data_bytes or not row:
+        return None
+    return [v for _, views in out for v in views], row
+
+
+@functools.lru_cache(maxsize=64)
+def _row_starts(layers: int, heads: int, layer_stride: int, head_stride: int) -> tuple[int, ...]:
+    """Byte offsets of the (layer, head) rows of a [layers, heads, T, head_dim] tensor, in file order."""
+    return tuple(i * layer_stride + j * head_stride for i in range(layers) for j in range(heads))
+
+
+def _read_and_hash(fd: int, chunks: list[memoryview], row: int, offset: int, hasher: Any) -> bool:
+    """Fill ``chunks`` (each ``row`` bytes) from ``fd`` from ``offset`` on, hashing each group as it lands.
+
+    Groups of about 512 KiB, so each is hashed while it is still in the CPU's L2 cache. False if the
+    file ends first.
+    """
+    per = max(1, min(_IOV_MAX, _GROUP_BYTES // row))
+    update = hasher.update
+    for i in range(0, len(chunks), per):
+        group = chunks[i : i + per]
+        want = len(group) * row
+        got = os.preadv(fd, group, offset)
+        if got != want and not _preadv_rest(fd, group, offset, got):
+            return False
+        for c in group:
+            update(c)
+        offset += want
+    return True
+
+
+def _preadv_rest(fd: int, chunks: list[memoryview], offset: int, got: int) -> bool:
+    """Finish a short ``preadv`` that filled ``got`` bytes of ``chunks``; False if the file ends first."""
+    pending = list(chunks)
+    while True:
+        if got <= 0:
+            return False
+        offset += got
+        while pending and got >= pending[0].nbytes:
+            got -= pending[0].nbytes
+            pending.pop(0)
+        if not pending:
+            return True
+        if got:  # the read ended inside a chunk: continue with its remainder
+            pending[0] = pending[0][got:]
+        got = os.preadv(fd, pending, offset)

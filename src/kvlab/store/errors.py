@@ -23,3 +23,7 @@ class BlockNotFoundError(StoreError, BadInputError):
 
 class CorruptBlockError(StoreError):
     """A stored block failed its checksum or does not match the key it was read under."""
+
+
+class UnsupportedBlockError(CorruptBlockError):
+    """A stored block uses a format version or checksum this kvlab does not know: it is treated as a miss."""

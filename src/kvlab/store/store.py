@@ -24,7 +24,7 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError
-from kvlab.store.block import Block
+from kvlab.store.block import Block, BlockHeader
 from kvlab.store.disk import ReadBuffer
 from kvlab.store.errors import BlockNotFoundError
 from kvlab.store.keys import DEFAULT_BLOCK_TOKENS, Namespace, block_hash
@@ -227,13 +227,30 @@ class KVStore:
     def _load(
         self, plan: list[tuple[int, str, str, int]], namespace: Namespace, ids: list[int]
     ) -> tuple[KVSnapshot | None, list[str], dict[str, int]]:
-        """Read the planned blocks into one K and V; stops early at a block that vanished or is invalid."""
+        """Read the planned blocks into one K and V; stops early at a block that vanished or is invalid.
+
+        Disk blocks are read straight into their slice of the output (``DiskTier.read_into``: one copy,
+        checksum over the bytes where they landed); other tiers, and a last block of which only part
+        is used, go through ``get`` and are copied in.
+        """
         total = sum(p[3] for p in plan)
         scratch = ReadBuffer()
-        keys = values = None
+        out: list[torch.Tensor] = []  # [keys, values] once the first block's header is known
         used: list[str] = []
         served: dict[str, int] = {}
         at = 0
+
+        def fits(k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+            if not out:
+                out.append(_alloc((k_shape[0], k_shape[1], total, k_shape[3]), dtype))
+                out.append(_alloc((v_shape[0], v_shape[1], total, v_shape[3]), dtype))
+            keys, values = out
+            return (
+                tuple(k_shape[:2]) + tuple(k_shape[3:]) == keys.shape[:2] + keys.shape[3:]
+                and tuple(v_shape[:2]) + tuple(v_shape[3:]) == values.shape[:2] + values.shape[3:]
+                and dtype == keys.dtype
+            )
+
         # Ask tiers that can (disk: posix_fadvise WILLNEED) to start reading a few blocks ahead, so the
         # device read of block j+1.. overlaps the checksum and copy of block j. No threads involved.
         ahead = 8
@@ -242,34 +259,60 @@ class KVStore:
         for j, (where, parent, h, take) in enumerate(plan):
             if j + ahead < len(plan):
                 self._prefetch(plan[j + ahead])
-            block, where = self._fetch(where, parent, h, scratch)
+            want = tuple(ids[at : at + take])
             tier = self.tiers[where]
-            if (
-                block is None
-                or block.namespace != namespace.root
-                or block.start != at
-                or block.token_ids[:take] != tuple(ids[at : at + take])
-            ):
-                break
-            if keys is None:
-                k, v = block.keys, block.values
-                keys = _alloc((k.shape[0], k.shape[1], total, k.shape[3]), k.dtype)
-                values = _alloc((v.shape[0], v.shape[1], total, v.shape[3]), v.dtype)
-            elif (
-                block.keys.shape[:2] + block.keys.shape[3:] != keys.shape[:2] + keys.shape[3:]
-                or block.values.shape[3] != values.shape[3]
-                or block.keys.dtype != keys.dtype
-            ):
-                break
-            keys[:, :, at : at + take].copy_(block.keys[:, :, :take])
-            values[:, :, at : at + take].copy_(block.values[:, :, :take])
+            block: Block | None = None
+            direct: Any = None
+            if hasattr(tier, "read_into"):
+
+                def dest(hdr: BlockHeader, at: int = at, take: int = take, want: tuple = want) -> Any:
+                    # None declines: a block of which only part is used (num_tokens > take) takes the
+                    # general path, which copies that part; a mismatching block fails there too.
+                    if (
+                        hdr.namespace != namespace.root
+                        or hdr.start != at
+                        or hdr.num_tokens != take
+                        or hdr.token_ids != want
+                        or not fits(hdr.k.shape, hdr.v.shape, hdr.k.dtype)
+                    ):
+                        return None
+                    return out[0][:, :, at : at + take], out[1][:, :, at : at + take]
+
+                direct = tier.read_into(parent, h, dest)
+                if isinstance(direct, BlockHeader) and self.promote and where > 0:
+                    block = Block(
+                        direct.hash,
+                        direct.parent,
+                        direct.namespace,
+                        direct.start,
+                        direct.token_ids,
+                        out[0][:, :, at : at + take].clone(),
+                        out[1][:, :, at : at + take].clone(),
+                        direct.namespace_info,
+                    )
+            if not isinstance(direct, BlockHeader):
+                block, where = self._fetch(where, parent, h, scratch)
+                tier = self.tiers[where]
+                if (
+                    block is None
+                    or block.namespace != namespace.root
+                    or block.start != at
+                    or block.token_ids[:take] != want
+                    or not fits(tuple(block.keys.shape), tuple(block.values.shape), block.keys.dtype)
+                    or block.values.dtype != block.keys.dtype
+                ):
+                    break
+                out[0][:, :, at : at + take].copy_(block.keys[:, :, :take])
+                out[1][:, :, at : at + take].copy_(block.values[:, :, :take])
+                block = _owned(block) if self.promote and where > 0 else None  # the read buffer is reused
             served[tier.name] = served.get(tier.name, 0) + 1
-            if self.promote and where > 0:
-                self._promote(where, _owned(block))  # the read buffer is reused: promote a private copy
+            if block is not None:
+                self._promote(where, block)
             used.append(h)
             at += take
-        if keys is None or values is None:
+        if not out or at == 0:
             return None, [], served
+        keys, values = out
         if at < total:  # a planned block vanished or failed its checks: keep what was loaded
             keys, values = keys[:, :, :at].clone(), values[:, :, :at].clone()
         snapshot = KVSnapshot(
