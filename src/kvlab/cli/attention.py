@@ -7,20 +7,11 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import (
-    FullOpt,
-    JsonOpt,
-    ModelOpt,
-    OutOpt,
-    QuickOpt,
-    SeedOpt,
-    profile_from,
-    run_and_report,
-)
+from kvlab.cli.common import experiment_command
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("attention")
+    @experiment_command(app, "attention", "attention")
     def attention_cmd(
         roll: Annotated[
             list[int] | None, typer.Option("--roll", "-n", help="Roll sizes n (repeatable; default 1 5 20).")
@@ -34,30 +25,11 @@ def register(app: typer.Typer) -> None:
         text: Annotated[
             Path | None, typer.Option("--text", help="A UTF-8 text file instead of the default text.")
         ] = None,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
-    ) -> None:
+    ) -> dict:
         """Attention rows (sink-aware) and next-token logits, original vs rolled, over many windows."""
-        from kvlab.experiments import get_experiment
+        return {"rolls": roll or None, "windows": windows, "window_tokens": window_tokens, "text": text}
 
-        run_and_report(
-            get_experiment("attention"),
-            out=out,
-            json_out=json_out,
-            model=model,
-            profile=profile_from(quick, full),
-            seed=seed,
-            rolls=roll or None,
-            windows=windows,
-            window_tokens=window_tokens,
-            text=text,
-        )
-
-    @app.command("compaction")
+    @experiment_command(app, "compaction", "compaction")
     def compaction_cmd(
         conversations: Annotated[
             Path | None,
@@ -69,23 +41,5 @@ def register(app: typer.Typer) -> None:
         limit: Annotated[
             int | None, typer.Option("--limit", help="Use only the N shortest conversations (>= 3).")
         ] = None,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
     ) -> None:
         """Full vs compacted conversation caches: centroids and the shared tail, with lexical controls."""
-        from kvlab.experiments import get_experiment
-
-        run_and_report(
-            get_experiment("compaction"),
-            out=out,
-            json_out=json_out,
-            model=model,
-            profile=profile_from(quick, full),
-            seed=seed,
-            conversations=conversations,
-            limit=limit,
-        )

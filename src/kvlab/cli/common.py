@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -34,6 +36,57 @@ def profile_from(quick: bool, full: bool) -> str:
     if quick and full:
         raise BadInputError("choose --quick or --full, not both")
     return "quick" if quick else "full" if full else "default"
+
+
+_SHARED_OPTIONS = (
+    ("model", ModelOpt, "smollm2-135m"),
+    ("out", OutOpt, Path("runs")),
+    ("json_out", JsonOpt, False),
+    ("quick", QuickOpt, False),
+    ("full", FullOpt, False),
+    ("seed", SeedOpt, 0),
+)
+
+
+def experiment_command(
+    app: typer.Typer, name: str, experiment: str, *, help: str | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a function as ``kvlab <name>``, running ``experiment`` with the shared options added.
+
+    The function declares only the command's own options (its docstring is the help) and returns
+    the experiment's options as a dict, or None to pass its own arguments through unchanged.
+    ``--model --out --json --quick --full --seed`` are appended here, once for every command.
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = list(inspect.signature(fn, eval_str=True).parameters.values())
+        shared = [
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
+            for n, a, d in _SHARED_OPTIONS
+        ]
+
+        def command(**kwargs: Any) -> None:
+            common = {n: kwargs.pop(n) for n, _, _ in _SHARED_OPTIONS}
+            options = fn(**kwargs)
+            from kvlab.experiments import get_experiment
+
+            run_and_report(
+                get_experiment(experiment),
+                out=common["out"],
+                json_out=common["json_out"],
+                model=common["model"],
+                profile=profile_from(common["quick"], common["full"]),
+                seed=common["seed"],
+                **(kwargs if options is None else options),
+            )
+
+        command.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in [*own, *shared]}
+        command.__name__, command.__doc__ = fn.__name__, fn.__doc__
+        app.command(name, help=help)(command)
+        return fn
+
+    return decorate
 
 
 def run_and_report(

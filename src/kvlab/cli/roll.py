@@ -11,16 +11,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import (
-    FullOpt,
-    JsonOpt,
-    ModelOpt,
-    OutOpt,
-    QuickOpt,
-    SeedOpt,
-    profile_from,
-    run_and_report,
-)
+from kvlab.cli.common import experiment_command
 
 TextOpt = Annotated[
     Path | None,
@@ -52,31 +43,14 @@ SUBCOMMANDS = {
 
 
 def _make(roll_app: typer.Typer, sub: str, experiment: str, help_text: str) -> None:
-    @roll_app.command(sub, help=help_text)
-    def command(
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
-        text: TextOpt = None,
-        context: ContextOpt = None,
-    ) -> None:
-        from kvlab.experiments import get_experiment
-
+    def command(text: TextOpt = None, context: ContextOpt = None) -> dict:
         options = {"text": str(text) if text else None}
         if experiment != "findings":
             options["context"] = context
-        run_and_report(
-            get_experiment(experiment),
-            out=out,
-            json_out=json_out,
-            model=model,
-            profile=profile_from(quick, full),
-            seed=seed,
-            **options,
-        )
+        return options
+
+    command.__doc__ = help_text
+    experiment_command(roll_app, sub, experiment, help=help_text)(command)
 
 
 def register(app: typer.Typer) -> None:
