@@ -7,33 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import (
-    FullOpt,
-    JsonOpt,
-    ModelOpt,
-    OutOpt,
-    QuickOpt,
-    SeedOpt,
-    console,
-    profile_from,
-    run_and_report,
-)
-
-
-def _run(
-    name: str, *, out: Path, json_out: bool, model: str, quick: bool, full: bool, seed: int, **options
-) -> None:
-    from kvlab.experiments import get_experiment
-
-    run_and_report(
-        get_experiment(name),
-        out=out,
-        json_out=json_out,
-        model=model,
-        profile=profile_from(quick, full),
-        seed=seed,
-        **options,
-    )
+from kvlab.cli.common import ModelOpt, SeedOpt, console, experiment_command
 
 
 def register(app: typer.Typer) -> None:
@@ -42,103 +16,33 @@ def register(app: typer.Typer) -> None:
     )
     app.add_typer(sub, name="transfer")
 
-    @sub.command("equivalence")
-    def equivalence(
-        pairs: Annotated[int | None, typer.Option(help="Text pairs (A, B).")] = None,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
-    ) -> None:
+    @experiment_command(sub, "equivalence", "transfer_equivalence")
+    def equivalence(pairs: Annotated[int | None, typer.Option(help="Text pairs (A, B).")] = None) -> None:
         """cache(A) + B vs prefill(A + B), with and without a special token in the middle."""
-        _run(
-            "transfer_equivalence",
-            out=out,
-            json_out=json_out,
-            model=model,
-            quick=quick,
-            full=full,
-            seed=seed,
-            pairs=pairs,
-        )
 
-    @sub.command("retention")
+    @experiment_command(sub, "retention", "context_retention")
     def retention(
         facts: Annotated[int | None, typer.Option(help="Fact/question pairs to use (max 34).")] = None,
         sinks: Annotated[int, typer.Option(help="Sink tokens kept when re-positioning.")] = 4,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
     ) -> None:
         """Fact recall with the context given as text, injected cache, re-positioned cache, other preamble."""
-        _run(
-            "context_retention",
-            out=out,
-            json_out=json_out,
-            model=model,
-            quick=quick,
-            full=full,
-            seed=seed,
-            facts=facts,
-            sinks=sinks,
-        )
 
-    @sub.command("layers")
+    @experiment_command(sub, "layers", "layer_transfer")
     def layers(
         facts: Annotated[int | None, typer.Option(help="Fact/question pairs to use.")] = None,
         width: Annotated[int | None, typer.Option(help="Layers per sliding window.")] = None,
         stride: Annotated[int | None, typer.Option(help="Step between windows.")] = None,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
     ) -> None:
         """Which layers carry the fact: transfer the fact turn's cache for layer ranges only."""
-        _run(
-            "layer_transfer",
-            out=out,
-            json_out=json_out,
-            model=model,
-            quick=quick,
-            full=full,
-            seed=seed,
-            facts=facts,
-            width=width,
-            stride=stride,
-        )
 
-    @sub.command("kv-swap")
+    @experiment_command(sub, "kv-swap", "kv_swap")
     def kv_swap(
         windows: Annotated[int | None, typer.Option(help="Text windows.")] = None,
         roll: Annotated[int, typer.Option(help="Tokens rolled off / truncated.")] = 5,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
     ) -> None:
         """K/V source factorial for roll, truncate and cross-text, plus sink-only swaps."""
-        _run(
-            "kv_swap",
-            out=out,
-            json_out=json_out,
-            model=model,
-            quick=quick,
-            full=full,
-            seed=seed,
-            windows=windows,
-            roll=roll,
-        )
 
-    @sub.command("transplant")
+    @experiment_command(sub, "transplant", "transplant")
     def transplant_cmd(
         windows: Annotated[int | None, typer.Option(help="Test windows (as many for training).")] = None,
         target_model: Annotated[
@@ -152,48 +56,16 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option(help="Training passages for the cross-model map (a third as many for testing)."),
         ] = None,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
-    ) -> None:
+    ) -> dict:
         """Base <-> fine-tuned derivative cache transplant, and ridge maps between caches (C2C-lite)."""
         options = {"target_model": target_model, "cross_texts": cross_texts}
-        _run(
-            "transplant",
-            out=out,
-            json_out=json_out,
-            model=model,
-            quick=quick,
-            full=full,
-            seed=seed,
-            windows=windows,
-            **{k: v for k, v in options.items() if v is not None},
-        )
+        return {"windows": windows, **{k: v for k, v in options.items() if v is not None}}
 
-    @sub.command("numerics")
+    @experiment_command(sub, "numerics", "caching_numerics")
     def numerics(
         steps: Annotated[int | None, typer.Option(help="Greedy steps (default 64, --full 200).")] = None,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
     ) -> None:
         """Cached vs recomputed decoding in fp32/bf16/fp16, each against a computed fp64 reference."""
-        _run(
-            "caching_numerics",
-            out=out,
-            json_out=json_out,
-            model=model,
-            quick=quick,
-            full=full,
-            seed=seed,
-            steps=steps,
-        )
 
     @sub.command("finetune-derivative")
     def finetune(
