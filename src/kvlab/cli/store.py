@@ -13,7 +13,12 @@ from typing import Annotated, Any
 
 import typer
 
-from kvlab.cli.common import FullOpt, JsonOpt, ModelOpt, OutOpt, QuickOpt, SeedOpt, console, profile_from
+from kvlab.cli.common import (
+    JsonOpt,
+    ModelOpt,
+    console,
+    experiment_command,
+)
 from kvlab.errors import BadInputError
 
 StoreOpt = Annotated[
@@ -234,26 +239,7 @@ def register(app: typer.Typer) -> None:
             json_out,
         )
 
-    @store_app.command("experiment")
-    def experiment_cmd(
-        redis: RedisOpt = None,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
-    ) -> None:
+    @experiment_command(store_app, "experiment", "store_reuse")
+    def experiment_cmd(redis: RedisOpt = None) -> dict:
         """Time to first token with stored prefixes (memory, disk, Redis) and non-prefix reuse quality."""
-        from kvlab.cli.common import run_and_report
-        from kvlab.experiments import get_experiment
-
-        run_and_report(
-            get_experiment("store_reuse"),
-            out=out,
-            json_out=json_out,
-            model=model,
-            profile=profile_from(quick, full),
-            seed=seed,
-            redis_url=redis,
-        )
+        return {"redis_url": redis}
