@@ -202,3 +202,59 @@ def test_bad_inputs_raise_clear_errors():
     )
     with pytest.raises(UnsupportedModelError, match="floating-point"):
         quantize_snapshot(ints, PerTokenQuantizer(bits=4))
+
+
+def test_lloyd_max_levels_match_the_known_normal_grids():
+    from kvlab.compress.quant.scalar import lloyd_max_levels
+
+    assert torch.allclose(lloyd_max_levels(2)[2:], torch.tensor([0.4528, 1.5104]), atol=1e-3)
+    assert torch.allclose(lloyd_max_levels(3)[4:], torch.tensor([0.2451, 0.7560, 1.3439, 2.1519]), atol=1e-3)
+    assert abs(float(lloyd_max_levels(4)[-1]) - 2.7326) < 1e-3
+    for bits in SUPPORTED_BITS:
+        lv = lloyd_max_levels(bits)
+        assert lv.numel() == 2**bits and torch.all(lv[1:] > lv[:-1]) and torch.allclose(lv, -lv.flip(0))
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_lloyd_grid_beats_uniform_on_gaussian_groups_with_fewer_bytes(bits):
+    from kvlab.compress.quant.scalar import quantize_lloyd
+
+    x = torch.randn(500, 64, generator=torch.Generator().manual_seed(bits))
+    lq, uq = quantize_lloyd(x, bits, 64), quantize(x, bits, 64)
+    e_l = float((lq.dequantize() - x).norm() / x.norm())
+    e_u = float((uq.dequantize() - x).norm() / x.norm())
+    assert lq.grid == "lloyd" and lq.nbytes == packed_nbytes(x.numel(), bits) + 500 * 2 < uq.nbytes
+    # better than min/max at <= 4 bits with one fp16 number per group instead of two; at 8 bits (uniform
+    # symmetric grid) the range is |max| on both sides, so a little worse but still fewer bytes
+    assert e_l < e_u * (1.0 if bits <= 4 else 1.15)
+    assert e_l < {2: 0.36, 3: 0.18, 4: 0.09, 8: 0.008}[bits]
+
+
+def test_projected_centring_handles_a_sink_key_far_from_the_mean():
+    snap = _snapshot(layers=1, t=96)
+    k = snap.keys[0].clone()
+    k[:, :, 0] = -0.3 * k[:, :, 1:].mean(2)  # a short key pointing away from the shared offset (like a sink)
+    snap = snap.replace(keys=(k,))
+    errs = {}
+    for center in ("proj", "mean"):
+        out = quantize_snapshot(snap, RotatedQuantizer(bits=4, center=center, grid="uniform")).decompress()
+        errs[center] = float((out.keys[0][:, :, 0] - k[:, :, 0]).norm() / k[:, :, 0].norm())
+    assert errs["proj"] < 0.5 * errs["mean"]
+
+
+def test_rotation_budget_equals_naive_int4_plus_one_mean_per_segment():
+    snap = _snapshot(layers=1, heads=3, t=96)
+    rot = quantize_snapshot(snap, RotatedQuantizer(bits=4))
+    naive = quantize_snapshot(snap, PerTokenQuantizer(bits=4))
+    means = 2 * 3 * 64 * 2  # keys and values: one fp16 mean of 64 per head
+    assert rot.nbytes == naive.nbytes + means
+    # a short (decode-time) segment is not centred, so it stores no mean and no coefficients
+    short = RotatedQuantizer(bits=4).encode(
+        snap.keys[0][:, :, :3], snap.values[0][:, :, :3], torch.arange(3), snap.rope
+    )
+    assert short.keys.mean is None and short.keys.coef is None
+    assert short.nbytes == 2 * (packed_nbytes(3 * 3 * 64, 4) + 3 * 3 * 2)
+    with pytest.raises(BadInputError, match="centring"):
+        RotatedQuantizer(center="median")
+    with pytest.raises(BadInputError, match="grid"):
+        RotatedQuantizer(grid="nf4")

@@ -41,9 +41,8 @@ def ensure_venv() -> Path:
     return py
 
 
-def run(job: Path, out: Path) -> None:
-    py = ensure_venv()
-    env = {
+def _env() -> dict:
+    return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
@@ -52,7 +51,23 @@ def run(job: Path, out: Path) -> None:
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
-    subprocess.run([str(py), str(HERE / "anchor_worker.py"), str(job), str(out)], check=True, env=env)
+
+
+def start(job: Path, out: Path, log: Path) -> subprocess.Popen:
+    """Start the worker in the background (stderr to ``log``); it rewrites ``out`` after every setup."""
+    py = ensure_venv()
+    with open(log, "w") as fh:
+        return subprocess.Popen(
+            [str(py), str(HERE / "anchor_worker.py"), str(job), str(out)],
+            env=_env(),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def run(job: Path, out: Path) -> None:
+    py = ensure_venv()
+    subprocess.run([str(py), str(HERE / "anchor_worker.py"), str(job), str(out)], check=True, env=_env())
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlab.compress.evict.observe import attention_weights, expand_kv
+from kvlab.compress.evict.observe import expand_kv
 from kvlab.metrics.logits import nll
 
 
@@ -35,6 +35,37 @@ def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a @ b) / (a.norm() * b.norm() + 1e-30))
 
 
+@dataclass(frozen=True, eq=False)
+class Reference:
+    """Per layer, what the uncompressed cache gives the reference queries (computed once per context).
+
+    ``scores`` ``[B, Hq, n, T]`` raw ``q·k``; ``log_attn`` the log-softmax of ``scores * scaling``;
+    ``out`` ``[B, Hq, n, D]`` the attention output.
+    """
+
+    scores: tuple[torch.Tensor, ...]
+    log_attn: tuple[torch.Tensor, ...]
+    out: tuple[torch.Tensor, ...]
+
+
+def reference(
+    queries: tuple[torch.Tensor, ...],
+    keys: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+    scaling: float,
+) -> Reference:
+    """The uncompressed side of :func:`distortion`, to share between many compressed caches."""
+    s, la, o = [], [], []
+    for q, k, v in zip(queries, keys, values, strict=True):
+        hq = q.shape[1]
+        sc = q.float() @ expand_kv(k.float(), hq).transpose(-1, -2)
+        lg = torch.log_softmax(sc * scaling, dim=-1)
+        s.append(sc)
+        la.append(lg)
+        o.append(lg.exp() @ expand_kv(v.float(), hq))
+    return Reference(tuple(s), tuple(la), tuple(o))
+
+
 def distortion(
     queries: tuple[torch.Tensor, ...],
     keys: tuple[torch.Tensor, ...],
@@ -43,37 +74,38 @@ def distortion(
     new_values: tuple[torch.Tensor, ...],
     scaling: float,
     slots: tuple[torch.Tensor, ...] | None = None,
+    ref: Reference | None = None,
 ) -> Distortion:
     """Compare attention of ``queries`` over the reference cache and over the compressed one.
 
     ``slots`` (per layer ``[B, Hkv, n_keep]``) marks an evicted cache: q·k and KL are then taken on the
     kept slots only (KL to the renormalised reference), and ``kept_mass`` says how much attention they held.
+    ``ref`` (from :func:`reference` on the same queries, keys, values) skips recomputing the reference side.
     """
+    ref = ref if ref is not None else reference(queries, keys, values, scaling)
     out = {k: [] for k in ("qk_rel_error", "qk_corr", "attn_kl", "out_rel_error", "kept_mass")}
     for i, q in enumerate(queries):
         hq = q.shape[1]
-        k_ref, v_ref = expand_kv(keys[i].float(), hq), expand_kv(values[i].float(), hq)
         k_new, v_new = expand_kv(new_keys[i].float(), hq), expand_kv(new_values[i].float(), hq)
-        a = attention_weights(q, keys[i], scaling)
-        b = attention_weights(q, new_keys[i], scaling)
-        s_ref = q.float() @ k_ref.transpose(-1, -2)
+        s_ref, log_a, o_ref = ref.scores[i], ref.log_attn[i], ref.out[i]
+        s_new = q.float() @ k_new.transpose(-1, -2)
+        log_b = torch.log_softmax(s_new * scaling, dim=-1)
         if slots is not None:
             idx = expand_kv(slots[i][..., None], hq)[..., 0]  # [B, Hq, n_keep]
             g = idx[:, :, None, :].expand(-1, -1, q.shape[2], -1)
             s_ref = s_ref.gather(-1, g)
-            a_kept = a.gather(-1, g)
-            mass = a_kept.sum(-1)
-            a_cmp = a_kept / mass[..., None]
-            out["kept_mass"].append(float(mass.mean()))
+            log_kept = log_a.gather(-1, g)
+            log_mass = torch.logsumexp(log_kept, dim=-1, keepdim=True)
+            log_cmp = log_kept - log_mass
+            out["kept_mass"].append(float(log_mass.exp().mean()))
         else:
-            a_cmp = a
+            log_cmp = log_a
             out["kept_mass"].append(1.0)
-        s_new = q.float() @ k_new.transpose(-1, -2)
         out["qk_rel_error"].append(float((s_new - s_ref).norm() / s_ref.norm()))
         out["qk_corr"].append(_corr(s_ref, s_new))
-        kl = (a_cmp * (a_cmp.clamp_min(1e-30).log() - b.clamp_min(1e-30).log())).sum(-1)
+        kl = (log_cmp.exp() * (log_cmp - log_b)).sum(-1)
         out["attn_kl"].append(float(kl.mean()))
-        o_ref, o_new = a @ v_ref, b @ v_new
+        o_new = log_b.exp() @ v_new
         out["out_rel_error"].append(float((o_new - o_ref).norm() / o_ref.norm()))
     return Distortion(**{k: np.array(v) for k, v in out.items()})
 

@@ -17,7 +17,7 @@ import torch
 from kvlab.compress.evict import Observation, evict, make_policy, observe
 from kvlab.compress.evict.learned import DEFAULT_WEIGHTS
 from kvlab.compress.evict.select import budget_slots
-from kvlab.compress.measure import continuation_nll, distortion, time_decode_ms
+from kvlab.compress.measure import continuation_nll, distortion, reference, time_decode_ms
 from kvlab.compress.quant import make_quantizer, quantize_snapshot
 from kvlab.compress.quant.scalar import check_bits
 from kvlab.data import Text, default_long_text, python_docs, read_text_file, token_windows
@@ -180,6 +180,7 @@ def run(
             snap = cobs.snapshot
             future_q = tuple(q[:, :, n_ctx:] for q in obs.queries)
             cont = w[n_ctx:]
+            ref = reference(future_q, snap.keys, snap.values, obs.scaling)
             full_bytes.append(snap.nbytes)
             for cfg, name in zip(configs, names, strict=True):
                 kind, method, budget, mode = cfg
@@ -202,7 +203,7 @@ def run(
                 nll[name].append(continuation_nll(logits, cont))
                 nbytes[name].append(held)
                 if mode == "keep":
-                    d = distortion(future_q, snap.keys, snap.values, keys, values, obs.scaling, slots)
+                    d = distortion(future_q, snap.keys, snap.values, keys, values, obs.scaling, slots, ref)
                     for k in layer_stats[name]:
                         layer_stats[name][k].append(getattr(d, k))
                 advance(1)
@@ -224,13 +225,13 @@ def _label(cfg: tuple[str, str, float, str]) -> str:
     return f"{method} {int(round(budget * 100))}%" + (" repack" if mode == "repack" else "")
 
 
-def _compress_context(model: Any, context: list[int], cfg: tuple[str, str, float, str]):
-    """(keys, values, next_position) of a compressed ``context``."""
+def _compress_context(obs: Observation, cfg: tuple[str, str, float, str]):
+    """(keys, values, next_position) of a compressed context, from its observation (one prefill for all)."""
     kind, method, budget, mode = cfg
     if kind == "evict":
-        ev = evict(observe(model, context), make_policy(method), keep=budget, mode=mode)
+        ev = evict(obs, make_policy(method), keep=budget, mode=mode)
         return ev.keys, ev.values, ev.next_position
-    snap = model.prefill(context, all_logits=False).snapshot
+    snap = obs.snapshot
     if kind == "quant":
         label, opts = QUANT_METHODS[method]
         snap = quantize_snapshot(snap, make_quantizer(label, int(budget), **opts)).decompress()
@@ -256,8 +257,9 @@ def _needle(ctx, model, src, configs, names, lengths, depths, wanted, result) ->
     trials = needle_trials(model, src, lengths, depths)
     with ctx.progress.task("compression: needle", total=len(trials) * len(chosen)) as advance:
         for context, question, word in trials:
+            obs = observe(model, context)
             for cfg, name in chosen:
-                keys, values, nxt = _compress_context(model, context, cfg)
+                keys, values, nxt = _compress_context(obs, cfg)
                 out = greedy_on_layers(model, keys, values, question, nxt, 4)
                 found[name].append(float(word in model.decode(out).lower()))
                 advance(1)

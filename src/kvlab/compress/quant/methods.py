@@ -23,7 +23,13 @@ from kvlab.compress.quant.rotation import (
     sketch_matrix,
     unrotate_heads,
 )
-from kvlab.compress.quant.scalar import QuantizedTensor, check_bits, check_group, quantize
+from kvlab.compress.quant.scalar import (
+    QuantizedTensor,
+    check_bits,
+    check_group,
+    quantize,
+    quantize_lloyd,
+)
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.rope.ops import apply_rope, remove_rope
 from kvlab.rope.spec import RopeSpec
@@ -82,23 +88,29 @@ class PreRopeCode:
 
 @dataclass(frozen=True, eq=False)
 class RotatedCode:
-    """Codes of ``x R^T`` per head; optional 1-bit sketch of the rotated residual (signs + fp16 norm)."""
+    """Codes of ``(x - c_t m_t) R^T`` per head; optional 1-bit sketch of the rotated residual.
+
+    ``mean`` (fp16 ``[B, H, 1, D]``) is a per-segment mean (pre-RoPE for keys, re-rotated to each slot's
+    position on decode); ``coef`` (fp16 ``[B, H, n]``) is each slot's least-squares coefficient on it
+    (None: coefficient 1, plain centring). Sketch: packed signs ``[B, H, n, m]`` and fp16 norms ``[B, H, n]``.
+    """
 
     inner: TokenCode
     rot: torch.Tensor
-    signs: torch.Tensor | None = None  # packed 1-bit, [B, H, n, m] before packing
-    norms: torch.Tensor | None = None  # fp16 [B, H, n]
+    signs: torch.Tensor | None = None
+    norms: torch.Tensor | None = None
     sketch_dim: int = 0
-    mean: torch.Tensor | None = None  # fp16 [B, H, 1, D] pre-RoPE key mean, added back at its positions
+    mean: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     rope: RopeSpec | None = None
+    coef: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        n = self.inner.nbytes + (self.mean.numel() * self.mean.element_size() if self.mean is not None else 0)
-        if self.signs is not None and self.norms is not None:
-            n += self.signs.numel() + self.norms.numel() * self.norms.element_size()
-        return n
+        n = self.inner.nbytes
+        for t in (self.mean, self.coef, self.norms if self.signs is not None else None):
+            n += t.numel() * t.element_size() if t is not None else 0
+        return n + (self.signs.numel() if self.signs is not None else 0)
 
     def decode(self) -> torch.Tensor:
         y = self.inner.q.dequantize().float()
@@ -109,7 +121,8 @@ class RotatedCode:
             y = y + sketch_estimate(bits.float() * 2 - 1, self.norms.float(), proj)
         out = unrotate_heads(y, self.rot)
         if self.mean is not None:
-            out = out + _rotated_mean(self.mean, self.positions, self.rope, out.shape)
+            m = _rotated_mean(self.mean, self.positions, self.rope, out.shape)
+            out = out + (m if self.coef is None else self.coef.float()[..., None] * m)
         return out.to(self.inner.q.dtype)
 
 
@@ -118,7 +131,10 @@ def _rotated_mean(
 ) -> torch.Tensor:
     """The pre-RoPE mean key ``[B, H, 1, D]`` placed at every slot's position: ``[B, H, n, D]`` float32."""
     m = mean.float().expand(shape)
-    return apply_rope(m, positions.to(m.device), rope).float() if rope is not None else m
+    if rope is None:
+        return m
+    # float32 angles are plenty for an fp16 mean, and encode and decode both come through here
+    return apply_rope(m, positions.to(m.device), rope, compute_dtype=torch.float32).float()
 
 
 @dataclass(frozen=True, eq=False)
@@ -241,22 +257,49 @@ class PreRopeQuantizer(Quantizer):
         return Segment(k, _per_token(values, self.bits, self.group_size, self.symmetric), keys.shape[-2])
 
 
+CENTER_MODES = ("proj", "mean", "none")
+GRIDS = ("lloyd", "uniform")
+
+
 @dataclass(frozen=True)
 class RotatedQuantizer(Quantizer):
-    """Rotate each head (Hadamard x random signs, or Haar-random), then quantize per token.
+    """Centre, rotate each head (Hadamard x random signs, or Haar-random), then quantize per token.
+
+    Keys: ``center="proj"`` (default) takes the per-segment mean ``m`` of the pre-RoPE keys and removes
+    from each key ``k_t`` its least-squares multiple ``c_t m_t`` (``m_t`` = ``m`` rotated to the slot's
+    position, ``c_t = k_t·m_t / |m_t|^2``, stored fp16), so no residual is longer than its key.
+    ``"mean"`` subtracts ``m_t`` itself (``c_t = 1``; it *lengthens* keys far from the mean, such as the
+    attention-sink token, whose logit error then dominates), ``"none"`` skips centring. Values are
+    centred the same way on their own mean (no RoPE) when ``center_values`` (``proj`` mode only).
+
+    ``grid="lloyd"`` (default) codes each group of the rotated residual on the Lloyd-Max levels of the
+    normal distribution with one fp16 scale per group; ``"uniform"`` uses min/max codes with an fp16 scale
+    and zero point. Budget at 4 bits and ``group_size = head_dim = 64``: 32 code bytes + 2 (scale) +
+    2 (coefficient) per token and head, the same 36 bytes as naive asymmetric int4 (32 + scale + zero),
+    plus one fp16 mean per head and segment (amortised). Segments shorter than ``min_center`` slots
+    (decode-time single tokens) are not centred, so a mean is never stored for one token.
 
     With ``sketch=True`` keys use ``bits - 1`` bits plus a 1-bit sign sketch of the residual
-    (``head_dim`` sketch rows, one bit per element), so the bit budget is unchanged (TurboQuant-style).
-    With ``center=True`` (default) the per-channel mean of the pre-RoPE keys (fp16, ``D`` numbers per
-    head and segment) is subtracted first: ``q·mean`` is the same for every key, so it carries no
-    attention information, yet it would otherwise set most of each token's quantization range.
+    (``head_dim`` sketch rows, one bit per element, + an fp16 norm), TurboQuant/QJL-style.
     """
 
     rotation: str = "hadamard"
     sketch: bool = False
-    center: bool = True
+    center: str | bool = "proj"
+    center_values: bool = True
+    grid: str = "lloyd"
+    min_center: int = 16
     seed: int = 0
     kind = "rotation"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.center, bool):
+            object.__setattr__(self, "center", "proj" if self.center else "none")
+        if self.center not in CENTER_MODES:
+            raise BadInputError(f"unknown centring '{self.center}'; choose one of {', '.join(CENTER_MODES)}")
+        if self.grid not in GRIDS:
+            raise BadInputError(f"unknown grid '{self.grid}'; choose one of {', '.join(GRIDS)}")
 
     @property
     def name(self) -> str:
@@ -272,21 +315,38 @@ class RotatedQuantizer(Quantizer):
         if self.sketch and self.bits < 2:
             raise BadInputError("the residual sketch needs at least 2 bits (bits - 1 for the codes)")
 
+    def _code(self, x: torch.Tensor, bits: int) -> TokenCode:
+        if self.grid == "lloyd":
+            return TokenCode(quantize_lloyd(x, bits, self.group_size))
+        return _per_token(x, bits, self.group_size, self.symmetric)
+
+    def _centre(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeSpec | None) -> tuple:
+        """``(residual, extra)``: ``x`` minus its (scaled) mean, and the RotatedCode fields that restore it."""
+        if self.center == "none" or x.shape[-2] < self.min_center:
+            return x, {}
+        pos = positions.to(x.device)
+        pre = remove_rope(x, pos, rope, compute_dtype=torch.float32) if rope is not None else x
+        mean = pre.mean(dim=2, keepdim=True).to(torch.float16)
+        m = _rotated_mean(mean, positions, rope, x.shape)
+        extra = {"mean": mean, "positions": positions, "rope": rope}
+        if self.center == "mean":
+            return x - m, extra
+        coef = ((x * m).sum(-1) / (m * m).sum(-1).clamp_min(1e-30)).to(torch.float16)
+        return x - coef.float()[..., None] * m, {**extra, "coef": coef}
+
     def encode(self, keys, values, positions, rope) -> Segment:
         h, d = keys.shape[1], keys.shape[-1]
         rot = rotation_matrix(d, self.rotation, self.seed, h)
-        mean, k = None, keys.float()
-        if self.center:
-            pre = remove_rope(k, positions.to(k.device), rope) if rope is not None else k
-            mean = pre.mean(dim=2, keepdim=True).to(torch.float16)
-            k = k - _rotated_mean(mean, positions, rope, k.shape)
-        extra = {"mean": mean, "positions": positions, "rope": rope}
-        rk, rv = rotate_heads(k, rot), rotate_heads(values, rot).to(values.dtype)
+        k, kextra = self._centre(keys.float(), positions, rope)
+        v, vextra = values.float(), {}
+        if self.center_values and self.center == "proj":
+            v, vextra = self._centre(v, positions, None)
+        rk, rv = rotate_heads(k, rot), rotate_heads(v, rot)
         if not self.sketch:
-            kcode = RotatedCode(_per_token(rk, self.bits, self.group_size, self.symmetric), rot, **extra)
+            kcode = RotatedCode(self._code(rk, self.bits), rot, **kextra)
         else:
-            inner = _per_token(rk, self.bits - 1, self.group_size, False)
-            resid = rk.float() - inner.decode().float()
+            inner = self._code(rk, self.bits - 1)
+            resid = rk - inner.decode().float()
             proj = sketch_matrix(d, d)
             signs = (resid @ proj.T) >= 0
             kcode = RotatedCode(
@@ -295,9 +355,9 @@ class RotatedQuantizer(Quantizer):
                 pack_bits(signs.to(torch.uint8), 1),
                 resid.norm(dim=-1).to(torch.float16),
                 d,
-                **extra,
+                **kextra,
             )
-        vcode = RotatedCode(_per_token(rv, self.bits, self.group_size, self.symmetric), rot)
+        vcode = RotatedCode(self._code(rv.to(values.dtype), self.bits), rot, **vextra)
         return Segment(kcode, vcode, keys.shape[-2])
 
 

@@ -29,6 +29,10 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat((flat, flat.new_zeros(pad)))
+    if 8 % bits == 0:  # byte-aligned widths: the same layout, byte j holds codes (8/bits)*j + r at bit bits*r
+        per = 8 // bits
+        shifts = torch.arange(per, dtype=torch.int64, device=flat.device) * bits
+        return (flat.view(-1, per) << shifts).sum(dim=1).to(torch.uint8)
     blocks = flat.view(-1, 8)
     shifts = torch.arange(8, dtype=torch.int64, device=flat.device) * bits
     words = (blocks << shifts).sum(dim=1)  # [n_blocks], 8*bits <= 64 bits each
@@ -45,6 +49,10 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
             f"{count} codes of {bits} bits need {packed_nbytes(count, bits)} packed bytes, "
             f"got {packed.numel()} of {packed.dtype}"
         )
+    if 8 % bits == 0:  # byte-aligned fast path (uint8 shifts, no 64-bit words)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed[:, None] >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(-1)[:count]
     byte_blocks = packed.to(torch.int64).view(-1, bits)
     byte_shifts = torch.arange(bits, dtype=torch.int64, device=packed.device) * 8
     words = (byte_blocks << byte_shifts).sum(dim=1)

@@ -44,13 +44,19 @@ def rotation_matrix(dim: int, kind: str = "hadamard", seed: int = 0, heads: int 
     raise BadInputError(f"unknown rotation '{kind}'; choose hadamard or random")
 
 
+@lru_cache(maxsize=64)
+def _as_float(rot: torch.Tensor) -> torch.Tensor:
+    return rot.float()
+
+
 def rotate_heads(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """``x [B, H, T, D]`` -> ``x @ R_h.T`` per head (float32)."""
-    return torch.einsum("bhtd,hed->bhte", x.float(), rot.float())
+    return torch.matmul(x.float(), _as_float(rot).transpose(-1, -2))
 
 
 def unrotate_heads(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    return torch.einsum("bhte,hed->bhtd", x.float(), rot.float())
+    """Inverse of :func:`rotate_heads`: ``y @ R_h`` per head (float32)."""
+    return torch.matmul(x.float(), _as_float(rot))
 
 
 @lru_cache(maxsize=16)

@@ -5,11 +5,18 @@ each group gets one fp16 scale (symmetric) or an fp16 scale and an fp16 minimum 
 stored scale is rounded *up* and the stored minimum *down* to fp16, and codes are computed from the
 stored values, so every element is reconstructed within half a step of its group:
 ``|x - dequantize(x)| <= scale / 2`` (plus float32 rounding). That bound is what the tests check.
+
+:func:`quantize_lloyd` is the grid for rotated data: after a random orthogonal rotation every
+coordinate of a ``d``-dimensional vector is close to ``N(0, |x|^2 / d)``, so one fp16 scale per group
+and the ``2**bits`` Lloyd-Max levels of the standard normal (the MSE-optimal scalar grid for that
+distribution, as in TurboQuant) beat a uniform min/max grid that needs a scale *and* a zero point.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -60,6 +67,7 @@ class QuantizedTensor:
     shape: tuple[int, ...]
     group_size: int
     dtype: torch.dtype
+    grid: str = "uniform"  # or "lloyd": code i means grid_levels(bits)[i] * scale
 
     @property
     def symmetric(self) -> bool:
@@ -75,23 +83,30 @@ class QuantizedTensor:
         count = 1
         for s in self.shape:
             count *= s
-        codes = unpack_bits(self.packed, self.bits, count).float().view(*self.shape[:-1], -1, self.group_size)
+        raw = unpack_bits(self.packed, self.bits, count).view(*self.shape[:-1], -1, self.group_size)
         scale = self.scale.float()[..., None]
-        if self.zero is None:
-            out = (codes - (2 ** (self.bits - 1) - 1)) * scale
+        if self.grid == "lloyd":
+            out = _take(grid_levels(self.bits).to(raw.device), raw.long()) * scale
+        elif self.zero is None:
+            out = (raw.float() - (2 ** (self.bits - 1) - 1)) * scale
         else:
-            out = codes * scale + self.zero.float()[..., None]
+            out = torch.addcmul(self.zero.float()[..., None], raw.float(), scale)
         return out.reshape(self.shape).to(self.dtype)
 
 
-def quantize(x: torch.Tensor, bits: int, group_size: int, *, symmetric: bool = False) -> QuantizedTensor:
-    """Quantize ``x [..., N]`` in groups of ``group_size`` along the last axis (``N % group_size == 0``)."""
+def _groups(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """``x [..., N]`` as float32 groups ``[..., N / group_size, group_size]``, after checking the request."""
     if not 1 <= bits <= 8:
         raise BadInputError(f"quantize stores 1..8-bit codes, got {bits} bits")
     if x.ndim == 0 or not torch.is_floating_point(x):
         raise BadInputError("quantize needs a floating-point tensor with at least one axis")
     check_group(x.shape[-1], group_size, "the last axis")
-    g = x.float().reshape(*x.shape[:-1], -1, group_size)
+    return x.float().reshape(*x.shape[:-1], -1, group_size)
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, *, symmetric: bool = False) -> QuantizedTensor:
+    """Quantize ``x [..., N]`` in groups of ``group_size`` along the last axis (``N % group_size == 0``)."""
+    g = _groups(x, bits, group_size)
     if symmetric and bits < 2:
         raise BadInputError("symmetric codes need at least 2 bits")
     if symmetric:
@@ -114,6 +129,101 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, *, symmetric: bool = F
         shape=tuple(x.shape),
         group_size=group_size,
         dtype=x.dtype,
+    )
+
+
+@lru_cache(maxsize=16)
+def lloyd_max_levels(bits: int) -> torch.Tensor:
+    """The ``2**bits`` Lloyd-Max reconstruction levels of ``N(0, 1)`` (ascending, float32).
+
+    Lloyd's iteration on the exact density: thresholds are midpoints, levels are the conditional means
+    ``(phi(a) - phi(b)) / (Phi(b) - Phi(a))`` of their cells. 4 bits: MSE 0.0095 per unit variance.
+    """
+    n = 2**bits
+    lv = torch.linspace(-2.5, 2.5, n, dtype=torch.float64) * (1 + 0.25 * max(bits - 3, 0))
+    inf = torch.tensor([math.inf], dtype=torch.float64)
+    for _ in range(300 if bits <= 5 else 3000):
+        edges = torch.cat((-inf, (lv[1:] + lv[:-1]) / 2, inf))
+        a, b = edges[:-1], edges[1:]
+        pdf = torch.exp(-0.5 * torch.nan_to_num(torch.stack((a, b)), posinf=60, neginf=-60) ** 2)
+        pdf = pdf / math.sqrt(2 * math.pi)
+        mass = torch.special.ndtr(b) - torch.special.ndtr(a)
+        new = (pdf[0] - pdf[1]) / mass.clamp_min(1e-300)
+        if torch.allclose(new, lv, atol=1e-10, rtol=0):
+            break
+        lv = new
+    return lv.float()
+
+
+@lru_cache(maxsize=16)
+def grid_levels(bits: int) -> torch.Tensor:
+    """Reconstruction levels of the ``"lloyd"`` grid: Lloyd-Max up to 4 bits, uniform (mid-rise) above.
+
+    Above 4 bits the normal Lloyd-Max grid spends its outer levels on tails a group of 64 never reaches,
+    and at that rate a uniform grid scaled to the group is as good as any (measured: 8 bits, 0.0053 vs
+    0.0065 relative error on Gaussian groups).
+    """
+    if bits <= 4:
+        return lloyd_max_levels(bits)
+    n = 2**bits
+    return (torch.arange(n, dtype=torch.float32) - (n - 1) / 2) / (n / 4)
+
+
+def _take(levels: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``levels[codes]`` via ``index_select`` (several times faster than advanced indexing on CPU)."""
+    return torch.index_select(levels, 0, codes.reshape(-1)).view(codes.shape)
+
+
+def _nearest_level(u: torch.Tensor, bits: int, edges: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest :func:`grid_levels` level to each element of ``u`` (int64)."""
+    n = 2**bits
+    if bits > 4:  # uniform mid-rise grid: arithmetic, no search
+        return torch.round(u * (n / 4) + (n - 1) / 2).clamp_(0, n - 1).long()
+    codes = torch.zeros(u.shape, dtype=torch.uint8, device=u.device)
+    for e in edges.tolist():  # <= 15 vectorised comparisons: far faster than bucketize on CPU
+        codes += u > e
+    return codes.long()
+
+
+def quantize_lloyd(x: torch.Tensor, bits: int, group_size: int) -> QuantizedTensor:
+    """Quantize ``x [..., N]`` per group onto the Lloyd-Max normal grid times one fp16 scale per group.
+
+    The scale is chosen per group to minimise the squared error: for a few multiples of the group's
+    RMS (one above 4 bits) and the scales that put the outer level at 100% / 90% of the group's largest
+    magnitude (a group of 64 rarely reaches the tails a many-level normal grid is built for), codes are
+    taken at that scale and the scale is refit by least squares (``<x, c> / <c, c>``); the best candidate
+    (with its scale rounded to fp16) is kept.
+    """
+    g = _groups(x, bits, group_size)
+    levels = grid_levels(bits).to(g.device)
+    edges = (levels[1:] + levels[:-1]) / 2
+    rms = g.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(_TINY)
+    top = (g.abs().amax(-1, keepdim=True) / levels[-1]).clamp_min(_TINY)  # outer level on the group's max
+    starts = [rms * f for f in (0.85, 1.0, 1.2)] if bits <= 4 else [rms]
+    best_codes, best_scale, best_err = None, None, None
+    for s0 in [*starts, top, top * 0.9]:
+        codes = _nearest_level(g / s0, bits, edges)
+        c = _take(levels, codes)
+        s = ((g * c).sum(-1, keepdim=True) / c.pow(2).sum(-1, keepdim=True).clamp_min(1e-30)).clamp_min(_TINY)
+        s = s.to(SCALE_DTYPE).float()
+        codes = _nearest_level(g / s, bits, edges)
+        err = (_take(levels, codes) * s - g).pow(2).sum(-1, keepdim=True)
+        if best_err is None:
+            best_codes, best_scale, best_err = codes, s, err
+        else:
+            better = err < best_err
+            best_codes = torch.where(better, codes, best_codes)
+            best_scale = torch.where(better, s, best_scale)
+            best_err = torch.where(better, err, best_err)
+    return QuantizedTensor(
+        packed=pack_bits(best_codes.to(torch.uint8), bits),
+        scale=best_scale[..., 0].to(SCALE_DTYPE),
+        zero=None,
+        bits=bits,
+        shape=tuple(x.shape),
+        group_size=group_size,
+        dtype=x.dtype,
+        grid="lloyd",
     )
 
 
