@@ -1,7 +1,7 @@
 """Rolling cache benchmark: roll cost, re-base cost, streaming throughput, memory, streaming perplexity.
 
-Run: ``python3 benchmarks/rolling.py`` (add ``--gen-tokens 20000`` for the long memory run,
-``--quick`` for a smoke run). Every timing is a ratio of two things measured side by side in this
+Run: ``OMP_NUM_THREADS=1 python3 benchmarks/rolling.py`` (add ``--gen-tokens 20000`` for the long
+memory run, ``--sections memory`` to run one section, ``--quick`` for a smoke run). Every timing is a ratio of two things measured side by side in this
 run (interleaved, median of repeats), because absolute times on a shared machine are noise.
 Writes ``benchmarks/results/rolling.md``.
 """
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import fcntl
 import os
 import platform
+import re
 import resource
 import statistics
 import sys
@@ -23,20 +25,33 @@ import torch
 from kvlab import load_model
 from kvlab.data import shared_book
 from kvlab.hf import new_hf_cache
-from kvlab.hf.rolling_cache import rolling_cache_for, rotate_by
-from kvlab.streaming import stream_generate, streaming_perplexity
+from kvlab.hf.rolling_cache import rolling_cache_for, rotate_by, rotate_by_
+from kvlab.rope.ops import shift_keys
+from kvlab.streaming import TABLE_COLUMNS, stream_generate, streaming_perplexity, summarize, table_row
 from kvlab.streaming.generate import feed
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rolling.md"
 
 
-def median_ms(fn, repeats: int) -> float:
+def cpu_ms(fn, repeats: int = 3) -> float:
+    """Median CPU time (this process, user + system) of ``repeats`` calls, in ms.
+
+    On a shared, oversubscribed machine wall time mostly measures the scheduler: a 3 ms clone fits in
+    one time slice while a 30 ms pass waits several times. CPU time counts only the work done.
+    """
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((time.process_time() - t0) * 1e3)
     return statistics.median(times)
+
+
+def paired(times: dict[str, list[float]], base: str) -> dict[str, float]:
+    """Median over rounds of ``times[k][i] / times[base][i]`` (each round measured side by side)."""
+    return {
+        k: statistics.median(a / b for a, b in zip(v, times[base], strict=True)) for k, v in times.items()
+    }
 
 
 def rss_mib() -> float:
@@ -47,10 +62,10 @@ def rss_mib() -> float:
 def bench_roll(h, window: int, chunk: int, sinks: int, repeats: int) -> list[list]:
     """A roll's extra work (sink re-rotation + slicing, folded into the step's concatenation) vs a full prefill."""
     ids = torch.randint(100, 20000, (1, window + sinks), generator=torch.Generator().manual_seed(0))
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time, like the cache updates below
     with torch.no_grad():
         h.model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
+    prefill_ms = (time.process_time() - t0) * 1e3
     cache = rolling_cache_for(h, window=window, sinks=sinks, evict_chunk=chunk)
     with torch.no_grad():
         h.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -68,17 +83,23 @@ def bench_roll(h, window: int, chunk: int, sinks: int, repeats: int) -> list[lis
         for i in range(len(cache.layers)):
             cache.update(new_k, new_k, i)
 
-    roll_ms, plain_ms, rebase_ms, clone_ms = [], [], [], []
-    for _ in range(repeats):  # interleaved
-        roll_ms.append(median_ms(lambda: step(chunk), 3))
-        plain_ms.append(median_ms(lambda: step(0), 3))
-        rebase_ms.append(median_ms(lambda: step(chunk, chunk + 4096), 3))
-        clone_ms.append(median_ms(lambda: [k.clone() for k, _, _ in layers], 3))
-    roll, plain = statistics.median(roll_ms), statistics.median(plain_ms)
-    rebase, clone = statistics.median(rebase_ms), statistics.median(clone_ms)
+    fns = {
+        "roll": lambda: step(chunk),
+        "plain": lambda: step(0),
+        "rebase": lambda: step(chunk, chunk + 4096),
+        "clone": lambda: [k.clone() for k, _, _ in layers],
+    }
+    t: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):  # interleaved rounds, CPU time, median of 3 each
+        for k, fn in fns.items():
+            t[k].append(cpu_ms(fn))
+    t["rebase_extra"] = [max(r - p, 1e-6) for r, p in zip(t["rebase"], t["plain"], strict=True)]
+    to_plain, to_clone = paired(t, "plain"), paired(t, "clone")
+    roll, plain = statistics.median(t["roll"]), statistics.median(t["plain"])
+    rebase, clone = statistics.median(t["rebase"]), statistics.median(t["clone"])
     extra = max(roll - plain, 1e-6)
     rows = [
-        ["full prefill of W tokens", f"{prefill_ms:,.1f} ms", ""],
+        ["full prefill of W tokens (CPU time, like every row)", f"{prefill_ms:,.1f} ms", ""],
         [
             f"cache update, step with a roll of {chunk} (all layers)",
             f"{roll:.3f} ms",
@@ -91,26 +112,64 @@ def bench_roll(h, window: int, chunk: int, sinks: int, repeats: int) -> list[lis
         [
             "cache update, step with a roll + full re-base (rotation written into the step's output)",
             f"{rebase:.3f} ms",
-            f"{rebase / clone:.2f}x a clone; {rebase / plain:.2f}x a plain step",
+            f"{to_plain['rebase']:.2f}x a plain step",
+        ],
+        [
+            "extra work of a re-base step over a plain step (difference)",
+            f"{statistics.median(t['rebase_extra']):.3f} ms",
+            f"{to_clone['rebase_extra']:.2f}x a clone",
         ],
     ]
     return rows
 
 
 def bench_rebase(h, window: int, repeats: int) -> list[list]:
-    keys = [torch.randn(1, h.facts.num_kv_heads, window, h.facts.head_dim) for _ in range(h.facts.num_layers)]
-    clone, rebase = [], []
-    for _ in range(repeats):
-        clone.append(median_ms(lambda: [k.clone() for k in keys], 3))
-        rebase.append(median_ms(lambda: [rotate_by(k, -4096, h.rope) for k in keys], 3))
-    c, r = statistics.median(clone), statistics.median(rebase)
+    """A full re-base pass (every key rotated by -4096) vs a plain clone, interleaved in one loop."""
+    shape = (1, h.facts.num_kv_heads, window, h.facts.head_dim)
+    keys = [torch.randn(shape) for _ in range(h.facts.num_layers)]
+    outs = [torch.empty(shape) for _ in keys]
+    own = [k.clone() for k in keys]
+    fns = {
+        "clone": lambda: [k.clone() for k in keys],
+        "copy": lambda: [o.copy_(k) for k, o in zip(keys, outs, strict=True)],
+        "new": lambda: [rotate_by(k, -4096, h.rope) for k in keys],
+        "out": lambda: [rotate_by(k, -4096, h.rope, out=o) for k, o in zip(keys, outs, strict=True)],
+        "inplace": lambda: [rotate_by_(k, -4096, h.rope) for k in own],
+    }
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):  # interleaved rounds, CPU time, median of 3 each
+        for k, fn in fns.items():
+            times[k].append(cpu_ms(fn))
+    m = {k: statistics.median(v) for k, v in times.items()}
+    ratio, to_copy = paired(times, "clone"), paired(times, "copy")
+    ref = shift_keys(keys[0].double(), -4096, h.rope)
+    got = rotate_by(keys[0], -4096, h.rope).double()
+    rel = float(((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
+    mb = sum(k.numel() * k.element_size() for k in keys) / 2**20
+    c = m["clone"]
     return [
-        ["plain clone of the key cache", f"{c:.2f} ms", ""],
+        [f"plain clone of the key cache ({mb:.0f} MiB)", f"{c:.2f} ms", "1.00x"],
         [
-            "standalone re-base pass (rotate every key by -4096, new tensors)",
-            f"{r:.2f} ms",
-            f"{r / c:.2f}x a clone",
+            "plain copy into preallocated outputs (a clone without the allocation)",
+            f"{m['copy']:.2f} ms",
+            f"{ratio['copy']:.2f}x a clone",
         ],
+        [
+            "re-base into new tensors (`rotate_by`, allocates like the clone)",
+            f"{m['new']:.2f} ms",
+            f"{ratio['new']:.2f}x a clone",
+        ],
+        [
+            "re-base into preallocated outputs (`rotate_by(..., out=)`)",
+            f"{m['out']:.2f} ms",
+            f"{ratio['out']:.2f}x a clone; {to_copy['out']:.2f}x a preallocated copy",
+        ],
+        [
+            "re-base in place on owned storage (`rotate_by_`)",
+            f"{m['inplace']:.2f} ms",
+            f"{ratio['inplace']:.2f}x a clone; {to_copy['inplace']:.2f}x a preallocated copy",
+        ],
+        ["max relative error per key vs the float64 reference (`shift_keys`)", f"{rel:.1e}", ""],
     ]
 
 
@@ -153,32 +212,129 @@ def bench_throughput(h, window: int, sinks: int, chunk: int, blocks: int, steps:
     ]
 
 
-def bench_memory(h, window: int, sinks: int, chunk: int, tokens: int, max_position: int | None) -> list[list]:
+def bench_memory(
+    h,
+    window: int,
+    sinks: int,
+    chunk: int,
+    tokens: int,
+    max_position: int | None,
+    dyn_every: int = 2000,
+    on_progress=None,
+    report_every: int = 500,
+) -> list[list]:
+    """Generate ``tokens`` with kvlab's loop (positions chosen by the cache, re-based when needed);
+    RSS sampled every 250 tokens. Every ``dyn_every`` tokens, 16 decode steps of a DynamicCache held
+    at the same length (``sinks + window``) are timed next to the surrounding rolling steps."""
     cache = rolling_cache_for(h, window=window, sinks=sinks, evict_chunk=chunk, max_position=max_position)
     first = feed(h, cache, h.encode("It was a dark and stormy night; the rain fell in torrents, except at"))
+    # The DynamicCache baseline lives for the whole run (allocated before the RSS baseline).
+    n_dyn = sinks + window
+    dyn = new_hf_cache(h.config)
+    ids = torch.randint(100, 20000, (1, n_dyn), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        h.model(input_ids=ids, past_key_values=dyn, use_cache=True, logits_to_keep=1)
+    tok = torch.tensor([[1234]])
+
+    def dyn_block(steps: int = 16) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(steps):
+                h.model(input_ids=tok, past_key_values=dyn, use_cache=True)
+        dyn.crop(-steps)
+        return steps / (time.perf_counter() - t0)
+
     samples, max_pos, rebases = [], 0, 0
+    roll_rates, dyn_rates, block_t, block_n = [], [], 0.0, 0
+
+    def summary(done: int, elapsed: float, samples: list, max_pos: int, rebases: int) -> list[list]:
+        return memory_rows(
+            h,
+            cache,
+            done,
+            tokens,
+            elapsed,
+            samples,
+            max_pos,
+            rebases,
+            max_position,
+            roll_rates,
+            dyn_rates,
+            sinks + window,
+        )
+
     t0 = time.perf_counter()
     for ev in stream_generate(h, cache, first, tokens, temperature=0.8, seed=0):
         max_pos = max(max_pos, ev.position)
         rebases += ev.rebased
+        block_t += ev.seconds
+        block_n += 1
         if ev.step % 250 == 0:
             samples.append((ev.step, rss_mib()))
-    elapsed = time.perf_counter() - t0
-    base = [r for s, r in samples if s >= min(tokens // 5, 1000)] or [samples[-1][1]]
-    growth = (samples[-1][1] - base[0]) / base[0] * 100
+        if (ev.step + 1) % dyn_every == 0 or ev.step + 1 == tokens:
+            roll_rates.append(block_n / block_t)
+            dyn_rates.append(dyn_block())
+            block_t, block_n = 0.0, 0
+        if on_progress and (ev.step + 1) % report_every == 0 and ev.step + 1 < tokens:
+            on_progress(
+                summary(
+                    ev.step + 1,
+                    time.perf_counter() - t0,
+                    [*samples, (ev.step + 1, rss_mib())],
+                    max_pos,
+                    rebases,
+                )
+            )
+    return summary(tokens, time.perf_counter() - t0, [*samples, (tokens, rss_mib())], max_pos, rebases)
+
+
+def memory_rows(
+    h, cache, done, tokens, elapsed, samples, max_pos, rebases, max_position, roll_rates, dyn_rates, n_dyn
+) -> list[list]:
+    base = [(s, r) for s, r in samples if s >= min(tokens // 5, 1000)] or [samples[-1]]
+    start_rss = base[0][1]
+    growth = (samples[-1][1] - start_rss) / start_rss * 100
     limit = max_position or h.max_positions
+    ratios = [r / d for r, d in zip(roll_rates, dyn_rates, strict=True)] or [float("nan")]
+    state = "" if done >= tokens else f" (PARTIAL: run in progress or stopped, {done:,} of {tokens:,})"
     return [
-        ["tokens generated", f"{tokens:,}", f"{tokens / elapsed:.1f} tokens/s"],
-        ["RSS after warm-up / at the end", f"{base[0]:,.0f} / {samples[-1][1]:,.0f} MiB", f"{growth:+.2f}%"],
+        [
+            "tokens generated" + state,
+            f"{done:,} in {elapsed:,.0f} s",
+            f"{done / elapsed:.1f} tokens/s overall (incl. baseline blocks)",
+        ],
+        [
+            f"RSS at token {base[0][0]:,} (after warm-up) / at the end",
+            f"{start_rss:,.0f} / {samples[-1][1]:,.0f} MiB",
+            f"{growth:+.2f}%",
+        ],
+        [
+            "RSS min / max over the run (sampled every 250 tokens)",
+            f"{min(r for _, r in samples):,.0f} / {max(r for _, r in samples):,.0f} MiB",
+            f"first sample (token 0): {samples[0][1]:,.0f} MiB",
+        ],
         ["peak RSS (ru_maxrss)", f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB", ""],
-        ["largest RoPE position fed", f"{max_pos:,}", f"limit {limit:,}"],
+        ["largest RoPE position fed", f"{max_pos:,}", f"max_position_embeddings {limit:,}"],
         ["re-bases / rolls", f"{rebases} / {cache.rolls}", ""],
-        ["cache bytes at the end", f"{cache.nbytes() / 2**20:.1f} MiB", ""],
+        ["cache bytes at the end", f"{cache.nbytes() / 2**20:.1f} MiB", f"{cache.kept} tokens kept"],
+        [
+            f"decode throughput, RollingCache vs DynamicCache at {n_dyn} tokens "
+            f"(median of {len(ratios)} paired blocks)",
+            f"{statistics.median(roll_rates or [float('nan')]):.2f} vs "
+            f"{statistics.median(dyn_rates or [float('nan')]):.2f} tokens/s",
+            f"{statistics.median(ratios):.3f}x (blocks: {min(ratios):.2f}..{max(ratios):.2f})",
+        ],
     ]
 
 
 def bench_ppl(
-    h, books: list[str], windows: list[int], tokens: int, samples: int
+    h,
+    books: list[str],
+    windows: list[int],
+    tokens: int,
+    stride: int,
+    methods: list[str],
+    on_rows=None,
 ) -> tuple[list[list], list[str]]:
     rows, sources = [], []
     for name in books:
@@ -189,15 +345,20 @@ def bench_ppl(
         ids = h.encode(book.text[: tokens * 8])[:tokens]
         sources.append(f"{name} ({len(ids)} tokens)")
         for w in windows:
-            res = streaming_perplexity(h, ids, window=w, feed=16, recompute_samples=samples)
-            sub = res["recompute"].targets
-            rec = res["recompute"].ppl
-            for m, r in res.items():
-                ratio = r.ppl_on(sub) / rec
-                rows.append(
-                    [name, w, m, f"{r.ppl:.2f}", f"{r.ppl_on(sub):.2f}", f"{ratio:.3f}", f"{r.seconds:.1f}"]
-                )
+            print(f"  {name} W={w} ...", file=sys.stderr)
+            res = streaming_perplexity(h, ids, window=w, feed=16, methods=methods, recompute_stride=stride)
+            rows += [fmt_row(table_row(r)) for r in summarize(res, name, w)]
+            if on_rows:
+                on_rows(rows, sources)
     return rows, sources
+
+
+def fmt_row(cells: list) -> list:
+    ratio = TABLE_COLUMNS.index("x re-computation (paired)")  # the acceptance figure: 3 decimals
+    return [
+        (f"{c:.3f}" if i == ratio else f"{c:,.2f}") if isinstance(c, float) else c
+        for i, c in enumerate(cells)
+    ]
 
 
 def table(title: str, cols: list[str], rows: list[list]) -> str:
@@ -206,102 +367,181 @@ def table(title: str, cols: list[str], rows: list[list]) -> str:
     return "\n".join(out) + "\n"
 
 
+SECTIONS = ["roll", "rebase", "throughput", "memory", "ppl"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help="comma-separated subset of " + ",".join(SECTIONS) + " (others keep their previous results)",
+    )
     ap.add_argument("--gen-tokens", type=int, default=3000, help="tokens for the memory run (issue: 20000)")
+    ap.add_argument("--mem-window", type=int, default=1020, help="window of the memory run (after the sinks)")
+    ap.add_argument("--mem-sinks", type=int, default=4)
+    ap.add_argument("--mem-chunk", type=int, default=64, help="eviction chunk of the memory run")
     ap.add_argument(
         "--max-position", type=int, default=None, help="override the position limit (forces re-bases)"
     )
     ap.add_argument("--ppl-tokens", type=int, default=3000)
-    ap.add_argument("--samples", type=int, default=100, help="targets re-computed exactly per window")
-    ap.add_argument("--books", default="frankenstein", help="comma-separated shared books")
+    ap.add_argument(
+        "--stride", type=int, default=10, help="re-computation baseline on every STRIDE-th target >= W"
+    )
+    ap.add_argument(
+        "--books", default="frankenstein,pride_and_prejudice", help="comma-separated shared books"
+    )
+    ap.add_argument("--windows", default="256,512")
+    ap.add_argument("--methods", default="full,window,sinks1,sinks4,recompute")
     ap.add_argument("--skip-ppl", action="store_true")
     args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    sections = [x for x in args.sections.split(",") if x]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    if args.skip_ppl and "ppl" in sections:
+        sections.remove("ppl")
     h = load_model("smollm2-135m")
     q = args.quick
-    parts = []
     t_start = time.perf_counter()
     w_roll = 256 if q else 2048
-    print("roll cost ...", file=sys.stderr)
-    parts.append(
-        table(
-            f"Roll cost at W = {w_roll}, 4 sinks, evicting 64 at a time",
-            ["what", "time", "ratio"],
-            bench_roll(h, w_roll, 64, 4, 5 if q else 15),
+
+    def put(key: str, text: str) -> None:
+        write_section(key, text, t_start)
+
+    if "roll" in sections:
+        print("roll cost ...", file=sys.stderr)
+        put(
+            "roll",
+            table(
+                f"Roll cost at W = {w_roll}, 4 sinks, evicting 64 at a time",
+                ["what", "time", "ratio"],
+                bench_roll(h, w_roll, 64, 4, 5 if q else 15),
+            ),
         )
-    )
-    write(parts, t_start)
-    print("re-base cost ...", file=sys.stderr)
-    parts.append(
-        table(
-            f"Re-base pass vs clone, {h.facts.num_layers} layers x W = {w_roll}",
-            ["what", "time", "ratio"],
-            bench_rebase(h, w_roll, 5 if q else 15),
+    if "rebase" in sections:
+        print("re-base cost ...", file=sys.stderr)
+        put(
+            "rebase",
+            table(
+                f"Re-base pass vs clone, {h.facts.num_layers} layers x W = {w_roll}",
+                ["what", "time", "ratio"],
+                bench_rebase(h, w_roll, 5 if q else 15),
+            )
+            + REBASE_NOTE,
         )
-    )
-    print("throughput ...", file=sys.stderr)
-    w_tp = 256 if q else 1024
-    parts.append(
-        table(
-            f"Streaming decode throughput at W = {w_tp} (interleaved blocks)",
-            ["cache", "throughput", "ratio"],
-            bench_throughput(h, w_tp, 4, 64, 3 if q else 8, 16 if q else 32),
+    if "throughput" in sections:
+        print("throughput ...", file=sys.stderr)
+        w_tp = 256 if q else 1024
+        put(
+            "throughput",
+            table(
+                f"Streaming decode throughput at W = {w_tp} (interleaved blocks)",
+                ["cache", "throughput", "ratio"],
+                bench_throughput(h, w_tp, 4, 64, 3 if q else 8, 16 if q else 32),
+            ),
         )
-    )
-    write(parts, t_start)
-    print("memory ...", file=sys.stderr)
-    n_gen = 300 if q else args.gen_tokens
-    parts.append(
-        table(
-            f"Memory over {n_gen:,} generated tokens (4 sinks + 256, sampled at T=0.8)",
-            ["what", "value", ""],
-            bench_memory(h, 256, 4, 64, n_gen, args.max_position),
+    if "memory" in sections:
+        print("memory ...", file=sys.stderr)
+        n_gen = 300 if q else args.gen_tokens
+        w, s, c = (60, 4, 16) if q else (args.mem_window, args.mem_sinks, args.mem_chunk)
+        title = (
+            f"Memory over {n_gen:,} generated tokens ({s} sinks + {w}, evicting {c} at a time, "
+            "kvlab's loop, sampled at T=0.8)"
         )
-    )
-    write(parts, t_start)
-    if not args.skip_ppl:
+        put(
+            "memory",
+            table(
+                title,
+                ["what", "value", ""],
+                bench_memory(
+                    h,
+                    w,
+                    s,
+                    c,
+                    n_gen,
+                    args.max_position,
+                    dyn_every=100 if q else 2000,
+                    on_progress=lambda rows: put("memory", table(title, ["what", "value", ""], rows)),
+                    report_every=100 if q else 500,
+                ),
+            ),
+        )
+    if "ppl" in sections:
         print("streaming perplexity ...", file=sys.stderr)
-        rows, sources = bench_ppl(
-            h,
-            args.books.split(","),
-            [128] if q else [256, 512],
-            400 if q else args.ppl_tokens,
-            16 if q else args.samples,
-        )
-        if rows:
-            parts.append(
+        n_tok = 400 if q else args.ppl_tokens
+        windows = [128] if q else [int(x) for x in args.windows.split(",")]
+        stride = args.stride
+
+        def ppl_text(rows: list[list], sources: list[str]) -> str:
+            return (
                 table(
-                    "Streaming perplexity (feed 16, evict 16)",
-                    [
-                        "book",
-                        "window",
-                        "method",
-                        "ppl (all)",
-                        "ppl (subsample)",
-                        "x recompute (subsample)",
-                        "seconds",
-                    ],
+                    f"Streaming perplexity, {n_tok:,} tokens per book (feed 16, evict 16)",
+                    TABLE_COLUMNS,
                     rows,
                 )
-                + f"\nSources: {', '.join(sources)}. 'recompute' = sliding window with re-computation on "
-                f"{16 if q else args.samples} random targets; every method is also scored on those targets.\n"
+                + f"\nSources: {', '.join(sources)}. 're-computed' = sliding window with re-computation "
+                f"(each target predicted by a fresh prefill of its W previous tokens), evaluated on every "
+                f"{stride}th target from W on; 'ppl (subsample)' and 'x re-computation (paired)' score "
+                "every method on exactly those targets (paired ratio = exp of the mean NLL difference, "
+                "bootstrap 95% CI over targets). 'ppl (all targets)' is over every target 1..N-1. "
+                "'seconds' is the wall time of the method (re-computation: the subsample only).\n"
             )
-    write(parts, t_start)
+
+        bench_ppl(
+            h,
+            args.books.split(","),
+            windows,
+            n_tok,
+            stride,
+            args.methods.split(","),
+            on_rows=lambda rows, sources: put(
+                f"ppl_{'_'.join(args.books.split(','))}", ppl_text(rows, sources)
+            ),
+        )
 
 
-def write(parts: list[str], t_start: float) -> None:
+REBASE_NOTE = (
+    "\nA re-base rotates every cached key by one scalar shift: cos/sin of the shift computed once per "
+    "re-base in float64 (one `[head_dim/2]` pair), the multiply-adds in fp32 with preallocated outputs, "
+    "chunked over tokens (three kernels per chunk out of place, five in place) (`kvlab.rope.fast`). The RollingCache writes "
+    "it straight into the buffer its step allocates anyway (row 'extra work of a re-base step' of the "
+    "roll table). Times: CPU time of this process (user + system, so the page faults of fresh "
+    "allocations count), median over interleaved rounds of the median of 3 calls; ratios: median of "
+    "the per-round ratios (each round measured side by side).\n"
+)
+
+
+def write_section(key: str, body: str, t_start: float) -> None:
+    """Replace section ``key`` of ``results/rolling.md`` (other sections keep their previous run)."""
     cmd = "python3 " + " ".join([sys.argv[0].split("/work/main/")[-1], *sys.argv[1:]])
-    header = (
-        f"# Rolling cache benchmark\n\n`{cmd}` — {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, "
-        f"{os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads, "
-        f"{platform.machine()}, SmolLM2-135M fp32, total {time.perf_counter() - t_start:.0f} s. "
-        "Shared machine: ratios are measured side by side in this run; absolute times are indicative only.\n"
+    stamp = (
+        f"_`{cmd}` — {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, torch "
+        f"{torch.__version__} with {torch.get_num_threads()} thread(s), {platform.machine()}, "
+        f"SmolLM2-135M fp32, {time.perf_counter() - t_start:.0f} s into the run._\n\n"
     )
-    text = header + "\n" + "\n".join(parts)
-    print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    with open(
+        f"/tmp/kvlab-rolling-{os.getuid()}.lock", "w"
+    ) as lock:  # several runs may write their sections at once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = RESULTS.read_text() if RESULTS.is_file() else ""
+        found = dict(re.findall(r"<!-- section: (\w+) -->\n(.*?)(?=<!-- section: |\Z)", old, flags=re.S))
+        found[key] = stamp + body.rstrip() + "\n\n"
+        order = sorted(found, key=lambda k: (SECTIONS.index(k.split("_")[0]), k))
+        RESULTS.write_text(header() + "".join(f"<!-- section: {k} -->\n{found[k]}" for k in order))
+    print(stamp + body)
+
+
+def header() -> str:
+    return (
+        "# Rolling cache benchmark\n\n`benchmarks/rolling.py`; each section is written by the run named "
+        "in its first line (sections can be re-run alone with `--sections`; the perplexity table has one "
+        "section per run of `--books`). Shared machine: ratios are measured side by side in one run; "
+        "absolute times are indicative only.\n\n"
+    )
 
 
 if __name__ == "__main__":

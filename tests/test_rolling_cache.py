@@ -9,7 +9,7 @@ import torch
 
 from kvlab.cache.snapshot import concat
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for, rotate_by
+from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for, rotate_by, rotate_by_
 from kvlab.rope.ops import shift_keys
 from kvlab.streaming import stream_generate
 from kvlab.streaming.generate import feed
@@ -133,6 +133,25 @@ def test_model_generate_matches_own_loop(tiny_model):
     assert new == ours
 
 
+def test_model_generate_refuses_to_rebase(tiny_model):
+    """generate passes its own positions: a re-basing cache warns up front and raises at its first re-base."""
+    h = tiny_model("llama")
+    prompt = torch.randint(0, 500, (1, 12), generator=torch.Generator().manual_seed(6))
+    cache = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="always")
+    with (
+        pytest.warns(UserWarning, match="rebase='never'"),
+        pytest.raises(BadInputError, match="rebase='never'"),
+        torch.no_grad(),
+    ):
+        h.model.generate(prompt, past_key_values=cache, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert cache.rebases == 0
+    # auto mode without reaching the maximum never re-bases, so generate runs (after the warning).
+    auto = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="auto")
+    with pytest.warns(UserWarning), torch.no_grad():
+        h.model.generate(prompt, past_key_values=auto, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert auto.rolls > 0 and auto.rebases == 0
+
+
 def test_model_generate_without_eviction_equals_dynamic_cache(tiny_model):
     h = tiny_model("qwen2")
     prompt = torch.randint(0, 500, (1, 10), generator=torch.Generator().manual_seed(5))
@@ -140,7 +159,7 @@ def test_model_generate_without_eviction_equals_dynamic_cache(tiny_model):
         plain = h.model.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
         rolled = h.model.generate(
             prompt,
-            past_key_values=RollingCache(h.config, h.rope, window=64, sinks=4),
+            past_key_values=RollingCache(h.config, h.rope, window=64, sinks=4, rebase="never"),
             max_new_tokens=20,
             do_sample=False,
             pad_token_id=0,
@@ -164,6 +183,25 @@ def test_rotate_by_matches_exact_shift(tiny_model):
     x = torch.randn(2, 3, 10, spec.head_dim)
     for delta in (-500, -1, 7, 3000):
         assert torch.allclose(rotate_by(x, delta, spec), shift_keys(x, delta, spec), atol=2e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi", "llama3-scaling"])
+def test_fast_rebase_out_and_in_place_match_float64_reference(tiny_model, family):
+    """The fp32 re-base (float64 cos/sin, fp32 multiply-adds) stays within ~1e-6 relative of the
+    float64 reference for large shifts, into a strided slice of a bigger buffer and in place."""
+    spec = tiny_model(family).rope
+    x = torch.randn(1, 2, 300, spec.head_dim)
+    for delta in (-8000, -4096, -64, 1, 100_000):
+        ref = shift_keys(x.double(), delta, spec)
+        buf = torch.full((1, 2, 310, spec.head_dim), 7.0)
+        out = rotate_by(x, delta, spec, out=buf[:, :, 5:305])
+        own = x.clone()
+        assert rotate_by_(own, delta, spec) is own
+        for got in (out, own, rotate_by(x, delta, spec)):
+            rel = ((got.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
+            assert float(rel) < 1e-6, (delta, float(rel))
+        assert torch.equal(out, own)
+        assert bool((buf[:, :, :5] == 7).all() and (buf[:, :, 305:] == 7).all())  # nothing outside the slice
 
 
 def test_bad_input(tiny_model, smollm):

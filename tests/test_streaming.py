@@ -13,7 +13,14 @@ from kvlab.errors import BadInputError
 from kvlab.experiments import ExperimentContext, get_experiment
 from kvlab.metrics import nll
 from kvlab.runner import run_experiment
-from kvlab.streaming import stream_nll, streaming_perplexity
+from kvlab.streaming import (
+    TABLE_COLUMNS,
+    stream_nll,
+    streaming_perplexity,
+    subsample_targets,
+    summarize,
+    table_row,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -69,13 +76,30 @@ def test_all_methods_share_targets_and_bad_input(stream):
         streaming_perplexity(h, ids[:20], window=32)
 
 
+def test_stride_subsample_and_paired_summary(stream):
+    h, ids = stream
+    assert subsample_targets(130, 32, stride=10).tolist() == list(range(32, 130, 10))
+    with pytest.raises(BadInputError):
+        subsample_targets(130, 32, stride=0)
+    res = streaming_perplexity(
+        h, ids, window=32, feed=8, methods=["window", "sinks1", "recompute"], recompute_stride=10
+    )
+    assert res["recompute"].targets.tolist() == list(range(32, 130, 10))
+    rows = summarize(res, "random", 32)
+    assert [r["method"] for r in rows] == ["window", "sinks1", "recompute"]
+    for r in rows:  # the paired ratio is the ratio of perplexities on the same targets
+        sub = res[r["method"]].ppl_on(res["recompute"].targets)
+        assert r["ratio_to_recompute"] == pytest.approx(sub / res["recompute"].ppl, rel=1e-9)
+        assert len(table_row(r)) == len(TABLE_COLUMNS)
+
+
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_streaming_experiment_smoke(smollm, tmp_path):
     ctx = ExperimentContext(
         out_dir=tmp_path / "sp",
         profile="quick",
-        options={"tokens": 120, "windows": [32], "recompute_samples": 6, "sinks": [1, 4]},
+        options={"tokens": 120, "windows": [32], "recompute_stride": 20, "sinks": [1, 4]},
     )
     ctx._model = smollm
     result = run_experiment(get_experiment("streaming_ppl"), ctx)

@@ -51,7 +51,13 @@ def register(app: typer.Typer) -> None:
             list[int] | None, typer.Option("--sinks", "-s", help="Sink counts among 1,2,4,8 (repeatable).")
         ] = None,
         tokens: Annotated[int | None, typer.Option("--tokens", help="Tokens of the text to stream.")] = None,
-        samples: Annotated[int | None, typer.Option("--samples", help="Targets re-computed exactly.")] = None,
+        samples: Annotated[
+            int | None, typer.Option("--samples", help="Random targets re-computed exactly.")
+        ] = None,
+        stride: Annotated[
+            int | None,
+            typer.Option("--stride", help="Re-compute every STRIDE-th target instead of random samples."),
+        ] = None,
         model: ModelOpt = "smollm2-135m",
         out: OutOpt = Path("runs"),
         json_out: JsonOpt = False,
@@ -74,6 +80,7 @@ def register(app: typer.Typer) -> None:
             sinks=sinks or None,
             tokens=tokens,
             recompute_samples=samples,
+            recompute_stride=stride,
         )
 
     @app.command("suffix")

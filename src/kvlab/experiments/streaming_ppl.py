@@ -14,8 +14,14 @@ import numpy as np
 from kvlab.data import Text, default_long_text, read_text_file, shared_book
 from kvlab.errors import BadInputError
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.metrics import bootstrap_ci
-from kvlab.streaming.perplexity import METHODS, StreamResult, streaming_perplexity
+from kvlab.streaming.perplexity import (
+    METHODS,
+    TABLE_COLUMNS,
+    StreamResult,
+    streaming_perplexity,
+    summarize,
+    table_row,
+)
 
 TITLE = "Streaming perplexity (attention sinks)"
 
@@ -101,6 +107,7 @@ def run(
     tokens: int | None = None,
     feed: int | None = None,
     recompute_samples: int | None = None,
+    recompute_stride: int | None = None,
 ) -> ExperimentResult:
     result = ExperimentResult(name="streaming_ppl", title=TITLE, description=__doc__.strip().split("\n")[0])
     model = ctx.model()
@@ -122,7 +129,8 @@ def run(
             methods = ["full", "window", "window_abs", *sink_methods, "recompute"]
             if len(ids) > model.max_positions:
                 methods.remove("full")
-            total = (len(methods) - 1) * len(ids) + n_sub * window
+            n_rec = len(range(window, len(ids), recompute_stride)) if recompute_stride else n_sub
+            total = (len(methods) - 1) * len(ids) + n_rec * window
             with ctx.progress.task(f"stream-ppl {text.source[:20]} W={window}", total=total) as advance:
                 res = streaming_perplexity(
                     model,
@@ -131,38 +139,17 @@ def run(
                     methods=methods,
                     feed=feed,
                     recompute_samples=n_sub,
+                    recompute_stride=recompute_stride,
                     seed=ctx.seed,
                     on_progress=advance,
                 )
             sub = res["recompute"].targets
             key = f"{Path(text.source).stem}_w{window}"
             result.arrays[f"{key}_subsample_targets"] = sub
-            rec_nll = res["recompute"].nll
             for name, r in res.items():
                 result.arrays[f"{key}_{name}_nll"] = r.nll.astype(np.float32)
                 result.arrays[f"{key}_{name}_targets"] = r.targets
-                pos = {int(t): i for i, t in enumerate(r.targets)}
-                sub_nll = r.nll[[pos[int(t)] for t in sub]]
-                ci = bootstrap_ci(sub_nll, "mean", seed=ctx.seed)
-                diff = bootstrap_ci(sub_nll - rec_nll, "mean", seed=ctx.seed)
-                rows.append(
-                    {
-                        "source": Path(text.source).stem,
-                        "window": window,
-                        "method": name,
-                        "ppl_all": r.ppl,
-                        "ppl_subsample": float(np.exp(ci.value)),
-                        "ppl_subsample_low": float(np.exp(ci.low)),
-                        "ppl_subsample_high": float(np.exp(ci.high)),
-                        "ratio_to_recompute": float(np.exp(diff.value)),
-                        "ratio_low": float(np.exp(diff.low)),
-                        "ratio_high": float(np.exp(diff.high)),
-                        "seconds": r.seconds,
-                        "tokens_per_s": r.tokens_processed / r.seconds if r.seconds else float("nan"),
-                        "targets": int(r.targets.size),
-                        **{k: v for k, v in r.extra.items()},
-                    }
-                )
+            rows += summarize(res, Path(text.source).stem, window, seed=ctx.seed)
             result.figures.append(
                 _figure(
                     ctx,
@@ -175,40 +162,25 @@ def run(
     result.tables.append(
         Table(
             "Perplexity per method",
-            [
-                "text",
-                "window",
-                "method",
-                "ppl (all targets)",
-                "ppl (subsample)",
-                "95% CI",
-                "x re-computation (paired)",
-                "95% CI ",
-                "seconds",
-                "tokens/s",
-            ],
-            [
-                [
-                    r["source"],
-                    r["window"],
-                    METHODS[r["method"]].label,
-                    r["ppl_all"],
-                    r["ppl_subsample"],
-                    f"[{r['ppl_subsample_low']:.2f}, {r['ppl_subsample_high']:.2f}]",
-                    r["ratio_to_recompute"],
-                    f"[{r['ratio_low']:.3f}, {r['ratio_high']:.3f}]",
-                    r["seconds"],
-                    r["tokens_per_s"],
-                ]
-                for r in rows
-            ],
+            TABLE_COLUMNS,
+            [table_row(r) for r in rows],
             caption=f"Rolling methods feed {feed} tokens per forward and evict in chunks of {feed}; "
-            f"re-computation scores {n_sub} random targets per run (each from a fresh prefill of its window). "
+            + (
+                f"re-computation scores every {recompute_stride}th target from the window on"
+                if recompute_stride
+                else f"re-computation scores {n_sub} random targets per run"
+            )
+            + " (each from a fresh prefill of its window); every method is also scored on those targets. "
             "'x re-computation' is exp(mean paired NLL difference) on those targets.",
         )
     )
     result.figures.append(_bars(ctx, rows, "ppl_by_method"))
-    summary: dict = {"rows": rows, "feed": feed, "recompute_samples": n_sub}
+    summary: dict = {
+        "rows": rows,
+        "feed": feed,
+        "recompute_samples": n_sub,
+        "recompute_stride": recompute_stride,
+    }
     for r in rows:
         if r["method"] == "sinks4":
             summary[f"sinks4_over_recompute_{r['source']}_w{r['window']}"] = r["ratio_to_recompute"]

@@ -12,20 +12,29 @@ StreamingLLM's policy on transformers 5.x's layer API, built so that a roll cost
 * Positions stay bounded by an occasional re-base: one rotation of every cached key by ``-base``
   (``rebase="auto"``: only when ``next_position`` would pass the model's maximum; ``"always"``:
   after every eviction, StreamingLLM's in-cache positions; ``"never"``: positions follow the token
-  count, which is what ``model.generate`` needs, see below).
+  count, which is what ``model.generate`` needs, see below). The re-base is
+  :func:`kvlab.rope.fast.rotate_by`: one ``[head_dim/2]`` cos/sin pair per re-base (float64 angles,
+  fp32 multiply-adds, ~1e-7 relative error against the float64 reference), written chunk by chunk
+  straight into the buffer the step allocates anyway for the concatenation, so it replaces that
+  copy instead of adding a pass. The cache owns its storage, so this is a re-base in place as far as
+  memory goes (no second copy of the cache is ever alive); :func:`kvlab.rope.fast.rotate_by_`
+  rotates storage you own in place.
 * Eviction and re-basing are lazy: decided at the end of a forward, applied inside the next
   ``update`` as part of the concatenation every step does anyway; the mask offset accounts for it.
 
 ``model.generate(..., past_key_values=RollingCache(..., rebase="never"))`` works unpatched: transformers
 computes query positions from its own token counter, which equals ``next_position`` as long as the
-cache never re-bases. kvlab's own loop (:func:`kvlab.streaming.stream_generate`) lets the cache choose
+cache never re-bases. With another ``rebase`` mode the cache detects the generation loop on the call
+stack: it warns on the first forward and raises :class:`~kvlab.errors.BadInputError` instead of
+planning its first re-base (which would silently mis-position every later token). kvlab's own loop (:func:`kvlab.streaming.stream_generate`) lets the cache choose
 the positions and re-bases, so its positions never exceed the model's maximum.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,47 +43,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import sliding_windows
+from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import RopeSpec
 
 Rebase = Literal["auto", "always", "never"]
 
-
-def rotate_by(x: torch.Tensor, delta: int, spec: RopeSpec, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Keys ``[..., T, D]`` rotated by one scalar ``delta`` for every token: one fused fp32 pass.
-
-    cos/sin of ``delta * inv_freq`` are computed once in float64 (``[rotary_dim/2]``), so the only
-    error is the fp32 multiply-add. ``out`` (same shape, not overlapping ``x``) receives the result.
-    """
-    if delta == 0:
-        return x if out is None else out.copy_(x)
-    r = spec.rotary_dim
-    cos, sin = _cos_sin(int(delta), spec.inv_freq, x.dtype, str(x.device))
-    out = torch.empty_like(x) if out is None else out
-    if spec.pairing == "half":
-        h = r // 2
-        x1, x2 = x[..., :h], x[..., h:r]
-        o1, o2 = out[..., :h], out[..., h:r]
-        torch.mul(x1, cos, out=o1)
-        o1.addcmul_(x2, -sin)
-        torch.mul(x2, cos, out=o2)
-        o2.addcmul_(x1, sin)
-    else:
-        x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
-        o1, o2 = out[..., 0:r:2], out[..., 1:r:2]
-        o1.copy_(x1 * cos - x2 * sin)
-        o2.copy_(x2 * cos + x1 * sin)
-    if r < x.shape[-1]:
-        out[..., r:] = x[..., r:]
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _cos_sin(
-    delta: int, inv_freq: tuple[float, ...], dtype: torch.dtype, device: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of ``delta * inv_freq`` (float64, then cast): one pair per distinct shift, reused by every layer."""
-    theta = float(delta) * torch.tensor(inv_freq, dtype=torch.float64)
-    return theta.cos().to(device=device, dtype=dtype), theta.sin().to(device=device, dtype=dtype)
+__all__ = ["RollingCache", "RollingLayer", "RollPlan", "rolling_cache_for", "rotate_by", "rotate_by_"]
 
 
 @dataclass
@@ -248,6 +222,14 @@ class RollingCache(Cache):
             layer.lazy_initialization(key_states, value_states)
         if layer_idx == 0:
             self._n_new = n_new
+            if self.tokens_seen == 0 and self.rebase_mode != "never" and driven_by_generate():
+                warnings.warn(
+                    f"RollingCache(rebase={self.rebase_mode!r}) inside model.generate: generate passes its own "
+                    "absolute positions, which stop matching the cache at its first re-base (the cache raises "
+                    "then). Use rebase='never' with generate, or kvlab.streaming.stream_generate for bounded "
+                    "positions.",
+                    stacklevel=2,
+                )
             if (
                 self.rebase_mode != "never"
                 and self.max_position
@@ -309,6 +291,14 @@ class RollingCache(Cache):
         near_max = bool(self.max_position) and self.base + self.slots + self.headroom > self.max_position
         wants = (self.rebase_mode == "always" and drop > 0) or (self.rebase_mode == "auto" and near_max)
         rebase = self.base + drop if wants else 0
+        if rebase and driven_by_generate():
+            raise BadInputError(
+                f"this RollingCache (rebase={self.rebase_mode!r}) is about to re-base its positions by "
+                f"-{rebase}, but model.generate computes the query positions itself and would keep "
+                f"counting from {self.next_position}: every later token would be mis-positioned. Pass "
+                "rebase='never' to use it with generate (positions then grow with the token count), or "
+                "generate with kvlab.streaming.stream_generate, which lets the cache choose positions."
+            )
         self.plan = RollPlan(drop=drop, rebase=rebase)
 
     # -- inspection ----------------------------------------------------------------------------------
@@ -355,6 +345,25 @@ class RollingCache(Cache):
 
     def __repr__(self) -> str:
         return self.describe()
+
+
+_GENERATE_FRAMES = frozenset({"generate", "_sample", "_beam_search", "_assisted_decoding"})
+
+
+def driven_by_generate() -> bool:
+    """True when a transformers generation loop is on the call stack (it passes its own positions).
+
+    Only called on a cache's first forward and when a re-base is planned, so the stack walk (a few
+    microseconds) never runs per token.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _GENERATE_FRAMES and str(frame.f_globals.get("__name__", "")).startswith(
+            "transformers.generation"
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def rolling_cache_for(

@@ -3,15 +3,20 @@
 from kvlab.streaming.generate import StreamEvent, stream_generate
 from kvlab.streaming.perplexity import (
     METHODS,
+    TABLE_COLUMNS,
     StreamMethod,
     StreamResult,
     method_names,
     stream_nll,
     streaming_perplexity,
+    subsample_targets,
+    summarize,
+    table_row,
 )
 
 __all__ = [
     "METHODS",
+    "TABLE_COLUMNS",
     "StreamEvent",
     "StreamMethod",
     "StreamResult",
@@ -19,4 +24,7 @@ __all__ = [
     "stream_generate",
     "stream_nll",
     "streaming_perplexity",
+    "subsample_targets",
+    "summarize",
+    "table_row",
 ]

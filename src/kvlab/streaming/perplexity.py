@@ -192,10 +192,16 @@ def streaming_perplexity(
     methods: Sequence[str] | None = None,
     feed: int = 16,
     recompute_samples: int = 64,
+    recompute_stride: int | None = None,
     seed: int = 0,
     on_progress: Callable[[int], None] | None = None,
 ) -> dict[str, StreamResult]:
-    """Every method over the same stream; ``recompute`` on ``recompute_samples`` random targets >= window."""
+    """Every method over the same stream; ``recompute`` on a subsample of targets >= window.
+
+    The subsample is every ``recompute_stride``-th target from ``window`` on when a stride is given (a
+    fixed, reproducible set: the benchmark's choice), else ``recompute_samples`` random targets.
+    Every method scores all targets it can, so :meth:`StreamResult.ppl_on` compares identical targets.
+    """
     methods = (
         list(methods)
         if methods
@@ -206,12 +212,93 @@ def streaming_perplexity(
         raise BadInputError(
             f"the text has {n} tokens; streaming at window {window} needs more than {window + 1}"
         )
-    rng = np.random.default_rng(seed)
-    pool = np.arange(window, n)
-    sub = np.sort(rng.choice(pool, size=min(recompute_samples, pool.size), replace=False))
+    sub = subsample_targets(n, window, samples=recompute_samples, stride=recompute_stride, seed=seed)
     return {
         name: stream_nll(
             handle, token_ids, name, window=window, feed=feed, recompute_targets=sub, on_progress=on_progress
         )
         for name in methods
     }
+
+
+def subsample_targets(
+    n: int, window: int, *, samples: int = 64, stride: int | None = None, seed: int = 0
+) -> np.ndarray:
+    """Target indices ``>= window`` (a full window before each) for the re-computation baseline:
+    every ``stride``-th from ``window`` on, or ``samples`` random ones (sorted) without a stride."""
+    pool = np.arange(window, n)
+    if stride is not None:
+        if stride < 1:
+            raise BadInputError(f"recompute stride must be >= 1, got {stride}")
+        return pool[::stride].copy()
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(pool, size=min(samples, pool.size), replace=False))
+
+
+# Columns of the streaming-perplexity table, shared by the ``streaming_ppl`` experiment and
+# ``benchmarks/rolling.py`` so the study report and the benchmark read the same way.
+TABLE_COLUMNS = [
+    "text",
+    "window",
+    "method",
+    "ppl (all targets)",
+    "ppl (subsample)",
+    "95% CI",
+    "x re-computation (paired)",
+    "95% CI ",
+    "seconds",
+    "tokens/s",
+]
+
+
+def summarize(results: dict[str, StreamResult], source: str, window: int, seed: int = 0) -> list[dict]:
+    """One row per method: perplexity on all targets and on the re-computation subsample, and the
+    paired ratio to re-computation on that subsample (exp of the mean NLL difference) with bootstrap
+    95% intervals. Needs a ``"recompute"`` result."""
+    from kvlab.metrics import bootstrap_ci
+
+    if "recompute" not in results:
+        raise BadInputError("summarize needs the 'recompute' method (the paired baseline)")
+    sub, rec_nll = results["recompute"].targets, results["recompute"].nll
+    rows = []
+    for name, r in results.items():
+        pos = {int(t): i for i, t in enumerate(r.targets)}
+        sub_nll = r.nll[[pos[int(t)] for t in sub]]
+        ci = bootstrap_ci(sub_nll, "mean", seed=seed)
+        diff = bootstrap_ci(sub_nll - rec_nll, "mean", seed=seed)
+        rows.append(
+            {
+                "source": source,
+                "window": window,
+                "method": name,
+                "ppl_all": r.ppl,
+                "ppl_subsample": float(np.exp(ci.value)),
+                "ppl_subsample_low": float(np.exp(ci.low)),
+                "ppl_subsample_high": float(np.exp(ci.high)),
+                "ratio_to_recompute": float(np.exp(diff.value)),
+                "ratio_low": float(np.exp(diff.low)),
+                "ratio_high": float(np.exp(diff.high)),
+                "seconds": r.seconds,
+                "tokens_per_s": r.tokens_processed / r.seconds if r.seconds else float("nan"),
+                "targets": int(r.targets.size),
+                "subsample": int(sub.size),
+                **dict(r.extra),
+            }
+        )
+    return rows
+
+
+def table_row(row: dict) -> list:
+    """A :func:`summarize` row as the cells of :data:`TABLE_COLUMNS` (numbers left for the renderer)."""
+    return [
+        row["source"],
+        row["window"],
+        METHODS[row["method"]].label,
+        row["ppl_all"],
+        row["ppl_subsample"],
+        f"[{row['ppl_subsample_low']:.2f}, {row['ppl_subsample_high']:.2f}]",
+        row["ratio_to_recompute"],
+        f"[{row['ratio_low']:.3f}, {row['ratio_high']:.3f}]",
+        row["seconds"],
+        row["tokens_per_s"],
+    ]
