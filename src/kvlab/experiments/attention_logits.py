@@ -106,7 +106,7 @@ def run(
         title="Attention rows and next-token logits under a roll (R7)",
         description=__doc__.strip().split("\n")[0],
     )
-    n_windows = int(windows if windows is not None else ctx.pick(6, 20, 50))
+    n_windows = int(windows if windows is not None else ctx.pick(4, 20, 50))
     length = int(window_tokens if window_tokens is not None else ctx.pick(128, 256, 512))
     rolls = tuple(int(n) for n in (rolls or DEFAULT_ROLLS))
     if n_windows < 2:

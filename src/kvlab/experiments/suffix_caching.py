@@ -163,7 +163,7 @@ def run(
 ) -> ExperimentResult:
     result = ExperimentResult(name="suffix_caching", title=TITLE, description=__doc__.strip().split("\n")[0])
     model = ctx.model()
-    n_windows = windows or ctx.pick(quick=3, default=20, full=40)
+    n_windows = windows or ctx.pick(quick=2, default=20, full=40)
     ctx_len = context_tokens or ctx.pick(quick=96, default=96, full=300)
     cont_len = ctx.pick(quick=8, default=8, full=32)
     n_greedy = ctx.pick(quick=8, default=12, full=48)

@@ -124,7 +124,7 @@ def run(
 def _derivative_section(
     ctx: ExperimentContext, result: ExperimentResult, base, windows, length, alpha
 ) -> None:
-    n = windows or ctx.pick(quick=3, default=6, full=24)
+    n = windows or ctx.pick(quick=2, default=6, full=24)
     length = length or ctx.pick(quick=40, default=80, full=128)
     cont, gen = ctx.pick(quick=8, default=16), ctx.pick(quick=6, default=16, full=32)
     info = derivative_info()
