@@ -8,20 +8,16 @@ from typing import Annotated
 import typer
 
 from kvlab.cli.common import (
-    FullOpt,
     JsonOpt,
     ModelOpt,
-    OutOpt,
-    QuickOpt,
     SeedOpt,
     console,
-    profile_from,
-    run_and_report,
+    experiment_command,
 )
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("compress")
+    @experiment_command(app, "compress", "compression")
     def compress_cmd(
         text: Annotated[
             Path | None,
@@ -47,31 +43,17 @@ def register(app: typer.Typer) -> None:
             int | None, typer.Option("--windows", help="Text windows to average over.")
         ] = None,
         context: Annotated[int | None, typer.Option("--context", help="Context tokens per window.")] = None,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
-    ) -> None:
+    ) -> dict:
         """Quantize and evict the KV cache, and measure distortion, perplexity, needle retrieval, bytes and time."""
-        from kvlab.experiments import get_experiment
-
-        run_and_report(
-            get_experiment("compression"),
-            out=out,
-            json_out=json_out,
-            model=model,
-            profile=profile_from(quick, full),
-            seed=seed,
-            text=text,
-            bits=bits or None,
-            keeps=keep or None,
-            methods=method or None,
-            policies=policy or None,
-            windows=windows,
-            context_tokens=context,
-        )
+        return {
+            "text": text,
+            "bits": bits or None,
+            "keeps": keep or None,
+            "methods": method or None,
+            "policies": policy or None,
+            "windows": windows,
+            "context_tokens": context,
+        }
 
     @app.command("train-evictor")
     def train_evictor_cmd(

@@ -10,14 +10,9 @@ from typing import Annotated
 import typer
 
 from kvlab.cli.common import (
-    FullOpt,
-    JsonOpt,
     ModelOpt,
-    OutOpt,
-    QuickOpt,
     SeedOpt,
-    profile_from,
-    run_and_report,
+    experiment_command,
 )
 
 WindowOpt = Annotated[int, typer.Option("--window", "-w", help="Recent tokens kept (after the sinks).")]
@@ -36,7 +31,7 @@ def _rolling(handle, window: int, sinks: int, chunk: int):
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("stream-ppl")
+    @experiment_command(app, "stream-ppl", "streaming_ppl")
     def stream_ppl_cmd(
         text_file: Annotated[
             Path | None,
@@ -58,32 +53,18 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option("--stride", help="Re-compute every STRIDE-th target instead of random samples."),
         ] = None,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
-    ) -> None:
+    ) -> dict:
         """Perplexity over a text per cache policy: full, window, sinks + window, sliding window re-computed."""
-        from kvlab.experiments import get_experiment
+        return {
+            "text_file": text_file,
+            "windows": window or None,
+            "sinks": sinks or None,
+            "tokens": tokens,
+            "recompute_samples": samples,
+            "recompute_stride": stride,
+        }
 
-        run_and_report(
-            get_experiment("streaming_ppl"),
-            out=out,
-            json_out=json_out,
-            model=model,
-            profile=profile_from(quick, full),
-            seed=seed,
-            text_file=text_file,
-            windows=window or None,
-            sinks=sinks or None,
-            tokens=tokens,
-            recompute_samples=samples,
-            recompute_stride=stride,
-        )
-
-    @app.command("suffix")
+    @experiment_command(app, "suffix", "suffix_caching")
     def suffix_cmd(
         text_file: Annotated[
             Path | None,
@@ -103,29 +84,15 @@ def register(app: typer.Typer) -> None:
         sinks: Annotated[
             list[int] | None, typer.Option("--sinks", "-s", help="Sink counts (repeatable).")
         ] = None,
-        model: ModelOpt = "smollm2-135m",
-        out: OutOpt = Path("runs"),
-        json_out: JsonOpt = False,
-        quick: QuickOpt = False,
-        full: FullOpt = False,
-        seed: SeedOpt = 0,
-    ) -> None:
+    ) -> dict:
         """Suffix caching: roll a cached context with/without sinks vs re-prefill and full context."""
-        from kvlab.experiments import get_experiment
-
-        run_and_report(
-            get_experiment("suffix_caching"),
-            out=out,
-            json_out=json_out,
-            model=model,
-            profile=profile_from(quick, full),
-            seed=seed,
-            text_file=text_file,
-            windows=windows,
-            context_tokens=context,
-            drops=drop or None,
-            sinks=sinks,
-        )
+        return {
+            "text_file": text_file,
+            "windows": windows,
+            "context_tokens": context,
+            "drops": drop or None,
+            "sinks": sinks,
+        }
 
     @app.command("generate")
     def generate_cmd(
