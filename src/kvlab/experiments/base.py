@@ -114,6 +114,17 @@ class ExperimentContext:
         """A setting by profile: ``ctx.pick(quick=4, default=20, full=100)``."""
         return {"quick": quick, "default": default, "full": default if full is None else full}[self.profile]
 
+    def count(self, name: str, value: int | None, quick: int, default: int, full: int | None = None) -> int:
+        """A size the caller may set (``value``) or leave to the profile (None): always an int >= 1.
+
+        An explicit 0 or negative number is a clear error, not a silent fallback to the default.
+        """
+        if value is None:
+            return int(self.pick(quick, default, full))
+        if int(value) < 1:
+            raise BadInputError(f"{name} must be >= 1, got {value}")
+        return int(value)
+
     def figure(self, name: str, fig: Any, caption: str) -> Figure:
         """Save a matplotlib figure as ``<name>.png`` in the experiment folder and close it."""
         import matplotlib.pyplot as plt

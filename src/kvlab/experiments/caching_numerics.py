@@ -60,7 +60,7 @@ def run(
         title="Numerics of caching vs recomputation",
         description=__doc__.strip().split("\n")[0],
     )
-    steps = steps or ctx.pick(quick=8, default=64, full=200)
+    steps = ctx.count("steps", steps, quick=8, default=64, full=200)
     if steps < 2 or prompt_tokens < 1:
         raise BadInputError(f"need steps >= 2 and prompt_tokens >= 1, got {steps} and {prompt_tokens}")
     base = ctx.model()

@@ -129,9 +129,9 @@ def run(
         description=__doc__.strip().split("\n")[0],
     )
     model = ctx.model()
-    n_ctx = context_tokens or ctx.pick(256, 512, 1500)
-    n_cont = continuation_tokens or ctx.pick(48, 128, 256)
-    n_win = windows or ctx.pick(1, 2, 8)
+    n_ctx = ctx.count("context_tokens", context_tokens, 256, 512, 1500)
+    n_cont = ctx.count("continuation_tokens", continuation_tokens, 48, 128, 256)
+    n_win = ctx.count("windows", windows, 1, 2, 8)
     bits = list(bits or ctx.pick((4, 2), (4, 3, 2), BITS))
     keeps = list(keeps or ctx.pick((0.5, 0.25), (0.5, 0.25, 0.1), KEEPS))
     default_methods = ("pertoken", "pertoken+sinks", "kivi+sinks", "prerope+sinks", "rotation+sinks")
@@ -270,7 +270,7 @@ def _needle(ctx, model, src, configs, names, lengths, depths, wanted, result) ->
 def _timing(ctx, model, context, methods, policies, steps) -> dict[str, float]:
     from kvlab.hf.compressed_cache import CompressedCache
 
-    steps = steps or ctx.pick(3, 8, 16)
+    steps = ctx.count("steps", steps, 3, 8, 16)
     setups: dict[str, dict] = {"full precision": {}}
     for m in ("pertoken", "kivi+sinks", "rotation+sinks"):
         if m in methods:

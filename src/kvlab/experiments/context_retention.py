@@ -40,7 +40,7 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
         description=__doc__.strip().split("\n")[0],
     )
     model = ctx.model()
-    n = facts or ctx.pick(quick=8, default=len(FACTS))
+    n = ctx.count("facts", facts, quick=8, default=len(FACTS))
     episodes = build_episodes(model, n)
     keys = [k for k, _ in CONDITIONS]
     exact = np.zeros((len(episodes), len(keys)))

@@ -297,8 +297,8 @@ def run(
         got[name], how = load_or_run(ctx, name)
         result.data_sources.append(f"{name}: {how}")
     main = R.study_text(ctx)
-    T = int(attention_context or ctx.pick(quick=64, default=128, full=128))
-    W = int(attention_windows or ctx.pick(quick=3, default=20, full=40))
+    T = int(ctx.count("attention_context", attention_context, quick=64, default=128, full=128))
+    W = int(ctx.count("attention_windows", attention_windows, quick=3, default=20, full=40))
     if max(ATTN_ROLLS) + 2 >= T:
         raise BadInputError(f"attention windows need more than {max(ATTN_ROLLS) + 2} tokens, got {T}")
     from kvlab.data import token_windows

@@ -129,9 +129,9 @@ def run(
         title="K/V swap factorial and sink-only swaps",
         description=__doc__.strip().split("\n")[0],
     )
-    n_win = windows or ctx.pick(quick=2, default=4, full=12)
-    length = length or ctx.pick(quick=40, default=64, full=128)
-    gen_tokens = gen_tokens or ctx.pick(quick=8, default=16, full=32)
+    n_win = ctx.count("windows", windows, quick=2, default=4, full=12)
+    length = ctx.count("length", length, quick=40, default=64, full=128)
+    gen_tokens = ctx.count("gen_tokens", gen_tokens, quick=8, default=16, full=32)
     if not 1 <= roll < length - 8:
         raise BadInputError(f"roll must lie in [1, {length - 9}] for windows of {length} tokens, got {roll}")
     model = ctx.model()

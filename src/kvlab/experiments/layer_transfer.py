@@ -46,9 +46,9 @@ def run(
     )
     model = ctx.model()
     L = model.facts.num_layers
-    width = width or ctx.pick(quick=max(1, L // 3), default=max(1, L // 6))
-    stride = stride or ctx.pick(quick=max(1, L // 3), default=max(1, L // 10), full=1)
-    episodes = build_episodes(model, facts or ctx.pick(quick=6, default=len(FACTS)))
+    width = ctx.count("width", width, quick=max(1, L // 3), default=max(1, L // 6))
+    stride = ctx.count("stride", stride, quick=max(1, L // 3), default=max(1, L // 10), full=1)
+    episodes = build_episodes(model, ctx.count("facts", facts, quick=6, default=len(FACTS)))
     conds = layer_conditions(L, width, stride)
     exact = np.zeros((len(episodes), len(conds)))
     nll = np.zeros_like(exact)

@@ -324,8 +324,8 @@ def run(
         description=__doc__.strip().split("\n")[0],
     )
     model = ctx.model()
-    T = int(context or ctx.pick(quick=96, default=128, full=256))
-    W = int(windows or ctx.pick(quick=4, default=20, full=50))
+    T = int(ctx.count("context", context, quick=96, default=128, full=256))
+    W = int(ctx.count("windows", windows, quick=4, default=20, full=50))
     if T < 24:
         raise BadInputError(f"the roll sweep needs windows of at least 24 tokens, got {T}")
     main = R.study_text(ctx, text)

@@ -112,9 +112,9 @@ def run(
     result = ExperimentResult(name="streaming_ppl", title=TITLE, description=__doc__.strip().split("\n")[0])
     model = ctx.model()
     windows = list(windows) if windows else ctx.pick(quick=[128], default=[256], full=[256, 512])
-    n_tokens = tokens or ctx.pick(quick=200, default=1000, full=3000)
-    feed = feed or ctx.pick(quick=16, default=16, full=16)
-    n_sub = recompute_samples or ctx.pick(quick=12, default=40, full=200)
+    n_tokens = ctx.count("tokens", tokens, quick=200, default=1000, full=3000)
+    feed = ctx.count("feed", feed, quick=16, default=16, full=16)
+    n_sub = ctx.count("recompute_samples", recompute_samples, quick=12, default=40, full=200)
     sink_methods = [f"sinks{s}" for s in (sinks or [1, 2, 4, 8])]
     for name in sink_methods:
         if name not in METHODS:

@@ -163,8 +163,8 @@ def run(
 ) -> ExperimentResult:
     result = ExperimentResult(name="suffix_caching", title=TITLE, description=__doc__.strip().split("\n")[0])
     model = ctx.model()
-    n_windows = windows or ctx.pick(quick=2, default=20, full=40)
-    ctx_len = context_tokens or ctx.pick(quick=96, default=96, full=300)
+    n_windows = ctx.count("windows", windows, quick=2, default=20, full=40)
+    ctx_len = ctx.count("context_tokens", context_tokens, quick=96, default=96, full=300)
     cont_len = ctx.pick(quick=8, default=8, full=32)
     n_greedy = ctx.pick(quick=8, default=12, full=48)
     # Default: the acceptance cells (n <= 20) plus 50%; --full runs every drop and sink count.

@@ -45,7 +45,7 @@ def run(
         description=__doc__.strip().split("\n")[0],
     )
     model = ctx.model()
-    n = pairs or ctx.pick(quick=3, default=8, full=24)
+    n = ctx.count("pairs", pairs, quick=3, default=8, full=24)
     kept = kept_generated if kept_generated is not None else ctx.pick(quick=4, default=29)
     special = _special_token(model)
     text = python_docs()

@@ -124,8 +124,8 @@ def run(
 def _derivative_section(
     ctx: ExperimentContext, result: ExperimentResult, base, windows, length, alpha
 ) -> None:
-    n = windows or ctx.pick(quick=2, default=6, full=24)
-    length = length or ctx.pick(quick=40, default=80, full=128)
+    n = ctx.count("windows", windows, quick=2, default=6, full=24)
+    length = ctx.count("length", length, quick=40, default=80, full=128)
     cont, gen = ctx.pick(quick=8, default=16), ctx.pick(quick=6, default=16, full=32)
     info = derivative_info()
     if info is None and ctx.profile == "full":
@@ -278,7 +278,7 @@ def _cross_geometry_section(
     from kvlab.model.align import aligned_snapshots
 
     other = load_model(target, dtype=base.dtype, progress=result.notes.append)
-    n_train = n_texts or ctx.pick(quick=4, default=8, full=16)
+    n_train = ctx.count("n_texts", n_texts, quick=4, default=8, full=16)
     n_test = max(2, n_train // 3)
     texts = _cross_texts(n_train + n_test, ctx.seed)
     pairs = []
