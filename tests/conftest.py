@@ -66,3 +66,33 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not beside the checkout")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module (restored afterwards): the tiny models used by the cache, store
+    and streaming tests spend more on thread hand-offs than on maths, and this CPU is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_2x64():
+    """A 2-layer Llama (hidden 64, 4 heads, 2 KV heads of 16) with random weights: the compression tests' model."""
+    from transformers import LlamaConfig
+
+    from kvlab.model.random import tiny_random_model
+
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return tiny_random_model(cfg, head_dim=16, layers=2)

@@ -29,32 +29,12 @@ from kvlab.hf.compressed_cache import logits_on_layers
 ALL = [SlidingWindow, StreamingLLM, H2O, SnapKV, TOVA, KeyNorm, RandomPolicy, LearnedPolicy]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The CPU is shared: one torch thread avoids oversubscription stalls (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    from transformers import LlamaConfig
-
-    from kvlab.model.random import tiny_random_model
-
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-        max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    return tiny_random_model(cfg, head_dim=16, layers=2)
+def tiny(tiny_llama_2x64):
+    return tiny_llama_2x64
 
 
 @pytest.fixture(scope="module")

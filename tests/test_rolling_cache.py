@@ -14,14 +14,7 @@ from kvlab.rope.ops import shift_keys
 from kvlab.streaming import stream_generate
 from kvlab.streaming.generate import feed
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are dominated by per-op overhead; a second thread only adds spin-waits on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reference_logits(

@@ -17,14 +17,7 @@ from kvlab.store.blend import (
     recompute_slots,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """One intra-op thread: on a shared, oversubscribed CPU two threads run these models ~5x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -243,3 +243,11 @@ def stack_rows(snapshots: Sequence[KVSnapshot]) -> KVSnapshot:
         values=tuple(torch.cat(layer, dim=0) for layer in zip(*(s.values for s in snapshots), strict=True)),
         token_ids=torch.cat([s.token_ids for s in snapshots], dim=0),
     )
+
+
+def batchable_groups(named: dict[str, KVSnapshot]) -> list[list[str]]:
+    """Names of the caches that :func:`stack_rows` can batch together (equal length and positions), in order."""
+    groups: dict[tuple, list[str]] = {}
+    for name, snap in named.items():
+        groups.setdefault((snap.seq_len, tuple(snap.positions.tolist())), []).append(name)
+    return list(groups.values())

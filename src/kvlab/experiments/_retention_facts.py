@@ -231,11 +231,10 @@ def score_answers(model: Any, pasts: list[Any], episode: Episode) -> list[Score]
 
 def score_answers_grouped(model: Any, pasts: dict[str, Any], episode: Episode) -> dict[str, Score]:
     """:func:`score_answer` for named caches; those with equal length and positions share one batch."""
-    groups: dict[tuple, list[str]] = {}
-    for name, past in pasts.items():
-        groups.setdefault((past.seq_len, tuple(past.positions.tolist())), []).append(name)
+    from kvlab.cache import batchable_groups
+
     out: dict[str, Score] = {}
-    for names in groups.values():
+    for names in batchable_groups(pasts):
         out.update(zip(names, score_answers(model, [pasts[n] for n in names], episode), strict=True))
     return {name: out[name] for name in pasts}
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvlab.cache.snapshot import KVSnapshot, stack_rows
+from kvlab.cache.snapshot import KVSnapshot, batchable_groups, stack_rows
 from kvlab.data import python_docs, token_windows
 from kvlab.errors import BadInputError
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
@@ -45,12 +45,9 @@ def _evaluate_many(
     Conditions whose caches share length and slot positions run as the rows of one batch (one pass
     over the weights per step for all of them).
     """
-    groups: dict[tuple, list[str]] = {}
-    for name, past in pasts.items():
-        groups.setdefault((past.seq_len, tuple(past.positions.tolist())), []).append(name)
     res: dict[str, dict] = {}
     target = torch.tensor(ref_cont)
-    for names in groups.values():
+    for names in batchable_groups(pasts):
         batch = stack_rows([pasts[n] for n in names])
         out = model.forward([[feed, *ref_cont[:-1]]] * len(names), batch)
         logits = out.logits if out.logits.ndim == 3 else out.logits[None]  # [B, T_new, vocab]

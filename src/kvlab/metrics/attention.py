@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvlab.errors import BadInputError
+from kvlab.metrics.similarity import select_along
 
 IndexLike = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -100,14 +101,6 @@ def _index(idx: IndexLike | None, default: int, name: str, bound: int) -> torch.
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= bound):
         raise BadInputError(f"{name} must lie in [0, {bound}), got {int(t.min())}..{int(t.max())}")
     return t
-
-
-def _select(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
-    """``index_select`` that returns a view when the indices are one contiguous ascending run."""
-    n = idx.numel()
-    if n and int(idx[-1]) - int(idx[0]) == n - 1 and bool((idx.diff() == 1).all()):
-        return t.narrow(dim, int(idx[0]), n)
-    return t.index_select(dim, idx)
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -193,9 +186,9 @@ def compare_attention_rows(
         raise BadInputError(f"k must be >= 1, got {k}")
     per_layer: list[dict[str, torch.Tensor]] = []
     for layer in range(a.shape[0]):  # one layer at a time: [heads, Q, K] float64 stays small
-        rows_a32 = _select(a[layer], 1, qa)  # [H, Q, T_k], the maps' own dtype
-        rows_b32 = _select(b[layer], 1, qb)
-        pa32, pb32 = _select(rows_a32, 2, ka), _select(rows_b32, 2, kb)  # [H, Q, K]
+        rows_a32 = select_along(a[layer], 1, qa)  # [H, Q, T_k], the maps' own dtype
+        rows_b32 = select_along(b[layer], 1, qb)
+        pa32, pb32 = select_along(rows_a32, 2, ka), select_along(rows_b32, 2, kb)  # [H, Q, K]
         rows_a, rows_b = rows_a32[..., 0].double(), rows_b32[..., 0].double()  # the sink column
         pa, pb = pa32.double(), pb32.double()
         ra, rb = pa[..., exclude_first:], pb[..., exclude_first:]

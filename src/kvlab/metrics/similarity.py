@@ -74,16 +74,16 @@ def _l2(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
     return (torch.linalg.vector_norm(a - b, dim=-1) / den.clamp_min(1e-12)).numpy()
 
 
-def _index(idx: torch.Tensor) -> torch.Tensor | slice:
-    """A slice when the slots are a contiguous ascending run (a view, no gather), else the index."""
+def select_along(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """``t.index_select(dim, idx)``, but a view (no copy) when ``idx`` is one contiguous ascending run.
+
+    Aligned slots are almost always such a run (a roll pairs n..T-1 with 0..T-n-1), and gathering
+    them is most of a comparison's memory traffic.
+    """
     n = idx.numel()
     if n and int(idx[-1]) - int(idx[0]) == n - 1 and bool((idx.diff() == 1).all()):
-        return slice(int(idx[0]), int(idx[0]) + n)
-    return idx
-
-
-def _take(t: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:
-    return t[..., idx, :] if isinstance(idx, slice) else t.index_select(-2, idx)
+        return t.narrow(dim, int(idx[0]), n)
+    return t.index_select(dim, idx)
 
 
 class PreparedCache:
@@ -103,7 +103,8 @@ class PreparedCache:
     @property
     def derotated_keys(self) -> torch.Tensor:
         if self._derotated is None:
-            self._derotated = remove_rope(self.keys, self.snapshot.positions, self.snapshot.rope)
+            rope = self.snapshot.require_rope("de-rotating keys")
+            self._derotated = remove_rope(self.keys, self.snapshot.positions, rope)
         return self._derotated
 
 
@@ -111,13 +112,12 @@ def _side(
     c: KVSnapshot | PreparedCache, idx: torch.Tensor, derotate: Derotate
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(K, V, de-rotated K or None)`` of the given slots, float64 ``[L, H, P, D]``."""
-    where = _index(idx)
     if isinstance(c, PreparedCache):
-        k, v = _take(c.keys, where), _take(c.values, where)
-        kd = _take(c.derotated_keys, where) if derotate == "correct" else None
+        k, v = select_along(c.keys, 2, idx), select_along(c.values, 2, idx)
+        kd = select_along(c.derotated_keys, 2, idx) if derotate == "correct" else None
         return k, v, kd
-    k = torch.stack([_take(t[0], where) for t in c.keys]).double()
-    v = torch.stack([_take(t[0], where) for t in c.values]).double()
+    k = torch.stack([select_along(t[0], 1, idx) for t in c.keys]).double()
+    v = torch.stack([select_along(t[0], 1, idx) for t in c.values]).double()
     kd = remove_rope(k, c.positions.index_select(0, idx), c.rope) if derotate == "correct" else None
     return k, v, kd
 
