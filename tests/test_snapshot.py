@@ -128,3 +128,23 @@ def test_snapshot_from_another_model_is_refused(tiny_model):
     with pytest.raises(IncompatibleCacheError):
         b.extend(past, [4])
     assert isinstance(past, KVSnapshot)
+
+
+def test_provenance_says_what_is_an_exact_prefill(tiny_model, snap):
+    """Only the model's own cache at positions 0..T-1 (or a prefix of it) is a prefill."""
+    handle = tiny_model("qwen2")
+    assert snap.is_prefill
+    assert snap.slice(0, 7).is_prefill and snap.select(range(7)).is_prefill
+    assert snap.slice(3, 10).provenance == "edited"
+    assert snap.select([0, 1, 2, 3, 9]).provenance == "edited"
+    assert snap.with_positions(torch.arange(20) + 5).provenance == "repositioned"
+    assert snap.with_positions(torch.arange(20)).is_prefill  # no shift, nothing changed
+    assert snap.to(dtype=torch.float64).provenance == "edited"
+    assert snap.clone().is_prefill
+    assert snap.replace(values=tuple(v * 1 for v in snap.values)).provenance == "edited"
+    assert concat(snap.slice(0, 10), snap.slice(10, 20)).provenance == "edited"
+    assert handle.extend(snap, [3, 4]).snapshot.is_prefill  # continuing a prefill at 20, 21
+    assert handle.prefill([5, 6, 7], start_position=4).snapshot.provenance == "computed"
+    assert handle.extend(snap.slice(3, 20), [3]).snapshot.provenance == "computed"
+    with pytest.raises(BadInputError):
+        snap.replace(provenance="trust me")

@@ -91,6 +91,7 @@ def save_snapshot(snapshot: KVSnapshot, path: str | Path) -> Path:
         "model_name": snapshot.model_name,
         "rope": snapshot.rope.to_json() if snapshot.rope else None,
         "num_layers": snapshot.num_layers,
+        "provenance": snapshot.provenance,
         "sha256": tensors_digest(tensors),
     }
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvlab": json.dumps(meta)}))
@@ -160,4 +161,5 @@ def load_snapshot(
         rope=RopeSpec.from_json(meta["rope"]) if meta.get("rope") else None,
         fingerprint=meta["fingerprint"],
         model_name=meta.get("model_name", ""),
+        provenance=meta.get("provenance", "unknown"),
     )

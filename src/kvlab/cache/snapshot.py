@@ -7,6 +7,11 @@ new snapshots and never write into the tensors of an existing one; treat the ten
 
 Positions are explicit because after a roll, an eviction or a transplant they are no longer
 ``0..T-1``; a query's position is ``next_position`` unless a caller says otherwise.
+
+Every snapshot also says how it was made (:data:`PROVENANCES`). Only a ``"prefill"`` is the exact
+cache a model computes for its tokens at positions ``0..T-1``; anything that serves a cache *as* that
+(the store's exact namespace, reuse) checks it. Operations that change tensors, ids or positions
+lose ``"prefill"`` unless they provably keep it (a prefix of a prefill is a prefill).
 """
 
 from __future__ import annotations
@@ -21,6 +26,21 @@ from kvlab.errors import BadInputError, IncompatibleCacheError, UnsupportedModel
 from kvlab.rope.ops import shift_keys
 from kvlab.rope.spec import RopeSpec
 
+#: How a snapshot was made. "prefill": the model's own cache of ``token_ids`` at positions 0..T-1;
+#: "computed": computed by the model on top of a non-prefill past or at other positions; "rolled",
+#: "repositioned", "quantized", "transplanted", "edited": made by an operation; "unknown": not said.
+PROVENANCES = (
+    "prefill",
+    "computed",
+    "rolled",
+    "repositioned",
+    "quantized",
+    "transplanted",
+    "edited",
+    "unknown",
+)
+_TENSOR_FIELDS = frozenset({"keys", "values", "token_ids", "positions"})
+
 
 @dataclass(frozen=True, eq=False)
 class KVSnapshot:
@@ -34,6 +54,7 @@ class KVSnapshot:
         rope: the model's RoPE, or None for models without rotary embeddings.
         fingerprint: the model fingerprint (architecture + config + weights hash).
         model_name: a human-readable model name, for reports only.
+        provenance: how the snapshot was made, one of :data:`PROVENANCES`.
     """
 
     keys: tuple[torch.Tensor, ...]
@@ -43,8 +64,13 @@ class KVSnapshot:
     rope: RopeSpec | None
     fingerprint: str
     model_name: str = ""
+    provenance: str = "unknown"
 
     def __post_init__(self) -> None:
+        if self.provenance not in PROVENANCES:
+            raise BadInputError(
+                f"provenance must be one of {', '.join(PROVENANCES)}, got {self.provenance!r}"
+            )
         object.__setattr__(self, "keys", tuple(self.keys))
         object.__setattr__(self, "values", tuple(self.values))
         if len(self.keys) == 0 or len(self.keys) != len(self.values):
@@ -126,9 +152,23 @@ class KVSnapshot:
         return torch.stack(self.values)
 
     # -- pure operations -----------------------------------------------------------------------
+    @property
+    def is_prefill(self) -> bool:
+        """True when this is the model's own cache of its tokens at positions 0..T-1 (see PROVENANCES)."""
+        return self.provenance == "prefill"
+
     def replace(self, **changes) -> KVSnapshot:
-        """A new snapshot with some fields replaced (tensors are shared, never written)."""
+        """A new snapshot with some fields replaced (tensors are shared, never written).
+
+        Replacing keys, values, ids or positions without saying the new ``provenance`` marks the
+        result ``"edited"``: nothing built by hand can pass for a prefill.
+        """
+        if "provenance" not in changes and _TENSOR_FIELDS & changes.keys():
+            changes["provenance"] = "edited"
         return dataclasses.replace(self, **changes)
+
+    def _is_leading(self, idx: torch.Tensor) -> bool:
+        return bool(torch.equal(idx.cpu(), torch.arange(idx.numel())))
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> KVSnapshot:
         """Keep only the given slots (in the given order); positions are kept, keys are not re-rotated."""
@@ -144,6 +184,7 @@ class KVSnapshot:
             values=tuple(v.index_select(2, idx) for v in self.values),
             token_ids=self.token_ids.index_select(1, idx.to(self.token_ids.device)),
             positions=self.positions.index_select(0, idx.to(self.positions.device)),
+            provenance=self.provenance if self.is_prefill and self._is_leading(idx) else "edited",
         )
 
     def slice(self, start: int = 0, stop: int | None = None) -> KVSnapshot:
@@ -156,6 +197,7 @@ class KVSnapshot:
             values=tuple(v[:, :, start:stop] for v in self.values),
             token_ids=self.token_ids[:, start:stop],
             positions=self.positions[start:stop],
+            provenance=self.provenance if self.is_prefill and start == 0 else "edited",
         )
 
     def with_positions(self, new_positions: Sequence[int] | torch.Tensor) -> KVSnapshot:
@@ -166,13 +208,20 @@ class KVSnapshot:
         rope = self.require_rope("re-positioning keys")
         delta = (new - self.positions.cpu()).to(self.device)
         if bool((delta == 0).all()):
-            return self.replace(positions=new)
-        return self.replace(keys=tuple(shift_keys(k, delta, rope) for k in self.keys), positions=new)
+            return self.replace(positions=new, provenance=self.provenance)
+        return self.replace(
+            keys=tuple(shift_keys(k, delta, rope) for k in self.keys),
+            positions=new,
+            provenance="repositioned",
+        )
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> KVSnapshot:
+        """Move and/or cast; a cast to another dtype is no longer the model's own cache ("edited")."""
+        cast = dtype is not None and dtype != self.dtype
         return self.replace(
             keys=tuple(k.to(device=device, dtype=dtype) for k in self.keys),
             values=tuple(v.to(device=device, dtype=dtype) for v in self.values),
+            provenance="edited" if cast else self.provenance,
         )
 
     def clone(self) -> KVSnapshot:
@@ -182,6 +231,7 @@ class KVSnapshot:
             values=tuple(v.clone() for v in self.values),
             token_ids=self.token_ids.clone(),
             positions=self.positions.clone(),
+            provenance=self.provenance,
         )
 
     def require_rope(self, what: str) -> RopeSpec:
@@ -204,7 +254,7 @@ class KVSnapshot:
         return (
             f"KVSnapshot({self.model_name or self.fingerprint[:12]}: {self.num_layers} layers x "
             f"[{self.batch_size}, {self.num_kv_heads}, {self.seq_len}, {self.head_dim}] {str(self.dtype).replace('torch.', '')}, "
-            f"positions {int(self.positions.min()) if self.seq_len else 0}..{self.next_position - 1})"
+            f"positions {int(self.positions.min()) if self.seq_len else 0}..{self.next_position - 1}, {self.provenance})"
         )
 
     __repr__ = describe
@@ -242,6 +292,7 @@ def stack_rows(snapshots: Sequence[KVSnapshot]) -> KVSnapshot:
         keys=tuple(torch.cat(layer, dim=0) for layer in zip(*(s.keys for s in snapshots), strict=True)),
         values=tuple(torch.cat(layer, dim=0) for layer in zip(*(s.values for s in snapshots), strict=True)),
         token_ids=torch.cat([s.token_ids for s in snapshots], dim=0),
+        provenance=first.provenance if all(s.provenance == first.provenance for s in snapshots) else "edited",
     )
 
 

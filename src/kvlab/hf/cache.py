@@ -77,6 +77,7 @@ def snapshot_from_hf(
     fingerprint: str,
     model_name: str = "",
     copy: bool = False,
+    provenance: str = "unknown",
 ) -> KVSnapshot:
     """Capture a transformers cache as a snapshot.
 
@@ -107,6 +108,7 @@ def snapshot_from_hf(
         rope=rope,
         fingerprint=fingerprint,
         model_name=model_name,
+        provenance=provenance,
     )
 
 

@@ -219,6 +219,8 @@ class ModelHandle:
             )
         token_ids = ids.cpu() if past is None else torch.cat((past.token_ids, ids.cpu()), dim=1)
         positions_all = pos if past is None else torch.cat((past.positions, pos))
+        # A prefill only when every slot is this model's own computation at positions 0..T-1.
+        exact = (past is None or past.is_prefill) and torch.equal(positions_all, torch.arange(total))
         snapshot = snapshot_from_hf(
             out.past_key_values,
             token_ids=token_ids,
@@ -226,6 +228,7 @@ class ModelHandle:
             rope=self.rope,
             fingerprint=self.fingerprint,
             model_name=self.name,
+            provenance="prefill" if exact else "computed",
         )
         logits = out.logits.float()
         logits = logits[0] if logits.shape[0] == 1 else logits

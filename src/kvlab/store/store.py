@@ -323,6 +323,7 @@ class KVStore:
             rope=namespace.rope,
             fingerprint=namespace.fingerprint,
             model_name=namespace.model_name,
+            provenance="prefill",  # the exact namespace holds only prefills (checked at put)
         )
         return snapshot, used, served
 
@@ -465,6 +466,7 @@ def _assemble(blocks: list[Block], namespace: Namespace) -> KVSnapshot:
         rope=namespace.rope,
         fingerprint=namespace.fingerprint,
         model_name=namespace.model_name,
+        provenance="prefill",
     )
 
 
