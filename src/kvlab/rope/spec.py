@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from kvlab.errors import UnsupportedModelError
+from kvlab.errors import BadInputError, UnsupportedModelError
 
 Pairing = Literal["half", "interleaved"]
 
@@ -79,15 +79,44 @@ class RopeSpec:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> RopeSpec:
+    def from_json(cls, data: Any) -> RopeSpec:
+        """Parse :meth:`to_json` output, checking every field (a snapshot header is untrusted input)."""
+
+        def num(v: Any, what: str, *, positive: bool = True) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise BadInputError(f"RoPE spec: {what} must be a finite number, got {v!r:.40}")
+            if positive and v <= 0:
+                raise BadInputError(f"RoPE spec: {what} must be positive, got {v!r:.40}")
+            return float(v)
+
+        keys = {"inv_freq", "head_dim", "rope_type", "pairing", "attention_scaling", "theta", "shift_exact"}
+        if not isinstance(data, dict) or set(data) != keys:
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise BadInputError(f"RoPE spec must be an object with fields {sorted(keys)}, got {got}")
+        head_dim = data["head_dim"]
+        if type(head_dim) is not int or not 2 <= head_dim <= 65_536:
+            raise BadInputError(f"RoPE spec: head_dim must be an integer in [2, 65536], got {head_dim!r:.40}")
+        inv = data["inv_freq"]
+        if not isinstance(inv, list) or not 1 <= len(inv) <= head_dim // 2:
+            raise BadInputError(f"RoPE spec: inv_freq must be a list of 1..{head_dim // 2} numbers")
+        inv_freq = tuple(num(x, "inv_freq[i]") for x in inv)
+        if not isinstance(data["rope_type"], str) or not 0 < len(data["rope_type"]) <= 64:
+            raise BadInputError("RoPE spec: rope_type must be a short non-empty string")
+        if data["pairing"] not in ("half", "interleaved"):
+            raise BadInputError(
+                f"RoPE spec: pairing must be 'half' or 'interleaved', got {data['pairing']!r:.40}"
+            )
+        if type(data["shift_exact"]) is not bool:
+            raise BadInputError("RoPE spec: shift_exact must be true or false")
+        theta = data["theta"]
         return cls(
-            inv_freq=tuple(float(x) for x in data["inv_freq"]),
-            head_dim=int(data["head_dim"]),
-            rope_type=str(data["rope_type"]),
+            inv_freq=inv_freq,
+            head_dim=head_dim,
+            rope_type=data["rope_type"],
             pairing=data["pairing"],
-            attention_scaling=float(data["attention_scaling"]),
-            theta=data.get("theta"),
-            shift_exact=bool(data["shift_exact"]),
+            attention_scaling=num(data["attention_scaling"], "attention_scaling"),
+            theta=None if theta is None else num(theta, "theta"),
+            shift_exact=data["shift_exact"],
         )
 
     def summary(self) -> str:
