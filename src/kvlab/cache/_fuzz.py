@@ -144,33 +144,34 @@ def mutate_header_field(meta: dict, rng: random.Random) -> dict:
     return meta
 
 
-def forge_invalid(snap: KVSnapshot, rng: random.Random) -> tuple[str, bytes]:
+FORGE_KINDS = (
+    "int8 values",
+    "int64 values",
+    "mixed dtypes",
+    "nan",
+    "inf",
+    "negative position",
+    "float positions",
+    "out-of-vocab id",
+    "negative id",
+    "empty cache",
+    "missing layer",
+    "extra tensor",
+    "shape mismatch",
+    "geometry lie",
+    "prefill with gaps",
+    "bad rope",
+    "bad provenance",
+)
+
+
+def forge_invalid(snap: KVSnapshot, rng: random.Random, kind: str | None = None) -> tuple[str, bytes]:
     """A forged file (digest recomputed) that breaks the schema in one of several ways; returns (kind, bytes)."""
     t = tensors_of(snap)
     data = save_snapshot_bytes(snap)
     _, meta, _ = split_file(data)
     meta = {k: v for k, v in meta.items() if k != "digest"}
-    kind = rng.choice(
-        [
-            "int8 values",
-            "int64 values",
-            "mixed dtypes",
-            "nan",
-            "inf",
-            "negative position",
-            "float positions",
-            "out-of-vocab id",
-            "negative id",
-            "empty cache",
-            "missing layer",
-            "extra tensor",
-            "shape mismatch",
-            "geometry lie",
-            "prefill with gaps",
-            "bad rope",
-            "bad provenance",
-        ]
-    )
+    kind = kind or rng.choice(FORGE_KINDS)
     i = rng.randrange(snap.num_layers)
     name = rng.choice([f"k.{i}", f"v.{i}"])
     if kind == "int8 values":

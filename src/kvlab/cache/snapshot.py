@@ -234,6 +234,14 @@ class KVSnapshot:
             provenance=self.provenance,
         )
 
+    def require_prefill(self, what: str) -> None:
+        """Raise unless this is an exact prefill (operations whose result is only exact from one)."""
+        if not self.is_prefill:
+            raise IncompatibleCacheError(
+                f"{what} needs an exact prefill of the cached tokens, but this cache is {self.provenance}; "
+                "prefill the tokens with the model first"
+            )
+
     def require_rope(self, what: str) -> RopeSpec:
         if self.rope is None:
             raise UnsupportedModelError(f"{what} needs a model with rotary position embeddings (RoPE)")

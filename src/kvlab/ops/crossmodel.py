@@ -118,7 +118,11 @@ def transplant(
             "from a span alignment) to say what each slot holds"
         )
     return snap.to(dtype=receiver.dtype).replace(
-        token_ids=ids.clone(), fingerprint=receiver.fingerprint, model_name=receiver.name, rope=rr
+        token_ids=ids.clone(),
+        fingerprint=receiver.fingerprint,
+        model_name=receiver.name,
+        rope=rr,
+        provenance="transplanted",
     )
 
 
@@ -350,4 +354,5 @@ def apply_cache_map(
         rope=receiver.rope,
         fingerprint=receiver.fingerprint,
         model_name=receiver.name,
+        provenance="transplanted",
     )

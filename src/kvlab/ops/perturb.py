@@ -105,6 +105,7 @@ def roll(model: Any, snapshot: KVSnapshot, n: int | float) -> KVSnapshot:
 def truncate(snapshot: KVSnapshot, n: int | float) -> KVSnapshot:
     """Drop the last ``n`` slots. By causality this equals re-prefilling the shorter text (no model needed)."""
     check_tokens(snapshot.token_list(), "the cache")
+    snapshot.require_prefill("truncate (equal to re-prefilling the shorter text)")
     return snapshot.slice(0, snapshot.seq_len - roll_count(n, snapshot.seq_len))
 
 

@@ -63,11 +63,11 @@ def roll(snapshot: KVSnapshot, drop: int, sinks: int = 0, *, reposition: bool = 
     _check_roll(snapshot, drop, sinks)
     kept = snapshot.select(kept_slots(snapshot.seq_len, drop, sinks))
     if not reposition:
-        return kept
+        return kept.replace(provenance="rolled")
     rope = snapshot.require_rope("re-positioning a rolled cache")
     rope.require_shift_exact("re-positioning a rolled cache")
     start = int(snapshot.positions[0])
-    return kept.with_positions(torch.arange(start, start + kept.seq_len))
+    return kept.with_positions(torch.arange(start, start + kept.seq_len)).replace(provenance="rolled")
 
 
 def rolled_ids(snapshot: KVSnapshot, drop: int, sinks: int = 0) -> list[int]:
@@ -95,7 +95,7 @@ def k_ropefixed_v_rolled(handle: Any, snapshot: KVSnapshot, drop: int, sinks: in
     """The thread's ``k_ropefixed_v_rolled``: cached K shifted + V taken from a re-prefill of the rolled text."""
     k = roll(snapshot, drop, sinks)
     ref = reprefill_rolled(handle, snapshot, drop, sinks)
-    return k.replace(values=ref.values)
+    return k.replace(values=ref.values, provenance="rolled")
 
 
 def naive_slice(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:

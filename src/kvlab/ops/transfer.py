@@ -73,7 +73,7 @@ def drop_prefix(snap: KVSnapshot, n: int, *, sinks: int = 0) -> KVSnapshot:
     if not 0 <= sinks <= n < snap.seq_len:
         raise BadInputError(f"need 0 <= sinks ({sinks}) <= n ({n}) < cached tokens ({snap.seq_len})")
     keep = list(range(sinks)) + list(range(n, snap.seq_len))
-    return reposition(snap.select(keep), 0)
+    return reposition(snap.select(keep), 0).replace(provenance="rolled")
 
 
 def concat_caches(first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:
@@ -172,6 +172,7 @@ def transfer_layers(
         values=tuple(
             d if i in keep else o for i, (d, o) in enumerate(zip(don.values, other.values, strict=True))
         ),
+        provenance="transplanted",
     )
 
 
@@ -184,7 +185,7 @@ def hybrid_kv(
     slots of caches of different lengths (a roll by n pairs ``k_slots=range(n, T)`` with ``range(T-n)``).
     """
     k, v = _aligned(k_from, v_from, align, "mixing K and V")
-    return k.replace(values=v.values, token_ids=v.token_ids)
+    return k.replace(values=v.values, token_ids=v.token_ids, provenance="transplanted")
 
 
 def swap_slots(

@@ -114,6 +114,7 @@ class QuantizedSnapshot:
             rope=self.rope,
             fingerprint=self.fingerprint,
             model_name=self.model_name,
+            provenance="quantized",
         )
 
 
