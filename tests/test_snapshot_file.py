@@ -82,16 +82,13 @@ def test_one_digit_of_inv_freq_is_caught(tmp_path, real):
     header, meta, body = F.split_file(data)
     text = header["__metadata__"]["kvlab"]
     old = repr(meta["rope"]["inv_freq"][3])
-    # The 4th significant digit (a change in the 17th may round to the same double: same content).
+    # An early digit: changing the 17th may round to the same double (same content, rightly accepted).
     digit = [i for i, c in enumerate(old) if c.isdigit() and (c != "0" or i > old.find("."))][3]
     new = old[:digit] + str((int(old[digit]) + 1) % 10) + old[digit + 1 :]
     assert text.count(old) == 1
     header["__metadata__"]["kvlab"] = text.replace(old, new)
     p.write_bytes(F.join_file(header, body))
-    assert (
-        json.loads(F.split_file(p.read_bytes())[1]["rope"] and text.replace(old, new))["rope"]["inv_freq"][3]
-        != meta["rope"]["inv_freq"][3]
-    )
+    assert F.split_file(p.read_bytes())[1]["rope"]["inv_freq"][3] != meta["rope"]["inv_freq"][3]
     with pytest.raises(SnapshotFileError, match="digest"):
         load_snapshot(p)
 
