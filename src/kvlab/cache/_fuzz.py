@@ -217,7 +217,8 @@ def forge_invalid(snap: KVSnapshot, rng: random.Random, kind: str | None = None)
     elif kind == "geometry lie":
         key = rng.choice(["num_layers", "num_kv_heads", "seq_len", "head_dim", "batch_size"])
         meta[key] += rng.choice([-1, 1])
-    elif kind == "prefill with gaps":
+    elif kind == "prefill with gaps":  # positions are free for an edited cache, not for a prefill
+        meta["provenance"] = "prefill"
         t["positions"] = t["positions"] * 2
     elif kind == "bad rope":
         field = rng.choice(["pairing", "inv_freq", "head_dim", "attention_scaling"])
