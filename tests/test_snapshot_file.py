@@ -247,7 +247,7 @@ def _killed_save(target: Path) -> None:
 
 
 def _temps(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.name.endswith(".kvlab-tmp"))
+    return sorted(p for p in folder.iterdir() if p.name.endswith(".kvlab.tmp"))
 
 
 def test_a_save_killed_mid_write_leaves_the_old_file_and_gc_removes_the_temp(tmp_path, small):
@@ -260,12 +260,12 @@ def test_a_save_killed_mid_write_leaves_the_old_file_and_gc_removes_the_temp(tmp
     with pytest.raises(SnapshotFileError):
         load_snapshot(temps[0])  # the half-written temp never loads
     (tmp_path / "notes.tmp").write_text("not ours")
-    (tmp_path / ".a.kv.safetensors.kvlab-tmp").write_text("not our pattern")
+    (tmp_path / ".a.kv.safetensors.kvlab.tmp").write_text("not our pattern")
     assert clean_temp_files(tmp_path, older_than=3600) == []  # young, and its age is all gc looks at
     from kvlab.cli import main
 
     assert main(["gc", str(tmp_path), "--older-than", "0", "--no-dead-writers"]) == 0
-    assert _temps(tmp_path) == [tmp_path / ".a.kv.safetensors.kvlab-tmp"]
+    assert _temps(tmp_path) == [tmp_path / ".a.kv.safetensors.kvlab.tmp"]
     assert (tmp_path / "notes.tmp").exists() and F.same_snapshot(load_snapshot(target), small)
     assert main(["gc", str(tmp_path / "nowhere")]) == 2
     assert main(["gc", str(tmp_path), "--older-than", "nan"]) == 2

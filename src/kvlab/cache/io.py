@@ -12,7 +12,7 @@ known, finite values, a non-empty cache) and raises only :class:`SnapshotFileErr
 so a file that a forger re-digested still cannot smuggle int8 values or NaN into a cache. It refuses
 anything that is not a regular file before reading it (a FIFO would block forever).
 
-Writes go to a uniquely named temporary file in the same folder (``.<name>.<pid>.<random>.kvlab-tmp``),
+Writes go to a uniquely named temporary file in the same folder (``.<name>.<pid>.<random>.kvlab.tmp``),
 are fsync'ed, then renamed over the target: a reader sees the old file or the new one, never half of
 one. A writer killed with SIGKILL leaves its temp file behind; :func:`clean_temp_files` (``kvlab gc``)
 removes those, and every save removes the leftovers of dead writers of the same target.
@@ -47,8 +47,8 @@ from kvlab.rope.spec import RopeSpec
 FORMAT = "kvlab.snapshot"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-TEMP_SUFFIX = ".kvlab-tmp"
-# .<target name>.<writer pid>.<random>.kvlab-tmp ; the random part is tempfile's 8 characters.
+TEMP_SUFFIX = ".kvlab.tmp"  # ends in .tmp: the store's own temp sweep sees these too
+# .<target name>.<writer pid>.<random>.kvlab.tmp ; the random part is tempfile's 8 characters.
 _TEMP_RE = re.compile(
     r"^\.(?P<name>.+)\.(?P<pid>\d+)\.(?P<rand>[a-z0-9_]{8})" + re.escape(TEMP_SUFFIX) + r"$"
 )
@@ -133,7 +133,7 @@ def _pid_alive(pid: int) -> bool:
 def clean_temp_files(
     folder: str | Path, *, older_than: float = 3600.0, name: str | None = None, dead_writers: bool = False
 ) -> list[Path]:
-    """Remove kvlab's own leftover temp files (``.<name>.<pid>.<random>.kvlab-tmp``) in ``folder``.
+    """Remove kvlab's own leftover temp files (``.<name>.<pid>.<random>.kvlab.tmp``) in ``folder``.
 
     A temp file is removed when it is older than ``older_than`` seconds, or (``dead_writers=True``)
     when the process that was writing it no longer runs on this machine. Only regular files matching
@@ -168,9 +168,9 @@ def clean_temp_files(
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp_path)``, fsync, then rename over ``path``: readers see the old or the new file.
 
-    The temp file has a unique name in the target's folder (``.<name>.<pid>.<random>.kvlab-tmp``). On
+    The temp file has a unique name in the target's folder (``.<name>.<pid>.<random>.kvlab.tmp``). On
     any Python-level failure it is removed and ``path`` is left as it was; a SIGKILL leaves it behind
-    for :func:`clean_temp_files` (the next write of the same target removes it too).
+    for :func:`clean_temp_files` (the next :func:`save_snapshot` of the same target removes it too).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,8 +192,6 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    with contextlib.suppress(OSError, SnapshotFileError):  # leftovers of killed writers of this target
-        clean_temp_files(path.parent, name=path.name, dead_writers=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -235,6 +233,8 @@ def save_snapshot(snapshot: KVSnapshot, path: str | Path) -> Path:
     meta = _meta_for(snapshot, tensors)
     _check_meta(meta, f"the snapshot to save to {path}")  # what we write must be what we would read
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvlab": json.dumps(meta)}))
+    with contextlib.suppress(OSError, SnapshotFileError):  # leftovers of killed writers of this target
+        clean_temp_files(path.parent, name=path.name, dead_writers=True)
     return path
 
 

@@ -1,6 +1,6 @@
 """``kvlab gc PATH``: remove the temp files that interrupted snapshot writes left behind.
 
-``save_snapshot`` writes to ``.<name>.<pid>.<random>.kvlab-tmp`` beside the target and renames it;
+``save_snapshot`` writes to ``.<name>.<pid>.<random>.kvlab.tmp`` beside the target and renames it;
 a writer killed mid-write (SIGKILL, power loss) leaves that temp file. This command removes kvlab's
 own temp files in one folder (never recursing, never touching any other file).
 """
