@@ -299,3 +299,24 @@ def test_operations_record_provenance(small):
     with pytest.raises(IncompatibleCacheError, match="exact prefill"):
         perturb.truncate(suffix.roll(small, 2), 1)
     assert perturb.truncate(small, 2).provenance == "prefill"
+
+
+def test_save_refuses_what_load_would_refuse_before_writing(tmp_path, small):
+    from kvlab.errors import BadInputError
+
+    bad = small.replace(token_ids=small.token_ids - 200)  # negative ids
+    with pytest.raises(BadInputError, match="cannot save"):
+        save_snapshot(bad, tmp_path / "sub" / "a.kv.safetensors")
+    assert not (tmp_path / "sub").exists()  # validated before creating anything
+    lying = small.replace(positions=small.positions + 3, provenance="prefill")
+    with pytest.raises(BadInputError, match="prefill"):
+        save_snapshot(lying, tmp_path / "b.kv.safetensors")
+    nan = small.replace(values=(small.values[0] * float("nan"), small.values[1]))
+    p = save_snapshot(nan, tmp_path / "c.kv.safetensors")  # NaN can be saved, and is refused unless allowed
+    with pytest.raises(SnapshotFileError, match="NaN"):
+        load_snapshot(p)
+    assert load_snapshot(p, allow_nonfinite=True).values[0].isnan().all()
+    with pytest.raises(BadInputError):
+        clean_temp_files(tmp_path, older_than=float("nan"))
+    with pytest.raises(SnapshotFileError):
+        clean_temp_files(tmp_path / "nowhere")

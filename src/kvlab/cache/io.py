@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvlab.cache.snapshot import PROVENANCES, KVSnapshot
-from kvlab.errors import IncompatibleCacheError, KvlabError, SnapshotFileError
+from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError, SnapshotFileError
 from kvlab.rope.spec import RopeSpec
 
 FORMAT = "kvlab.snapshot"
@@ -140,6 +140,8 @@ def clean_temp_files(
     kvlab's pattern are touched (``name`` restricts to temps of one target file); nothing else in the
     folder is, and the folder is not recursed into. Returns the removed paths.
     """
+    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) or not older_than >= 0:
+        raise BadInputError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
     folder = Path(folder)
     if not folder.is_dir():
         raise SnapshotFileError(f"{folder} is not a folder")
@@ -232,6 +234,10 @@ def save_snapshot(snapshot: KVSnapshot, path: str | Path) -> Path:
     tensors = _tensors(snapshot)
     meta = _meta_for(snapshot, tensors)
     _check_meta(meta, f"the snapshot to save to {path}")  # what we write must be what we would read
+    try:
+        _check_values(tensors, meta, path, None, allow_nonfinite=True)
+    except SnapshotFileError as exc:
+        raise BadInputError(f"cannot save this snapshot: {exc}") from None
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvlab": json.dumps(meta)}))
     with contextlib.suppress(OSError, SnapshotFileError):  # leftovers of killed writers of this target
         clean_temp_files(path.parent, name=path.name, dead_writers=True)
