@@ -320,3 +320,25 @@ def test_save_refuses_what_load_would_refuse_before_writing(tmp_path, small):
         clean_temp_files(tmp_path, older_than=float("nan"))
     with pytest.raises(SnapshotFileError):
         clean_temp_files(tmp_path / "nowhere")
+
+
+def test_repeated_json_keys_are_refused(tmp_path, small):
+    """A repeated key could be read one way by the checks and another by safetensors: refuse it."""
+    header, meta, body = F.split_file(F.save_snapshot_bytes(small))
+    text = json.dumps(meta)
+    header["__metadata__"] = {"kvlab": text[:-1] + ', "num_layers": 1}'}
+    p = tmp_path / "d.kv.safetensors"
+    p.write_bytes(F.join_file(header, body))
+    with pytest.raises(SnapshotFileError, match="repeats"):
+        load_snapshot(p)
+    raw = json.dumps(header)
+    entry = json.dumps({"k.0": header["k.0"]})[1:-1]
+    p.write_bytes(_raw_header(raw[:-1] + ", " + entry + "}", body))
+    with pytest.raises(SnapshotFileError, match="repeats"):
+        load_snapshot(p)
+
+
+def _raw_header(text: str, body: bytes) -> bytes:
+    data = text.encode()
+    data += b" " * (-len(data) % 8)
+    return len(data).to_bytes(8, "little") + data + body

@@ -58,6 +58,7 @@ _MAX_POSITION = 2**40
 _MAX_TOKEN_ID = 2**31
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+_TORCH_DTYPES = {**_FLOAT_DTYPES, "I64": torch.int64}
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8}
 _V2_KEYS = frozenset(
     {
@@ -347,13 +348,15 @@ def _read_header(fd: int, path: Path) -> tuple[dict, dict, int]:
             if not 2 <= n <= min(_MAX_HEADER, size - 8):
                 raise _Bad(f"its header length {n} does not fit a {size}-byte file")
             text = f.read(n)
-        header = json.loads(text.decode("utf-8"), parse_constant=_reject_constant)
+        header = json.loads(
+            text.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates
+        )
         if not isinstance(header, dict):
             raise _Bad("its header is not a JSON object")
         extra = header.get("__metadata__")
         if not isinstance(extra, dict) or set(extra) != {"kvlab"} or not isinstance(extra["kvlab"], str):
             raise _Bad("its header has no kvlab metadata")
-        meta = json.loads(extra["kvlab"], parse_constant=_reject_constant)
+        meta = json.loads(extra["kvlab"], parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
     except _Bad as exc:
         raise SnapshotFileError(f"{path} is not a kvlab snapshot file ({exc})") from None
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -361,6 +364,13 @@ def _read_header(fd: int, path: Path) -> tuple[dict, dict, int]:
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
     _check_layout(entries, size - 8 - n, path)
     return meta, entries, 8 + n
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a JSON object repeats a key")
+    return out
 
 
 def _reject_constant(name: str) -> Any:
@@ -543,6 +553,17 @@ def load_snapshot(
             raise SnapshotFileError(f"{path} is truncated or corrupt ({exc})") from None
     finally:
         os.close(fd)
+    for name, e in entries.items():  # what safetensors read is what the header checks saw
+        t = tensors.get(name)
+        if (
+            t is None
+            or list(t.shape) != e["shape"]
+            or t.dtype != _TORCH_DTYPES[e["dtype"]]
+            or len(tensors) != len(entries)
+        ):
+            raise SnapshotFileError(
+                f"{path} is corrupt: tensor {name} does not read back as its header declares"
+            )
     if verify:
         if meta["version"] == 2:
             if snapshot_digest(meta, tensors) != meta["digest"]:
