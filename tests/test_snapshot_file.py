@@ -342,3 +342,51 @@ def _raw_header(text: str, body: bytes) -> bytes:
     data = text.encode()
     data += b" " * (-len(data) % 8)
     return len(data).to_bytes(8, "little") + data + body
+
+
+_LOOPING_WRITER = r"""
+import sys
+from pathlib import Path
+from kvlab.cache import save_snapshot
+from kvlab.cache import _fuzz as F
+
+snaps = [F.small_snapshot(seed=s, layers=4, tokens=3000) for s in (1, 2)]
+print("ready", flush=True)
+i = 0
+while True:
+    save_snapshot(snaps[i % 2], Path(sys.argv[1]))
+    i += 1
+"""
+
+
+def test_saves_killed_at_random_moments_never_leave_a_wrong_file(tmp_path):
+    """A real save loop (two alternating snapshots, 3 MB each) killed with SIGKILL at random times."""
+    snaps = [F.small_snapshot(seed=s, layers=4, tokens=3000) for s in (1, 2)]
+    target = tmp_path / "loop.kv.safetensors"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    rng = random.Random(0)
+    for _ in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _LOOPING_WRITER, str(target)], stdout=subprocess.PIPE, text=True, env=env
+        )
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            time.sleep(rng.uniform(0.2, 0.8))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for p in [target, *_temps(tmp_path)]:
+            if not p.exists():
+                continue
+            try:
+                got = load_snapshot(p)
+            except SnapshotFileError:
+                assert p != target, "the target itself must always be a complete file"
+                continue
+            assert F.same_snapshot(got, snaps[0]) or F.same_snapshot(got, snaps[1])
+    assert target.exists()
+    clean_temp_files(tmp_path, older_than=0)
+    assert _temps(tmp_path) == []
