@@ -443,8 +443,10 @@ def _check_tensors(meta: dict, entries: dict, path: Path) -> None:
             raise SnapshotFileError(
                 f"{path}: tensor {name} is {e['dtype']} {e['shape']}, the metadata declares {wdt} {wshape}"
             )
-    if T < 1:
-        raise SnapshotFileError(f"{path} holds an empty cache")
+    if min(B, H, T, D, Dv) < 1:
+        raise SnapshotFileError(f"{path} holds an empty cache (shape [{B}, {H}, {T}, {D}])")
+    if meta.get("rope") is not None and meta["rope"].get("head_dim") != D:
+        raise SnapshotFileError(f"{path}: its RoPE head_dim differs from the cache's head_dim {D}")
 
 
 def _check_values(
