@@ -3,7 +3,7 @@
 #   make test    - lint + the test suite
 VENV := .venv/bin
 
-.PHONY: setup study study-quick test lint format bench
+.PHONY: setup test-deps study study-quick test test-optional lint format bench
 setup:
 	@bash scripts/install.sh
 
@@ -21,8 +21,16 @@ format: setup
 	$(VENV)/ruff format src tests benchmarks
 	$(VENV)/ruff check --fix src tests benchmarks
 
-test: lint
-	$(VENV)/python -m pytest -q
+test-deps:
+	@bash scripts/install-test-deps.sh
+
+# A skipped test fails the run (KVLAB_TEST_NO_SKIPS=1): every test runs, or the run says what is missing.
+test: lint test-deps
+	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q
+
+# Checks on models that are not installed by default (Gemma-3-270M: see tests/optional/).
+test-optional: setup
+	$(VENV)/python -m pytest -q tests/optional
 
 bench: setup
 	$(VENV)/python benchmarks/run_all.py

@@ -15,10 +15,11 @@ if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-CONFIG_DIR = SHARED_DATA / "model-configs"
+# Copies of the public configs the tiny random-weight models are built from (kept in the repository so
+# a clone without ../shared runs every test).
+CONFIG_DIR = Path(__file__).resolve().parent / "fixtures" / "model-configs"
 
-# Families the RoPE and cache tests run on (config files from ../shared/data/model-configs).
+# Families the RoPE and cache tests run on.
 FAMILY_CONFIGS = {
     "llama": "tinyllama-1.1b-chat-v1.0.json",
     "qwen2": "qwen2.5-7b.json",
@@ -30,10 +31,7 @@ FAMILY_CONFIGS = {
 
 
 def config_path(family: str) -> Path:
-    path = CONFIG_DIR / FAMILY_CONFIGS[family]
-    if not path.is_file():
-        pytest.skip(f"{path} is absent (../shared/data not beside the checkout)")
-    return path
+    return CONFIG_DIR / FAMILY_CONFIGS[family]
 
 
 @pytest.fixture(scope="session")
@@ -59,13 +57,6 @@ def tiny_model():
         return _TINY[key]
 
     return make
-
-
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip("../shared/data is not beside the checkout")
-    return SHARED_DATA
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +87,27 @@ def tiny_llama_2x64():
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     return tiny_random_model(cfg, head_dim=16, layers=2)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """With ``KVLAB_TEST_NO_SKIPS=1`` (CI, ``make test``) a skipped test fails the run: a skip is a test
+    that did not run, and a green run must not hide one."""
+    if os.environ.get("KVLAB_TEST_NO_SKIPS") != "1":
+        return
+    skipped = terminalreporter.stats.get("skipped", [])
+    if skipped:
+        terminalreporter.write_line(
+            f"KVLAB_TEST_NO_SKIPS=1: {len(skipped)} test(s) skipped; install what their reasons name "
+            "(scripts/install-test-deps.sh) or unset KVLAB_TEST_NO_SKIPS",
+            red=True,
+        )
+        for report in skipped:
+            terminalreporter.write_line(f"  skipped: {report.nodeid}: {report.longrepr[-1]}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("KVLAB_TEST_NO_SKIPS") != "1":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and reporter.stats.get("skipped") and session.exitstatus == 0:
+        session.exitstatus = 1

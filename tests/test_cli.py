@@ -37,8 +37,6 @@ def test_inspect_config_tinyllama_fp16(capsys, tmp_path):
 
 def test_inspect_config_llama70b_has_crossover(capsys, tmp_path):
     path = CONFIG_DIR / "llama-3.1-70b.json"
-    if not path.is_file():
-        pytest.skip("shared model configs absent")
     code, out, _ = run_cli(capsys, "inspect", "--config", str(path), "--json", "--out", str(tmp_path))
     doc = json.loads(out)
     assert code == 0 and doc["summary"]["bytes_per_token"] == 327_680

@@ -12,12 +12,10 @@ from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError
 from kvlab.model.align import align_by_spans, aligned_snapshots, fit_cross_model_map
 from kvlab.model.handle import ModelHandle
-from kvlab.model.loading import GEMMA_INSTALL, gemma_installed
 from kvlab.ops.crossmodel import (
     apply_cache_map,
     cache_map_grid,
     explained_variance,
-    layer_ropes,
     ridge_fit,
     transplant,
 )
@@ -207,24 +205,3 @@ def test_transplant_across_tokenizers_needs_a_span_alignment(two_tokenizers, tin
     snap = h1.prefill(TEXT).snapshot
     with pytest.raises(IncompatibleCacheError, match="span alignment"):
         transplant(snap, h1, h2)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not gemma_installed(), reason=f"Gemma-3-270M is optional: {GEMMA_INSTALL}")
-def test_gemma_per_layer_rope_derotation():
-    from kvlab import load_model
-    from kvlab.rope.ops import remove_rope
-
-    g = load_model("gemma3-270m")
-    ropes = layer_ropes(g)
-    types = list(g.config.layer_types)
-    assert g.rope is None and len(ropes) == 18 and types.count("full_attention") == 3
-    for spec, t in zip(ropes, types, strict=True):
-        assert spec.theta == (1e6 if t == "full_attention" else 1e4) and spec.head_dim == 256
-    # the same tokens prefilled at two start positions: de-rotated keys agree in every layer type
-    ids = g.encode("The cat sat on the mat.")
-    at0, at9 = g.prefill(ids).snapshot, g.prefill(ids, start_position=9).snapshot
-    for li in (0, 5):
-        k0 = remove_rope(at0.keys[li].double(), at0.positions, ropes[li])
-        k9 = remove_rope(at9.keys[li].double(), at9.positions, ropes[li])
-        assert float((k0 - k9).abs().max()) < 1e-3 * float(k0.abs().max())

@@ -1,6 +1,6 @@
 """The decisive RoPE test: keys cached by a prefill at offset d equal shift(keys cached at offset 0, d).
 
-Run on random-weight models of every family in ../shared/data/model-configs (Llama, Qwen2 with
+Run on random-weight models of every family in tests/fixtures/model-configs (Llama, Qwen2 with
 k_proj bias, Mistral, Phi-2 with partial rotary, Llama-3.1 with llama3 scaling), in fp64 (where the
 only error is rounding: the shift is exact) and fp32, and on the bundled SmolLM2 model.
 """

@@ -26,7 +26,11 @@ def _run(name: str, tmp_path, smollm, **options):
 
 def test_equivalence_and_retention(tmp_path, smollm):
     eq = _run("transfer_equivalence", tmp_path, smollm, pairs=2, kept_generated=2)
-    assert eq.summary["max_abs_logit_diff"]["plain"] <= 1e-4
+    # the bound derives from float32, 30 layers and the logit scale (~1e-3 here); a wrong injection moves
+    # logits by O(1), so the bound still separates exact from wrong by orders of magnitude
+    tol = eq.summary["tolerance"]
+    assert 0 < tol < 1e-2
+    assert eq.summary["max_abs_logit_diff"]["plain"] <= tol and eq.summary["all_equal"]
     ret = _run("context_retention", tmp_path, smollm, facts=3)
     assert ret.summary["injected_equals_text"]
     assert ret.arrays["exact"].shape == (3, 8)
