@@ -5,18 +5,61 @@ The core objects: :func:`load_model` gives a :class:`ModelHandle`; its ``prefill
 exactly; :func:`save_snapshot` / :func:`load_snapshot` store snapshots safely.
 """
 
-from kvlab import data
-from kvlab.cache import KVSnapshot, concat, load_snapshot, save_snapshot
-from kvlab.errors import (
-    BadInputError,
-    IncompatibleCacheError,
-    KvlabError,
-    ModelNotFoundError,
-    SnapshotFileError,
-    UnsupportedModelError,
-)
-from kvlab.model import ModelHandle, load_model
-from kvlab.rope import RopeSpec, apply_rope, remove_rope, shift_keys
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Public names -> the module that defines them. Imported on first use (PEP 562), so ``kvlab --help``
+# and ``import kvlab.errors`` do not pay for torch and transformers.
+_EXPORTS = {
+    "BadInputError": "kvlab.errors",
+    "IncompatibleCacheError": "kvlab.errors",
+    "KvlabError": "kvlab.errors",
+    "ModelNotFoundError": "kvlab.errors",
+    "SnapshotFileError": "kvlab.errors",
+    "UnsupportedModelError": "kvlab.errors",
+    "KVSnapshot": "kvlab.cache",
+    "concat": "kvlab.cache",
+    "load_snapshot": "kvlab.cache",
+    "save_snapshot": "kvlab.cache",
+    "ModelHandle": "kvlab.model",
+    "load_model": "kvlab.model",
+    "RopeSpec": "kvlab.rope",
+    "apply_rope": "kvlab.rope",
+    "remove_rope": "kvlab.rope",
+    "shift_keys": "kvlab.rope",
+}
+
+if TYPE_CHECKING:
+    from kvlab import data
+    from kvlab.cache import KVSnapshot, concat, load_snapshot, save_snapshot
+    from kvlab.errors import (
+        BadInputError,
+        IncompatibleCacheError,
+        KvlabError,
+        ModelNotFoundError,
+        SnapshotFileError,
+        UnsupportedModelError,
+    )
+    from kvlab.model import ModelHandle, load_model
+    from kvlab.rope import RopeSpec, apply_rope, remove_rope, shift_keys
+
+
+def __getattr__(name: str):
+    if name == "data":
+        return importlib.import_module("kvlab.data")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS, "data"])
+
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,9 @@
 """The ``kvlab`` command line. Commands live in ``kvlab/cli/<name>.py``, each with ``register(app)``.
 
-The CLI only parses arguments and calls library functions. Errors that kvlab raises on purpose
-(:class:`~kvlab.errors.KvlabError`) print one line and exit with code 2, without a traceback.
+The CLI only parses arguments and calls library functions. One error path: usage errors (unknown
+command or option, bad value, missing argument) and errors kvlab raises on purpose
+(:class:`~kvlab.errors.KvlabError`) print one line on stderr and exit with code 2, never a traceback.
+Command modules import torch and transformers inside their bodies, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -32,7 +34,33 @@ def _register_commands() -> None:
             register(app)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from kvlab import __version__
+
+        typer.echo(f"kvlab {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", help="Print kvlab's version and exit.", callback=_version, is_eager=True
+    ),
+) -> None:
+    """See, measure and exploit what a language model's KV cache holds."""
+
+
 _register_commands()
+
+
+def _usage_error_line(exc: Exception) -> str:
+    """One line for a typer/click usage error: which command, what was wrong, where help is."""
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None and getattr(ctx, "command_path", None) else "kvlab"
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    message = " ".join(message.split())  # click's messages may span lines
+    return f"{where}: error: {message} (see '{where} --help')"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,13 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvlab: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # click usage errors
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            return exc.exit_code
-        raise
+    except typer.TyperException as exc:  # typer's bundled click: usage errors, bad values, missing files
+        if type(exc).__name__ == "NoArgsIsHelpError":  # typer has already printed the help
+            return 2
+        print(_usage_error_line(exc), file=sys.stderr)
+        return 2
     return 0
 
 
