@@ -48,7 +48,7 @@ def test_inspect_config_llama70b_has_crossover(capsys, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["inspect", "no-such-org/no-such-model"], "never downloads"),
+        (["inspect", "--model", "no-such-org/no-such-model"], "never downloads"),
         (["inspect", "--config", "/nonexistent/config.json"], "no config file"),
         (["inspect", "--prompt", "   "], "empty"),
         (["inspect", "--config", "PLACEHOLDER", "--dtype", "float7"], "unknown dtype"),
@@ -65,7 +65,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, args, message):
 
 def test_cli_process_exit_code_and_no_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "kvlab", "inspect", "not/a-model", "--out", str(tmp_path)],
+        [sys.executable, "-m", "kvlab", "inspect", "--model", "not/a-model", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

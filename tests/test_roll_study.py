@@ -121,7 +121,7 @@ def test_derotation_not_applicable_without_rope(tmp_path):
     [
         (["roll", "sweep", "--quick", "--context", "10"], "at least 24 tokens"),
         (["roll", "long", "--quick", "--text", "{tiny}"], "fewer than"),
-        (["roll", "derotation", "--quick", "--text", "{missing}"], "no text file"),
+        (["roll", "derotation", "--quick", "--text", "{missing}"], "is not a file"),
     ],
 )
 def test_cli_bad_input_is_one_line(smollm, tmp_path, capsys, argv, needle):

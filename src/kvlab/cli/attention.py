@@ -7,23 +7,30 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import experiment_command
+from kvlab.cli.common import experiment_command, text_file
 
 
 def register(app: typer.Typer) -> None:
     @experiment_command(app, "attention", "attention")
     def attention_cmd(
         roll: Annotated[
-            list[int] | None, typer.Option("--roll", "-n", help="Roll sizes n (repeatable; default 1 5 20).")
+            list[int] | None,
+            typer.Option("--roll", "-r", min=1, help="Roll sizes n (repeatable; default 1 5 20)."),
         ] = None,
         windows: Annotated[
-            int | None, typer.Option("--windows", help="Number of windows (default by profile).")
+            int | None,
+            typer.Option(
+                "--samples", min=1, help="Text samples (windows) to average over (default: by profile)."
+            ),
         ] = None,
         window_tokens: Annotated[
-            int | None, typer.Option("--window-tokens", help="Tokens per window.")
+            int | None, typer.Option("--context", "-c", min=2, help="Tokens per sample.")
         ] = None,
         text: Annotated[
-            Path | None, typer.Option("--text", help="A UTF-8 text file instead of the default text.")
+            Path | None,
+            typer.Option(
+                "--text", "-T", callback=text_file, help="A UTF-8 text file instead of the default text."
+            ),
         ] = None,
     ) -> dict:
         """Attention rows (sink-aware) and next-token logits, original vs rolled, over many windows."""
@@ -39,7 +46,7 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         limit: Annotated[
-            int | None, typer.Option("--limit", help="Use only the N shortest conversations (>= 3).")
+            int | None, typer.Option("--limit", min=3, help="Use only the N shortest conversations (>= 3).")
         ] = None,
     ) -> None:
         """Full vs compacted conversation caches: centroids and the shared tail, with lexical controls."""

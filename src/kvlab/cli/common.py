@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import shutil
@@ -25,8 +26,90 @@ OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Folder for run direct
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 QuickOpt = Annotated[bool, typer.Option("--quick", help="Smoke-test profile (a few minutes at most).")]
 FullOpt = Annotated[bool, typer.Option("--full", help="Thorough profile (slower; says how long).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for sampling windows and permutations.")]
+SeedOpt = Annotated[
+    int, typer.Option("--seed", help="Seed for choosing text samples, permutations and bootstrap intervals.")
+]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16.")]
+
+
+# One vocabulary for every command (validated at parse time, so bad values fail before any model loads):
+# --text/-T a UTF-8 text file, --model/-m, --context/-c tokens per sample, --window/-w cache window,
+# --roll/-r tokens rolled off, --sinks/-s, --max-new-tokens/-n, --samples text samples, --seed,
+# --out/-o, --json.
+def text_file(value: Path | None) -> Path | None:
+    """Typer callback: an existing, readable UTF-8 text file (checked before any work starts)."""
+    if value is None:
+        return None
+    if not value.is_file():
+        raise typer.BadParameter(f"{value} is not a file")
+    try:
+        data = value.read_bytes()
+        data.decode("utf-8")
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {value}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise typer.BadParameter(f"{value} is not UTF-8 text (byte {exc.start})") from None
+    if not data.strip():
+        raise typer.BadParameter(f"{value} is empty")
+    return value
+
+
+def finite(value):
+    """Typer callback: refuse nan and inf (one value or a list), which would otherwise run silently
+    (a nan temperature would mean greedy decoding)."""
+    import math
+
+    for v in value if isinstance(value, list | tuple) else [value]:
+        if v is not None and not math.isfinite(v):
+            raise typer.BadParameter(f"{v} is not a finite number")
+    return value
+
+
+def roll_specs(value: list[str] | None) -> list[str] | None:
+    """Typer callback: roll amounts are a positive token count or a share like ``25%`` (0-100 exclusive)."""
+    for item in value or []:
+        text = item.strip()
+        try:
+            amount = float(text[:-1]) if text.endswith("%") else int(text)
+        except ValueError:
+            raise typer.BadParameter(f"{item!r} is neither a token count nor a share like 25%") from None
+        if text.endswith("%") and not 0 < amount < 100:
+            raise typer.BadParameter(f"{item!r}: a share must be between 0% and 100% (exclusive)")
+        if not text.endswith("%") and amount < 1:
+            raise typer.BadParameter(f"{item!r}: roll at least one token")
+    return value
+
+
+def check_output_dir(out: Path) -> None:
+    """Refuse an --out that cannot hold run folders, before any work: an existing file, or a place where
+    no folder can be created. Creates nothing."""
+    import os
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"--out {out} is a file, not a folder")
+    probe = out
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise BadInputError(f"--out {out}: cannot create folders under {probe}")
+
+
+TextOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--text", "-T", callback=text_file, help="A UTF-8 text file (default: the experiment's own texts)."
+    ),
+]
+SamplesOpt = Annotated[
+    int | None,
+    typer.Option("--samples", min=1, help="Text samples (windows) to average over (default: by profile)."),
+]
+ContextOpt = Annotated[
+    int | None, typer.Option("--context", "-c", min=2, help="Tokens per sample (default: by profile).")
+]
 
 console = Console()
 err_console = Console(stderr=True)
@@ -103,6 +186,8 @@ def run_and_report(
     """Run one experiment into ``<out>/<name>-<timestamp>/`` and print a summary (or JSON)."""
     from kvlab.runner import progress_display, run_experiment
 
+    check_output_dir(out)
+    out_existed = Path(out).exists()
     folder = run_dir(out, experiment.name)
     with progress_display(enabled=not json_out and sys.stderr.isatty()) as progress:
         ctx = ExperimentContext(
@@ -119,6 +204,9 @@ def run_and_report(
         except BaseException:
             # Bad input (or an interrupt) leaves no half-written run folder behind.
             shutil.rmtree(folder, ignore_errors=True)
+            if not out_existed:
+                with contextlib.suppress(OSError):
+                    Path(out).rmdir()  # only if empty: it was created for this run
             raise
     if json_out:
         doc = json.loads((folder / "result.json").read_text())

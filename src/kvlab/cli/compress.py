@@ -13,6 +13,8 @@ from kvlab.cli.common import (
     SeedOpt,
     console,
     experiment_command,
+    finite,
+    text_file,
 )
 
 
@@ -23,15 +25,25 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(
                 "--text",
+                "-T",
+                callback=text_file,
                 help="Text file to measure on (default: Frankenstein "
                 "if ../shared is present, else the Python docs).",
             ),
         ] = None,
         bits: Annotated[
-            list[int] | None, typer.Option("--bits", help="Bit widths (repeatable): 8, 4, 3, 2.")
+            list[int] | None,
+            typer.Option("--bits", min=1, max=16, help="Bit widths (repeatable): 8, 4, 3, 2."),
         ] = None,
         keep: Annotated[
-            list[float] | None, typer.Option("--keep", help="Kept fractions (repeatable), in (0, 1].")
+            list[float] | None,
+            typer.Option(
+                "--keep",
+                min=0.0,
+                max=1.0,
+                callback=finite,
+                help="Kept fractions (repeatable), in (0, 1].",
+            ),
         ] = None,
         method: Annotated[
             list[str] | None, typer.Option("--method", help="Quantizers (repeatable), e.g. rotation+sinks.")
@@ -40,9 +52,11 @@ def register(app: typer.Typer) -> None:
             list[str] | None, typer.Option("--policy", help="Eviction policies (repeatable), e.g. snapkv.")
         ] = None,
         windows: Annotated[
-            int | None, typer.Option("--windows", help="Text windows to average over.")
+            int | None, typer.Option("--samples", min=1, help="Text samples (windows) to average over.")
         ] = None,
-        context: Annotated[int | None, typer.Option("--context", help="Context tokens per window.")] = None,
+        context: Annotated[
+            int | None, typer.Option("--context", "-c", min=2, help="Context tokens per sample.")
+        ] = None,
     ) -> dict:
         """Quantize and evict the KV cache, and measure distortion, perplexity, needle retrieval, bytes and time."""
         return {
@@ -58,17 +72,22 @@ def register(app: typer.Typer) -> None:
     @app.command("train-evictor")
     def train_evictor_cmd(
         windows: Annotated[
-            int, typer.Option("--windows", help="Training windows (the last quarter is held out).")
+            int, typer.Option("--samples", min=4, help="Training samples (the last quarter is held out).")
         ] = 24,
-        context: Annotated[int, typer.Option("--context", help="Context tokens per window.")] = 512,
+        context: Annotated[
+            int, typer.Option("--context", "-c", min=2, help="Context tokens per sample.")
+        ] = 512,
         future: Annotated[
-            int, typer.Option("--future", help="Future queries whose attention is the target.")
+            int, typer.Option("--future", min=1, help="Future queries whose attention is the target.")
         ] = 64,
-        steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 1500,
+        steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 1500,
         text: Annotated[
             Path | None,
             typer.Option(
-                "--text", help="Training text (default: the first 150k characters of the Python docs)."
+                "--text",
+                "-T",
+                callback=text_file,
+                help="Training text (default: the first 150k characters of the Python docs).",
             ),
         ] = None,
         weights: Annotated[

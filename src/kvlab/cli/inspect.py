@@ -13,9 +13,6 @@ from kvlab.cli.common import JsonOpt, ModelOpt, OutOpt, QuickOpt, run_and_report
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
     def inspect_cmd(
-        model_arg: Annotated[
-            str | None, typer.Argument(metavar="[MODEL]", help="Model spec (default: bundled).")
-        ] = None,
         config: Annotated[
             Path | None, typer.Option("--config", help="A config.json: project without weights.")
         ] = None,
@@ -37,7 +34,7 @@ def register(app: typer.Typer) -> None:
             get_experiment("inspect"),
             out=out,
             json_out=json_out,
-            model=model_arg or model,
+            model=model,
             profile="quick" if quick else "default",
             config=config,
             prompts=prompt or None,

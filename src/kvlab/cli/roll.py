@@ -11,18 +11,20 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import experiment_command
+from kvlab.cli.common import experiment_command, text_file
 
 TextOpt = Annotated[
     Path | None,
     typer.Option(
         "--text",
+        "-T",
+        callback=text_file,
         help="A UTF-8 text file to study (default: Frankenstein "
         "when ../shared/data exists, else Python's docs).",
     ),
 ]
 ContextOpt = Annotated[
-    int | None, typer.Option("--context", help="Window length in tokens (default: by profile).")
+    int | None, typer.Option("--context", "-c", min=2, help="Window length in tokens (default: by profile).")
 ]
 
 SUBCOMMANDS = {

@@ -18,20 +18,20 @@ from kvlab.cli.common import (
     ModelOpt,
     console,
     experiment_command,
+    text_file,
 )
 from kvlab.errors import BadInputError
 
 StoreOpt = Annotated[
     str | None,
-    typer.Option(
-        "--store", "-s", help="Store folder, or redis://host:port/db (default: ~/.cache/kvlab/store)."
-    ),
+    typer.Option("--store", help="Store folder, or redis://host:port/db (default: ~/.cache/kvlab/store)."),
 ]
 RedisOpt = Annotated[
     str | None, typer.Option("--redis", help="Also use this Redis server as a shared tier behind the folder.")
 ]
 BlockOpt = Annotated[
-    int, typer.Option("--block-tokens", help="Tokens per block (must match the store's blocks to hit).")
+    int,
+    typer.Option("--block-tokens", min=1, help="Tokens per block (must match the store's blocks to hit)."),
 ]
 SaltOpt = Annotated[
     str | None, typer.Option("--salt", help="Tenant salt: caches are only shared within one salt.")
@@ -85,7 +85,10 @@ def register(app: typer.Typer) -> None:
     @store_app.command("put")
     def put_cmd(
         text: Annotated[str | None, typer.Argument(help="Text to prefill and store.")] = None,
-        file: Annotated[Path | None, typer.Option("--file", "-f", help="Read the text from a file.")] = None,
+        file: Annotated[
+            Path | None,
+            typer.Option("--text", "-T", callback=text_file, help="Read the text from a UTF-8 file."),
+        ] = None,
         chat: Annotated[bool, typer.Option("--chat", help="Wrap the text as a one-turn chat.")] = False,
         store: StoreOpt = None,
         redis: RedisOpt = None,
@@ -99,7 +102,7 @@ def register(app: typer.Typer) -> None:
         from kvlab.data import read_text_file
 
         if (text is None) == (file is None):
-            raise BadInputError("give the text as an argument or with --file, not both or neither")
+            raise BadInputError("give the text as an argument or with --text, not both or neither")
         body = text if text is not None else read_text_file(file).text
         st = _open(store, redis, create=True, block_tokens=block_tokens)
         h = load_model(model)
@@ -203,7 +206,7 @@ def register(app: typer.Typer) -> None:
     def generate_cmd(
         prompt: Annotated[str, typer.Argument(help="Prompt text.")],
         max_new_tokens: Annotated[
-            int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")
+            int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate.")
         ] = 32,
         chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a one-turn chat.")] = False,
         no_store: Annotated[

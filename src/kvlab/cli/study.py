@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 from rich.table import Table as RichTable
 
-from kvlab.cli.common import FullOpt, ModelOpt, OutOpt, QuickOpt, SeedOpt, console, profile_from
+from kvlab.cli.common import (
+    FullOpt,
+    ModelOpt,
+    OutOpt,
+    QuickOpt,
+    SeedOpt,
+    check_output_dir,
+    console,
+    profile_from,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +36,7 @@ def register(app: typer.Typer) -> None:
         from kvlab.runner import run_study
 
         profile = profile_from(quick, full)
+        check_output_dir(out)
         if profile == "full":
             console.print(
                 "[yellow]--full runs every experiment at its largest size; expect an hour or more here.[/yellow]"

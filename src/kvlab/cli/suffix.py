@@ -13,14 +13,20 @@ from kvlab.cli.common import (
     ModelOpt,
     SeedOpt,
     experiment_command,
+    finite,
+    roll_specs,
 )
+from kvlab.cli.common import text_file as text_file_check
+from kvlab.errors import BadInputError
 
-WindowOpt = Annotated[int, typer.Option("--window", "-w", help="Recent tokens kept (after the sinks).")]
+WindowOpt = Annotated[
+    int, typer.Option("--window", "-w", min=1, help="Recent tokens kept (after the sinks).")
+]
 SinksOpt = Annotated[
-    int, typer.Option("--sinks", "-s", help="Attention-sink tokens kept forever (0 = plain window).")
+    int, typer.Option("--sinks", "-s", min=0, help="Attention-sink tokens kept forever (0 = plain window).")
 ]
 ChunkOpt = Annotated[
-    int, typer.Option("--evict-chunk", help="Tokens evicted at once when the window is full.")
+    int, typer.Option("--evict-chunk", min=1, help="Tokens evicted at once when the window is full.")
 ]
 
 
@@ -35,23 +41,31 @@ def register(app: typer.Typer) -> None:
     def stream_ppl_cmd(
         text_file: Annotated[
             Path | None,
-            typer.Argument(
-                help="A UTF-8 text file (default: the shared books, else Python's documentation)."
+            typer.Option(
+                "--text",
+                "-T",
+                callback=text_file_check,
+                help="A UTF-8 text file (default: the shared books, else Python's documentation).",
             ),
         ] = None,
         window: Annotated[
-            list[int] | None, typer.Option("--window", "-w", help="Window size(s) (repeatable).")
+            list[int] | None, typer.Option("--window", "-w", min=1, help="Cache window size(s) (repeatable).")
         ] = None,
         sinks: Annotated[
-            list[int] | None, typer.Option("--sinks", "-s", help="Sink counts among 1,2,4,8 (repeatable).")
+            list[int] | None,
+            typer.Option("--sinks", "-s", min=0, help="Sink counts among 1,2,4,8 (repeatable)."),
         ] = None,
-        tokens: Annotated[int | None, typer.Option("--tokens", help="Tokens of the text to stream.")] = None,
+        tokens: Annotated[
+            int | None, typer.Option("--tokens", min=2, help="Tokens of the text to stream.")
+        ] = None,
         samples: Annotated[
-            int | None, typer.Option("--samples", help="Random targets re-computed exactly.")
+            int | None, typer.Option("--recompute-samples", min=1, help="Random targets re-computed exactly.")
         ] = None,
         stride: Annotated[
             int | None,
-            typer.Option("--stride", help="Re-compute every STRIDE-th target instead of random samples."),
+            typer.Option(
+                "--stride", min=1, help="Re-compute every STRIDE-th target instead of random samples."
+            ),
         ] = None,
     ) -> dict:
         """Perplexity over a text per cache policy: full, window, sinks + window, sliding window re-computed."""
@@ -68,21 +82,30 @@ def register(app: typer.Typer) -> None:
     def suffix_cmd(
         text_file: Annotated[
             Path | None,
-            typer.Argument(
-                help="A UTF-8 text file for the windows (default: a book or Python's documentation)."
+            typer.Option(
+                "--text",
+                "-T",
+                callback=text_file_check,
+                help="A UTF-8 text file for the samples (default: a book or Python's documentation).",
             ),
         ] = None,
         windows: Annotated[
-            int | None, typer.Option("--windows", help="Number of text windows (>= 20 by default).")
+            int | None, typer.Option("--samples", min=1, help="Text samples (windows), >= 20 by default.")
         ] = None,
         context: Annotated[
-            int | None, typer.Option("--context", help="Tokens per window before the roll.")
+            int | None, typer.Option("--context", "-c", min=2, help="Tokens per sample before the roll.")
         ] = None,
         drop: Annotated[
-            list[str] | None, typer.Option("--drop", help="Drops: tokens or a share like 25% (repeatable).")
+            list[str] | None,
+            typer.Option(
+                "--roll",
+                "-r",
+                callback=roll_specs,
+                help="Tokens rolled off: a count or a share like 25% (repeatable).",
+            ),
         ] = None,
         sinks: Annotated[
-            list[int] | None, typer.Option("--sinks", "-s", help="Sink counts (repeatable).")
+            list[int] | None, typer.Option("--sinks", "-s", min=0, help="Sink counts (repeatable).")
         ] = None,
     ) -> dict:
         """Suffix caching: roll a cached context with/without sinks vs re-prefill and full context."""
@@ -98,12 +121,14 @@ def register(app: typer.Typer) -> None:
     def generate_cmd(
         prompt: Annotated[str, typer.Argument(help="Prompt text.")],
         max_new_tokens: Annotated[
-            int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate (0 = until Ctrl-C).")
+            int, typer.Option("--max-new-tokens", "-n", min=0, help="Tokens to generate (0 = until Ctrl-C).")
         ] = 200,
         window: WindowOpt = 512,
         sinks: SinksOpt = 4,
         evict_chunk: ChunkOpt = 64,
-        temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")] = 0.0,
+        temperature: Annotated[
+            float, typer.Option("--temperature", "-t", min=0.0, callback=finite, help="0 = greedy.")
+        ] = 0.0,
         chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the chat template.")] = False,
         stats: Annotated[
             bool, typer.Option("--stats", help="Print tokens/s, rolls and memory to stderr at the end.")
@@ -156,7 +181,9 @@ def register(app: typer.Typer) -> None:
         window: WindowOpt = 1024,
         sinks: SinksOpt = 4,
         evict_chunk: ChunkOpt = 64,
-        max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Longest reply.")] = 256,
+        max_new_tokens: Annotated[
+            int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest reply.")
+        ] = 256,
         system: Annotated[
             str, typer.Option("--system", help="System prompt (kept as the sinks' neighbourhood).")
         ] = "",
@@ -182,7 +209,11 @@ def register(app: typer.Typer) -> None:
             if interactive:
                 sys.stderr.write("> ")
                 sys.stderr.flush()
-            line = sys.stdin.readline()
+            try:
+                line = sys.stdin.readline()
+                line.encode("utf-8")  # undecodable bytes arrive as surrogates under some locales
+            except (UnicodeDecodeError, UnicodeEncodeError) as exc:
+                raise BadInputError(f"stdin is not UTF-8 text (character {exc.start} of a line)") from None
             if not line:
                 break
             line = line.strip()

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import ModelOpt, SeedOpt, console, experiment_command
+from kvlab.cli.common import ModelOpt, SeedOpt, console, experiment_command, finite, text_file
 
 
 def register(app: typer.Typer) -> None:
@@ -17,34 +17,44 @@ def register(app: typer.Typer) -> None:
     app.add_typer(sub, name="transfer")
 
     @experiment_command(sub, "equivalence", "transfer_equivalence")
-    def equivalence(pairs: Annotated[int | None, typer.Option(help="Text pairs (A, B).")] = None) -> None:
+    def equivalence(
+        pairs: Annotated[int | None, typer.Option(min=1, help="Text pairs (A, B).")] = None,
+    ) -> None:
         """cache(A) + B vs prefill(A + B), with and without a special token in the middle."""
 
     @experiment_command(sub, "retention", "context_retention")
     def retention(
-        facts: Annotated[int | None, typer.Option(help="Fact/question pairs to use (max 34).")] = None,
-        sinks: Annotated[int, typer.Option(help="Sink tokens kept when re-positioning.")] = 4,
+        facts: Annotated[
+            int | None, typer.Option(min=1, max=34, help="Fact/question pairs to use (max 34).")
+        ] = None,
+        sinks: Annotated[
+            int, typer.Option("--sinks", "-s", min=0, help="Sink tokens kept when re-positioning.")
+        ] = 4,
     ) -> None:
         """Fact recall with the context given as text, injected cache, re-positioned cache, other preamble."""
 
     @experiment_command(sub, "layers", "layer_transfer")
     def layers(
-        facts: Annotated[int | None, typer.Option(help="Fact/question pairs to use.")] = None,
-        width: Annotated[int | None, typer.Option(help="Layers per sliding window.")] = None,
-        stride: Annotated[int | None, typer.Option(help="Step between windows.")] = None,
+        facts: Annotated[int | None, typer.Option(min=1, help="Fact/question pairs to use.")] = None,
+        width: Annotated[int | None, typer.Option(min=1, help="Layers per sliding window.")] = None,
+        stride: Annotated[int | None, typer.Option(min=1, help="Step between windows.")] = None,
     ) -> None:
         """Which layers carry the fact: transfer the fact turn's cache for layer ranges only."""
 
     @experiment_command(sub, "kv-swap", "kv_swap")
     def kv_swap(
-        windows: Annotated[int | None, typer.Option(help="Text windows.")] = None,
-        roll: Annotated[int, typer.Option(help="Tokens rolled off / truncated.")] = 5,
+        windows: Annotated[
+            int | None, typer.Option("--samples", min=1, help="Text samples (windows).")
+        ] = None,
+        roll: Annotated[int, typer.Option("--roll", "-r", min=1, help="Tokens rolled off / truncated.")] = 5,
     ) -> None:
         """K/V source factorial for roll, truncate and cross-text, plus sink-only swaps."""
 
     @experiment_command(sub, "transplant", "transplant")
     def transplant_cmd(
-        windows: Annotated[int | None, typer.Option(help="Test windows (as many for training).")] = None,
+        windows: Annotated[
+            int | None, typer.Option("--samples", min=1, help="Test samples (as many for training).")
+        ] = None,
         target_model: Annotated[
             str | None,
             typer.Option(
@@ -63,7 +73,9 @@ def register(app: typer.Typer) -> None:
 
     @experiment_command(sub, "numerics", "caching_numerics")
     def numerics(
-        steps: Annotated[int | None, typer.Option(help="Greedy steps (default 64, --full 200).")] = None,
+        steps: Annotated[
+            int | None, typer.Option(min=1, help="Greedy steps (default 64, --full 200).")
+        ] = None,
     ) -> None:
         """Cached vs recomputed decoding in fp32/bf16/fp16, each against a computed fp64 reference."""
 
@@ -71,12 +83,17 @@ def register(app: typer.Typer) -> None:
     def finetune(
         text: Annotated[
             Path | None,
-            typer.Option(help="Training text (default: shared Shakespeare, else the Python docs)."),
+            typer.Option(
+                "--text",
+                "-T",
+                callback=text_file,
+                help="Training text (default: shared Shakespeare, else the Python docs).",
+            ),
         ] = None,
-        steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 200,
-        seq_len: Annotated[int, typer.Option(help="Tokens per training window.")] = 48,
-        batch: Annotated[int, typer.Option(help="Windows per step.")] = 2,
-        lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 1e-4,
+        steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 200,
+        seq_len: Annotated[int, typer.Option(min=2, help="Tokens per training window.")] = 48,
+        batch: Annotated[int, typer.Option(min=1, help="Windows per step.")] = 2,
+        lr: Annotated[float, typer.Option(min=0.0, callback=finite, help="Peak AdamW learning rate.")] = 1e-4,
         name: Annotated[
             str, typer.Option(help="Name under the kvlab cache dir.")
         ] = "smollm2-135m-shakespeare",

@@ -1,0 +1,129 @@
+"""Every mistyped or invalid command line: exit 2, one line on stderr, no traceback, nothing written.
+
+Each case runs the real ``kvlab`` entry point in a subprocess, as a user's shell would. All of them
+fail while parsing or validating, before any model is loaded, so the whole file takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (argv, a fragment the one error line must contain). FILE is an existing regular file, LATIN1 a
+# file that is not UTF-8, EMPTY an empty file, OUT a fresh folder path that must not be created.
+CASES = [
+    (["inspct"], "No such command 'inspct'"),
+    (["--versoin"], "No such option: --versoin"),
+    (["inspect", "--windw", "3"], "No such option: --windw"),
+    (["inspect", "smollm2-135m"], "unexpected extra argument"),
+    (["inspect", "--dtype"], "requires an argument"),
+    (["inspect", "--config", "/nonexistent/config.json"], "no config file"),
+    (["inspect", "--out", "FILE"], "is a file"),
+    (["study", "--only", "no-such-experiment"], "unknown experiment"),
+    (["study", "--seed", "abc"], "valid integer"),
+    (["study", "--quick", "--full"], "--quick or --full"),
+    (["study", "--out", "FILE"], "is a file"),
+    (["roll"], ""),  # a group without its subcommand prints its help and exits 2
+    (["roll", "swep"], "No such command 'swep'"),
+    (["roll", "sweep", "--context", "0"], "--context"),
+    (["roll", "sweep", "--context", "abc"], "valid integer"),
+    (["roll", "long", "--text", "/nonexistent.txt"], "is not a file"),
+    (["roll", "long", "--text", "LATIN1"], "not UTF-8"),
+    (["roll", "derotation", "-T", "EMPTY"], "is empty"),
+    (["attention", "--roll", "0"], "--roll"),
+    (["attention", "-r", "-3"], "--roll"),
+    (["attention", "--samples", "0"], "--samples"),
+    (["attention", "--window-tokens", "64"], "No such option"),
+    (["compaction", "--limit", "2"], "--limit"),
+    (["compress", "--bits", "0"], "--bits"),
+    (["compress", "--keep", "nan"], "--keep"),
+    (["compress", "--keep", "1.5"], "--keep"),
+    (["train-evictor", "--steps", "-1"], "--steps"),
+    (["stream-ppl", "--window", "0"], "--window"),
+    (["stream-ppl", "--sinks", "-1"], "--sinks"),
+    (["stream-ppl", "--tokens", "x"], "valid integer"),
+    (["suffix", "--roll", "abc"], "neither a token count nor a share"),
+    (["suffix", "--roll", "150%"], "between 0% and 100%"),
+    (["suffix", "--roll", "0"], "at least one token"),
+    (["suffix", "FILE"], "unexpected extra argument"),
+    (["generate"], "Missing argument"),
+    (["generate", "hi", "-n", "-5"], "--max-new-tokens"),
+    (["generate", "hi", "-n", "abc"], "valid integer"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature"),
+    (["generate", "hi", "--window", "0"], "--window"),
+    (["chat", "-n", "0"], "--max-new-tokens"),
+    (["store", "gett"], "No such command 'gett'"),
+    (["store", "get"], "Missing argument"),
+    (["store", "put", "hello", "-s", "x"], "No such option: -s"),
+    (["store", "put", "--text", "LATIN1"], "not UTF-8"),
+    (["store", "generate", "hi", "-n", "0"], "--max-new-tokens"),
+    (["store", "put", "hi", "--block-tokens", "0"], "--block-tokens"),
+    (["transfer", "retention", "--facts", "99"], "--facts"),
+    (["transfer", "kv-swap", "--roll", "0"], "--roll"),
+    (["transfer", "finetune-derivative", "--lr", "inf"], "not a finite number"),
+    (["transfer", "finetune-derivative", "--text", "/nonexistent"], "is not a file"),
+    (["transfer", "layerz"], "No such command 'layerz'"),
+    (["gc"], "Missing argument"),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("cli-errors")
+    (root / "file.txt").write_text("a regular file\n")
+    (root / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+    (root / "empty.txt").write_bytes(b"")
+    return {
+        "FILE": str(root / "file.txt"),
+        "LATIN1": str(root / "latin1.txt"),
+        "EMPTY": str(root / "empty.txt"),
+        "root": str(root),
+    }
+
+
+def _run(argv: list[str], cwd: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "kvlab", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_at_least_forty_kinds():
+    assert len({tuple(a) for a, _ in CASES}) >= 40
+
+
+@pytest.mark.parametrize("argv, fragment", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_command_line_is_one_line_exit_2(files, argv, fragment):
+    argv = [files.get(a, a) for a in argv]
+    before = sorted(os.listdir(files["root"]))
+    proc = _run(argv, cwd=files["root"])
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    if argv == ["roll"]:
+        assert "Usage" in proc.stdout + proc.stderr
+    else:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, proc.stderr
+        assert fragment in lines[0], lines[0]
+    # nothing was created where the command ran (no runs/ folder, no store)
+    assert sorted(os.listdir(files["root"])) == before
+
+
+def test_version_and_help_exit_0(files):
+    version = _run(["--version"], cwd=files["root"])
+    assert version.returncode == 0 and version.stdout.startswith("kvlab ")
+    for argv in (["--help"], ["inspect", "--help"], ["store", "put", "--help"], ["roll", "sweep", "--help"]):
+        proc = _run(argv, cwd=files["root"])
+        assert proc.returncode == 0 and "Usage" in proc.stdout, (argv, proc.stderr)
