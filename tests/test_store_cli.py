@@ -22,13 +22,22 @@ def test_store_cli_put_ls_get_generate_verify_gc(smollm, tmp_path, capsys):
     assert main(["store", "put", TEXT, "--store", store, "--block-tokens", "8", "--json"]) == 0
     put = json.loads(capsys.readouterr().out)
     assert put["blocks_written"] == put["tokens"] // 8 + (1 if put["tokens"] % 8 else 0)
+    # a re-put from a new process writes nothing: its counts come from the disk tier, not its memory
+    assert main(["store", "put", TEXT, "--store", store, "--block-tokens", "8", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["blocks_written"] == 0 and again["blocks_present"] == put["blocks_written"]
     assert main(["store", "ls", "--store", store, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == put["blocks_written"] and {r["tier"] for r in rows} == {"disk"}
+    # people get a table / aligned lines, not JSON they did not ask for
+    assert main(["store", "stats", "--store", store]) == 0
+    human = capsys.readouterr().out
+    assert not human.lstrip().startswith("{") and "blocks" in human
     out_file = tmp_path / "prefix.kv.safetensors"
-    assert main(["store", "get", put["last_block"], "--store", store, "--out", str(out_file), "--json"]) == 0
+    short = put["last_block"][:16]  # what `store ls` shows
+    assert main(["store", "get", short, "--store", store, "--out", str(out_file), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["tokens"] == put["tokens"] and out_file.is_file()
+    assert got["tokens"] == put["tokens"] and out_file.is_file() and got["block"] == put["last_block"]
     from kvlab.cache import load_snapshot
 
     snap = load_snapshot(out_file, expect_fingerprint=smollm.fingerprint)
@@ -63,9 +72,13 @@ def test_store_cli_put_ls_get_generate_verify_gc(smollm, tmp_path, capsys):
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    assert main(["store", "verify", "--store", store, "--json"]) == 2
+    assert main(["store", "verify", "--store", store, "--json"]) == 1  # 1: findings (2 is bad input)
     captured = capsys.readouterr()
-    assert len(json.loads(captured.out)["disk"]["corrupt"]) == 1 and "1 corrupt block" in captured.err
+    assert len(json.loads(captured.out)["disk"]["corrupt"]) == 1 and "1 bad block" in captured.err
+    assert main(["store", "verify", "--repair", "--store", store, "--json"]) == 0
+    capsys.readouterr()
+    assert main(["store", "verify", "--store", store, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["disk"]["corrupt"] == []
     assert main(["store", "gc", "--store", store, "--json"]) == 0
     capsys.readouterr()
 
@@ -78,6 +91,14 @@ def test_store_cli_bad_input_is_one_line(tmp_path, capsys):
     (tmp_path / "s" / "kvlab-store.json").write_text('{"format": "kvlab.store", "version": 1}')
     assert main(["store", "get", "ab" * 32, "--store", str(tmp_path / "s")]) == 2
     assert "no block" in capsys.readouterr().err
+    assert main(["store", "get", "zz", "--store", str(tmp_path / "s")]) == 2
+    assert "not a block hash" in capsys.readouterr().err
+    assert main(["store", "gc", "--max-bytes", "1e400", "--store", str(tmp_path / "s")]) == 2
+    assert "positive number of bytes" in capsys.readouterr().err
+    # an unknown URL scheme is refused and creates nothing (no local folder named "ftp:")
+    here = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["store", "ls", "--store", "ftp://127.0.0.1/x"]) == 2
+    assert "scheme" in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == here
     assert main(["store", "gc", "--store", str(tmp_path / "s"), "--max-bytes", "lots"]) == 2
     assert "cannot read a size" in capsys.readouterr().err
 

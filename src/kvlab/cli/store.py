@@ -7,6 +7,7 @@ picks another folder and ``--store redis://host:port/db`` a shared Redis server.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -48,8 +49,8 @@ def parse_bytes(text: str) -> int:
         value = float(t[:-1] if unit else t)
     except ValueError:
         raise BadInputError(f"cannot read a size from {text!r}; write e.g. 500M or 2G") from None
-    if value <= 0:
-        raise BadInputError(f"a size must be positive, got {text!r}")
+    if not math.isfinite(value) or value <= 0 or value * _UNITS[unit] >= 2**63:
+        raise BadInputError(f"a size must be a positive number of bytes below 8 EiB, got {text!r}")
     return int(value * _UNITS[unit])
 
 
@@ -70,10 +71,55 @@ def _open(
 
 
 def _emit(doc: Any, json_out: bool) -> None:
+    """JSON on stdout for machines (``--json``), aligned ``key: value`` lines for people."""
     if json_out:
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
-    else:
-        console.print_json(json.dumps(doc, default=str))
+        return
+    for line in _lines(doc):
+        console.print(line, markup=False, highlight=False)
+
+
+def _lines(doc: Any, indent: str = "") -> list[str]:
+    if isinstance(doc, dict):
+        out = []
+        width = max((len(str(k)) for k in doc), default=0)
+        for k, v in doc.items():
+            if isinstance(v, dict | list) and v:
+                out.append(f"{indent}{k}:")
+                out.extend(_lines(v, indent + "  "))
+            else:
+                shown = (
+                    f"{v:,}"
+                    if isinstance(v, int) and not isinstance(v, bool)
+                    else ("-" if v in ({}, []) else v)
+                )
+                out.append(f"{indent}{str(k) + ':':<{width + 1}} {shown}")
+        return out
+    if isinstance(doc, list):
+        return [
+            line
+            for item in doc
+            for line in _lines(item, indent + "- " if not isinstance(item, dict) else indent)
+        ]
+    return [f"{indent}{doc}"]
+
+
+def _resolve(st: Any, prefix: str) -> str:
+    """A full block hash from any unique prefix of it (as `kvlab store ls` prints 16 characters)."""
+    from kvlab.store.errors import BlockNotFoundError
+    from kvlab.store.inventory import list_blocks
+
+    p = prefix.strip().lower()
+    if not p or any(c not in "0123456789abcdef" for c in p):
+        raise BadInputError(f"{prefix!r} is not a block hash (hex digits, as `kvlab store ls` prints)")
+    if len(p) == 64:
+        return p
+    found = sorted({r["hash"] for r in list_blocks(st) if r["hash"].startswith(p)})
+    if not found:
+        raise BlockNotFoundError(f"no block starts with {p} in this store (see `kvlab store ls`)")
+    if len(found) > 1:
+        raise BadInputError(f"{p} is ambiguous: {len(found)} blocks start with it; give more characters")
+    return found[0]
 
 
 def register(app: typer.Typer) -> None:
@@ -104,10 +150,14 @@ def register(app: typer.Typer) -> None:
         if (text is None) == (file is None):
             raise BadInputError("give the text as an argument or with --text, not both or neither")
         body = text if text is not None else read_text_file(file).text
-        st = _open(store, redis, create=True, block_tokens=block_tokens)
+        if not body.strip():
+            raise BadInputError("the text is empty")
+        # model and prefill first: a failure there must not leave a new, empty store folder behind
         h = load_model(model)
         ids = h.encode(body, chat=chat)
-        rep = st.put(h.prefill(ids, all_logits=False).snapshot, salt=salt)
+        snap = h.prefill(ids, all_logits=False).snapshot
+        st = _open(store, redis, create=True, block_tokens=block_tokens)
+        rep = st.put(snap, salt=salt, model=h)
         _emit(
             {
                 "store": st.describe(),
@@ -134,11 +184,17 @@ def register(app: typer.Typer) -> None:
         """Rebuild the cached prefix that ends with BLOCK (and optionally save it as a .kv.safetensors file)."""
         from kvlab.cache import save_snapshot
 
+        if out_file is not None and (out_file.is_dir() or not out_file.parent.is_dir()):
+            raise BadInputError(f"--out {out_file}: give a file path in an existing folder")
         st = _open(store, redis, create=False)
-        snap = st.prefix_snapshot(block.strip())
-        doc = {"block": block, "snapshot": snap.describe(), "tokens": snap.seq_len, "bytes": snap.nbytes}
+        full = _resolve(st, block)
+        snap = st.prefix_snapshot(full)
+        doc = {"block": full, "snapshot": snap.describe(), "tokens": snap.seq_len, "bytes": snap.nbytes}
         if out_file is not None:
-            doc["file"] = str(save_snapshot(snap, out_file))
+            try:
+                doc["file"] = str(save_snapshot(snap, out_file))
+            except OSError as exc:
+                raise BadInputError(f"cannot write {out_file}: {exc.strerror or exc}") from None
         _emit(doc, json_out)
 
     @store_app.command("ls")
@@ -192,15 +248,19 @@ def register(app: typer.Typer) -> None:
         redis: RedisOpt = None,
         json_out: JsonOpt = False,
     ) -> None:
-        """Checksum every stored block; exits with code 2 if any is corrupt."""
-        from kvlab.store.errors import CorruptBlockError
+        """Check every stored block: checksum, hash chain, namespace, geometry and dtype.
 
+        Exit codes: 0 all good (or every finding repaired with --repair), 1 findings, 2 bad input."""
         report = _open(store, redis, create=False).verify(repair=repair)
         _emit(report, json_out)
         bad = sum(len(r["corrupt"]) for r in report.values())
+        if bad and not repair:
+            sys.stderr.write(
+                f"kvlab store verify: {bad} bad block(s); `kvlab store verify --repair` removes them\n"
+            )
+            raise typer.Exit(1)
         if bad:
-            done = "moved to quarantine" if repair else "run `kvlab store verify --repair` to quarantine them"
-            raise CorruptBlockError(f"{bad} corrupt block(s) found; {done}")
+            sys.stderr.write(f"kvlab store verify: {bad} bad block(s) moved out of the store\n")
 
     @store_app.command("generate")
     def generate_cmd(
@@ -223,9 +283,12 @@ def register(app: typer.Typer) -> None:
         from kvlab import load_model
         from kvlab.store import reuse_generate
 
+        if not prompt.strip():
+            raise BadInputError("the prompt is empty")
+        handle = load_model(model)  # before the store: a failure here creates nothing
         st = _open(store, redis, create=True, block_tokens=block_tokens)
         res = reuse_generate(
-            load_model(model), st, prompt, max_new_tokens, chat=chat, salt=salt, store_prompt=not no_store
+            handle, st, prompt, max_new_tokens, chat=chat, salt=salt, store_prompt=not no_store
         )
         m = res.prefill.match
         _emit(

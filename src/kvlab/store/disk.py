@@ -41,6 +41,7 @@ from kvlab.store.block import (
     read_block_meta,
 )
 from kvlab.store.errors import CorruptBlockError, StoreError, StoreWriteError
+from kvlab.store.keys import block_problem
 from kvlab.store.tier import TierCounters
 
 log = logging.getLogger("kvlab.store")
@@ -410,6 +411,9 @@ class DiskTier:
                     block = decode_block(f.read(), expect_hash=e.hash)
                 if block.parent != e.parent:
                     raise CorruptBlockError("filed under the wrong parent")
+                problem = block_problem(block)
+                if problem:
+                    raise CorruptBlockError(f"block {e.hash[:16]}: {problem}")
                 ok += 1
             except FileNotFoundError:
                 continue

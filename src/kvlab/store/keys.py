@@ -3,7 +3,7 @@
 A cache is cut into fixed-size token blocks. Block ``i`` is named by
 ``sha256(parent_hash | token ids of block i)`` where the parent of block 0 is the *namespace root*:
 a sha256 of everything that decides whether cached K/V may be reused (model fingerprint, cache
-dtype, RoPE spec, quantization config, block size, optional tenant salt). Two caches share a block
+geometry (layers, KV heads, head dim), dtype, RoPE spec, quantization config, block size, optional tenant salt). Two caches share a block
 key only if they share the whole prefix and the namespace, so a block from another model, dtype
 or RoPE config can never be found. Only stable inputs go in (no Python ``hash()``), so keys agree
 across processes and machines.
@@ -23,7 +23,8 @@ import torch
 from kvlab.errors import BadInputError
 from kvlab.rope.spec import RopeSpec
 
-KEY_VERSION = "kvlab-block-v1"
+# v2: the namespace hashes the cache geometry, so a snapshot of another shape can never share a root.
+KEY_VERSION = "kvlab-block-v2"
 DEFAULT_BLOCK_TOKENS = 64
 
 
@@ -38,8 +39,14 @@ class Namespace:
     quantization: str | None = None
     salt: str | None = None
     model_name: str = ""
+    #: (layers, KV heads, head dim) of every cached K and V; None only for namespaces built by hand.
+    geometry: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.geometry is not None and (
+            len(self.geometry) != 3 or not all(isinstance(g, int) and g >= 1 for g in self.geometry)
+        ):
+            raise BadInputError(f"namespace geometry must be three positive integers, got {self.geometry!r}")
         if not isinstance(self.block_tokens, int) or self.block_tokens < 1:
             raise BadInputError(f"block_tokens must be a positive integer, got {self.block_tokens!r}")
         if not self.fingerprint:
@@ -64,6 +71,7 @@ class Namespace:
             quantization=quantization,
             salt=salt,
             model_name=handle.name,
+            geometry=(handle.facts.num_layers, handle.facts.num_kv_heads, handle.facts.head_dim),
         )
 
     @classmethod
@@ -83,6 +91,7 @@ class Namespace:
             quantization=quantization,
             salt=salt,
             model_name=snapshot.model_name,
+            geometry=snapshot_geometry(snapshot),
         )
 
     def to_json(self) -> dict:
@@ -95,6 +104,7 @@ class Namespace:
             "block_tokens": self.block_tokens,
             "quantization": self.quantization,
             "salt": self.salt,
+            "geometry": list(self.geometry) if self.geometry is not None else None,
         }
 
     def info(self) -> dict:
@@ -111,12 +121,46 @@ class Namespace:
             quantization=data.get("quantization"),
             salt=data.get("salt"),
             model_name=data.get("model_name", ""),
+            geometry=tuple(int(g) for g in data["geometry"]) if data.get("geometry") else None,
         )
 
     @property
     def root(self) -> str:
         payload = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def block_problem(block: Any) -> str | None:
+    """Why a decoded block cannot be what its name says, or None: its hash must be the hash of its parent
+    and tokens, its namespace record must hash to its namespace, and its K/V must have that namespace's
+    geometry and dtype. A checksum proves the bytes are intact; this proves they belong where filed."""
+    if block_hash(block.parent, block.token_ids) != block.hash:
+        return "its token ids do not hash to its name"
+    if block.start < 0 or (block.start == 0) != (block.parent == block.namespace):
+        return "its start position does not fit its place in the chain"
+    info = block.namespace_info
+    if info is None:
+        return None
+    try:
+        ns = Namespace.from_info(info)
+    except Exception as exc:  # any malformed record is a finding, never a crash
+        return f"its namespace record is unreadable ({type(exc).__name__})"
+    if ns.root != block.namespace:
+        return "its namespace record does not hash to its namespace"
+    k, v = block.keys, block.values
+    if ns.geometry is not None and (
+        (k.shape[0], k.shape[1], k.shape[3]) != ns.geometry or (v.shape[0], v.shape[1]) != ns.geometry[:2]
+    ):
+        return f"its K/V shape {tuple(k.shape)} is not its namespace's geometry {ns.geometry}"
+    if _dtype_name(k.dtype) != ns.dtype or _dtype_name(v.dtype) != ns.dtype:
+        return f"its dtype {_dtype_name(k.dtype)} is not its namespace's {ns.dtype}"
+    return None
+
+
+def snapshot_geometry(snapshot: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a snapshot's cache."""
+    k = snapshot.keys[0]
+    return (len(snapshot.keys), int(k.shape[1]), int(k.shape[3]))
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from kvlab.errors import BadInputError
 from kvlab.store.block import Block, decode_block, encode_block
 from kvlab.store.errors import CorruptBlockError, StoreUnavailableError
+from kvlab.store.keys import block_problem
 from kvlab.store.tier import TierCounters
 
 log = logging.getLogger("kvlab.store")
@@ -167,7 +168,9 @@ class RedisTier:
             if data is None:
                 continue
             try:
-                decode_block(data, expect_hash=h)
+                problem = block_problem(decode_block(data, expect_hash=h))
+                if problem:
+                    raise CorruptBlockError(f"block {h[:16]}: {problem}")
                 ok += 1
             except CorruptBlockError as exc:
                 corrupt.append({"key": self._bkey(h), "reason": str(exc)})

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from kvlab.cache.snapshot import KVSnapshot
-from kvlab.errors import BadInputError, IncompatibleCacheError
+from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError
 from kvlab.store.block import Block, BlockHeader
 from kvlab.store.disk import ReadBuffer
-from kvlab.store.errors import BlockNotFoundError
-from kvlab.store.keys import DEFAULT_BLOCK_TOKENS, Namespace, block_hash
+from kvlab.store.errors import BlockNotFoundError, CorruptBlockError
+from kvlab.store.keys import DEFAULT_BLOCK_TOKENS, Namespace, block_hash, snapshot_geometry
+from kvlab.store.keys import block_hash as _hash_of
 from kvlab.store.memory import MemoryTier
 from kvlab.store.tier import Tier
 
@@ -57,6 +58,27 @@ class PutReport:
     hashes: tuple[str, ...]
 
 
+def scheme_ok(url: str) -> bool:
+    return url.lower().startswith(("redis://", "rediss://", "unix://"))
+
+
+def check_snapshot_matches_model(snapshot: KVSnapshot, model: Any) -> None:
+    """Refuse a snapshot that ``model`` could not have produced: fingerprint, geometry, dtype, RoPE."""
+    facts = model.facts
+    want = (facts.num_layers, facts.num_kv_heads, facts.head_dim)
+    problems = []
+    if snapshot.fingerprint != model.fingerprint:
+        problems.append("model fingerprint")
+    if snapshot_geometry(snapshot) != want:
+        problems.append(f"geometry {snapshot_geometry(snapshot)} (the model's is {want})")
+    if snapshot.dtype != model.dtype:
+        problems.append(f"dtype {snapshot.dtype} (the model's is {model.dtype})")
+    if snapshot.rope != model.rope:
+        problems.append("RoPE spec")
+    if problems:
+        raise IncompatibleCacheError(f"this cache was not made by {model.name}: {', '.join(problems)} differ")
+
+
 class KVStore:
     """Content-addressed K/V blocks in tiers (see the module docstring for the policy)."""
 
@@ -77,6 +99,7 @@ class KVStore:
         self.write_through = write_through
         self.promote = promote
         self.lookups = self.hit_tokens = self.miss_tokens = 0
+        self.malformed = 0  # crafted or damaged chains/indexes met (each answered as a miss or an error)
 
     # -- namespaces --------------------------------------------------------------------------------
     def namespace(self, model: Any, *, salt: str | None = None, quantization: str | None = None) -> Namespace:
@@ -97,10 +120,13 @@ class KVStore:
         salt: str | None = None,
         quantization: str | None = None,
         namespace: Namespace | None = None,
+        model: Any = None,
     ) -> PutReport:
         """Store a prefix cache (positions ``0..T-1``, batch 1) as blocks; blocks already stored are skipped.
 
         The stored blocks are copies: later changes to ``snapshot``'s storage cannot reach the store.
+        Only exact prefills (provenance ``"prefill"``) enter the exact namespace; with ``model`` the
+        snapshot's fingerprint, geometry, dtype and RoPE are also checked against that model.
         """
         if snapshot.batch_size != 1:
             raise BadInputError(f"the store keeps one sequence per cache; got batch {snapshot.batch_size}")
@@ -114,8 +140,19 @@ class KVStore:
             ns.fingerprint != snapshot.fingerprint
             or ns.dtype != str(snapshot.dtype).replace("torch.", "")
             or ns.rope != snapshot.rope
+            or (ns.geometry is not None and ns.geometry != snapshot_geometry(snapshot))
         ):
-            raise IncompatibleCacheError("the namespace names another model, dtype or RoPE than the snapshot")
+            raise IncompatibleCacheError(
+                "the namespace names another model, geometry, dtype or RoPE than the snapshot"
+            )
+        if ns.quantization is None and not snapshot.is_prefill:
+            # The exact namespace promises "what a prefill of these tokens by this model gives".
+            raise IncompatibleCacheError(
+                f"only exact prefills go in the store's exact namespace; this cache is {snapshot.provenance} "
+                "(re-prefill its tokens, or store it under an explicit quantization=... namespace)"
+            )
+        if model is not None:
+            check_snapshot_matches_model(snapshot, model)
         if ns.block_tokens != self.block_tokens:
             raise BadInputError(
                 f"namespace block size {ns.block_tokens} differs from the store's {self.block_tokens}"
@@ -150,6 +187,10 @@ class KVStore:
                 )
                 for i in missing:
                     self._insert(i, block)
+            # "written" counts what reached the store's durable tier (or memory, for a memory-only
+            # store): a re-put from a new process fills its empty memory tier but writes nothing.
+            durable = [i for i, t in enumerate(self.tiers) if t.persistent] or [0]
+            if any(i in missing for i in durable):
                 written += 1
                 nbytes += block.nbytes
             else:
@@ -241,6 +282,15 @@ class KVStore:
         at = 0
 
         def fits(k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+            if namespace.geometry is not None:
+                layers, heads, dim = namespace.geometry
+                if tuple(k_shape[:2]) + tuple(k_shape[3:]) != (layers, heads, dim) or tuple(v_shape[:2]) != (
+                    layers,
+                    heads,
+                ):
+                    return False
+            if str(dtype).replace("torch.", "") != namespace.dtype:
+                return False
             if not out:
                 out.append(_alloc((k_shape[0], k_shape[1], total, k_shape[3]), dtype))
                 out.append(_alloc((v_shape[0], v_shape[1], total, v_shape[3]), dtype))
@@ -323,7 +373,8 @@ class KVStore:
             rope=namespace.rope,
             fingerprint=namespace.fingerprint,
             model_name=namespace.model_name,
-            provenance="prefill",  # the exact namespace holds only prefills (checked at put)
+            # the exact namespace holds only prefills (checked at put); others say what they are
+            provenance="prefill" if namespace.quantization is None else "quantized",
         )
         return snapshot, used, served
 
@@ -356,15 +407,43 @@ class KVStore:
     def prefix_snapshot(self, block_hash: str) -> KVSnapshot:
         """The whole cached prefix that ends with block ``block_hash``, rebuilt from the store."""
         chain = [self.find_block(block_hash)]
+        seen = {chain[0].hash}
         while chain[-1].parent != chain[-1].namespace:
-            chain.append(self.find_block(chain[-1].parent))
+            parent = chain[-1].parent
+            if parent in seen or len(chain) > 1_000_000:  # a crafted cycle, never a real chain
+                self.malformed += 1
+                raise CorruptBlockError(
+                    f"block {block_hash[:16]}: its parent chain loops (block {parent[:16]})"
+                )
+            seen.add(parent)
+            chain.append(self.find_block(parent))
         chain.reverse()
         info = chain[-1].namespace_info
         if info is None:
             raise BlockNotFoundError(
                 f"block {block_hash[:16]} does not record its model; cannot rebuild a snapshot"
             )
-        return _assemble(chain, Namespace.from_info(info))
+        try:
+            ns = Namespace.from_info(info)
+        except (KeyError, TypeError, ValueError, KvlabError) as exc:
+            self.malformed += 1
+            raise CorruptBlockError(f"block {block_hash[:16]}: unreadable namespace record ({exc})") from None
+        at = 0
+        for b in chain:  # every link must be what its hash says, in the namespace it claims
+            if (
+                b.namespace != ns.root
+                or b.start != at
+                or _hash_of(b.parent, b.token_ids) != b.hash
+                or (
+                    ns.geometry is not None
+                    and (b.keys.shape[0], b.keys.shape[1], b.keys.shape[3]) != ns.geometry
+                )
+                or str(b.keys.dtype).replace("torch.", "") != ns.dtype
+            ):
+                self.malformed += 1
+                raise CorruptBlockError(f"block {b.hash[:16]} does not fit the chain of {block_hash[:16]}")
+            at += b.num_tokens
+        return _assemble(chain, ns)
 
     def stats(self) -> dict:
         tiers = {}
@@ -490,10 +569,21 @@ def open_store(
     ``redis_url`` adds a Redis tier behind the disk tier. ``create=False`` refuses a folder that is not
     already a store (for read-only commands).
     """
+    import re
+
     from kvlab.store.disk import DiskTier
 
-    tiers: list[Tier] = [MemoryTier(memory_bytes)]
     spec_s = str(spec) if spec is not None else None
+    for url in (spec_s, redis_url):
+        scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", url or "")
+        if scheme and scheme.group(1).lower() not in ("redis", "rediss", "unix"):
+            # validated before anything is created: "ftp://x" must not become a local folder "ftp:"
+            raise BadInputError(
+                f"unknown store URL scheme {scheme.group(1)!r}: give a folder, redis://host:port/db or 'memory'"
+            )
+    if redis_url is not None and not scheme_ok(redis_url):
+        raise BadInputError(f"--redis must be a redis://, rediss:// or unix:// URL, got {redis_url!r}")
+    tiers: list[Tier] = [MemoryTier(memory_bytes)]
     if spec_s in ("memory", ":memory:"):
         pass
     elif spec_s is not None and spec_s.startswith(("redis://", "rediss://", "unix://")):
