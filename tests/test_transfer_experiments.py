@@ -81,5 +81,5 @@ def test_transplant_gemma_section_not_applicable_when_absent(tmp_path, smollm, m
 def test_cli_bad_input_is_one_line(capsys):
     from kvlab.cli import main
 
-    assert main(["transfer", "kv-swap", "--roll", "0", "--quick"]) == 2
+    assert main(["transfer", "kv-swap", "--roll", "100000", "--quick"]) == 2
     assert "roll must lie" in capsys.readouterr().err

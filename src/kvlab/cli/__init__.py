@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         # With standalone_mode=False click returns a command's typer.Exit code instead of exiting.
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=argv, prog_name="kvlab", standalone_mode=False)
         if isinstance(code, int):
             return code
     except KvlabError as exc:

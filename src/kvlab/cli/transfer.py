@@ -105,6 +105,7 @@ def register(app: typer.Typer) -> None:
         from kvlab.data import read_text_file
         from kvlab.model.derivative import default_training_text, derivative_dir, finetune_derivative
 
+        derivative_dir(name)  # a name that would leave the cache dir is refused before any work
         source = read_text_file(text) if text is not None else default_training_text()
         base = load_model(model)
         with typer.progressbar(length=steps, label="fine-tuning", file=None) as bar:

@@ -50,8 +50,11 @@ class DerivativeInfo:
 
 
 def derivative_dir(name: str = DEFAULT_NAME) -> Path:
-    """Where the derivative named ``name`` lives (it may not exist yet)."""
-    return cache_dir() / "derivatives" / name
+    """Where the derivative named ``name`` lives (it may not exist yet); always inside the cache dir."""
+    from kvlab.paths import contained, safe_name
+
+    root = cache_dir() / "derivatives"
+    return contained(root, root / safe_name(name, what="derivative name"))
 
 
 def derivative_info(name: str = DEFAULT_NAME) -> DerivativeInfo | None:
@@ -107,6 +110,7 @@ def finetune_derivative(
 
     if steps < 1 or seq_len < 8 or batch < 1:
         raise BadInputError(f"need steps >= 1, seq_len >= 8, batch >= 1 (got {steps}, {seq_len}, {batch})")
+    derivative_dir(name)  # refuse a name that would leave the cache dir before any work or deletion
     if base.tokenizer is None:
         raise BadInputError("fine-tuning a derivative needs a model with a tokenizer")
     ids = torch.tensor(base.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)

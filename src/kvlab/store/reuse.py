@@ -86,7 +86,7 @@ def prefill_with_store(
         else handle.prefill(ids, all_logits=False)
     )
     t2 = time.perf_counter()
-    report = store.put(fwd.snapshot, salt=salt) if store_prompt else None
+    report = store.put(fwd.snapshot, salt=salt, model=handle) if store_prompt else None
     return StoredPrefill(fwd.snapshot, fwd.logits[-1], match, (t1 - t0) * 1000, (t2 - t1) * 1000, report)
 
 

@@ -1,0 +1,33 @@
+"""Paths derived from names stay where they belong.
+
+Any folder kvlab builds from a user-given name (a derivative model, a run folder) goes through
+:func:`safe_name` and :func:`contained`, so a name like ``/abs/path`` or ``../..`` can never make kvlab
+write, replace or delete anything outside its own folders.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kvlab.errors import BadInputError
+
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def safe_name(name: str, *, what: str = "name") -> str:
+    """``name`` if it is one plain path component (letters, digits, ``._-``; no separators, no ``..``)."""
+    if not isinstance(name, str) or not _SAFE.match(name) or name in (".", "..") or ".." in name:
+        raise BadInputError(
+            f"{what} {name!r} must be a plain name (letters, digits, '.', '_', '-'; "
+            "no '/', no '..', at most 128 characters)"
+        )
+    return name
+
+
+def contained(root: Path, path: Path) -> Path:
+    """``path`` resolved, if it lies strictly inside ``root`` (resolved); else a BadInputError."""
+    root_r, path_r = Path(root).resolve(), Path(path).resolve()
+    if path_r == root_r or root_r not in path_r.parents:
+        raise BadInputError(f"{path} is outside {root}; kvlab only writes there")
+    return path_r
