@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -79,29 +78,22 @@ def load_model(
 
 
 def _digest_key(path: Path, dtype: torch.dtype) -> str:
-    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
-    stamp = ";".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in files)
-    return f"{path.resolve()}|{dtype}|{stamp}"
+    from kvlab.model.memo import files_identity
+
+    files = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")]
+    return f"{path.resolve()}|{dtype}|{files_identity(files)}"
 
 
 def _remembered_weights_digest(path: Path, dtype: torch.dtype) -> str | None:
-    try:
-        return json.loads((cache_dir() / "weights-digests.json").read_text()).get(_digest_key(path, dtype))
-    except (OSError, json.JSONDecodeError):
-        return None
+    from kvlab.model.memo import memo_get
+
+    return memo_get(cache_dir() / "weights-digests.json", _digest_key(path, dtype))
 
 
 def _remember_weights_digest(path: Path, dtype: torch.dtype, digest: str) -> None:
-    memo = cache_dir() / "weights-digests.json"
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, json.JSONDecodeError):
-        known = {}
-    known[_digest_key(path, dtype)] = digest
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f".{memo.name}.tmp")
-    tmp.write_text(json.dumps(known, indent=0))
-    tmp.replace(memo)
+    from kvlab.model.memo import memo_put
+
+    memo_put(cache_dir() / "weights-digests.json", _digest_key(path, dtype), digest)
 
 
 __all__ = [

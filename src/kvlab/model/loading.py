@@ -78,21 +78,16 @@ def bundled_gguf_path() -> Path:
 
 
 def _gguf_digest(gguf: Path) -> str:
-    """sha256 of the GGUF, remembered per (size, mtime) so it is hashed once per install."""
-    stat = gguf.stat()
+    """sha256 of the GGUF, remembered per file identity (see :mod:`kvlab.model.memo`)."""
+    from kvlab.model.memo import file_identity, memo_get, memo_put
+
     memo = cache_dir() / "gguf-digests.json"
-    key = f"{gguf}|{stat.st_size}|{int(stat.st_mtime)}"
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, json.JSONDecodeError):
-        known = {}
-    if key not in known:
-        known[key] = sha256_file(gguf)
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, memo)
-    return known[key]
+    key = f"{gguf.resolve()}|{file_identity(gguf)}"
+    digest = memo_get(memo, key)
+    if digest is None:
+        digest = sha256_file(gguf)
+        memo_put(memo, key, digest)
+    return digest
 
 
 def bundled_model_dir(progress: Any = None) -> Path:
