@@ -6,6 +6,7 @@ fail while parsing or validating, before any model is loaded, so the whole file 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,6 +72,10 @@ CASES = [
     (["transfer", "finetune-derivative", "--text", "/nonexistent"], "is not a file"),
     (["transfer", "layerz"], "No such command 'layerz'"),
     (["gc"], "Missing argument"),
+    (["inspect", "--config", "CFG_BIG"], "cannot build"),
+    (["inspect", "--config", "CFG_BERT"], "not a decoder-only"),
+    (["inspect", "--config", "CFG_BINARY"], "not UTF-8"),
+    (["inspect", "--config", "CFG_NEG_LAYERS"], "num_hidden_layers must be an integer >= 1"),
 ]
 
 
@@ -80,7 +85,25 @@ def files(tmp_path_factory) -> dict[str, str]:
     (root / "file.txt").write_text("a regular file\n")
     (root / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
     (root / "empty.txt").write_bytes(b"")
+    llama = json.loads(
+        (REPO / "tests" / "fixtures" / "model-configs" / "tinyllama-1.1b-chat-v1.0.json").read_text()
+    )
+    configs = {
+        "CFG_BIG": {**llama, "hidden_size": "big"},
+        "CFG_NEG_LAYERS": {**llama, "num_hidden_layers": -3},
+        "CFG_BERT": {
+            "model_type": "bert",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+        },
+    }
+    for key, cfg in configs.items():
+        (root / f"{key}.json").write_text(json.dumps(cfg))
+    (root / "CFG_BINARY.json").write_bytes(bytes(range(256)))
+    extra = {key: str(root / f"{key}.json") for key in [*configs, "CFG_BINARY"]}
     return {
+        **extra,
         "FILE": str(root / "file.txt"),
         "LATIN1": str(root / "latin1.txt"),
         "EMPTY": str(root / "empty.txt"),

@@ -77,3 +77,43 @@ def test_snapshot_of_another_model_is_refused_by_the_bundled_model(smollm, tiny_
     other = tiny_model("smollm2").prefill([1, 2, 3]).snapshot
     with pytest.raises(IncompatibleCacheError):
         smollm.extend(other, [4])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": "big"}, "cannot build"),
+        ({"num_hidden_layers": -3}, "num_hidden_layers must be an integer >= 1"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be an integer >= 1"),
+        ({"num_key_value_heads": 3}, "not a multiple"),
+        ({"model_type": "bert"}, "not a decoder-only"),
+        ({"model_type": "t5"}, "encoder-decoder"),
+    ],
+)
+def test_bad_configs_are_one_clear_error(tmp_path, change, message):
+    """Each used to give a traceback or a wrong answer (negative bytes, 0 KV heads read as 9, BERT 'cached')."""
+    import json
+
+    from kvlab.errors import BadInputError
+    from kvlab.model.facts import facts_from_config, load_config_file
+    from tests.conftest import config_path
+
+    cfg = {**json.loads(config_path("llama").read_text()), **change}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(BadInputError, match=message):
+        facts_from_config(load_config_file(path))
+
+
+def test_config_files_that_are_not_json_objects(tmp_path):
+    from kvlab.errors import BadInputError
+    from kvlab.model.facts import load_config_file
+
+    for name, data, message in [
+        ("binary.json", bytes(range(256)), "not UTF-8"),
+        ("list.json", b"[1, 2]", "not an object"),
+        ("broken.json", b'{"model_type": ', "not a JSON config"),
+    ]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(BadInputError, match=message):
+            load_config_file(tmp_path / name)

@@ -105,7 +105,60 @@ def estimate_num_parameters(config: Any) -> int:
     return embed + n_layers * (attn + mlp + norms) + h + head
 
 
+def _check_int(text: Any, attr: str, *, minimum: int = 1, optional: bool = False) -> None:
+    value = getattr(text, attr, None)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadInputError(f"config: {attr} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_config(config: Any) -> None:
+    """Refuse configs kvlab cannot describe truthfully: models without a decoder KV cache (BERT-style
+    encoders, encoder-decoders such as T5) and sizes that are missing, non-integer or out of range."""
+    model_type = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        raise BadInputError(
+            f"{model_type} is an encoder-decoder model; kvlab studies decoder-only (causal LM) KV caches"
+        )
+    try:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        )
+    except ImportError:  # pragma: no cover - transformers layout changed
+        pass
+    else:
+        text_type = getattr(config.get_text_config(decoder=True), "model_type", model_type)
+        encoder = text_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+        if encoder or (
+            text_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        ):
+            raise BadInputError(
+                f"{model_type} is not a decoder-only language model (it keeps no KV cache while generating)"
+            )
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for attr in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        _check_int(text, attr)
+    _check_int(text, "num_key_value_heads", optional=True)
+    _check_int(text, "head_dim", optional=True)
+    _check_int(text, "max_position_embeddings", minimum=0, optional=True)
+    kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if text.num_attention_heads % kv:
+        raise BadInputError(
+            f"config: num_attention_heads ({text.num_attention_heads}) is not a multiple of "
+            f"num_key_value_heads ({kv})"
+        )
+    if getattr(text, "head_dim", None) is None and text.hidden_size % text.num_attention_heads:
+        raise BadInputError(
+            f"config: hidden_size ({text.hidden_size}) is not a multiple of num_attention_heads "
+            f"({text.num_attention_heads}) and no head_dim is given"
+        )
+
+
 def facts_from_config(config: Any, name: str = "", num_parameters: int | None = None) -> ModelFacts:
+    check_config(config)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     n_heads = int(text.num_attention_heads)
     from kvlab.hf.cache import sliding_windows
@@ -133,19 +186,29 @@ def facts_from_config(config: Any, name: str = "", num_parameters: int | None = 
 
 def load_config_file(path: str | Path) -> Any:
     """A transformers config object from a ``config.json`` file (no weights, no network)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     path = Path(path)
     if not path.is_file():
         raise BadInputError(f"no config file at {path}")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise BadInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise BadInputError(f"{path} is not a JSON config file (it is not UTF-8 text)") from None
+    except json.JSONDecodeError as exc:
         raise BadInputError(f"{path} is not a JSON config file ({exc})") from None
+    if not isinstance(data, dict):
+        raise BadInputError(f"{path} is not a config: its JSON is a {type(data).__name__}, not an object")
     if "model_type" not in data:
         raise BadInputError(f"{path} has no 'model_type'; is it a Hugging Face config.json?")
     model_type = data.pop("model_type")
     try:
-        return AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError) as exc:
-        raise BadInputError(f"{path}: transformers does not know model_type '{model_type}' ({exc})") from None
+        config = AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError, TypeError, AttributeError, StrictDataclassError) as exc:
+        reason = " ".join(str(exc).split())  # one line, whatever the library printed
+        raise BadInputError(f"{path}: transformers cannot build a {model_type!r} config ({reason})") from None
+    check_config(config)
+    return config
