@@ -68,3 +68,12 @@ def test_cli_study_exits_1_when_an_experiment_failed(tmp_path, fake_registry, ca
 
     assert main(["study", "--quick", "--only", "bad", "--out", str(tmp_path)]) == 1
     assert main(["study", "--quick", "--only", "good", "--out", str(tmp_path)]) == 0
+
+
+def test_study_with_an_unknown_model_is_one_error_and_writes_nothing(tmp_path):
+    from kvlab.errors import ModelNotFoundError
+    from kvlab.runner import run_study
+
+    with pytest.raises(ModelNotFoundError, match="never downloads"):
+        run_study(out=tmp_path / "runs", model_spec="no-such-org/no-such-model", profile="quick")
+    assert not (tmp_path / "runs").exists()

@@ -111,11 +111,15 @@ def run_study(
                 f"unknown experiment(s) {', '.join(missing)}; known: {', '.join(sorted(known))}"
             )
         experiments = [e for e in experiments if e.name in only]
+    # The model is loaded once, before the report folder exists: an unknown model is one error and
+    # no report of N identical failures.
+    from kvlab.model import load_model
+
+    model: Any = load_model(model_spec, dtype=dtype)
     root = run_dir(out, "study")
     results: list[tuple[str, ExperimentResult]] = []
     failed: list[str] = []
     seconds: dict[str, float] = {}
-    model: Any = None
     t0 = time.perf_counter()
     with progress_display(show_progress) as progress:
         with progress.task("study", total=len(experiments)) as advance:
