@@ -14,17 +14,26 @@ import torch
 
 from kvlab.store import DiskTier
 from kvlab.store.block import Block
+from kvlab.store.keys import block_hash
 
 PARENT = "a" * 64
-HASHES = [f"{i:064x}" for i in range(3)]
 SHAPE = (2, 4, 2048, 16)  # ~1 MiB of keys per block: big enough for reads and writes to overlap
+# real content addresses: `store verify` checks that a block's tokens hash to its name
+TOKENS = [tuple(range(i, i + SHAPE[2])) for i in range(3)]
+HASHES = [block_hash(PARENT, t) for t in TOKENS]
 
 
 def _block(h: str, fill: float) -> Block:
     k = torch.from_numpy(np.full(SHAPE, fill, dtype=np.float32))
     v = torch.from_numpy(np.full(SHAPE, fill + 0.5, dtype=np.float32))
     return Block(
-        hash=h, parent=PARENT, namespace=PARENT, start=0, token_ids=tuple(range(SHAPE[2])), keys=k, values=v
+        hash=h,
+        parent=PARENT,
+        namespace=PARENT,
+        start=0,
+        token_ids=TOKENS[HASHES.index(h)] if h in HASHES else TOKENS[0],
+        keys=k,
+        values=v,
     )
 
 
