@@ -6,6 +6,7 @@ if the binary exists, and otherwise SKIPS every test here with the reason.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -140,3 +141,21 @@ def test_unreachable_redis_is_a_clear_error():
     assert time.perf_counter() - started < 5
     with pytest.raises(Exception, match="redis://"):
         open_store("memory", redis_url="http://127.0.0.1:1")
+
+
+def test_garbage_in_a_child_index_is_a_counted_miss_not_a_crash(redis_url, prefix, tiny):
+    """A crafted or damaged child index (non-JSON, wrong types, a bad key) used to crash every lookup
+    that went through that parent; now each bad entry is counted and skipped."""
+    ids = _ids(20)
+    st = _store(redis_url, prefix)
+    rep = st.put(tiny.prefill(ids[:16]).snapshot)
+    client = redis.Redis.from_url(redis_url)
+    index = f"{prefix}:c:{rep.hashes[-1]}"  # the parent the 4-token tail is looked up under
+    client.hset(index, "x" * 64, b"\xff\xfe not json")
+    client.hset(index, "y" * 64, json.dumps({"not": "a list"}))
+    client.hset(index, b"\xff" * 64, json.dumps([1, 2]))
+    client.hset(index, "z" * 64, json.dumps([1, "two"]))
+    reader = _store(redis_url, prefix)
+    m = reader.lookup(ids, reader.namespace(tiny))  # walks the broken index for the 4-token tail
+    assert m.cached_tokens == 16 and reader.tiers[1].counters.corrupt == 4
+    assert torch.equal(m.snapshot.keys[0], tiny.prefill(ids[:16]).snapshot.keys[0])

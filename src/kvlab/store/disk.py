@@ -298,7 +298,7 @@ class DiskTier:
                     n = int.from_bytes(f.read(8), "little")
                     meta, _, _ = read_block_meta(n.to_bytes(8, "little") + f.read(min(max(n, 0), 50_000_000)))
                 out[name[: -len(SUFFIX)]] = tuple(int(t) for t in meta["token_ids"])
-            except (OSError, CorruptBlockError, KeyError, ValueError):
+            except (OSError, CorruptBlockError, KeyError, ValueError, TypeError):
                 continue  # unreadable: it will be caught (and quarantined) if it is ever read
         return out
 

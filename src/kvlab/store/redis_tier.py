@@ -108,7 +108,17 @@ class RedisTier:
         except self._errors:
             self.counters.errors += 1
             return {}
-        return {k.decode(): tuple(json.loads(v)) for k, v in raw.items()}
+        out: dict[str, tuple[int, ...]] = {}
+        for k, v in raw.items():
+            # a damaged or crafted index entry is a miss (counted), never a crash of the lookup
+            try:
+                name, ids = k.decode("ascii"), json.loads(v)
+                if len(name) != 64 or not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                    raise ValueError("not a block entry")
+                out[name] = tuple(ids)
+            except (UnicodeDecodeError, ValueError, TypeError):
+                self.counters.corrupt += 1
+        return out
 
     def find(self, block_hash: str) -> Block | None:
         try:
