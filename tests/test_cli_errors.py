@@ -76,6 +76,9 @@ CASES = [
     (["inspect", "--config", "CFG_BERT"], "not a decoder-only"),
     (["inspect", "--config", "CFG_BINARY"], "not UTF-8"),
     (["inspect", "--config", "CFG_NEG_LAYERS"], "num_hidden_layers must be an integer >= 1"),
+    (["inspect", "--out", "/proc/kvlab-cannot-be-here"], "cannot create a run folder"),
+    (["study", "--out", "/proc/kvlab-cannot-be-here"], "cannot create a report folder"),
+    (["inspect", "--model", "BROKEN_WEIGHTS"], "cannot be loaded"),
 ]
 
 
@@ -101,7 +104,12 @@ def files(tmp_path_factory) -> dict[str, str]:
     for key, cfg in configs.items():
         (root / f"{key}.json").write_text(json.dumps(cfg))
     (root / "CFG_BINARY.json").write_bytes(bytes(range(256)))
+    broken = root / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps(llama))
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     extra = {key: str(root / f"{key}.json") for key in [*configs, "CFG_BINARY"]}
+    extra["BROKEN_WEIGHTS"] = str(broken)
     return {
         **extra,
         "FILE": str(root / "file.txt"),

@@ -123,3 +123,9 @@ def test_garbage_in_a_child_index_is_a_counted_miss_not_a_crash(redis_url, prefi
     m = reader.lookup(ids, reader.namespace(tiny))  # walks the broken index for the 4-token tail
     assert m.cached_tokens == 16 and reader.tiers[1].counters.corrupt == 4
     assert torch.equal(m.snapshot.keys[0], tiny.prefill(ids[:16]).snapshot.keys[0])
+
+
+def test_a_redis_db_index_out_of_range_is_a_clear_error(redis_url):
+    base = redis_url.rsplit("/", 1)[0]
+    with pytest.raises(StoreUnavailableError, match="DB index is out of range"):
+        open_store(f"{base}/99999")

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
-from kvlab.errors import KvlabError
+from kvlab.errors import BadInputError, KvlabError
 from kvlab.experiments import Experiment, ExperimentContext, ExperimentResult, Progress, registry
 from kvlab.report.html import write_experiment_page, write_study_index
 from kvlab.report.writer import manifest, run_dir, write_result
@@ -105,8 +105,6 @@ def run_study(
         known = {e.name for e in experiments}
         missing = [n for n in only if n not in known]
         if missing:
-            from kvlab.errors import BadInputError
-
             raise BadInputError(
                 f"unknown experiment(s) {', '.join(missing)}; known: {', '.join(sorted(known))}"
             )
@@ -116,7 +114,12 @@ def run_study(
     from kvlab.model import load_model
 
     model: Any = load_model(model_spec, dtype=dtype)
-    root = run_dir(out, "study")
+    try:
+        root = run_dir(out, "study")
+    except OSError as exc:
+        raise BadInputError(
+            f"--out {out}: cannot create a report folder there ({exc.strerror or exc})"
+        ) from None
     results: list[tuple[str, ExperimentResult]] = []
     failed: list[str] = []
     seconds: dict[str, float] = {}

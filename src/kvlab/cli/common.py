@@ -188,7 +188,12 @@ def run_and_report(
 
     check_output_dir(out)
     out_existed = Path(out).exists()
-    folder = run_dir(out, experiment.name)
+    try:
+        folder = run_dir(out, experiment.name)
+    except OSError as exc:
+        raise BadInputError(
+            f"--out {out}: cannot create a run folder there ({exc.strerror or exc})"
+        ) from None
     with progress_display(enabled=not json_out and sys.stderr.isatty()) as progress:
         ctx = ExperimentContext(
             out_dir=folder,

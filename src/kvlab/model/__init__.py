@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kvlab.errors import ModelNotFoundError
+from kvlab.errors import KvlabError, ModelNotFoundError
 from kvlab.model.facts import ModelFacts, facts_from_config, load_config_file
 from kvlab.model.handle import Forward, Generation, ModelHandle
 from kvlab.model.loading import (
@@ -58,10 +58,21 @@ def load_model(
     if load_in_4bit:
         kwargs["quantization_config"] = quantization_config_4bit()
         kwargs["device_map"] = device
+    if (path / "config.json").is_file():
+        from kvlab.model.facts import load_config_file
+
+        load_config_file(path / "config.json")  # a clear error for a config kvlab cannot use
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model weights from {path}: {exc}") from None
+    except Exception as exc:  # broken weights: safetensors, torch and transformers each raise their own
+        if isinstance(exc, KvlabError):
+            raise
+        reason = " ".join(str(exc).split())[:300]
+        raise ModelNotFoundError(
+            f"the weights in {path} cannot be loaded ({type(exc).__name__}: {reason}); re-copy the model folder"
+        ) from None
     if not load_in_4bit:
         model = model.to(device)
     try:

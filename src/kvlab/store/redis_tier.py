@@ -53,6 +53,8 @@ class RedisTier:
             ) from None
         except ValueError as exc:
             raise BadInputError(f"bad Redis URL {url!r}: {exc}") from None
+        except redis.RedisError as exc:  # e.g. "DB index is out of range", auth required
+            raise StoreUnavailableError(f"Redis at {url} refused the connection: {exc}") from None
 
     def _bkey(self, block_hash: str) -> str:
         return f"{self.prefix}:b:{block_hash}"
