@@ -86,7 +86,18 @@ def test_study_report_renders_in_chromium(smollm, tmp_path):
                 r"\s+", " ", dom.stdout.replace("&amp;", "&")
             )
 
-    # 2. A screenshot of the page is not blank.
+    # 2. Each section opens with its finding and headline numbers; the glossary is on top; the full
+    # summary is collapsed; the raw results are linked and exist.
+    text = re.sub(r"\s+", " ", dom.stdout.replace("&amp;", "&"))
+    assert 'id="glossary"' in dom.stdout and "the thread" in text and "Phase 1" in text
+    for sub, r in outcome.results:
+        assert r.finding and re.sub(r"\s+", " ", r.finding)[:60] in text
+        assert r.headline and all(str(label) in text for label, _ in r.headline)
+        assert "<details>" in dom.stdout and "All numbers" in text
+        for link in ("result.json", "arrays.npz") if r.arrays else ("result.json",):
+            assert f'href="{sub}/{link}"' in dom.stdout and (index.parent / sub / link).is_file()
+
+    # 3. A screenshot of the page is not blank.
     shot = tmp_path / "report.png"
     run = _browser(
         chromium, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1280,2000", index.as_uri()

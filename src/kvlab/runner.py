@@ -23,7 +23,7 @@ from rich.progress import Progress as RichProgress
 from kvlab.errors import BadInputError, KvlabError
 from kvlab.experiments import Experiment, ExperimentContext, ExperimentResult, Progress, registry
 from kvlab.report.html import write_experiment_page, write_study_index
-from kvlab.report.writer import manifest, run_dir, write_result
+from kvlab.report.writer import manifest, run_dir, to_jsonable, write_result
 
 stderr = Console(stderr=True)
 
@@ -74,8 +74,22 @@ def run_experiment(experiment: Experiment, ctx: ExperimentContext) -> Experiment
     """Run one experiment into ``ctx.out_dir`` and write its report. Errors propagate."""
     started = time.perf_counter()
     result = experiment.run(ctx, **ctx.options)
+    describe(experiment, result)
     finish(result, ctx, started)
     return result
+
+
+def describe(experiment: Experiment, result: ExperimentResult) -> None:
+    """Fill the section's finding and headline from its summary (in place). A summary that lacks what the
+    sentence needs is said in a note, never papered over."""
+    if result.status != "ok" or result.finding or experiment.describe is None:
+        return
+    try:
+        result.finding, result.headline = experiment.describe(to_jsonable(result.summary))
+    except Exception as exc:  # a report-writing gap must not lose the measured results
+        result.notes.append(
+            f"the one-sentence finding could not be written from this summary ({type(exc).__name__}: {exc})"
+        )
 
 
 @dataclass
@@ -151,6 +165,7 @@ def run_study(
                     failed.append(exp.name)
                     progress.log(f"[red]{exp.name} failed: {exc}[/red]")
                 model = ctx._model or model
+                describe(exp, result)
                 finish(result, ctx, started)
                 seconds[exp.name] = round(time.perf_counter() - started, 2)
                 results.append((exp.name, result))

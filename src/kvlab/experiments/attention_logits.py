@@ -34,6 +34,7 @@ from kvlab.metrics.attention import (
     roll_alignment,
     stack_attentions,
 )
+from kvlab.report.format import format_number, iv, num
 
 DEFAULT_ROLLS = (1, 5, 20)
 TOPK_LOGITS = 10
@@ -590,7 +591,26 @@ def _figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, le
     return figs
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    text = (
+        f"After a 1-token roll, attention rows look disrupted when the sink is included (cosine "
+        f"{format_number(num(s, 'by_roll.1.attention_cos'))}) but agree once it is set aside (cosine "
+        f"{format_number(num(s, 'by_roll.1.attention_cos_rest'))}), and next-token logits barely move "
+        f"(KL {format_number(num(s, 'by_roll.1.logits_kl'))} nats)."
+    )
+    rows = [
+        ("attention-row cosine, roll 1, with sink", iv(s, "by_roll.1.attention_cos")),
+        ("attention-row cosine, roll 1, without sink", iv(s, "by_roll.1.attention_cos_rest")),
+        ("next-token KL (nats), roll 1", iv(s, "by_roll.1.logits_kl")),
+        ("attention-row cosine, roll 20, without sink", iv(s, "by_roll.20.attention_cos_rest")),
+        ("next-token KL (nats), roll 20", iv(s, "by_roll.20.logits_kl")),
+    ]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="attention",
     title="Attention rows and next-token logits under a roll (R7)",
     run=run,

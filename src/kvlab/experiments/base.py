@@ -56,6 +56,10 @@ class ExperimentResult:
     data_sources: list[str] = field(default_factory=list)
     status: Literal["ok", "not_applicable", "failed"] = "ok"
     description: str = ""
+    #: the section's answer in one sentence, written from the numbers it computed
+    finding: str = ""
+    #: a few (quantity, value with interval) rows that carry the finding; the full summary stays below
+    headline: list[tuple[str, str]] = field(default_factory=list)
 
 
 class Progress:
@@ -130,6 +134,13 @@ class ExperimentContext:
         import matplotlib.pyplot as plt
 
         filename = f"{name}.png"
+        if fig.get_suptitle() and fig.get_layout_engine() is None:
+            import warnings
+
+            with warnings.catch_warnings():  # a suptitle gets its own row instead of overlapping axes titles
+                warnings.simplefilter("ignore")
+                fig.tight_layout()
+        # bbox_inches="tight" grows the saved area to every artist: suptitles and outside legends included
         fig.savefig(self.out_dir / filename, dpi=110, bbox_inches="tight")
         plt.close(fig)
         return Figure(filename=filename, caption=caption)
@@ -145,6 +156,8 @@ class Experiment:
     order: int = 100
     description: str = ""
     in_study: bool = True
+    #: ``describe(summary) -> (finding, headline rows)``: the section's one-sentence answer, from its numbers
+    describe: Callable[[dict], tuple[str, list[tuple[str, str]]]] | None = None
 
 
 def shared_data_dir() -> Path | None:

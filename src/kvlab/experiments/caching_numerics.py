@@ -18,6 +18,7 @@ from kvlab.data import python_docs
 from kvlab.errors import BadInputError
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.metrics import bootstrap_ci, kl_divergence
+from kvlab.report.format import format_number, iv, num
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -200,7 +201,21 @@ def _figure(names, kl, maxabs, div, model_name, steps):
     return fig
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    diffs = s.get("max_abs_logit_diff") or {}
+    text = (
+        f"Over {s.get('steps', '?')} greedy steps, cached decoding matches a float64 reference to "
+        f"{format_number(num(diffs, 'float32/cached'))} in float32 and {format_number(num(diffs, 'bfloat16/cached'))} in "
+        f"bfloat16 (largest logit difference); re-computing instead of caching gives "
+        f"{format_number(num(diffs, 'bfloat16/recomputed'))} in bfloat16."
+    )
+    rows = [(f"largest |logit difference| vs float64, {k}", iv(diffs, k)) for k in diffs]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="caching_numerics",
     title="Numerics of caching vs recomputation",
     run=run,

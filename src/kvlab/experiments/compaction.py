@@ -27,6 +27,7 @@ from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
 from kvlab.metrics.similarity import compare_caches, normalise_against_baseline
+from kvlab.report.format import format_number, iv, num
 from kvlab.rope.ops import remove_rope
 
 CONDITIONS = ("compacted", "verbatim_tail_only", "summary_only", "shuffled_compacted", "unrelated")
@@ -554,7 +555,25 @@ def _figures(ctx, name, sim, curves) -> list:
     return figs
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    text = (
+        f"Over {s.get('conversations', '?')} conversations, the compacted cache's centred V centroid is at cosine "
+        f"{format_number(num(s, 'centroid.compacted.v_centred'))} to the full one, against "
+        f"{format_number(num(s, 'centroid.verbatim_tail_only.v_centred'))} for the verbatim tail alone and "
+        f"{format_number(num(s, 'centroid.unrelated.v_centred'))} for an unrelated conversation."
+    )
+    rows = [
+        ("centred V centroid cosine, compacted", iv(s, "centroid.compacted.v_centred")),
+        ("centred V centroid cosine, verbatim tail only", iv(s, "centroid.verbatim_tail_only.v_centred")),
+        ("centred V centroid cosine, summary only", iv(s, "centroid.summary_only.v_centred")),
+        ("centred V centroid cosine, unrelated", iv(s, "centroid.unrelated.v_centred")),
+    ]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="compaction",
     title="Compaction: full vs compacted caches (R11 + B5)",
     run=run,

@@ -24,6 +24,7 @@ from kvlab.data import Text, default_long_text, python_docs, read_text_file, tok
 from kvlab.errors import BadInputError
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
+from kvlab.report.format import format_number, iv, num
 
 # label -> (method, options); "+sinks" variants keep the first 4 slots in full precision.
 QUANT_METHODS: dict[str, tuple[str, dict]] = {
@@ -516,7 +517,29 @@ def _acceptance(summary: dict) -> None:
     summary["acceptance"] = acc
 
 
+def _signed(x: float | None) -> str:
+    return "–" if x is None else f"{x:+.2g}"
+
+
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    acc = s.get("acceptance", {}) or {}
+    b2, e50 = acc.get("best_2bit"), acc.get("best_evict_50")
+    text = (
+        f"The best 2-bit quantizer ({b2}) changes perplexity by {_signed(num(s, 'acceptance.best_2bit_ppl_increase_pct'))}% "
+        f"and the best policy keeping half the tokens ({e50}) by {_signed(num(s, 'acceptance.best_evict_50_ppl_increase_pct'))}%, "
+        f"against full precision at {format_number(num(s, 'full_bytes_per_token'))} bytes per token."
+    )
+    rows = [("full-precision perplexity", iv(s, "full_precision_ppl"))]
+    for name in (b2, e50):
+        if name:
+            rows.append((f"{name}: perplexity change %", iv(s, f"configs.{name}.ppl_increase_pct")))
+            rows.append((f"{name}: bytes per token", iv(s, f"configs.{name}.bytes_per_token")))
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="compression",
     title="Cache compression: quantization and eviction",
     run=run,

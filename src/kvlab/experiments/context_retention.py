@@ -20,6 +20,7 @@ from kvlab.experiments._retention_facts import FACTS, build_episodes, score_answ
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.metrics import bootstrap_ci
 from kvlab.ops.transfer import concat_caches, drop_prefix
+from kvlab.report.format import format_number, iv, num
 
 CONDITIONS = (
     ("no_context", "no context"),
@@ -167,7 +168,28 @@ def _figure(labels, acc, mnll, n, name):
     return fig
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    text = (
+        f"An injected cache answers the invented facts "
+        f"{'as well as' if num(s, 'accuracy.injected') == num(s, 'accuracy.text') else 'differently from'} the text itself "
+        f"({format_number(num(s, 'accuracy.injected'))} "
+        f"vs {format_number(num(s, 'accuracy.text'))} accuracy; no context: {format_number(num(s, 'accuracy.no_context'))}); "
+        f"re-positioned without sinks the answer's NLL rises to {format_number(num(s, 'answer_nll_nats.repos_0'))} nats, "
+        f"with {s.get('sinks', 4)} sinks it stays at {format_number(num(s, 'answer_nll_nats.repos_4'))}."
+    )
+    rows = [
+        ("accuracy, text in context", iv(s, "accuracy.text")),
+        ("accuracy, injected cache", iv(s, "accuracy.injected")),
+        ("accuracy, no context", iv(s, "accuracy.no_context")),
+        ("answer NLL (nats), re-positioned, no sinks", iv(s, "answer_nll_nats.repos_0")),
+        ("answer NLL (nats), re-positioned, with sinks", iv(s, "answer_nll_nats.repos_4")),
+    ]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="context_retention",
     title="Context retention under cache transfer",
     run=run,

@@ -339,7 +339,17 @@ def run(
     return result
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    verdicts = s.get("verdicts", {}) or {}
+    held = sum(1 for v in verdicts.values() if v == "holds")
+    text = f"Of the thread's {len(verdicts)} claims re-tested here, {held} hold and {len(verdicts) - held} do not (see each verdict)."
+    rows = [(claim, verdict) for claim, verdict in verdicts.items()]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="findings",
     title="Findings: the thread's claims, checked",
     run=run,

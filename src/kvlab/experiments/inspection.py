@@ -17,6 +17,7 @@ from kvlab.data import PHASE1_PROMPTS, python_docs
 from kvlab.errors import BadInputError
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.model.facts import ModelFacts, dtype_bytes, facts_from_config, load_config_file
+from kvlab.report.format import format_number, iv, num
 
 PROJECTION_TOKENS = (100, 1_000, 4_000, 8_000, 32_000, 128_000)
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -128,8 +129,10 @@ def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: st
     axes[0].set_ylabel("mean attention received")
     axes[0].set_title("Attention mass received per position")
     kn, vn = sinks["k_norm"].mean(axis=(0, 1)), sinks["v_norm"].mean(axis=(0, 1))
-    axes[1].plot(np.arange(T), kn / kn[1:].mean(), label="|K| / mean of positions 1..", lw=1)
-    axes[1].plot(np.arange(T), vn / vn[1:].mean(), label="|V| / mean of positions 1..", lw=1)
+    axes[1].plot(np.arange(T), kn / kn[1:].mean(), label=f"|K| / its mean over positions 1–{T - 1}", lw=1)
+    axes[1].plot(
+        np.arange(T), vn / vn[1:].mean(), label=f"|V| / its mean over positions 1–{T - 1}", lw=1, ls="--"
+    )
     axes[1].set_xlabel("position")
     axes[1].set_ylabel("relative norm")
     axes[1].set_title("K and V norms per position")
@@ -137,6 +140,7 @@ def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: st
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(f"{name}: attention sinks over {T} tokens of prose")
+    fig.tight_layout()  # the suptitle gets its own row instead of overlapping the axes titles
     figs.append(
         ctx.figure(
             "sinks_per_position",
@@ -345,7 +349,27 @@ def run(
     return result
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    dt = s.get("cache_dtype", "float32")
+    cross = num(s, f"crossover_tokens.{dt}/batch1")
+    sink = num(s, "sinks.pos0_over_median")
+    text = f"{s.get('model', 'This model')} caches {format_number(num(s, 'bytes_per_token'))} bytes per token in {dt}"
+    if cross is not None:
+        text += f"; at batch 1 the cache outgrows the weights after {format_number(int(cross))} tokens"
+    if sink is not None:
+        text += f"; position 0 receives {sink:.0f}x the median attention (an attention sink)"
+    rows = [
+        ("bytes per token", iv(s, "bytes_per_token")),
+        ("query heads per KV head (GQA)", iv(s, "gqa_ratio")),
+        (f"tokens until cache = weights ({dt}, batch 1)", iv(s, f"crossover_tokens.{dt}/batch1")),
+        ("attention to position 0 / median position", iv(s, "sinks.pos0_over_median")),
+    ]
+    return text + ".", rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="inspect",
     title="Cache inspection (Phase 1)",
     run=run,

@@ -28,6 +28,7 @@ from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResu
 from kvlab.metrics import bootstrap_ci, distinct_n, kl_divergence, longest_repeated_ngram, nll
 from kvlab.metrics.text import agreement_length
 from kvlab.ops.transfer import hybrid_kv, reposition, swap_slots
+from kvlab.report.format import format_number, iv, num
 
 METRICS = ("first_token_kl", "ref_nll", "distinct_2", "longest_repeat", "agreement")
 
@@ -241,7 +242,28 @@ def _figure(names, stats, name, n):
     return fig
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    kl = s.get("first_token_kl") or {}
+    pick = [k for k in kl if k.startswith(("roll: K orig", "roll: K ref", "sink: naive + ref sink"))]
+    both, k_only, v_only = (num(kl, f"sink: naive + ref sink {x}") for x in ("KV", "K", "V"))
+    together = None not in (both, k_only, v_only) and both * 5 < min(k_only, v_only)
+    text = (
+        f"After a {s.get('roll', '?')}-token roll, swapping in the re-prefilled sink's K and V together brings the "
+        f"first-token KL to {format_number(both)} nats, K alone to {format_number(k_only)} and V alone to "
+        f"{format_number(v_only)}: "
+        + (
+            "the sink's keys and values act together."
+            if together
+            else "the sink's K and V do not need each other here."
+        )
+    )
+    rows = [(f"first-token KL (nats), {k}", iv(kl, k)) for k in pick]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="kv_swap",
     title="K/V swap factorial and sink-only swaps",
     run=run,

@@ -16,6 +16,7 @@ from kvlab.experiments._retention_facts import FACTS, build_episodes, score_answ
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
 from kvlab.ops.transfer import transfer_layers
+from kvlab.report.format import format_number, iv, num
 
 
 def layer_conditions(num_layers: int, width: int, stride: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -141,7 +142,22 @@ def _figure(ex, nl, centres, exact_all, nll_all, conds, width, name, seed):
     return fig
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    best = s.get("best_window")
+    text = (
+        f"Of the layer ranges tried, layers {str(best).replace('window ', '')} carry the fact: transferring only them gives answer NLL "
+        f"{format_number(num(s, f'answer_nll_nats.{best}'))} nats against {format_number(num(s, 'answer_nll_nats.all'))} "
+        f"with every layer and {format_number(num(s, 'answer_nll_nats.none'))} with none."
+    )
+    rows = [
+        (f"answer NLL (nats), {k}", iv(s, f"answer_nll_nats.{k}")) for k in (s.get("answer_nll_nats") or {})
+    ]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="layer_transfer",
     title="Which layers carry the fact",
     run=run,

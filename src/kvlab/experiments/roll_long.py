@@ -18,6 +18,7 @@ from kvlab.experiments import _rolling as R
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.metrics import spectral as S
 from kvlab.metrics.similarity import compare_caches
+from kvlab.report.format import format_number, iv, num
 
 CONV_ROLLS = (1, 8, 64)
 
@@ -440,7 +441,32 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
     return result
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    gap = num(s, "mean_difference_roll_minus_truncate")
+    change = num(s, "difference_change_over_range")
+    text = (
+        f"On a {s.get('context_tokens', '?')}-token context, rolled keys stay {format_number(gap)} above truncated "
+        f"ones in raw K cosine at the last position, and the gap moves by {format_number(change)} over "
+        "the whole range of roll sizes: "
+        + (
+            "a constant offset, not a trend."
+            if gap and change is not None and abs(change) < abs(gap) / 4
+            else "not a constant offset."
+        )
+    )
+    rows = [
+        ("roll minus truncate, mean (raw K cosine)", iv(s, "mean_difference_roll_minus_truncate")),
+        ("change of the gap over the range", iv(s, "difference_change_over_range")),
+        ("R² of the gap's linear trend", iv(s, "regression.difference.r2")),
+        ("raw K cosine after a 1-token roll", iv(s, "roll_mean.1.k")),
+        ("de-rotated K cosine after a 1-token roll", iv(s, "roll_mean.1.kd")),
+    ]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="roll_long",
     title="Roll vs truncate on a long context (R3, R4, R6)",
     run=run,

@@ -27,6 +27,7 @@ from kvlab.ops.perturb import (
     roll_count,
     scramble_tokens,
 )
+from kvlab.report.format import format_number, iv, num
 
 ROLL_FRACTIONS = (0.1, 0.25, 0.5)
 EXCLUDE = (0, 1, 4)
@@ -446,7 +447,27 @@ def run(
     return result
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    derotated, raw = num(s, "conditions.roll_1.kd_x4"), num(s, "conditions.roll_1.k_x4")
+    text = (
+        f"Rolling one token keeps de-rotated K at cosine {format_number(derotated)} and raw K at "
+        f"{format_number(raw)} of the original (4 sinks excluded); scrambled and unrelated text fall to "
+        f"{format_number(num(s, 'conditions.scrambled.k_x4'))} and {format_number(num(s, 'conditions.unrelated.k_x4'))} raw K cosine."
+    )
+    rows = [
+        ("raw K cosine, roll 1", iv(s, "conditions.roll_1.k_x4")),
+        ("de-rotated K cosine, roll 1", iv(s, "conditions.roll_1.kd_x4")),
+        ("V cosine, roll 1", iv(s, "conditions.roll_1.v_x4")),
+        ("raw K cosine, roll 25%", iv(s, "conditions.roll_25pct.k_x4")),
+        ("raw K cosine, scrambled", iv(s, "conditions.scrambled.k_x4")),
+        ("raw K cosine, unrelated text", iv(s, "conditions.unrelated.k_x4")),
+    ]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="roll_sweep",
     title="Roll sweep and controls (R1, R2, B2)",
     run=run,

@@ -27,6 +27,7 @@ import torch
 from kvlab.data import default_long_text
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.metrics import bootstrap_ci, kl_divergence, nll
+from kvlab.report.format import format_number, iv, num
 from kvlab.store import DiskTier, KVStore, MemoryTier, StoreUnavailableError, prefill_with_store
 from kvlab.store.blend import blend, correction_by_name
 
@@ -467,7 +468,28 @@ def run(
     )
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    text = (
+        f"A stored prefix cuts time to first token {format_number(num(s, 'speedup_at_longest.memory'))}x from memory and "
+        f"{format_number(num(s, 'speedup_at_longest.disk'))}x from disk at the longest prefix, with logits equal to a full "
+        f"prefill (largest difference {format_number(num(s, 'max_abs_logit_error_vs_full.disk'))}); reusing non-prefix "
+        f"chunks costs KL {format_number(num(s, 'kl_mean.cacheblend'))} nats with CacheBlend's correction."
+    )
+    rows = [
+        (f"time-to-first-token speed-up, {k}", iv(s, f"speedup_at_longest.{k}"))
+        for k in (s.get("speedup_at_longest") or {})
+    ]
+    rows += [
+        (f"largest |logit error| vs full prefill, {k}", iv(s, f"max_abs_logit_error_vs_full.{k}"))
+        for k in (s.get("max_abs_logit_error_vs_full") or {})
+    ]
+    rows += [(f"non-prefix reuse KL (nats), {k}", iv(s, f"kl_mean.{k}")) for k in (s.get("kl_mean") or {})]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="store_reuse",
     title="KV store: prefix reuse across tiers and non-prefix reuse",
     run=run,

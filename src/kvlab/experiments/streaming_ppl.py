@@ -14,6 +14,7 @@ import numpy as np
 from kvlab.data import Text, default_long_text, read_text_file, shared_book
 from kvlab.errors import BadInputError
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.report.format import format_interval, format_range
 from kvlab.streaming.perplexity import (
     METHODS,
     TABLE_COLUMNS,
@@ -194,7 +195,30 @@ def run(
     return result
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    rows_in = [r for r in s.get("rows", []) if r.get("method") in ("window", "sinks4")]
+    rows = [
+        (
+            f"{r['source']}, W={r['window']}, {'4 sinks + window' if r['method'] == 'sinks4' else 'window only'}: "
+            "perplexity / re-computation",
+            format_interval(r["ratio_to_recompute"], r.get("ratio_low"), r.get("ratio_high")),
+        )
+        for r in rows_in
+    ]
+    sinks = [r["ratio_to_recompute"] for r in rows_in if r["method"] == "sinks4"]
+    window = [r["ratio_to_recompute"] for r in rows_in if r["method"] == "window"]
+    text = (
+        f"Keeping 4 sink tokens makes a rolling window's perplexity {format_range(sinks)}x that of a sliding window "
+        f"re-computed from scratch, while the window alone is {format_range(window)}x."
+        if sinks and window
+        else "Perplexity per cache policy (see the table)."
+    )
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="streaming_ppl",
     title=TITLE,
     run=run,

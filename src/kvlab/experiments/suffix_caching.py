@@ -35,6 +35,7 @@ from kvlab.ops.suffix import (
     roll,
     rolled_ids,
 )
+from kvlab.report.format import format_range, iv
 
 TITLE = "Suffix caching with attention sinks"
 
@@ -471,7 +472,27 @@ def _closer_figure(ctx: ExperimentContext, stacked: dict, drop_specs: list[str],
     )
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    ratios = s.get("median_kl_ratio_no_sink_over_sinks", {}) or {}
+    shares = s.get("share_rolled_closer_to_full", {}) or {}
+    rows = [(f"KL without sinks / with sinks ({k})", iv(ratios, k)) for k in ratios]
+    rows += [
+        (f"share of windows where the rolled cache is closer to the full context ({k})", iv(shares, k))
+        for k in shares
+    ]
+    vals = [float(v) for v in ratios.values() if isinstance(v, int | float)]
+    text = (
+        f"Rolling a cached context by re-rotating its keys is {format_range(vals)}x closer "
+        "to re-prefilling (median KL) when the sink tokens are kept than when they are dropped."
+        if vals
+        else "Suffix caching with and without sinks (see the tables)."
+    )
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="suffix_caching",
     title=TITLE,
     run=run,

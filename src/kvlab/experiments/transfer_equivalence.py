@@ -14,6 +14,7 @@ import numpy as np
 from kvlab.data import python_docs, token_windows
 from kvlab.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.metrics import bootstrap_ci, kl_divergence
+from kvlab.report.format import format_number, iv, num
 
 VARIANTS = ("plain", "special token in the middle", "generated tokens kept + special token")
 
@@ -154,7 +155,25 @@ def _figure(maxdiff, kl, name, tol):
     return fig
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    worst = max((float(v) for v in (s.get("max_abs_logit_diff") or {}).values()), default=float("nan"))
+    verdict = "equals" if s.get("all_equal") else "does NOT equal"
+    text = (
+        f"Injecting the cache of A and then feeding B {verdict} prefilling A+B: the largest logit difference is "
+        f"{format_number(worst)}, within the rounding bound {format_number(num(s, 'tolerance'))} derived from the dtype and depth."
+    )
+    rows = [
+        (f"largest |logit difference|, {k}", iv(s, f"max_abs_logit_diff.{k}"))
+        for k in (s.get("max_abs_logit_diff") or {})
+    ]
+    rows.append(("rounding bound", iv(s, "tolerance")))
+    rows += [(f"KL vs B without A, {k}", iv(s, f"kl_vs_b_alone.{k}")) for k in (s.get("kl_vs_b_alone") or {})]
+    return text, rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="transfer_equivalence",
     title="Cache injection equals a concatenated prefill",
     run=run,

@@ -37,6 +37,7 @@ from kvlab.model.derivative import (
 )
 from kvlab.model.loading import GEMMA_ALIASES, GEMMA_INSTALL, GEMMA_NAME, gemma_installed
 from kvlab.ops.crossmodel import apply_cache_map, cache_map_grid, fit_cache_map, layer_ropes, transplant
+from kvlab.report.format import format_number, iv, num
 
 CONDS = ("own cache", "transplanted", "ridge-mapped")
 
@@ -492,7 +493,26 @@ def _ev_figure(cmap, title: str):
     return fig
 
 
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    parts = [
+        f"A ridge map between two random models of different geometry explains {format_number(num(s, 'random_geometry_ev.k'))} "
+        f"of K's variance and {format_number(num(s, 'random_geometry_ev.v'))} of V's on held-out text (a negative value: worse "
+        "than predicting the mean, the control that a map learns nothing between unrelated models)"
+    ]
+    if s.get("derivative") is None:
+        parts.append("the fine-tuned derivative was not built, so the same-geometry transplant did not run")
+    if s.get("cross_model") is None:
+        parts.append("no second model of another geometry was installed")
+    rows = [
+        ("explained variance of K, random geometry control", iv(s, "random_geometry_ev.k")),
+        ("explained variance of V, random geometry control", iv(s, "random_geometry_ev.v")),
+    ]
+    return "; ".join(parts) + ".", rows
+
+
 EXPERIMENT = Experiment(
+    describe=describe,
     name="transplant",
     title="Cache transplant between models and C2C-lite",
     run=run,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.experiments.base import ExperimentResult, Table
+from kvlab.report.glossary import glossary_html
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#1d2430;background:#f6f7f9}
@@ -31,6 +32,11 @@ td:first-child,th:first-child{text-align:left}
 .notes li{font-size:13px;color:#4a5566}.desc{color:#4a5566;font-size:14px}
 nav a{margin-right:14px;font-size:14px}code{background:#f0f3f6;padding:1px 4px;border-radius:3px}
 .manifest{font-size:12px;color:#667085}
+.finding{font-size:15px;background:#eef4ff;border-left:4px solid #3b6fd8;padding:8px 12px;margin:8px 0 10px}
+.headline td:last-child{font-weight:600}.links{font-size:13px}
+details>summary{cursor:pointer;color:#3b4a60;font-size:14px;margin:8px 0}
+.glossary dl{display:grid;grid-template-columns:max-content 1fr;gap:4px 14px;font-size:13px;margin:6px 0}
+.glossary dt{font-weight:600}.glossary dd{margin:0;color:#4a5566}
 """
 
 
@@ -52,7 +58,8 @@ def table_html(table: Table) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns)
     body = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in row) + "</tr>" for row in table.rows)
     cap = f'<p class="desc">{html.escape(table.caption)}</p>' if table.caption else ""
-    return f"<h3>{html.escape(table.title)}</h3>{cap}<table><tr>{head}</tr>{body}</table>"
+    title = f"<h3>{html.escape(table.title)}</h3>" if table.title else ""
+    return f"{title}{cap}<table><tr>{head}</tr>{body}</table>"
 
 
 def _plain(value: Any) -> str:
@@ -78,12 +85,28 @@ def _summary_rows(summary: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def section_html(result: ExperimentResult, img_prefix: str = "") -> str:
+    """One experiment: its finding and headline numbers first, then figures, tables, notes; the full
+    flattened summary is collapsed; links to the raw ``result.json`` and ``arrays.npz``."""
     parts = [
         f'<section id="{html.escape(result.name)}"><h2>{html.escape(result.title)}'
         f'<span class="status {result.status}">{result.status.replace("_", " ")}</span></h2>'
     ]
     if result.description:
         parts.append(f'<p class="desc">{html.escape(result.description)}</p>')
+    if result.finding:
+        parts.append(f'<p class="finding">{html.escape(result.finding)}</p>')
+    if result.headline:
+        body = "".join(
+            f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
+            for k, v in result.headline
+        )
+        parts.append(
+            f'<table class="headline"><tr><th>headline</th><th>value [95% interval]</th></tr>{body}</table>'
+        )
+    links = [f'<a href="{html.escape(img_prefix)}result.json">result.json</a>']
+    if result.arrays:
+        links.append(f'<a href="{html.escape(img_prefix)}arrays.npz">arrays.npz</a>')
+    parts.append(f'<p class="links">Raw results: {" · ".join(links)}</p>')
     for fig in result.figures:
         parts.append(
             f'<figure><img src="{html.escape(img_prefix + fig.filename)}" alt="{html.escape(fig.caption)}">'
@@ -93,7 +116,11 @@ def section_html(result: ExperimentResult, img_prefix: str = "") -> str:
         parts.append(table_html(table))
     rows = _summary_rows(result.summary)
     if rows:
-        parts.append(table_html(Table("Summary", ["quantity", "value"], [list(r) for r in rows])))
+        parts.append(
+            f"<details><summary>All numbers ({len(rows)} quantities; also in result.json)</summary>"
+            + table_html(Table("", ["quantity", "value"], [list(r) for r in rows]))
+            + "</details>"
+        )
     if result.notes:
         parts.append(
             '<h3>Notes</h3><ul class="notes">'
@@ -133,7 +160,7 @@ def write_experiment_page(result: ExperimentResult, out_dir: Path, manifest_line
         page_html(
             f"kvlab · {result.title}",
             result.description or result.name,
-            [section_html(result)],
+            [glossary_html(), section_html(result)],
             manifest_line=manifest_line,
         )
     )
@@ -144,8 +171,8 @@ def write_study_index(
     run_dir: Path, results: Sequence[tuple[str, ExperimentResult]], subtitle: str, manifest_line: str = ""
 ) -> Path:
     """``index.html`` of a study: every experiment's section, images from its sub-folder."""
-    sections = [section_html(r, img_prefix=f"{sub}/") for sub, r in results]
-    nav = [(f"#{r.name}", r.title) for _, r in results]
+    sections = [glossary_html(), *(section_html(r, img_prefix=f"{sub}/") for sub, r in results)]
+    nav = [("#glossary", "Glossary"), *((f"#{r.name}", r.title) for _, r in results)]
     path = Path(run_dir) / "index.html"
     path.write_text(page_html("kvlab study", subtitle, sections, nav=nav, manifest_line=manifest_line))
     return path

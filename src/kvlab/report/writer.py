@@ -115,6 +115,8 @@ def write_result(result: ExperimentResult, out_dir: Path, manifest_data: dict) -
         "title": result.title,
         "status": result.status,
         "description": result.description,
+        "finding": result.finding,
+        "headline": [list(row) for row in result.headline],
         "summary": result.summary,
         "tables": [t.to_json() for t in result.tables],
         "figures": [{"file": f.filename, "caption": f.caption} for f in result.figures],

@@ -1,0 +1,96 @@
+"""One way to write a number with its interval, used by every headline in the report."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def format_number(x: float, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, int) and not isinstance(x, bool):
+        return f"{x:,}"
+    ax = abs(x)
+    if ax != 0 and (ax < 1e-3 or ax >= 1e6):
+        return f"{x:.{max(digits - 1, 1)}e}"
+    if ax >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def format_range(values: list[float], digits: int = 3) -> str:
+    """``a–b`` over several measurements, or one number when they agree."""
+    lo, hi = min(values), max(values)
+    return (
+        format_number(lo, digits)
+        if format_number(lo, digits) == format_number(hi, digits)
+        else (f"{format_number(lo, digits)}–{format_number(hi, digits)}")
+    )
+
+
+def format_interval(value: Any, low: float | None = None, high: float | None = None, digits: int = 3) -> str:
+    """``0.998 [0.997, 0.999]`` from (value, low, high), an ``Interval`` or its JSON dict; a plain number
+    (no interval) is written alone."""
+    if isinstance(value, dict) and "value" in value:
+        value, low, high = value["value"], value.get("low"), value.get("high")
+    elif hasattr(value, "value") and hasattr(value, "low"):
+        value, low, high = value.value, value.low, value.high
+    text = format_number(value, digits)
+    if low is None or high is None:
+        return text
+    return f"{text} [{format_number(low, digits)}, {format_number(high, digits)}]"
+
+
+def dig(summary: dict, path: str) -> Any:
+    """``dig(s, "rolls.1.k")`` → ``s["rolls"]["1"]["k"]`` (None where a key is missing)."""
+    if isinstance(summary, dict) and path in summary:  # keys may themselves contain dots
+        return summary[path]
+    node: Any = summary
+    for part in path.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, dict) and part.isdigit() and int(part) in node:
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def num(summary: dict, path: str) -> float | None:
+    """The number at ``path`` (an interval's value, or a plain number); None if absent."""
+    x = dig(summary, path)
+    if isinstance(x, dict):
+        x = x.get("value")
+    elif hasattr(x, "value") and hasattr(x, "low"):
+        x = x.value
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
+
+
+def iv(summary: dict, path: str, digits: int = 3) -> str:
+    """The quantity at ``path`` written with its interval (or "–" when the run did not compute it)."""
+    x = dig(summary, path)
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int | float | dict) or hasattr(x, "low"):
+        return format_interval(x, digits=digits)
+    return str(x)
+
+
+def legends_clipped(fig: Any) -> list[str]:
+    """Titles of the legends of ``fig`` that would not lie wholly inside its tight bounding box when
+    saved with ``bbox_inches="tight"`` (an empty list means every legend is fully visible)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.get_tightbbox(renderer)  # inches
+    dpi = fig.dpi
+    x0, y0, x1, y1 = box.x0 * dpi, box.y0 * dpi, box.x1 * dpi, box.y1 * dpi
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
+    clipped = []
+    for leg in legends:
+        e = leg.get_window_extent(renderer)
+        if e.x0 < x0 - 1 or e.y0 < y0 - 1 or e.x1 > x1 + 1 or e.y1 > y1 + 1:
+            clipped.append(leg.get_title().get_text() or "legend")
+    return clipped

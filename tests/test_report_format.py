@@ -1,0 +1,56 @@
+"""The report's number formatting, headline helpers, glossary and legend check."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from kvlab.experiments import registry  # noqa: E402
+from kvlab.metrics.stats import Interval  # noqa: E402
+from kvlab.report.format import dig, format_interval, format_range, iv, legends_clipped, num  # noqa: E402
+from kvlab.report.glossary import GLOSSARY, glossary_html  # noqa: E402
+
+
+def test_one_interval_format_for_every_shape():
+    assert format_interval(0.99812, 0.99701, 0.99903) == "0.998 [0.997, 0.999]"
+    assert format_interval(Interval(0.5, 0.25, 0.75, 8)) == "0.5 [0.25, 0.75]"
+    assert format_interval({"value": 46080, "low": None, "high": None}) == "46,080"
+    assert format_interval(3.2e-5) == "3.20e-05"
+    assert format_range([0.996, 0.996]) == "0.996" and format_range([10.9, 37.8]) == "10.9–37.8"
+
+
+def test_dig_num_iv_follow_paths_and_keys_with_dots():
+    s = {"a": {"b": {"value": 2.0, "low": 1.0, "high": 3.0}}, "roll: K orig@n.. + V": 1.5, "flag": True}
+    assert dig(s, "a.b.value") == 2.0 and num(s, "a.b") == 2.0 and iv(s, "a.b") == "2 [1, 3]"
+    assert num(s, "roll: K orig@n.. + V") == 1.5
+    assert iv(s, "missing.path") == "–" and num(s, "missing") is None and iv(s, "flag") == "yes"
+
+
+def test_every_study_experiment_writes_its_finding():
+    missing = [e.name for e in registry().values() if e.in_study and e.describe is None]
+    assert missing == []
+
+
+def test_glossary_defines_the_labels_the_report_uses():
+    terms = " ".join(t for t, _ in GLOSSARY)
+    for label in ("the thread", "Phase 1", "R1", "B1", "sink", "KL", "interval"):
+        assert label in terms or label in glossary_html()
+
+
+@pytest.mark.parametrize("outside", [False, True])
+def test_legend_check(tmp_path, outside):
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1], label="a rather long legend entry")
+    if outside:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    else:
+        ax.legend()
+    assert legends_clipped(fig) == []  # the tight box always grows to hold a legend
+    fig.savefig(tmp_path / "f.png", bbox_inches="tight")  # as ExperimentContext.figure saves
+    width = plt.imread(tmp_path / "f.png").shape[1]
+    assert (width > 1.3 * fig.get_size_inches()[0] * fig.dpi) == outside  # the outside legend widened it
+    plt.close(fig)
