@@ -79,6 +79,11 @@ CASES = [
     (["inspect", "--out", "/proc/kvlab-cannot-be-here"], "cannot create a run folder"),
     (["study", "--out", "/proc/kvlab-cannot-be-here"], "cannot create a report folder"),
     (["inspect", "--model", "BROKEN_WEIGHTS"], "cannot be loaded"),
+    (["store", "put", "hi", "--store", "new-store", "--model", "no-such-model"], "never downloads"),
+    (["store", "generate", "hi", "--store", "new-store", "--model", "no-such-model"], "never downloads"),
+    (["store", "ls", "--store", "ftp://127.0.0.1/x"], "scheme"),
+    (["store", "gc", "--max-bytes", "1e400", "--store", "new-store"], "positive number of bytes"),
+    (["suffix", "--text", "/nonexistent.txt"], "is not a file"),
 ]
 
 
