@@ -8,6 +8,7 @@ each, and writes a top-level ``index.html`` with every section.
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -127,7 +128,10 @@ def run_study(
     # no report of N identical failures.
     from kvlab.model import load_model
 
-    model: Any = load_model(model_spec, dtype=dtype)
+    say = (
+        (lambda msg: print(msg, file=sys.stderr)) if show_progress else None
+    )  # e.g. the first GGUF conversion
+    model: Any = load_model(model_spec, dtype=dtype, progress=say)
     try:
         root = run_dir(out, "study")
     except OSError as exc:
