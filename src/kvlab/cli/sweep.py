@@ -1,0 +1,46 @@
+"""``kvlab sweep GRID.toml``: the study across models, texts and seeds, locally or on a Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvlab.cli.common import JsonOpt, console
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("sweep")
+    def sweep_cmd(
+        grid: Annotated[Path, typer.Argument(help="A grid file (TOML): models, texts, experiments, seeds.")],
+        out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the sweep.")] = Path("runs/sweep"),
+        ray: Annotated[
+            str | None,
+            typer.Option("--ray", help="Run on a Ray cluster: its address (host:port), or 'auto'."),
+        ] = None,
+        resume: Annotated[
+            bool, typer.Option("--resume", help="Finish a sweep: skip cells already done.")
+        ] = False,
+        workers: Annotated[
+            int | None,
+            typer.Option("--workers", min=1, help="Local worker processes (default: one per core)."),
+        ] = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Run experiments over a grid of models, texts and seeds; one report with cross-model tables."""
+        from kvlab.sweep import run_sweep
+
+        log = (lambda msg: None) if json_out else (lambda msg: print(msg, file=sys.stderr))
+        result = run_sweep(grid, out, ray=ray, resume=resume, workers=workers, log=log)
+        if json_out:
+            sys.stdout.write(json.dumps(result, indent=1, default=str) + "\n")
+        else:
+            console.print(
+                f"{len(result['cells'])} cells: {result['ran']} run, {result['skipped']} resumed, "
+                f"{len(result['failed'])} failed\nreport: [bold]{out / 'index.html'}[/bold]"
+            )
+        if result["failed"]:
+            raise typer.Exit(1)
