@@ -34,7 +34,11 @@ def register(app: typer.Typer) -> None:
         from kvlab.sweep import run_sweep
 
         log = (lambda msg: None) if json_out else (lambda msg: print(msg, file=sys.stderr))
-        result = run_sweep(grid, out, ray=ray, resume=resume, workers=workers, log=log)
+        import contextlib
+
+        # Ray's driver prints worker deaths and logs to stdout: keep stdout for the --json document
+        with contextlib.redirect_stdout(sys.stderr):
+            result = run_sweep(grid, out, ray=ray, resume=resume, workers=workers, log=log)
         if json_out:
             sys.stdout.write(json.dumps(result, indent=1, default=str) + "\n")
         else:
