@@ -1,4 +1,4 @@
-"""``kvlab sweep``: a small grid run locally and on a real two-node Ray cluster on 127.0.0.1 gives
+"""``kvlab sweep``: a small grid (the bundled model and two tiny random models x two experiments) run locally and on a real two-node Ray cluster on 127.0.0.1 gives
 identical cells; --resume finishes only what is missing; a worker killed with SIGKILL is retried;
 bad input is one line and exit 2 with nothing created."""
 
@@ -29,7 +29,7 @@ def _grid(tmp_path: Path, **extra: str) -> Path:
     body = f"""
 profile = "quick"
 seeds = [0]
-models = ["tiny:{CONFIGS / "tinyllama-1.1b-chat-v1.0.json"}", "tiny:{CONFIGS / "qwen2.5-7b.json"}"]
+models = ["smollm2-135m", "tiny:{CONFIGS / "tinyllama-1.1b-chat-v1.0.json"}", "tiny:{CONFIGS / "qwen2.5-7b.json"}"]
 texts = ["text.txt"]
 
 [[experiments]]
@@ -80,15 +80,15 @@ def local_run(tmp_path_factory):
 def test_local_sweep_runs_every_cell_and_writes_one_report(local_run):
     tmp, result = local_run
     out = tmp / "out"
-    assert len(result["cells"]) == 4 and result["failed"] == [] and result["ran"] == 4
+    assert len(result["cells"]) == 6 and result["failed"] == [] and result["ran"] == 6
     assert {c["status"] for c in result["cells"]} == {"ok"}
     page = (out / "index.html").read_text()
     for c in result["cells"]:
         assert (out / c["folder"] / "result.json").is_file() and f"{c['folder']}/index.html" in page
         assert c["finding"] and c["headline"]
     assert (out / "inspect.png").is_file() and (out / "transfer_equivalence.png").is_file()
-    # the text is part of the cells that take one (transfer_equivalence does not; inspect does not either)
-    assert len({c["key"] for c in result["cells"]}) == 4
+    assert len({c["key"] for c in result["cells"]}) == 6
+    assert {c["model_name"] for c in result["cells"]} >= {"SmolLM2-135M-Instruct"}
 
 
 def test_resume_runs_only_what_is_missing(local_run, tmp_path):
@@ -101,7 +101,7 @@ def test_resume_runs_only_what_is_missing(local_run, tmp_path):
     again = _cli(str(tmp / "grid.toml"), "--out", str(out), "--resume", "--json", cwd=tmp)
     assert again.returncode == 0, again.stderr[-2000:]
     doc = json.loads(again.stdout)
-    assert doc["ran"] == 1 and doc["skipped"] == 3 and victim.is_dir()
+    assert doc["ran"] == 1 and doc["skipped"] == 5 and victim.is_dir()
     assert _summaries(out) == _summaries(tmp / "out")
     refused = _cli(
         str(tmp / "grid.toml"), "--out", str(out), cwd=tmp
