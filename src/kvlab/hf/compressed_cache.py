@@ -85,6 +85,11 @@ class CompressedLayer(DynamicLayer):
         vs.append(self.values)
         return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        # transformers >= 5.24 no longer records these on the layer; the decoded history is cast to them
+        self.dtype, self.device = key_states.dtype, key_states.device
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
