@@ -114,8 +114,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture(scope="session")
-def redis_url():
-    """A real Redis: $KVLAB_TEST_REDIS_URL, or a private redis-server started here on a free 127.0.0.1 port."""
+def redis_url(tmp_path_factory):
+    """A real Redis: $KVLAB_TEST_REDIS_URL, or a private redis-server started here on a free 127.0.0.1 port
+    with its own temp dir (no RDB/AOF files, nothing written beside the checkout), stopped at session end."""
     import shutil
     import socket
     import subprocess
@@ -123,38 +124,59 @@ def redis_url():
 
     import redis
 
-    def _free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     url = os.environ.get("KVLAB_TEST_REDIS_URL")
     if url:
         yield url
         return
-    binary = shutil.which("redis-server")
+    binary = shutil.which("redis-server") or next(
+        (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.access(p, os.X_OK)), None
+    )
     if binary is None:
         pytest.skip(
-            "no Redis: KVLAB_TEST_REDIS_URL is unset and redis-server is not installed (apt-get install redis-server)"
+            "no Redis: KVLAB_TEST_REDIS_URL is unset and redis-server is not installed "
+            "(apt-get install -y redis-server, or run scripts/install-test-deps.sh)"
         )
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.time() + 10
-    while True:
+    workdir = tmp_path_factory.mktemp("redis")
+    failures = []
+    for _attempt in range(3):  # another process may take the free port between bind and start
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log = workdir / f"redis-{port}.log"
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir)]
+            + ["--logfile", str(log), "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(url, socket_timeout=2)
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        else:
+            code = proc.poll()
+            proc.kill()
+            proc.wait(timeout=10)
+            err = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+            why = f"exited with code {code}" if code is not None else "no answer within 15 s"
+            failures.append(f"port {port}: {why}" + (f" ({err[-1]})" if err else ""))
+            continue
+        client.close()
+        break
+    else:
+        # an installed redis-server that cannot start is a failure, not a skip
+        pytest.fail(f"{binary} did not start: " + "; ".join(failures))
+    try:
+        yield url
+    finally:
+        proc.terminate()
         try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.skip(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
