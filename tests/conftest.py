@@ -10,6 +10,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The suite never reads ../shared implicitly: with it beside the checkout (CI, the study machine) the
+# experiments would pick the shared books instead of what a fresh clone uses. Tests about the shared-data
+# code use the small copy in tests/fixtures/shared-data (the ``shared_data`` fixture).
+os.environ["KVLAB_SHARED_DATA"] = "none"
 # Two threads on this 2-core machine; an explicit OMP_NUM_THREADS (e.g. 1 on a loaded machine) wins.
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -30,6 +34,9 @@ FAMILY_CONFIGS = {
 }
 
 
+SHARED_DATA_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "shared-data"
+
+
 def config_path(family: str) -> Path:
     return CONFIG_DIR / FAMILY_CONFIGS[family]
 
@@ -43,6 +50,14 @@ def smollm():
 
 
 _TINY: dict = {}
+
+
+@pytest.fixture
+def shared_data(monkeypatch) -> Path:
+    """Points kvlab at a small copy of ../shared/data (an excerpt of Frankenstein, two UltraChat
+    conversations) for tests that are about the shared-data code itself."""
+    monkeypatch.setenv("KVLAB_SHARED_DATA", str(SHARED_DATA_FIXTURE))
+    return SHARED_DATA_FIXTURE
 
 
 @pytest.fixture(scope="session")
