@@ -44,10 +44,13 @@ def forward_tol(handle, reference, *, dtype: torch.dtype | None = None, layers: 
     )
 
 
-def rope_angle_tol(dtype: torch.dtype, max_position: int, reference) -> float:
-    """Bound from RoPE angles computed as ``position * inv_freq`` in ``dtype``: the angle at position p is
-    off by about eps * p radians, so rotated values of magnitude |k| are off by about eps * p * |k|."""
-    return HEADROOM * torch.finfo(dtype).eps * max(int(max_position), 1) * max(_scale(reference), 1.0)
+def rope_angle_tol(dtype: torch.dtype, max_position: int, reference, *, headroom: float = 2.0) -> float:
+    """Bound from RoPE angles computed as ``position * inv_freq`` in ``dtype`` (fp32 in the models'
+    rotary code): an angle up to ``p`` radians is off by at most eps * p / 2, and rotating a value of
+    magnitude |k| by a wrong angle moves it by at most that angle times |k|; two rotations (e.g. the
+    shifted cache and the prefill at the offset) double it. The default headroom is over that worst
+    case, not a first-order estimate, so it is small."""
+    return headroom * torch.finfo(dtype).eps * max(int(max_position), 1) * max(_scale(reference), 1.0)
 
 
 def elementwise_tol(dtype: torch.dtype, reference, *, ops: int = 1) -> float:
@@ -60,7 +63,10 @@ def max_abs_diff(actual, expected) -> float:
     assert len(a) == len(b), f"{len(a)} tensors vs {len(b)}"
     for x, y in zip(a, b, strict=True):
         assert x.shape == y.shape, f"shape {tuple(x.shape)} vs {tuple(y.shape)}"
-    return max((float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True)), default=0.0)
+    return max(
+        (float((x.detach().double() - y.detach().double()).abs().max()) for x, y in zip(a, b, strict=True)),
+        default=0.0,
+    )
 
 
 def assert_forward_close(
