@@ -10,6 +10,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The suite never reads ../shared implicitly: with it beside the checkout (CI, the study machine) the
+# experiments would pick the shared books instead of what a fresh clone uses. Tests about the shared-data
+# code use the small copy in tests/fixtures/shared-data (the ``shared_data`` fixture).
+os.environ["KVLAB_SHARED_DATA"] = "none"
 # Two threads on this 2-core machine; an explicit OMP_NUM_THREADS (e.g. 1 on a loaded machine) wins.
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -30,6 +34,9 @@ FAMILY_CONFIGS = {
 }
 
 
+SHARED_DATA_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "shared-data"
+
+
 def config_path(family: str) -> Path:
     return CONFIG_DIR / FAMILY_CONFIGS[family]
 
@@ -43,6 +50,14 @@ def smollm():
 
 
 _TINY: dict = {}
+
+
+@pytest.fixture
+def shared_data(monkeypatch) -> Path:
+    """Points kvlab at a small copy of ../shared/data (an excerpt of Frankenstein, two UltraChat
+    conversations) for tests that are about the shared-data code itself."""
+    monkeypatch.setenv("KVLAB_SHARED_DATA", str(SHARED_DATA_FIXTURE))
+    return SHARED_DATA_FIXTURE
 
 
 @pytest.fixture(scope="session")
@@ -114,8 +129,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture(scope="session")
-def redis_url():
-    """A real Redis: $KVLAB_TEST_REDIS_URL, or a private redis-server started here on a free 127.0.0.1 port."""
+def redis_url(tmp_path_factory):
+    """A real Redis: $KVLAB_TEST_REDIS_URL, or a private redis-server started here on a free 127.0.0.1 port
+    with its own temp dir (no RDB/AOF files, nothing written beside the checkout), stopped at session end."""
     import shutil
     import socket
     import subprocess
@@ -123,38 +139,59 @@ def redis_url():
 
     import redis
 
-    def _free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     url = os.environ.get("KVLAB_TEST_REDIS_URL")
     if url:
         yield url
         return
-    binary = shutil.which("redis-server")
+    binary = shutil.which("redis-server") or next(
+        (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.access(p, os.X_OK)), None
+    )
     if binary is None:
         pytest.skip(
-            "no Redis: KVLAB_TEST_REDIS_URL is unset and redis-server is not installed (apt-get install redis-server)"
+            "no Redis: KVLAB_TEST_REDIS_URL is unset and redis-server is not installed "
+            "(apt-get install -y redis-server, or run scripts/install-test-deps.sh)"
         )
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.time() + 10
-    while True:
+    workdir = tmp_path_factory.mktemp("redis")
+    failures = []
+    for _attempt in range(3):  # another process may take the free port between bind and start
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log = workdir / f"redis-{port}.log"
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir)]
+            + ["--logfile", str(log), "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(url, socket_timeout=2)
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        else:
+            code = proc.poll()
+            proc.kill()
+            proc.wait(timeout=10)
+            err = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+            why = f"exited with code {code}" if code is not None else "no answer within 15 s"
+            failures.append(f"port {port}: {why}" + (f" ({err[-1]})" if err else ""))
+            continue
+        client.close()
+        break
+    else:
+        # an installed redis-server that cannot start is a failure, not a skip
+        pytest.fail(f"{binary} did not start: " + "; ".join(failures))
+    try:
+        yield url
+    finally:
+        proc.terminate()
         try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.skip(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

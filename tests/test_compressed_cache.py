@@ -11,6 +11,7 @@ from kvlab.compress.evict import SnapKV, StreamingLLM, evict, observe
 from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer, quantize_snapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
+from tests.tolerances import assert_forward_close
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -79,7 +80,7 @@ def test_evicting_cache_matches_snapshot_eviction_and_keeps_positions(tiny):
     cont = torch.tensor([[7, 8, 9, 10]])
     got = tiny.model(cont, past_key_values=cache, use_cache=True).logits[0]
     ref = logits_on_layers(tiny, ev.keys, ev.values, cont[0].tolist(), 50)
-    assert torch.allclose(got, ref, atol=1e-5)
+    assert_forward_close(got, ref, tiny, what="logits through CompressedCache")
 
 
 def test_bad_configurations_are_refused(tiny):

@@ -25,6 +25,7 @@ from kvlab.compress.evict import (
 from kvlab.compress.evict.learned import load_weights, save_weights, train_evictor
 from kvlab.errors import BadInputError
 from kvlab.hf.compressed_cache import logits_on_layers
+from tests.tolerances import assert_forward_close
 
 ALL = [SlidingWindow, StreamingLLM, H2O, SnapKV, TOVA, KeyNorm, RandomPolicy, LearnedPolicy]
 
@@ -109,7 +110,7 @@ def test_full_budget_reproduces_uncompressed_logits_in_both_modes(tiny, obs):
     for mode in ("keep", "repack"):
         ev = evict(obs, H2O(), keep=1.0, mode=mode)
         got = logits_on_layers(tiny, ev.keys, ev.values, cont, ev.next_position)
-        assert torch.allclose(got, ref, atol=1e-4), mode
+        assert_forward_close(got, ref, tiny, what=f"logits ({mode})")
 
 
 def test_repack_rotates_keys_to_contiguous_positions(obs):

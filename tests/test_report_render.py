@@ -28,11 +28,13 @@ CHROMIUM_FLAGS = (
 
 
 def _chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
+    for name in ("chromium", "chromium-browser", "google-chrome", "/usr/bin/chromium", "/snap/bin/chromium"):
         path = shutil.which(name)
         if path:
             return path
-    pytest.skip("headless Chromium is not installed (apt-get install -y chromium)")
+    pytest.skip(
+        "headless Chromium is not installed (apt-get install -y chromium, or scripts/install-test-deps.sh)"
+    )
 
 
 class _Images(HTMLParser):

@@ -16,6 +16,7 @@ from kvlab.store.blend import (
     correction_by_name,
     recompute_slots,
 )
+from tests.tolerances import assert_forward_close
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,9 +30,8 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _close(a, b, tol=1e-5):
-    for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True):
-        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+def _close(a, b, handle):
+    assert_forward_close(a.keys + a.values, b.keys + b.values, handle, what="K/V")
 
 
 def test_recompute_all_equals_a_full_prefill(tiny):
@@ -41,13 +41,13 @@ def test_recompute_all_equals_a_full_prefill(tiny):
     full = tiny.prefill(pre + doc1 + doc2 + q).snapshot
     assert b.recomputed_tokens == 21 and b.chunk_tokens == 21 and b.fresh_tokens == 9
     assert torch.equal(b.snapshot.positions, torch.arange(30))
-    _close(b.snapshot, full)
+    _close(b.snapshot, full, tiny)
 
 
 def test_rotation_only_is_exact_for_a_chunk_at_the_start(tiny):
     doc, q = _ids(10, 5), _ids(3, 6)
     b = blend(tiny, [tiny.prefill(doc).snapshot, q], RotateOnly())
-    _close(b.snapshot, tiny.prefill(doc + q).snapshot)
+    _close(b.snapshot, tiny.prefill(doc + q).snapshot, tiny)
 
 
 def test_selective_recompute_mask_is_causal_and_replaces_stale_slots(tiny):
@@ -58,13 +58,13 @@ def test_selective_recompute_mask_is_causal_and_replaces_stale_slots(tiny):
     before, chunk = full.slice(0, 6), full.slice(6, 17)
     for slots in ([0], [3, 4, 9], list(range(11))):
         out = recompute_slots(tiny, before, chunk, torch.tensor(slots))
-        _close(out, chunk)
+        _close(out, chunk, tiny)
     # and a stale chunk (computed without the context) really is changed in the chosen slots only
     stale = tiny.prefill(doc).snapshot.with_positions(torch.arange(6, 17))
     fixed = recompute_slots(tiny, before, stale, torch.tensor([0, 1]))
     assert not torch.allclose(fixed.values[1][:, :, :2], stale.values[1][:, :, :2])
     assert torch.equal(fixed.values[1][:, :, 2:], stale.values[1][:, :, 2:])
-    torch.testing.assert_close(fixed.values[1][:, :, 0], chunk.values[1][:, :, 0], rtol=1e-5, atol=1e-5)
+    assert_forward_close(fixed.values[1][:, :, 0], chunk.values[1][:, :, 0], tiny, what="recomputed V")
 
 
 def test_corrections_select_what_they_say(tiny):
@@ -91,7 +91,9 @@ def test_fork_shares_the_base_and_matches_independent_runs(tiny):
     copy = base.clone()
     agents = [_ids(3, 20 + i) for i in range(3)]
     outs = fork(tiny, base, agents, max_new_tokens=5, stop_at_eos=False)
-    _close(base, copy, tol=0.0)
+    assert all(
+        torch.equal(x, y) for x, y in zip(base.keys + base.values, copy.keys + copy.values, strict=True)
+    )
     assert [k.data_ptr() for k in base.keys] == ptrs
     for a, out in zip(agents, outs, strict=True):
         solo = tiny.prefill(base.token_list() + a, all_logits=False)

@@ -28,6 +28,7 @@ from kvlab.store import (
 )
 from kvlab.store.block import Block, decode_block, encode_block
 from kvlab.store.errors import CorruptBlockError, UnsupportedBlockError
+from tests.tolerances import assert_forward_close
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -287,11 +288,10 @@ def test_reuse_is_exact_on_tiny_model(tiny, tmp_path, tiers):
     assert pre.cached_tokens == 37  # 4 full blocks + the partial 5-token tail
     assert pre.match.tier_blocks == {tiers: 5}
     full = tiny.prefill(ids)
-    torch.testing.assert_close(pre.last_logits, full.logits[-1], rtol=1e-5, atol=1e-5)
-    for a, b in zip(
-        pre.snapshot.keys + pre.snapshot.values, full.snapshot.keys + full.snapshot.values, strict=True
-    ):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_forward_close(pre.last_logits, full.logits[-1], tiny, what="logits")
+    assert_forward_close(
+        pre.snapshot.keys + pre.snapshot.values, full.snapshot.keys + full.snapshot.values, tiny, what="K/V"
+    )
     assert torch.equal(pre.snapshot.token_ids, full.snapshot.token_ids)
 
 
@@ -305,7 +305,7 @@ def test_reuse_is_exact_on_real_model(smollm, tmp_path):
     common = len(shared) + sum(1 for _ in zip(q1, q2, strict=False)) if q1[:1] == q2[:1] else len(shared)
     assert pre.cached_tokens >= len(shared) and pre.cached_tokens <= common
     full = smollm.prefill(shared + q2, all_logits=False)
-    torch.testing.assert_close(pre.last_logits, full.logits[-1], rtol=1e-4, atol=1e-4)
+    assert_forward_close(pre.last_logits, full.logits[-1], smollm, what="logits")
 
 
 def test_short_prefix_inside_first_block_still_hits(tiny):
@@ -323,7 +323,7 @@ def test_full_prompt_hit_recomputes_last_token(tiny):
     st.put(tiny.prefill(ids).snapshot)
     pre = prefill_with_store(tiny, st, ids)
     assert pre.cached_tokens == 11 and pre.match.to_compute == 1
-    torch.testing.assert_close(pre.last_logits, tiny.prefill(ids).logits[-1], rtol=1e-5, atol=1e-5)
+    assert_forward_close(pre.last_logits, tiny.prefill(ids).logits[-1], tiny, what="logits")
 
 
 def test_other_model_dtype_or_rope_never_returned(tiny, tiny_model, tmp_path):

@@ -161,8 +161,13 @@ class Experiment:
 
 
 def shared_data_dir() -> Path | None:
-    """``$KVLAB_SHARED_DATA`` or ``../shared/data`` beside the checkout, if present (tests, benchmarks)."""
+    """``$KVLAB_SHARED_DATA`` or ``../shared/data`` beside the checkout, if present (tests, benchmarks).
+
+    ``KVLAB_SHARED_DATA=none`` turns the lookup off: the test suite sets it so a checkout with
+    ``../shared`` beside it runs exactly what a fresh clone runs."""
     env = os.environ.get("KVLAB_SHARED_DATA")
+    if env is not None and env.strip().lower() == "none":
+        return None
     candidates = [Path(env)] if env else []
     here = Path(__file__).resolve()
     candidates += [p / "shared" / "data" for p in here.parents[2:6]]
