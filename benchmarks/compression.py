@@ -60,8 +60,8 @@ NEEDLE_KVLAB = [
 
 
 def run_kvlab(args) -> dict:
-    from kvlab.experiments import ExperimentContext, get_experiment
-    from kvlab.runner import run_experiment
+    from kvlab.study.experiments import ExperimentContext, get_experiment
+    from kvlab.study.runner import run_experiment
 
     out_dir = OUT / "compression-kvlab"
     if args.reuse_kvlab:
@@ -86,8 +86,8 @@ def run_kvlab(args) -> dict:
 
 def anchor_job(args) -> dict:
     from kvlab import load_model
-    from kvlab.experiments.compression import evaluation_text, evaluation_windows, needle_trials
     from kvlab.model.loading import bundled_model_dir
+    from kvlab.study.experiments.compression import evaluation_text, evaluation_windows, needle_trials
 
     handle = load_model("smollm2-135m")
     src = evaluation_text(None)

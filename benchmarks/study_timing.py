@@ -77,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from kvlab.experiments import ExperimentContext, registry
     from kvlab.model import load_model
-    from kvlab.report.writer import run_dir
-    from kvlab.runner import run_experiment
+    from kvlab.study.experiments import ExperimentContext, registry
+    from kvlab.study.report.writer import run_dir
+    from kvlab.study.runner import run_experiment
 
     experiments = [e for e in registry().values() if e.in_study and (not args.only or e.name in args.only)]
     if args.only and len(experiments) != len(set(args.only)):
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     for exp in experiments:
         rss.reset()
         ctx = ExperimentContext(
-            out_dir=root / exp.name, profile=args.profile, model_spec=args.model, _model=model
+            out_dir=root / exp.name, profile=args.profile, model_spec=args.model, model_handle=model
         )
         t0 = time.perf_counter()
         status = "ok"

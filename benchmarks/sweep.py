@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvlab.sweep import run_sweep  # noqa: E402
+from kvlab.study.sweep import run_sweep  # noqa: E402
 
 CONFIGS = ROOT / "tests" / "fixtures" / "model-configs"
 GRID = f"""

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from kvlab.errors import BadInputError
-from kvlab.experiments import get_experiment
-from kvlab.experiments.base import ExperimentContext
-from kvlab.runner import run_experiment
+from kvlab.study.experiments import get_experiment
+from kvlab.study.experiments.base import ExperimentContext
+from kvlab.study.runner import run_experiment
 
 
 @pytest.mark.slow
 def test_attention_smoke_run(smollm, tmp_path):
-    ctx = ExperimentContext(out_dir=tmp_path / "attention", profile="quick", _model=smollm)
+    ctx = ExperimentContext(out_dir=tmp_path / "attention", profile="quick", model_handle=smollm)
     ctx.options = {"windows": 3, "window_tokens": 48, "rolls": (1, 5)}
     result = run_experiment(get_experiment("attention"), ctx)
     doc = json.loads((tmp_path / "attention" / "result.json").read_text())

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from kvlab.errors import BadInputError
-from kvlab.experiments import compaction as comp
-from kvlab.experiments import get_experiment
-from kvlab.experiments.base import ExperimentContext
 from kvlab.metrics.similarity import centroid_cosine
-from kvlab.runner import run_experiment
+from kvlab.study.experiments import compaction as comp
+from kvlab.study.experiments import get_experiment
+from kvlab.study.experiments.base import ExperimentContext
+from kvlab.study.runner import run_experiment
 
 TOPICS = (
     (
@@ -134,7 +134,7 @@ def test_compaction_smoke_run(smollm, tmp_path, conversations):
     path = tmp_path / "convs.json"
     path.write_text(json.dumps(conversations))
     ctx = ExperimentContext(
-        out_dir=tmp_path / "compaction", profile="quick", _model=smollm, options={"conversations": path}
+        out_dir=tmp_path / "compaction", profile="quick", model_handle=smollm, options={"conversations": path}
     )
     result = run_experiment(get_experiment("compaction"), ctx)
     doc = json.loads((tmp_path / "compaction" / "result.json").read_text())

@@ -126,8 +126,8 @@ def test_real_model_generate_with_compressed_caches(smollm):
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_experiment_smoke(smollm, tmp_path):
-    from kvlab.experiments import ExperimentContext, get_experiment
-    from kvlab.runner import run_experiment
+    from kvlab.study.experiments import ExperimentContext, get_experiment
+    from kvlab.study.runner import run_experiment
 
     ctx = ExperimentContext(
         out_dir=tmp_path,
@@ -146,7 +146,7 @@ def test_experiment_smoke(smollm, tmp_path):
             timing_steps=0,
         ),
     )
-    ctx._model = smollm
+    ctx.model_handle = smollm
     result = run_experiment(get_experiment("compression"), ctx)
     doc = json.loads((tmp_path / "result.json").read_text())
     assert doc["status"] == "ok" if "status" in doc else True

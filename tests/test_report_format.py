@@ -9,10 +9,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from kvlab.experiments import registry  # noqa: E402
 from kvlab.metrics.stats import Interval  # noqa: E402
-from kvlab.report.format import dig, format_interval, format_range, iv, legends_clipped, num  # noqa: E402
-from kvlab.report.glossary import GLOSSARY, glossary_html  # noqa: E402
+from kvlab.study.experiments import registry  # noqa: E402
+from kvlab.study.report.format import dig, format_interval, format_range, iv, legends_clipped, num  # noqa: E402
+from kvlab.study.report.glossary import GLOSSARY, glossary_html  # noqa: E402
 
 
 def test_one_interval_format_for_every_shape():

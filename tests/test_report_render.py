@@ -59,7 +59,7 @@ def _browser(chromium: str, profile_dir: Path, *args: str) -> subprocess.Complet
 @pytest.mark.slow
 def test_study_report_renders_in_chromium(smollm, tmp_path):
     chromium = _chromium()
-    from kvlab.runner import run_study
+    from kvlab.study.runner import run_study
 
     outcome = run_study(only=["inspect"], profile="quick", out=tmp_path / "runs", show_progress=False)
     index = outcome.run_dir / "index.html"

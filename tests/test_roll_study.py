@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab.experiments import ExperimentContext, get_experiment
-from kvlab.runner import run_experiment
+from kvlab.study.experiments import ExperimentContext, get_experiment
+from kvlab.study.runner import run_experiment
 from tests.tolerances import assert_forward_close
 
 pytestmark = pytest.mark.real_model
@@ -26,7 +26,9 @@ SMALL = {
 def study_dir(smollm, tmp_path_factory):
     root = tmp_path_factory.mktemp("roll_study")
     for name, options in SMALL.items():
-        ctx = ExperimentContext(out_dir=root / name, profile="quick", options=dict(options), _model=smollm)
+        ctx = ExperimentContext(
+            out_dir=root / name, profile="quick", options=dict(options), model_handle=smollm
+        )
         run_experiment(get_experiment(name), ctx)
     return root
 
@@ -110,7 +112,7 @@ def test_derotation_not_applicable_without_rope(tmp_path):
     torch.manual_seed(0)
     handle = ModelHandle(GPT2LMHeadModel(cfg).eval(), name="tiny-gpt2")
     assert handle.rope is None
-    ctx = ExperimentContext(out_dir=tmp_path / "derot", profile="quick", _model=handle)
+    ctx = ExperimentContext(out_dir=tmp_path / "derot", profile="quick", model_handle=handle)
     result = run_experiment(get_experiment("rope_derotation"), ctx)
     assert result.status == "not_applicable" and "no rotary" in result.notes[0]
     assert json.loads((tmp_path / "derot" / "result.json").read_text())["status"] == "not_applicable"

@@ -8,9 +8,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from kvlab import runner
 from kvlab.errors import BadInputError
-from kvlab.experiments import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study import runner
+from kvlab.study.experiments import Experiment, ExperimentContext, ExperimentResult, Table
 
 
 def good(ctx: ExperimentContext) -> ExperimentResult:
@@ -72,7 +72,7 @@ def test_cli_study_exits_1_when_an_experiment_failed(tmp_path, fake_registry, ca
 
 def test_study_with_an_unknown_model_is_one_error_and_writes_nothing(tmp_path):
     from kvlab.errors import ModelNotFoundError
-    from kvlab.runner import run_study
+    from kvlab.study.runner import run_study
 
     with pytest.raises(ModelNotFoundError, match="never downloads"):
         run_study(out=tmp_path / "runs", model_spec="no-such-org/no-such-model", profile="quick")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvlab.data import default_long_text, python_docs, shared_book, shared_conversations
-from kvlab.experiments import compaction as comp
-from kvlab.experiments.base import shared_data_dir
+from kvlab.paths import shared_data_dir
+from kvlab.study.experiments import compaction as comp
 
 
 def test_suite_does_not_read_shared_data_even_when_beside_the_checkout(monkeypatch, tmp_path):

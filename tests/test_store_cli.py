@@ -106,15 +106,15 @@ def test_store_cli_bad_input_is_one_line(tmp_path, capsys):
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_store_reuse_experiment_smoke(smollm, tmp_path):
-    from kvlab.experiments import ExperimentContext, get_experiment
-    from kvlab.runner import run_experiment
+    from kvlab.study.experiments import ExperimentContext, get_experiment
+    from kvlab.study.runner import run_experiment
 
     ctx = ExperimentContext(
         out_dir=tmp_path / "run",
         profile="quick",
         options={"lengths": [64, 192], "reps": 2, "questions": 2, "answer_tokens": 3},
     )
-    ctx._model = smollm
+    ctx.model_handle = smollm
     result = run_experiment(get_experiment("store_reuse"), ctx)
     assert result.status == "ok"
     doc = json.loads((tmp_path / "run" / "result.json").read_text())

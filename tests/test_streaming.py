@@ -10,9 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvlab.errors import BadInputError
-from kvlab.experiments import ExperimentContext, get_experiment
 from kvlab.metrics import nll
-from kvlab.runner import run_experiment
 from kvlab.streaming import (
     TABLE_COLUMNS,
     stream_nll,
@@ -21,6 +19,8 @@ from kvlab.streaming import (
     summarize,
     table_row,
 )
+from kvlab.study.experiments import ExperimentContext, get_experiment
+from kvlab.study.runner import run_experiment
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -95,7 +95,7 @@ def test_streaming_experiment_smoke(smollm, tmp_path):
         profile="quick",
         options={"tokens": 120, "windows": [32], "recompute_stride": 20, "sinks": [1, 4]},
     )
-    ctx._model = smollm
+    ctx.model_handle = smollm
     result = run_experiment(get_experiment("streaming_ppl"), ctx)
     assert result.status == "ok", result.notes
     doc = json.loads((tmp_path / "sp" / "result.json").read_text())
@@ -110,7 +110,7 @@ def test_suffix_experiment_smoke(smollm, tmp_path):
     ctx = ExperimentContext(
         out_dir=tmp_path / "sc", profile="quick", options={"windows": 2, "context_tokens": 48}
     )
-    ctx._model = smollm
+    ctx.model_handle = smollm
     result = run_experiment(get_experiment("suffix_caching"), ctx)
     assert result.status == "ok", result.notes
     assert (tmp_path / "sc" / "kl_by_drop.png").is_file()

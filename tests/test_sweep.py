@@ -70,7 +70,7 @@ def _summaries(out: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
-    from kvlab.sweep import run_sweep
+    from kvlab.study.sweep import run_sweep
 
     tmp = tmp_path_factory.mktemp("sweep-local")
     result = run_sweep(_grid(tmp), tmp / "out", workers=2)
@@ -218,7 +218,7 @@ def test_bad_grids_are_one_line_and_create_nothing(tmp_path, change, message):
 
 
 def test_run_sweep_refuses_a_file_as_out(tmp_path):
-    from kvlab.sweep import run_sweep
+    from kvlab.study.sweep import run_sweep
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(BadInputError, match="is a file"):

@@ -7,14 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from kvlab.experiments import ExperimentContext, get_experiment
-from kvlab.runner import run_experiment
+from kvlab.study.experiments import ExperimentContext, get_experiment
+from kvlab.study.runner import run_experiment
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
 def _run(name: str, tmp_path, smollm, **options):
-    ctx = ExperimentContext(out_dir=tmp_path / name, profile="quick", options=options, _model=smollm)
+    ctx = ExperimentContext(out_dir=tmp_path / name, profile="quick", options=options, model_handle=smollm)
     result = run_experiment(get_experiment(name), ctx)
     doc = json.loads((tmp_path / name / "result.json").read_text())
     assert doc and result.status == "ok"
@@ -65,11 +65,11 @@ def test_numerics_and_transplant(tmp_path, smollm):
 
 
 def test_transplant_gemma_section_not_applicable_when_absent(tmp_path, smollm, monkeypatch):
-    from kvlab.experiments import transplant as tp
-    from kvlab.experiments.base import ExperimentResult
+    from kvlab.study.experiments import transplant as tp
+    from kvlab.study.experiments.base import ExperimentResult
 
     monkeypatch.setattr(tp, "gemma_installed", lambda: False)
-    ctx = ExperimentContext(out_dir=tmp_path, profile="quick", options={}, _model=smollm)
+    ctx = ExperimentContext(out_dir=tmp_path, profile="quick", options={}, model_handle=smollm)
     result = ExperimentResult(name="transplant", title="t", description="d")
     tp._cross_geometry_section(ctx, result, smollm, "gemma3-270m", 1e-2, None)
     (table,) = result.tables

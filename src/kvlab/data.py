@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlab.errors import BadInputError
-from kvlab.experiments.base import shared_data_dir
+from kvlab.paths import shared_data_dir
 
 # The Phase 1 log's three prompts.
 PHASE1_PROMPTS = (

@@ -7,6 +7,7 @@ write, replace or delete anything outside its own folders.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -31,3 +32,21 @@ def contained(root: Path, path: Path) -> Path:
     if path_r == root_r or root_r not in path_r.parents:
         raise BadInputError(f"{path} is outside {root}; kvlab only writes there")
     return path_r
+
+
+def shared_data_dir() -> Path | None:
+    """``$KVLAB_SHARED_DATA`` or ``../shared/data`` beside the checkout, if present (tests, benchmarks).
+
+    ``KVLAB_SHARED_DATA=none`` turns the lookup off: the test suite sets it so a checkout with
+    ``../shared`` beside it runs exactly what a fresh clone runs."""
+    env = os.environ.get("KVLAB_SHARED_DATA")
+    if env is not None and env.strip().lower() == "none":
+        return None
+    candidates = [Path(env)] if env else []
+    here = Path(__file__).resolve()
+    candidates += [p / "shared" / "data" for p in here.parents[1:5]]
+    candidates.append(Path.cwd().parent / "shared" / "data")
+    for c in candidates:
+        if c.is_dir():
+            return c
+    return None

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table as RichTable
 
 from kvlab.errors import BadInputError
-from kvlab.experiments import Experiment, ExperimentContext, ExperimentResult
-from kvlab.report.writer import run_dir, to_jsonable
+from kvlab.study.experiments import Experiment, ExperimentContext, ExperimentResult
+from kvlab.study.report.writer import run_dir, to_jsonable
 
 ModelOpt = Annotated[
     str, typer.Option("--model", "-m", help="smollm2-135m (bundled), a local folder, or a cached HF id.")
@@ -151,7 +151,7 @@ def experiment_command(
         def command(**kwargs: Any) -> None:
             common = {n: kwargs.pop(n) for n, _, _ in _SHARED_OPTIONS}
             options = fn(**kwargs)
-            from kvlab.experiments import get_experiment
+            from kvlab.study.experiments import get_experiment
 
             run_and_report(
                 get_experiment(experiment),
@@ -184,7 +184,7 @@ def run_and_report(
     **options: Any,
 ) -> ExperimentResult:
     """Run one experiment into ``<out>/<name>-<timestamp>/`` and print a summary (or JSON)."""
-    from kvlab.runner import progress_display, run_experiment
+    from kvlab.study.runner import progress_display, run_experiment
 
     check_output_dir(out)
     out_existed = Path(out).exists()

@@ -105,8 +105,8 @@ def register(app: typer.Typer) -> None:
 
         from kvlab.compress.evict.learned import save_weights, train_evictor
         from kvlab.data import python_docs, read_text_file, token_windows
-        from kvlab.experiments.compression import TRAIN_CHARS
         from kvlab.model import load_model
+        from kvlab.study.experiments.compression import TRAIN_CHARS
 
         handle = load_model(model)
         src = read_text_file(text).text if text else python_docs().text[:TRAIN_CHARS]

@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         quick: QuickOpt = False,
     ) -> None:
         """Structure, bytes per token, growth projections and attention sinks of a model's KV cache."""
-        from kvlab.experiments import get_experiment
+        from kvlab.study.experiments import get_experiment
 
         run_and_report(
             get_experiment("inspect"),

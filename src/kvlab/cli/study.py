@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """Run every registered experiment on the model and write one HTML report."""
-        from kvlab.runner import run_study
+        from kvlab.study.runner import run_study
 
         profile = profile_from(quick, full)
         check_output_dir(out)
@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
     @app.command("experiments")
     def experiments_cmd() -> None:
         """List the experiments a study runs, in order."""
-        from kvlab.experiments import registry
+        from kvlab.study.experiments import registry
 
         rt = RichTable(title="experiments", title_justify="left")
         for col in ("name", "title", "in study"):

@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Run experiments over a grid of models, texts and seeds; one report with cross-model tables."""
-        from kvlab.sweep import run_sweep
+        from kvlab.study.sweep import run_sweep
 
         log = (lambda msg: None) if json_out else (lambda msg: print(msg, file=sys.stderr))
         import contextlib

@@ -1,0 +1,583 @@
+"""R11 + B5: is a compacted conversation's cache like the full one's, and why? With lexical controls.
+
+Each conversation is cached in full and compacted (a summary, then the last turns verbatim), plus
+controls: the verbatim last turns only, the summary only, the compacted text's words shuffled, and
+another conversation (unrelated). All go through the model's chat template. Two views: centroids
+(mean K de-rotated with each cache's own positions, and mean V, per layer and KV head), raw and
+centred on the other conversations' mean; and position-wise on the shared verbatim tail (the last
+tokens, identical in full and compacted). The confound: the last turns are kept verbatim, so part of
+any "compaction keeps the state" similarity is simply the same tokens; the controls measure how much.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlab.cache.snapshot import KVSnapshot
+from kvlab.data import shared_conversations
+from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.metrics import bootstrap_ci, bootstrap_curve
+from kvlab.metrics.similarity import compare_caches, normalise_against_baseline
+from kvlab.rope.ops import remove_rope
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.report.format import format_number, iv, num
+
+CONDITIONS = ("compacted", "verbatim_tail_only", "summary_only", "shuffled_compacted", "unrelated")
+LABELS = {
+    "compacted": "compacted (summary + verbatim tail)",
+    "verbatim_tail_only": "verbatim last turns only",
+    "summary_only": "summary only",
+    "shuffled_compacted": "compacted, words shuffled",
+    "unrelated": "another conversation (unrelated)",
+}
+RECENT_MARKER = "[Recent conversation]"
+# The thread's compaction numbers (Qwen2.5-14B, research brief section 3); no result file carries them.
+THREAD_CENTROID_V = {"compacted": 0.85, "unrelated": 0.58}
+MIN_TAIL_TOKENS = 4
+
+
+# -- building the conditions -----------------------------------------------------------------------
+def parse_turns(text: str) -> list[dict[str, str]]:
+    """``"User: ...\\n\\nAssistant: ..."`` -> chat messages; text before the first marker is a user turn."""
+    parts = re.split(r"(?:^|\n\n)(User|Assistant): ", text)
+    messages = []
+    if parts[0].strip():
+        messages.append({"role": "user", "content": parts[0].strip()})
+    for role, content in zip(parts[1::2], parts[2::2], strict=True):
+        if content.strip():
+            messages.append({"role": role.lower(), "content": content.strip()})
+    return messages
+
+
+def conversation_messages(
+    conv: dict[str, Any], unrelated: dict[str, Any], *, seed: int = 0
+) -> dict[str, list[dict]]:
+    """Chat messages of the full conversation and of every condition.
+
+    The compacted text is its summary header (as the system message) and its recent turns (verbatim);
+    "summary only" is that header alone, so compacted = summary only + verbatim tail, token for token.
+    """
+    for key in ("full", "compacted"):
+        if not isinstance(conv.get(key), str) or not conv[key].strip():
+            raise BadInputError(f"each conversation needs a non-empty '{key}' string")
+    comp = conv["compacted"]
+    if RECENT_MARKER in comp:
+        header, recent = comp.split(RECENT_MARKER, 1)
+        header, recent_turns = header.strip(), parse_turns(recent.strip())
+    else:
+        header, recent_turns = comp.strip(), []
+    if not header:
+        header = str(conv.get("summary", "")).strip()
+    if not header:
+        raise BadInputError("a compacted conversation has neither a summary header nor a 'summary' field")
+    words = comp.split()
+    random.Random(seed).shuffle(words)
+    return {
+        "full": parse_turns(conv["full"]),
+        "compacted": [{"role": "system", "content": header}, *recent_turns],
+        "verbatim_tail_only": recent_turns,
+        "summary_only": [{"role": "system", "content": header}],
+        "shuffled_compacted": [{"role": "user", "content": " ".join(words)}],
+        "unrelated": parse_turns(unrelated["full"]),
+    }
+
+
+def chat_ids(model: Any, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` through the model's chat template (no generation prompt)."""
+    if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
+        raise UnsupportedModelError("the compaction study needs a tokenizer with a chat template")
+    if not messages:
+        return []
+    ids = model.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def common_suffix(a: list[int], b: list[int]) -> int:
+    """How many trailing tokens two sequences share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+# -- measuring ---------------------------------------------------------------------------------------
+def cache_centroids(snap: KVSnapshot) -> np.ndarray:
+    """``[2, layers, kv_heads, head_dim]`` float64: mean K (de-rotated with the cache's own positions) and mean V."""
+    k = torch.stack([x[0] for x in snap.keys]).double()
+    if snap.rope is not None:
+        k = remove_rope(k, snap.positions, snap.rope)
+    v = torch.stack([x[0] for x in snap.values]).double()
+    return torch.stack((k.mean(dim=-2), v.mean(dim=-2))).numpy()
+
+
+def centroid_cos(a: np.ndarray, b: np.ndarray, center: np.ndarray | None = None) -> np.ndarray:
+    """Cosine over head_dim of ``[..., head_dim]`` centroids, optionally after subtracting ``center``."""
+    if center is not None:
+        a, b = a - center, b - center
+    num = (a * b).sum(-1)
+    den = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / den, np.nan)
+
+
+def _tail_compare(
+    full: KVSnapshot, cond: KVSnapshot, m: int, center: bool
+) -> tuple[dict[str, np.ndarray], dict]:
+    """Position-wise comparison of the last ``m`` slots of both caches: [L, H] means and curves along the tail."""
+    idx_f = np.arange(full.seq_len - m, full.seq_len)
+    idx_c = np.arange(cond.seq_len - m, cond.seq_len)
+    cmp = compare_caches(full, cond, idx_f, idx_c, derotate="correct", center=center)
+    out = {"cos_k": cmp.cos_k.mean(-1), "cos_v": cmp.cos_v.mean(-1)}
+    curves = {"cos_v": cmp.cos_v.mean(axis=(0, 1)), "cos_k": cmp.cos_k.mean(axis=(0, 1))}
+    if cmp.cos_k_derotated is not None:
+        out["cos_kd"] = cmp.cos_k_derotated.mean(-1)
+        curves["cos_kd"] = cmp.cos_k_derotated.mean(axis=(0, 1))
+    return out, curves
+
+
+def load_conversations(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError(f"no conversations file at {path}")
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"{path} is not a JSON file ({exc})") from None
+    if not isinstance(doc, list) or not all(isinstance(c, dict) for c in doc):
+        raise BadInputError(
+            f"{path} must hold a JSON list of {{'full': ..., 'compacted': ..., 'summary': ...}} objects"
+        )
+    return doc
+
+
+def run(
+    ctx: ExperimentContext, *, conversations: str | Path | list[dict] | None = None, limit: int | None = None
+) -> ExperimentResult:
+    result = ExperimentResult(
+        name="compaction",
+        title="Compaction: full vs compacted caches (R11 + B5)",
+        description=__doc__.strip().split("\n")[0],
+    )
+    if conversations is None:
+        convs = shared_conversations()
+        if convs is None:
+            result.status = "not_applicable"
+            result.notes.append(
+                "The UltraChat compaction set (../shared/data/ultrachat_compaction.json) is absent and kvlab ships no "
+                "compacted conversations of its own. Run `kvlab compaction --conversations FILE` with a JSON list of "
+                "{'full', 'compacted', 'summary'} objects (turns written 'User: ...' / 'Assistant: ...')."
+            )
+            return result
+        source = "UltraChat compaction set (../shared/data/ultrachat_compaction.json)"
+    elif isinstance(conversations, list):
+        convs, source = conversations, "conversations passed in"
+    else:
+        convs, source = load_conversations(conversations), f"conversations file {Path(conversations).name}"
+    if limit is None:
+        limit = ctx.pick(3, len(convs), len(convs))
+    if len(convs) < 3 or limit < 3:
+        raise BadInputError(
+            f"need at least 3 conversations (one to compare, one unrelated, one to centre on), "
+            f"got {min(len(convs), limit)}"
+        )
+    if limit < len(convs):  # the quick profile: the shortest conversations
+        convs = sorted(convs, key=lambda c: len(c.get("full", "")))[:limit]
+    model = ctx.handle()
+    N, C = len(convs), len(CONDITIONS)
+    result.data_sources.append(f"{source}: {N} conversations, chat template of {model.name}")
+    L, H = model.facts.num_layers, model.facts.num_kv_heads
+
+    ids = {}
+    for i, conv in enumerate(convs):
+        msgs = conversation_messages(conv, convs[(i - 1) % N], seed=ctx.seed + i)
+        ids[i] = {name: chat_ids(model, m) for name, m in msgs.items()}
+        for name, seq in ids[i].items():
+            if len(seq) >= model.max_positions:
+                raise BadInputError(
+                    f"conversation {i} ({name}) has {len(seq)} tokens, the model's maximum is "
+                    f"{model.max_positions}"
+                )
+    tokens = np.array([[len(ids[i][c]) for c in ("full", *CONDITIONS)] for i in range(N)])
+    tail = np.array([common_suffix(ids[i]["full"], ids[i]["compacted"]) for i in range(N)])
+
+    D = model.facts.head_dim
+    full_cent = np.full((N, 2, L, H, D), np.nan)
+    full_pre = np.full((N, 2, L, H, D), np.nan)
+    cent = np.full((N, C, 2, L, H, D), np.nan)
+    pre = np.full((N, C, 2, L, H, D), np.nan)
+    pos = {
+        f"{m}{s}": np.full((N, C, L, H), np.nan)
+        for m in ("cos_k", "cos_kd", "cos_v")
+        for s in ("", "_centred")
+    }
+    max_tail = int(tail.max())
+    curves = {m: np.full((N, C, max_tail), np.nan) for m in ("cos_v", "cos_kd", "cos_k")}
+
+    def measure(i: int, full: KVSnapshot, c: int, snap: KVSnapshot | None, seq: list[int]) -> None:
+        if snap is None:
+            return
+        cent[i, c] = cache_centroids(snap)
+        m_c = common_suffix(ids[i]["full"], seq)
+        if snap.seq_len - m_c >= 1 and full.seq_len - tail[i] >= 1:
+            pre[i, c] = cache_centroids(snap.slice(0, snap.seq_len - m_c))
+        m = min(int(tail[i]), snap.seq_len)
+        if m >= MIN_TAIL_TOKENS:
+            for center, suffix in ((False, ""), (True, "_centred")):
+                means, crv = _tail_compare(full, snap, m, center)
+                for k, v in means.items():
+                    pos[f"{k}{suffix}"][i, c] = v
+                if not center:
+                    for k, v in crv.items():
+                        curves[k][i, c, max_tail - m :] = v
+
+    def prefill(seq: list[int]) -> KVSnapshot | None:
+        return model.prefill(seq, all_logits=False).snapshot if seq else None
+
+    first_full = prev_full = None
+    u = CONDITIONS.index("unrelated")
+    with ctx.progress.task("compaction: conversations", total=N) as advance:
+        for i in range(N):
+            full = prefill(ids[i]["full"])
+            full_cent[i] = cache_centroids(full)
+            if full.seq_len - tail[i] >= 1:
+                full_pre[i] = cache_centroids(full.slice(0, full.seq_len - int(tail[i])))
+            for c, name in enumerate(CONDITIONS):
+                if (
+                    name == "unrelated"
+                ):  # the previous conversation's full cache (conversation 0's comes last)
+                    if prev_full is not None:
+                        measure(i, full, c, prev_full, ids[i]["unrelated"])
+                    continue
+                measure(i, full, c, prefill(ids[i][name]), ids[i][name])
+            if i == 0:
+                first_full = full
+            prev_full = full
+            advance(1)
+        measure(0, first_full, u, prev_full, ids[0]["unrelated"])
+
+    # Centring: subtract the mean full-conversation centroid of the *other* conversations (not i, not its partner).
+    mu = np.stack(
+        [np.nanmean(full_cent[[j for j in range(N) if j not in (i, (i - 1) % N)]], axis=0) for i in range(N)]
+    )  # [N, 2, L, H, D]
+    sim = {
+        "raw": centroid_cos(cent, full_cent[:, None]),  # [N, C, 2, L, H]
+        "centred": centroid_cos(cent, full_cent[:, None], mu[:, None]),
+        "pretail_raw": centroid_cos(pre, full_pre[:, None]),
+        "pretail_centred": centroid_cos(pre, full_pre[:, None], mu[:, None]),
+    }
+    result.arrays.update(
+        {
+            "conditions": np.array(CONDITIONS),
+            "tokens_full_and_conditions": tokens,
+            "tail_tokens": tail,
+            "centroids_full": full_cent,
+            "centroids_full_pretail": full_pre,
+            "centroids": cent,
+            "centroids_pretail": pre,
+            "centring_mean": mu,
+            **{f"centroid_cos_{k}": v for k, v in sim.items()},
+            **{f"tail_{k}": v for k, v in pos.items()},
+            **{f"tail_curve_{k}": v for k, v in curves.items()},
+        }
+    )
+    _report(ctx, result, model.facts.name, convs, tokens, tail, sim, pos, curves)
+    return result
+
+
+def _per_conv(x: np.ndarray) -> np.ndarray:
+    """Mean over the trailing [layers, heads] axes -> one number per conversation (and condition)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(x, axis=(-2, -1))
+
+
+def _iv(x: np.ndarray) -> Any:
+    x = np.asarray(x, dtype=np.float64)
+    return bootstrap_ci(x, seed=0) if np.isfinite(x).any() else None
+
+
+def _s(iv) -> str:
+    return "n/a" if iv is None else f"{iv.value:.3f} [{iv.low:.3f}, {iv.high:.3f}]"
+
+
+def _report(ctx, result, name, convs, tokens, tail, sim, pos, curves) -> None:
+    N = len(convs)
+    u = CONDITIONS.index("unrelated")
+    summary: dict[str, Any] = {"conversations": N, "conditions": list(CONDITIONS), "centroid": {}, "tail": {}}
+    rows = []
+    for c, cond in enumerate(CONDITIONS):
+        v_raw, k_raw = _per_conv(sim["raw"][:, c, 1]), _per_conv(sim["raw"][:, c, 0])
+        v_cen, k_cen = _per_conv(sim["centred"][:, c, 1]), _per_conv(sim["centred"][:, c, 0])
+        v_norm = normalise_against_baseline(v_raw, _per_conv(sim["raw"][:, u, 1]))
+        entry = {
+            "v": _iv(v_raw),
+            "k_derotated": _iv(k_raw),
+            "v_centred": _iv(v_cen),
+            "k_derotated_centred": _iv(k_cen),
+            "v_vs_unrelated": _iv(v_norm) if cond != "unrelated" else None,
+        }
+        summary["centroid"][cond] = {k: (v.to_json() if v else None) for k, v in entry.items()}
+        rows.append(
+            [
+                LABELS[cond],
+                _s(entry["v"]),
+                _s(entry["v_centred"]),
+                _s(entry["k_derotated"]),
+                _s(entry["k_derotated_centred"]),
+                _s(entry["v_vs_unrelated"]),
+                f"{THREAD_CENTROID_V[cond]:.2f}" if cond in THREAD_CENTROID_V else "",
+            ]
+        )
+    c = CONDITIONS.index("compacted")
+    pre_v, pre_vc = _per_conv(sim["pretail_raw"][:, c, 1]), _per_conv(sim["pretail_centred"][:, c, 1])
+    pre_k, pre_kc = _per_conv(sim["pretail_raw"][:, c, 0]), _per_conv(sim["pretail_centred"][:, c, 0])
+    summary["centroid"]["compacted_summary_region"] = {
+        k: (iv.to_json() if iv else None)
+        for k, iv in (
+            ("v", _iv(pre_v)),
+            ("v_centred", _iv(pre_vc)),
+            ("k_derotated", _iv(pre_k)),
+            ("k_derotated_centred", _iv(pre_kc)),
+        )
+    }
+    rows.append(
+        [
+            "compacted without its verbatim tail vs the full history before it",
+            _s(_iv(pre_v)),
+            _s(_iv(pre_vc)),
+            _s(_iv(pre_k)),
+            _s(_iv(pre_kc)),
+            "",
+            "",
+        ]
+    )
+    result.tables.append(
+        Table(
+            "Centroid similarity to the full conversation (mean over layers and KV heads; 95% CI over conversations)",
+            [
+                "condition",
+                "V",
+                "V centred",
+                "K de-rotated",
+                "K de-rotated centred",
+                "V vs unrelated (0 = unrelated, 1 = identical)",
+                "thread V (Qwen2.5-14B)",
+            ],
+            rows,
+            caption="Centred: each centroid minus the mean full-conversation centroid of the other conversations. "
+            "Thread numbers from the research brief (no interval).",
+        )
+    )
+    trows = []
+    for c, cond in enumerate(CONDITIONS):
+        ivs = {k: _iv(_per_conv(v[:, c])) for k, v in pos.items()}
+        summary["tail"][cond] = {k: (v.to_json() if v else None) for k, v in ivs.items()}
+        trows.append(
+            [
+                LABELS[cond],
+                _s(ivs["cos_v"]),
+                _s(ivs["cos_kd"]),
+                _s(ivs["cos_k"]),
+                _s(ivs["cos_v_centred"]),
+                _s(ivs["cos_kd_centred"]),
+            ]
+        )
+    result.tables.append(
+        Table(
+            "Position-wise on the shared verbatim tail (last tokens of each cache vs the full cache's last tokens)",
+            [
+                "condition",
+                "cos V",
+                "cos K de-rotated",
+                "cos K raw",
+                "cos V centred",
+                "cos K de-rotated centred",
+            ],
+            trows,
+            caption=f"Tail: the tokens the full and compacted chats share at the end ({tail.mean():.0f} on average). "
+            "Verbatim and compacted hold the same tokens there; summary only, shuffled and unrelated hold other "
+            "tokens at those slots and serve as baselines.",
+        )
+    )
+    share = tail / tokens[:, 1]
+    crow = []
+    for i in range(N):
+        crow.append(
+            [i, int(tokens[i, 0]), int(tokens[i, 1]), int(tail[i]), f"{share[i]:.2f}"]
+            + [f"{_per_conv(sim['raw'][i, c, 1]):.3f}" for c in range(len(CONDITIONS))]
+        )
+    result.tables.append(
+        Table(
+            "Per conversation: tokens and centroid V cosine to the full cache",
+            ["#", "full tokens", "compacted tokens", "verbatim tail tokens", "tail share of compacted"]
+            + [f"V: {c}" for c in CONDITIONS],
+            crow,
+        )
+    )
+    cv = summary["centroid"]
+    v_comp, v_tail, v_sum, v_unrel = (
+        cv[k]["v"]["value"] for k in ("compacted", "verbatim_tail_only", "summary_only", "unrelated")
+    )
+    margin = v_comp - v_unrel
+    summary["confound"] = {
+        "tail_share_of_compacted_mean": float(share.mean()),
+        "verbatim_only_share_of_margin": float((v_tail - v_unrel) / margin) if abs(margin) > 1e-12 else None,
+        "summary_only_share_of_margin": float((v_sum - v_unrel) / margin) if abs(margin) > 1e-12 else None,
+    }
+    result.summary.update(summary)
+    result.notes.append(
+        f"Confound: the last turns are kept verbatim and make up {share.mean():.0%} of the compacted tokens on "
+        f"average. Centroid V cosine to the full cache: compacted {v_comp:.3f}, verbatim last turns alone "
+        f"{v_tail:.3f}, summary alone {v_sum:.3f}, unrelated {v_unrel:.3f}"
+        + (
+            f"; the verbatim turns alone recover {summary['confound']['verbatim_only_share_of_margin']:.0%} of the "
+            f"compacted's margin over unrelated, the summary alone "
+            f"{summary['confound']['summary_only_share_of_margin']:.0%}."
+            if abs(margin) > 1e-12
+            else "."
+        )
+    )
+    if N < 20:
+        result.notes.append(
+            f"Intervals are over {N} conversations only (fewer than the 20 the study asks for)."
+        )
+    result.figures.extend(_figures(ctx, name, sim, curves))
+
+
+def _figures(ctx, name, sim, curves) -> list:
+    import matplotlib.pyplot as plt
+
+    figs = []
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+    x = np.arange(len(CONDITIONS) + 1)
+    labels = [LABELS[c] for c in CONDITIONS] + ["compacted minus tail vs full history"]
+    comp = CONDITIONS.index("compacted")
+    for ax, which, title in ((axes[0], 1, "V"), (axes[1], 0, "K (de-rotated)")):
+        for j, (kind, off) in enumerate((("raw", -0.18), ("centred", 0.18))):
+            vals = [_iv(_per_conv(sim[kind][:, c, which])) for c in range(len(CONDITIONS))]
+            vals.append(_iv(_per_conv(sim[f"pretail_{kind}"][:, comp, which])))
+            y = [v.value if v else np.nan for v in vals]
+            err = [[v.value - v.low if v else 0 for v in vals], [v.high - v.value if v else 0 for v in vals]]
+            ax.bar(x + off, y, width=0.36, yerr=err, capsize=3, color=colors[j], label=kind)
+        if which == 1:
+            for k, val in THREAD_CENTROID_V.items():
+                ax.plot(
+                    CONDITIONS.index(k),
+                    val,
+                    "k*",
+                    ms=10,
+                    label="thread (Qwen2.5-14B)" if k == "compacted" else None,
+                )
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("centroid cosine to the full conversation")
+        ax.set_title(f"{title} centroids")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{name}: compacted vs full conversation, with lexical controls (95% CI over conversations)")
+    figs.append(
+        ctx.figure(
+            "centroid_similarity",
+            fig,
+            "Centroid cosine to the full conversation's cache per "
+            "condition, raw and centred; stars: the thread's numbers.",
+        )
+    )
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    for ax, metric, title in ((axes[0], "cos_v", "V"), (axes[1], "cos_kd", "K de-rotated")):
+        n_tail = curves[metric].shape[-1]
+        back = np.arange(n_tail)[::-1]  # tokens before the end
+        for c, cond in enumerate(CONDITIONS):
+            data = curves[metric][:, c]
+            keep = np.isfinite(data).sum(axis=0) >= 2
+            if not keep.any():
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean, lo, hi = bootstrap_curve(data[:, keep])
+            ax.plot(back[keep], mean, color=colors[c % len(colors)], lw=1, label=LABELS[cond])
+            ax.fill_between(back[keep], lo, hi, color=colors[c % len(colors)], alpha=0.2)
+        ax.set_xscale("symlog", linthresh=10)
+        ax.set_xlim(max(n_tail - 1, 1), 0)  # the end of the conversation on the right
+        ax.set_xlabel("tokens before the end of the conversation")
+        ax.set_ylabel("cosine to the full cache at the same slot")
+        ax.set_title(f"{title}, along the shared verbatim tail")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{name}: position-wise similarity on the last tokens (95% bands over conversations)")
+    figs.append(
+        ctx.figure(
+            "tail_positionwise",
+            fig,
+            "Cosine to the full cache slot by slot over the shared tail; "
+            "the verbatim tail with less context above it vs the controls.",
+        )
+    )
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.0), sharey=True)
+    L = sim["raw"].shape[-2]
+    depth = np.arange(L)
+    for ax, kind in ((axes[0], "raw"), (axes[1], "centred")):
+        for c, cond in enumerate(CONDITIONS):
+            per_layer = np.nanmean(sim[kind][:, c, 1], axis=-1)  # [N, L]
+            if not np.isfinite(per_layer).any():
+                continue
+            mean, lo, hi = bootstrap_curve(per_layer)
+            ax.plot(depth, mean, color=colors[c % len(colors)], label=LABELS[cond])
+            ax.fill_between(depth, lo, hi, color=colors[c % len(colors)], alpha=0.2)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("V centroid cosine to the full conversation")
+        ax.set_title(f"per layer, {kind}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{name}: V centroid similarity by layer (95% bands over conversations)")
+    figs.append(
+        ctx.figure(
+            "centroid_v_by_layer",
+            fig,
+            "V centroid cosine per layer for each condition, raw and "
+            "centred on the other conversations' mean.",
+        )
+    )
+    return figs
+
+
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    text = (
+        f"Over {s.get('conversations', '?')} conversations, the compacted cache's centred V centroid is at cosine "
+        f"{format_number(num(s, 'centroid.compacted.v_centred'))} to the full one, against "
+        f"{format_number(num(s, 'centroid.verbatim_tail_only.v_centred'))} for the verbatim tail alone and "
+        f"{format_number(num(s, 'centroid.unrelated.v_centred'))} for an unrelated conversation."
+    )
+    rows = [
+        ("centred V centroid cosine, compacted", iv(s, "centroid.compacted.v_centred")),
+        ("centred V centroid cosine, verbatim tail only", iv(s, "centroid.verbatim_tail_only.v_centred")),
+        ("centred V centroid cosine, summary only", iv(s, "centroid.summary_only.v_centred")),
+        ("centred V centroid cosine, unrelated", iv(s, "centroid.unrelated.v_centred")),
+    ]
+    return text, rows
+
+
+EXPERIMENT = Experiment(
+    describe=describe,
+    name="compaction",
+    title="Compaction: full vs compacted caches (R11 + B5)",
+    run=run,
+    order=70,
+    description="Centroid and tail similarity of compacted vs full conversations, "
+    "with lexical controls and centring.",
+)

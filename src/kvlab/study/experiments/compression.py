@@ -1,0 +1,549 @@
+"""Cache compression: quantizers and eviction policies, measured on the same contexts side by side.
+
+For every quantizer x bit width and every eviction policy x kept fraction: q·k distortion, attention
+KL and attention-output error per layer (reference = the continuation's own queries), perplexity of
+the continuation teacher-forced on the compressed context, needle retrieval with the context
+compressed before the question, bytes really held, and decode time per token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlab.compress.evict import Observation, evict, make_policy, observe
+from kvlab.compress.evict.learned import DEFAULT_WEIGHTS
+from kvlab.compress.evict.select import budget_slots
+from kvlab.compress.measure import continuation_nll, distortion, reference, time_decode_ms
+from kvlab.compress.quant import make_quantizer, quantize_snapshot
+from kvlab.compress.quant.scalar import check_bits
+from kvlab.data import Text, default_long_text, python_docs, read_text_file, token_windows
+from kvlab.errors import BadInputError
+from kvlab.metrics import bootstrap_ci, bootstrap_curve
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.report.format import format_number, iv, num
+
+# label -> (method, options); "+sinks" variants keep the first 4 slots in full precision.
+QUANT_METHODS: dict[str, tuple[str, dict]] = {
+    "pertoken": ("pertoken", {}),
+    "pertoken+sinks": ("pertoken", {"sinks": 4}),
+    "kivi": ("kivi", {}),
+    "kivi+sinks": ("kivi", {"sinks": 4}),
+    "prerope+sinks": ("prerope", {"sinks": 4}),
+    "rotation": ("rotation", {}),
+    "rotation+sinks": ("rotation", {"sinks": 4}),
+    "rotation+qjl+sinks": ("rotation+qjl", {"sinks": 4}),
+}
+POLICY_NAMES = ("window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "random", "learned")
+REPACK_POLICIES = ("streaming_llm", "snapkv", "learned")
+BITS = (8, 4, 3, 2)
+KEEPS = (0.75, 0.5, 0.25, 0.1)
+NEEDLE_WORDS = (
+    "lighthouse",
+    "pineapple",
+    "saxophone",
+    "glacier",
+    "marigold",
+    "telescope",
+    "cinnamon",
+    "harbour",
+)
+TRAIN_CHARS = 150_000  # the learned evictor trains on the first 150k characters of the Python docs
+
+
+def evaluation_text(path: str | Path | None) -> Text:
+    """``--text FILE``, else Frankenstein, else the Python docs past the evictor's training part."""
+    if path:
+        return read_text_file(path)
+    text = default_long_text()
+    if text.source == python_docs().source:
+        return Text(
+            text.text[TRAIN_CHARS + 50_000 :], text.source + " (after the learned evictor's training part)"
+        )
+    return text
+
+
+def _ctx_observation(obs: Observation, n_ctx: int) -> Observation:
+    return Observation(
+        obs.snapshot.slice(0, n_ctx),
+        tuple(q[:, :, :n_ctx] for q in obs.queries),
+        obs.logits[:n_ctx],
+        obs.scaling,
+    )
+
+
+def needle_prompts(
+    model: Any, filler_ids: list[int], length: int, depth: float, word: str
+) -> tuple[list[int], list[int]]:
+    """(context ids with the needle at ``depth``, question ids); the question is never compressed."""
+    needle = model.encode(f" Remember this: the secret code word is {word}. ")
+    body = filler_ids[: max(length - len(needle), 1)]
+    cut = int(depth * len(body))
+    context = body[:cut] + needle + body[cut:]
+    question = model.encode(" Question: what is the secret code word? Answer: the secret code word is")
+    return context, question
+
+
+def evaluation_windows(
+    model: Any, src: Text, n_ctx: int, n_cont: int, n_win: int, seed: int
+) -> list[list[int]]:
+    """``n_win`` token windows of ``n_ctx + n_cont`` tokens, evenly spread over ``src``."""
+    ids = model.encode(src.text[: (n_ctx + n_cont) * n_win * 8 + 40_000])
+    return token_windows(ids, n_ctx + n_cont, n_win, seed=seed)
+
+
+def needle_trials(
+    model: Any, src: Text, lengths: list[int], depths: list[float]
+) -> list[tuple[list[int], list[int], str]]:
+    """``(context, question, word)`` per length x depth; the filler is the end of ``src``."""
+    filler = model.encode(src.text[-60_000:])
+    out = []
+    for i, (length, depth) in enumerate((L, d) for L in lengths for d in depths):
+        word = NEEDLE_WORDS[i % len(NEEDLE_WORDS)]
+        context, question = needle_prompts(model, filler, length, depth, word)
+        out.append((context, question, word))
+    return out
+
+
+def run(
+    ctx: ExperimentContext,
+    *,
+    text: str | Path | None = None,
+    context_tokens: int | None = None,
+    continuation_tokens: int | None = None,
+    windows: int | None = None,
+    bits: list[int] | None = None,
+    keeps: list[float] | None = None,
+    methods: list[str] | None = None,
+    policies: list[str] | None = None,
+    needle_lengths: list[int] | None = None,
+    needle_depths: list[float] | None = None,
+    needle_configs: list[str] | None = None,
+    timing_steps: int | None = None,
+) -> ExperimentResult:
+    result = ExperimentResult(
+        name="compression",
+        title="Cache compression: quantization and eviction",
+        description=__doc__.strip().split("\n")[0],
+    )
+    model = ctx.handle()
+    n_ctx = ctx.count("context_tokens", context_tokens, 256, 512, 1500)
+    n_cont = ctx.count("continuation_tokens", continuation_tokens, 48, 128, 256)
+    n_win = ctx.count("windows", windows, 1, 2, 8)
+    bits = list(bits or ctx.pick((4, 2), (4, 3, 2), BITS))
+    keeps = list(keeps or ctx.pick((0.5, 0.25), (0.5, 0.25, 0.1), KEEPS))
+    default_methods = ("pertoken", "pertoken+sinks", "kivi+sinks", "prerope+sinks", "rotation+sinks")
+    methods = list(
+        methods
+        or ctx.pick(("pertoken", "kivi+sinks", "rotation+sinks"), default_methods, tuple(QUANT_METHODS))
+    )
+    policies = list(policies or ctx.pick(("streaming_llm", "snapkv", "learned"), POLICY_NAMES))
+    unknown = [m for m in methods if m not in QUANT_METHODS] + [p for p in policies if p not in POLICY_NAMES]
+    if unknown:
+        raise BadInputError(
+            f"unknown method(s) {unknown}; quantizers: {list(QUANT_METHODS)}, policies: {POLICY_NAMES}"
+        )
+    for b in bits:
+        check_bits(b)
+    for k in keeps:
+        budget_slots(1000, k)
+    if "learned" in policies and not DEFAULT_WEIGHTS.is_file():
+        policies.remove("learned")
+        result.notes.append("learned policy skipped: no weights (run `kvlab train-evictor`)")
+    src = evaluation_text(text)
+    wins = evaluation_windows(model, src, n_ctx, n_cont, n_win, ctx.seed)
+    result.arrays["window_token_ids"] = np.array(wins)
+    result.data_sources.append(
+        f"{src.source}: {n_win} windows of {n_ctx} context + {n_cont} continuation tokens"
+    )
+
+    configs: list[tuple[str, str, float, str]] = [("full", "none", 0.0, "keep")]
+    configs += [("quant", m, float(b), "keep") for m in methods for b in bits]
+    configs += [("evict", p, float(k), "keep") for p in policies for k in keeps]
+    configs += [
+        ("evict", p, float(k), "repack") for p in policies if p in REPACK_POLICIES for k in keeps if k == 0.5
+    ]
+    names = [_label(c) for c in configs]
+    nll = {n: [] for n in names}
+    layer_stats = {
+        n: {k: [] for k in ("qk_rel_error", "qk_corr", "attn_kl", "out_rel_error", "kept_mass")}
+        for n in names
+    }
+    nbytes = {n: [] for n in names}
+    full_bytes = []
+    with ctx.progress.task("compression: windows", total=len(wins) * len(configs)) as advance:
+        for w in wins:
+            obs = observe(model, w)
+            cobs = _ctx_observation(obs, n_ctx)
+            snap = cobs.snapshot
+            future_q = tuple(q[:, :, n_ctx:] for q in obs.queries)
+            cont = w[n_ctx:]
+            ref = reference(future_q, snap.keys, snap.values, obs.scaling)
+            full_bytes.append(snap.nbytes)
+            for cfg, name in zip(configs, names, strict=True):
+                kind, method, budget, mode = cfg
+                slots = None
+                if kind == "full":
+                    keys, values, held = snap.keys, snap.values, snap.nbytes
+                    logits = model.forward(cont, past=snap).logits
+                elif kind == "quant":
+                    label, opts = QUANT_METHODS[method]
+                    qs = quantize_snapshot(snap, make_quantizer(label, int(budget), **opts))
+                    dec = qs.decompress()
+                    keys, values, held = dec.keys, dec.values, qs.nbytes
+                    logits = model.forward(cont, past=dec).logits
+                else:
+                    ev = evict(cobs, make_policy(method), keep=budget, mode=mode)
+                    keys, values, held, slots = ev.keys, ev.values, ev.nbytes, ev.slots
+                    from kvlab.hf.compressed_cache import logits_on_layers
+
+                    logits = logits_on_layers(model, ev.keys, ev.values, cont, ev.next_position)
+                nll[name].append(continuation_nll(logits, cont))
+                nbytes[name].append(held)
+                if mode == "keep":
+                    d = distortion(future_q, snap.keys, snap.values, keys, values, obs.scaling, slots, ref)
+                    for k in layer_stats[name]:
+                        layer_stats[name][k].append(getattr(d, k))
+                advance(1)
+    needle = _needle(ctx, model, src, configs, names, needle_lengths, needle_depths, needle_configs, result)
+    timing = (
+        _timing(ctx, model, wins[0][:n_ctx], methods, policies, timing_steps) if timing_steps != 0 else {}
+    )
+    return _report(
+        ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, model
+    )
+
+
+def _label(cfg: tuple[str, str, float, str]) -> str:
+    kind, method, budget, mode = cfg
+    if kind == "full":
+        return "full precision"
+    if kind == "quant":
+        return f"{method} int{int(budget)}"
+    return f"{method} {int(round(budget * 100))}%" + (" repack" if mode == "repack" else "")
+
+
+def _compress_context(obs: Observation, cfg: tuple[str, str, float, str]):
+    """(keys, values, next_position) of a compressed context, from its observation (one prefill for all)."""
+    kind, method, budget, mode = cfg
+    if kind == "evict":
+        ev = evict(obs, make_policy(method), keep=budget, mode=mode)
+        return ev.keys, ev.values, ev.next_position
+    snap = obs.snapshot
+    if kind == "quant":
+        label, opts = QUANT_METHODS[method]
+        snap = quantize_snapshot(snap, make_quantizer(label, int(budget), **opts)).decompress()
+    return snap.keys, snap.values, snap.next_position
+
+
+def _needle(ctx, model, src, configs, names, lengths, depths, wanted, result) -> dict[str, np.ndarray]:
+    from kvlab.hf.compressed_cache import greedy_on_layers
+
+    lengths = list(lengths or ctx.pick((200,), (384,), (512, 1024, 1536)))
+    depths = list(depths or ctx.pick((0.5,), (0.1, 0.5, 0.9), (0.1, 0.3, 0.5, 0.7, 0.9)))
+    if wanted is not None:
+        chosen = [(c, n) for c, n in zip(configs, names, strict=True) if c[0] == "full" or n in wanted]
+    else:
+        chosen = [
+            (c, n)
+            for c, n in zip(configs, names, strict=True)
+            if c[0] == "full"
+            or c[3] == "keep"
+            and c[2] in ctx.pick((4.0, 2.0, 0.5), (4.0, 0.5), (4.0, 2.0, 0.5))
+        ]
+    found = {n: [] for _, n in chosen}
+    trials = needle_trials(model, src, lengths, depths)
+    with ctx.progress.task("compression: needle", total=len(trials) * len(chosen)) as advance:
+        for context, question, word in trials:
+            obs = observe(model, context)
+            for cfg, name in chosen:
+                keys, values, nxt = _compress_context(obs, cfg)
+                out = greedy_on_layers(model, keys, values, question, nxt, 4)
+                found[name].append(float(word in model.decode(out).lower()))
+                advance(1)
+    result.summary["needle_trials"] = [{"length": L, "depth": d} for L in lengths for d in depths]
+    return {n: np.array(v) for n, v in found.items()}
+
+
+def _timing(ctx, model, context, methods, policies, steps) -> dict[str, float]:
+    from kvlab.hf.compressed_cache import CompressedCache
+
+    steps = ctx.count("steps", steps, 3, 8, 16)
+    setups: dict[str, dict] = {"full precision": {}}
+    for m in ("pertoken", "kivi+sinks", "rotation+sinks"):
+        if m in methods:
+            label, opts = QUANT_METHODS[m]
+            setups[f"{m} int4"] = {"quantizer": make_quantizer(label, 4, **opts)}
+    for p in ("streaming_llm", "snapkv"):
+        if p in policies:
+            setups[f"{p} 50%"] = {"policy": make_policy(p), "keep": 0.5, "model": model.model}
+    out = {}
+    ids = torch.tensor([context], device=model.device)
+    for name, kw in setups.items():
+        cache = CompressedCache(model.config, **kw)
+        with torch.no_grad():
+            first = model.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        out[name] = time_decode_ms(model, cache, int(first[0, -1].argmax()), len(context), steps)
+        out[name + " bytes"] = cache.nbytes
+    return out
+
+
+def _ci_pct(increase: np.ndarray) -> tuple[float, float, float]:
+    ci = bootstrap_ci(increase, "mean")
+    return ci.value, ci.low, ci.high
+
+
+def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, model):
+    import matplotlib.pyplot as plt
+
+    base_ppl = np.array([np.exp(x.mean()) for x in nll["full precision"]])
+    fp_bpt = float(np.mean(full_bytes)) / n_ctx
+    rows_q, rows_e, points = [], [], []
+    summary: dict[str, Any] = {
+        "context_tokens": n_ctx,
+        "windows": len(base_ppl),
+        "full_precision_ppl": float(base_ppl.mean()),
+        "full_bytes_per_token": fp_bpt,
+        "configs": {},
+    }
+    base_needle = float(needle["full precision"].mean()) if "full precision" in needle else float("nan")
+    for cfg, name in zip(configs, names, strict=True):
+        ppl = np.array([np.exp(x.mean()) for x in nll[name]])
+        inc = 100 * (ppl / base_ppl - 1)
+        v, lo, hi = _ci_pct(inc)
+        bpt = float(np.mean(nbytes[name])) / n_ctx
+        ls = {k: np.array(val) for k, val in layer_stats[name].items() if val}
+        nd = float(needle[name].mean()) if name in needle else None
+        entry = {
+            "kind": cfg[0],
+            "method": cfg[1],
+            "budget": cfg[2],
+            "mode": cfg[3],
+            "bytes_per_token": bpt,
+            "ppl": float(ppl.mean()),
+            "ppl_increase_pct": v,
+            "ppl_increase_ci": [lo, hi],
+            "needle_accuracy": nd,
+            "needle_relative": (nd / base_needle) if nd is not None and base_needle else None,
+        }
+        for k, arr in ls.items():
+            entry[k] = float(arr.mean())
+            result.arrays[f"{name}/{k}"] = arr  # [windows, layers]
+        result.arrays[f"{name}/nll"] = np.stack(nll[name])  # [windows, continuation - 1]
+        summary["configs"][name] = entry
+        elems_per_token = 2 * model.facts.num_layers * model.facts.num_kv_heads * model.facts.head_dim
+        row = [
+            name,
+            int(round(bpt)),
+            round(8 * bpt / elems_per_token, 2) if cfg[0] != "evict" else None,
+            float(ppl.mean()),
+            f"{v:+.2f}% [{lo:+.2f}, {hi:+.2f}]",
+            entry.get("out_rel_error"),
+            entry.get("attn_kl") if cfg[0] != "evict" else entry.get("kept_mass"),
+            entry.get("qk_corr") if cfg[0] != "evict" else None,
+            "" if nd is None else f"{nd:.2f}",
+        ]
+        (rows_e if cfg[0] == "evict" else rows_q).append(row)
+        if cfg[0] != "full":
+            points.append((cfg, bpt, v, lo, hi))
+    result.tables.append(
+        Table(
+            "Quantization",
+            [
+                "method",
+                "bytes/token",
+                "bits/element",
+                "perplexity",
+                "Δ perplexity [95% CI]",
+                "attn-output rel. error",
+                "attention KL (nats)",
+                "q·k correlation",
+                "needle accuracy",
+            ],
+            rows_q,
+            caption=f"Bytes/token count packed codes, fp16 scales/zero points and full-precision slots "
+            f"(fp32 cache: {fp_bpt:.0f}). Errors use the continuation's queries, averaged over layers.",
+        )
+    )
+    result.tables.append(
+        Table(
+            "Eviction",
+            [
+                "policy / kept",
+                "bytes/token",
+                "bits/element",
+                "perplexity",
+                "Δ perplexity [95% CI]",
+                "attn-output rel. error",
+                "attention mass kept",
+                "q·k correlation",
+                "needle accuracy",
+            ],
+            rows_e,
+            caption="Per layer and KV head, the kept slots keep their original RoPE positions ('repack': "
+            "re-rotated to 0..n-1, and the next query follows them); bytes/token per original token.",
+        )
+    )
+    if timing:
+        base = timing.get("full precision", float("nan"))
+        result.tables.append(
+            Table(
+                "Decode time on CompressedCache (one run, same machine load)",
+                ["cache", "ms/token", "ratio to full", "bytes held"],
+                [
+                    [k, v, v / base, int(timing[k + " bytes"])]
+                    for k, v in timing.items()
+                    if not k.endswith(" bytes")
+                ],
+                caption="Median over decode steps with model(...) on kvlab.hf.CompressedCache; quantized caches "
+                "dequantize their packed history at every step.",
+            )
+        )
+        summary["decode_ms"] = {k: v for k, v in timing.items() if not k.endswith(" bytes")}
+    _acceptance(summary)
+    result.summary.update(summary)
+
+    # Pareto: bytes vs perplexity increase
+    fig, ax = plt.subplots(figsize=(8, 5))
+    kinds: dict[str, list] = {}
+    for cfg, bpt, v, lo, hi in points:
+        key = (cfg[1] if cfg[0] == "quant" else f"evict: {cfg[1]}") + (
+            " (repack)" if cfg[3] == "repack" else ""
+        )
+        kinds.setdefault(key, []).append((bpt, v, lo, hi))
+    for key, pts in kinds.items():
+        pts.sort()
+        x = [p[0] for p in pts]
+        y = [p[1] for p in pts]
+        ax.errorbar(
+            x,
+            y,
+            yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+            marker="o" if not key.startswith("evict") else "s",
+            ms=4,
+            capsize=2,
+            lw=1,
+            ls="-" if not key.startswith("evict") else "--",
+            label=key,
+        )
+    front = _pareto([(p[1], p[2]) for p in points])
+    if front:
+        ax.plot(*zip(*front, strict=True), color="k", lw=2, alpha=0.35, label="Pareto front")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_xlabel("bytes held per context token (log)")
+    ax.set_ylabel("perplexity increase vs full precision (%)")
+    ax.set_title(f"Quality vs bytes ({model.facts.name}, {len(base_ppl)} windows, 95% bootstrap CI)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3, which="both")
+    result.figures.append(
+        ctx.figure(
+            "pareto",
+            fig,
+            "Continuation perplexity increase vs bytes held per token, "
+            "every method and budget; the black line is the Pareto front.",
+        )
+    )
+    # Per-layer distortion at 4 bits (or the first bit width)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    qnames = [
+        n
+        for c, n in zip(configs, names, strict=True)
+        if c[0] == "quant"
+        and c[2] == (4.0 if any(c2[2] == 4.0 for c2 in configs if c2[0] == "quant") else c[2])
+    ]
+    for n in qnames:
+        for ax, key in zip(axes, ("out_rel_error", "attn_kl"), strict=True):
+            arr = np.array(layer_stats[n][key])
+            mean, lo, hi = bootstrap_curve(arr)
+            xs = np.arange(arr.shape[1])
+            ax.plot(xs, mean, lw=1.2, label=n)
+            ax.fill_between(xs, lo, hi, alpha=0.2)
+    for ax, ylab in zip(axes, ("attention-output relative error", "attention KL (nats)"), strict=True):
+        ax.set_xlabel("layer")
+        ax.set_ylabel(ylab)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_title("Per-layer attention-output error")
+    axes[1].set_title("Per-layer attention KL")
+    result.figures.append(
+        ctx.figure(
+            "per_layer_distortion",
+            fig,
+            "Per-layer distortion of the quantizers at the same bit width (mean and 95% band over windows).",
+        )
+    )
+    result.notes.append(
+        "Needle accuracy is weak on a 135M model; read it relative to the full-precision row."
+    )
+    result.notes.append(
+        "Rotations and sketch matrices are regenerated from seeds (0 stored bytes); positions "
+        "and slot indices are bookkeeping and not counted in bytes/token."
+    )
+    return result
+
+
+def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    front, best = [], float("inf")
+    for x, y in sorted(points):
+        if y < best:
+            front.append((x, y))
+            best = y
+    return front
+
+
+def _acceptance(summary: dict) -> None:
+    c = summary["configs"]
+    acc: dict[str, Any] = {}
+    for sink in ("", "+sinks"):
+        a, b = c.get(f"rotation{sink} int4"), c.get(f"pertoken{sink} int4")
+        if a and b and "out_rel_error" in a:
+            acc[f"rotation{sink}_vs_pertoken{sink}_int4_out_error_ratio"] = (
+                a["out_rel_error"] / b["out_rel_error"]
+            )
+    two = {k: v["ppl_increase_pct"] for k, v in c.items() if v["kind"] == "quant" and v["budget"] == 2.0}
+    if two:
+        acc["best_2bit"] = min(two, key=two.get)
+        acc["best_2bit_ppl_increase_pct"] = min(two.values())
+    half = {k: v["ppl_increase_pct"] for k, v in c.items() if v["kind"] == "evict" and v["budget"] == 0.5}
+    if half:
+        acc["best_evict_50"] = min(half, key=half.get)
+        acc["best_evict_50_ppl_increase_pct"] = min(half.values())
+    summary["acceptance"] = acc
+
+
+def _signed(x: float | None) -> str:
+    return "–" if x is None else f"{x:+.2g}"
+
+
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    acc = s.get("acceptance", {}) or {}
+    b2, e50 = acc.get("best_2bit"), acc.get("best_evict_50")
+    text = (
+        f"The best 2-bit quantizer ({b2}) changes perplexity by {_signed(num(s, 'acceptance.best_2bit_ppl_increase_pct'))}% "
+        f"and the best policy keeping half the tokens ({e50}) by {_signed(num(s, 'acceptance.best_evict_50_ppl_increase_pct'))}%, "
+        f"against full precision at {format_number(num(s, 'full_bytes_per_token'))} bytes per token."
+    )
+    rows = [("full-precision perplexity", iv(s, "full_precision_ppl"))]
+    for name in (b2, e50):
+        if name:
+            rows.append((f"{name}: perplexity change %", iv(s, f"configs.{name}.ppl_increase_pct")))
+            rows.append((f"{name}: bytes per token", iv(s, f"configs.{name}.bytes_per_token")))
+    return text, rows
+
+
+EXPERIMENT = Experiment(
+    describe=describe,
+    name="compression",
+    title="Cache compression: quantization and eviction",
+    run=run,
+    order=80,
+    description="Quantizers (bit-packed) and eviction policies: distortion, "
+    "perplexity, needle retrieval, bytes and time, side by side.",
+)

@@ -1,0 +1,378 @@
+"""Phase 1, reproduced and extended: what does this model's cache look like, and how big does it get?
+
+Architecture and GQA, per-layer K/V shapes for the log's prompts, bytes per token for each dtype
+(formula checked against the bytes a real snapshot holds), growth projections up to the model's
+maximum and for larger batches, the context at which the cache outgrows the weights, and
+attention-sink indicators per position (attention mass received, K and V norms).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlab.data import PHASE1_PROMPTS, python_docs
+from kvlab.errors import BadInputError
+from kvlab.model.facts import ModelFacts, dtype_bytes, facts_from_config, load_config_file
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.report.format import format_number, iv, num
+
+PROJECTION_TOKENS = (100, 1_000, 4_000, 8_000, 32_000, 128_000)
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+BATCHES = (1, 8, 32)
+
+
+def _mb(n: float) -> float:
+    return n / 2**20
+
+
+def architecture_table(facts: ModelFacts, rope_summary: str | None) -> Table:
+    rows = [
+        ["architecture", facts.architecture],
+        ["layers", facts.num_layers],
+        ["query heads", facts.num_attention_heads],
+        ["KV heads", facts.num_kv_heads],
+        ["attention", facts.attention_kind],
+        ["head dim", facts.head_dim],
+        ["hidden size", facts.hidden_size],
+        ["vocabulary", facts.vocab_size],
+        ["max positions", facts.max_positions],
+        ["parameters", facts.num_parameters],
+        ["weights dtype", facts.weights_dtype],
+        ["RoPE", rope_summary or "none (no rotary embedding found)"],
+    ]
+    if facts.sliding_window:
+        rows.append(["sliding window", f"{facts.sliding_window} ({facts.num_sliding_layers} layers)"])
+    return Table("Architecture", ["property", "value"], rows)
+
+
+def projections(facts: ModelFacts, weights_dtype: str | None = None) -> dict[str, Any]:
+    """Cache bytes at the standard lengths and the model maximum, per dtype and batch, plus crossovers."""
+    lengths = sorted({*PROJECTION_TOKENS, facts.max_positions} - {0})
+    out: dict[str, Any] = {
+        "tokens": lengths,
+        "bytes": {},
+        "beyond_max": [n > facts.max_positions for n in lengths],
+    }
+    for dt in CACHE_DTYPES:
+        for b in BATCHES:
+            out["bytes"][f"{dt}/batch{b}"] = [facts.kv_bytes_per_token(dt) * n * b for n in lengths]
+    wd = weights_dtype or facts.weights_dtype
+    out["weights_bytes"] = facts.weights_bytes(wd)
+    out["weights_dtype"] = wd
+    out["crossover_tokens"] = {
+        f"{dt}/batch{b}": facts.crossover_tokens(dt, wd, b) for dt in CACHE_DTYPES for b in BATCHES
+    }
+    return out
+
+
+def _projection_figure(ctx: ExperimentContext, facts: ModelFacts, proj: dict) -> Any:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    xs = np.logspace(2, np.log10(max(proj["tokens"]) * 1.2), 200)
+    for dt, style in zip(("float32", "bfloat16", "int8"), ("-", "--", ":"), strict=True):
+        ax.plot(xs, facts.kv_bytes_per_token(dt) * xs / 2**30, style, label=f"KV cache, {dt}, batch 1")
+    ax.plot(
+        xs, facts.kv_bytes_per_token("bfloat16") * xs * 8 / 2**30, "-.", label="KV cache, bfloat16, batch 8"
+    )
+    ax.axhline(proj["weights_bytes"] / 2**30, color="k", lw=1.2, label=f"weights ({proj['weights_dtype']})")
+    if facts.max_positions:
+        ax.axvline(
+            facts.max_positions, color="grey", lw=0.8, ls="--", label=f"max positions {facts.max_positions:,}"
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("memory (GiB)")
+    ax.set_title(f"{facts.name}: KV cache growth vs weights")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+def sink_indicators(model: Any, n_tokens: int) -> dict[str, np.ndarray]:
+    """Attention mass each position receives and K/V norms per position, over a prose passage."""
+    text = python_docs().text
+    ids = model.encode(text[: n_tokens * 8])[:n_tokens]
+    fwd = model.prefill(ids, output_attentions=True, all_logits=False)
+    att = np.stack([a[0].float().numpy() for a in fwd.attentions])  # [L, H, T, T]
+    T = att.shape[-1]
+    # Mass received by key j, averaged over the queries that can see it (i >= j).
+    visible = np.arange(T, 0, -1, dtype=np.float64)
+    received = att.sum(axis=2) / visible  # [L, H, T]
+    snap = fwd.snapshot
+    k_norm = np.stack([k[0].float().norm(dim=-1).numpy() for k in snap.keys])  # [L, Hkv, T]
+    v_norm = np.stack([v[0].float().norm(dim=-1).numpy() for v in snap.values])
+    first_share = att[:, :, 1:, 0].mean(axis=-1)  # [L, H]: share of attention on position 0
+    return {
+        "received": received,
+        "k_norm": k_norm,
+        "v_norm": v_norm,
+        "first_token_share": first_share,
+        "token_ids": np.array(ids),
+    }
+
+
+def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: str) -> list:
+    import matplotlib.pyplot as plt
+
+    figs = []
+    rec = sinks["received"].mean(axis=(0, 1))
+    T = rec.shape[0]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    axes[0].plot(np.arange(T), rec, lw=1)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("key position")
+    axes[0].set_ylabel("mean attention received")
+    axes[0].set_title("Attention mass received per position")
+    kn, vn = sinks["k_norm"].mean(axis=(0, 1)), sinks["v_norm"].mean(axis=(0, 1))
+    axes[1].plot(np.arange(T), kn / kn[1:].mean(), label=f"|K| / its mean over positions 1–{T - 1}", lw=1)
+    axes[1].plot(
+        np.arange(T), vn / vn[1:].mean(), label=f"|V| / its mean over positions 1–{T - 1}", lw=1, ls="--"
+    )
+    axes[1].set_xlabel("position")
+    axes[1].set_ylabel("relative norm")
+    axes[1].set_title("K and V norms per position")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{name}: attention sinks over {T} tokens of prose")
+    fig.tight_layout()  # the suptitle gets its own row instead of overlapping the axes titles
+    figs.append(
+        ctx.figure(
+            "sinks_per_position",
+            fig,
+            "Position 0 (the first text token, no BOS) draws most "
+            "attention in most layers: the attention sink.",
+        )
+    )
+    share = sinks["first_token_share"]
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    ax.plot(np.arange(share.shape[0]), share.mean(axis=1), marker="o", ms=3, label="mean over heads")
+    ax.fill_between(
+        np.arange(share.shape[0]),
+        share.min(axis=1),
+        share.max(axis=1),
+        alpha=0.25,
+        label="min–max over heads",
+    )
+    ax.set_xlabel("layer")
+    ax.set_ylabel("share of attention on position 0")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{name}: sink strength by layer")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    figs.append(
+        ctx.figure(
+            "sink_by_layer", fig, "Share of each query's attention that goes to position 0, per layer."
+        )
+    )
+    return figs
+
+
+def run(
+    ctx: ExperimentContext,
+    *,
+    config: str | Path | None = None,
+    prompts: list[str] | None = None,
+    cache_dtype: str | None = None,
+    generate_tokens: int | None = None,
+) -> ExperimentResult:
+    result = ExperimentResult(
+        name="inspect", title="Cache inspection (Phase 1)", description=__doc__.strip().split("\n")[0]
+    )
+    model = None
+    if config is not None:
+        cfg = load_config_file(config)
+        facts = facts_from_config(cfg, name=Path(config).stem)
+        from kvlab.rope.spec import rope_spec_from_config
+
+        rope = rope_spec_from_config(cfg)
+        result.data_sources.append(f"config file {config} (no weights)")
+    else:
+        model = ctx.handle()
+        facts, rope = model.facts, model.rope
+    cache_dtype = cache_dtype or (str(model.dtype).replace("torch.", "") if model else facts.weights_dtype)
+    dtype_bytes(cache_dtype)  # validates
+    result.tables.append(architecture_table(facts, rope.summary() if rope else None))
+    per_token = {dt: facts.kv_bytes_per_token(dt) for dt in ("float32", "bfloat16", "float16", "int8")}
+    result.summary.update(
+        {
+            "model": facts.name,
+            "cache_dtype": cache_dtype,
+            "bytes_per_token": facts.kv_bytes_per_token(cache_dtype),
+            "bytes_per_token_formula": facts.kv_bytes_formula(cache_dtype),
+            "bytes_per_token_by_dtype": per_token,
+            "gqa_ratio": facts.gqa_ratio,
+            "num_parameters": facts.num_parameters,
+        }
+    )
+    result.tables.append(
+        Table(
+            "Bytes per token",
+            ["dtype", "bytes/token", "formula"],
+            [[dt, b, facts.kv_bytes_formula(dt)] for dt, b in per_token.items()],
+        )
+    )
+    proj = projections(facts)
+    result.summary["weights_bytes"] = proj["weights_bytes"]
+    result.summary["crossover_tokens"] = proj["crossover_tokens"]
+    rows = []
+    for i, n in enumerate(proj["tokens"]):
+        tag = " (beyond max)" if proj["beyond_max"][i] else (" (max)" if n == facts.max_positions else "")
+        rows.append(
+            [f"{n:,}{tag}"]
+            + [_mb(proj["bytes"][f"{dt}/batch{b}"][i]) for dt in ("float32", "bfloat16") for b in BATCHES]
+        )
+    result.tables.append(
+        Table(
+            "Projected cache size (MiB)",
+            ["tokens"] + [f"{dt} b{b}" for dt in ("float32", "bfloat16") for b in BATCHES],
+            rows,
+            caption=f"Weights: {_mb(proj['weights_bytes']):,.0f} MiB in {proj['weights_dtype']}. The cache outgrows them at "
+            f"{proj['crossover_tokens'][f'{cache_dtype}/batch1'] if cache_dtype in CACHE_DTYPES else '?':,} tokens "
+            f"({cache_dtype}, batch 1) and at {proj['crossover_tokens']['bfloat16/batch8']:,} tokens (bfloat16, batch 8).",
+        )
+    )
+    result.arrays["projection_tokens"] = np.array(proj["tokens"])
+    result.figures.append(
+        ctx.figure(
+            "growth",
+            _projection_figure(ctx, facts, proj),
+            "KV cache memory vs context length, per dtype and batch, against the weights.",
+        )
+    )
+    if model is None:
+        result.notes.append(
+            "Config only: per-layer shapes, measured bytes and attention sinks need the model's weights."
+        )
+        return result
+
+    prompts = list(prompts) if prompts else list(PHASE1_PROMPTS)
+    n_gen = generate_tokens if generate_tokens is not None else ctx.pick(5, 20)
+    rows, layers_meta = [], []
+    with ctx.progress.task("inspect: prompts", total=len(prompts)) as advance:
+        for prompt in prompts:
+            ids = model.encode(prompt)
+            if len(ids) >= model.max_positions:
+                raise BadInputError(
+                    f"prompt has {len(ids)} tokens, the model's maximum is {model.max_positions}"
+                )
+            first = model.prefill(ids, all_logits=False)
+            gen = (
+                model.generate(first.snapshot, first.logits[-1], n_gen, stop_at_eos=False) if n_gen else None
+            )
+            snap = gen.snapshot if gen else first.snapshot
+            # generate() stops caching the last emitted token; the cache holds prompt + (n_gen - 1) tokens.
+            k_shape = list(snap.keys[0].shape)
+            rows.append(
+                [
+                    prompt,
+                    len(ids),
+                    snap.seq_len,
+                    str(k_shape),
+                    str(list(snap.values[0].shape)),
+                    _mb(snap.nbytes),
+                    snap.bytes_per_token,
+                    gen.text.strip() if gen else "",
+                ]
+            )
+            layers_meta.append(
+                {
+                    "prompt": prompt,
+                    "layers": [
+                        {
+                            "layer_idx": i,
+                            "key_shape": list(k.shape),
+                            "value_shape": list(v.shape),
+                            "key_dtype": str(k.dtype),
+                            "value_dtype": str(v.dtype),
+                        }
+                        for i, (k, v) in enumerate(zip(snap.keys, snap.values, strict=True))
+                    ],
+                }
+            )
+            advance(1)
+    result.tables.append(
+        Table(
+            "Cache for the Phase 1 prompts",
+            [
+                "prompt",
+                "prompt tokens",
+                "cached tokens",
+                "key shape",
+                "value shape",
+                "cache MiB",
+                "bytes/token (measured)",
+                f"greedy continuation ({n_gen} tokens)",
+            ],
+            rows,
+            caption="Measured bytes/token come from the snapshot's tensors and must equal the formula.",
+        )
+    )
+    first = layers_meta[0]
+    result.tables.append(
+        Table(
+            f"Per-layer cache tensors for {first['prompt']!r}",
+            ["layer", "key shape", "value shape", "key dtype", "value dtype"],
+            [
+                [m["layer_idx"], str(m["key_shape"]), str(m["value_shape"]), m["key_dtype"], m["value_dtype"]]
+                for m in first["layers"]
+            ],
+            caption="[batch, kv_heads, cached tokens, head_dim]; every prompt's layers are in result.json.",
+        )
+    )
+    result.summary["measured_bytes_per_token"] = rows[0][6]
+    result.summary["per_layer"] = layers_meta
+    n_sink = min(ctx.pick(64, 256), model.max_positions - 1)
+    sinks = sink_indicators(model, n_sink)
+    result.arrays.update({f"sink_{k}": v for k, v in sinks.items()})
+    rec = sinks["received"].mean(axis=(0, 1))
+    result.summary["sinks"] = {
+        "tokens": int(rec.shape[0]),
+        "attention_received_pos0": float(rec[0]),
+        "attention_received_median_other": float(np.median(rec[1:])),
+        "pos0_over_median": float(rec[0] / np.median(rec[1:])),
+        "mean_first_token_share": float(sinks["first_token_share"].mean()),
+        "k_norm_pos0_over_mean": float(
+            sinks["k_norm"].mean(axis=(0, 1))[0] / sinks["k_norm"].mean(axis=(0, 1))[1:].mean()
+        ),
+        "v_norm_pos0_over_mean": float(
+            sinks["v_norm"].mean(axis=(0, 1))[0] / sinks["v_norm"].mean(axis=(0, 1))[1:].mean()
+        ),
+    }
+    result.figures.extend(_sink_figures(ctx, sinks, facts.name))
+    result.data_sources.append("Phase 1 prompts; Python documentation (pydoc_data) for the sink passage")
+    return result
+
+
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    dt = s.get("cache_dtype", "float32")
+    cross = num(s, f"crossover_tokens.{dt}/batch1")
+    sink = num(s, "sinks.pos0_over_median")
+    text = f"{s.get('model', 'This model')} caches {format_number(num(s, 'bytes_per_token'))} bytes per token in {dt}"
+    if cross is not None:
+        text += f"; at batch 1 the cache outgrows the weights after {format_number(int(cross))} tokens"
+    if sink is not None:
+        text += f"; position 0 receives {sink:.0f}x the median attention (an attention sink)"
+    rows = [
+        ("bytes per token", iv(s, "bytes_per_token")),
+        ("query heads per KV head (GQA)", iv(s, "gqa_ratio")),
+        (f"tokens until cache = weights ({dt}, batch 1)", iv(s, f"crossover_tokens.{dt}/batch1")),
+        ("attention to position 0 / median position", iv(s, "sinks.pos0_over_median")),
+    ]
+    return text + ".", rows
+
+
+EXPERIMENT = Experiment(
+    describe=describe,
+    name="inspect",
+    title="Cache inspection (Phase 1)",
+    run=run,
+    order=10,
+    description="Structure, bytes per token, growth and attention sinks of the model's KV cache.",
+)

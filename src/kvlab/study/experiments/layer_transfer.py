@@ -1,0 +1,167 @@
+"""Which layers carry the fact? Retention when the fact turn's cache is transferred only in some layers.
+
+Receiver: cache(P + neutral turn), where the neutral turn has exactly the fact turn's length (the
+fact's words replaced by unrelated text). Donor: cache(P + fact turn). ``transfer_layers`` puts the
+donor's K/V into the chosen layers; all other layers keep the neutral turn's K/V at those slots.
+Conditions: none, all, thirds (early / middle / late) and sliding windows of ``width`` layers; the
+per-layer curve plots each window's retention at its centre layer. Scored like context_retention.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlab.errors import BadInputError
+from kvlab.metrics import bootstrap_ci, bootstrap_curve
+from kvlab.ops.transfer import transfer_layers
+from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.report.format import format_number, iv, num
+
+
+def layer_conditions(num_layers: int, width: int, stride: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(label, layers) for none, all, thirds and sliding windows of ``width`` layers every ``stride``."""
+    if not 1 <= width <= num_layers or stride < 1:
+        raise BadInputError(
+            f"window width must lie in [1, {num_layers}] and stride >= 1 (got {width}, {stride})"
+        )
+    t = num_layers / 3
+    thirds = [(round(i * t), round((i + 1) * t)) for i in range(3)]
+    conds = [("none", ()), ("all", tuple(range(num_layers)))]
+    conds += [
+        (f"{name} {a}-{b - 1}", tuple(range(a, b)))
+        for name, (a, b) in zip(("early", "middle", "late"), thirds, strict=True)
+    ]
+    conds += [
+        (f"window {s}-{s + width - 1}", tuple(range(s, s + width)))
+        for s in range(0, num_layers - width + 1, stride)
+    ]
+    return conds
+
+
+def run(
+    ctx: ExperimentContext, *, facts: int | None = None, width: int | None = None, stride: int | None = None
+) -> ExperimentResult:
+    result = ExperimentResult(
+        name="layer_transfer", title="Which layers carry the fact", description=__doc__.strip().split("\n")[0]
+    )
+    model = ctx.handle()
+    L = model.facts.num_layers
+    width = ctx.count("width", width, quick=max(1, L // 3), default=max(1, L // 6))
+    stride = ctx.count("stride", stride, quick=max(1, L // 3), default=max(1, L // 10), full=1)
+    episodes = build_episodes(model, ctx.count("facts", facts, quick=6, default=len(FACTS)))
+    conds = layer_conditions(L, width, stride)
+    exact = np.zeros((len(episodes), len(conds)))
+    nll = np.zeros_like(exact)
+    with ctx.progress.task("layer transfer: facts", total=len(episodes)) as advance:
+        for i, ep in enumerate(episodes):
+            donor = model.prefill(ep.preamble + ep.fact).snapshot
+            neutral = model.prefill(ep.preamble + ep.neutral_fact).snapshot
+            unique = list(dict.fromkeys(layers for _, layers in conds))  # a window equal to a third runs once
+            pasts = [transfer_layers(neutral, donor, layers) if layers else neutral for layers in unique]
+            done = {
+                layers: (s.exact, s.nll)
+                for layers, s in zip(unique, score_answers(model, pasts, ep), strict=True)
+            }  # every condition has the same length and positions: one batched forward per fact
+            for j, (_, layers) in enumerate(conds):
+                exact[i, j], nll[i, j] = done[layers]
+            advance(1)
+    acc = [bootstrap_ci(exact[:, j], seed=ctx.seed) for j in range(len(conds))]
+    mnll = [bootstrap_ci(nll[:, j], seed=ctx.seed) for j in range(len(conds))]
+    result.tables.append(
+        Table(
+            "Retention by transferred layers",
+            ["layers", "accuracy", "95% CI", "answer NLL (nats)", "95% CI"],
+            [
+                [lab, a.value, f"[{a.low:.2f}, {a.high:.2f}]", m.value, f"[{m.low:.2f}, {m.high:.2f}]"]
+                for (lab, _), a, m in zip(conds, acc, mnll, strict=True)
+            ],
+            caption=f"{len(episodes)} facts; other layers hold a same-length neutral turn's K/V. Windows of {width} layers "
+            f"every {stride}.",
+        )
+    )
+    win = [j for j, (lab, _) in enumerate(conds) if lab.startswith("window")]
+    centres = np.array([np.mean(conds[j][1]) for j in win])
+    result.summary.update(
+        {
+            "facts": len(episodes),
+            "num_layers": L,
+            "window_width": width,
+            "window_stride": stride,
+            "accuracy": {lab: a.to_json() for (lab, _), a in zip(conds, acc, strict=True)},
+            "answer_nll_nats": {lab: m.to_json() for (lab, _), m in zip(conds, mnll, strict=True)},
+            "best_window": conds[win[int(np.argmin(nll[:, win].mean(0)))]][0] if win else None,
+        }
+    )
+    result.arrays.update(
+        {
+            "exact": exact,
+            "answer_nll": nll,
+            "condition_labels": np.array([c[0] for c in conds]),
+            "window_centres": centres,
+            "condition_layers": np.array([[int(i in c[1]) for i in range(L)] for c in conds]),
+        }
+    )
+    if win:
+        result.figures.append(
+            ctx.figure(
+                "per_layer",
+                _figure(exact[:, win], nll[:, win], centres, exact, nll, conds, width, model.name, ctx.seed),
+                f"Retention when only a window of {width} layers carries the fact turn's "
+                "K/V, by window centre; bands are bootstrap 95% intervals.",
+            )
+        )
+    result.data_sources.append(
+        f"{len(episodes)} fact/question pairs written for kvlab; the model's chat template"
+    )
+    return result
+
+
+def _figure(ex, nl, centres, exact_all, nll_all, conds, width, name, seed):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, data, full, ylab in (
+        (axes[0], ex, exact_all, "accuracy"),
+        (axes[1], nl, nll_all, "answer NLL (nats)"),
+    ):
+        mean, lo, hi = bootstrap_curve(data, seed=seed)
+        ax.plot(centres, mean, marker="o", ms=3, label=f"window of {width} layers transferred")
+        ax.fill_between(centres, lo, hi, alpha=0.25, label="95% bootstrap band")
+        for lab, style in (("none", ":"), ("all", "--")):
+            j = [c[0] for c in conds].index(lab)
+            ax.axhline(full[:, j].mean(), ls=style, color="k", lw=1, label=f"{lab} layers")
+        ax.set_xlabel("window centre (layer)")
+        ax.set_ylabel(ylab)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylim(-0.02, 1.02)
+    axes[0].set_title("Fact retention by layer window")
+    axes[1].set_title("Answer NLL by layer window")
+    fig.suptitle(f"{name}: which layers carry the fact")
+    return fig
+
+
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    best = s.get("best_window")
+    text = (
+        f"Of the layer ranges tried, layers {str(best).replace('window ', '')} carry the fact: transferring only them gives answer NLL "
+        f"{format_number(num(s, f'answer_nll_nats.{best}'))} nats against {format_number(num(s, 'answer_nll_nats.all'))} "
+        f"with every layer and {format_number(num(s, 'answer_nll_nats.none'))} with none."
+    )
+    rows = [
+        (f"answer NLL (nats), {k}", iv(s, f"answer_nll_nats.{k}")) for k in (s.get("answer_nll_nats") or {})
+    ]
+    return text, rows
+
+
+EXPERIMENT = Experiment(
+    describe=describe,
+    name="layer_transfer",
+    title="Which layers carry the fact",
+    run=run,
+    order=71,
+    description="Fact retention when the fact's cache is transferred only for early, middle, "
+    "late or sliding windows of layers.",
+)
