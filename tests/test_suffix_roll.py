@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.rolling_cache import partial_prefill_keys
+from kvlab.hf.masked import first_layers_kv
 from kvlab.metrics import kl_divergence
 from kvlab.ops.suffix import (
     VARIANTS,
@@ -93,10 +93,18 @@ def test_probe_keys_equal_full_prefill_layers(tiny_model, smollm):
     for h in (tiny_model("qwen2"), smollm):
         ids = list(range(3, 40))
         full = h.prefill(ids).snapshot
-        probe = partial_prefill_keys(h.model, torch.tensor([ids]), torch.arange(len(ids))[None], 2)
+        probe = first_layers_kv(h, None, torch.tensor(ids), torch.arange(len(ids)), 2)
         assert len(probe) == 2
-        assert_forward_close(probe[1], full.keys[1], h, tol=forward_tol(h, full.keys[1], layers=2))
-        assert h.model.config.num_hidden_layers == full.num_layers  # restored
+        assert_forward_close(probe[1][0], full.keys[1], h, tol=forward_tol(h, full.keys[1], layers=2))
+        # on top of a past: the new tokens' keys equal the full prefill's at those slots
+        past = full.slice(0, 20)
+        later = first_layers_kv(h, past, torch.tensor(ids[20:]), torch.arange(20, len(ids)), 2)
+        assert_forward_close(
+            later[1][0], full.keys[1][:, :, 20:], h, tol=forward_tol(h, full.keys[1], layers=2)
+        )
+        assert all(not layer._forward_hooks for layer in h.model.model.layers)  # the stop hook is gone
+        # and the next full forward is unaffected
+        assert_forward_close(h.prefill(ids).snapshot.keys[-1], full.keys[-1], h)
 
 
 def test_most_deviant_skips_sinks(tiny_snap):

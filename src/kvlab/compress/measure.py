@@ -7,7 +7,6 @@ Everything returns per-layer numpy arrays so curves over layers and windows can 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,16 +115,19 @@ def continuation_nll(logits: torch.Tensor, continuation: list[int]) -> np.ndarra
 
 
 def time_decode_ms(handle: Any, cache: Any, first_token: int, start_position: int, steps: int) -> float:
-    """Median milliseconds per greedy decode step of ``handle.model`` on ``cache`` (which it extends)."""
-    tok, times = first_token, []
+    """Median milliseconds per greedy decode step on ``cache`` (which it extends), through :func:`kvlab.decode.decode`."""
+    from kvlab.decode import decode
+
+    position = start_position
+
+    def feed(tokens: torch.Tensor) -> torch.Tensor:
+        nonlocal position
+        out = handle.run(tokens[:, None], cache, positions=torch.tensor([position]))
+        position += 1
+        return out.logits[:, -1]
+
+    first = torch.zeros(1, int(handle.config.vocab_size))
+    first[0, int(first_token)] = 1.0  # the loop's first pick is ``first_token``
     with torch.no_grad():
-        for s in range(steps):
-            ids = torch.tensor([[tok]], device=handle.device)
-            pos = torch.tensor([[start_position + s]], device=handle.device)
-            t0 = time.perf_counter()
-            logits = handle.model(
-                input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True
-            ).logits
-            times.append((time.perf_counter() - t0) * 1000)
-            tok = int(logits[0, -1].argmax())
+        times = [s.seconds * 1000 for s in decode(feed, first, steps, feed_last=True)]
     return float(np.median(times))

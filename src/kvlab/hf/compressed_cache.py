@@ -248,11 +248,9 @@ def logits_on_layers(
     Works for caches that are not :class:`~kvlab.cache.KVSnapshot` s (per-head evicted caches); the
     inputs are copied, never written.
     """
-    ids = torch.as_tensor([tokens], dtype=torch.long, device=handle.device)
-    pos = torch.arange(start_position, start_position + ids.shape[1], device=handle.device)[None]
     cache = dynamic_cache_from_layers(keys, values, handle.config)
-    out = handle.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
-    return out.logits[0].float()
+    positions = torch.arange(start_position, start_position + len(tokens))
+    return handle.run(torch.as_tensor(tokens), cache, positions=positions).logits[0].float()
 
 
 @torch.no_grad()
@@ -265,17 +263,21 @@ def greedy_on_layers(
     max_new_tokens: int,
 ) -> list[int]:
     """Greedy tokens after per-layer K/V plus ``prompt`` (run at ``start_position`` onward); inputs untouched."""
+    from kvlab.decode import decode
+
     cache = dynamic_cache_from_layers(keys, values, handle.config)
-    ids = torch.as_tensor([prompt], dtype=torch.long, device=handle.device)
-    pos = start_position
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        position_ids = torch.arange(pos, pos + ids.shape[1], device=handle.device)[None]
-        logits = handle.model(
-            input_ids=ids, past_key_values=cache, position_ids=position_ids, use_cache=True, logits_to_keep=1
-        ).logits
-        pos += ids.shape[1]
-        tok = int(logits[0, -1].argmax())
-        out.append(tok)
-        ids = torch.tensor([[tok]], device=handle.device)
-    return out
+    position = start_position + len(prompt)
+    first = handle.run(
+        torch.as_tensor(prompt),
+        cache,
+        positions=torch.arange(start_position, position),
+        logits_to_keep=1,
+    ).logits[:, -1]
+
+    def feed(tokens: torch.Tensor) -> torch.Tensor:
+        nonlocal position
+        out = handle.run(tokens[:, None], cache, positions=torch.tensor([position]), logits_to_keep=1)
+        position += 1
+        return out.logits[:, -1]
+
+    return [int(s.tokens[0]) for s in decode(feed, first, max_new_tokens)]

@@ -2,8 +2,8 @@
 stopping after the first few layers. Used by non-prefix reuse (:mod:`kvlab.store.blend`).
 
 Relies on transformers 5.x passing a 4-D ``attention_mask`` through unchanged (``masking_utils``
-returns "an already prepared 4D mask ... as-is") and on decoder layers living in
-``model.model.layers``.
+returns "an already prepared 4D mask ... as-is"). Both go through :meth:`ModelHandle.run`, the one
+call into the model.
 """
 
 from __future__ import annotations
@@ -15,17 +15,6 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import hf_cache_layers, to_hf_cache
-
-
-class _StopForward(Exception):
-    pass
-
-
-def _decoder_layers(model: Any) -> Any:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise UnsupportedModelError("this model does not keep its decoder layers in model.model.layers")
-    return layers
 
 
 @torch.no_grad()
@@ -48,13 +37,7 @@ def forward_masked(
     cache = to_hf_cache(past, handle.config, copy=False)
     dtype = handle.dtype
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
-    out = handle.model(
-        input_ids=ids.reshape(1, n).to(handle.device),
-        past_key_values=cache,
-        position_ids=positions.reshape(1, n).to(handle.device),
-        attention_mask=mask.to(handle.device),
-        use_cache=True,
-    )
+    out = handle.run(ids.reshape(1, n), cache, positions=positions.reshape(n), attention_mask=mask)
     layers = hf_cache_layers(out.past_key_values)
     keys = tuple(k[:, :, past.seq_len :].clone() for k, _ in layers)
     values = tuple(v[:, :, past.seq_len :].clone() for _, v in layers)
@@ -68,31 +51,14 @@ def first_layers_kv(
     """K/V ``[1, kv_heads, n, head_dim]`` of the new tokens in the first ``num_layers`` layers only.
 
     The pass stops after layer ``num_layers - 1`` (causal over ``past``'s slots), so it costs about
-    ``num_layers / L`` of a full forward.
+    ``num_layers / L`` of a full forward. kvlab's one first-layers probe (selective recompute of
+    rolled caches and of blended store chunks both use it).
     """
-    layers_mod = _decoder_layers(handle.model)
-    if not 1 <= num_layers <= len(layers_mod):
-        raise BadInputError(f"num_layers must lie in [1, {len(layers_mod)}], got {num_layers}")
     from kvlab.hf.cache import new_hf_cache
 
     cache = to_hf_cache(past, handle.config, copy=False) if past is not None else new_hf_cache(handle.config)
     past_len = past.seq_len if past is not None else 0
-
-    def stop(*_: Any) -> None:
-        raise _StopForward
-
-    hook = layers_mod[num_layers - 1].register_forward_hook(stop)
-    try:
-        handle.model(
-            input_ids=ids.reshape(1, -1).to(handle.device),
-            past_key_values=cache,
-            position_ids=positions.reshape(1, -1).to(handle.device),
-            use_cache=True,
-        )
-    except _StopForward:
-        pass
-    finally:
-        hook.remove()
+    handle.run(ids.reshape(1, -1), cache, positions=positions.reshape(-1), stop_after_layer=num_layers)
     out = []
     for i, layer in enumerate(cache.layers[:num_layers]):
         if layer.keys is None:

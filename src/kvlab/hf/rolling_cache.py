@@ -385,34 +385,3 @@ def rolling_cache_for(
         max_position=max_position or handle.max_positions,
         rebase=rebase,
     )
-
-
-@torch.no_grad()
-def partial_prefill_keys(
-    model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, num_layers: int
-) -> list[torch.Tensor]:
-    """Keys ``[batch, kv_heads, T, head_dim]`` of the first ``num_layers`` layers for a fresh prefill.
-
-    A cheap probe (``num_layers / L`` of a full prefill): the model's own decoder loop runs over
-    ``config.num_hidden_layers`` layers, which is lowered for the duration of the call.
-    """
-    from kvlab.hf.cache import new_hf_cache
-
-    cfg = model.config
-    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-    total = int(text.num_hidden_layers)
-    if not 1 <= num_layers <= total:
-        raise BadInputError(f"probe layers must lie in [1, {total}], got {num_layers}")
-    cache = new_hf_cache(cfg)
-    text.num_hidden_layers = num_layers
-    try:
-        model(
-            input_ids=input_ids,
-            past_key_values=cache,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    finally:
-        text.num_hidden_layers = total
-    return [cache.layers[i].keys for i in range(num_layers)]

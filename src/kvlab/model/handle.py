@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from kvlab.cache.snapshot import KVSnapshot
-from kvlab.errors import BadInputError
+from kvlab.decode import GREEDY, Sampling, decode
+from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import check_fits_sliding_windows, new_hf_cache, snapshot_from_hf, to_hf_cache
 from kvlab.model.facts import ModelFacts, facts_from_config
 from kvlab.rope.spec import RopeSpec, rope_spec_from_model
@@ -207,16 +208,13 @@ class ModelHandle:
         total = n_new + (past.seq_len if past is not None else 0)
         check_fits_sliding_windows(self.config, total)
         cache = to_hf_cache(past, self.config, copy=False) if past is not None else new_hf_cache(self.config)
-        ctx = self.eager_attention() if output_attentions else contextlib.nullcontext()
-        with ctx:
-            out = self.model(
-                input_ids=ids,
-                past_key_values=cache,
-                position_ids=pos.to(self.device)[None].expand(ids.shape[0], -1),
-                use_cache=True,
-                output_attentions=output_attentions,
-                logits_to_keep=0 if all_logits else 1,
-            )
+        out = self.run(
+            ids,
+            cache,
+            positions=pos,
+            output_attentions=output_attentions,
+            logits_to_keep=0 if all_logits else 1,
+        )
         token_ids = ids.cpu() if past is None else torch.cat((past.token_ids, ids.cpu()), dim=1)
         positions_all = pos if past is None else torch.cat((past.positions, pos))
         # A prefill only when every slot is this model's own computation at positions 0..T-1.
@@ -235,6 +233,62 @@ class ModelHandle:
         attentions = tuple(a.detach() for a in out.attentions) if output_attentions else None
         return Forward(snapshot=snapshot, logits=logits, attentions=attentions)
 
+    @torch.no_grad()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        cache: Any = None,
+        *,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        output_attentions: bool = False,
+        stop_after_layer: int | None = None,
+    ) -> Any:
+        """The one call into the model: ``input_ids [batch, n]`` on a live transformers ``cache``.
+
+        Every kvlab module reaches the model through here (snapshots through :meth:`forward`, live
+        caches such as :class:`~kvlab.hf.RollingCache` directly), so there is one place that knows how
+        transformers wants its arguments. ``positions`` (``[n]`` or ``[batch, n]``): RoPE positions of
+        the new tokens; None lets the cache choose them (``cache.get_seq_length()`` onward), which a
+        rolling cache relies on. ``attention_mask``: a prepared 4-D float mask, passed through as is.
+        ``stop_after_layer=k`` stops the pass after decoder layer ``k - 1`` (the cache then holds the
+        new tokens' K/V for the first ``k`` layers) and returns None: a probe at ``k / L`` of the cost.
+        Writes into ``cache`` (that is what a live cache is for; without one, nothing is cached);
+        returns transformers' output.
+        """
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        ids = (ids[None] if ids.ndim == 1 else ids).to(self.device)
+        kwargs: dict[str, Any] = {
+            "input_ids": ids,
+            "use_cache": cache is not None,
+            "logits_to_keep": logits_to_keep,
+        }
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        if positions is not None:
+            pos = torch.as_tensor(positions, dtype=torch.long).to(self.device)
+            kwargs["position_ids"] = (pos[None] if pos.ndim == 1 else pos).expand(ids.shape[0], -1)
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(self.device)
+        if output_attentions:
+            kwargs["output_attentions"] = True
+            with self.eager_attention():
+                return self.model(**kwargs)
+        if stop_after_layer is None:
+            return self.model(**kwargs)
+        layers = decoder_layers(self.model)
+        if not 1 <= stop_after_layer <= len(layers):
+            raise BadInputError(f"probe layers must lie in [1, {len(layers)}], got {stop_after_layer}")
+        hook = layers[stop_after_layer - 1].register_forward_hook(_stop_forward)
+        try:
+            self.model(**kwargs)
+        except _StopForward:
+            pass
+        finally:
+            hook.remove()
+        return None
+
     def prefill(self, tokens: TokensLike, *, start_position: int = 0, **kw) -> Forward:
         """Process ``tokens`` from an empty cache, the first at RoPE position ``start_position``."""
         n = self._as_ids(tokens).shape[1]
@@ -250,6 +304,18 @@ class ModelHandle:
         """One new token on top of ``past``; returns its ``[vocab]`` logits as ``logits[-1]``."""
         return self.forward([int(token_id)], past, positions=None if position is None else [position])
 
+    def _snapshot_feed(self, past: KVSnapshot) -> tuple[Any, Any]:
+        """A ``feed`` for :func:`kvlab.decode.decode` that extends snapshots, and a getter for the latest."""
+        state = {"snapshot": past}
+
+        def feed(tokens: torch.Tensor) -> torch.Tensor:
+            step = self.forward(tokens[:, None], state["snapshot"], all_logits=False)
+            state["snapshot"] = step.snapshot
+            last = step.last_logits
+            return last[None] if last.ndim == 1 else last
+
+        return feed, lambda: state["snapshot"]
+
     @torch.no_grad()
     def generate(
         self,
@@ -259,29 +325,27 @@ class ModelHandle:
         *,
         stop_at_eos: bool = True,
         keep_logits: bool = False,
+        sampling: Sampling = GREEDY,
     ) -> Generation:
-        """Greedy continuation of a cache whose last next-token logits are ``first_logits [vocab]``.
+        """Continue a cache whose last next-token logits are ``first_logits [vocab]`` (greedy by default).
 
         The returned snapshot holds ``past`` plus every generated token but the last (which was never fed).
         """
         if max_new_tokens < 1:
             raise BadInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         eos = self._eos_ids() if stop_at_eos else set()
-        snap, logits, out, kept = past, first_logits, [], []
-        for step_no in range(max_new_tokens):
-            if keep_logits:
-                kept.append(logits.float().cpu())
-            tok = int(torch.argmax(logits))
-            out.append(tok)
-            if tok in eos or step_no == max_new_tokens - 1:
-                break
-            step = self.decode_step(snap, tok)
-            snap, logits = step.snapshot, step.logits[-1]
+        feed, latest = self._snapshot_feed(past)
+        steps = list(
+            decode(
+                feed, first_logits, max_new_tokens, sampling=sampling, stop_ids=eos, keep_logits=keep_logits
+            )
+        )
+        out = [int(s.tokens[0]) for s in steps]
         return Generation(
             token_ids=out,
             text=self.decode([t for t in out if t not in eos]),
-            snapshot=snap,
-            step_logits=torch.stack(kept) if kept else None,
+            snapshot=latest(),
+            step_logits=torch.cat([s.logits for s in steps]) if keep_logits else None,
         )
 
     @torch.no_grad()
@@ -300,17 +364,11 @@ class ModelHandle:
         logits = first_logits if first_logits.ndim == 2 else first_logits[None]
         if logits.shape[0] != past.batch_size:
             raise BadInputError(f"{logits.shape[0]} logit rows for a cache of batch {past.batch_size}")
+        feed, _ = self._snapshot_feed(past)
         out: list[list[int]] = [[] for _ in range(past.batch_size)]
-        snap = past
-        for step_no in range(max_new_tokens):
-            toks = logits.argmax(-1)
-            for row, tok in zip(out, toks.tolist(), strict=True):
+        for step in decode(feed, logits, max_new_tokens):
+            for row, tok in zip(out, step.tokens, strict=True):
                 row.append(int(tok))
-            if step_no == max_new_tokens - 1:
-                break
-            step = self.forward(toks[:, None], snap)
-            snap = step.snapshot
-            logits = step.logits[:, -1] if step.logits.ndim == 3 else step.logits[-1:]
         return out
 
     def generate_text(self, text: str, max_new_tokens: int = 20, *, chat: bool = False) -> Generation:
@@ -342,3 +400,19 @@ class ModelHandle:
         return (
             f"ModelHandle({self.name}, {self.facts.attention_kind}, {str(self.dtype).replace('torch.', '')})"
         )
+
+
+class _StopForward(Exception):
+    """Raised by a forward hook to end a pass early (see ``ModelHandle.run(stop_after_layer=...)``)."""
+
+
+def _stop_forward(*_: Any) -> None:
+    raise _StopForward
+
+
+def decoder_layers(model: Any) -> Any:
+    """The decoder layers of a transformers causal LM (``model.model.layers``), for hooks."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise UnsupportedModelError("this model does not keep its decoder layers in model.model.layers")
+    return layers

@@ -178,14 +178,12 @@ def probe_deviation(handle: Any, rolled: KVSnapshot, probe_layers: int = 2) -> t
     (``probe_layers / L`` of a re-prefill); the deviation is measured in the probe's last layer
     (layer 0's keys depend on the token and its position only, so ``probe_layers >= 2``).
     """
-    from kvlab.hf.rolling_cache import partial_prefill_keys
+    from kvlab.hf.masked import first_layers_kv
 
     if probe_layers < 2:
         raise BadInputError("the probe needs at least 2 layers (layer 0's keys ignore the context)")
-    ids = torch.tensor([rolled.token_list()], dtype=torch.long, device=handle.device)
-    probe = partial_prefill_keys(handle.model, ids, rolled.positions[None].to(handle.device), probe_layers)[
-        -1
-    ]
+    ids = torch.tensor(rolled.token_list(), dtype=torch.long)
+    probe = first_layers_kv(handle, None, ids, rolled.positions, probe_layers)[-1][0]
     cached = rolled.keys[probe_layers - 1]
     return (probe.float() - cached.float()).norm(dim=-1).mean(dim=(0, 1)).cpu()
 

@@ -6,12 +6,12 @@ from ``cache.get_seq_length()``, so the cache can re-base and positions never pa
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvlab.decode import Sampling, decode
 from kvlab.errors import BadInputError
 from kvlab.hf.rolling_cache import RollingCache
 
@@ -32,16 +32,13 @@ class StreamEvent:
 @torch.no_grad()
 def feed(handle, cache: RollingCache, token_ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
     """Run ``token_ids`` through the cache in pieces of at most ``chunk`` tokens; returns the last ``[vocab]`` logits."""
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=handle.device)[None]
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
     if ids.shape[1] == 0:
         raise BadInputError("nothing to feed: give at least one token")
     chunk = chunk or cache.headroom
     logits = None
     for start in range(0, ids.shape[1], chunk):
-        out = handle.model(
-            input_ids=ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1
-        )
-        logits = out.logits[0, -1].float()
+        logits = handle.run(ids[:, start : start + chunk], cache, logits_to_keep=1).logits[0, -1].float()
     return logits
 
 
@@ -53,30 +50,31 @@ def stream_generate(
     max_new_tokens: int | None = None,
     *,
     temperature: float = 0.0,
+    top_p: float = 1.0,
     seed: int = 0,
     stop_ids: Sequence[int] = (),
 ) -> Iterator[StreamEvent]:
     """Yield tokens one at a time, forever if ``max_new_tokens`` is None (greedy unless ``temperature > 0``).
 
-    Every yielded token has been fed to the cache, so the next call can continue from it.
+    Every yielded token has been fed to the cache, so the next call can continue from it. The loop
+    is :func:`kvlab.decode.decode`; this adds what the rolling cache did at each step.
     """
-    if temperature < 0:
-        raise BadInputError(f"temperature must be >= 0, got {temperature}")
-    gen = torch.Generator().manual_seed(seed)
-    logits, step = first_logits, 0
-    stops = set(int(s) for s in stop_ids)
-    while max_new_tokens is None or step < max_new_tokens:
-        if temperature > 0:
-            probs = torch.softmax(logits.double() / temperature, dim=-1)
-            tok = int(torch.multinomial(probs.cpu(), 1, generator=gen))
-        else:
-            tok = int(torch.argmax(logits))
-        rolls, rebases, pos = cache.rolls, cache.rebases, cache.next_position
-        t0 = time.perf_counter()
-        logits = feed(handle, cache, [tok])
+    sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
+    before: dict[str, int] = {}
+
+    def feed_one(tokens: torch.Tensor) -> torch.Tensor:
+        before.update(rolls=cache.rolls, rebases=cache.rebases, position=cache.next_position)
+        return feed(handle, cache, tokens.tolist())
+
+    for step in decode(
+        feed_one, first_logits, max_new_tokens, sampling=sampling, stop_ids=stop_ids, feed_last=True
+    ):
         yield StreamEvent(
-            tok, step, pos, cache.kept, cache.rolls > rolls, cache.rebases > rebases, time.perf_counter() - t0
+            token_id=int(step.tokens[0]),
+            step=step.step,
+            position=before["position"],
+            kept=cache.kept,
+            rolled=cache.rolls > before["rolls"],
+            rebased=cache.rebases > before["rebases"],
+            seconds=step.seconds,
         )
-        step += 1
-        if tok in stops:
-            return

@@ -100,7 +100,7 @@ def _rolling_nll(
     for start in range(0, ids.shape[1] - 1, feed):
         chunk = ids[:, start : min(start + feed, ids.shape[1] - 1)]
         max_pos = max(max_pos, cache.next_position + chunk.shape[1] - 1)
-        logits = handle.model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0].float()
+        logits = handle.run(chunk, cache).logits[0].float()
         out.append(nll(logits, ids[0, start + 1 : start + 1 + chunk.shape[1]]))
         if on_chunk:
             on_chunk(chunk.shape[1])
@@ -115,7 +115,7 @@ def _full_nll(handle, ids: torch.Tensor, feed: int, on_chunk) -> np.ndarray:
     step = max(feed, 256)
     for start in range(0, ids.shape[1] - 1, step):
         chunk = ids[:, start : min(start + step, ids.shape[1] - 1)]
-        logits = handle.model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0].float()
+        logits = handle.run(chunk, cache).logits[0].float()
         out.append(nll(logits, ids[0, start + 1 : start + 1 + chunk.shape[1]]))
         if on_chunk:
             on_chunk(chunk.shape[1])
@@ -130,7 +130,7 @@ def _recompute_nll(
     for i in range(0, len(targets), batch):
         ts = targets[i : i + batch]
         x = torch.stack([ids[0, t - window : t] for t in ts])
-        logits = handle.model(input_ids=x, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+        logits = handle.run(x, logits_to_keep=1).logits[:, -1].float()
         out.append(nll(logits, ids[0, torch.as_tensor(ts)]))
         if on_chunk:
             on_chunk(len(ts) * window)
