@@ -10,9 +10,7 @@ from kvlab.hf.masked import first_layers_kv
 from kvlab.metrics import kl_divergence
 from kvlab.ops.suffix import (
     VARIANTS,
-    drop_count,
     k_ropefixed_v_rolled,
-    kept_slots,
     naive_slice,
     probe_deviation,
     recompute_first,
@@ -23,6 +21,7 @@ from kvlab.ops.suffix import (
     roll_variant,
     rolled_ids,
 )
+from kvlab.policy import SinksWindow, roll_amount
 from kvlab.rope.ops import shift_keys
 from tests.tolerances import assert_forward_close, forward_tol
 
@@ -46,7 +45,7 @@ def test_roll_slots_positions_and_exact_keys(tiny_snap):
     for layer, k in enumerate(snap.keys):
         assert torch.equal(r.keys[layer][:, :, :3], k[:, :, :3])  # sinks stay where they were
         assert torch.allclose(r.keys[layer][:, :, 3:], shift_keys(k[:, :, 10:], -7, h.rope), atol=1e-6)
-        assert torch.equal(r.values[layer], snap.values[layer][:, :, kept_slots(40, 7, 3)])
+        assert torch.equal(r.values[layer], snap.values[layer][:, :, SinksWindow.dropping(40, 7, 3).kept(40)])
         assert torch.equal(snap.keys[layer], before[layer])  # input untouched
     assert torch.equal(roll(snap, 0, 0).keys[0], snap.keys[0])
 
@@ -130,7 +129,7 @@ def test_bad_input(tiny_snap):
     dyn = snap.rope.__class__(**{**snap.rope.to_json(), "rope_type": "dynamic", "shift_exact": False})
     with pytest.raises(UnsupportedModelError, match="re-prefill"):
         roll(snap.replace(rope=dyn), 3, 0)
-    assert drop_count("25%", 300) == 75 and drop_count(0.5, 300) == 150 and drop_count(20, 300) == 20
+    assert roll_amount("25%", 300) == 75 and roll_amount(0.5, 300) == 150 and roll_amount(20, 300) == 20
 
 
 @pytest.mark.real_model

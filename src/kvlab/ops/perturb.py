@@ -22,6 +22,7 @@ import numpy as np
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError
+from kvlab.policy.window import roll_amount
 
 
 @dataclass(frozen=True)
@@ -51,24 +52,8 @@ def check_tokens(ids: Sequence[int], what: str = "the text") -> list[int]:
 
 
 def roll_count(n: int | float, length: int) -> int:
-    """Tokens to drop for a roll of ``n`` (an int count, or a float fraction of ``length`` in (0, 1)).
-
-    The result is at least 1 and leaves at least one token.
-    """
-    if length < 2:
-        raise BadInputError(f"a context of {length} token(s) cannot be rolled; it needs at least 2")
-    if isinstance(n, bool):
-        raise BadInputError("roll amount must be an int count or a float fraction, not a bool")
-    if isinstance(n, float | np.floating):
-        if not 0.0 < n < 1.0:
-            raise BadInputError(f"a roll fraction must lie in (0, 1), got {n}; pass an int for a token count")
-        return min(max(1, round(n * length)), length - 1)
-    count = int(n)
-    if count < 1 or count >= length:
-        raise BadInputError(
-            f"roll of {count} tokens is outside 1..{length - 1} for a context of {length} tokens"
-        )
-    return count
+    """Tokens to drop for a roll of ``n`` (a count, or a fraction of ``length``): :func:`kvlab.policy.roll_amount`."""
+    return roll_amount(n, length)
 
 
 def roll_tokens(ids: Sequence[int], n: int | float) -> list[int]:

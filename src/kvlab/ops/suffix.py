@@ -22,59 +22,28 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot, concat
 from kvlab.errors import BadInputError
+from kvlab.policy.window import SinksWindow, roll_amount
 
-
-def _check_roll(snapshot: KVSnapshot, drop: int, sinks: int) -> None:
-    if drop < 0 or sinks < 0:
-        raise BadInputError(f"drop and sinks must be >= 0, got drop={drop}, sinks={sinks}")
-    if sinks + drop >= snapshot.seq_len:
-        raise BadInputError(
-            f"dropping {drop} tokens after {sinks} sinks leaves nothing of a {snapshot.seq_len}-token context; "
-            f"drop at most {snapshot.seq_len - sinks - 1}"
-        )
-    if snapshot.batch_size != 1:
-        raise BadInputError(f"rolls work on one sequence (batch 1), got batch {snapshot.batch_size}")
-
-
-def kept_slots(seq_len: int, drop: int, sinks: int) -> list[int]:
-    """Slot indices a roll keeps: ``[0, sinks)`` then ``[sinks + drop, seq_len)``."""
-    return list(range(min(sinks, seq_len))) + list(range(sinks + drop, seq_len))
-
-
-def drop_count(spec: int | float | str, seq_len: int) -> int:
-    """``20`` -> 20 tokens; ``0.25`` or ``"25%"`` -> that share of ``seq_len`` (rounded)."""
-    if isinstance(spec, str):
-        spec = float(spec.rstrip("%")) / 100 if spec.endswith("%") else int(spec)
-    if isinstance(spec, float):
-        if not 0 < spec < 1:
-            raise BadInputError(f"a fractional drop must lie in (0, 1), got {spec}")
-        return max(1, round(spec * seq_len))
-    return int(spec)
+# Until the study moves over (same reader, one rule): see kvlab.policy.roll_amount.
+drop_count = roll_amount
 
 
 def roll(snapshot: KVSnapshot, drop: int, sinks: int = 0, *, reposition: bool = True) -> KVSnapshot:
     """Drop ``drop`` tokens after the first ``sinks`` and keep the rest (cached K and V).
 
-    With ``reposition`` (default) the kept keys are re-rotated to contiguous positions starting at the
-    first slot's position (exact RoPE shift); without it they keep their original positions (queries
-    then continue at the old ``next_position``). Raises for models without RoPE or with a RoPE whose
-    frequencies depend on the length (dynamic NTK): re-prefill with :func:`reprefill_rolled` instead.
+    The roll is :class:`~kvlab.policy.SinksWindow` applied offline. With ``reposition`` (default) the
+    kept keys are re-rotated to contiguous positions starting at the first slot's position (exact
+    RoPE shift); without it they keep their original positions (queries then continue at the old
+    ``next_position``). Raises for models without RoPE or with a RoPE whose frequencies depend on the
+    length (dynamic NTK): re-prefill with :func:`reprefill_rolled` instead.
     """
-    _check_roll(snapshot, drop, sinks)
-    kept = snapshot.select(kept_slots(snapshot.seq_len, drop, sinks))
-    if not reposition:
-        return kept.replace(provenance="rolled")
-    rope = snapshot.require_rope("re-positioning a rolled cache")
-    rope.require_shift_exact("re-positioning a rolled cache")
-    start = int(snapshot.positions[0])
-    return kept.with_positions(torch.arange(start, start + kept.seq_len)).replace(provenance="rolled")
+    return SinksWindow.dropping(snapshot.seq_len, drop, sinks).apply(snapshot, reposition=reposition)
 
 
 def rolled_ids(snapshot: KVSnapshot, drop: int, sinks: int = 0) -> list[int]:
     """Token ids of the rolled context (sinks + survivors)."""
-    _check_roll(snapshot, drop, sinks)
     ids = snapshot.token_list()
-    return [ids[i] for i in kept_slots(len(ids), drop, sinks)]
+    return [ids[i] for i in SinksWindow.dropping(len(ids), drop, sinks).kept(len(ids))]
 
 
 def reprefill_rolled(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:

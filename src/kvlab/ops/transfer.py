@@ -24,6 +24,7 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError
+from kvlab.policy.window import SinksWindow
 
 Which = Literal["k", "v", "kv"]
 SlotsLike = Sequence[int] | torch.Tensor
@@ -68,12 +69,12 @@ def drop_prefix(snap: KVSnapshot, n: int, *, sinks: int = 0) -> KVSnapshot:
     """Drop slots ``sinks .. n-1``, keep the first ``sinks`` slots and slots ``n..``, re-positioned to ``0..``.
 
     With ``sinks=0`` the first kept token becomes position 0 without ever having been an attention
-    sink; with ``sinks=4`` this is StreamingLLM's layout (4 sink tokens, then the kept window).
+    sink; with ``sinks=4`` this is StreamingLLM's layout (4 sink tokens, then the kept window): a roll
+    (:class:`~kvlab.policy.SinksWindow`) re-positioned from 0.
     """
     if not 0 <= sinks <= n < snap.seq_len:
         raise BadInputError(f"need 0 <= sinks ({sinks}) <= n ({n}) < cached tokens ({snap.seq_len})")
-    keep = list(range(sinks)) + list(range(n, snap.seq_len))
-    return reposition(snap.select(keep), 0).replace(provenance="rolled")
+    return SinksWindow.dropping(snap.seq_len, n - sinks, sinks).apply(snap, start=0)
 
 
 def concat_caches(first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:

@@ -18,6 +18,7 @@ from kvlab.cache.snapshot import KVSnapshot
 from kvlab.compress.evict.observe import Observation
 from kvlab.compress.evict.policies import LayerView, Policy
 from kvlab.errors import BadInputError
+from kvlab.policy.window import SinksWindow
 from kvlab.rope.ops import shift_keys
 from kvlab.rope.spec import RopeSpec
 
@@ -48,12 +49,11 @@ def keep_indices(scores: torch.Tensor, n_keep: int, sinks: int = 0, window: int 
         raise BadInputError(f"the budget of {n_keep} slots is smaller than the {sinks} sinks asked for")
     s = scores.float().clone()
     s = torch.where(torch.isfinite(s), s, torch.full_like(s, -1e30))
-    sinks = min(sinks, t)
-    window = max(0, min(window, n_keep - sinks, t - sinks))
+    # the protected slots are a SinksWindow's, with the window cut to what the budget leaves
+    sink_end, window_start = SinksWindow(sinks, max(0, min(window, n_keep - min(sinks, t)))).bounds(t)
     bonus = torch.zeros(t)
-    if window:
-        bonus[t - window :] = 1e35  # below the sinks' bonus, above any score
-    bonus[:sinks] = 1e36
+    bonus[window_start:] = 1e35  # below the sinks' bonus, above any score
+    bonus[:sink_end] = 1e36
     idx = torch.topk(s + bonus.to(s.device), n_keep, dim=-1).indices
     return idx.sort(dim=-1).values
 

@@ -31,6 +31,7 @@ from kvlab.compress.quant.scalar import (
     quantize_lloyd,
 )
 from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.policy.window import SinksWindow
 from kvlab.rope.ops import apply_rope, remove_rope
 from kvlab.rope.spec import RopeSpec
 
@@ -365,12 +366,11 @@ def split_plan(length: int, sinks: int, window: int, multiple: int) -> tuple[int
     """``(start, stop)`` of the quantized slots of a ``length``-slot layer.
 
     Slots ``[0, start)`` are full-precision sinks, ``[stop, length)`` the full-precision recent window
-    (plus up to ``multiple - 1`` slots that do not fill a token group).
+    (plus up to ``multiple - 1`` slots that do not fill a token group): the layout of
+    :class:`~kvlab.policy.SinksWindow`, with the quantized middle cut to whole token groups.
     """
-    start = min(sinks, length)
-    span = max(length - start - window, 0)
-    stop = start + (span // multiple) * multiple
-    return start, stop
+    start, window_start = SinksWindow(sinks, window).bounds(length)
+    return start, start + ((window_start - start) // multiple) * multiple
 
 
 QUANTIZERS = {
