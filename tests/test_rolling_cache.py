@@ -50,7 +50,7 @@ def rolling_logits(handle, ids: list[int], cache: RollingCache, feed_size: int) 
     with torch.no_grad():
         for start in range(0, len(ids), feed_size):
             x = torch.tensor([ids[start : start + feed_size]])
-            out.append(handle.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0].float())
+            out.append(handle.run(x, cache).logits[0].float())  # no positions: the cache chooses them
     return out
 
 
@@ -126,23 +126,45 @@ def test_model_generate_matches_own_loop(tiny_model):
     assert new == ours
 
 
-def test_model_generate_refuses_to_rebase(tiny_model):
-    """generate passes its own positions: a re-basing cache warns up front and raises at its first re-base."""
+def test_model_generate_never_rebases_and_refuses_to_pass_the_maximum(tiny_model):
+    """generate passes its own positions: the cache never re-bases under it, so every token sits where
+    generate thinks it does; at the model's maximum the cache raises instead of mis-positioning."""
     h = tiny_model("llama")
     prompt = torch.randint(0, 500, (1, 12), generator=torch.Generator().manual_seed(6))
-    cache = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="always")
-    with (
-        pytest.warns(UserWarning, match="rebase='never'"),
-        pytest.raises(BadInputError, match="rebase='never'"),
-        torch.no_grad(),
-    ):
-        h.model.generate(prompt, past_key_values=cache, max_new_tokens=40, do_sample=False, pad_token_id=0)
-    assert cache.rebases == 0
-    # auto mode without reaching the maximum never re-bases, so generate runs (after the warning).
+    for mode in ("auto", "always"):
+        cache = RollingCache(
+            h.config, h.rope, window=16, sinks=2, evict_chunk=4, max_position=40, rebase=mode
+        )
+        with pytest.raises(BadInputError, match="stream_generate"), torch.no_grad():
+            h.model.generate(
+                prompt, past_key_values=cache, max_new_tokens=40, do_sample=False, pad_token_id=0
+            )
+        assert cache.rebases == 0 and cache.rolls > 0
+        assert cache.next_position == 40  # it stopped exactly at the maximum
+    # below the maximum, generate with a re-basing mode equals kvlab's own loop (which may re-base
+    # but does not need to here)
     auto = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="auto")
-    with pytest.warns(UserWarning), torch.no_grad():
-        h.model.generate(prompt, past_key_values=auto, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        g = h.model.generate(prompt, past_key_values=auto, max_new_tokens=30, do_sample=False, pad_token_id=0)
     assert auto.rolls > 0 and auto.rebases == 0
+    mine = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="auto")
+    first = feed(h, mine, prompt[0].tolist())
+    assert [e.token_id for e in stream_generate(h, mine, first, 30)] == g[0, 12:].tolist()
+
+
+def test_a_plain_model_call_never_sees_a_rebase(tiny_model):
+    """Called directly (not through ModelHandle.run), the cache cannot know who picks positions: it keeps
+    them, and refuses at the maximum."""
+    h = tiny_model("qwen2")
+    cache = RollingCache(h.config, h.rope, window=8, sinks=2, evict_chunk=2, max_position=30, rebase="always")
+    with torch.no_grad():
+        for t in range(29):
+            h.model(input_ids=torch.tensor([[t + 3]]), past_key_values=cache, use_cache=True)
+        assert cache.rebases == 0 and cache.next_position == 29
+        with pytest.raises(BadInputError, match="maximum"):
+            h.model(input_ids=torch.tensor([[5, 6]]), past_key_values=cache, use_cache=True)
+        h.run(torch.tensor([[5]]), cache)  # through kvlab the cache may re-base; it plans one
+        assert cache.plan.rebase > 0 and cache.next_position < 30
 
 
 def test_model_generate_without_eviction_equals_dynamic_cache(tiny_model):
@@ -212,7 +234,10 @@ def test_bad_input(tiny_model, smollm):
         RollingCache(h.config, dyn, window=8, sinks=1)
     cache = RollingCache(h.config, h.rope, window=8, sinks=1, evict_chunk=2, max_position=20)
     with pytest.raises(BadInputError, match="per forward"):
+        h.run(torch.zeros(1, 25, dtype=torch.long), cache)
+    with pytest.raises(BadInputError, match="stream_generate"):
         h.model(input_ids=torch.zeros(1, 25, dtype=torch.long), past_key_values=cache, use_cache=True)
+    assert cache.tokens_seen == 0  # refused before anything was written
     with pytest.raises(UnsupportedModelError):
         cache.crop(-1)
 

@@ -22,19 +22,23 @@ StreamingLLM's policy on transformers 5.x's layer API, built so that a roll cost
 * Eviction and re-basing are lazy: decided at the end of a forward, applied inside the next
   ``update`` as part of the concatenation every step does anyway; the mask offset accounts for it.
 
-``model.generate(..., past_key_values=RollingCache(..., rebase="never"))`` works unpatched: transformers
-computes query positions from its own token counter, which equals ``next_position`` as long as the
-cache never re-bases. With another ``rebase`` mode the cache detects the generation loop on the call
-stack: it warns on the first forward and raises :class:`~kvlab.errors.BadInputError` instead of
-planning its first re-base (which would silently mis-position every later token). kvlab's own loop (:func:`kvlab.streaming.stream_generate`) lets the cache choose
-the positions and re-bases, so its positions never exceed the model's maximum.
+Each :class:`RollingLayer` owns its state and follows one immutable :class:`RollRule` (the
+:class:`~kvlab.policy.SinksWindow` policy, the chunk, the re-base mode); layers never reach back
+into the cache, and the cache only answers questions (positions, counts) from its first layer.
+
+A re-base is only safe when the model takes query positions from the cache. kvlab's own calls do
+(:meth:`kvlab.model.ModelHandle.run` without positions, :func:`kvlab.streaming.stream_generate`),
+and they say so by entering :meth:`RollingCache.choosing_positions`; only then does the cache plan a
+re-base. ``model.generate(..., past_key_values=RollingCache(...))`` passes its own positions, so the
+cache never re-bases there: positions follow the token count (what generate expects) and, when they
+would pass the model's maximum, the cache raises :class:`~kvlab.errors.BadInputError` instead of
+mis-positioning a token (``rebase="never"`` opts into passing the maximum).
 """
 
 from __future__ import annotations
 
-import math
-import sys
-import warnings
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,18 +47,27 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import sliding_windows
+from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import RopeSpec
 
 Rebase = Literal["auto", "always", "never"]
 
-__all__ = ["RollingCache", "RollingLayer", "RollPlan", "rolling_cache_for", "rotate_by", "rotate_by_"]
+__all__ = [
+    "RollRule",
+    "RollingCache",
+    "RollingLayer",
+    "RollPlan",
+    "rolling_cache_for",
+    "rotate_by",
+    "rotate_by_",
+]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RollPlan:
-    """What the next ``update`` applies to every layer before appending: drop ``drop`` window tokens
-    (after the sinks) and rotate the kept window by ``-rebase`` positions."""
+    """What a layer's next ``update`` applies before appending: drop ``drop`` window tokens (after
+    the sinks) and rotate the kept window by ``-rebase`` positions."""
 
     drop: int = 0
     rebase: int = 0
@@ -64,20 +77,70 @@ class RollPlan:
         return self.drop > 0 or self.rebase != 0
 
 
+@dataclass(frozen=True)
+class RollRule:
+    """What every layer of one rolling cache follows (immutable, shared): the sinks + window policy,
+    the eviction chunk and when to re-base positions."""
+
+    policy: SinksWindow
+    rope: RopeSpec
+    evict_chunk: int
+    max_position: int  # 0: no maximum
+    rebase: Rebase
+
+    @property
+    def headroom(self) -> int:
+        """Lookahead kept free below ``max_position`` after a re-base: the largest feed allowed at once."""
+        cap = int(self.policy.capacity or 0)
+        return (
+            max(1, min(int(self.policy.window or 1), self.max_position - cap))
+            if self.max_position
+            else int(self.policy.window or 1)
+        )
+
+    def next_plan(self, base: int, slots: int, may_rebase: bool) -> RollPlan:
+        """The roll to apply next, after a forward left ``slots`` slots from position ``base``."""
+        drop = self.policy.overflow(slots, self.evict_chunk)
+        if not may_rebase or self.rebase == "never":
+            return RollPlan(drop=drop)
+        near_max = bool(self.max_position) and base + slots + self.headroom > self.max_position
+        wants = near_max or (self.rebase == "always" and drop > 0)
+        return RollPlan(drop=drop, rebase=base + drop if wants else 0)
+
+
 class RollingLayer(CacheLayerMixin):
     """One layer's ``[sinks | window]`` keys and values, contiguous ``[batch, kv_heads, slots, head_dim]``.
 
-    ``sink_keys`` keeps the sinks' keys as first computed, at positions ``sink_pos0 ..``; the live
-    copy in ``keys[:, :, :sinks]`` is always re-rotated from it, so sinks never drift.
+    The layer owns its state (``base``, ``slots``, the pending ``plan``) and follows the shared
+    :class:`RollRule`; every layer sees the same token counts, so all layers make the same decisions.
+    ``sink_keys`` keeps the sinks' keys as first computed, at positions ``0 ..``; the live copy in
+    ``keys[:, :, :sinks]`` is always re-rotated from it, so sinks never drift.
     """
 
     is_sliding = False
     is_croppable = False
     is_compileable = False
 
-    def __init__(self) -> None:
+    def __init__(self, rule: RollRule) -> None:
         super().__init__()
+        self.rule = rule
         self.sink_keys: torch.Tensor | None = None
+        self.base = 0  # position of slot 0
+        self.slots = 0  # tokens held (including those a pending drop will remove)
+        self.plan = RollPlan()
+        self.tokens_seen = self.rolls = self.rebases = 0
+        self.may_rebase = False  # set by the cache while its caller lets it choose positions
+
+    # -- positions -----------------------------------------------------------------------------------
+    @property
+    def kept(self) -> int:
+        """Tokens visible to the next forward (slots minus the pending drop)."""
+        return self.slots - self.plan.drop
+
+    @property
+    def next_position(self) -> int:
+        """RoPE position of the next token (after any pending re-base)."""
+        return self.base + self.slots - self.plan.rebase
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -85,29 +148,100 @@ class RollingLayer(CacheLayerMixin):
         self.values = value_states[:, :, :0]
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        raise RuntimeError("RollingLayer.update is driven by RollingCache.update")
-
     def get_seq_length(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[-2])
+        return self.next_position
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        return self.kept + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
 
+    # -- the update ------------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Apply the pending roll, append the new K/V, plan the next roll; return everything visible."""
+        n_new = key_states.shape[-2]
+        self._check_room(n_new)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        full_k, full_v = self._rolled_with(key_states, value_states)
+        s = min(self.rule.policy.sinks, full_k.shape[-2])
+        if self.sink_keys is None and self.rule.policy.sinks and full_k.shape[-2] >= self.rule.policy.sinks:
+            self.sink_keys = full_k[:, :, :s].clone()
+        self.keys, self.values = full_k, full_v
+        plan = self.plan
+        self.rolls += plan.drop > 0
+        self.rebases += plan.rebase != 0
+        self.base += plan.drop - plan.rebase
+        self.slots += n_new - plan.drop
+        self.tokens_seen += n_new
+        self.plan = self.rule.next_plan(self.base, self.slots, self.may_rebase)
+        return full_k, full_v
+
+    def _check_room(self, n_new: int) -> None:
+        """Refuse a feed whose positions would pass the model's maximum (``rebase="never"`` opts out)."""
+        rule = self.rule
+        if rule.rebase == "never" or not rule.max_position or self.next_position + n_new <= rule.max_position:
+            return
+        if self.may_rebase:
+            raise BadInputError(
+                f"{n_new} new tokens would pass the maximum position {rule.max_position}; "
+                f"feed at most {rule.headroom} tokens per forward to a rolling cache"
+            )
+        raise BadInputError(
+            f"positions would pass the model's maximum ({rule.max_position}): this RollingCache re-bases "
+            "its positions only when the caller lets it choose them, and the caller (e.g. model.generate) "
+            "passes its own. Generate with kvlab.streaming.stream_generate (or ModelHandle.run without "
+            "positions), or pass rebase='never' to let positions grow past the maximum knowingly."
+        )
+
+    def _rolled_with(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """``[sinks | kept window | new]`` keys and values with the pending plan applied."""
+        keys, values, plan = self.keys, self.values, self.plan
+        if not plan.pending:
+            return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+        s = min(self.rule.policy.sinks, self.slots)
+        window_k = keys[:, :, s + plan.drop :]
+        n_new = key_states.shape[-2]
+        kept = s + window_k.shape[-2]
+        full_k = keys.new_empty((*keys.shape[:2], kept + n_new, keys.shape[-1]))
+        if s:
+            full_k[:, :, :s] = self.sinks_at(self.base + plan.drop - plan.rebase)
+        if plan.rebase:  # rotate straight into the output: the re-base replaces this step's copy
+            rotate_by(window_k, -plan.rebase, self.rule.rope, out=full_k[:, :, s:kept])
+        else:
+            full_k[:, :, s:kept] = window_k
+        full_k[:, :, kept:] = key_states
+        full_v = torch.cat([values[:, :, :s], values[:, :, s + plan.drop :], value_states], dim=-2)
+        return full_k, full_v
+
+    def sinks_at(self, base: int) -> torch.Tensor:
+        """The sink keys rotated from their stored originals (one rotation, no drift) to ``base ..``."""
+        return rotate_by(self.sink_keys, base, self.rule.rope)
+
+    def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` as the next forward will see them (pending roll applied).
+
+        New tensors when a roll is pending, else views of the layer (do not write into them).
+        """
+        empty = self.keys[:, :, :0]
+        k, v = self._rolled_with(empty, self.values[:, :, :0])
+        return (self.keys, self.values) if not self.plan.pending else (k, v)
+
     def reset(self) -> None:
         self.keys = self.values = self.sink_keys = None
         self.is_initialized = False
+        self.base = self.slots = self.tokens_seen = self.rolls = self.rebases = 0
+        self.plan = RollPlan()
 
 
 class RollingCache(Cache):
     """``sinks`` attention-sink tokens + a rolling window of ``window`` recent tokens, for any length.
 
-    Between forward passes at most ``sinks + window`` tokens are kept; when the window overflows, the
-    oldest window tokens are evicted in multiples of ``evict_chunk`` (amortizing the roll). New tokens
-    see every kept token plus each other (causal). Positions: see the module docstring.
+    Between forward passes at most ``sinks + window`` tokens are kept (:class:`~kvlab.policy.SinksWindow`);
+    when the window overflows, the oldest window tokens are evicted in multiples of ``evict_chunk``
+    (amortizing the roll). New tokens see every kept token plus each other (causal). Positions: see
+    the module docstring. The cache is a list of :class:`RollingLayer` s that each own their state.
 
     Args:
         config: the model config (for the layer count; sliding-window models are refused if their
@@ -134,75 +268,54 @@ class RollingCache(Cache):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         n_layers = int(text.num_hidden_layers)
         max_pos = int(max_position or getattr(text, "max_position_embeddings", 0) or 0)
-        if rope is None:
-            raise UnsupportedModelError(
-                "a rolling cache re-positions keys, which needs a model with RoPE; "
-                "without RoPE, re-prefill the window instead"
-            )
-        rope.require_shift_exact("a rolling cache")
-        if window < 1 or sinks < 0 or evict_chunk < 1:
-            raise BadInputError(
-                f"need window >= 1, sinks >= 0, evict_chunk >= 1 (got {window}, {sinks}, {evict_chunk})"
-            )
-        if sinks >= window:
-            raise BadInputError(
-                f"sinks ({sinks}) must be fewer than the window ({window}); e.g. --sinks 4 --window 256"
-            )
-        if evict_chunk > window:
-            raise BadInputError(f"evict_chunk ({evict_chunk}) cannot exceed the window ({window})")
-        if max_pos and sinks + window >= max_pos:
-            raise BadInputError(
-                f"sinks + window ({sinks + window}) must stay below the model's maximum position "
-                f"({max_pos}); choose a smaller --window"
-            )
-        if rebase not in ("auto", "always", "never"):
-            raise BadInputError(f"rebase must be 'auto', 'always' or 'never', got {rebase!r}")
-        sw = [w for w in sliding_windows(text) if w is not None]
-        if sw and min(sw) <= sinks + window + evict_chunk:
-            raise UnsupportedModelError(
-                f"the model's own sliding window ({min(sw)}) is smaller than this rolling "
-                f"cache ({sinks} + {window}); use a window below {min(sw) - sinks - evict_chunk}"
-            )
-        super().__init__(layers=[RollingLayer() for _ in range(n_layers)])
-        self.rope, self.window, self.sinks, self.evict_chunk = rope, window, sinks, evict_chunk
-        self.max_position, self.rebase_mode = max_pos, rebase
-        # Lookahead kept free below max_position after a re-base: the largest feed allowed at once.
-        self.headroom = max(1, min(window, max_pos - sinks - window)) if max_pos else window
-        self.base = 0  # position of slot 0
-        self.slots = 0  # tokens held (including those a pending drop will remove)
-        self.sink_pos0 = 0  # position at which the stored sink keys were computed
-        self.plan = RollPlan()
-        self.tokens_seen = 0
-        self.rolls = 0
-        self.rebases = 0
-        self._n_new = 0
-        self._sink_stack: torch.Tensor | None = None
-        self._sinks_rotated: tuple[int, torch.Tensor] | None = None
+        _validate(
+            text, rope, window=window, sinks=sinks, evict_chunk=evict_chunk, max_pos=max_pos, rebase=rebase
+        )
+        self.rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase)
+        super().__init__(layers=[RollingLayer(self.rule) for _ in range(n_layers)])
 
-    # -- positions the model sees -----------------------------------------------------------------
-    @property
-    def kept(self) -> int:
-        """Tokens visible to the next forward (slots minus the pending drop)."""
-        return self.slots - self.plan.drop
+    # -- settings and state (every layer holds the same counts; layer 0 answers) ----------------------
+    window = property(lambda self: self.rule.policy.window)
+    sinks = property(lambda self: self.rule.policy.sinks)
+    evict_chunk = property(lambda self: self.rule.evict_chunk)
+    max_position = property(lambda self: self.rule.max_position)
+    rebase_mode = property(lambda self: self.rule.rebase)
+    headroom = property(lambda self: self.rule.headroom)
+    base = property(lambda self: self.layers[0].base)
+    slots = property(lambda self: self.layers[0].slots)
+    plan = property(lambda self: self.layers[0].plan)
+    kept = property(lambda self: self.layers[0].kept)
+    next_position = property(lambda self: self.layers[0].next_position)
+    tokens_seen = property(lambda self: self.layers[0].tokens_seen)
+    rolls = property(lambda self: self.layers[0].rolls)
+    rebases = property(lambda self: self.layers[0].rebases)
 
-    @property
-    def next_position(self) -> int:
-        """RoPE position of the next token (after any pending re-base)."""
-        return self.base + self.slots - self.plan.rebase
+    @contextlib.contextmanager
+    def choosing_positions(self) -> Iterator[None]:
+        """Inside, the caller passes no ``position_ids``: the model takes them from :meth:`get_seq_length`,
+        so the cache may re-base. :meth:`kvlab.model.ModelHandle.run` enters this whenever it is called
+        without positions; ``model.generate`` (which passes its own) never does, so it never sees a re-base."""
+        before = [layer.may_rebase for layer in self.layers]
+        for layer in self.layers:
+            layer.may_rebase = True
+        try:
+            yield
+        finally:
+            for layer, was in zip(self.layers, before, strict=True):
+                layer.may_rebase = was
 
     def positions(self) -> torch.Tensor:
         """``[kept]`` RoPE positions of the kept slots as the next forward sees them (contiguous)."""
-        start = self.next_position - self.kept
-        return torch.arange(start, self.next_position)
+        return torch.arange(self.next_position - self.kept, self.next_position)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.next_position
+        return self.layers[layer_idx].next_position
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.kept
+        return self.layers[layer_idx].kept
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.kept + query_length, 0
+        return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -213,120 +326,13 @@ class RollingCache(Cache):
             "disable assisted/speculative decoding with it"
         )
 
-    # -- the update --------------------------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Apply the pending roll to this layer, append the new K/V, return everything visible."""
-        n_new = key_states.shape[-2]
-        layer = self.layers[layer_idx]
-        if not layer.is_initialized:
-            layer.lazy_initialization(key_states, value_states)
-        if layer_idx == 0:
-            self._n_new = n_new
-            if self.tokens_seen == 0 and self.rebase_mode != "never" and driven_by_generate():
-                warnings.warn(
-                    f"RollingCache(rebase={self.rebase_mode!r}) inside model.generate: generate passes its own "
-                    "absolute positions, which stop matching the cache at its first re-base (the cache raises "
-                    "then). Use rebase='never' with generate, or kvlab.streaming.stream_generate for bounded "
-                    "positions.",
-                    stacklevel=2,
-                )
-            if (
-                self.rebase_mode != "never"
-                and self.max_position
-                and self.next_position + n_new > self.max_position
-            ):
-                raise BadInputError(
-                    f"{n_new} new tokens would pass the maximum position {self.max_position}; "
-                    f"feed at most {self.headroom} tokens per forward to a rolling cache"
-                )
-        keys, values = layer.keys, layer.values
-        plan, s = self.plan, min(self.sinks, self.slots)
-        if plan.pending:
-            window_k = keys[:, :, s + plan.drop :]
-            sinks_k = [self._sinks_at(layer_idx, self.base + plan.drop - plan.rebase)] if s else []
-            if plan.rebase:  # rotate straight into the output: the re-base replaces this step's copy
-                kept = s + window_k.shape[-2]
-                full_k = keys.new_empty((*keys.shape[:2], kept + n_new, keys.shape[-1]))
-                if s:
-                    full_k[:, :, :s] = sinks_k[0]
-                rotate_by(window_k, -plan.rebase, self.rope, out=full_k[:, :, s:kept])
-                full_k[:, :, kept:] = key_states
-            else:
-                full_k = torch.cat([*sinks_k, window_k, key_states], dim=-2)
-            full_v = torch.cat([values[:, :, :s], values[:, :, s + plan.drop :], value_states], dim=-2)
-        else:
-            full_k, full_v = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
-        if layer.sink_keys is None and self.sinks and full_k.shape[-2] >= self.sinks:
-            layer.sink_keys = full_k[:, :, : self.sinks].clone()
-        layer.keys, layer.values = full_k, full_v
-        if layer_idx == len(self.layers) - 1:
-            self._finish_forward()
-        return full_k, full_v
-
-    def _sinks_at(self, layer_idx: int, base: int) -> torch.Tensor:
-        """Layer ``layer_idx``'s sink keys rotated from their stored originals (one rotation, no drift) to
-        positions ``base ..``; all layers are rotated together once per roll."""
-        if self._sink_stack is None:
-            self._sink_stack = torch.stack([lay.sink_keys for lay in self.layers])  # [L, B, H, sinks, D]
-        if self._sinks_rotated is None or self._sinks_rotated[0] != base:
-            self._sinks_rotated = (base, rotate_by(self._sink_stack, base - self.sink_pos0, self.rope))
-        return self._sinks_rotated[1][layer_idx]
-
-    def _finish_forward(self) -> None:
-        """Bookkeeping after every layer took the plan and the new tokens; decide the next roll."""
-        plan, n_new = self.plan, self._n_new
-        if plan.drop:
-            self.rolls += 1
-        if plan.rebase:
-            self.rebases += 1
-        self.base += plan.drop - plan.rebase
-        self.slots += n_new - plan.drop
-        self.tokens_seen += n_new
-        s = min(self.sinks, self.slots)
-        capacity = self.sinks + self.window
-        drop = 0
-        if self.slots > capacity:
-            over = self.slots - capacity
-            drop = min(self.slots - s, math.ceil(over / self.evict_chunk) * self.evict_chunk)
-        near_max = bool(self.max_position) and self.base + self.slots + self.headroom > self.max_position
-        wants = (self.rebase_mode == "always" and drop > 0) or (self.rebase_mode == "auto" and near_max)
-        rebase = self.base + drop if wants else 0
-        if rebase and driven_by_generate():
-            raise BadInputError(
-                f"this RollingCache (rebase={self.rebase_mode!r}) is about to re-base its positions by "
-                f"-{rebase}, but model.generate computes the query positions itself and would keep "
-                f"counting from {self.next_position}: every later token would be mis-positioned. Pass "
-                "rebase='never' to use it with generate (positions then grow with the token count), or "
-                "generate with kvlab.streaming.stream_generate, which lets the cache choose positions."
-            )
-        self.plan = RollPlan(drop=drop, rebase=rebase)
-
     # -- inspection ----------------------------------------------------------------------------------
-    def reset(self) -> None:
-        super().reset()
-        self.base = self.slots = self.tokens_seen = self.rolls = self.rebases = 0
-        self.plan = RollPlan()
-        self._sink_stack = self._sinks_rotated = None
-
     def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(keys, values)]`` per layer as the next forward will see them (pending roll applied).
 
         Returns new tensors when a roll is pending, else views of the cache (do not write into them).
         """
-        out = []
-        plan, s = self.plan, min(self.sinks, self.slots)
-        for layer_idx, layer in enumerate(self.layers):
-            k, v = layer.keys, layer.values
-            if plan.pending:
-                wk = rotate_by(k[:, :, s + plan.drop :], -plan.rebase, self.rope)
-                parts = [wk]
-                vparts = [v[:, :, s + plan.drop :]]
-                if s:
-                    parts.insert(0, self._sinks_at(layer_idx, self.base + plan.drop - plan.rebase))
-                    vparts.insert(0, v[:, :, :s])
-                k, v = torch.cat(parts, dim=-2), torch.cat(vparts, dim=-2)
-            out.append((k, v))
-        return out
+        return [layer.visible() for layer in self.layers]
 
     def nbytes(self) -> int:
         return sum(
@@ -347,23 +353,37 @@ class RollingCache(Cache):
         return self.describe()
 
 
-_GENERATE_FRAMES = frozenset({"generate", "_sample", "_beam_search", "_assisted_decoding"})
-
-
-def driven_by_generate() -> bool:
-    """True when a transformers generation loop is on the call stack (it passes its own positions).
-
-    Only called on a cache's first forward and when a re-base is planned, so the stack walk (a few
-    microseconds) never runs per token.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name in _GENERATE_FRAMES and str(frame.f_globals.get("__name__", "")).startswith(
-            "transformers.generation"
-        ):
-            return True
-        frame = frame.f_back
-    return False
+def _validate(text: Any, rope: RopeSpec | None, *, window, sinks, evict_chunk, max_pos, rebase) -> None:
+    """Refuse settings a rolling cache cannot honour, before anything is built."""
+    if rope is None:
+        raise UnsupportedModelError(
+            "a rolling cache re-positions keys, which needs a model with RoPE; "
+            "without RoPE, re-prefill the window instead"
+        )
+    rope.require_shift_exact("a rolling cache")
+    if window < 1 or sinks < 0 or evict_chunk < 1:
+        raise BadInputError(
+            f"need window >= 1, sinks >= 0, evict_chunk >= 1 (got {window}, {sinks}, {evict_chunk})"
+        )
+    if sinks >= window:
+        raise BadInputError(
+            f"sinks ({sinks}) must be fewer than the window ({window}); e.g. --sinks 4 --window 256"
+        )
+    if evict_chunk > window:
+        raise BadInputError(f"evict_chunk ({evict_chunk}) cannot exceed the window ({window})")
+    if max_pos and sinks + window >= max_pos:
+        raise BadInputError(
+            f"sinks + window ({sinks + window}) must stay below the model's maximum position "
+            f"({max_pos}); choose a smaller --window"
+        )
+    if rebase not in ("auto", "always", "never"):
+        raise BadInputError(f"rebase must be 'auto', 'always' or 'never', got {rebase!r}")
+    sw = [w for w in sliding_windows(text) if w is not None]
+    if sw and min(sw) <= sinks + window + evict_chunk:
+        raise UnsupportedModelError(
+            f"the model's own sliding window ({min(sw)}) is smaller than this rolling "
+            f"cache ({sinks} + {window}); use a window below {min(sw) - sinks - evict_chunk}"
+        )
 
 
 def rolling_cache_for(

@@ -271,12 +271,15 @@ class ModelHandle:
             kwargs["position_ids"] = (pos[None] if pos.ndim == 1 else pos).expand(ids.shape[0], -1)
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.device)
-        if output_attentions:
-            kwargs["output_attentions"] = True
-            with self.eager_attention():
+        # a cache that may re-base (RollingCache) does so only while the model takes positions from it
+        choosing = getattr(cache, "choosing_positions", None) if positions is None else None
+        with choosing() if choosing is not None else contextlib.nullcontext():
+            if output_attentions:
+                kwargs["output_attentions"] = True
+                with self.eager_attention():
+                    return self.model(**kwargs)
+            if stop_after_layer is None:
                 return self.model(**kwargs)
-        if stop_after_layer is None:
-            return self.model(**kwargs)
         layers = decoder_layers(self.model)
         if not 1 <= stop_after_layer <= len(layers):
             raise BadInputError(f"probe layers must lie in [1, {len(layers)}], got {stop_after_layer}")
