@@ -72,7 +72,7 @@ def test_evicting_cache_matches_snapshot_eviction_and_keeps_positions(tiny):
     ev = evict(observe(tiny, ids), SnapKV(window=4, observe=4), keep=0.5)
     cache = CompressedCache(tiny.config, policy=SnapKV(window=4, observe=4), keep=0.5, model=tiny.model)
     tiny.model(IDS, past_key_values=cache, use_cache=True)
-    assert not cache._hooks  # removed after the prefill
+    assert all(layer.query_hook is None for layer in cache.layers)  # removed after the prefill
     for layer, k, v in zip(cache.layers, ev.keys, ev.values, strict=True):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
     assert cache.get_seq_length() == 50 and cache.held == 25

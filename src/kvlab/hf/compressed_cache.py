@@ -14,6 +14,7 @@ and query offset use the number of slots *held*.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,12 +35,29 @@ def _bytes(*ts: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-class CompressedLayer(DynamicLayer):
-    """One layer: ``sink_keys`` + packed ``segments`` + full-precision tail (``self.keys``/``self.values``)."""
+@dataclass(frozen=True)
+class CompressionRule:
+    """What every layer of one :class:`CompressedCache` applies (immutable, shared by the layers)."""
 
-    def __init__(self, owner: CompressedCache, index: int):
+    num_layers: int
+    quantizer: Quantizer | None = None
+    policy: Policy | None = None
+    keep: float | None = None
+    rope: RopeSpec | None = None
+    scaling: float = 1.0
+
+
+class CompressedLayer(DynamicLayer):
+    """One layer: ``sink_keys`` + packed ``segments`` + full-precision tail (``self.keys``/``self.values``).
+
+    The layer owns its state and follows the shared :class:`CompressionRule`; with an attention-based
+    eviction policy it also owns the hook that captures its queries (removed once it has evicted).
+    """
+
+    def __init__(self, rule: CompressionRule, index: int):
         super().__init__()
-        self.owner, self.index = owner, index
+        self.rule, self.index = rule, index
+        self.query_hook: Any = None
         self.seen = 0
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
@@ -96,19 +114,19 @@ class CompressedLayer(DynamicLayer):
         n_new = key_states.shape[-2]
         positions = torch.arange(self.seen, self.seen + n_new)
         self.seen += n_new
-        cache = self.owner
-        if cache.policy is not None and not self.evicted:
+        rule = self.rule
+        if rule.policy is not None and not self.evicted:
             return self._evict(key_states, value_states, positions)
         prior_k, prior_v = self.decoded()
         out = torch.cat((prior_k, key_states), dim=-2), torch.cat((prior_v, value_states), dim=-2)
-        if cache.quantizer is None:
+        if rule.quantizer is None:
             self.keys, self.values = out
             return out
         self._store(key_states, value_states, positions)
         return out
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        q = self.owner.quantizer
+        q = self.rule.quantizer
         have = self.sink_keys.shape[-2] if self.sink_keys is not None else 0
         take = min(max(q.sinks - have, 0), k.shape[-2])
         if take:
@@ -122,28 +140,38 @@ class CompressedLayer(DynamicLayer):
         _, stop = split_plan(tail_k.shape[-2], 0, q.window, q.token_multiple())
         if stop > 0:
             self.segments.append(
-                q.encode(tail_k[:, :, :stop], tail_v[:, :, :stop], tail_pos[:stop], self.owner.rope)
+                q.encode(tail_k[:, :, :stop], tail_v[:, :, :stop], tail_pos[:stop], self.rule.rope)
             )
             tail_k, tail_v, tail_pos = tail_k[:, :, stop:], tail_v[:, :, stop:], tail_pos[stop:]
         self.keys, self.values, self.tail_positions = tail_k.clone(), tail_v.clone(), tail_pos
 
     def _evict(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        cache = self.owner
+        rule = self.rule
         queries = None
         if self.pending_queries is not None:
             raw = self.pending_queries
             b, t, _ = raw.shape
             queries = raw.view(b, t, -1, k.shape[-1]).transpose(1, 2).float()
-            if cache.rope is not None:
-                queries = apply_rope(queries, positions, cache.rope).float()
-        view = LayerView(self.index, len(cache.layers), k, v, positions, queries, cache.scaling)
-        n = budget_slots(k.shape[-2], cache.keep)
-        idx = keep_indices(cache.policy.score(view), n, cache.policy.sinks, cache.policy.window)
+            if rule.rope is not None:
+                queries = apply_rope(queries, positions, rule.rope).float()
+        view = LayerView(self.index, rule.num_layers, k, v, positions, queries, rule.scaling)
+        n = budget_slots(k.shape[-2], rule.keep)
+        idx = keep_indices(rule.policy.score(view), n, rule.policy.sinks, rule.policy.window)
         gather = idx[..., None].expand(-1, -1, -1, k.shape[-1])
         self.keys, self.values = k.gather(2, gather), v.gather(2, gather)
         self.evicted, self.pending_queries = True, None
-        cache._layer_done()
+        self.remove_hook()
         return k, v
+
+    def capture_queries(self, _module: Any, _inputs: Any, output: torch.Tensor) -> None:
+        """Forward hook on this layer's ``q_proj``: keep the prefill's queries until the layer evicts."""
+        if not self.evicted:
+            self.pending_queries = output.detach()
+
+    def remove_hook(self) -> None:
+        if self.query_hook is not None:
+            self.query_hook.remove()
+            self.query_hook = None
 
 
 class CompressedCache(Cache):
@@ -177,9 +205,8 @@ class CompressedCache(Cache):
         if quantizer is not None:
             quantizer.check(head_dim, self.rope)
         self.quantizer, self.policy, self.keep = quantizer, policy, keep
-        self.scaling = head_dim**-0.5
-        self._hooks: list[Any] = []
-        super().__init__(layers=[CompressedLayer(self, i) for i in range(int(text.num_hidden_layers))])
+        scaling = head_dim**-0.5
+        mods = None
         if policy is not None and policy.needs_queries:
             if model is None:
                 raise BadInputError(
@@ -187,29 +214,21 @@ class CompressedCache(Cache):
                     "see the prefill's queries"
                 )
             mods = attention_modules(model)
-            self.scaling = float(getattr(mods[0], "scaling", self.scaling))
-            for i, m in enumerate(mods):
-                self._hooks.append(m.q_proj.register_forward_hook(self._capture(i)))
-        self._pending_layers = len(self.layers) if policy is not None else 0
+            scaling = float(getattr(mods[0], "scaling", scaling))
+        n_layers = int(text.num_hidden_layers)
+        self.rule = CompressionRule(n_layers, quantizer, policy, keep, self.rope, scaling)
+        super().__init__(layers=[CompressedLayer(self.rule, i) for i in range(n_layers)])
+        for layer, mod in zip(self.layers, mods or (), strict=False):
+            layer.query_hook = mod.q_proj.register_forward_hook(layer.capture_queries)
 
-    def _capture(self, i: int):
-        def hook(_module, _inputs, output):
-            layer = self.layers[i]
-            if not layer.evicted:
-                layer.pending_queries = output.detach()
-
-        return hook
-
-    def _layer_done(self) -> None:
-        self._pending_layers -= 1
-        if self._pending_layers <= 0:
-            self.close()
+    @property
+    def scaling(self) -> float:
+        return self.rule.scaling
 
     def close(self) -> None:
-        """Remove the query hooks (done automatically once the prefill has been evicted)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        """Remove the query hooks (done automatically as each layer evicts its prefill)."""
+        for layer in self.layers:
+            layer.remove_hook()
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].held if layer_idx < len(self.layers) else 0
