@@ -4,6 +4,7 @@ from kvlab.compress.evict.learned import LearnedPolicy, train_evictor
 from kvlab.compress.evict.observe import Observation, attention_weights, observe
 from kvlab.compress.evict.policies import (
     H2O,
+    REGISTRY,
     TOVA,
     KeyNorm,
     LayerView,
@@ -15,13 +16,27 @@ from kvlab.compress.evict.policies import (
 )
 from kvlab.compress.evict.select import EvictedCache, budget_slots, evict, keep_indices
 
-POLICIES = {
-    p.name: p for p in (SlidingWindow, StreamingLLM, H2O, SnapKV, TOVA, KeyNorm, RandomPolicy, LearnedPolicy)
-}
+
+def _import_methods() -> None:
+    """Import every module in ``methods/``: defining a Policy subclass registers it by name."""
+    import importlib
+    import pkgutil
+
+    from kvlab.compress.evict import methods
+
+    for info in pkgutil.iter_modules(methods.__path__):
+        importlib.import_module(f"{methods.__name__}.{info.name}")
+
+
+_import_methods()
+
+#: policy classes by name: the built-ins above, then every module in ``methods/`` (alphabetical)
+POLICIES = dict(REGISTRY)
 
 
 def make_policy(name: str, **options) -> Policy:
-    """``make_policy("snapkv")``; names: window, streaming_llm, h2o, snapkv, tova, knorm, random, learned."""
+    """``make_policy("snapkv")``; names: ``POLICIES`` (window, streaming_llm, h2o, snapkv, tova, knorm,
+    random, learned, and whatever ``methods/`` adds)."""
     from kvlab.errors import BadInputError
 
     if name not in POLICIES:

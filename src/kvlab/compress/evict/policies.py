@@ -2,7 +2,13 @@
 
 A policy sees one layer at a time through a :class:`LayerView` and returns ``[batch, kv_heads, T]``
 scores; :func:`~kvlab.compress.evict.select.keep_indices` then keeps the top ``n`` slots per head,
-always including the first ``sinks`` slots and the last ``window`` slots the policy asks for.
+always including the first ``sinks`` slots and the last ``window`` slots the policy asks for (a
+:class:`~kvlab.policy.SinksWindow`).
+
+Adding a policy touches one file: subclass :class:`Policy` with a ``name`` in a new module under
+``kvlab/compress/evict/methods/``; it is registered by name when the module is imported (every
+module there is imported with :mod:`kvlab.compress.evict`), so ``make_policy``, the command line
+and the study's policy lists see it (``methods/random_sinks.py`` is the example).
 """
 
 from __future__ import annotations
@@ -79,6 +85,10 @@ def _broadcast(score_t: torch.Tensor, view: LayerView) -> torch.Tensor:
     return score_t.to(torch.float32)[None, None, :].expand(b, h, -1)
 
 
+#: every policy class by name, filled as classes are defined (see :meth:`Policy.__init_subclass__`)
+REGISTRY: dict[str, type[Policy]] = {}
+
+
 @dataclass(frozen=True)
 class Policy:
     """Base: ``sinks`` first slots and ``window`` last slots are always kept."""
@@ -87,6 +97,17 @@ class Policy:
     window: int = 0
     name = "policy"
     needs_queries = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if isinstance(name, str):
+            other = REGISTRY.get(name)
+            if other is not None and other.__qualname__ != cls.__qualname__:
+                raise TypeError(
+                    f"two eviction policies are named '{name}': {other.__module__} and {cls.__module__}"
+                )
+            REGISTRY[name] = cls
 
     def score(self, view: LayerView) -> torch.Tensor:
         raise NotImplementedError
