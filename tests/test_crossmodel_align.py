@@ -10,12 +10,13 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError
-from kvlab.model.align import align_by_spans, aligned_snapshots, fit_cross_model_map
+from kvlab.model.align import align_by_spans, aligned_snapshots
 from kvlab.model.handle import ModelHandle
 from kvlab.ops.crossmodel import (
     apply_cache_map,
     cache_map_grid,
     explained_variance,
+    fit_cross_model_map,
     ridge_fit,
     transplant,
 )

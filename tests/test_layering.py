@@ -82,6 +82,91 @@ def test_only_the_adapter_touches_transformers_cache_classes():
     assert not bad, bad
 
 
+def test_only_model_handle_calls_the_model():
+    """``x.model(`` outside ``kvlab.model.handle`` would be a second path into the model."""
+    bad = []
+    for mod, tree in MODULES.items():
+        if mod == "kvlab.model.handle":
+            continue
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "model"
+            ):
+                bad.append(f"{mod}:{node.lineno}")
+    assert not bad, f"direct model calls outside ModelHandle: {bad}"
+
+
+def test_the_checker_sees_a_direct_model_call():
+    tree = ast.parse("def f(handle):\n    return handle.model(input_ids=1)\n")
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "model"
+    ]
+    assert len(calls) == 1
+
+
+# Packages in layers: each imports only from layers below it (and itself).
+LAYERS = [
+    {"errors"},
+    {"paths", "loop", "rope"},
+    {"data", "cache"},
+    {"metrics", "policy"},
+    {"compress"},
+    {"hf"},
+    {"model"},
+    {"ops", "streaming"},
+    {"store"},
+    {"study"},
+    {"cli"},
+    {"__main__"},
+]
+RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+
+
+def test_every_package_has_a_layer():
+    pkgs = {m.split(".")[1] for m in MODULES if m.count(".") >= 1}
+    assert pkgs <= set(RANK), sorted(pkgs - set(RANK))
+
+
+def test_packages_import_only_from_below():
+    bad = []
+    for mod, tree in MODULES.items():
+        if mod == "kvlab":
+            continue  # the package root re-exports (lazily)
+        here = mod.split(".")[1]
+        for imp in _imports(tree):
+            parts = imp.split(".")
+            if parts[0] != "kvlab" or len(parts) < 2 or parts[1] not in RANK or parts[1] == here:
+                continue
+            if RANK[parts[1]] >= RANK[here]:
+                bad.append(f"{mod} imports {imp}")
+    assert not bad, bad
+
+
+ONE_DEFINITION = [
+    "recompute_slots",  # ops.recompute (rolled caches and store chunks)
+    "first_layers_kv",  # the one first-layers probe (hf.masked)
+    "roll_amount",  # the one reader of roll amounts (policy.window)
+    "decode_loop",  # the one decode loop (kvlab.loop)
+    "SinksWindow",  # the one sinks + window layout
+    "concat",  # KVSnapshot concatenation (cache.snapshot)
+]
+GONE = ["partial_prefill_keys", "kept_slots", "driven_by_generate", "_decoder_layers", "_check_roll"]
+
+
+def test_one_implementation_each():
+    counts = {name: _defined(name) for name in ONE_DEFINITION}
+    assert all(len(where) == 1 for where in counts.values()), counts
+    gone = {name: _defined(name) for name in GONE}
+    assert not any(gone.values()), gone
+    # the only sampling and the only multinomial draw are in the decode loop
+    users = [m for m in MODULES if "multinomial(" in (SRC / _path(m)).read_text()]
+    assert users == ["kvlab.loop"], users
+
+
 def _defined(name: str) -> list[str]:
     pattern = re.compile(rf"^\s*(def|class) {re.escape(name)}\b", re.M)
     return [mod for mod, _ in MODULES.items() if pattern.search((SRC / _path(mod)).read_text())]

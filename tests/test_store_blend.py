@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvlab.errors import BadInputError
+from kvlab.ops.recompute import recompute_slots
 from kvlab.store import fork
 from kvlab.store.blend import (
     RecomputeAll,
@@ -14,7 +15,6 @@ from kvlab.store.blend import (
     RotateOnly,
     blend,
     correction_by_name,
-    recompute_slots,
 )
 from tests.tolerances import assert_forward_close
 
@@ -57,11 +57,11 @@ def test_selective_recompute_mask_is_causal_and_replaces_stale_slots(tiny):
     full = tiny.prefill(before_ids + doc).snapshot
     before, chunk = full.slice(0, 6), full.slice(6, 17)
     for slots in ([0], [3, 4, 9], list(range(11))):
-        out = recompute_slots(tiny, before, chunk, torch.tensor(slots))
+        out = recompute_slots(tiny, chunk, torch.tensor(slots), before=before)
         _close(out, chunk, tiny)
     # and a stale chunk (computed without the context) really is changed in the chosen slots only
     stale = tiny.prefill(doc).snapshot.with_positions(torch.arange(6, 17))
-    fixed = recompute_slots(tiny, before, stale, torch.tensor([0, 1]))
+    fixed = recompute_slots(tiny, stale, torch.tensor([0, 1]), before=before)
     assert not torch.allclose(fixed.values[1][:, :, :2], stale.values[1][:, :, :2])
     assert torch.equal(fixed.values[1][:, :, 2:], stale.values[1][:, :, 2:])
     assert_forward_close(fixed.values[1][:, :, 0], chunk.values[1][:, :, 0], tiny, what="recomputed V")

@@ -8,6 +8,7 @@ import torch
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.masked import first_layers_kv
 from kvlab.metrics import kl_divergence
+from kvlab.ops.recompute import recompute_slots
 from kvlab.ops.suffix import (
     VARIANTS,
     k_ropefixed_v_rolled,
@@ -15,7 +16,6 @@ from kvlab.ops.suffix import (
     probe_deviation,
     recompute_first,
     recompute_most_deviant,
-    recompute_slots,
     reprefill_rolled,
     roll,
     roll_variant,

@@ -115,8 +115,8 @@ def continuation_nll(logits: torch.Tensor, continuation: list[int]) -> np.ndarra
 
 
 def time_decode_ms(handle: Any, cache: Any, first_token: int, start_position: int, steps: int) -> float:
-    """Median milliseconds per greedy decode step on ``cache`` (which it extends), through :func:`kvlab.decode.decode`."""
-    from kvlab.decode import decode
+    """Median milliseconds per greedy decode step on ``cache`` (which it extends), through :func:`kvlab.loop.decode_loop`."""
+    from kvlab.loop import decode_loop
 
     position = start_position
 
@@ -129,5 +129,5 @@ def time_decode_ms(handle: Any, cache: Any, first_token: int, start_position: in
     first = torch.zeros(1, int(handle.config.vocab_size))
     first[0, int(first_token)] = 1.0  # the loop's first pick is ``first_token``
     with torch.no_grad():
-        times = [s.seconds * 1000 for s in decode(feed, first, steps, feed_last=True)]
+        times = [s.seconds * 1000 for s in decode_loop(feed, first, steps, feed_last=True)]
     return float(np.median(times))

@@ -282,7 +282,7 @@ def greedy_on_layers(
     max_new_tokens: int,
 ) -> list[int]:
     """Greedy tokens after per-layer K/V plus ``prompt`` (run at ``start_position`` onward); inputs untouched."""
-    from kvlab.decode import decode
+    from kvlab.loop import decode_loop
 
     cache = dynamic_cache_from_layers(keys, values, handle.config)
     position = start_position + len(prompt)
@@ -299,4 +299,4 @@ def greedy_on_layers(
         position += 1
         return out.logits[:, -1]
 
-    return [int(s.tokens[0]) for s in decode(feed, first, max_new_tokens)]
+    return [int(s.tokens[0]) for s in decode_loop(feed, first, max_new_tokens)]

@@ -6,7 +6,7 @@ another's hold different pieces of text. Where both tokenizers end a token at th
 both end after the "e"), the two slots have read exactly the same text. :func:`align_by_spans` pairs
 those tokens using the tokenizers' offset mappings; :func:`aligned_snapshots` prefills both models
 and keeps only the paired slots, giving two caches of equal length whose slot ``t`` covers the
-same prefix of the text: the input a cross-model ridge map (:mod:`kvlab.ops.crossmodel`) needs.
+same prefix of the text: the input a cross-model ridge map (:func:`kvlab.ops.crossmodel.fit_cross_model_map`) needs.
 
 Tokens the tokenizer adds (BOS, which Gemma adds and SmolLM does not) cover no characters and are
 never paired.
@@ -16,7 +16,7 @@ Slots keep their original positions, so keys are de-rotated at the right angle.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from kvlab.cache.snapshot import KVSnapshot
@@ -114,51 +114,3 @@ def aligned_snapshots(
     s = src.prefill(list(al.src_ids)).snapshot.select(list(al.src_slots))
     d = dst.prefill(list(al.dst_ids)).snapshot.select(list(al.dst_slots))
     return s, d, al
-
-
-def fit_cross_model_map(
-    src: Any,
-    dst: Any,
-    train_texts: Sequence[str],
-    test_texts: Sequence[str],
-    *,
-    alpha: float = 1e-2,
-    grid: bool = False,
-    skip_first: int = 1,
-):
-    """Ridge maps src -> dst cache ("C2C-lite") fitted on span-aligned slots of texts.
-
-    Returns ``(cmap, grid_ev, info)``: the depth-matched :class:`~kvlab.ops.crossmodel.CacheMap`
-    (with held-out explained variance on ``test_texts``), the all-pairs explained variance
-    ``(ev_k, ev_v)`` of :func:`~kvlab.ops.crossmodel.cache_map_grid` when ``grid`` (else None), and
-    counts of aligned slots and coverage.
-    """
-    from kvlab.ops.crossmodel import cache_map_grid, fit_cache_map, layer_ropes, same_tokenizer
-
-    if not train_texts or not test_texts:
-        raise BadInputError("need at least one training text and one test text")
-    pairs = {
-        name: [aligned_snapshots(src, dst, t, skip_first=skip_first) for t in texts]
-        for name, texts in (("train", train_texts), ("test", test_texts))
-    }
-    sr, dr = layer_ropes(src), layer_ropes(dst)
-    args = (
-        [p[0] for p in pairs["train"]],
-        [p[1] for p in pairs["train"]],
-        [p[0] for p in pairs["test"]],
-        [p[1] for p in pairs["test"]],
-    )
-    cmap = fit_cache_map(*args, alpha=alpha, src_ropes=sr, dst_ropes=dr)
-    if not same_tokenizer(src, dst):
-        cmap = replace(cmap, needs_token_ids=True)
-    grid_ev = cache_map_grid(*args, alpha=alpha, src_ropes=sr, dst_ropes=dr) if grid else None
-    alignments = [p[2] for ps in pairs.values() for p in ps]
-    info = {
-        "train_slots": sum(len(p[2]) for p in pairs["train"]),
-        "test_slots": sum(len(p[2]) for p in pairs["test"]),
-        "src_tokens": sum(len(a.src_ids) for a in alignments),
-        "dst_tokens": sum(len(a.dst_ids) for a in alignments),
-        "coverage_src": sum(len(a) for a in alignments) / max(1, sum(len(a.src_ids) for a in alignments)),
-        "coverage_dst": sum(len(a) for a in alignments) / max(1, sum(len(a.dst_ids) for a in alignments)),
-    }
-    return cmap, grid_ev, info

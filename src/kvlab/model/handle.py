@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from kvlab.cache.snapshot import KVSnapshot
-from kvlab.decode import GREEDY, Sampling, decode
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import check_fits_sliding_windows, new_hf_cache, snapshot_from_hf, to_hf_cache
+from kvlab.loop import GREEDY, Sampling, decode_loop
 from kvlab.model.facts import ModelFacts, facts_from_config
 from kvlab.rope.spec import RopeSpec, rope_spec_from_model
 
@@ -308,7 +308,7 @@ class ModelHandle:
         return self.forward([int(token_id)], past, positions=None if position is None else [position])
 
     def _snapshot_feed(self, past: KVSnapshot) -> tuple[Any, Any]:
-        """A ``feed`` for :func:`kvlab.decode.decode` that extends snapshots, and a getter for the latest."""
+        """A ``feed`` for :func:`kvlab.loop.decode_loop` that extends snapshots, and a getter for the latest."""
         state = {"snapshot": past}
 
         def feed(tokens: torch.Tensor) -> torch.Tensor:
@@ -339,7 +339,7 @@ class ModelHandle:
         eos = self._eos_ids() if stop_at_eos else set()
         feed, latest = self._snapshot_feed(past)
         steps = list(
-            decode(
+            decode_loop(
                 feed, first_logits, max_new_tokens, sampling=sampling, stop_ids=eos, keep_logits=keep_logits
             )
         )
@@ -369,7 +369,7 @@ class ModelHandle:
             raise BadInputError(f"{logits.shape[0]} logit rows for a cache of batch {past.batch_size}")
         feed, _ = self._snapshot_feed(past)
         out: list[list[int]] = [[] for _ in range(past.batch_size)]
-        for step in decode(feed, logits, max_new_tokens):
+        for step in decode_loop(feed, logits, max_new_tokens):
             for row, tok in zip(out, step.tokens, strict=True):
                 row.append(int(tok))
         return out

@@ -16,7 +16,7 @@ Different tokenizers need a text-span alignment first (:mod:`kvlab.model.align`)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -356,3 +356,51 @@ def apply_cache_map(
         model_name=receiver.name,
         provenance="transplanted",
     )
+
+
+def fit_cross_model_map(
+    src: Any,
+    dst: Any,
+    train_texts: Sequence[str],
+    test_texts: Sequence[str],
+    *,
+    alpha: float = 1e-2,
+    grid: bool = False,
+    skip_first: int = 1,
+):
+    """Ridge maps src -> dst cache ("C2C-lite") fitted on span-aligned slots of texts.
+
+    Returns ``(cmap, grid_ev, info)``: the depth-matched :class:`~kvlab.ops.crossmodel.CacheMap`
+    (with held-out explained variance on ``test_texts``), the all-pairs explained variance
+    ``(ev_k, ev_v)`` of :func:`~kvlab.ops.crossmodel.cache_map_grid` when ``grid`` (else None), and
+    counts of aligned slots and coverage.
+    """
+    from kvlab.model.align import aligned_snapshots
+
+    if not train_texts or not test_texts:
+        raise BadInputError("need at least one training text and one test text")
+    pairs = {
+        name: [aligned_snapshots(src, dst, t, skip_first=skip_first) for t in texts]
+        for name, texts in (("train", train_texts), ("test", test_texts))
+    }
+    sr, dr = layer_ropes(src), layer_ropes(dst)
+    args = (
+        [p[0] for p in pairs["train"]],
+        [p[1] for p in pairs["train"]],
+        [p[0] for p in pairs["test"]],
+        [p[1] for p in pairs["test"]],
+    )
+    cmap = fit_cache_map(*args, alpha=alpha, src_ropes=sr, dst_ropes=dr)
+    if not same_tokenizer(src, dst):
+        cmap = replace(cmap, needs_token_ids=True)
+    grid_ev = cache_map_grid(*args, alpha=alpha, src_ropes=sr, dst_ropes=dr) if grid else None
+    alignments = [p[2] for ps in pairs.values() for p in ps]
+    info = {
+        "train_slots": sum(len(p[2]) for p in pairs["train"]),
+        "test_slots": sum(len(p[2]) for p in pairs["test"]),
+        "src_tokens": sum(len(a.src_ids) for a in alignments),
+        "dst_tokens": sum(len(a.dst_ids) for a in alignments),
+        "coverage_src": sum(len(a) for a in alignments) / max(1, sum(len(a.src_ids) for a in alignments)),
+        "coverage_dst": sum(len(a) for a in alignments) / max(1, sum(len(a.dst_ids) for a in alignments)),
+    }
+    return cmap, grid_ev, info

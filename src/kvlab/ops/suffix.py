@@ -15,13 +15,14 @@ Every function returns a new snapshot and leaves its input untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kvlab.cache.snapshot import KVSnapshot, concat
+from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError
+from kvlab.ops.recompute import recompute_slots
 from kvlab.policy.window import SinksWindow, roll_amount
 
 # Until the study moves over (same reader, one rule): see kvlab.policy.roll_amount.
@@ -89,51 +90,7 @@ def roll_variant(name: str, handle: Any, snapshot: KVSnapshot, drop: int, sinks:
     return VARIANTS[name](handle, snapshot, drop, sinks)
 
 
-# -- selective recompute ---------------------------------------------------------------------------
-def _runs(slots: Sequence[int]) -> list[tuple[int, int]]:
-    """Sorted slots -> contiguous ``[start, stop)`` runs."""
-    runs: list[tuple[int, int]] = []
-    for s in sorted(set(int(i) for i in slots)):
-        if runs and runs[-1][1] == s:
-            runs[-1] = (runs[-1][0], s + 1)
-        else:
-            runs.append((s, s + 1))
-    return runs
-
-
-def recompute_slots(handle: Any, rolled: KVSnapshot, slots: Sequence[int]) -> KVSnapshot:
-    """Recompute the K/V of ``slots`` exactly, each seeing the (already refreshed) slots before it.
-
-    Contiguous runs are one forward each (``past`` = slots before the run, at the run's positions), so
-    recomputing the first ``k`` slots is one prefill of ``k`` tokens and costs ``k`` tokens of compute.
-    The slots after a refreshed one keep their cached K/V (that is the approximation).
-    """
-    if not len(slots):
-        return rolled
-    if min(slots) < 0 or max(slots) >= rolled.seq_len:
-        raise BadInputError(f"slots must lie in [0, {rolled.seq_len}), got {min(slots)}..{max(slots)}")
-    ids = rolled.token_list()
-    current = rolled
-    for start, stop in _runs(slots):
-        past = current.slice(0, start) if start > 0 else None
-        fwd = handle.forward(ids[start:stop], past, positions=rolled.positions[start:stop], all_logits=False)
-        fresh = fwd.snapshot.slice(start, stop)
-        pieces = [
-            p
-            for p in (
-                current.slice(0, start) if start else None,
-                fresh,
-                current.slice(stop) if stop < current.seq_len else None,
-            )
-            if p is not None
-        ]
-        merged = pieces[0]
-        for p in pieces[1:]:
-            merged = concat(merged, p)
-        current = merged
-    return current
-
-
+# -- selective recompute (one implementation: kvlab.ops.recompute) -------------------------------
 def recompute_first(handle: Any, rolled: KVSnapshot, k: int, sinks: int = 0) -> KVSnapshot:
     """Refresh the first ``k`` slots after the sinks (the tokens that lost the most context)."""
     k = max(0, min(k, rolled.seq_len - sinks))

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from kvlab.cache.snapshot import KVSnapshot
+from kvlab.cache.snapshot import KVSnapshot, concat
 from kvlab.errors import BadInputError, IncompatibleCacheError
 from kvlab.policy.window import SinksWindow
 
@@ -85,13 +85,7 @@ def concat_caches(first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:
     """
     first.require_compatible(second, "concatenating caches")
     offset = first.next_position - int(second.positions.min())
-    moved = second.with_positions(second.positions + offset)
-    return first.replace(
-        keys=tuple(torch.cat((a, b), dim=2) for a, b in zip(first.keys, moved.keys, strict=True)),
-        values=tuple(torch.cat((a, b), dim=2) for a, b in zip(first.values, moved.values, strict=True)),
-        token_ids=torch.cat((first.token_ids, moved.token_ids), dim=1),
-        positions=torch.cat((first.positions, moved.positions)),
-    )
+    return concat(first, second.with_positions(second.positions + offset))
 
 
 def replace_span(receiver: KVSnapshot, start: int, stop: int, donor: KVSnapshot) -> KVSnapshot:

@@ -28,7 +28,8 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot, concat
 from kvlab.errors import BadInputError
-from kvlab.hf.masked import first_layers_kv, forward_masked
+from kvlab.hf.masked import first_layers_kv
+from kvlab.ops.recompute import recompute_slots
 
 Piece = KVSnapshot | Sequence[int]
 
@@ -134,36 +135,6 @@ class Blended:
     blend_ms: float
 
 
-def recompute_slots(
-    handle: Any, before: KVSnapshot | None, chunk: KVSnapshot, slots: torch.Tensor
-) -> KVSnapshot:
-    """``chunk`` with the K/V of ``slots`` (chunk-local) recomputed in context; returns a new snapshot.
-
-    Each recomputed token attends to every slot of ``before``, to the chunk's cached (not recomputed)
-    slots before it, and to the recomputed tokens up to itself, as CacheBlend's selective recompute does.
-    """
-    if slots.numel() == 0:
-        return chunk
-    past = chunk if before is None else concat(before, chunk)
-    offset = 0 if before is None else before.seq_len
-    slots = slots.to(torch.long).sort().values
-    r, total = int(slots.numel()), past.seq_len
-    abs_slots = slots + offset
-    visible = torch.zeros((r, total + r), dtype=torch.bool)
-    visible[:, :total] = torch.arange(total)[None, :] < abs_slots[:, None]
-    visible[:, abs_slots] = False
-    visible[:, total:] = torch.tril(torch.ones(r, r, dtype=torch.bool))
-    keys, values, _ = forward_masked(handle, past, chunk.token_ids[0, slots], chunk.positions[slots], visible)
-
-    def put(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        return old.index_copy(2, slots.to(old.device), new.to(old.dtype))
-
-    return chunk.replace(
-        keys=tuple(put(o, n) for o, n in zip(chunk.keys, keys, strict=True)),
-        values=tuple(put(o, n) for o, n in zip(chunk.values, values, strict=True)),
-    )
-
-
 def blend(handle: Any, pieces: Sequence[Piece], correction: Correction | None = None) -> Blended:
     """Assemble a prompt's cache from ``pieces``: token-id lists are computed, snapshots are reused chunks.
 
@@ -185,7 +156,7 @@ def blend(handle: Any, pieces: Sequence[Piece], correction: Correction | None = 
                 raise BadInputError("reused chunks must have batch 1")
             moved = piece.with_positions(torch.arange(pos, pos + piece.seq_len))
             slots = correction.select(handle, snap, moved)
-            moved = recompute_slots(handle, snap, moved, slots)
+            moved = recompute_slots(handle, moved, slots, before=snap)
             snap = moved if snap is None else concat(snap, moved)
             chunk_tokens += piece.seq_len
             recomputed += int(slots.numel())

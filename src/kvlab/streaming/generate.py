@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.decode import Sampling, decode
 from kvlab.errors import BadInputError
 from kvlab.hf.rolling_cache import RollingCache
+from kvlab.loop import Sampling, decode_loop
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def stream_generate(
     """Yield tokens one at a time, forever if ``max_new_tokens`` is None (greedy unless ``temperature > 0``).
 
     Every yielded token has been fed to the cache, so the next call can continue from it. The loop
-    is :func:`kvlab.decode.decode`; this adds what the rolling cache did at each step.
+    is :func:`kvlab.loop.decode_loop`; this adds what the rolling cache did at each step.
     """
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     before: dict[str, int] = {}
@@ -66,7 +66,7 @@ def stream_generate(
         before.update(rolls=cache.rolls, rebases=cache.rebases, position=cache.next_position)
         return feed(handle, cache, tokens.tolist())
 
-    for step in decode(
+    for step in decode_loop(
         feed_one, first_logits, max_new_tokens, sampling=sampling, stop_ids=stop_ids, feed_last=True
     ):
         yield StreamEvent(

@@ -285,7 +285,7 @@ def _timing(ctx, model, context, methods, policies, steps) -> dict[str, float]:
     for name, kw in setups.items():
         cache = CompressedCache(model.config, **kw)
         with torch.no_grad():
-            first = model.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            first = model.run(ids, cache, logits_to_keep=1).logits
         out[name] = time_decode_ms(model, cache, int(first[0, -1].argmax()), len(context), steps)
         out[name + " bytes"] = cache.nbytes
     return out

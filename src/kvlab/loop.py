@@ -74,7 +74,7 @@ class DecodeStep:
     logits: torch.Tensor | None = None  # [B, vocab] the tokens were picked from (keep_logits=True)
 
 
-def decode(
+def decode_loop(
     feed: Feed,
     first_logits: torch.Tensor,
     max_new_tokens: int | None,

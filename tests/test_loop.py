@@ -1,12 +1,12 @@
-"""The one decode loop (kvlab.decode): picks, stops, feeding, sampling; and its users agree with it."""
+"""The one decode loop (kvlab.loop.decode_loop): picks, stops, feeding, sampling; and its users agree with it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvlab.decode import Sampling, decode
 from kvlab.errors import BadInputError
+from kvlab.loop import Sampling, decode_loop
 
 VOCAB = 11
 
@@ -33,7 +33,7 @@ def one_hot(*ids: int) -> torch.Tensor:
 
 def test_greedy_follows_logits_and_leaves_last_token_unfed():
     fed: list[list[int]] = []
-    steps = list(decode(scripted_feed({0: [0, 5, 6, 7, 8]}, fed), one_hot(4)[0], 4))
+    steps = list(decode_loop(scripted_feed({0: [0, 5, 6, 7, 8]}, fed), one_hot(4)[0], 4))
     assert [s.tokens[0] for s in steps] == [4, 5, 6, 7]
     assert fed == [[4], [5], [6]]  # the last pick is not fed
     assert [s.fed for s in steps] == [True, True, True, False]
@@ -41,14 +41,14 @@ def test_greedy_follows_logits_and_leaves_last_token_unfed():
 
 def test_feed_last_feeds_every_token():
     fed: list[list[int]] = []
-    steps = list(decode(scripted_feed({0: [0, 5, 6]}, fed), one_hot(4), 2, feed_last=True))
+    steps = list(decode_loop(scripted_feed({0: [0, 5, 6]}, fed), one_hot(4), 2, feed_last=True))
     assert fed == [[4], [5]] and all(s.fed for s in steps)
 
 
 def test_rows_stop_independently_and_the_stop_token_is_reported():
     fed: list[list[int]] = []
     script = {0: [0, 9, 1, 1, 1], 1: [0, 2, 3, 9, 1]}  # 9 is the stop token
-    steps = list(decode(scripted_feed(script, fed), one_hot(1, 1), 10, stop_ids=[9]))
+    steps = list(decode_loop(scripted_feed(script, fed), one_hot(1, 1), 10, stop_ids=[9]))
     assert [s.tokens for s in steps] == [(1, 1), (9, 2), (None, 3), (None, 9)]
     assert steps[-1].stopped == (True, True) and not steps[-1].fed
     assert fed[2] == [9, 3]  # a stopped row is fed its last token while the other continues
@@ -73,7 +73,7 @@ def test_sampled_loop_repeats_with_the_same_seed():
         return torch.randn(len(tokens), VOCAB, generator=torch.Generator().manual_seed(int(tokens[0])))
 
     runs = [
-        [s.tokens[0] for s in decode(feed, torch.zeros(VOCAB), 20, sampling=Sampling(0.8, seed=s))]
+        [s.tokens[0] for s in decode_loop(feed, torch.zeros(VOCAB), 20, sampling=Sampling(0.8, seed=s))]
         for s in (1, 1, 2)
     ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
@@ -89,7 +89,7 @@ def test_bad_sampling_is_refused(kwargs):
 
 def test_bad_length_is_refused():
     with pytest.raises(BadInputError, match="max_new_tokens"):
-        next(decode(lambda t: torch.zeros(1, VOCAB), torch.zeros(VOCAB), 0))
+        next(decode_loop(lambda t: torch.zeros(1, VOCAB), torch.zeros(VOCAB), 0))
 
 
 def test_generate_and_stream_generate_agree(tiny_model):
