@@ -77,3 +77,29 @@ def test_study_with_an_unknown_model_is_one_error_and_writes_nothing(tmp_path):
     with pytest.raises(ModelNotFoundError, match="never downloads"):
         run_study(out=tmp_path / "runs", model_spec="no-such-org/no-such-model", profile="quick")
     assert not (tmp_path / "runs").exists()
+
+
+def test_declared_dependencies_run_first_and_are_handed_over(tmp_path, monkeypatch):
+    """An experiment that ``needs`` another gets its summary from the study, never from its files."""
+    seen: dict[str, object] = {}
+
+    def base_run(ctx):
+        return ExperimentResult(name="base_x", title="base", summary={"value": 7})
+
+    def user_run(ctx):
+        seen["summary"], seen["how"] = ctx.needed("base_x")
+        return ExperimentResult(name="user_x", title="user", summary={"twice": 2 * seen["summary"]["value"]})
+
+    base = Experiment(name="base_x", title="base", run=base_run, order=900)
+    user = Experiment(name="user_x", title="user", run=user_run, order=10, needs=("base_x",))
+    assert [e.name for e in runner.dependencies_first([user, base])] == ["base_x", "user_x"]
+    cyc_a = Experiment(name="a", title="a", run=base_run, needs=("b",))
+    cyc_b = Experiment(name="b", title="b", run=base_run, needs=("a",))
+    with pytest.raises(BadInputError, match="cycle"):
+        runner.dependencies_first([cyc_a, cyc_b])
+    # run alone, the needed experiment is computed in a sub-folder
+    monkeypatch.setattr("kvlab.study.experiments.get_experiment", lambda name: {"base_x": base}[name])
+    ctx = ExperimentContext(out_dir=tmp_path / "user_x", profile="quick", model_handle=object())
+    assert user.run(ctx).summary == {"twice": 14} and seen["how"].startswith("computed here")
+    ctx = ExperimentContext(out_dir=tmp_path / "u2", profile="quick", upstream={"base_x": {"value": 1}})
+    assert user.run(ctx).summary == {"twice": 2} and "this study" in str(seen["how"])

@@ -138,7 +138,9 @@ def run_study(
         raise BadInputError(
             f"--out {out}: cannot create a report folder there ({exc.strerror or exc})"
         ) from None
+    experiments = dependencies_first(experiments)
     results: list[tuple[str, ExperimentResult]] = []
+    upstream: dict[str, dict] = {}  # summaries of the experiments run so far, for those that need them
     failed: list[str] = []
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -153,6 +155,7 @@ def run_study(
                     dtype=dtype,
                     progress=progress,
                     model_handle=model,
+                    upstream={n: upstream[n] for n in exp.needs if n in upstream},
                 )
                 progress.log(f"[bold]{exp.title}[/bold]")
                 started = time.perf_counter()
@@ -173,6 +176,8 @@ def run_study(
                 finish(result, ctx, started)
                 seconds[exp.name] = round(time.perf_counter() - started, 2)
                 results.append((exp.name, result))
+                if result.status == "ok":
+                    upstream[exp.name] = to_jsonable(result.summary)
                 advance(1)
     m = manifest(
         model=model,
@@ -191,3 +196,25 @@ def run_study(
     )
     write_study_index(root, results, subtitle, _manifest_line(m))
     return StudyOutcome(run_dir=root, results=results, failed=failed, seconds=seconds)
+
+
+def dependencies_first(experiments: list[Experiment]) -> list[Experiment]:
+    """The experiments in study order, except that each one runs after those it ``needs`` (if present)."""
+    by_name = {e.name: e for e in experiments}
+    done: list[Experiment] = []
+    seen: set[str] = set()
+
+    def visit(exp: Experiment, path: tuple[str, ...]) -> None:
+        if exp.name in seen:
+            return
+        if exp.name in path:
+            raise BadInputError(f"experiments need each other in a cycle: {' -> '.join((*path, exp.name))}")
+        for name in exp.needs:
+            if name in by_name:
+                visit(by_name[name], (*path, exp.name))
+        seen.add(exp.name)
+        done.append(exp)
+
+    for exp in experiments:
+        visit(exp, ())
+    return done

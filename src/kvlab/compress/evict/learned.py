@@ -52,7 +52,7 @@ def token_features(view: LayerView) -> torch.Tensor:
 
     feats = [
         torch.log(view.received / seen_by + _EPS),
-        torch.log(view.window_attention(32) + _EPS),
+        torch.log(view.recent_attention(32) + _EPS),
         torch.log(view.keys.float().norm(dim=-1) + _EPS),
         torch.log(view.values.float().norm(dim=-1) + _EPS),
         bc(slot / max(t - 1, 1)),

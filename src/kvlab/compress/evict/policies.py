@@ -51,9 +51,9 @@ class LayerView:
             )
         return self.queries
 
-    def window_attention(self, n: int) -> torch.Tensor:
+    def recent_attention(self, n: int) -> torch.Tensor:
         """Attention of the last ``n`` queries, averaged over them and over each KV head's query group: ``[B, Hkv, T]``."""
-        key = ("window", n)
+        key = ("recent", n)
         if key not in self._memo:
             q = self.require_queries("this policy")
             t = self.seq_len
@@ -154,7 +154,7 @@ class SnapKV(Policy):
     needs_queries = True
 
     def score(self, view: LayerView) -> torch.Tensor:
-        a = view.window_attention(self.observe)
+        a = view.recent_attention(self.observe)
         return torch.nn.functional.avg_pool1d(
             a, self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=False
         )
@@ -168,7 +168,7 @@ class TOVA(Policy):
     needs_queries = True
 
     def score(self, view: LayerView) -> torch.Tensor:
-        return view.window_attention(1)
+        return view.recent_attention(1)
 
 
 @dataclass(frozen=True)
