@@ -25,7 +25,7 @@ import torch
 from kvlab import load_model
 from kvlab.data import shared_book
 from kvlab.hf import new_hf_cache
-from kvlab.hf.rolling_cache import rolling_cache_for, rotate_by, rotate_by_
+from kvlab.hf.rolling_cache import RollPlan, rolling_cache_for, rotate_by, rotate_by_
 from kvlab.rope.ops import shift_keys
 from kvlab.streaming import TABLE_COLUMNS, stream_generate, streaming_perplexity, summarize, table_row
 from kvlab.streaming.generate import feed
@@ -64,11 +64,11 @@ def bench_roll(h, window: int, chunk: int, sinks: int, repeats: int) -> list[lis
     ids = torch.randint(100, 20000, (1, window + sinks), generator=torch.Generator().manual_seed(0))
     t0 = time.process_time()  # CPU time, like the cache updates below
     with torch.no_grad():
-        h.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        h.run(ids, logits_to_keep=1)
     prefill_ms = (time.process_time() - t0) * 1e3
     cache = rolling_cache_for(h, window=window, sinks=sinks, evict_chunk=chunk)
     with torch.no_grad():
-        h.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        h.run(ids, cache, logits_to_keep=1)
     layers = [(lay.keys.clone(), lay.values.clone(), lay.sink_keys.clone()) for lay in cache.layers]
     kv, hd = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[3]
     new_k = torch.randn(1, kv, 1, hd)
@@ -77,9 +77,7 @@ def bench_roll(h, window: int, chunk: int, sinks: int, repeats: int) -> list[lis
         # Reset to the full state, then one cache-level update of every layer (no model compute).
         for lay, (k, v, s) in zip(cache.layers, layers, strict=True):
             lay.keys, lay.values, lay.sink_keys = k, v, s
-        cache.slots, cache.base = window + sinks, 0
-        cache.plan.drop, cache.plan.rebase = drop, rebase
-        cache._sinks_rotated = None  # no reuse across repeats: every roll re-rotates the sinks
+            lay.slots, lay.base, lay.plan = window + sinks, 0, RollPlan(drop=drop, rebase=rebase)
         for i in range(len(cache.layers)):
             cache.update(new_k, new_k, i)
 
@@ -179,21 +177,19 @@ def bench_throughput(h, window: int, sinks: int, chunk: int, blocks: int, steps:
     roll = rolling_cache_for(h, window=window, sinks=sinks, evict_chunk=chunk)
     dyn = new_hf_cache(h.config)
     with torch.no_grad():
-        h.model(input_ids=ids, past_key_values=roll, use_cache=True, logits_to_keep=1)
-        h.model(
-            input_ids=ids[:, : window + sinks - chunk], past_key_values=dyn, use_cache=True, logits_to_keep=1
-        )
+        h.run(ids, roll, logits_to_keep=1)
+        h.run(ids[:, : window + sinks - chunk], dyn, logits_to_keep=1)
     tok = torch.tensor([[1234]])
     r_times, d_times = [], []
     with torch.no_grad():
         for _ in range(blocks):
             t0 = time.perf_counter()
             for _ in range(steps):
-                h.model(input_ids=tok, past_key_values=roll, use_cache=True)
+                h.run(tok, roll)
             r_times.append(steps / (time.perf_counter() - t0))
             t0 = time.perf_counter()
             for _ in range(steps):
-                h.model(input_ids=tok, past_key_values=dyn, use_cache=True)
+                h.run(tok, dyn)
             d_times.append(steps / (time.perf_counter() - t0))
             dyn.crop(-steps)  # keep the DynamicCache at the same length band
     r, d = statistics.median(r_times), statistics.median(d_times)
@@ -233,14 +229,14 @@ def bench_memory(
     dyn = new_hf_cache(h.config)
     ids = torch.randint(100, 20000, (1, n_dyn), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        h.model(input_ids=ids, past_key_values=dyn, use_cache=True, logits_to_keep=1)
+        h.run(ids, dyn, logits_to_keep=1)
     tok = torch.tensor([[1234]])
 
     def dyn_block(steps: int = 16) -> float:
         t0 = time.perf_counter()
         with torch.no_grad():
             for _ in range(steps):
-                h.model(input_ids=tok, past_key_values=dyn, use_cache=True)
+                h.run(tok, dyn)
         dyn.crop(-steps)
         return steps / (time.perf_counter() - t0)
 
