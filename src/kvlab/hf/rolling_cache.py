@@ -202,21 +202,23 @@ class RollingLayer(CacheLayerMixin):
             return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
         s = min(self.rule.policy.sinks, self.slots)
         window_k = keys[:, :, s + plan.drop :]
-        n_new = key_states.shape[-2]
-        kept = s + window_k.shape[-2]
-        full_k = keys.new_empty((*keys.shape[:2], kept + n_new, keys.shape[-1]))
-        if s:
-            full_k[:, :, :s] = self.sinks_at(self.base + plan.drop - plan.rebase)
+        sinks = [self.sinks_at(self.base + plan.drop - plan.rebase)] if s else []
         if plan.rebase:  # rotate straight into the output: the re-base replaces this step's copy
+            kept = s + window_k.shape[-2]
+            full_k = keys.new_empty((*keys.shape[:2], kept + key_states.shape[-2], keys.shape[-1]))
+            if s:
+                full_k[:, :, :s] = sinks[0]
             rotate_by(window_k, -plan.rebase, self.rule.rope, out=full_k[:, :, s:kept])
-        else:
-            full_k[:, :, s:kept] = window_k
-        full_k[:, :, kept:] = key_states
+            full_k[:, :, kept:] = key_states
+        else:  # one concatenation, like every step
+            full_k = torch.cat([*sinks, window_k, key_states], dim=-2)
         full_v = torch.cat([values[:, :, :s], values[:, :, s + plan.drop :], value_states], dim=-2)
         return full_k, full_v
 
     def sinks_at(self, base: int) -> torch.Tensor:
         """The sink keys rotated from their stored originals (one rotation, no drift) to ``base ..``."""
+        if self.sink_keys is None:
+            raise RuntimeError("no sink keys stored yet")
         return rotate_by(self.sink_keys, base, self.rule.rope)
 
     def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
