@@ -154,7 +154,17 @@ ONE_DEFINITION = [
     "SinksWindow",  # the one sinks + window layout
     "concat",  # KVSnapshot concatenation (cache.snapshot)
 ]
-GONE = ["partial_prefill_keys", "kept_slots", "driven_by_generate", "_decoder_layers", "_check_roll"]
+GONE = [
+    "partial_prefill_keys",
+    "kept_slots",
+    "driven_by_generate",
+    "_decoder_layers",
+    "_check_roll",
+    "roll_count",
+    "drop_count",
+    "token_windows",
+    "load_or_run",
+]
 
 
 def test_one_implementation_each():
@@ -176,3 +186,11 @@ def _path(module: str) -> str:
     rel = module.removeprefix("kvlab").lstrip(".").replace(".", "/")
     p = SRC / rel
     return str(p.relative_to(SRC) / "__init__.py") if p.is_dir() else rel + ".py"
+
+
+def test_experiment_names_equal_module_names():
+    from kvlab.study.experiments import registry
+
+    for name, exp in registry().items():
+        module = exp.run.__module__.rsplit(".", 1)[-1]
+        assert module == name, f"experiment '{name}' lives in module '{module}'"

@@ -9,22 +9,23 @@ import torch
 from kvlab.errors import BadInputError
 from kvlab.metrics.similarity import compare_caches
 from kvlab.ops import perturb as P
+from kvlab.policy import roll_amount
 
 IDS = [5, 9, 3, 7, 3, 11, 2, 8, 4, 6, 10, 12, 1, 13, 14, 15]
 
 
 def test_roll_count_ints_and_fractions():
-    assert P.roll_count(3, 10) == 3
-    assert P.roll_count(np.int64(9), 10) == 9
-    assert P.roll_count(0.25, 100) == 25
-    assert P.roll_count(0.01, 10) == 1  # at least one token
-    assert P.roll_count(0.99, 10) == 9  # leaves at least one token
+    assert roll_amount(3, 10) == 3
+    assert roll_amount(np.int64(9), 10) == 9
+    assert roll_amount(0.25, 100) == 25
+    assert roll_amount(0.01, 10) == 1  # at least one token
+    assert roll_amount(0.99, 10) == 9  # leaves at least one token
 
 
 @pytest.mark.parametrize("n", [0, -1, 10, 11, 0.0, 1.0, 1.5, -0.2, True])
 def test_roll_count_rejects_out_of_range(n):
     with pytest.raises(BadInputError):
-        P.roll_count(n, 10)
+        roll_amount(n, 10)
 
 
 @pytest.mark.parametrize("ids", [[], [7]])

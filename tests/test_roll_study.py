@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvlab.study.experiments import ExperimentContext, get_experiment
+from kvlab.study.report.writer import to_jsonable
 from kvlab.study.runner import run_experiment
 from tests.tolerances import assert_forward_close
 
@@ -25,11 +26,16 @@ SMALL = {
 @pytest.fixture(scope="module")
 def study_dir(smollm, tmp_path_factory):
     root = tmp_path_factory.mktemp("roll_study")
+    upstream: dict[str, dict] = {}  # what run_study hands to experiments that declare ``needs``
     for name, options in SMALL.items():
         ctx = ExperimentContext(
-            out_dir=root / name, profile="quick", options=dict(options), model_handle=smollm
+            out_dir=root / name,
+            profile="quick",
+            options=dict(options),
+            model_handle=smollm,
+            upstream=dict(upstream),
         )
-        run_experiment(get_experiment(name), ctx)
+        upstream[name] = to_jsonable(run_experiment(get_experiment(name), ctx).summary)
     return root
 
 
@@ -53,7 +59,7 @@ def test_findings_are_computed_from_the_results(study_dir):
     assert set(verdicts.values()) <= {"holds", "does not hold", "artefact", "not applicable"}
     assert verdicts["De-rotating keys does not restore similarity (the thread's null)"] == "artefact"
     sources = " ".join(doc["data_sources"])
-    assert "read from roll_sweep/result.json" in sources  # reused, not recomputed
+    assert "from this study's roll_sweep section" in sources  # handed over, not recomputed or read from files
 
 
 @pytest.mark.slow

@@ -101,12 +101,12 @@ def shared_conversations() -> list[dict] | None:
     return json.loads(path.read_text())
 
 
-def token_windows(ids: list[int], length: int, count: int, *, seed: int = 0) -> list[list[int]]:
-    """``count`` windows of ``length`` tokens from ``ids``, evenly spread (non-overlapping when possible)."""
+def token_samples(ids: list[int], length: int, count: int, *, seed: int = 0) -> list[list[int]]:
+    """``count`` samples of ``length`` tokens from ``ids``, evenly spread (non-overlapping when possible)."""
     if length < 1 or count < 1:
-        raise BadInputError("window length and count must be >= 1")
+        raise BadInputError("sample length and count must be >= 1")
     if len(ids) < length:
-        raise BadInputError(f"the text has {len(ids)} tokens, fewer than one window of {length}")
+        raise BadInputError(f"the text has {len(ids)} tokens, fewer than one sample of {length}")
     last = len(ids) - length
     if count == 1:
         starts = [0]
@@ -114,6 +114,6 @@ def token_windows(ids: list[int], length: int, count: int, *, seed: int = 0) -> 
         step = last / (count - 1)
         starts = sorted({round(i * step) for i in range(count)})
         rng = random.Random(seed)
-        while len(starts) < count:  # more windows than distinct starts: sample the rest
+        while len(starts) < count:  # more samples than distinct starts: draw the rest
             starts.append(rng.randint(0, last))
     return [ids[s : s + length] for s in starts[:count]]

@@ -104,14 +104,14 @@ def register(app: typer.Typer) -> None:
         import json
 
         from kvlab.compress.evict.learned import save_weights, train_evictor
-        from kvlab.data import python_docs, read_text_file, token_windows
+        from kvlab.data import python_docs, read_text_file, token_samples
         from kvlab.model import load_model
         from kvlab.study.experiments.compression import TRAIN_CHARS
 
         handle = load_model(model)
         src = read_text_file(text).text if text else python_docs().text[:TRAIN_CHARS]
         ids = handle.encode(src)
-        wins = token_windows(ids, context + future, windows, seed=seed)
+        wins = token_samples(ids, context + future, windows, seed=seed)
         trained, report = train_evictor(
             handle,
             wins,

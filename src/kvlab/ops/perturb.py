@@ -51,21 +51,16 @@ def check_tokens(ids: Sequence[int], what: str = "the text") -> list[int]:
     return ids
 
 
-def roll_count(n: int | float, length: int) -> int:
-    """Tokens to drop for a roll of ``n`` (a count, or a fraction of ``length``): :func:`kvlab.policy.roll_amount`."""
-    return roll_amount(n, length)
-
-
 def roll_tokens(ids: Sequence[int], n: int | float) -> list[int]:
     """Drop the first ``n`` tokens (what a rolling context window does)."""
     ids = check_tokens(ids)
-    return ids[roll_count(n, len(ids)) :]
+    return ids[roll_amount(n, len(ids)) :]
 
 
 def truncate_tokens(ids: Sequence[int], n: int | float) -> list[int]:
     """Drop the last ``n`` tokens."""
     ids = check_tokens(ids)
-    return ids[: len(ids) - roll_count(n, len(ids))]
+    return ids[: len(ids) - roll_amount(n, len(ids))]
 
 
 def scramble_tokens(ids: Sequence[int], seed: int = 0, keep_first: int = 0) -> list[int]:
@@ -91,7 +86,7 @@ def truncate(snapshot: KVSnapshot, n: int | float) -> KVSnapshot:
     """Drop the last ``n`` slots. By causality this equals re-prefilling the shorter text (no model needed)."""
     check_tokens(snapshot.token_list(), "the cache")
     snapshot.require_prefill("truncate (equal to re-prefilling the shorter text)")
-    return snapshot.slice(0, snapshot.seq_len - roll_count(n, snapshot.seq_len))
+    return snapshot.slice(0, snapshot.seq_len - roll_amount(n, snapshot.seq_len))
 
 
 def scramble(model: Any, snapshot: KVSnapshot, seed: int = 0, keep_first: int = 0) -> KVSnapshot:
@@ -109,13 +104,13 @@ def unrelated(model: Any, ids: Sequence[int]) -> KVSnapshot:
 
 def align_roll(length: int, n: int | float) -> Alignment:
     """Original slots ``n..T-1`` with rolled slots ``0..T-n-1`` (T = original length)."""
-    k = roll_count(n, length)
+    k = roll_amount(n, length)
     return Alignment(np.arange(k, length), np.arange(0, length - k), f"roll {k}")
 
 
 def align_truncate(length: int, n: int | float) -> Alignment:
     """Slots ``0..T-n-1`` of the original with the same slots of the truncated cache."""
-    k = roll_count(n, length)
+    k = roll_amount(n, length)
     return Alignment(np.arange(length - k), np.arange(length - k), f"truncate {k}")
 
 

@@ -23,10 +23,7 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError
 from kvlab.ops.recompute import recompute_slots
-from kvlab.policy.window import SinksWindow, roll_amount
-
-# Until the study moves over (same reader, one rule): see kvlab.policy.roll_amount.
-drop_count = roll_amount
+from kvlab.policy.window import SinksWindow
 
 
 def roll(snapshot: KVSnapshot, drop: int, sinks: int = 0, *, reposition: bool = True) -> KVSnapshot:

@@ -40,7 +40,8 @@ BUGGY_MAX_ROLL = 20
 
 
 def study_text(ctx: ExperimentContext, text: str | Path | None = None) -> Text:
-    """``--text FILE`` when given, else Frankenstein (shared data) or the Python docs."""
+    """``--text FILE`` when given (the argument, else the study's options), else Frankenstein (shared
+    data) or the Python docs. Reads the options, never writes them."""
     path = text if text is not None else ctx.options.get("text")
     return read_text_file(path) if path else default_long_text()
 
@@ -156,9 +157,13 @@ class LongRollPlan:
             )
 
 
-def plan_for(ctx: ExperimentContext, available: int | None = None) -> LongRollPlan:
-    """The profile's plan: step-1 rolls up to ``fine``, then coarser steps up to ~90% of the context."""
-    context = int(ctx.options.get("context") or ctx.pick(quick=384, default=1500, full=2000))
+def plan_for(
+    ctx: ExperimentContext, available: int | None = None, context: int | None = None
+) -> LongRollPlan:
+    """The profile's plan: step-1 rolls up to ``fine``, then coarser steps up to ~90% of the context.
+
+    ``context``: the argument, else the study's ``--context`` option, else the profile's size."""
+    context = int(context or ctx.options.get("context") or ctx.pick(quick=384, default=1500, full=2000))
     fine = ctx.pick(quick=16, default=64, full=96)
     coarse_step = ctx.pick(quick=64, default=128, full=32)
     n_ends = ctx.pick(quick=4, default=20, full=20)

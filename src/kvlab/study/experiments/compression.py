@@ -20,7 +20,7 @@ from kvlab.compress.evict.select import budget_slots
 from kvlab.compress.measure import continuation_nll, distortion, reference, time_decode_ms
 from kvlab.compress.quant import make_quantizer, quantize_snapshot
 from kvlab.compress.quant.scalar import check_bits
-from kvlab.data import Text, default_long_text, python_docs, read_text_file, token_windows
+from kvlab.data import Text, default_long_text, python_docs, read_text_file, token_samples
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
@@ -92,7 +92,7 @@ def evaluation_windows(
 ) -> list[list[int]]:
     """``n_win`` token windows of ``n_ctx + n_cont`` tokens, evenly spread over ``src``."""
     ids = model.encode(src.text[: (n_ctx + n_cont) * n_win * 8 + 40_000])
-    return token_windows(ids, n_ctx + n_cont, n_win, seed=seed)
+    return token_samples(ids, n_ctx + n_cont, n_win, seed=seed)
 
 
 def needle_trials(

@@ -8,7 +8,6 @@ computes a verdict for each claim from the numbers with the rules in the table c
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,6 @@ from kvlab.metrics import spectral as S
 from kvlab.metrics.stats import bootstrap_ci
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.writer import to_jsonable
 
 SOURCES = ("roll_sweep", "roll_long", "rope_derotation")
 ATTN_ROLLS = (1, 5, 20)
@@ -29,31 +27,6 @@ THREAD_BRIEF = {
     "offset": 0.19,
     "attention_cos": 0.41,
 }
-
-
-def load_or_run(ctx: ExperimentContext, name: str) -> tuple[dict[str, Any], str]:
-    """The summary of experiment ``name``: from ``<study>/<name>/result.json`` or computed now."""
-    path = ctx.out_dir.parent / name / "result.json"
-    if path.is_file():
-        doc = json.loads(path.read_text())
-        if doc.get("status", "ok") == "ok" and doc.get("summary"):
-            return doc["summary"], f"read from {path.parent.name}/result.json"
-    from kvlab.study.experiments import get_experiment
-
-    sub = ExperimentContext(
-        out_dir=ctx.out_dir / "computed" / name,
-        profile=ctx.profile,
-        seed=ctx.seed,
-        model_spec=ctx.model_spec,
-        dtype=ctx.dtype,
-        progress=ctx.progress,
-        options={k: v for k, v in ctx.options.items() if k in ("text", "context")},
-        model_handle=ctx.handle(),
-    )
-    result = get_experiment(name).run(sub)
-    return to_jsonable(
-        result.summary
-    ) if result.status == "ok" else {}, f"computed here ({ctx.profile} profile)"
 
 
 def _last_rows(model: Any, rows: list[list[int]], batch: int = 8) -> np.ndarray:
@@ -286,25 +259,23 @@ def run(
         title="Findings: the thread's claims, checked",
         description=__doc__.strip().split("\n")[0],
     )
-    if text:
-        ctx.options["text"] = text
     model = ctx.handle()
     got: dict[str, dict] = {}
     for name in SOURCES:
         if name == "rope_derotation" and model.rope is None:
             got[name] = {}
             continue
-        got[name], how = load_or_run(ctx, name)
+        got[name], how = ctx.needed(name, **({"text": text} if text else {}))
         result.data_sources.append(f"{name}: {how}")
-    main = R.study_text(ctx)
+    main = R.study_text(ctx, text)
     T = int(ctx.count("attention_context", attention_context, quick=64, default=128, full=128))
     W = int(ctx.count("attention_windows", attention_windows, quick=3, default=20, full=40))
     if max(ATTN_ROLLS) + 2 >= T:
         raise BadInputError(f"attention windows need more than {max(ATTN_ROLLS) + 2} tokens, got {T}")
-    from kvlab.data import token_windows
+    from kvlab.data import token_samples
 
     ids = R.encode_long(model, main, T * W, max_chars=T * W * 12)
-    attn = attention_rows(model, token_windows(ids, T, W, seed=ctx.seed + 7), ATTN_ROLLS, ctx.progress)
+    attn = attention_rows(model, token_samples(ids, T, W, seed=ctx.seed + 7), ATTN_ROLLS, ctx.progress)
     ref = R.reference()
     rows = claims(got["roll_sweep"], got["roll_long"], got["rope_derotation"], attn, ref, model.rope)
     result.tables.append(
@@ -354,6 +325,7 @@ EXPERIMENT = Experiment(
     title="Findings: the thread's claims, checked",
     run=run,
     order=95,
+    needs=SOURCES,
     description="Each claim of the rolling-window thread with kvlab's number, the thread's, "
     "and a verdict computed from the results.",
 )

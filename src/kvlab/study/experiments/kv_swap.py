@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvlab.cache.snapshot import KVSnapshot, batchable_groups, stack_rows
-from kvlab.data import python_docs, token_windows
+from kvlab.data import python_docs, token_samples
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, distinct_n, kl_divergence, longest_repeated_ngram, nll
 from kvlab.metrics.text import agreement_length
@@ -135,7 +135,7 @@ def run(
     model = ctx.handle()
     text = python_docs()
     ids = model.encode(text.text[: (n_win + 1) * length * 8])
-    wins = token_windows(ids, length, n_win + 1, seed=ctx.seed)
+    wins = token_samples(ids, length, n_win + 1, seed=ctx.seed)
     per: list[dict[str, dict]] = []
     with ctx.progress.task("kv swap: windows", total=n_win) as advance:
         for w in range(n_win):

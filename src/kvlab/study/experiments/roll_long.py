@@ -23,13 +23,15 @@ from kvlab.study.report.format import format_number, iv, num
 CONV_ROLLS = (1, 8, 64)
 
 
-def long_data(ctx: ExperimentContext, text: str | None = None) -> tuple[dict[str, np.ndarray], Any, str]:
+def long_data(
+    ctx: ExperimentContext, text: str | None = None, context: int | None = None
+) -> tuple[dict[str, np.ndarray], Any, str]:
     """The memoised long-context measurement for this context's profile, with its text source."""
     model = ctx.handle()
     main = R.study_text(ctx, text)
-    plan = R.plan_for(ctx)
+    plan = R.plan_for(ctx, context=context)
     ids = R.encode_long(model, main, 0, max_chars=(plan.span + R.SKIP_FRONT_TOKENS) * 8)
-    plan = R.plan_for(ctx, available=len(ids))
+    plan = R.plan_for(ctx, available=len(ids), context=context)
     data = R.long_roll_measure(model, ids, plan, ctx.progress, label=f"long rolls ({plan.context} tokens)")
     return data, plan, main.source
 
@@ -320,10 +322,8 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
         title="Roll vs truncate on a long context (R3, R4, R6)",
         description=__doc__.strip().split("\n")[0],
     )
-    if context:
-        ctx.options["context"] = context
     model = ctx.handle()
-    data, plan, source = long_data(ctx, text)
+    data, plan, source = long_data(ctx, text, context)
     rope = model.rope
     ns = data["ns"]
     roll_c, trunc_c = curves(data, "k"), curves(data, "k", "trunc")

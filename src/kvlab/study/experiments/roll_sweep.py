@@ -22,9 +22,9 @@ from kvlab.ops.perturb import (
     align_roll,
     align_tokens,
     align_truncate,
-    roll_count,
     scramble_tokens,
 )
+from kvlab.policy import roll_amount
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
@@ -83,11 +83,11 @@ def measure_sweep(
     with progress.task("roll sweep: conditions", total=len(conds)) if progress else _null() as advance:
         for name, kind, amount in conds:
             if kind == "roll":
-                n = roll_count(amount, T)
+                n = roll_amount(amount, T)
                 others = R.prefill_rows(model, [ids[n:] for ids in windows], batch)
                 als = [align_roll(T, n)] * len(windows)
             elif kind == "truncate":
-                n = roll_count(amount, T)
+                n = roll_amount(amount, T)
                 others = [
                     o.slice(0, T - n) for o in origs
                 ]  # by causality, identical to re-prefilling ids[:-n]
@@ -156,7 +156,7 @@ def _figures(
     figs = []
     rolls = [c for c in raw if c.startswith("roll_")]
     counts = np.array(
-        [roll_count(float(c[5:-3]) / 100 if c.endswith("pct") else int(c[5:]), T) for c in rolls]
+        [roll_amount(float(c[5:-3]) / 100 if c.endswith("pct") else int(c[5:]), T) for c in rolls]
     )
     order = np.argsort(counts)
     fig, ax = plt.subplots(figsize=(8, 4.4))
@@ -338,10 +338,10 @@ def run(
     else:
         ctrl_ids_all = R.encode_long(model, ctrl_text, T * W, max_chars=T * W * 12)
         ctrl_source = ctrl_text.source
-    from kvlab.data import token_windows
+    from kvlab.data import token_samples
 
-    wins = token_windows(ids, T, W, seed=ctx.seed)
-    ctrls = token_windows(ctrl_ids_all, T, W, seed=ctx.seed + 1)
+    wins = token_samples(ids, T, W, seed=ctx.seed)
+    ctrls = token_samples(ctrl_ids_all, T, W, seed=ctx.seed + 1)
     raw = measure_sweep(model, wins, ctrls, ctx.seed, ctx.progress)
     summ = summarise(raw, ctx.seed)
     ref = R.reference()
@@ -428,7 +428,7 @@ def run(
         "windows": W,
         "context_tokens": T,
         "conditions": summ,
-        "roll_counts": {c: roll_count(a, T) for c, k, a in conditions(T) if k in ("roll", "truncate")},
+        "roll_counts": {c: roll_amount(a, T) for c, k, a in conditions(T) if k in ("roll", "truncate")},
     }
     for cond, metrics in raw.items():
         for m in ("k", "kd", "v"):

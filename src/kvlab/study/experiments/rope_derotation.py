@@ -186,9 +186,7 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
             "so R5/R6/B3 do not apply to this model."
         )
         return result
-    if context:
-        ctx.options["context"] = context
-    data, plan, source = long_data(ctx, text)
+    data, plan, source = long_data(ctx, text, context)
     rows, summ = derotation_table(data, ctx.seed)
     result.tables.append(
         Table(

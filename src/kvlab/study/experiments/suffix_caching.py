@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlab.data import default_long_text, read_text_file, token_windows
+from kvlab.data import default_long_text, read_text_file, token_samples
 from kvlab.errors import BadInputError
 from kvlab.metrics import (
     agreement_length,
@@ -28,12 +28,12 @@ from kvlab.metrics import (
     nll,
 )
 from kvlab.ops.suffix import (
-    drop_count,
     recompute_first,
     recompute_most_deviant,
     roll,
     rolled_ids,
 )
+from kvlab.policy import roll_amount
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_range, iv
 
@@ -62,7 +62,7 @@ def _passages(
     ids = handle.encode(text.text[: (length + cont) * count * 12])
     if len(ids) < length + cont:
         raise BadInputError(f"{text.source} has {len(ids)} tokens, fewer than one passage of {length + cont}")
-    return token_windows(ids, length + cont, count, seed=ctx.seed), text.source
+    return token_samples(ids, length + cont, count, seed=ctx.seed), text.source
 
 
 def evaluate_passage(
@@ -178,7 +178,7 @@ def run(
     )
     if any(s < 0 for s in sink_list):
         raise BadInputError("sinks must be >= 0")
-    drop_n = [drop_count(d, ctx_len) for d in drop_specs]
+    drop_n = [roll_amount(d, ctx_len) for d in drop_specs]
     greedy_windows = ctx.pick(quick=2, default=4, full=n_windows)
     recompute_windows = ctx.pick(quick=2, default=8, full=n_windows)
     # Below the full profile, the 1/2/8-sink columns are measured at the small drops only (the acceptance cells).
@@ -188,9 +188,12 @@ def run(
         else frozenset((n, s) for n in drop_n for s in sink_list if s not in (0, 4) and n > 20)
     )
     greedy_cells = {
-        (drop_count(d, ctx_len), s) for d in ("5", "20") for s in (0, 4) if d in drop_specs and s in sink_list
+        (roll_amount(d, ctx_len), s)
+        for d in ("5", "20")
+        for s in (0, 4)
+        if d in drop_specs and s in sink_list
     }
-    recompute_cell = (drop_count("20", ctx_len), 4 if 4 in sink_list else sink_list[-1])
+    recompute_cell = (roll_amount("20", ctx_len), 4 if 4 in sink_list else sink_list[-1])
     recompute_opts = ctx.pick(
         quick=[("first", 4), ("probe", 4)], default=[("first", 4), ("first", 16), ("probe", 4), ("probe", 16)]
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlab.data import python_docs, token_windows
+from kvlab.data import python_docs, token_samples
 from kvlab.metrics import bootstrap_ci, kl_divergence
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
@@ -51,7 +51,7 @@ def run(
     special = _special_token(model)
     text = python_docs()
     ids = model.encode(text.text[: n * (a_tokens + b_tokens) * 10])
-    wins = token_windows(ids, a_tokens + b_tokens, n, seed=ctx.seed)
+    wins = token_samples(ids, a_tokens + b_tokens, n, seed=ctx.seed)
     maxdiff = np.zeros((n, len(VARIANTS)))
     scale = 0.0  # largest |logit| of the reference prefills: the tolerance scales with it
     kl_alone = np.zeros_like(maxdiff)

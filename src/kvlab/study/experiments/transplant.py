@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvlab.data import python_docs, shared_book, token_windows
+from kvlab.data import python_docs, shared_book, token_samples
 from kvlab.metrics import bootstrap_ci, distinct_n, kl_divergence, longest_repeated_ngram, nll
 from kvlab.metrics.text import agreement_length
 from kvlab.model.derivative import (
@@ -46,13 +46,13 @@ def _texts(n: int, length: int, model, seed: int) -> list[tuple[str, list[list[i
     out = []
     docs = python_docs()
     out.append(
-        (docs.source, token_windows(model.encode(docs.text[: 2 * n * length * 10]), length, 2 * n, seed=seed))
+        (docs.source, token_samples(model.encode(docs.text[: 2 * n * length * 10]), length, 2 * n, seed=seed))
     )
     book = shared_book("shakespeare")
     if book is not None:
         ids = model.encode(book.text[len(book.text) // 2 : len(book.text) // 2 + 2 * n * length * 10])
         out.append(
-            (f"{book.source} (the derivative's training text)", token_windows(ids, length, 2 * n, seed=seed))
+            (f"{book.source} (the derivative's training text)", token_samples(ids, length, 2 * n, seed=seed))
         )
     return out
 

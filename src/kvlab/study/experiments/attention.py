@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.data import default_long_text, read_text_file, token_windows
+from kvlab.data import default_long_text, read_text_file, token_samples
 from kvlab.errors import BadInputError
 from kvlab.metrics import (
     bootstrap_ci,
@@ -130,7 +130,7 @@ def run(
         raise BadInputError(
             f"window_tokens {length} must be below the model's maximum of {model.max_positions}"
         )
-    wins = token_windows(ids, length, n_windows, seed=ctx.seed)
+    wins = token_samples(ids, length, n_windows, seed=ctx.seed)
     result.data_sources.append(f"{source.source}: {n_windows} windows of {length} tokens (of {len(ids):,})")
 
     facts = model.facts
