@@ -129,10 +129,36 @@ def run(
         title="Cache compression: quantization and eviction",
         description=__doc__.strip().split("\n")[0],
     )
-    model = ctx.handle()
+    handle = ctx.handle()
     n_ctx = ctx.count("context_tokens", context_tokens, 256, 512, 1500)
     n_cont = ctx.count("continuation_tokens", continuation_tokens, 48, 128, 256)
     n_win = ctx.count("windows", windows, 1, 2, 8)
+    bits, keeps, methods, policies = _choices(ctx, result, bits, keeps, methods, policies)
+    src = evaluation_text(text)
+    wins = evaluation_windows(handle, src, n_ctx, n_cont, n_win, ctx.seed)
+    result.arrays["window_token_ids"] = np.array(wins)
+    result.data_sources.append(
+        f"{src.source}: {n_win} windows of {n_ctx} context + {n_cont} continuation tokens"
+    )
+    configs: list[tuple[str, str, float, str]] = [("full", "none", 0.0, "keep")]
+    configs += [("quant", m, float(b), "keep") for m in methods for b in bits]
+    configs += [("evict", p, float(k), "keep") for p in policies for k in keeps]
+    configs += [
+        ("evict", p, float(k), "repack") for p in policies if p in REPACK_POLICIES for k in keeps if k == 0.5
+    ]
+    names = [_label(c) for c in configs]
+    nll, layer_stats, nbytes, full_bytes = _measure(ctx, handle, wins, configs, names, n_ctx)
+    needle = _needle(ctx, handle, src, configs, names, needle_lengths, needle_depths, needle_configs, result)
+    timing = (
+        _timing(ctx, handle, wins[0][:n_ctx], methods, policies, timing_steps) if timing_steps != 0 else {}
+    )
+    return _report(
+        ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, handle
+    )
+
+
+def _choices(ctx: ExperimentContext, result: ExperimentResult, bits, keeps, methods, policies):
+    """Bit widths, budgets, quantizers and policies for this profile, validated before any work."""
     bits = list(bits or ctx.pick((4, 2), (4, 3, 2), BITS))
     keeps = list(keeps or ctx.pick((0.5, 0.25), (0.5, 0.25, 0.1), KEEPS))
     default_methods = ("pertoken", "pertoken+sinks", "kivi+sinks", "prerope+sinks", "rotation+sinks")
@@ -153,30 +179,21 @@ def run(
     if "learned" in policies and not DEFAULT_WEIGHTS.is_file():
         policies.remove("learned")
         result.notes.append("learned policy skipped: no weights (run `kvlab train-evictor`)")
-    src = evaluation_text(text)
-    wins = evaluation_windows(model, src, n_ctx, n_cont, n_win, ctx.seed)
-    result.arrays["window_token_ids"] = np.array(wins)
-    result.data_sources.append(
-        f"{src.source}: {n_win} windows of {n_ctx} context + {n_cont} continuation tokens"
-    )
+    return bits, keeps, methods, policies
 
-    configs: list[tuple[str, str, float, str]] = [("full", "none", 0.0, "keep")]
-    configs += [("quant", m, float(b), "keep") for m in methods for b in bits]
-    configs += [("evict", p, float(k), "keep") for p in policies for k in keeps]
-    configs += [
-        ("evict", p, float(k), "repack") for p in policies if p in REPACK_POLICIES for k in keeps if k == 0.5
-    ]
-    names = [_label(c) for c in configs]
-    nll = {n: [] for n in names}
+
+def _measure(ctx: ExperimentContext, handle, wins: list, configs: list, names: list[str], n_ctx: int):
+    """Continuation NLL, bytes held and per-layer distortion of every configuration on every window."""
+    nll: dict[str, list] = {n: [] for n in names}
     layer_stats = {
         n: {k: [] for k in ("qk_rel_error", "qk_corr", "attn_kl", "out_rel_error", "kept_mass")}
         for n in names
     }
-    nbytes = {n: [] for n in names}
+    nbytes: dict[str, list] = {n: [] for n in names}
     full_bytes = []
     with ctx.progress.task("compression: windows", total=len(wins) * len(configs)) as advance:
         for w in wins:
-            obs = observe(model, w)
+            obs = observe(handle, w)
             cobs = _ctx_observation(obs, n_ctx)
             snap = cobs.snapshot
             future_q = tuple(q[:, :, n_ctx:] for q in obs.queries)
@@ -184,37 +201,33 @@ def run(
             ref = reference(future_q, snap.keys, snap.values, obs.scaling)
             full_bytes.append(snap.nbytes)
             for cfg, name in zip(configs, names, strict=True):
-                kind, method, budget, mode = cfg
-                slots = None
-                if kind == "full":
-                    keys, values, held = snap.keys, snap.values, snap.nbytes
-                    logits = model.forward(cont, past=snap).logits
-                elif kind == "quant":
-                    label, opts = QUANT_METHODS[method]
-                    qs = quantize_snapshot(snap, make_quantizer(label, int(budget), **opts))
-                    dec = qs.decompress()
-                    keys, values, held = dec.keys, dec.values, qs.nbytes
-                    logits = model.forward(cont, past=dec).logits
-                else:
-                    ev = evict(cobs, make_policy(method), keep=budget, mode=mode)
-                    keys, values, held, slots = ev.keys, ev.values, ev.nbytes, ev.slots
-                    from kvlab.hf.compressed_cache import logits_on_layers
-
-                    logits = logits_on_layers(model, ev.keys, ev.values, cont, ev.next_position)
+                keys, values, held, slots, logits = _under(handle, cfg, cobs, cont)
                 nll[name].append(continuation_nll(logits, cont))
                 nbytes[name].append(held)
-                if mode == "keep":
+                if cfg[3] == "keep":
                     d = distortion(future_q, snap.keys, snap.values, keys, values, obs.scaling, slots, ref)
                     for k in layer_stats[name]:
                         layer_stats[name][k].append(getattr(d, k))
                 advance(1)
-    needle = _needle(ctx, model, src, configs, names, needle_lengths, needle_depths, needle_configs, result)
-    timing = (
-        _timing(ctx, model, wins[0][:n_ctx], methods, policies, timing_steps) if timing_steps != 0 else {}
-    )
-    return _report(
-        ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, model
-    )
+    return nll, layer_stats, nbytes, full_bytes
+
+
+def _under(handle, cfg: tuple[str, str, float, str], cobs, cont: list[int]):
+    """The cache one configuration keeps of the context, and the continuation's logits on it."""
+    kind, method, budget, mode = cfg
+    snap = cobs.snapshot
+    if kind == "full":
+        return snap.keys, snap.values, snap.nbytes, None, handle.forward(cont, past=snap).logits
+    if kind == "quant":
+        label, opts = QUANT_METHODS[method]
+        qs = quantize_snapshot(snap, make_quantizer(label, int(budget), **opts))
+        dec = qs.decompress()
+        return dec.keys, dec.values, qs.nbytes, None, handle.forward(cont, past=dec).logits
+    from kvlab.hf.compressed_cache import logits_on_layers
+
+    ev = evict(cobs, make_policy(method), keep=budget, mode=mode)
+    logits = logits_on_layers(handle, ev.keys, ev.values, cont, ev.next_position)
+    return ev.keys, ev.values, ev.nbytes, ev.slots, logits
 
 
 def _label(cfg: tuple[str, str, float, str]) -> str:
@@ -297,8 +310,30 @@ def _ci_pct(increase: np.ndarray) -> tuple[float, float, float]:
 
 
 def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, model):
-    import matplotlib.pyplot as plt
+    """Summary, tables and figures from the measured arrays (measure -> records -> tables and figures)."""
+    summary, rows_q, rows_e, points = _records(
+        result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, n_ctx, model
+    )
+    result.tables.extend(_tables(rows_q, rows_e, summary["full_bytes_per_token"]))
+    if timing:
+        result.tables.append(_timing_table(timing))
+        summary["decode_ms"] = {k: v for k, v in timing.items() if not k.endswith(" bytes")}
+    _acceptance(summary)
+    result.summary.update(summary)
+    result.figures.append(_pareto_figure(ctx, points, model, summary["windows"]))
+    result.figures.append(_layer_figure(ctx, configs, names, layer_stats))
+    result.notes.append(
+        "Needle accuracy is weak on a 135M model; read it relative to the full-precision row."
+    )
+    result.notes.append(
+        "Rotations and sketch matrices are regenerated from seeds (0 stored bytes); positions "
+        "and slot indices are bookkeeping and not counted in bytes/token."
+    )
+    return result
 
+
+def _records(result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, n_ctx, model):
+    """One summary entry and one table row per configuration (raw arrays go to ``result.arrays``)."""
     base_ppl = np.array([np.exp(x.mean()) for x in nll["full precision"]])
     fp_bpt = float(np.mean(full_bytes)) / n_ctx
     rows_q, rows_e, points = [], [], []
@@ -349,7 +384,13 @@ def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, n
         (rows_e if cfg[0] == "evict" else rows_q).append(row)
         if cfg[0] != "full":
             points.append((cfg, bpt, v, lo, hi))
-    result.tables.append(
+    return summary, rows_q, rows_e, points
+
+
+def _tables(rows_q: list, rows_e: list, fp_bpt: float) -> list[Table]:
+    """The quantization and eviction tables."""
+    tables = []
+    tables.append(
         Table(
             "Quantization",
             [
@@ -368,7 +409,7 @@ def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, n
             f"(fp32 cache: {fp_bpt:.0f}). Errors use the continuation's queries, averaged over layers.",
         )
     )
-    result.tables.append(
+    tables.append(
         Table(
             "Eviction",
             [
@@ -387,24 +428,24 @@ def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, n
             "re-rotated to 0..n-1, and the next query follows them); bytes/token per original token.",
         )
     )
-    if timing:
-        base = timing.get("full precision", float("nan"))
-        result.tables.append(
-            Table(
-                "Decode time on CompressedCache (one run, same machine load)",
-                ["cache", "ms/token", "ratio to full", "bytes held"],
-                [
-                    [k, v, v / base, int(timing[k + " bytes"])]
-                    for k, v in timing.items()
-                    if not k.endswith(" bytes")
-                ],
-                caption="Median over decode steps with model(...) on kvlab.hf.CompressedCache; quantized caches "
-                "dequantize their packed history at every step.",
-            )
-        )
-        summary["decode_ms"] = {k: v for k, v in timing.items() if not k.endswith(" bytes")}
-    _acceptance(summary)
-    result.summary.update(summary)
+    return tables
+
+
+def _timing_table(timing: dict) -> Table:
+    """Decode time per token on each CompressedCache, measured in one run."""
+    base = timing.get("full precision", float("nan"))
+    return Table(
+        "Decode time on CompressedCache (one run, same machine load)",
+        ["cache", "ms/token", "ratio to full", "bytes held"],
+        [[k, v, v / base, int(timing[k + " bytes"])] for k, v in timing.items() if not k.endswith(" bytes")],
+        caption="Median over decode steps with model(...) on kvlab.hf.CompressedCache; quantized caches "
+        "dequantize their packed history at every step.",
+    )
+
+
+def _pareto_figure(ctx, points: list, model, n_windows: int):
+    """Perplexity increase vs bytes held per token, every method and budget, with the Pareto front."""
+    import matplotlib.pyplot as plt
 
     # Pareto: bytes vs perplexity increase
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -437,17 +478,21 @@ def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, n
     ax.set_yscale("symlog", linthresh=1)
     ax.set_xlabel("bytes held per context token (log)")
     ax.set_ylabel("perplexity increase vs full precision (%)")
-    ax.set_title(f"Quality vs bytes ({model.facts.name}, {len(base_ppl)} windows, 95% bootstrap CI)")
+    ax.set_title(f"Quality vs bytes ({model.facts.name}, {n_windows} windows, 95% bootstrap CI)")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3, which="both")
-    result.figures.append(
-        ctx.figure(
-            "pareto",
-            fig,
-            "Continuation perplexity increase vs bytes held per token, "
-            "every method and budget; the black line is the Pareto front.",
-        )
+    return ctx.figure(
+        "pareto",
+        fig,
+        "Continuation perplexity increase vs bytes held per token, "
+        "every method and budget; the black line is the Pareto front.",
     )
+
+
+def _layer_figure(ctx, configs, names, layer_stats):
+    """Per-layer distortion of the quantizers at one bit width (4 when measured)."""
+    import matplotlib.pyplot as plt
+
     # Per-layer distortion at 4 bits (or the first bit width)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     qnames = [
@@ -471,21 +516,11 @@ def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, n
         ax.legend(fontsize=7)
     axes[0].set_title("Per-layer attention-output error")
     axes[1].set_title("Per-layer attention KL")
-    result.figures.append(
-        ctx.figure(
-            "per_layer_distortion",
-            fig,
-            "Per-layer distortion of the quantizers at the same bit width (mean and 95% band over windows).",
-        )
+    return ctx.figure(
+        "per_layer_distortion",
+        fig,
+        "Per-layer distortion of the quantizers at the same bit width (mean and 95% band over windows).",
     )
-    result.notes.append(
-        "Needle accuracy is weak on a 135M model; read it relative to the full-precision row."
-    )
-    result.notes.append(
-        "Rotations and sketch matrices are regenerated from seeds (0 stored bytes); positions "
-        "and slot indices are bookkeeping and not counted in bytes/token."
-    )
-    return result
 
 
 def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

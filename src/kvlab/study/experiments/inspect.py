@@ -184,7 +184,7 @@ def run(
     result = ExperimentResult(
         name="inspect", title="Cache inspection (Phase 1)", description=__doc__.strip().split("\n")[0]
     )
-    model = None
+    handle = None
     if config is not None:
         cfg = load_config_file(config)
         facts = facts_from_config(cfg, name=Path(config).stem)
@@ -193,9 +193,30 @@ def run(
         rope = rope_spec_from_config(cfg)
         result.data_sources.append(f"config file {config} (no weights)")
     else:
-        model = ctx.handle()
-        facts, rope = model.facts, model.rope
-    cache_dtype = cache_dtype or (str(model.dtype).replace("torch.", "") if model else facts.weights_dtype)
+        handle = ctx.handle()
+        facts, rope = handle.facts, handle.rope
+    cache_dtype = cache_dtype or (str(handle.dtype).replace("torch.", "") if handle else facts.weights_dtype)
+    _architecture(result, facts, rope, cache_dtype)
+    _projection(ctx, result, facts, cache_dtype)
+    if handle is None:
+        result.notes.append(
+            "Config only: per-layer shapes, measured bytes and attention sinks need the model's weights."
+        )
+        return result
+    prompts = list(prompts) if prompts else list(PHASE1_PROMPTS)
+    n_gen = generate_tokens if generate_tokens is not None else ctx.pick(5, 20)
+    rows, layers_meta = _measure_prompts(ctx, handle, prompts, n_gen)
+    result.tables.extend(_prompt_tables(rows, layers_meta, n_gen))
+    result.summary["measured_bytes_per_token"] = rows[0][6]
+    result.summary["per_layer"] = layers_meta
+    sinks = _sinks(ctx, result, handle)
+    result.figures.extend(_sink_figures(ctx, sinks, facts.name))
+    result.data_sources.append("Phase 1 prompts; Python documentation (pydoc_data) for the sink passage")
+    return result
+
+
+def _architecture(result: ExperimentResult, facts, rope, cache_dtype: str) -> None:
+    """The architecture table, bytes per token by dtype (formula and number) and the summary's facts."""
     dtype_bytes(cache_dtype)  # validates
     result.tables.append(architecture_table(facts, rope.summary() if rope else None))
     per_token = {dt: facts.kv_bytes_per_token(dt) for dt in ("float32", "bfloat16", "float16", "int8")}
@@ -217,6 +238,10 @@ def run(
             [[dt, b, facts.kv_bytes_formula(dt)] for dt, b in per_token.items()],
         )
     )
+
+
+def _projection(ctx: ExperimentContext, result: ExperimentResult, facts, cache_dtype: str) -> None:
+    """Projected cache size against the weights, as a table and a figure."""
     proj = projections(facts)
     result.summary["weights_bytes"] = proj["weights_bytes"]
     result.summary["crossover_tokens"] = proj["crossover_tokens"]
@@ -245,25 +270,21 @@ def run(
             "KV cache memory vs context length, per dtype and batch, against the weights.",
         )
     )
-    if model is None:
-        result.notes.append(
-            "Config only: per-layer shapes, measured bytes and attention sinks need the model's weights."
-        )
-        return result
 
-    prompts = list(prompts) if prompts else list(PHASE1_PROMPTS)
-    n_gen = generate_tokens if generate_tokens is not None else ctx.pick(5, 20)
+
+def _measure_prompts(ctx: ExperimentContext, handle, prompts: list[str], n_gen: int) -> tuple[list, list]:
+    """Prefill (and greedily continue) each Phase 1 prompt; one table row and per-layer shapes each."""
     rows, layers_meta = [], []
     with ctx.progress.task("inspect: prompts", total=len(prompts)) as advance:
         for prompt in prompts:
-            ids = model.encode(prompt)
-            if len(ids) >= model.max_positions:
+            ids = handle.encode(prompt)
+            if len(ids) >= handle.max_positions:
                 raise BadInputError(
-                    f"prompt has {len(ids)} tokens, the model's maximum is {model.max_positions}"
+                    f"prompt has {len(ids)} tokens, the model's maximum is {handle.max_positions}"
                 )
-            first = model.prefill(ids, all_logits=False)
+            first = handle.prefill(ids, all_logits=False)
             gen = (
-                model.generate(first.snapshot, first.logits[-1], n_gen, stop_at_eos=False) if n_gen else None
+                handle.generate(first.snapshot, first.logits[-1], n_gen, stop_at_eos=False) if n_gen else None
             )
             snap = gen.snapshot if gen else first.snapshot
             # generate() stops caching the last emitted token; the cache holds prompt + (n_gen - 1) tokens.
@@ -296,7 +317,13 @@ def run(
                 }
             )
             advance(1)
-    result.tables.append(
+    return rows, layers_meta
+
+
+def _prompt_tables(rows: list, layers_meta: list, n_gen: int) -> list[Table]:
+    """The prompts' cache table and the first prompt's per-layer tensors."""
+    tables = []
+    tables.append(
         Table(
             "Cache for the Phase 1 prompts",
             [
@@ -314,7 +341,7 @@ def run(
         )
     )
     first = layers_meta[0]
-    result.tables.append(
+    tables.append(
         Table(
             f"Per-layer cache tensors for {first['prompt']!r}",
             ["layer", "key shape", "value shape", "key dtype", "value dtype"],
@@ -325,10 +352,13 @@ def run(
             caption="[batch, kv_heads, cached tokens, head_dim]; every prompt's layers are in result.json.",
         )
     )
-    result.summary["measured_bytes_per_token"] = rows[0][6]
-    result.summary["per_layer"] = layers_meta
-    n_sink = min(ctx.pick(64, 256), model.max_positions - 1)
-    sinks = sink_indicators(model, n_sink)
+    return tables
+
+
+def _sinks(ctx: ExperimentContext, result: ExperimentResult, handle) -> dict:
+    """Attention-sink indicators on a passage of the Python docs (arrays and summary)."""
+    n_sink = min(ctx.pick(64, 256), handle.max_positions - 1)
+    sinks = sink_indicators(handle, n_sink)
     result.arrays.update({f"sink_{k}": v for k, v in sinks.items()})
     rec = sinks["received"].mean(axis=(0, 1))
     result.summary["sinks"] = {
@@ -344,9 +374,7 @@ def run(
             sinks["v_norm"].mean(axis=(0, 1))[0] / sinks["v_norm"].mean(axis=(0, 1))[1:].mean()
         ),
     }
-    result.figures.extend(_sink_figures(ctx, sinks, facts.name))
-    result.data_sources.append("Phase 1 prompts; Python documentation (pydoc_data) for the sink passage")
-    return result
+    return sinks
 
 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:

@@ -10,6 +10,7 @@ recomputed token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,40 @@ def _passages(
     if len(ids) < length + cont:
         raise BadInputError(f"{text.source} has {len(ids)} tokens, fewer than one passage of {length + cont}")
     return token_samples(ids, length + cont, count, seed=ctx.seed), text.source
+
+
+def _degeneration(a: list[int], b: list[int]) -> dict[str, float]:
+    """Greedy agreement of the rolled (``a``) and re-prefilled (``b``) continuations, and their repetition."""
+    return {
+        "agree": agreement_length(a, b),
+        "distinct2_rolled": distinct_n(a, 2),
+        "distinct2_reprefill": distinct_n(b, 2),
+        "longest_rep_rolled": longest_repeated_ngram(a),
+        "longest_rep_reprefill": longest_repeated_ngram(b),
+    }
+
+
+def _recompute_rows(
+    handle, rolled, query: int, ref_first: torch.Tensor, recompute, sinks: int, base_kl: float
+):
+    """First-token KL to the re-prefill after refreshing ``k`` slots, for each (how, k)."""
+    rows = []
+    for how, k in recompute:
+        if how == "first":
+            fixed = recompute_first(handle, rolled, k, sinks=sinks)
+        else:
+            fixed, _ = recompute_most_deviant(handle, rolled, k, sinks=sinks)
+        lg = handle.extend(fixed, [query]).logits[0]
+        rows.append(
+            {
+                "how": how,
+                "k": k,
+                "kl": float(kl_divergence(ref_first, lg)),
+                "base_kl": base_kl,
+                "recomputed_tokens": k,
+            }
+        )
+    return rows
 
 
 def evaluate_passage(
@@ -123,34 +158,114 @@ def evaluate_passage(
                 ref_snap = ref_fwd.snapshot.slice(0, ref_fwd.snapshot.seq_len - len(feed) + 1)
                 a = _greedy(handle, handle.extend(rolled, [query]).snapshot, rolled_logits[0], g)
                 b = _greedy(handle, ref_snap, ref_logits[0], g)
-                out["agree"][i, j] = agreement_length(a, b)
-                out["distinct2_rolled"][i, j], out["distinct2_reprefill"][i, j] = (
-                    distinct_n(a, 2),
-                    distinct_n(b, 2),
-                )
-                out["longest_rep_rolled"][i, j] = longest_repeated_ngram(a)
-                out["longest_rep_reprefill"][i, j] = longest_repeated_ngram(b)
+                for key, value in _degeneration(a, b).items():
+                    out[key][i, j] = value
             if recompute_at == (n, s):
-                base_kl = out["kl_to_reprefill"][i, j]
-                for how, k in recompute:
-                    if how == "first":
-                        fixed = recompute_first(handle, rolled, k, sinks=s)
-                    else:
-                        fixed, _ = recompute_most_deviant(handle, rolled, k, sinks=s)
-                    lg = handle.extend(fixed, [query]).logits[0]
-                    kl = float(kl_divergence(ref_logits[0], lg))
-                    rec_rows.append(
-                        {
-                            "how": how,
-                            "k": k,
-                            "kl": kl,
-                            "base_kl": base_kl,
-                            "reprefill_tokens": len(context) - n,
-                            "recomputed_tokens": k,
-                        }
-                    )
+                base_kl = float(out["kl_to_reprefill"][i, j])
+                rec_rows += _recompute_rows(handle, rolled, query, ref_logits[0], recompute, s, base_kl)
+                for row in rec_rows[-len(recompute) :]:
+                    row["reprefill_tokens"] = len(context) - n
     out["recompute"] = rec_rows
     return out
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run measures, from the profile and the caller's options."""
+
+    n_windows: int
+    ctx_len: int
+    cont_len: int
+    n_greedy: int
+    drop_specs: list[str]
+    drop_n: list[int]
+    sink_list: list[int]
+    greedy_windows: int
+    recompute_windows: int
+    skip: frozenset
+    greedy_cells: set
+    recompute_cell: tuple[int, int]
+    recompute_opts: list[tuple[str, int]]
+
+
+def settings(ctx: ExperimentContext, windows, context_tokens, drops, sinks) -> Settings:
+    """The profile's cells: the acceptance cells (n <= 20) plus 50% by default; --full runs every drop and sink."""
+    n_windows = ctx.count("windows", windows, quick=2, default=20, full=40)
+    ctx_len = ctx.count("context_tokens", context_tokens, quick=96, default=96, full=300)
+    all_drops = [str(d) for d in DROPS]
+    drop_specs = (
+        list(drops) if drops else ctx.pick(quick=["5", "20"], default=["1", "5", "20", "50%"], full=all_drops)
+    )
+    sink_list = (
+        list(sinks) if sinks is not None else ctx.pick(quick=[0, 4], default=[0, 1, 4], full=list(SINKS))
+    )
+    if any(s < 0 for s in sink_list):
+        raise BadInputError("sinks must be >= 0")
+    drop_n = [roll_amount(d, ctx_len) for d in drop_specs]
+    # Below the full profile, the 1/2/8-sink columns are measured at the small drops only (the acceptance cells).
+    skip = (
+        frozenset()
+        if ctx.profile == "full"
+        else frozenset((n, s) for n in drop_n for s in sink_list if s not in (0, 4) and n > 20)
+    )
+    return Settings(
+        n_windows=n_windows,
+        ctx_len=ctx_len,
+        cont_len=ctx.pick(quick=8, default=8, full=32),
+        n_greedy=ctx.pick(quick=8, default=12, full=48),
+        drop_specs=drop_specs,
+        drop_n=drop_n,
+        sink_list=sink_list,
+        greedy_windows=ctx.pick(quick=2, default=4, full=n_windows),
+        recompute_windows=ctx.pick(quick=2, default=8, full=n_windows),
+        skip=skip,
+        greedy_cells={
+            (roll_amount(d, ctx_len), s)
+            for d in ("5", "20")
+            for s in (0, 4)
+            if d in drop_specs and s in sink_list
+        },
+        recompute_cell=(roll_amount("20", ctx_len), 4 if 4 in sink_list else sink_list[-1]),
+        recompute_opts=ctx.pick(
+            quick=[("first", 4), ("probe", 4)],
+            default=[("first", 4), ("first", 16), ("probe", 4), ("probe", 16)],
+        ),
+    )
+
+
+def measure(
+    handle, ctx: ExperimentContext, st: Settings, passages: list
+) -> tuple[list[dict], list[dict], dict]:
+    """Every passage, then the thread-style prompt: per-passage arrays, recompute rows, the prompt's result."""
+    per: list[dict] = []
+    rec_rows: list[dict] = []
+    with ctx.progress.task("suffix caching: passages", total=len(passages) + 1) as advance:
+        for w, ids in enumerate(passages):
+            res = evaluate_passage(
+                handle,
+                ids,
+                st.ctx_len,
+                st.cont_len,
+                st.drop_n,
+                st.sink_list,
+                {c: st.n_greedy for c in st.greedy_cells} if w < st.greedy_windows else {},
+                st.recompute_opts,
+                st.recompute_cell if w < st.recompute_windows else None,
+                st.skip,
+            )
+            per.append(res)
+            rec_rows += res.pop("recompute")
+            advance(1)
+        # The thread-style prompt: the next words after the prompt are unknown, so only agreement with re-prefill.
+        prompt_ids = handle.encode(THREAD_PROMPT)
+        prompt_drops = [n for n in st.drop_n if n + max(st.sink_list) < len(prompt_ids) - 3]
+        thread = evaluate_passage(
+            handle, prompt_ids + prompt_ids[:2], len(prompt_ids), 2, prompt_drops, st.sink_list, {}, [], None
+        )
+        thread.pop("recompute")
+        thread.update(tokens=len(prompt_ids), drops=prompt_drops)
+        advance(1)
+    return per, rec_rows, thread
 
 
 def run(
@@ -163,252 +278,188 @@ def run(
     sinks: list[int] | None = None,
 ) -> ExperimentResult:
     result = ExperimentResult(name="suffix_caching", title=TITLE, description=__doc__.strip().split("\n")[0])
-    model = ctx.handle()
-    n_windows = ctx.count("windows", windows, quick=2, default=20, full=40)
-    ctx_len = ctx.count("context_tokens", context_tokens, quick=96, default=96, full=300)
-    cont_len = ctx.pick(quick=8, default=8, full=32)
-    n_greedy = ctx.pick(quick=8, default=12, full=48)
-    # Default: the acceptance cells (n <= 20) plus 50%; --full runs every drop and sink count.
-    all_drops = [str(d) for d in DROPS]
-    drop_specs = (
-        list(drops) if drops else ctx.pick(quick=["5", "20"], default=["1", "5", "20", "50%"], full=all_drops)
-    )
-    sink_list = (
-        list(sinks) if sinks is not None else ctx.pick(quick=[0, 4], default=[0, 1, 4], full=list(SINKS))
-    )
-    if any(s < 0 for s in sink_list):
-        raise BadInputError("sinks must be >= 0")
-    drop_n = [roll_amount(d, ctx_len) for d in drop_specs]
-    greedy_windows = ctx.pick(quick=2, default=4, full=n_windows)
-    recompute_windows = ctx.pick(quick=2, default=8, full=n_windows)
-    # Below the full profile, the 1/2/8-sink columns are measured at the small drops only (the acceptance cells).
-    skip = (
-        frozenset()
-        if ctx.profile == "full"
-        else frozenset((n, s) for n in drop_n for s in sink_list if s not in (0, 4) and n > 20)
-    )
-    greedy_cells = {
-        (roll_amount(d, ctx_len), s)
-        for d in ("5", "20")
-        for s in (0, 4)
-        if d in drop_specs and s in sink_list
-    }
-    recompute_cell = (roll_amount("20", ctx_len), 4 if 4 in sink_list else sink_list[-1])
-    recompute_opts = ctx.pick(
-        quick=[("first", 4), ("probe", 4)], default=[("first", 4), ("first", 16), ("probe", 4), ("probe", 16)]
-    )
-    passages, source = _passages(model, ctx, ctx_len, cont_len, n_windows, text_file)
-    result.data_sources.append(f"{source}: {len(passages)} windows of {ctx_len} + {cont_len} tokens")
-    per: list[dict] = []
-    rec_rows: list[dict] = []
-    with ctx.progress.task("suffix caching: passages", total=len(passages) + 1) as advance:
-        for w, ids in enumerate(passages):
-            res = evaluate_passage(
-                model,
-                ids,
-                ctx_len,
-                cont_len,
-                drop_n,
-                sink_list,
-                {c: n_greedy for c in greedy_cells} if w < greedy_windows else {},
-                recompute_opts,
-                recompute_cell if w < recompute_windows else None,
-                skip,
-            )
-            per.append(res)
-            rec_rows += res.pop("recompute")
-            advance(1)
-        # The thread-style prompt: the next words after the prompt are unknown, so only agreement with re-prefill.
-        prompt_ids = model.encode(THREAD_PROMPT)
-        prompt_drops = [n for n in drop_n if n + max(sink_list) < len(prompt_ids) - 3]
-        thread = evaluate_passage(
-            model, prompt_ids + prompt_ids[:2], len(prompt_ids), 2, prompt_drops, sink_list, {}, [], None
-        )
-        thread.pop("recompute")
-        advance(1)
+    handle = ctx.handle()
+    st = settings(ctx, windows, context_tokens, drops, sinks)
+    passages, source = _passages(handle, ctx, st.ctx_len, st.cont_len, st.n_windows, text_file)
+    result.data_sources.append(f"{source}: {len(passages)} windows of {st.ctx_len} + {st.cont_len} tokens")
+    per, rec_rows, thread = measure(handle, ctx, st, passages)
     keys = [k for k in per[0] if isinstance(per[0][k], np.ndarray)]
     stacked = {k: np.stack([p[k] for p in per]) for k in keys}  # [windows, drops, sinks]
-    for k, v in stacked.items():
-        result.arrays[k] = v
-    result.arrays["drops"] = np.array(drop_n)
-    result.arrays["sinks"] = np.array(sink_list)
+    result.arrays.update(stacked)
+    result.arrays["drops"] = np.array(st.drop_n)
+    result.arrays["sinks"] = np.array(st.sink_list)
     result.arrays["thread_prompt_kl_to_reprefill"] = thread["kl_to_reprefill"]
-    result.arrays["thread_prompt_drops"] = np.array(prompt_drops)
+    result.arrays["thread_prompt_drops"] = np.array(thread["drops"])
+    result.tables.append(_kl_table(stacked, st, ctx.seed))
+    summary: dict[str, Any] = {"windows": len(passages), "context_tokens": st.ctx_len, "source": source}
+    summary.update(_acceptance(stacked, st))
+    result.tables.append(_greedy_table(stacked, st, ctx.seed))
+    rec_table, rrows, rec_arrays = _recompute_table(rec_rows, st, ctx.seed)
+    result.tables.append(rec_table)
+    result.arrays.update(rec_arrays)
+    summary["recompute"] = rrows
+    summary["thread_prompt"] = {
+        "tokens": thread["tokens"],
+        "drops": thread["drops"],
+        "sinks": st.sink_list,
+        "kl_to_reprefill": thread["kl_to_reprefill"].tolist(),
+    }
+    result.summary.update(summary)
+    result.figures.append(_kl_figure(ctx, stacked, st.drop_specs, st.sink_list))
+    result.figures.append(_closer_figure(ctx, stacked, st.drop_specs, st.sink_list))
+    return result
 
-    def ci(name: str, i: int, j: int, stat: str = "median"):
-        x = stacked[name][:, i, j]
-        x = x[np.isfinite(x)]
-        return bootstrap_ci(x, stat, seed=ctx.seed) if x.size else None
 
+def _ci(stacked: dict, name: str, i: int, j: int, seed: int, stat: str = "median"):
+    x = stacked[name][:, i, j]
+    x = x[np.isfinite(x)]
+    return bootstrap_ci(x, stat, seed=seed) if x.size else None
+
+
+def _kl_table(stacked: dict, st: Settings, seed: int) -> Table:
+    """Rolled cache vs the exact re-prefill and vs the full context, per drop and sink count."""
     rows = []
-    for i, (spec, n) in enumerate(zip(drop_specs, drop_n, strict=True)):
-        for j, s in enumerate(sink_list):
-            kl = ci("kl_to_reprefill", i, j)
+    for i, (spec, n) in enumerate(zip(st.drop_specs, st.drop_n, strict=True)):
+        for j, s in enumerate(st.sink_list):
+            kl = _ci(stacked, "kl_to_reprefill", i, j, seed)
             if kl is None:
                 continue
-            cos = ci("cos_to_reprefill", i, j, "mean")
-            kfr, kfp = ci("kl_full_to_rolled", i, j), ci("kl_full_to_reprefill", i, j)
-            dn = ci("nll_rolled", i, j, "mean")
-            dp = ci("nll_reprefill", i, j, "mean")
-            rows.append(
-                [
-                    spec,
-                    n,
-                    s,
-                    kl.value,
-                    f"[{kl.low:.3g}, {kl.high:.3g}]",
-                    cos.value,
-                    kfr.value,
-                    kfp.value,
-                    dn.value,
-                    dp.value,
-                    kl.n,
-                ]
+            cos = _ci(stacked, "cos_to_reprefill", i, j, seed, "mean")
+            kfr, kfp = (
+                _ci(stacked, "kl_full_to_rolled", i, j, seed),
+                _ci(stacked, "kl_full_to_reprefill", i, j, seed),
             )
-    result.tables.append(
-        Table(
-            "Rolled cache vs exact re-prefill and vs full context",
-            [
-                "drop",
-                "n",
-                "sinks",
-                "median KL to re-prefill",
-                "95% CI",
-                "mean logit cosine",
-                "median KL full->rolled",
-                "median KL full->re-prefill",
-                "NLL rolled",
-                "NLL re-prefill",
-                "windows",
-            ],
-            rows,
-            caption=f"First-token KL in nats (reference first). NLL: teacher-forced mean NLL of the true {cont_len}-token "
-            "continuation. 'full' is the never-rolled context: KL full->rolled < KL full->re-prefill means the "
-            "suffix cache is closer to the model's computational past than a re-prefill is.",
-        )
+            dn = _ci(stacked, "nll_rolled", i, j, seed, "mean")
+            dp = _ci(stacked, "nll_reprefill", i, j, seed, "mean")
+            rows.append(
+                [spec, n, s, kl.value, f"[{kl.low:.3g}, {kl.high:.3g}]", cos.value, kfr.value, kfp.value]
+                + [dn.value, dp.value, kl.n]
+            )
+    return Table(
+        "Rolled cache vs exact re-prefill and vs full context",
+        [
+            "drop",
+            "n",
+            "sinks",
+            "median KL to re-prefill",
+            "95% CI",
+            "mean logit cosine",
+            "median KL full->rolled",
+            "median KL full->re-prefill",
+            "NLL rolled",
+            "NLL re-prefill",
+            "windows",
+        ],
+        rows,
+        caption=f"First-token KL in nats (reference first). NLL: teacher-forced mean NLL of the true {st.cont_len}-token "
+        "continuation. 'full' is the never-rolled context: KL full->rolled < KL full->re-prefill means the "
+        "suffix cache is closer to the model's computational past than a re-prefill is.",
     )
-    # Acceptance: sinks vs no sinks, n <= 20.
-    summary: dict[str, Any] = {"windows": len(passages), "context_tokens": ctx_len, "source": source}
+
+
+def _acceptance(stacked: dict, st: Settings) -> dict[str, Any]:
+    """Sinks vs no sinks at n <= 20, and how often the rolled cache is closer to the full context."""
     ratios = {}
-    if 0 in sink_list:
-        j0 = sink_list.index(0)
-        for s in [s for s in sink_list if s > 0]:
-            js = sink_list.index(s)
-            for i, n in enumerate(drop_n):
+    if 0 in st.sink_list:
+        j0 = st.sink_list.index(0)
+        for s in [s for s in st.sink_list if s > 0]:
+            js = st.sink_list.index(s)
+            for i, n in enumerate(st.drop_n):
                 if n <= 20:
                     a = np.nanmedian(stacked["kl_to_reprefill"][:, i, j0])
                     b = np.nanmedian(stacked["kl_to_reprefill"][:, i, js])
                     ratios[f"n{n}_sinks{s}"] = float(a / b) if b > 0 else float("inf")
-    summary["median_kl_ratio_no_sink_over_sinks"] = ratios
     closer = np.where(
         np.isfinite(stacked["kl_full_to_rolled"]) & np.isfinite(stacked["kl_full_to_reprefill"]),
         (stacked["kl_full_to_rolled"] < stacked["kl_full_to_reprefill"]).astype(float),
         np.nan,
     )
-    summary["share_rolled_closer_to_full"] = {
-        f"n{n}_sinks{s}": float(np.nanmean(closer[:, i, j]))
-        for i, n in enumerate(drop_n)
-        for j, s in enumerate(sink_list)
-        if np.isfinite(closer[:, i, j]).any()
+    return {
+        "median_kl_ratio_no_sink_over_sinks": ratios,
+        "share_rolled_closer_to_full": {
+            f"n{n}_sinks{s}": float(np.nanmean(closer[:, i, j]))
+            for i, n in enumerate(st.drop_n)
+            for j, s in enumerate(st.sink_list)
+            if np.isfinite(closer[:, i, j]).any()
+        },
     }
-    # Greedy and degeneration.
+
+
+def _greedy_table(stacked: dict, st: Settings, seed: int) -> Table:
+    """Greedy agreement with the re-prefill and degeneration, per drop and sink count."""
     grows = []
-    for i, n in enumerate(drop_n):
-        for j, s in enumerate(sink_list):
+    for i, n in enumerate(st.drop_n):
+        for j, s in enumerate(st.sink_list):
             x = stacked["agree"][:, i, j]
-            if np.isfinite(x).any():
-                ag = bootstrap_ci(x[np.isfinite(x)], "mean", seed=ctx.seed)
-                grows.append(
-                    [
-                        n,
-                        s,
-                        ag.value,
-                        f"[{ag.low:.1f}, {ag.high:.1f}]",
-                        float(np.nanmean(stacked["distinct2_rolled"][:, i, j])),
-                        float(np.nanmean(stacked["distinct2_reprefill"][:, i, j])),
-                        float(np.nanmean(stacked["longest_rep_rolled"][:, i, j])),
-                        float(np.nanmean(stacked["longest_rep_reprefill"][:, i, j])),
-                        ag.n,
-                    ]
+            if not np.isfinite(x).any():
+                continue
+            ag = bootstrap_ci(x[np.isfinite(x)], "mean", seed=seed)
+            means = [
+                float(np.nanmean(stacked[k][:, i, j]))
+                for k in (
+                    "distinct2_rolled",
+                    "distinct2_reprefill",
+                    "longest_rep_rolled",
+                    "longest_rep_reprefill",
                 )
-    result.tables.append(
-        Table(
-            "Greedy continuation: agreement and degeneration",
-            [
-                "n",
-                "sinks",
-                f"mean agreement (of {n_greedy})",
-                "95% CI",
-                "distinct-2 rolled",
-                "distinct-2 re-prefill",
-                "longest repeat rolled",
-                "longest repeat re-prefill",
-                "windows",
-            ],
-            grows,
-            caption="Agreement = tokens until the rolled cache's greedy continuation first differs from the re-prefill's.",
-        )
+            ]
+            grows.append([n, s, ag.value, f"[{ag.low:.1f}, {ag.high:.1f}]", *means, ag.n])
+    return Table(
+        "Greedy continuation: agreement and degeneration",
+        [
+            "n",
+            "sinks",
+            f"mean agreement (of {st.n_greedy})",
+            "95% CI",
+            "distinct-2 rolled",
+            "distinct-2 re-prefill",
+            "longest repeat rolled",
+            "longest repeat re-prefill",
+            "windows",
+        ],
+        grows,
+        caption="Agreement = tokens until the rolled cache's greedy continuation first differs from the re-prefill's.",
     )
-    # Selective recompute.
-    rrows = []
-    for how, k in recompute_opts:
+
+
+def _recompute_table(rec_rows: list[dict], st: Settings, seed: int) -> tuple[Table, list, dict]:
+    """How much of the gap to re-prefill selective recompute closes, per unit of compute."""
+    rrows, arrays = [], {}
+    for how, k in st.recompute_opts:
         sel = [r for r in rec_rows if r["how"] == how and r["k"] == k]
         if not sel:
             continue
         base = np.array([r["base_kl"] for r in sel])
         kl = np.array([r["kl"] for r in sel])
         closed = 1 - kl / np.where(base > 0, base, np.nan)
-        c = (
-            bootstrap_ci(closed[np.isfinite(closed)], "median", seed=ctx.seed)
-            if np.isfinite(closed).any()
-            else None
-        )
+        ok = np.isfinite(closed)
+        c = bootstrap_ci(closed[ok], "median", seed=seed) if ok.any() else None
         share = k / np.mean([r["reprefill_tokens"] for r in sel])
         rrows.append(
-            [
-                how,
-                k,
-                float(np.median(base)),
-                float(np.median(kl)),
-                c.value if c else float("nan"),
-                f"[{c.low:.2f}, {c.high:.2f}]" if c else "",
-                float(share),
-                float(c.value / share) if c else float("nan"),
-                len(sel),
-            ]
+            [how, k, float(np.median(base)), float(np.median(kl)), c.value if c else float("nan")]
+            + [f"[{c.low:.2f}, {c.high:.2f}]" if c else "", float(share)]
+            + [float(c.value / share) if c else float("nan"), len(sel)]
         )
-        result.arrays[f"recompute_{how}_{k}_kl"] = kl
-        result.arrays[f"recompute_{how}_{k}_base_kl"] = base
-    result.tables.append(
-        Table(
-            f"Selective recompute after a roll (n={recompute_cell[0]}, sinks={recompute_cell[1]})",
-            [
-                "slots",
-                "k",
-                "median KL before",
-                "median KL after",
-                "median gap closed",
-                "95% CI",
-                "compute / re-prefill",
-                "gap closed per unit compute",
-                "windows",
-            ],
-            rrows,
-            caption="'first' recomputes the first k window slots (one k-token prefill); 'probe' the k slots whose "
-            "layer-1 keys deviate most from a 2-layer probe prefill (probe cost ~2/L of a re-prefill, not counted).",
-        )
+        arrays[f"recompute_{how}_{k}_kl"] = kl
+        arrays[f"recompute_{how}_{k}_base_kl"] = base
+    table = Table(
+        f"Selective recompute after a roll (n={st.recompute_cell[0]}, sinks={st.recompute_cell[1]})",
+        [
+            "slots",
+            "k",
+            "median KL before",
+            "median KL after",
+            "median gap closed",
+            "95% CI",
+            "compute / re-prefill",
+            "gap closed per unit compute",
+            "windows",
+        ],
+        rrows,
+        caption="'first' recomputes the first k window slots (one k-token prefill); 'probe' the k slots whose "
+        "layer-1 keys deviate most from a 2-layer probe prefill (probe cost ~2/L of a re-prefill, not counted).",
     )
-    summary["recompute"] = rrows
-    summary["thread_prompt"] = {
-        "tokens": len(prompt_ids),
-        "drops": prompt_drops,
-        "sinks": sink_list,
-        "kl_to_reprefill": thread["kl_to_reprefill"].tolist(),
-    }
-    result.summary.update(summary)
-    result.figures.append(_kl_figure(ctx, stacked, drop_specs, sink_list))
-    result.figures.append(_closer_figure(ctx, stacked, drop_specs, sink_list))
-    return result
+    return table, rrows, arrays
 
 
 def _kl_figure(ctx: ExperimentContext, stacked: dict, drop_specs: list[str], sink_list: list[int]):
