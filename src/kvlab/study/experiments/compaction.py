@@ -168,6 +168,49 @@ def run(
         title="Compaction: full vs compacted caches (R11 + B5)",
         description=__doc__.strip().split("\n")[0],
     )
+    loaded = _conversations(ctx, result, conversations, limit)
+    if loaded is None:
+        return result
+    convs, source = loaded
+    handle = ctx.handle()
+    N = len(convs)
+    result.data_sources.append(f"{source}: {N} conversations, chat template of {handle.name}")
+    ids = _token_ids(ctx, handle, convs)
+    tokens = np.array([[len(ids[i][c]) for c in ("full", *CONDITIONS)] for i in range(N)])
+    tail = np.array([common_suffix(ids[i]["full"], ids[i]["compacted"]) for i in range(N)])
+
+    cent, pre, full_cent, full_pre, pos, curves = _measure(ctx, handle, ids, tail)
+    # Centring: subtract the mean full-conversation centroid of the *other* conversations (not i, not its partner).
+    mu = np.stack(
+        [np.nanmean(full_cent[[j for j in range(N) if j not in (i, (i - 1) % N)]], axis=0) for i in range(N)]
+    )  # [N, 2, L, H, D]
+    sim = {
+        "raw": centroid_cos(cent, full_cent[:, None]),  # [N, C, 2, L, H]
+        "centred": centroid_cos(cent, full_cent[:, None], mu[:, None]),
+        "pretail_raw": centroid_cos(pre, full_pre[:, None]),
+        "pretail_centred": centroid_cos(pre, full_pre[:, None], mu[:, None]),
+    }
+    result.arrays.update(
+        {
+            "conditions": np.array(CONDITIONS),
+            "tokens_full_and_conditions": tokens,
+            "tail_tokens": tail,
+            "centroids_full": full_cent,
+            "centroids_full_pretail": full_pre,
+            "centroids": cent,
+            "centroids_pretail": pre,
+            "centring_mean": mu,
+            **{f"centroid_cos_{k}": v for k, v in sim.items()},
+            **{f"tail_{k}": v for k, v in pos.items()},
+            **{f"tail_curve_{k}": v for k, v in curves.items()},
+        }
+    )
+    _report(ctx, result, handle.facts.name, convs, tokens, tail, sim, pos, curves)
+    return result
+
+
+def _conversations(ctx: ExperimentContext, result: ExperimentResult, conversations, limit):
+    """The conversations to compare and where they came from; None (and a note) when there are none."""
     if conversations is None:
         convs = shared_conversations()
         if convs is None:
@@ -177,7 +220,7 @@ def run(
                 "compacted conversations of its own. Run `kvlab compaction --conversations FILE` with a JSON list of "
                 "{'full', 'compacted', 'summary'} objects (turns written 'User: ...' / 'Assistant: ...')."
             )
-            return result
+            return None
         source = "UltraChat compaction set (../shared/data/ultrachat_compaction.json)"
     elif isinstance(conversations, list):
         convs, source = conversations, "conversations passed in"
@@ -192,25 +235,30 @@ def run(
         )
     if limit < len(convs):  # the quick profile: the shortest conversations
         convs = sorted(convs, key=lambda c: len(c.get("full", "")))[:limit]
-    model = ctx.handle()
-    N, C = len(convs), len(CONDITIONS)
-    result.data_sources.append(f"{source}: {N} conversations, chat template of {model.name}")
-    L, H = model.facts.num_layers, model.facts.num_kv_heads
+    return convs, source
 
+
+def _token_ids(ctx: ExperimentContext, handle, convs: list[dict]) -> dict[int, dict[str, list[int]]]:
+    """Chat-template token ids of every condition of every conversation, refused above the maximum."""
+    N = len(convs)
     ids = {}
     for i, conv in enumerate(convs):
         msgs = conversation_messages(conv, convs[(i - 1) % N], seed=ctx.seed + i)
-        ids[i] = {name: chat_ids(model, m) for name, m in msgs.items()}
+        ids[i] = {name: chat_ids(handle, m) for name, m in msgs.items()}
         for name, seq in ids[i].items():
-            if len(seq) >= model.max_positions:
+            if len(seq) >= handle.max_positions:
                 raise BadInputError(
-                    f"conversation {i} ({name}) has {len(seq)} tokens, the model's maximum is "
-                    f"{model.max_positions}"
+                    f"conversation {i} ({name}) has {len(seq)} tokens, the handle's maximum is "
+                    f"{handle.max_positions}"
                 )
-    tokens = np.array([[len(ids[i][c]) for c in ("full", *CONDITIONS)] for i in range(N)])
-    tail = np.array([common_suffix(ids[i]["full"], ids[i]["compacted"]) for i in range(N)])
+    return ids
 
-    D = model.facts.head_dim
+
+def _measure(ctx: ExperimentContext, handle, ids: dict, tail: np.ndarray):
+    """Centroids (whole cache and before the shared tail) and the tail's position-wise similarity."""
+    N, C = len(ids), len(CONDITIONS)
+    L, H = handle.facts.num_layers, handle.facts.num_kv_heads
+    D = handle.facts.head_dim
     full_cent = np.full((N, 2, L, H, D), np.nan)
     full_pre = np.full((N, 2, L, H, D), np.nan)
     cent = np.full((N, C, 2, L, H, D), np.nan)
@@ -241,7 +289,7 @@ def run(
                         curves[k][i, c, max_tail - m :] = v
 
     def prefill(seq: list[int]) -> KVSnapshot | None:
-        return model.prefill(seq, all_logits=False).snapshot if seq else None
+        return handle.prefill(seq, all_logits=False).snapshot if seq else None
 
     first_full = prev_full = None
     u = CONDITIONS.index("unrelated")
@@ -265,33 +313,7 @@ def run(
             advance(1)
         measure(0, first_full, u, prev_full, ids[0]["unrelated"])
 
-    # Centring: subtract the mean full-conversation centroid of the *other* conversations (not i, not its partner).
-    mu = np.stack(
-        [np.nanmean(full_cent[[j for j in range(N) if j not in (i, (i - 1) % N)]], axis=0) for i in range(N)]
-    )  # [N, 2, L, H, D]
-    sim = {
-        "raw": centroid_cos(cent, full_cent[:, None]),  # [N, C, 2, L, H]
-        "centred": centroid_cos(cent, full_cent[:, None], mu[:, None]),
-        "pretail_raw": centroid_cos(pre, full_pre[:, None]),
-        "pretail_centred": centroid_cos(pre, full_pre[:, None], mu[:, None]),
-    }
-    result.arrays.update(
-        {
-            "conditions": np.array(CONDITIONS),
-            "tokens_full_and_conditions": tokens,
-            "tail_tokens": tail,
-            "centroids_full": full_cent,
-            "centroids_full_pretail": full_pre,
-            "centroids": cent,
-            "centroids_pretail": pre,
-            "centring_mean": mu,
-            **{f"centroid_cos_{k}": v for k, v in sim.items()},
-            **{f"tail_{k}": v for k, v in pos.items()},
-            **{f"tail_curve_{k}": v for k, v in curves.items()},
-        }
-    )
-    _report(ctx, result, model.facts.name, convs, tokens, tail, sim, pos, curves)
-    return result
+    return cent, pre, full_cent, full_pre, pos, curves
 
 
 def _per_conv(x: np.ndarray) -> np.ndarray:
@@ -311,9 +333,24 @@ def _s(iv) -> str:
 
 
 def _report(ctx, result, name, convs, tokens, tail, sim, pos, curves) -> None:
+    """Tables, summary, the confound note and the figures."""
     N = len(convs)
-    u = CONDITIONS.index("unrelated")
     summary: dict[str, Any] = {"conversations": N, "conditions": list(CONDITIONS), "centroid": {}, "tail": {}}
+    result.tables.append(_centroid_table(sim, summary))
+    result.tables.append(_tail_table(pos, tail, summary))
+    share = tail / tokens[:, 1]
+    result.tables.append(_conversation_table(tokens, tail, share, sim))
+    _confound(result, summary, share)
+    if N < 20:
+        result.notes.append(
+            f"Intervals are over {N} conversations only (fewer than the 20 the study asks for)."
+        )
+    result.figures.extend(_figures(ctx, name, sim, curves))
+
+
+def _centroid_table(sim: dict, summary: dict) -> Table:
+    """Centroid similarity per condition (raw, centred, vs unrelated); fills ``summary["centroid"]``."""
+    u = CONDITIONS.index("unrelated")
     rows = []
     for c, cond in enumerate(CONDITIONS):
         v_raw, k_raw = _per_conv(sim["raw"][:, c, 1]), _per_conv(sim["raw"][:, c, 0])
@@ -361,23 +398,25 @@ def _report(ctx, result, name, convs, tokens, tail, sim, pos, curves) -> None:
             "",
         ]
     )
-    result.tables.append(
-        Table(
-            "Centroid similarity to the full conversation (mean over layers and KV heads; 95% CI over conversations)",
-            [
-                "condition",
-                "V",
-                "V centred",
-                "K de-rotated",
-                "K de-rotated centred",
-                "V vs unrelated (0 = unrelated, 1 = identical)",
-                "thread V (Qwen2.5-14B)",
-            ],
-            rows,
-            caption="Centred: each centroid minus the mean full-conversation centroid of the other conversations. "
-            "Thread numbers from the research brief (no interval).",
-        )
+    return Table(
+        "Centroid similarity to the full conversation (mean over layers and KV heads; 95% CI over conversations)",
+        [
+            "condition",
+            "V",
+            "V centred",
+            "K de-rotated",
+            "K de-rotated centred",
+            "V vs unrelated (0 = unrelated, 1 = identical)",
+            "thread V (Qwen2.5-14B)",
+        ],
+        rows,
+        caption="Centred: each centroid minus the mean full-conversation centroid of the other conversations. "
+        "Thread numbers from the research brief (no interval).",
     )
+
+
+def _tail_table(pos: dict, tail: np.ndarray, summary: dict) -> Table:
+    """Position-wise similarity on the shared verbatim tail; fills ``summary["tail"]``."""
     trows = []
     for c, cond in enumerate(CONDITIONS):
         ivs = {k: _iv(_per_conv(v[:, c])) for k, v in pos.items()}
@@ -392,38 +431,42 @@ def _report(ctx, result, name, convs, tokens, tail, sim, pos, curves) -> None:
                 _s(ivs["cos_kd_centred"]),
             ]
         )
-    result.tables.append(
-        Table(
-            "Position-wise on the shared verbatim tail (last tokens of each cache vs the full cache's last tokens)",
-            [
-                "condition",
-                "cos V",
-                "cos K de-rotated",
-                "cos K raw",
-                "cos V centred",
-                "cos K de-rotated centred",
-            ],
-            trows,
-            caption=f"Tail: the tokens the full and compacted chats share at the end ({tail.mean():.0f} on average). "
-            "Verbatim and compacted hold the same tokens there; summary only, shuffled and unrelated hold other "
-            "tokens at those slots and serve as baselines.",
-        )
+    return Table(
+        "Position-wise on the shared verbatim tail (last tokens of each cache vs the full cache's last tokens)",
+        [
+            "condition",
+            "cos V",
+            "cos K de-rotated",
+            "cos K raw",
+            "cos V centred",
+            "cos K de-rotated centred",
+        ],
+        trows,
+        caption=f"Tail: the tokens the full and compacted chats share at the end ({tail.mean():.0f} on average). "
+        "Verbatim and compacted hold the same tokens there; summary only, shuffled and unrelated hold other "
+        "tokens at those slots and serve as baselines.",
     )
-    share = tail / tokens[:, 1]
+
+
+def _conversation_table(tokens: np.ndarray, tail: np.ndarray, share: np.ndarray, sim: dict) -> Table:
+    """Tokens and centroid V cosine of every conversation."""
+    N = len(tokens)
     crow = []
     for i in range(N):
         crow.append(
             [i, int(tokens[i, 0]), int(tokens[i, 1]), int(tail[i]), f"{share[i]:.2f}"]
             + [f"{_per_conv(sim['raw'][i, c, 1]):.3f}" for c in range(len(CONDITIONS))]
         )
-    result.tables.append(
-        Table(
-            "Per conversation: tokens and centroid V cosine to the full cache",
-            ["#", "full tokens", "compacted tokens", "verbatim tail tokens", "tail share of compacted"]
-            + [f"V: {c}" for c in CONDITIONS],
-            crow,
-        )
+    return Table(
+        "Per conversation: tokens and centroid V cosine to the full cache",
+        ["#", "full tokens", "compacted tokens", "verbatim tail tokens", "tail share of compacted"]
+        + [f"V: {c}" for c in CONDITIONS],
+        crow,
     )
+
+
+def _confound(result: ExperimentResult, summary: dict, share: np.ndarray) -> None:
+    """How much of the compacted cache's margin the verbatim tail alone explains (summary and a note)."""
     cv = summary["centroid"]
     v_comp, v_tail, v_sum, v_unrel = (
         cv[k]["v"]["value"] for k in ("compacted", "verbatim_tail_only", "summary_only", "unrelated")
@@ -447,18 +490,23 @@ def _report(ctx, result, name, convs, tokens, tail, sim, pos, curves) -> None:
             else "."
         )
     )
-    if N < 20:
-        result.notes.append(
-            f"Intervals are over {N} conversations only (fewer than the 20 the study asks for)."
-        )
-    result.figures.extend(_figures(ctx, name, sim, curves))
 
 
 def _figures(ctx, name, sim, curves) -> list:
+    """Centroid similarity, the tail slot by slot, and V centroids by layer."""
     import matplotlib.pyplot as plt
 
-    figs = []
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return [
+        _centroid_figure(ctx, name, sim, colors),
+        _tail_figure(ctx, name, curves, colors),
+        _layer_figure(ctx, name, sim, colors),
+    ]
+
+
+def _centroid_figure(ctx, name, sim, colors):
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
     x = np.arange(len(CONDITIONS) + 1)
     labels = [LABELS[c] for c in CONDITIONS] + ["compacted minus tail vs full history"]
@@ -487,14 +535,16 @@ def _figures(ctx, name, sim, curves) -> list:
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
     fig.suptitle(f"{name}: compacted vs full conversation, with lexical controls (95% CI over conversations)")
-    figs.append(
-        ctx.figure(
-            "centroid_similarity",
-            fig,
-            "Centroid cosine to the full conversation's cache per "
-            "condition, raw and centred; stars: the thread's numbers.",
-        )
+    return ctx.figure(
+        "centroid_similarity",
+        fig,
+        "Centroid cosine to the full conversation's cache per "
+        "condition, raw and centred; stars: the thread's numbers.",
     )
+
+
+def _tail_figure(ctx, name, curves, colors):
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     for ax, metric, title in ((axes[0], "cos_v", "V"), (axes[1], "cos_kd", "K de-rotated")):
@@ -518,14 +568,16 @@ def _figures(ctx, name, sim, curves) -> list:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"{name}: position-wise similarity on the last tokens (95% bands over conversations)")
-    figs.append(
-        ctx.figure(
-            "tail_positionwise",
-            fig,
-            "Cosine to the full cache slot by slot over the shared tail; "
-            "the verbatim tail with less context above it vs the controls.",
-        )
+    return ctx.figure(
+        "tail_positionwise",
+        fig,
+        "Cosine to the full cache slot by slot over the shared tail; "
+        "the verbatim tail with less context above it vs the controls.",
     )
+
+
+def _layer_figure(ctx, name, sim, colors):
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.0), sharey=True)
     L = sim["raw"].shape[-2]
@@ -544,15 +596,11 @@ def _figures(ctx, name, sim, curves) -> list:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"{name}: V centroid similarity by layer (95% bands over conversations)")
-    figs.append(
-        ctx.figure(
-            "centroid_v_by_layer",
-            fig,
-            "V centroid cosine per layer for each condition, raw and "
-            "centred on the other conversations' mean.",
-        )
+    return ctx.figure(
+        "centroid_v_by_layer",
+        fig,
+        "V centroid cosine per layer for each condition, raw and centred on the other conversations' mean.",
     )
-    return figs
 
 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:

@@ -70,10 +70,20 @@ def _iv(d: dict) -> str:
 
 
 def claims(sweep: dict, long: dict, derot: dict, attn: dict, ref: R.Reference, rope: Any) -> list[list[Any]]:
-    """One row per claim: claim, measured, thread, verdict, rule."""
-    rows: list[list[Any]] = []
+    """One row per claim: claim, measured, thread, verdict, rule (a claim without its data has no row)."""
     ref14 = ref.get("orig_14b_base_results")
-    # 1 + 2: K drift is RoPE; the thread's de-rotation null.
+    return [
+        *_claims_rope(derot, rope),
+        *_claim_v(sweep, long, ref14),
+        *_claim_order(sweep, ref14),
+        *_claim_offset(long, ref),
+        *_claim_attention(attn, ref),
+    ]
+
+
+def _claims_rope(derot: dict, rope: Any) -> list[list[Any]]:
+    """Rows for the claim: K drift is RoPE, and the thread's de-rotation null."""
+    rows: list[list[Any]] = []
     if derot:
         kd_min, k_max = derot["derotated_k_min_small_rolls"], derot["raw_k_max_small_rolls"]
         rolls = derot["rolls"]
@@ -106,7 +116,12 @@ def claims(sweep: dict, long: dict, derot: dict, attn: dict, ref: R.Reference, r
         )
     elif rope is None:
         rows.append(["K drift under a roll is RoPE", "model has no RoPE", "—", "not applicable", "—"])
-    # 3: V barely changes.
+    return rows
+
+
+def _claim_v(sweep: dict, long: dict, ref14: Any) -> list[list[Any]]:
+    """Rows for the claim: V barely changes under a roll."""
+    rows: list[list[Any]] = []
     if sweep and long:
         shown = [n for n in (1, 5, 20) if str(n) in long["roll_mean"] and f"roll_{n}" in sweep["conditions"]]
         v_short = [sweep["conditions"][f"roll_{n}"]["v_x0"] for n in shown]
@@ -128,7 +143,12 @@ def claims(sweep: dict, long: dict, derot: dict, attn: dict, ref: R.Reference, r
                 f"holds if long-context cos V >= 0.95 for n = {'/'.join(map(str, shown))} and V >= raw K at each",
             ]
         )
-    # 4: unrelated < scrambled < rolled.
+    return rows
+
+
+def _claim_order(sweep: dict, ref14: Any) -> list[list[Any]]:
+    """Rows for the claim: unrelated < scrambled < rolled."""
+    rows: list[list[Any]] = []
     if sweep:
         c = sweep["conditions"]
         parts, ok = [], True
@@ -151,7 +171,12 @@ def claims(sweep: dict, long: dict, derot: dict, attn: dict, ref: R.Reference, r
                 f"holds if the bootstrap 95% intervals are ordered and disjoint for both K and V over {sweep['windows']} windows",
             ]
         )
-    # 5: the roll-truncate offset is constant.
+    return rows
+
+
+def _claim_offset(long: dict, ref: R.Reference) -> list[list[Any]]:
+    """Rows for the claim: the roll - truncate offset is constant."""
+    rows: list[list[Any]] = []
     if long:
         reg = long["regression"]["difference"]
         offset, change = long["mean_difference_roll_minus_truncate"], long["difference_change_over_range"]
@@ -177,7 +202,12 @@ def claims(sweep: dict, long: dict, derot: dict, attn: dict, ref: R.Reference, r
                 "holds if the fitted line changes the difference by < 25% of its mean across the sampled rolls",
             ]
         )
-    # 6: attention disruption.
+    return rows
+
+
+def _claim_attention(attn: dict, ref: R.Reference) -> list[list[Any]]:
+    """Rows for the claim: a roll disrupts attention."""
+    rows: list[list[Any]] = []
     if attn:
         w, wo = attn["with_sink"].mean(-1), attn["without_sink"].mean(-1)  # [W, N]
         iw, iwo = bootstrap_ci(w.mean(1)), bootstrap_ci(wo.mean(1))
