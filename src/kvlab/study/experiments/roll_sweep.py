@@ -151,9 +151,20 @@ def _stack_padded(arrs: list[np.ndarray], reduce_axes: tuple[int, ...], length: 
 def _figures(
     ctx: ExperimentContext, raw: dict, summ: dict, T: int, model_name: str, ref: R.Reference
 ) -> list:
+    """The sweep, per layer, per aligned slot, and (with the reference files) the thread overlay."""
+    figs = [
+        _sweep_figure(ctx, raw, summ, T, model_name),
+        _layer_figure(ctx, raw, model_name),
+        _position_figure(ctx, raw, T),
+    ]
+    if ref.root is not None:
+        figs.extend(_overlay(ctx, raw, summ, T, model_name, ref))
+    return figs
+
+
+def _sweep_figure(ctx: ExperimentContext, raw: dict, summ: dict, T: int, model_name: str):
     import matplotlib.pyplot as plt
 
-    figs = []
     rolls = [c for c in raw if c.startswith("roll_")]
     counts = np.array(
         [roll_amount(float(c[5:-3]) / 100 if c.endswith("pct") else int(c[5:]), T) for c in rolls]
@@ -179,14 +190,16 @@ def _figures(
     ax.set_title(f"{model_name}: roll sweep over {len(raw[rolls[0]]['k'])} windows of {T} tokens")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
-    figs.append(
-        ctx.figure(
-            "roll_sweep",
-            fig,
-            "Raw K drops with the roll while de-rotated K and V stay high; "
-            "dashed/dotted: scrambled and unrelated controls (bands: bootstrap 95%).",
-        )
+    return ctx.figure(
+        "roll_sweep",
+        fig,
+        "Raw K drops with the roll while de-rotated K and V stay high; "
+        "dashed/dotted: scrambled and unrelated controls (bands: bootstrap 95%).",
     )
+
+
+def _layer_figure(ctx: ExperimentContext, raw: dict, model_name: str):
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, m in zip(axes, ("k", "v"), strict=True):
@@ -200,11 +213,13 @@ def _figures(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"{model_name}: per-layer similarity to the original")
-    figs.append(
-        ctx.figure(
-            "per_layer", fig, "Per-layer cosine for rolls and controls (bands: bootstrap 95% over windows)."
-        )
+    return ctx.figure(
+        "per_layer", fig, "Per-layer cosine for rolls and controls (bands: bootstrap 95% over windows)."
     )
+
+
+def _position_figure(ctx: ExperimentContext, raw: dict, T: int):
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for c in ("roll_1", "roll_5", "roll_20"):
@@ -219,26 +234,24 @@ def _figures(
     ax.set_title("Sink-aware view: similarity per aligned slot (first 48)")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
-    figs.append(
-        ctx.figure(
-            "per_position",
-            fig,
-            "Slot 0 of a rolled cache becomes the new attention sink and "
-            "differs most; report means with and without it (B2).",
-        )
+    return ctx.figure(
+        "per_position",
+        fig,
+        "Slot 0 of a rolled cache becomes the new attention sink and "
+        "differs most; report means with and without it (B2).",
     )
-
-    if ref.root is not None:
-        figs.extend(_overlay(ctx, raw, summ, T, model_name, ref))
-    return figs
 
 
 def _overlay(
     ctx: ExperimentContext, raw: dict, summ: dict, T: int, model_name: str, ref: R.Reference
 ) -> list:
+    """This model beside the thread's Qwen2.5 runs: per layer, and against the roll fraction."""
+    return [_overlay_layers(ctx, raw, model_name, ref), _overlay_fraction(ctx, raw, summ, T, model_name, ref)]
+
+
+def _overlay_layers(ctx: ExperimentContext, raw: dict, model_name: str, ref: R.Reference):
     import matplotlib.pyplot as plt
 
-    figs = []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, m, key in zip(axes, ("k", "v"), ("cos_k", "cos_v"), strict=True):
         for c, color in (("roll_1", "C0"), ("roll_5", "C1"), ("roll_20", "C3")):
@@ -264,14 +277,19 @@ def _overlay(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, ncol=2)
     fig.suptitle(f"{model_name} (solid, bands) vs the thread's Qwen2.5 (dashed 7B, dotted 14B)")
-    figs.append(
-        ctx.figure(
-            "overlay_per_layer",
-            fig,
-            "Per-layer roll similarity against the thread's Qwen2.5 "
-            "(87-token prompt, one run): depth as a fraction of the stack.",
-        )
+    return ctx.figure(
+        "overlay_per_layer",
+        fig,
+        "Per-layer roll similarity against the thread's Qwen2.5 "
+        "(87-token prompt, one run): depth as a fraction of the stack.",
     )
+
+
+def _overlay_fraction(
+    ctx: ExperimentContext, raw: dict, summ: dict, T: int, model_name: str, ref: R.Reference
+):
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 4))
     rolls = [c for c in raw if c.startswith("roll_") and not c.endswith("pct")]
     ns = np.array([int(c[5:]) for c in rolls])
@@ -305,15 +323,12 @@ def _overlay(
     ax.set_title("Roll sweep side by side with the thread")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    figs.append(
-        ctx.figure(
-            "overlay_roll_fraction",
-            fig,
-            "Mean K and V cosine against roll fraction, this model "
-            "(bootstrap 95% bars) vs the thread's single Qwen2.5 runs.",
-        )
+    return ctx.figure(
+        "overlay_roll_fraction",
+        fig,
+        "Mean K and V cosine against roll fraction, this model "
+        "(bootstrap 95% bars) vs the thread's single Qwen2.5 runs.",
     )
-    return figs
 
 
 def run(
@@ -324,28 +339,58 @@ def run(
         title="Roll sweep and controls (R1, R2, B2)",
         description=__doc__.strip().split("\n")[0],
     )
-    model = ctx.handle()
+    handle = ctx.handle()
     T = int(ctx.count("context", context, quick=96, default=128, full=256))
     W = int(ctx.count("windows", windows, quick=4, default=20, full=50))
     if T < 24:
         raise BadInputError(f"the roll sweep needs windows of at least 24 tokens, got {T}")
     main = R.study_text(ctx, text)
-    ids = R.encode_long(model, main, T * W, max_chars=T * W * 12)
+    wins, ctrls, ctrl_source = _samples(ctx, handle, main, T, W)
+    raw = measure_sweep(handle, wins, ctrls, ctx.seed, ctx.progress)
+    summ = summarise(raw, ctx.seed)
+    ref = R.reference()
+
+    result.tables.append(_similarity_table(raw, summ, T, W))
+    result.tables.append(_sink_table(summ))
+    if ref.root is not None:
+        result.tables.append(_thread_table(ref, summ))
+    else:
+        result.notes.append(ref.note)
+    result.summary = {
+        "windows": W,
+        "context_tokens": T,
+        "conditions": summ,
+        "roll_counts": {c: roll_amount(a, T) for c, k, a in conditions(T) if k in ("roll", "truncate")},
+    }
+    result.arrays.update(_arrays(raw))
+    result.figures.extend(_figures(ctx, raw, summ, T, handle.name, ref))
+    result.data_sources += [f"{main.source}: {W} windows of {T} tokens", f"unrelated control: {ctrl_source}"]
+    result.notes.append(
+        "Full [window, layer, head, slot] cosines for K, de-rotated K and V are saved as float16 in "
+        "arrays.npz; centred cosines and L2 as [window, layer, head] means."
+    )
+    return result
+
+
+def _samples(ctx: ExperimentContext, handle, main, T: int, W: int):
+    """``W`` samples of ``T`` tokens of the main text, and as many of the unrelated control."""
+    from kvlab.data import token_samples
+
+    ids = R.encode_long(handle, main, T * W, max_chars=T * W * 12)
     ctrl_text = R.control_text(main)
     if ctrl_text is main:
         ctrl_ids_all = ids[len(ids) // 2 :] + ids[: len(ids) // 2]  # distant windows of the same corpus
         ctrl_source = f"{main.source}, windows half the corpus away"
     else:
-        ctrl_ids_all = R.encode_long(model, ctrl_text, T * W, max_chars=T * W * 12)
+        ctrl_ids_all = R.encode_long(handle, ctrl_text, T * W, max_chars=T * W * 12)
         ctrl_source = ctrl_text.source
-    from kvlab.data import token_samples
-
     wins = token_samples(ids, T, W, seed=ctx.seed)
     ctrls = token_samples(ctrl_ids_all, T, W, seed=ctx.seed + 1)
-    raw = measure_sweep(model, wins, ctrls, ctx.seed, ctx.progress)
-    summ = summarise(raw, ctx.seed)
-    ref = R.reference()
+    return wins, ctrls, ctrl_source
 
+
+def _similarity_table(raw: dict, summ: dict, T: int, W: int) -> Table:
+    """Similarity of every condition to the original: raw, de-rotated, centred, sink-excluded, normalised."""
     rows = []
     for cond in raw:
         row = [cond]
@@ -359,92 +404,81 @@ def run(
             summ[cond].get("v_normalised", {}).get("value"),
         ]
         rows.append(row)
-    result.tables.append(
-        Table(
-            f"Similarity to the original ({W} windows of {T} tokens; mean [bootstrap 95%])",
-            [
-                "condition",
-                "cos K",
-                "cos K de-rot.",
-                "cos V",
-                "cos K centred",
-                "cos V centred",
-                "cos K w/o slot 0",
-                "cos V w/o slot 0",
-                "K vs unrelated (norm.)",
-                "V vs unrelated (norm.)",
-            ],
-            rows,
-            caption="Roll: original slots n..T-1 vs rolled 0..T-n-1. Truncate: cache slice (exactly 1 by causality). "
-            "Scrambled: same positions (or same token ids: scrambled_by_token). Normalised: (c - c_unrel)/(1 - c_unrel).",
-        )
+    return Table(
+        f"Similarity to the original ({W} windows of {T} tokens; mean [bootstrap 95%])",
+        [
+            "condition",
+            "cos K",
+            "cos K de-rot.",
+            "cos V",
+            "cos K centred",
+            "cos V centred",
+            "cos K w/o slot 0",
+            "cos V w/o slot 0",
+            "K vs unrelated (norm.)",
+            "V vs unrelated (norm.)",
+        ],
+        rows,
+        caption="Roll: original slots n..T-1 vs rolled 0..T-n-1. Truncate: cache slice (exactly 1 by causality). "
+        "Scrambled: same positions (or same token ids: scrambled_by_token). Normalised: (c - c_unrel)/(1 - c_unrel).",
     )
+
+
+def _sink_table(summ: dict) -> Table:
+    """B2: means with the first k aligned slots excluded."""
     sink_rows = []
     for cond in ("roll_1", "roll_5", "roll_20"):
         if cond in summ:
             sink_rows.append([cond] + [summ[cond][f"{m}_x{k}"]["value"] for m in ("k", "v") for k in EXCLUDE])
-    result.tables.append(
-        Table(
-            "B2: sink-aware means (first k aligned slots excluded)",
-            ["condition"] + [f"cos {m.upper()} excl. {k}" for m in ("k", "v") for k in EXCLUDE],
-            sink_rows,
-        )
+    return Table(
+        "B2: sink-aware means (first k aligned slots excluded)",
+        ["condition"] + [f"cos {m.upper()} excl. {k}" for m in ("k", "v") for k in EXCLUDE],
+        sink_rows,
     )
-    if ref.root is not None:
-        rrows = []
-        for fname in ("orig_7b_base_results", "orig_14b_base_results"):
-            d = ref.get(fname) or {}
-            for cond in ("roll_1", "roll_5", "roll_20", "scrambled", "unrelated"):
-                if cond in d and cond in summ:
-                    rrows.append(
-                        [
-                            cond,
-                            f"Qwen2.5-{fname.split('_')[1]}",
-                            d[cond]["cos_k"]["mean"],
-                            summ[cond]["k_x0"]["value"],
-                            d[cond]["cos_v"]["mean"],
-                            summ[cond]["v_x0"]["value"],
-                        ]
-                    )
-        result.tables.append(
-            Table(
-                "Side by side with the thread",
-                [
-                    "condition",
-                    "thread model",
-                    "thread cos K",
-                    "this model cos K",
-                    "thread cos V",
-                    "this model cos V",
-                ],
-                rrows,
-                caption="Thread: one 87-token prompt, one run; this model: mean over windows.",
-            )
-        )
-    else:
-        result.notes.append(ref.note)
 
-    result.summary = {
-        "windows": W,
-        "context_tokens": T,
-        "conditions": summ,
-        "roll_counts": {c: roll_amount(a, T) for c, k, a in conditions(T) if k in ("roll", "truncate")},
-    }
+
+def _thread_table(ref, summ: dict) -> Table:
+    """This model's numbers beside the thread's reference files."""
+    rrows = []
+    for fname in ("orig_7b_base_results", "orig_14b_base_results"):
+        d = ref.get(fname) or {}
+        for cond in ("roll_1", "roll_5", "roll_20", "scrambled", "unrelated"):
+            if cond in d and cond in summ:
+                rrows.append(
+                    [
+                        cond,
+                        f"Qwen2.5-{fname.split('_')[1]}",
+                        d[cond]["cos_k"]["mean"],
+                        summ[cond]["k_x0"]["value"],
+                        d[cond]["cos_v"]["mean"],
+                        summ[cond]["v_x0"]["value"],
+                    ]
+                )
+    return Table(
+        "Side by side with the thread",
+        [
+            "condition",
+            "thread model",
+            "thread cos K",
+            "this model cos K",
+            "thread cos V",
+            "this model cos V",
+        ],
+        rrows,
+        caption="Thread: one 87-token prompt, one run; this model: mean over windows.",
+    )
+
+
+def _arrays(raw: dict) -> dict:
+    """Full per-slot cosines as float16 and per-layer-head means of the rest."""
+    arrays = {}
     for cond, metrics in raw.items():
         for m in ("k", "kd", "v"):
             if m in metrics:
-                result.arrays[f"{cond}_{m}"] = np.stack(metrics[m]).astype(np.float16)  # [W, L, H, P]
+                arrays[f"{cond}_{m}"] = np.stack(metrics[m]).astype(np.float16)  # [W, L, H, P]
         for m in ("kc", "vc", "l2k", "l2v"):
-            result.arrays[f"{cond}_{m}_per_layer_head"] = np.stack(
-                [a.mean(-1) for a in metrics[m]]
-            )  # [W, L, H]
-    result.figures.extend(_figures(ctx, raw, summ, T, model.name, ref))
-    result.data_sources += [f"{main.source}: {W} windows of {T} tokens", f"unrelated control: {ctrl_source}"]
-    result.notes.append(
-        "Full [window, layer, head, slot] cosines for K, de-rotated K and V are saved as float16 in "
-        "arrays.npz; centred cosines and L2 as [window, layer, head] means."
-    )
-    return result
+            arrays[f"{cond}_{m}_per_layer_head"] = np.stack([a.mean(-1) for a in metrics[m]])  # [W, L, H]
+    return arrays
 
 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:

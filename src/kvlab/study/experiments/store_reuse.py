@@ -359,76 +359,11 @@ def run(
     p1 = prefix_reuse(ctx, handle, lengths, reps, redis_url, block_tokens)
     p2 = nonprefix_reuse(ctx, handle, n_q, epic_k, ratio, answer_tokens, modes)
 
-    ttft_rows = []
-    for li, n in enumerate(p1["lengths"]):
-        full_ci = bootstrap_ci(p1["ttft_ms"]["full"][li])
-        for name, arr in p1["ttft_ms"].items():
-            ci = bootstrap_ci(arr[li])
-            ttft_rows.append([n, name, ci.value, ci.low, ci.high, full_ci.value / ci.value])
-    qual_rows = []
-    for m in modes:
-        d = p2["metrics"][m]
-        kl = bootstrap_ci(d["kl"])
-        qual_rows.append(
-            [
-                m,
-                float(d["recomputed"].mean()),
-                kl.value,
-                kl.low,
-                kl.high,
-                float(np.exp(d["nll"].mean())),
-                float(d["correct"].mean()),
-                float(d["agree"].mean()),
-                float(d["ms"].mean()),
-            ]
-        )
-    ref = p2["reference"]
-    qual_rows.append(
-        [
-            "full prefill (reference)",
-            1.0,
-            0.0,
-            0.0,
-            0.0,
-            float(np.exp(ref["nll"].mean())),
-            float(ref["correct"].mean()),
-            1.0,
-            float(ref["ms"].mean()),
-        ]
-    )
-    longest = len(p1["lengths"]) - 1
-    summary = {
-        "prefix_lengths": p1["lengths"],
-        "speedup_at_longest": {
-            t: float(np.nanmean(p1["ttft_ms"]["full"][longest] / p1["ttft_ms"][t][longest]))
-            for t in p1["ttft_ms"]
-            if t != "full"
-        },
-        "max_abs_logit_error_vs_full": p1["max_abs_logit_error"],
-        "kl_mean": {m: float(p2["metrics"][m]["kl"].mean()) for m in modes},
-        "accuracy": {m: float(p2["metrics"][m]["correct"].mean()) for m in modes}
-        | {"full_prefill": float(ref["correct"].mean())},
-        "cacheblend_closer_than_rotation_only": bool(
-            p2["metrics"]["cacheblend"]["kl"].mean() < p2["metrics"]["none"]["kl"].mean()
-        ),
-        "questions": len(p2["items"]),
-    }
-    arrays = {f"ttft_ms_{t}": a for t, a in p1["ttft_ms"].items()} | {
-        "prefix_lengths": np.asarray(p1["lengths"])
-    }
-    for m in modes:
-        arrays |= {f"{m}_{k}": v for k, v in p2["metrics"][m].items()}
-    arrays |= {f"reference_{k}": v for k, v in ref.items()}
-    notes = list(p1["notes"]) + [
-        "Disk-tier reads were served from the OS page cache (the blocks had just been written); a cold read "
-        "from the device adds its transfer time.",
-        f"Reused logits matched the full prefill to within {max(p1['max_abs_logit_error'].values()):.2e} (max abs).",
-        f"Corrections: EPIC recomputes the first {epic_k} tokens of each document; CacheBlend recomputes the "
-        f"{ratio:.0%} of each document's tokens whose layer-1 K/V deviate most (one selection, not per-layer).",
-        "Timings are wall-clock on a shared CPU; compare the series measured side by side, not across runs.",
-        "Non-prefix timings: these prompts are short (a few hundred tokens), so each extra forward pass's fixed "
-        "cost (30 layers) dominates and recomputation can take as long as a full prefill; the saving needs long chunks.",
-    ]
+    ttft_rows = _ttft_rows(p1)
+    qual_rows = _quality_rows(p2, modes)
+    summary = _summary(p1, p2, modes)
+    arrays = _arrays(p1, p2, modes)
+    notes = _notes(p1, epic_k, ratio)
     return ExperimentResult(
         name="store_reuse",
         title=EXPERIMENT.title,
@@ -466,6 +401,103 @@ def run(
         ],
         description=EXPERIMENT.description,
     )
+
+
+def _ttft_rows(p1: dict) -> list[list]:
+    """Time to first token per prefix length and source, with its speed-up over a full prefill."""
+    ttft_rows = []
+    for li, n in enumerate(p1["lengths"]):
+        full_ci = bootstrap_ci(p1["ttft_ms"]["full"][li])
+        for name, arr in p1["ttft_ms"].items():
+            ci = bootstrap_ci(arr[li])
+            ttft_rows.append([n, name, ci.value, ci.low, ci.high, full_ci.value / ci.value])
+    return ttft_rows
+
+
+def _quality_rows(p2: dict, modes) -> list[list]:
+    """Non-prefix reuse per correction mode, then the full-prefill reference."""
+    qual_rows = []
+    for m in modes:
+        d = p2["metrics"][m]
+        kl = bootstrap_ci(d["kl"])
+        qual_rows.append(
+            [
+                m,
+                float(d["recomputed"].mean()),
+                kl.value,
+                kl.low,
+                kl.high,
+                float(np.exp(d["nll"].mean())),
+                float(d["correct"].mean()),
+                float(d["agree"].mean()),
+                float(d["ms"].mean()),
+            ]
+        )
+    ref = p2["reference"]
+    qual_rows.append(
+        [
+            "full prefill (reference)",
+            1.0,
+            0.0,
+            0.0,
+            0.0,
+            float(np.exp(ref["nll"].mean())),
+            float(ref["correct"].mean()),
+            1.0,
+            float(ref["ms"].mean()),
+        ]
+    )
+    return qual_rows
+
+
+def _summary(p1: dict, p2: dict, modes) -> dict:
+    """Speed-ups at the longest prefix, logit errors, KL and accuracy per mode."""
+    ref = p2["reference"]
+    longest = len(p1["lengths"]) - 1
+    summary = {
+        "prefix_lengths": p1["lengths"],
+        "speedup_at_longest": {
+            t: float(np.nanmean(p1["ttft_ms"]["full"][longest] / p1["ttft_ms"][t][longest]))
+            for t in p1["ttft_ms"]
+            if t != "full"
+        },
+        "max_abs_logit_error_vs_full": p1["max_abs_logit_error"],
+        "kl_mean": {m: float(p2["metrics"][m]["kl"].mean()) for m in modes},
+        "accuracy": {m: float(p2["metrics"][m]["correct"].mean()) for m in modes}
+        | {"full_prefill": float(ref["correct"].mean())},
+        "cacheblend_closer_than_rotation_only": bool(
+            p2["metrics"]["cacheblend"]["kl"].mean() < p2["metrics"]["none"]["kl"].mean()
+        ),
+        "questions": len(p2["items"]),
+    }
+    return summary
+
+
+def _arrays(p1: dict, p2: dict, modes) -> dict:
+    """Every raw array behind the tables."""
+    ref = p2["reference"]
+    arrays = {f"ttft_ms_{t}": a for t, a in p1["ttft_ms"].items()} | {
+        "prefix_lengths": np.asarray(p1["lengths"])
+    }
+    for m in modes:
+        arrays |= {f"{m}_{k}": v for k, v in p2["metrics"][m].items()}
+    arrays |= {f"reference_{k}": v for k, v in ref.items()}
+    return arrays
+
+
+def _notes(p1: dict, epic_k: int, ratio: float) -> list[str]:
+    """What the numbers mean and do not mean."""
+    notes = list(p1["notes"]) + [
+        "Disk-tier reads were served from the OS page cache (the blocks had just been written); a cold read "
+        "from the device adds its transfer time.",
+        f"Reused logits matched the full prefill to within {max(p1['max_abs_logit_error'].values()):.2e} (max abs).",
+        f"Corrections: EPIC recomputes the first {epic_k} tokens of each document; CacheBlend recomputes the "
+        f"{ratio:.0%} of each document's tokens whose layer-1 K/V deviate most (one selection, not per-layer).",
+        "Timings are wall-clock on a shared CPU; compare the series measured side by side, not across runs.",
+        "Non-prefix timings: these prompts are short (a few hundred tokens), so each extra forward pass's fixed "
+        "cost (30 layers) dominates and recomputation can take as long as a full prefill; the saving needs long chunks.",
+    ]
+    return notes
 
 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
