@@ -108,111 +108,15 @@ def run(
         title="Attention rows and next-token logits under a roll (R7)",
         description=__doc__.strip().split("\n")[0],
     )
-    n_windows = int(windows if windows is not None else ctx.pick(4, 20, 50))
-    length = int(window_tokens if window_tokens is not None else ctx.pick(128, 256, 512))
-    rolls = tuple(int(n) for n in (rolls or DEFAULT_ROLLS))
-    if n_windows < 2:
-        raise BadInputError(
-            f"need at least 2 windows (the unrelated baseline pairs neighbours), got {n_windows}"
-        )
-    first_query = min(16, length // 4)  # queries that see at least this many aligned keys enter the means
-    if length < 8:
-        raise BadInputError(f"window_tokens must be >= 8, got {length}")
-    bad = [n for n in rolls if not 1 <= n <= length - first_query - 1]
-    if bad:
-        raise BadInputError(
-            f"rolls {bad} do not fit a {length}-token window: use 1 <= n <= {length - first_query - 1}"
-        )
-    model = ctx.handle()
-    source = read_text_file(text) if text else default_long_text()
-    ids = model.encode(source.text)
-    if length >= model.max_positions:
-        raise BadInputError(
-            f"window_tokens {length} must be below the model's maximum of {model.max_positions}"
-        )
-    wins = token_samples(ids, length, n_windows, seed=ctx.seed)
-    result.data_sources.append(f"{source.source}: {n_windows} windows of {length} tokens (of {len(ids):,})")
-
-    facts = model.facts
-    L, H, R, W = facts.num_layers, facts.num_attention_heads, len(rolls), n_windows
-    rows = {m: np.full((W, R, L, H), np.nan) for m in ROW_METRICS}
-    rows_last = {m: np.full((W, R, L, H), np.nan) for m in ROW_METRICS}
-    per_query = {m: np.full((W, R, length), np.nan) for m in ("cos", "cos_rest")}
-    base = {m: np.full((W, L, H), np.nan) for m in ROW_METRICS}
-    logit = {m: np.full((W, R), np.nan) for m in ("cos", "js", "kl", "topk")}
-    logit_base = {m: np.full(W, np.nan) for m in ("cos", "js", "kl", "topk")}
-
-    def logit_metrics(p, q) -> dict[str, float]:
-        return {
-            "cos": float(logit_cosine(p, q)),
-            "js": float(js_divergence(p, q)),
-            "kl": float(kl_divergence(p, q)),
-            "topk": float(topk_overlap(p, q, TOPK_LOGITS)),
-        }
-
-    first_att, first_logits, prev_att, prev_logits = None, None, None, None
-    with model.eager_attention(), ctx.progress.task("attention: windows", total=W * (R + 1)) as advance:
-        for w, win in enumerate(wins):
-            orig = model.forward(win, output_attentions=True)
-            att_o = stack_attentions(orig.attentions)
-            advance(1)
-            for r, n in enumerate(rolls):
-                rolled = model.forward(win[n:], output_attentions=True)
-                ka, kb = roll_alignment(length, n)
-                cmp = compare_attention_rows(
-                    att_o, rolled.attentions, ka, kb, exclude_first=1, k=TOPK_ATTENTION
-                )
-                means, last = _reduce(cmp, first_query)
-                for m in ROW_METRICS:
-                    rows[m][w, r], rows_last[m][w, r] = means[m], last[m]
-                with warnings.catch_warnings():
-                    warnings.simplefilter(
-                        "ignore", RuntimeWarning
-                    )  # query 0 has no key left without the first
-                    for m in per_query:
-                        per_query[m][w, r, : length - n] = np.nanmean(getattr(cmp, m), axis=(0, 1))
-                for m, v in logit_metrics(orig.logits[-1], rolled.logits[-1]).items():
-                    logit[m][w, r] = v
-                advance(1)
-            if prev_att is not None:
-                _fill_baseline(
-                    base,
-                    logit_base,
-                    w - 1,
-                    prev_att,
-                    att_o,
-                    prev_logits,
-                    orig.logits[-1],
-                    first_query,
-                    logit_metrics,
-                )
-            else:
-                first_att, first_logits = att_o, orig.logits[-1]
-            prev_att, prev_logits = att_o, orig.logits[-1]
-        _fill_baseline(
-            base,
-            logit_base,
-            W - 1,
-            prev_att,
-            first_att,
-            prev_logits,
-            first_logits,
-            first_query,
-            logit_metrics,
-        )
-
-    for m in ROW_METRICS:
-        result.arrays[f"rows_{m}"] = rows[m]
-        result.arrays[f"last_query_{m}"] = rows_last[m]
-        result.arrays[f"unrelated_{m}"] = base[m]
-    for m in per_query:
-        result.arrays[f"per_query_{m}"] = per_query[m]
-    for m in logit:
-        result.arrays[f"logits_{m}"] = logit[m]
-        result.arrays[f"logits_unrelated_{m}"] = logit_base[m]
-    result.arrays["rolls"] = np.array(rolls)
-    result.arrays["window_token_ids"] = np.array(wins)
-
+    n_windows, length, rolls, first_query = _settings(ctx, windows, window_tokens, rolls)
+    handle = ctx.handle()
+    wins = _samples(ctx, result, handle, text, length, n_windows)
+    facts = handle.facts
+    L = facts.num_layers
+    rows, rows_last, per_query, base, logit, logit_base = _measure(
+        ctx, handle, wins, rolls, length, first_query
+    )
+    result.arrays.update(_arrays(rows, rows_last, per_query, base, logit, logit_base, rolls, wins))
     ref = load_reference()
     if ref is None:
         result.notes.append(
@@ -230,6 +134,134 @@ def run(
     return result
 
 
+def _settings(ctx: ExperimentContext, windows, window_tokens, rolls) -> tuple[int, int, tuple[int, ...], int]:
+    """Windows, tokens per window, rolls, and the first query that enters the means; checked."""
+    n_windows = int(windows if windows is not None else ctx.pick(4, 20, 50))
+    length = int(window_tokens if window_tokens is not None else ctx.pick(128, 256, 512))
+    rolls = tuple(int(n) for n in (rolls or DEFAULT_ROLLS))
+    if n_windows < 2:
+        raise BadInputError(
+            f"need at least 2 windows (the unrelated baseline pairs neighbours), got {n_windows}"
+        )
+    first_query = min(16, length // 4)  # queries that see at least this many aligned keys enter the means
+    if length < 8:
+        raise BadInputError(f"window_tokens must be >= 8, got {length}")
+    bad = [n for n in rolls if not 1 <= n <= length - first_query - 1]
+    if bad:
+        raise BadInputError(
+            f"rolls {bad} do not fit a {length}-token window: use 1 <= n <= {length - first_query - 1}"
+        )
+    return n_windows, length, rolls, first_query
+
+
+def _samples(
+    ctx: ExperimentContext, result: ExperimentResult, handle, text, length: int, n_windows: int
+) -> list:
+    """Token samples of the study text (the model's maximum checked first)."""
+    source = read_text_file(text) if text else default_long_text()
+    ids = handle.encode(source.text)
+    if length >= handle.max_positions:
+        raise BadInputError(
+            f"window_tokens {length} must be below the model's maximum of {handle.max_positions}"
+        )
+    wins = token_samples(ids, length, n_windows, seed=ctx.seed)
+    result.data_sources.append(f"{source.source}: {n_windows} windows of {length} tokens (of {len(ids):,})")
+
+    return wins
+
+
+def _logit_metrics(p, q) -> dict[str, float]:
+    return {
+        "cos": float(logit_cosine(p, q)),
+        "js": float(js_divergence(p, q)),
+        "kl": float(kl_divergence(p, q)),
+        "topk": float(topk_overlap(p, q, TOPK_LOGITS)),
+    }
+
+
+def _measure(ctx: ExperimentContext, handle, wins: list, rolls, length: int, first_query: int):
+    """Attention rows and logits of every window against its rolls, and against its unrelated neighbour."""
+    facts = handle.facts
+    L, H, R, W = facts.num_layers, facts.num_attention_heads, len(rolls), len(wins)
+    rows = {m: np.full((W, R, L, H), np.nan) for m in ROW_METRICS}
+    rows_last = {m: np.full((W, R, L, H), np.nan) for m in ROW_METRICS}
+    per_query = {m: np.full((W, R, length), np.nan) for m in ("cos", "cos_rest")}
+    base = {m: np.full((W, L, H), np.nan) for m in ROW_METRICS}
+    logit = {m: np.full((W, R), np.nan) for m in ("cos", "js", "kl", "topk")}
+    logit_base = {m: np.full(W, np.nan) for m in ("cos", "js", "kl", "topk")}
+
+    first_att, first_logits, prev_att, prev_logits = None, None, None, None
+    with handle.eager_attention(), ctx.progress.task("attention: windows", total=W * (R + 1)) as advance:
+        for w, win in enumerate(wins):
+            orig = handle.forward(win, output_attentions=True)
+            att_o = stack_attentions(orig.attentions)
+            advance(1)
+            for r, n in enumerate(rolls):
+                rolled = handle.forward(win[n:], output_attentions=True)
+                ka, kb = roll_alignment(length, n)
+                cmp = compare_attention_rows(
+                    att_o, rolled.attentions, ka, kb, exclude_first=1, k=TOPK_ATTENTION
+                )
+                means, last = _reduce(cmp, first_query)
+                for m in ROW_METRICS:
+                    rows[m][w, r], rows_last[m][w, r] = means[m], last[m]
+                with warnings.catch_warnings():
+                    warnings.simplefilter(
+                        "ignore", RuntimeWarning
+                    )  # query 0 has no key left without the first
+                    for m in per_query:
+                        per_query[m][w, r, : length - n] = np.nanmean(getattr(cmp, m), axis=(0, 1))
+                for m, v in _logit_metrics(orig.logits[-1], rolled.logits[-1]).items():
+                    logit[m][w, r] = v
+                advance(1)
+            if prev_att is not None:
+                _fill_baseline(
+                    base,
+                    logit_base,
+                    w - 1,
+                    prev_att,
+                    att_o,
+                    prev_logits,
+                    orig.logits[-1],
+                    first_query,
+                    _logit_metrics,
+                )
+            else:
+                first_att, first_logits = att_o, orig.logits[-1]
+            prev_att, prev_logits = att_o, orig.logits[-1]
+        _fill_baseline(
+            base,
+            logit_base,
+            W - 1,
+            prev_att,
+            first_att,
+            prev_logits,
+            first_logits,
+            first_query,
+            _logit_metrics,
+        )
+
+    return rows, rows_last, per_query, base, logit, logit_base
+
+
+def _arrays(rows, rows_last, per_query, base, logit, logit_base, rolls, wins) -> dict:
+    """Every raw array behind the tables and figures."""
+    arrays: dict = {}
+    for m in ROW_METRICS:
+        arrays[f"rows_{m}"] = rows[m]
+        arrays[f"last_query_{m}"] = rows_last[m]
+        arrays[f"unrelated_{m}"] = base[m]
+    for m in per_query:
+        arrays[f"per_query_{m}"] = per_query[m]
+    for m in logit:
+        arrays[f"logits_{m}"] = logit[m]
+        arrays[f"logits_unrelated_{m}"] = logit_base[m]
+    arrays["rolls"] = np.array(rolls)
+    arrays["window_token_ids"] = np.array(wins)
+
+    return arrays
+
+
 def _fill_baseline(base, logit_base, w, att_a, att_b, logits_a, logits_b, first_query, logit_metrics) -> None:
     """Window ``w`` against an unrelated window at the same positions: how alike rows are anyway."""
     cmp = compare_attention_rows(att_a, att_b, exclude_first=1, k=TOPK_ATTENTION)
@@ -240,10 +272,16 @@ def _fill_baseline(base, logit_base, w, att_a, att_b, logits_a, logits_b, first_
         logit_base[m][w] = v
 
 
-def _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, first_query) -> None:
-    def window_means(x: np.ndarray) -> np.ndarray:  # [W, ...] -> [W]
-        return np.nanmean(x.reshape(x.shape[0], -1), axis=1)
+def _window_means(x: np.ndarray) -> np.ndarray:
+    """``[W, ...] -> [W]``: one number per window."""
+    return np.nanmean(x.reshape(x.shape[0], -1), axis=1)
 
+
+def _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, first_query) -> None:
+    """Summary, the three tables and the sink-artefact note, from the per-window arrays."""
+
+
+def _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, first_query) -> None:
     summary: dict[str, Any] = {
         "rolls": list(rolls),
         "window_tokens": length,
@@ -253,9 +291,28 @@ def _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, fir
         "topk_logits": TOPK_LOGITS,
         "by_roll": {},
     }
+    att_rows, sink_rows, logit_rows = _roll_rows(summary, rolls, rows, logit, ref)
+    _unrelated_rows(summary, att_rows, logit_rows, base, logit_base)
+    result.summary.update(summary)
+    result.tables.append(_attention_table(att_rows, first_query))
+    result.tables.append(_sink_table(sink_rows))
+    result.tables.append(_logit_table(logit_rows))
+    first = summary["by_roll"][str(rolls[0])]
+    lastn = summary["by_roll"][str(rolls[-1])]
+    result.notes.append(
+        f"Sink artefact: over all aligned keys the attention-row cosine is {first['attention_cos']['value']:.3f} "
+        f"(roll {rolls[0]}) and {lastn['attention_cos']['value']:.3f} (roll {rolls[-1]}); without the first aligned "
+        f"key it is {first['attention_cos_rest']['value']:.3f} and {lastn['attention_cos_rest']['value']:.3f}. "
+        f"The rolled run puts {first['attention_sink_b']['value']:.2f} of each row on its new first token, which "
+        f"got {first['attention_first_aligned_a']['value']:.3f} in the original."
+    )
+
+
+def _roll_rows(summary: dict, rolls, rows: dict, logit: dict, ref) -> tuple[list, list, list]:
+    """Per roll: intervals over windows for attention rows, sink mass and logits (and the thread's numbers)."""
     att_rows, sink_rows, logit_rows = [], [], []
     for r, n in enumerate(rolls):
-        iv = {m: bootstrap_ci(window_means(rows[m][:, r]), seed=0) for m in ROW_METRICS}
+        iv = {m: bootstrap_ci(_window_means(rows[m][:, r]), seed=0) for m in ROW_METRICS}
         lv = {m: bootstrap_ci(logit[m][:, r], seed=0) for m in logit}
         per_layer = {
             m: np.nanmean(rows[m][:, r], axis=(0, 2)).tolist() for m in ("cos", "cos_rest", "js", "js_rest")
@@ -296,7 +353,7 @@ def _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, fir
                 _interval_str(iv["sink_a"]),
                 _interval_str(iv["sink_b"]),
                 _interval_str(iv["first_aligned_a"]),
-                _interval_str(bootstrap_ci(1 - window_means(rows["aligned_mass_a"][:, r]), seed=0)),
+                _interval_str(bootstrap_ci(1 - _window_means(rows["aligned_mass_a"][:, r]), seed=0)),
             ]
         )
         logit_rows.append(
@@ -310,7 +367,12 @@ def _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, fir
                 _fmt(ref_tok),
             ]
         )
-    biv = {m: bootstrap_ci(window_means(base[m]), seed=0) for m in ROW_METRICS}
+    return att_rows, sink_rows, logit_rows
+
+
+def _unrelated_rows(summary: dict, att_rows: list, logit_rows: list, base: dict, logit_base: dict) -> None:
+    """The unrelated-window baseline rows (appended) and summary entry."""
+    biv = {m: bootstrap_ci(_window_means(base[m]), seed=0) for m in ROW_METRICS}
     att_rows.append(
         [
             "unrelated window",
@@ -340,67 +402,60 @@ def _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, fir
         **{f"attention_{m}": biv[m].to_json() for m in ROW_METRICS},
         **{f"logits_{m}": lb[m].to_json() for m in lb},
     }
-    result.summary.update(summary)
-    result.tables.append(
-        Table(
-            "Attention rows, original vs rolled (mean over layers, heads and aligned queries; 95% CI over windows)",
-            [
-                "roll n",
-                "cos, all aligned keys",
-                "cos, without first",
-                "JS, all aligned keys",
-                "JS, without first",
-                f"top-{TOPK_ATTENTION}, all",
-                f"top-{TOPK_ATTENTION}, without first",
-                "thread cos",
-                "thread JS",
-            ],
-            att_rows,
-            caption=f"Queries that see at least {first_query} aligned keys. 'Without first' drops the first aligned key "
-            "(the rolled run's new sink) and renormalises both rows. JS in nats. Thread: Qwen2.5-14B, one "
-            f"{REFERENCE_PROMPT_TOKENS}-token prompt, mean over its 48 layers (its exact row definition is not "
-            "published; it matches the 'all aligned keys' column's construction best).",
-        )
+
+
+def _attention_table(att_rows: list, first_query: int) -> Table:
+    return Table(
+        "Attention rows, original vs rolled (mean over layers, heads and aligned queries; 95% CI over windows)",
+        [
+            "roll n",
+            "cos, all aligned keys",
+            "cos, without first",
+            "JS, all aligned keys",
+            "JS, without first",
+            f"top-{TOPK_ATTENTION}, all",
+            f"top-{TOPK_ATTENTION}, without first",
+            "thread cos",
+            "thread JS",
+        ],
+        att_rows,
+        caption=f"Queries that see at least {first_query} aligned keys. 'Without first' drops the first aligned key "
+        "(the rolled run's new sink) and renormalises both rows. JS in nats. Thread: Qwen2.5-14B, one "
+        f"{REFERENCE_PROMPT_TOKENS}-token prompt, mean over its 48 layers (its exact row definition is not "
+        "published; it matches the 'all aligned keys' column's construction best).",
     )
-    result.tables.append(
-        Table(
-            "Sink mass (share of each query's attention; mean over layers, heads, aligned queries)",
-            [
-                "roll n",
-                "original: on its slot 0",
-                "rolled: on its slot 0 (new sink)",
-                "original: on the token that becomes the new sink",
-                "original: on rolled-off tokens",
-            ],
-            sink_rows,
-            caption="The sink moves: the rolled run gives its first token the mass the original gave to its own first "
-            "token, while the original gave that same token little.",
-        )
+
+
+def _sink_table(sink_rows: list) -> Table:
+    return Table(
+        "Sink mass (share of each query's attention; mean over layers, heads, aligned queries)",
+        [
+            "roll n",
+            "original: on its slot 0",
+            "rolled: on its slot 0 (new sink)",
+            "original: on the token that becomes the new sink",
+            "original: on rolled-off tokens",
+        ],
+        sink_rows,
+        caption="The sink moves: the rolled run gives its first token the mass the original gave to its own first "
+        "token, while the original gave that same token little.",
     )
-    result.tables.append(
-        Table(
-            "Next-token logits at the last position (95% CI over windows)",
-            [
-                "condition",
-                "cosine",
-                "JS (nats)",
-                "KL orig‖rolled (nats)",
-                f"top-{TOPK_LOGITS} overlap",
-                "thread cos",
-                "thread top-5 overlap",
-            ],
-            logit_rows,
-            caption="Thread numbers are from one prompt (no interval). Unrelated: two different windows.",
-        )
-    )
-    first = summary["by_roll"][str(rolls[0])]
-    lastn = summary["by_roll"][str(rolls[-1])]
-    result.notes.append(
-        f"Sink artefact: over all aligned keys the attention-row cosine is {first['attention_cos']['value']:.3f} "
-        f"(roll {rolls[0]}) and {lastn['attention_cos']['value']:.3f} (roll {rolls[-1]}); without the first aligned "
-        f"key it is {first['attention_cos_rest']['value']:.3f} and {lastn['attention_cos_rest']['value']:.3f}. "
-        f"The rolled run puts {first['attention_sink_b']['value']:.2f} of each row on its new first token, which "
-        f"got {first['attention_first_aligned_a']['value']:.3f} in the original."
+
+
+def _logit_table(logit_rows: list) -> Table:
+    return Table(
+        "Next-token logits at the last position (95% CI over windows)",
+        [
+            "condition",
+            "cosine",
+            "JS (nats)",
+            "KL orig‖rolled (nats)",
+            f"top-{TOPK_LOGITS} overlap",
+            "thread cos",
+            "thread top-5 overlap",
+        ],
+        logit_rows,
+        caption="Thread numbers are from one prompt (no interval). Unrelated: two different windows.",
     )
 
 
@@ -408,49 +463,82 @@ def _fmt(x: float | None) -> str:
     return "" if x is None else f"{x:.4f}"
 
 
-def _figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length) -> list:
+def _colors() -> list[str]:
     import matplotlib.pyplot as plt
 
+    return plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+
+def _figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length) -> list:
+    """Attention rows by layer (cosine, JS), per query, the sink's mass, and the logits."""
+    args = (ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length)
+    return [*_layer_figures(*args), _figure_3(*args), _figure_4(*args), _figure_5(*args)]
+
+
+def _layer_panel(ax, metric, title, ylabel, ref_key, rows, base, ref, rolls):
     L = rows["cos"].shape[2]
     depth = np.arange(L) / max(L - 1, 1)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    figs = []
-
-    def layer_panel(ax, metric, title, ylabel, ref_key):
+    colors = _colors()
+    for r, n in enumerate(rolls):
+        mean, lo, hi = bootstrap_curve(np.nanmean(rows[metric][:, r], axis=-1))
+        ax.plot(
+            depth, mean, color=colors[r % len(colors)], marker="o", ms=2.5, label=f"roll {n} (this model)"
+        )
+        ax.fill_between(depth, lo, hi, color=colors[r % len(colors)], alpha=0.25)
+    mean, lo, hi = bootstrap_curve(np.nanmean(base[metric], axis=-1))
+    ax.plot(depth, mean, color="grey", ls="--", label="unrelated window")
+    ax.fill_between(depth, lo, hi, color="grey", alpha=0.2)
+    if ref is not None and ref_key:
         for r, n in enumerate(rolls):
-            mean, lo, hi = bootstrap_curve(np.nanmean(rows[metric][:, r], axis=-1))
-            ax.plot(
-                depth, mean, color=colors[r % len(colors)], marker="o", ms=2.5, label=f"roll {n} (this model)"
-            )
-            ax.fill_between(depth, lo, hi, color=colors[r % len(colors)], alpha=0.25)
-        mean, lo, hi = bootstrap_curve(np.nanmean(base[metric], axis=-1))
-        ax.plot(depth, mean, color="grey", ls="--", label="unrelated window")
-        ax.fill_between(depth, lo, hi, color="grey", alpha=0.2)
-        if ref is not None and ref_key:
-            for r, n in enumerate(rolls):
-                if n in ref["attention"]:
-                    y = ref["attention"][n][ref_key]
-                    ax.plot(
-                        np.arange(len(y)) / max(len(y) - 1, 1),
-                        y,
-                        color=colors[r % len(colors)],
-                        ls=":",
-                        lw=1,
-                        label=f"roll {n} (thread, Qwen2.5-14B)",
-                    )
-        ax.set_xlabel("layer depth (fraction of layers)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+            if n in ref["attention"]:
+                y = ref["attention"][n][ref_key]
+                ax.plot(
+                    np.arange(len(y)) / max(len(y) - 1, 1),
+                    y,
+                    color=colors[r % len(colors)],
+                    ls=":",
+                    lw=1,
+                    label=f"roll {n} (thread, Qwen2.5-14B)",
+                )
+    ax.set_xlabel("layer depth (fraction of layers)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
+
+def _layer_figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length) -> list:
+    """Attention-row cosine and JS per layer, with the moved sink and without it."""
+    import matplotlib.pyplot as plt
+
+    figs = []
     for metric, ylabel, ref_key, stem in (
         ("cos", "attention-row cosine", "cosine_sim", "attention_cos_by_layer"),
         ("js", "attention-row JS divergence (nats)", "js_div", "attention_js_by_layer"),
     ):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
-        layer_panel(axes[0], metric, "all aligned keys (the new sink included)", ylabel, ref_key)
-        layer_panel(axes[1], f"{metric}_rest", "without the first aligned key (renormalised)", ylabel, None)
+        _layer_panel(
+            axes[0],
+            metric,
+            "all aligned keys (the new sink included)",
+            ylabel,
+            ref_key,
+            rows,
+            base,
+            ref,
+            rolls,
+        )
+        _layer_panel(
+            axes[1],
+            f"{metric}_rest",
+            "without the first aligned key (renormalised)",
+            ylabel,
+            None,
+            rows,
+            base,
+            ref,
+            rolls,
+        )
         fig.suptitle(
             f"{name}: attention rows, original vs rolled, per layer ({rows['cos'].shape[0]} windows × "
             f"{length} tokens, 95% bands)"
@@ -465,6 +553,16 @@ def _figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, le
             )
         )
 
+    return figs
+
+
+def _figure_3(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length):
+    """Where the attention mass goes, per layer: the old sink, the new one."""
+    import matplotlib.pyplot as plt
+
+    L = rows["cos"].shape[2]
+    depth = np.arange(L) / max(L - 1, 1)
+    colors = _colors()
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for r, n in enumerate(rolls):
         for metric, ls, label in (
@@ -483,15 +581,19 @@ def _figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, le
     ax.set_title(f"{name}: the attention sink moves to the rolled run's first token")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    figs.append(
-        ctx.figure(
-            "sink_mass_by_layer",
-            fig,
-            "Attention on each run's first slot, and on the token that "
-            "becomes the rolled run's first slot, per layer (95% bands).",
-        )
+    return ctx.figure(
+        "sink_mass_by_layer",
+        fig,
+        "Attention on each run's first slot, and on the token that "
+        "becomes the rolled run's first slot, per layer (95% bands).",
     )
 
+
+def _figure_4(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length):
+    """Attention-row similarity per query position."""
+    import matplotlib.pyplot as plt
+
+    colors = _colors()
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for r, n in enumerate(rolls):
         for metric, ls in (("cos", "-"), ("cos_rest", "--")):
@@ -512,14 +614,17 @@ def _figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, le
     ax.set_title(f"{name}: attention-row similarity along the window")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    figs.append(
-        ctx.figure(
-            "attention_cos_by_query",
-            fig,
-            "Attention-row cosine per aligned query position, with and "
-            "without the first aligned key (95% bands).",
-        )
+    return ctx.figure(
+        "attention_cos_by_query",
+        fig,
+        "Attention-row cosine per aligned query position, with and "
+        "without the first aligned key (95% bands).",
     )
+
+
+def _figure_5(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length):
+    """Next-token logits against the roll fraction, beside the unrelated baseline and the thread."""
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.0))
     frac = np.array(rolls) / length
@@ -581,15 +686,12 @@ def _figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, le
     axes[1].grid(alpha=0.3, which="both")
     axes[1].legend(fontsize=7)
     fig.suptitle(f"{name}: next-token distribution at the last position, original vs rolled")
-    figs.append(
-        ctx.figure(
-            "next_token_logits",
-            fig,
-            "Next-token logits at the last position: cosine, JS/KL and "
-            "top-10 overlap vs roll, with the thread's single-prompt numbers.",
-        )
+    return ctx.figure(
+        "next_token_logits",
+        fig,
+        "Next-token logits at the last position: cosine, JS/KL and "
+        "top-10 overlap vs roll, with the thread's single-prompt numbers.",
     )
-    return figs
 
 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
