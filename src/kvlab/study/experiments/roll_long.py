@@ -124,12 +124,23 @@ def _figures(
     conv: dict | None,
     ref: R.Reference,
 ) -> list:
+    """Roll vs truncate, roll by n, curve analysis, and when their data exist: terminal de-rotation,
+    conversations, the thread overlay."""
+    ns = data["ns"]
+    args = (ctx, data, plan, an, rope, name, conv, ref, ns, ns >= 1, plan.context)
+    figs = [_fig_roll_vs_truncate(*args), _fig_roll_by_n(*args), _fig_curve_analysis(*args)]
+    if "roll_kd_last" in data:
+        figs.append(_fig_terminal_derotation(*args))
+    if conv is not None:
+        figs.append(_fig_conversations(*args))
+    if ref.root is not None:
+        figs.append(_fig_thread_overlay(*args))
+    return figs
+
+
+def _fig_roll_vs_truncate(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
     import matplotlib.pyplot as plt
 
-    figs = []
-    ns = data["ns"]
-    sel = ns >= 1
-    T = plan.context
     fig, ax = plt.subplots(figsize=(9, 4.4))
     for metric, kind, label in (
         ("k", "roll", "roll: raw K"),
@@ -145,14 +156,16 @@ def _figures(
     ax.set_title(f"{name}: roll vs truncate at the last position ({T}-token window)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    figs.append(
-        ctx.figure(
-            "roll_vs_truncate",
-            fig,
-            f"Roll keeps the last token (only its position moves); truncate "
-            f"compares another token. Bands: bootstrap 95% over {len(plan.ends)} window ends.",
-        )
+    return ctx.figure(
+        "roll_vs_truncate",
+        fig,
+        f"Roll keeps the last token (only its position moves); truncate "
+        f"compares another token. Bands: bootstrap 95% over {len(plan.ends)} window ends.",
     )
+
+
+def _fig_roll_by_n(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.2))
     for m, label in (("k", "raw K"), ("kd", "de-rotated K"), ("v", "V")):
@@ -164,14 +177,15 @@ def _figures(
     ax.set_title(f"Roll by n, mean over the window's slots ({T} tokens)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    figs.append(
-        ctx.figure(
-            "roll_mean_over_slots",
-            fig,
-            f"Mean over every aligned slot; bands: bootstrap over "
-            f"{plan.blocks} contiguous blocks of positions.",
-        )
+    return ctx.figure(
+        "roll_mean_over_slots",
+        fig,
+        f"Mean over every aligned slot; bands: bootstrap over {plan.blocks} contiguous blocks of positions.",
     )
+
+
+def _fig_curve_analysis(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
+    import matplotlib.pyplot as plt
 
     roll_m, trunc_m = curves(data, "k").mean(0), curves(data, "k", "trunc").mean(0)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
@@ -224,96 +238,96 @@ def _figures(
     for a in axes.flat:
         a.grid(alpha=0.3)
     fig.suptitle(f"{name}: curve analysis (R4)")
-    figs.append(
-        ctx.figure(
-            "curve_analysis",
-            fig,
-            "Regression of roll, truncate and their difference; detrended "
-            "autocorrelation; FFT against RoPE frequencies; spectrogram.",
-        )
+    return ctx.figure(
+        "curve_analysis",
+        fig,
+        "Regression of roll, truncate and their difference; detrended "
+        "autocorrelation; FFT against RoPE frequencies; spectrogram.",
     )
 
+
+def _fig_terminal_derotation(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for metric, kind, label in (
+        ("k", "roll", "roll: raw"),
+        ("kd", "roll", "roll: de-rotated"),
+        ("k", "trunc", "truncate: raw"),
+        ("kd", "trunc", "truncate: de-rotated"),
+    ):
+        R.plot_band(
+            ax, ns[sel], curves(data, metric, kind)[:, sel], label, ls="-" if kind == "roll" else "--"
+        )
+    ax.set_xlabel("tokens removed (n)")
+    ax.set_ylabel("K cosine at the last position")
+    ax.set_title("R6: terminal-position de-rotation (each key with its own position)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ctx.figure(
+        "terminal_derotation",
+        fig,
+        "De-rotating the last key with its own position removes "
+        "the roll's drift; truncation's change is content and stays.",
+    )
+
+
+def _fig_conversations(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = np.asarray(CONV_ROLLS)
+    for key, label in (
+        ("roll_k_last", "roll: raw K (last)"),
+        ("roll_kd_last", "roll: de-rotated K (last)"),
+        ("trunc_k_last", "truncate: raw K (last)"),
+        ("roll_v_last", "roll: V (last)"),
+    ):
+        samples = conv[key]
+        if np.isfinite(samples).any():
+            R.plot_band(ax, x, samples, label, marker="o", ms=4)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens removed (n)")
+    ax.set_ylabel("cosine at the last position")
+    ax.set_title(f"Roll vs truncate on {conv['lengths'].size} UltraChat conversations")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ctx.figure(
+        "conversations",
+        fig,
+        "Same comparison over the ten conversations (bands: bootstrap 95% over conversations).",
+    )
+
+
+def _fig_thread_overlay(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
+    import matplotlib.pyplot as plt
+
+    d = ref.get("results_rope_2000_roll_truncate_rope")
+    d14 = ref.get("results_14b_base_roll_truncate")
+    fig, ax = plt.subplots(figsize=(9, 4.4))
+    R.plot_band(ax, ns[sel] / T, curves(data, "k")[:, sel], f"{name} roll raw K", color="C0")
+    R.plot_band(ax, ns[sel] / T, curves(data, "k", "trunc")[:, sel], f"{name} truncate raw K", color="C1")
     if "roll_kd_last" in data:
-        fig, ax = plt.subplots(figsize=(9, 4.2))
-        for metric, kind, label in (
-            ("k", "roll", "roll: raw"),
-            ("kd", "roll", "roll: de-rotated"),
-            ("k", "trunc", "truncate: raw"),
-            ("kd", "trunc", "truncate: de-rotated"),
-        ):
-            R.plot_band(
-                ax, ns[sel], curves(data, metric, kind)[:, sel], label, ls="-" if kind == "roll" else "--"
-            )
-        ax.set_xlabel("tokens removed (n)")
-        ax.set_ylabel("K cosine at the last position")
-        ax.set_title("R6: terminal-position de-rotation (each key with its own position)")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        figs.append(
-            ctx.figure(
-                "terminal_derotation",
-                fig,
-                "De-rotating the last key with its own position removes "
-                "the roll's drift; truncation's change is content and stays.",
-            )
-        )
-    if conv is not None:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        x = np.asarray(CONV_ROLLS)
-        for key, label in (
-            ("roll_k_last", "roll: raw K (last)"),
-            ("roll_kd_last", "roll: de-rotated K (last)"),
-            ("trunc_k_last", "truncate: raw K (last)"),
-            ("roll_v_last", "roll: V (last)"),
-        ):
-            samples = conv[key]
-            if np.isfinite(samples).any():
-                R.plot_band(ax, x, samples, label, marker="o", ms=4)
-        ax.set_xscale("log")
-        ax.set_xlabel("tokens removed (n)")
-        ax.set_ylabel("cosine at the last position")
-        ax.set_title(f"Roll vs truncate on {conv['lengths'].size} UltraChat conversations")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        figs.append(
-            ctx.figure(
-                "conversations",
-                fig,
-                "Same comparison over the ten conversations (bands: bootstrap 95% over conversations).",
-            )
-        )
-    if ref.root is not None:
-        d = ref.get("results_rope_2000_roll_truncate_rope")
-        d14 = ref.get("results_14b_base_roll_truncate")
-        fig, ax = plt.subplots(figsize=(9, 4.4))
-        R.plot_band(ax, ns[sel] / T, curves(data, "k")[:, sel], f"{name} roll raw K", color="C0")
-        R.plot_band(ax, ns[sel] / T, curves(data, "k", "trunc")[:, sel], f"{name} truncate raw K", color="C1")
-        if "roll_kd_last" in data:
-            R.plot_band(ax, ns[sel] / T, curves(data, "kd")[:, sel], f"{name} roll de-rotated K", color="C2")
-        if d:
-            x = np.asarray(d["ns"]) / d["seq_len"]
-            ax.plot(x, d["roll_last_k_raw"], ":", color="C0", lw=1, label="Qwen2.5 roll raw K (thread)")
-            ax.plot(x, d["trunc_last_k_raw"], ":", color="C1", lw=1, label="Qwen2.5 truncate raw K (thread)")
-            ax.plot(
-                x, d["roll_last_k_derot"], ":", color="C2", lw=1, label="Qwen2.5 roll de-rotated K (thread)"
-            )
-        elif d14:
-            x = np.asarray(d14["ns"]) / d14["seq_len"]
-            ax.plot(x, d14["roll_last_k"], ":", color="C0", lw=1, label="Qwen2.5-14B roll raw K (thread)")
-        ax.set_xlabel("tokens removed as a fraction of the context (n / T)")
-        ax.set_ylabel("K cosine at the last position")
-        ax.set_title(f"{name} (T={T}) vs the thread's Qwen2.5 (T=2000, step 5)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        figs.append(
-            ctx.figure(
-                "overlay_roll_truncate",
-                fig,
-                "This model's curves (bands) against the thread's "
-                "single-run Qwen2.5 curves, on a normalised roll axis.",
-            )
-        )
-    return figs
+        R.plot_band(ax, ns[sel] / T, curves(data, "kd")[:, sel], f"{name} roll de-rotated K", color="C2")
+    if d:
+        x = np.asarray(d["ns"]) / d["seq_len"]
+        ax.plot(x, d["roll_last_k_raw"], ":", color="C0", lw=1, label="Qwen2.5 roll raw K (thread)")
+        ax.plot(x, d["trunc_last_k_raw"], ":", color="C1", lw=1, label="Qwen2.5 truncate raw K (thread)")
+        ax.plot(x, d["roll_last_k_derot"], ":", color="C2", lw=1, label="Qwen2.5 roll de-rotated K (thread)")
+    elif d14:
+        x = np.asarray(d14["ns"]) / d14["seq_len"]
+        ax.plot(x, d14["roll_last_k"], ":", color="C0", lw=1, label="Qwen2.5-14B roll raw K (thread)")
+    ax.set_xlabel("tokens removed as a fraction of the context (n / T)")
+    ax.set_ylabel("K cosine at the last position")
+    ax.set_title(f"{name} (T={T}) vs the thread's Qwen2.5 (T=2000, step 5)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return ctx.figure(
+        "overlay_roll_truncate",
+        fig,
+        "This model's curves (bands) against the thread's "
+        "single-run Qwen2.5 curves, on a normalised roll axis.",
+    )
 
 
 def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None = None) -> ExperimentResult:
@@ -322,18 +336,47 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
         title="Roll vs truncate on a long context (R3, R4, R6)",
         description=__doc__.strip().split("\n")[0],
     )
-    model = ctx.handle()
+    handle = ctx.handle()
     data, plan, source = long_data(ctx, text, context)
-    rope = model.rope
+    rope = handle.rope
     ns = data["ns"]
     roll_c, trunc_c = curves(data, "k"), curves(data, "k", "trunc")
     an = analysis(ns, roll_c.mean(0), trunc_c.mean(0), rope, fine_stop=plan.fine)
     ref = R.reference()
+    conv = _conversations(ctx, result, handle)
+    result.tables.append(_regression_table(an))
+    result.tables.append(_last_position_table(data, ns, plan))
+    _aliasing_notes(result, an, rope, ref)
+    summary = _summary(data, plan, an, rope, conv, result)
+    result.summary = summary
+    result.arrays.update({k: np.asarray(v) for k, v in data.items()})
+    result.arrays.update(
+        {
+            "autocorrelation_roll": an["autocorrelation_roll"],
+            "spectrum_freq": an["spectrum_roll"][0],
+            "spectrum_roll": an["spectrum_roll"][1],
+            "spectrum_truncate": an["spectrum_truncate"][1],
+        }
+    )
+    result.figures.extend(_figures(ctx, data, plan, an, rope, handle.name, conv, ref))
+    if ref.root is None:
+        result.notes.append(ref.note)
+    result.data_sources.insert(
+        0,
+        f"{source}: window of {plan.context}..{plan.span} tokens, rolls n = "
+        f"0..{plan.fine} step 1 then every "
+        f"{plan.ns[-1] - plan.ns[-2]} up to {plan.ns[-1]}",
+    )
+    return result
+
+
+def _conversations(ctx: ExperimentContext, result: ExperimentResult, handle) -> dict | None:
+    """The same rolls over the UltraChat conversations, when present and the profile is not quick."""
     conv = None
     convs = shared_conversations()
     if convs and ctx.profile != "quick":
         conv = conversation_rolls(
-            model, convs, CONV_ROLLS, ctx.pick(quick=512, default=1024, full=4000), ctx.progress
+            handle, convs, CONV_ROLLS, ctx.pick(quick=512, default=1024, full=4000), ctx.progress
         )
     elif not convs:
         result.notes.append(
@@ -342,16 +385,23 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
     else:
         result.notes.append("quick profile: the UltraChat conversations are skipped.")
 
+    return conv
+
+
+def _regression_table(an: dict) -> Table:
+    """R4: linear fits of roll, truncate and their difference."""
     reg = an["regression"]
-    result.tables.append(
-        Table(
-            "R4: linear regression of the last-position raw K cosine (n >= 1)",
-            ["curve", "slope per token", "intercept", "R²", "points"],
-            [[k, v["slope"], v["intercept"], v["r2"], v["n"]] for k, v in reg.items()],
-            caption=f"Mean roll - truncate difference: {an['mean_difference']:.4f}. A constant offset shows as a slope near 0 "
-            "with a low R² for the difference.",
-        )
+    return Table(
+        "R4: linear regression of the last-position raw K cosine (n >= 1)",
+        ["curve", "slope per token", "intercept", "R²", "points"],
+        [[k, v["slope"], v["intercept"], v["r2"], v["n"]] for k, v in reg.items()],
+        caption=f"Mean roll - truncate difference: {an['mean_difference']:.4f}. A constant offset shows as a slope near 0 "
+        "with a low R² for the difference.",
     )
+
+
+def _last_position_table(data: dict, ns: np.ndarray, plan: Any) -> Table:
+    """Last-position cosine at selected rolls, with intervals over window ends."""
     rows = []
     for n in (1, 2, 3, 5, 10, 20, 64, 256, 1024):
         if n in set(ns.tolist()):
@@ -365,23 +415,32 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
                 else:
                     row.append("–")
             rows.append(row)
-    result.tables.append(
-        Table(
-            f"Last-position cosine (mean [bootstrap 95%] over {len(plan.ends)} window ends)",
-            ["n", "roll raw K", "roll de-rot. K", "roll V", "truncate raw K", "truncate de-rot. K"],
-            rows,
-            caption="Roll compares the same token after its position moved by n; truncate compares the last kept token "
-            "with the original last token (a different token).",
-        )
+    return Table(
+        f"Last-position cosine (mean [bootstrap 95%] over {len(plan.ends)} window ends)",
+        ["n", "roll raw K", "roll de-rot. K", "roll V", "truncate raw K", "truncate de-rot. K"],
+        rows,
+        caption="Roll compares the same token after its position moved by n; truncate compares the last kept token "
+        "with the original last token (a different token).",
     )
-    if rope is not None:
-        alias = an["aliasing"]
-        result.notes.append(alias.message())
-        ref14 = ref.get("results_14b_base_roll_truncate") if ref.root else None
-        if ref14:
-            result.notes.append(
-                "thread's sampling (step 5): " + S.aliasing_check(np.asarray(ref14["ns"]), rope).message()
-            )
+
+
+def _aliasing_notes(result: ExperimentResult, an: dict, rope: Any, ref: R.Reference) -> None:
+    """Whether the sampled rolls can resolve the fastest RoPE period (ours and the thread's)."""
+    if rope is None:
+        return
+    alias = an["aliasing"]
+    result.notes.append(alias.message())
+    ref14 = ref.get("results_14b_base_roll_truncate") if ref.root else None
+    if ref14:
+        result.notes.append(
+            "thread's sampling (step 5): " + S.aliasing_check(np.asarray(ref14["ns"]), rope).message()
+        )
+
+
+def _summary(data: dict, plan: Any, an: dict, rope: Any, conv: dict | None, result: ExperimentResult) -> dict:
+    """The summary (and the conversations' arrays and source, when measured)."""
+    ns = data["ns"]
+    reg = an["regression"]
     summary: dict[str, Any] = {
         "context_tokens": plan.context,
         "window_ends": list(plan.ends),
@@ -419,26 +478,7 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
             f"UltraChat conversations (../shared/data/ultrachat_compaction.json), {conv['lengths'].size} "
             f"conversations, up to {int(conv['lengths'].max())} tokens"
         )
-    result.summary = summary
-    result.arrays.update({k: np.asarray(v) for k, v in data.items()})
-    result.arrays.update(
-        {
-            "autocorrelation_roll": an["autocorrelation_roll"],
-            "spectrum_freq": an["spectrum_roll"][0],
-            "spectrum_roll": an["spectrum_roll"][1],
-            "spectrum_truncate": an["spectrum_truncate"][1],
-        }
-    )
-    result.figures.extend(_figures(ctx, data, plan, an, rope, model.name, conv, ref))
-    if ref.root is None:
-        result.notes.append(ref.note)
-    result.data_sources.insert(
-        0,
-        f"{source}: window of {plan.context}..{plan.span} tokens, rolls n = "
-        f"0..{plan.fine} step 1 then every "
-        f"{plan.ns[-1] - plan.ns[-2]} up to {plan.ns[-1]}",
-    )
-    return result
+    return summary
 
 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
