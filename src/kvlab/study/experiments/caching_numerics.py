@@ -74,75 +74,13 @@ def run(
         ref = recomputed_path(ref_model, prompt, path)
         ref_cached = cached_path(ref_model, prompt, path)
         advance(1)
-    runs: dict[str, torch.Tensor] = {"float64/cached": ref_cached}
-    with ctx.progress.task("numerics: dtypes", total=len(dtypes)) as advance:
-        for dt in dtypes:
-            m = (
-                base
-                if str(base.dtype) == f"torch.{dt}"
-                else load_model(ctx.model_spec, dtype=dt, progress=ctx.progress.log)
-            )
-            runs[f"{dt}/cached"] = cached_path(m, prompt, path)
-            runs[f"{dt}/recomputed"] = recomputed_path(m, prompt, path)
-            advance(1)
+    runs = _runs(ctx, base, prompt, path, dtypes, ref_cached)
     names = list(runs)
     kl = np.stack([kl_divergence(ref, runs[n]).numpy() for n in names])  # [runs, steps]
     maxabs = np.stack([(runs[n].double() - ref.double()).abs().amax(-1).numpy() for n in names])
     div = {n: first_divergence(runs[n], path) for n in names}
-    rows, closer = [], {}
-    for i, n in enumerate(names):
-        ci = bootstrap_ci(kl[i], seed=ctx.seed)
-        rows.append(
-            [
-                n,
-                div[n],
-                float(maxabs[i].max()),
-                float(np.median(maxabs[i])),
-                ci.value,
-                f"[{ci.low:.3g}, {ci.high:.3g}]",
-            ]
-        )
-    for dt in dtypes:
-        c, r = kl[names.index(f"{dt}/cached")], kl[names.index(f"{dt}/recomputed")]
-        closer[dt] = {
-            "cached_closer_fraction": float((c < r).mean()),
-            "mean_kl_cached": float(c.mean()),
-            "mean_kl_recomputed": float(r.mean()),
-            "closer": "cached" if c.mean() < r.mean() else "recomputed",
-        }
-    result.tables.append(
-        Table(
-            "Distance from the fp64 recomputed reference",
-            [
-                "run",
-                "first divergent step",
-                "max |Δlogit|",
-                "median max |Δlogit|",
-                "mean KL (nats)",
-                "95% CI",
-            ],
-            rows,
-            caption=f"{steps} greedy steps after a {len(prompt)}-token prompt; steps = {steps} means the path was never left. "
-            "KL intervals bootstrap over steps (steps are correlated: read them as spread, not independent samples). "
-            "float64/cached is the floor: the same maths in fp64, with logits stored in fp32.",
-        )
-    )
-    result.tables.append(
-        Table(
-            "Cached or recomputed: which is closer to fp64?",
-            [
-                "dtype",
-                "closer on average",
-                "share of steps cached is closer",
-                "mean KL cached",
-                "mean KL recomputed",
-            ],
-            [
-                [dt, v["closer"], v["cached_closer_fraction"], v["mean_kl_cached"], v["mean_kl_recomputed"]]
-                for dt, v in closer.items()
-            ],
-        )
-    )
+    closer = _closer(kl, names, dtypes)
+    result.tables.extend(_tables(names, kl, maxabs, div, closer, steps, len(prompt), ctx.seed))
     result.summary.update(
         {
             "steps": steps,
@@ -174,6 +112,86 @@ def run(
     result.notes.append(f"Reference path text: {ref_model.decode(path)!r}")
     result.data_sources.append(f"{text.source}: first {len(prompt)} tokens as the prompt")
     return result
+
+
+def _runs(ctx: ExperimentContext, base, prompt: list[int], path: list[int], dtypes, ref_cached) -> dict:
+    """Logits along the reference path, cached and recomputed, in every dtype."""
+    from kvlab.model import load_model
+
+    runs: dict[str, torch.Tensor] = {"float64/cached": ref_cached}
+    with ctx.progress.task("numerics: dtypes", total=len(dtypes)) as advance:
+        for dt in dtypes:
+            m = (
+                base
+                if str(base.dtype) == f"torch.{dt}"
+                else load_model(ctx.model_spec, dtype=dt, progress=ctx.progress.log)
+            )
+            runs[f"{dt}/cached"] = cached_path(m, prompt, path)
+            runs[f"{dt}/recomputed"] = recomputed_path(m, prompt, path)
+            advance(1)
+    return runs
+
+
+def _closer(kl: np.ndarray, names: list[str], dtypes) -> dict:
+    """Per dtype: is the cached or the recomputed run closer to the fp64 reference?"""
+    closer = {}
+    for dt in dtypes:
+        c, r = kl[names.index(f"{dt}/cached")], kl[names.index(f"{dt}/recomputed")]
+        closer[dt] = {
+            "cached_closer_fraction": float((c < r).mean()),
+            "mean_kl_cached": float(c.mean()),
+            "mean_kl_recomputed": float(r.mean()),
+            "closer": "cached" if c.mean() < r.mean() else "recomputed",
+        }
+    return closer
+
+
+def _tables(names, kl, maxabs, div, closer, steps: int, prompt_tokens: int, seed: int) -> list[Table]:
+    """Distance from the fp64 reference per run, and cached vs recomputed per dtype."""
+    rows = []
+    for i, n in enumerate(names):
+        ci = bootstrap_ci(kl[i], seed=seed)
+        rows.append(
+            [
+                n,
+                div[n],
+                float(maxabs[i].max()),
+                float(np.median(maxabs[i])),
+                ci.value,
+                f"[{ci.low:.3g}, {ci.high:.3g}]",
+            ]
+        )
+    return [
+        Table(
+            "Distance from the fp64 recomputed reference",
+            [
+                "run",
+                "first divergent step",
+                "max |Δlogit|",
+                "median max |Δlogit|",
+                "mean KL (nats)",
+                "95% CI",
+            ],
+            rows,
+            caption=f"{steps} greedy steps after a {prompt_tokens}-token prompt; steps = {steps} means the path was never left. "
+            "KL intervals bootstrap over steps (steps are correlated: read them as spread, not independent samples). "
+            "float64/cached is the floor: the same maths in fp64, with logits stored in fp32.",
+        ),
+        Table(
+            "Cached or recomputed: which is closer to fp64?",
+            [
+                "dtype",
+                "closer on average",
+                "share of steps cached is closer",
+                "mean KL cached",
+                "mean KL recomputed",
+            ],
+            [
+                [dt, v["closer"], v["cached_closer_fraction"], v["mean_kl_cached"], v["mean_kl_recomputed"]]
+                for dt, v in closer.items()
+            ],
+        ),
+    ]
 
 
 def _figure(names, kl, maxabs, div, model_name, steps):
