@@ -40,39 +40,11 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
         title="Context retention under cache transfer",
         description=__doc__.strip().split("\n")[0],
     )
-    model = ctx.handle()
+    handle = ctx.handle()
     n = ctx.count("facts", facts, quick=8, default=len(FACTS))
-    episodes = build_episodes(model, n)
+    episodes = build_episodes(handle, n)
     keys = [k for k, _ in CONDITIONS]
-    exact = np.zeros((len(episodes), len(keys)))
-    nll = np.zeros_like(exact)
-    inj_vs_text = np.zeros(len(episodes))
-    with ctx.progress.task("retention: facts", total=len(episodes)) as advance:
-        for i, ep in enumerate(episodes):
-            p_snap = model.prefill(ep.preamble).snapshot
-            pa = model.prefill(ep.preamble + ep.fact).snapshot
-            pasts = {
-                "no_context": p_snap,
-                "injected": pa,
-                "text_no_preamble": None,
-                "repos_0": drop_prefix(pa, len(ep.preamble), sinks=0),
-                "repos_s": drop_prefix(pa, len(ep.preamble), sinks=sinks),
-                "other_preamble": concat_caches(
-                    p_snap, model.prefill(ep.other_preamble + ep.fact).snapshot.slice(len(ep.other_preamble))
-                ),
-                "cached_alone": concat_caches(p_snap, model.prefill(ep.fact).snapshot),
-            }
-            scores = {
-                "text": score_text(model, ep.preamble + ep.fact, ep),
-                "text_no_preamble": score_text(model, ep.fact, ep),
-            }
-            cached = {k: past for k, past in pasts.items() if k not in scores}
-            for k, sc in score_answers_grouped(model, cached, ep).items():
-                scores["repos_4" if k == "repos_s" else k] = sc
-            inj_vs_text[i] = float((scores["injected"].logits - scores["text"].logits).abs().max())
-            for j, k in enumerate(keys):
-                exact[i, j], nll[i, j] = scores[k].exact, scores[k].nll
-            advance(1)
+    exact, nll, inj_vs_text = _measure(ctx, handle, episodes, keys, sinks)
     labels = [lab.replace("4 sinks", f"{sinks} sinks") for _, lab in CONDITIONS]
     acc = {k: bootstrap_ci(exact[:, j], seed=ctx.seed) for j, k in enumerate(keys)}
     mnll = {k: bootstrap_ci(nll[:, j], seed=ctx.seed) for j, k in enumerate(keys)}
@@ -120,7 +92,7 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
     result.figures.append(
         ctx.figure(
             "retention",
-            _figure(labels, acc, mnll, len(episodes), model.name),
+            _figure(labels, acc, mnll, len(episodes), handle.name),
             "Answer accuracy and NLL per condition, bootstrap 95% intervals over facts.",
         )
     )
@@ -132,6 +104,40 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
         f"{len(episodes)} fact/question pairs written for kvlab; the model's chat template"
     )
     return result
+
+
+def _measure(ctx: ExperimentContext, handle, episodes, keys: list[str], sinks: int):
+    """Exact-answer flags and answer NLL per fact and condition, and injected-vs-text logit gaps."""
+    exact = np.zeros((len(episodes), len(keys)))
+    nll = np.zeros_like(exact)
+    inj_vs_text = np.zeros(len(episodes))
+    with ctx.progress.task("retention: facts", total=len(episodes)) as advance:
+        for i, ep in enumerate(episodes):
+            p_snap = handle.prefill(ep.preamble).snapshot
+            pa = handle.prefill(ep.preamble + ep.fact).snapshot
+            pasts = {
+                "no_context": p_snap,
+                "injected": pa,
+                "text_no_preamble": None,
+                "repos_0": drop_prefix(pa, len(ep.preamble), sinks=0),
+                "repos_s": drop_prefix(pa, len(ep.preamble), sinks=sinks),
+                "other_preamble": concat_caches(
+                    p_snap, handle.prefill(ep.other_preamble + ep.fact).snapshot.slice(len(ep.other_preamble))
+                ),
+                "cached_alone": concat_caches(p_snap, handle.prefill(ep.fact).snapshot),
+            }
+            scores = {
+                "text": score_text(handle, ep.preamble + ep.fact, ep),
+                "text_no_preamble": score_text(handle, ep.fact, ep),
+            }
+            cached = {k: past for k, past in pasts.items() if k not in scores}
+            for k, sc in score_answers_grouped(handle, cached, ep).items():
+                scores["repos_4" if k == "repos_s" else k] = sc
+            inj_vs_text[i] = float((scores["injected"].logits - scores["text"].logits).abs().max())
+            for j, k in enumerate(keys):
+                exact[i, j], nll[i, j] = scores[k].exact, scores[k].nll
+            advance(1)
+    return exact, nll, inj_vs_text
 
 
 def _figure(labels, acc, mnll, n, name):

@@ -132,60 +132,22 @@ def run(
     gen_tokens = ctx.count("gen_tokens", gen_tokens, quick=8, default=16, full=32)
     if not 1 <= roll < length - 8:
         raise BadInputError(f"roll must lie in [1, {length - 9}] for windows of {length} tokens, got {roll}")
-    model = ctx.handle()
+    handle = ctx.handle()
     text = python_docs()
-    ids = model.encode(text.text[: (n_win + 1) * length * 8])
+    ids = handle.encode(text.text[: (n_win + 1) * length * 8])
     wins = token_samples(ids, length, n_win + 1, seed=ctx.seed)
     per: list[dict[str, dict]] = []
     with ctx.progress.task("kv swap: windows", total=n_win) as advance:
         for w in range(n_win):
-            per.append(_window_conditions(model, wins[w], wins[w + 1], roll, gen_tokens))
+            per.append(_window_conditions(handle, wins[w], wins[w + 1], roll, gen_tokens))
             advance(1)
     names = list(per[0])
     arr = {m: np.array([[p[c][m] for c in names] for p in per]) for m in METRICS}  # [windows, conditions]
     stats = {m: [bootstrap_ci(arr[m][:, j], seed=ctx.seed) for j in range(len(names))] for m in METRICS}
-    rows = []
-    for j, c in enumerate(names):
-        rows.append(
-            [c]
-            + [f"{stats[m][j].value:.3g} [{stats[m][j].low:.3g}, {stats[m][j].high:.3g}]" for m in METRICS]
-        )
-    result.tables.append(
-        Table(
-            "K/V swap conditions",
-            [
-                "condition",
-                "first-token KL vs ref (nats)",
-                "NLL of ref continuation",
-                "distinct-2",
-                "longest repeated n-gram",
-                "tokens agreeing with ref",
-            ],
-            rows,
-            caption=f"Mean [95% bootstrap CI] over {n_win} windows of {length} tokens; roll/truncate by {roll}; "
-            f"{gen_tokens} greedy tokens. 'naive' = original keys re-rotated to 0.. with original values "
-            "(slot 0 never was a sink). Cross-text reference: window x's own cache.",
-        )
-    )
     cross_kl_y = {
         c: float(np.mean([p[c]["first_token_kl_vs_y"] for p in per])) for c in names if c.startswith("cross")
     }
-    result.tables.append(
-        Table(
-            "Cross-text: first-token KL against each text's own cache",
-            ["condition", "KL vs x's cache", "KL vs y's cache"],
-            [[c, stats["first_token_kl"][names.index(c)].value, cross_kl_y[c]] for c in cross_kl_y],
-            caption="Which cache does a K/V hybrid behave like? Mean over windows.",
-        )
-    )
-    result.tables.append(
-        Table(
-            "Example continuations (window 0)",
-            ["condition", "greedy continuation"],
-            [[c, model.decode(per[0][c]["tokens"])] for c in names],
-            caption="One window, for reading; the statistics above are over all windows.",
-        )
-    )
+    result.tables.extend(_tables(handle, names, stats, per, cross_kl_y, n_win, length, roll, gen_tokens))
     result.summary.update(
         {
             "windows": n_win,
@@ -205,13 +167,60 @@ def run(
     result.figures.append(
         ctx.figure(
             "kv_swap",
-            _figure(names, stats, model.name, n_win),
+            _figure(names, stats, handle.name, n_win),
             "First-token KL, reference NLL and distinct-2 per K/V condition, "
             "bootstrap 95% intervals over windows.",
         )
     )
     result.data_sources.append(f"{text.source}: {n_win + 1} windows of {length} tokens")
     return result
+
+
+def _tables(
+    handle, names, stats, per, cross_kl_y, n_win: int, length: int, roll: int, gen_tokens: int
+) -> list:
+    """Every condition with intervals, the cross-text comparison, and one window's continuations."""
+    tables = []
+    rows = []
+    for j, c in enumerate(names):
+        rows.append(
+            [c]
+            + [f"{stats[m][j].value:.3g} [{stats[m][j].low:.3g}, {stats[m][j].high:.3g}]" for m in METRICS]
+        )
+    tables.append(
+        Table(
+            "K/V swap conditions",
+            [
+                "condition",
+                "first-token KL vs ref (nats)",
+                "NLL of ref continuation",
+                "distinct-2",
+                "longest repeated n-gram",
+                "tokens agreeing with ref",
+            ],
+            rows,
+            caption=f"Mean [95% bootstrap CI] over {n_win} windows of {length} tokens; roll/truncate by {roll}; "
+            f"{gen_tokens} greedy tokens. 'naive' = original keys re-rotated to 0.. with original values "
+            "(slot 0 never was a sink). Cross-text reference: window x's own cache.",
+        )
+    )
+    tables.append(
+        Table(
+            "Cross-text: first-token KL against each text's own cache",
+            ["condition", "KL vs x's cache", "KL vs y's cache"],
+            [[c, stats["first_token_kl"][names.index(c)].value, cross_kl_y[c]] for c in cross_kl_y],
+            caption="Which cache does a K/V hybrid behave like? Mean over windows.",
+        )
+    )
+    tables.append(
+        Table(
+            "Example continuations (window 0)",
+            ["condition", "greedy continuation"],
+            [[c, handle.decode(per[0][c]["tokens"])] for c in names],
+            caption="One window, for reading; the statistics above are over all windows.",
+        )
+    )
+    return tables
 
 
 def _figure(names, stats, name, n):

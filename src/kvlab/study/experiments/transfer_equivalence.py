@@ -45,37 +45,15 @@ def run(
         title="Cache injection equals a concatenated prefill",
         description=__doc__.strip().split("\n")[0],
     )
-    model = ctx.handle()
+    handle = ctx.handle()
     n = ctx.count("pairs", pairs, quick=3, default=8, full=24)
     kept = kept_generated if kept_generated is not None else ctx.pick(quick=4, default=29)
-    special = _special_token(model)
+    special = _special_token(handle)
     text = python_docs()
-    ids = model.encode(text.text[: n * (a_tokens + b_tokens) * 10])
+    ids = handle.encode(text.text[: n * (a_tokens + b_tokens) * 10])
     wins = token_samples(ids, a_tokens + b_tokens, n, seed=ctx.seed)
-    maxdiff = np.zeros((n, len(VARIANTS)))
-    scale = 0.0  # largest |logit| of the reference prefills: the tolerance scales with it
-    kl_alone = np.zeros_like(maxdiff)
-    top1_alone = np.zeros_like(maxdiff)
-    with ctx.progress.task("equivalence: pairs", total=n) as advance:
-        for i, w in enumerate(wins):
-            a, b = w[:a_tokens], w[a_tokens:]
-            first = model.prefill(a)
-            gen = (
-                model.generate(first.snapshot, first.logits[-1], kept, stop_at_eos=False).token_ids
-                if kept
-                else []
-            )
-            setups = ((a, b), (a, [special, *b]), (a + gen, [special, *b]))
-            for j, (ctx_ids, feed) in enumerate(setups):
-                injected = model.extend(model.prefill(ctx_ids).snapshot, feed).logits
-                joint = model.prefill(ctx_ids + feed).logits[len(ctx_ids) :]
-                alone = model.prefill(feed).logits
-                maxdiff[i, j] = float((injected - joint).abs().max())
-                scale = max(scale, float(joint.abs().max()))
-                kl_alone[i, j] = float(kl_divergence(alone[-1], injected[-1]))
-                top1_alone[i, j] = float((alone.argmax(-1) == injected.argmax(-1)).double().mean())
-            advance(1)
-    tol = _tolerance(model, scale)
+    maxdiff, scale, kl_alone, top1_alone = _measure(ctx, handle, wins, a_tokens, kept, special)
+    tol = _tolerance(handle, scale)
     rows = []
     for j, v in enumerate(VARIANTS):
         kl = bootstrap_ci(kl_alone[:, j], seed=ctx.seed)
@@ -93,8 +71,8 @@ def run(
             ],
             rows,
             caption=f"{n} pairs: A = {a_tokens} tokens, B = {b_tokens} tokens of {text.source}; special token id {special} "
-            f"({model.decode([special])!r}); {kept} generated tokens kept in the third set-up. Tolerance "
-            f"{tol:.2g} for {str(model.dtype).replace('torch.', '')}. The KL column is what an injection "
+            f"({handle.decode([special])!r}); {kept} generated tokens kept in the third set-up. Tolerance "
+            f"{tol:.2g} for {str(handle.dtype).replace('torch.', '')}. The KL column is what an injection "
             "'effect' measures: the effect of having A as context at all.",
         )
     )
@@ -117,13 +95,42 @@ def run(
     result.figures.append(
         ctx.figure(
             "equivalence",
-            _figure(maxdiff, kl_alone, model.name, tol),
+            _figure(maxdiff, kl_alone, handle.name, tol),
             "Left: injected vs prefill logit difference per pair (dtype noise). Right: the "
             "'transfer effect' the original run measured, KL against B without A.",
         )
     )
     result.data_sources.append(f"{text.source}: {n} windows of {a_tokens + b_tokens} tokens")
     return result
+
+
+def _measure(ctx: ExperimentContext, handle, wins: list, a_tokens: int, kept: int, special: int):
+    """Per pair and set-up: injected vs joint prefill logit gap, and KL / top-1 against B alone."""
+    n = len(wins)
+    maxdiff = np.zeros((n, len(VARIANTS)))
+    scale = 0.0  # largest |logit| of the reference prefills: the tolerance scales with it
+    kl_alone = np.zeros_like(maxdiff)
+    top1_alone = np.zeros_like(maxdiff)
+    with ctx.progress.task("equivalence: pairs", total=n) as advance:
+        for i, w in enumerate(wins):
+            a, b = w[:a_tokens], w[a_tokens:]
+            first = handle.prefill(a)
+            gen = (
+                handle.generate(first.snapshot, first.logits[-1], kept, stop_at_eos=False).token_ids
+                if kept
+                else []
+            )
+            setups = ((a, b), (a, [special, *b]), (a + gen, [special, *b]))
+            for j, (ctx_ids, feed) in enumerate(setups):
+                injected = handle.extend(handle.prefill(ctx_ids).snapshot, feed).logits
+                joint = handle.prefill(ctx_ids + feed).logits[len(ctx_ids) :]
+                alone = handle.prefill(feed).logits
+                maxdiff[i, j] = float((injected - joint).abs().max())
+                scale = max(scale, float(joint.abs().max()))
+                kl_alone[i, j] = float(kl_divergence(alone[-1], injected[-1]))
+                top1_alone[i, j] = float((alone.argmax(-1) == injected.argmax(-1)).double().mean())
+            advance(1)
+    return maxdiff, scale, kl_alone, top1_alone
 
 
 def _tolerance(model, scale: float) -> float:
