@@ -111,7 +111,7 @@ def run(
     recompute_stride: int | None = None,
 ) -> ExperimentResult:
     result = ExperimentResult(name="streaming_ppl", title=TITLE, description=__doc__.strip().split("\n")[0])
-    model = ctx.handle()
+    handle = ctx.handle()
     windows = list(windows) if windows else ctx.pick(quick=[128], default=[256], full=[256, 512])
     n_tokens = ctx.count("tokens", tokens, quick=200, default=1000, full=3000)
     feed = ctx.count("feed", feed, quick=16, default=16, full=16)
@@ -122,28 +122,12 @@ def run(
             raise BadInputError(f"sinks must be among 1, 2, 4, 8 (got {name[5:]})")
     rows: list[dict] = []
     for text in _texts(ctx, text_file):
-        ids = model.encode(text.text[: n_tokens * 8])[:n_tokens]
+        ids = handle.encode(text.text[: n_tokens * 8])[:n_tokens]
         result.data_sources.append(f"{text.source}: first {len(ids)} tokens")
         for window in windows:
             if len(ids) <= window + feed + 1:
                 raise BadInputError(f"{text.source} has {len(ids)} tokens, too few for window {window}")
-            methods = ["full", "window", "window_abs", *sink_methods, "recompute"]
-            if len(ids) > model.max_positions:
-                methods.remove("full")
-            n_rec = len(range(window, len(ids), recompute_stride)) if recompute_stride else n_sub
-            total = (len(methods) - 1) * len(ids) + n_rec * window
-            with ctx.progress.task(f"stream-ppl {text.source[:20]} W={window}", total=total) as advance:
-                res = streaming_perplexity(
-                    model,
-                    ids,
-                    window=window,
-                    methods=methods,
-                    feed=feed,
-                    recompute_samples=n_sub,
-                    recompute_stride=recompute_stride,
-                    seed=ctx.seed,
-                    on_progress=advance,
-                )
+            res = _stream(ctx, handle, ids, text, window, sink_methods, feed, n_sub, recompute_stride)
             sub = res["recompute"].targets
             key = f"{Path(text.source).stem}_w{window}"
             result.arrays[f"{key}_subsample_targets"] = sub
@@ -155,7 +139,7 @@ def run(
                 _figure(
                     ctx,
                     res,
-                    f"{model.name}: {text.source[:40]}, window {window}",
+                    f"{handle.name}: {text.source[:40]}, window {window}",
                     f"running_ppl_{key}",
                     window,
                 )
@@ -193,6 +177,38 @@ def run(
         "rounding: RoPE sees only relative positions. What hurts is losing the first tokens."
     )
     return result
+
+
+def _stream(
+    ctx: ExperimentContext,
+    handle,
+    ids,
+    text,
+    window: int,
+    sink_methods,
+    feed: int,
+    n_sub: int,
+    recompute_stride,
+):
+    """Every method's per-token NLL over one text at one window (full prefill when positions allow)."""
+    methods = ["full", "window", "window_abs", *sink_methods, "recompute"]
+    if len(ids) > handle.max_positions:
+        methods.remove("full")
+    n_rec = len(range(window, len(ids), recompute_stride)) if recompute_stride else n_sub
+    total = (len(methods) - 1) * len(ids) + n_rec * window
+    with ctx.progress.task(f"stream-ppl {text.source[:20]} W={window}", total=total) as advance:
+        res = streaming_perplexity(
+            handle,
+            ids,
+            window=window,
+            methods=methods,
+            feed=feed,
+            recompute_samples=n_sub,
+            recompute_stride=recompute_stride,
+            seed=ctx.seed,
+            on_progress=advance,
+        )
+    return res
 
 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
