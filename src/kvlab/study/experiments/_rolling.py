@@ -189,6 +189,90 @@ def _key(model: Any, ids: list[int], plan: LongRollPlan) -> str:
     return h.hexdigest()
 
 
+def _allocate(plan: LongRollPlan, base: PreparedCache, rope: Any, L: int, H: int) -> dict[str, np.ndarray]:
+    """The output arrays, NaN until measured, and the RoPE pair energies of the original keys."""
+    T = plan.context
+    ns, ends = np.asarray(plan.ns), np.asarray(plan.ends)
+    N, E = len(ns), len(ends)
+    out: dict[str, np.ndarray] = {"ns": ns, "ends": ends, "context": np.asarray(T)}
+    metrics = ("k", "v", "kd", "kb") if rope is not None else ("k", "v")
+    for m in metrics:
+        out[f"roll_{m}_mean"] = np.full((N, L, H), np.nan)
+        out[f"roll_{m}_mean_x1"] = np.full((N, L, H), np.nan)
+        out[f"roll_{m}_blocks"] = np.full((N, plan.blocks), np.nan)
+        out[f"roll_{m}_last"] = np.full((N, E, L, H), np.nan)
+    for m in metrics[:3]:
+        out[f"trunc_{m}_last"] = np.full((N, E, L, H), np.nan)
+    out["per_position_k"] = np.full((N, T), np.nan)
+    if rope is not None:
+        out["per_position_kd"] = np.full((N, T), np.nan)
+        out["energy_mean"] = rope_pair_energy(base.derotated_keys[:, :, :T], rope).mean(axis=2)
+        last = torch.as_tensor(ends - 1)
+        out["energy_last"] = np.moveaxis(
+            rope_pair_energy(base.derotated_keys.index_select(2, last), rope), 2, 0
+        )
+    return out
+
+
+def _measure_roll(
+    out: dict, j: int, n: int, base: PreparedCache, model: Any, ids: list[int], plan, rope
+) -> None:
+    """Roll ``n``: the rolled cache vs the original (means, blocks, last positions) and truncation by ``n``."""
+    s, span, T = plan.start, plan.span, plan.context
+    ends = np.asarray(plan.ends)
+    rolled = PreparedCache(model.prefill(ids[s + n : s + span], all_logits=False).snapshot)
+    idx_a, idx_b = np.arange(n, span), np.arange(0, span - n)
+    c = compare_caches(
+        base, rolled, idx_a, idx_b, derotate="correct" if rope is not None else "none", l2=False
+    )
+    vals = {"k": c.cos_k, "v": c.cos_v}
+    if rope is not None:
+        vals["kd"] = c.cos_k_derotated
+        if n <= BUGGY_MAX_ROLL:  # the thread's mode, reproduced for the small rolls it studied
+            vals["kb"] = compare_caches(
+                base, rolled, idx_a, idx_b, derotate="buggy", l2=False
+            ).cos_k_derotated
+    w = T - n  # aligned slots inside the window of length `context`
+    for m, arr in vals.items():
+        out[f"roll_{m}_mean"][j] = arr[..., :w].mean(-1)
+        out[f"roll_{m}_mean_x1"][j] = arr[..., 1:w].mean(-1)
+        out[f"roll_{m}_blocks"][j] = block_means(arr[..., :w].mean((0, 1)), plan.blocks)
+        out[f"roll_{m}_last"][j] = np.moveaxis(arr[..., ends - 1 - n], -1, 0)
+    out["per_position_k"][j, n:] = vals["k"][..., :w].mean((0, 1))
+    if rope is not None:
+        out["per_position_kd"][j, n:] = vals["kd"][..., :w].mean((0, 1))
+    if n in FULL_ARRAY_ROLLS:
+        for m in ("k", "v", "kd"):
+            if m in vals:
+                out[f"full_{m}_n{n}"] = vals[m][..., :w].astype(np.float32)
+    t = compare_caches(
+        base,
+        base,
+        ends - 1,
+        ends - 1 - n,
+        derotate="correct" if rope is not None else "none",
+        l2=False,
+    )
+    out["trunc_k_last"][j] = np.moveaxis(t.cos_k, -1, 0)
+    out["trunc_v_last"][j] = np.moveaxis(t.cos_v, -1, 0)
+    if rope is not None:
+        out["trunc_kd_last"][j] = np.moveaxis(t.cos_k_derotated, -1, 0)
+    del rolled
+
+
+def _identity(out: dict, j: int, metrics: tuple[str, ...], rope: Any) -> None:
+    """Roll 0: every similarity is exactly 1."""
+    for m in metrics:
+        out[f"roll_{m}_mean"][j] = out[f"roll_{m}_mean_x1"][j] = 1.0
+        out[f"roll_{m}_blocks"][j] = 1.0
+        out[f"roll_{m}_last"][j] = 1.0
+    for m in metrics[:3]:
+        out[f"trunc_{m}_last"][j] = 1.0
+    out["per_position_k"][j] = 1.0
+    if rope is not None:
+        out["per_position_kd"][j] = 1.0
+
+
 def long_roll_measure(
     model: Any, ids: list[int], plan: LongRollPlan, progress: Any = None, label: str = "long rolls"
 ) -> dict[str, np.ndarray]:
@@ -208,84 +292,23 @@ def long_roll_measure(
     key = _key(model, ids, plan)
     if key in _MEMO:
         return _MEMO[key]
-    s, span, T = plan.start, plan.span, plan.context
-    ns, ends = np.asarray(plan.ns), np.asarray(plan.ends)
+    s, span = plan.start, plan.span
+    N = len(plan.ns)
     base_snap = model.prefill(ids[s : s + span], all_logits=False).snapshot
     base = PreparedCache(base_snap)  # converted and de-rotated once for every n
     rope = base_snap.rope
     L, H = base_snap.num_layers, base_snap.num_kv_heads
-    N, E = len(ns), len(ends)
-    out: dict[str, np.ndarray] = {"ns": ns, "ends": ends, "context": np.asarray(T)}
+    out = _allocate(plan, base, rope, L, H)
     metrics = ("k", "v", "kd", "kb") if rope is not None else ("k", "v")
-    for m in metrics:
-        out[f"roll_{m}_mean"] = np.full((N, L, H), np.nan)
-        out[f"roll_{m}_mean_x1"] = np.full((N, L, H), np.nan)
-        out[f"roll_{m}_blocks"] = np.full((N, plan.blocks), np.nan)
-        out[f"roll_{m}_last"] = np.full((N, E, L, H), np.nan)
-    for m in metrics[:3]:
-        out[f"trunc_{m}_last"] = np.full((N, E, L, H), np.nan)
-    out["per_position_k"] = np.full((N, T), np.nan)
-    if rope is not None:
-        out["per_position_kd"] = np.full((N, T), np.nan)
-        out["energy_mean"] = rope_pair_energy(base.derotated_keys[:, :, :T], rope).mean(axis=2)
-        last = torch.as_tensor(ends - 1)
-        out["energy_last"] = np.moveaxis(
-            rope_pair_energy(base.derotated_keys.index_select(2, last), rope), 2, 0
-        )
     task = progress.task(label, total=N) if progress is not None else None
     advance = task.__enter__() if task is not None else (lambda n=1: None)
     try:
-        for j, n in enumerate(ns):
+        for j, n in enumerate(np.asarray(plan.ns)):
             n = int(n)
             if n > 0:
-                rolled = PreparedCache(model.prefill(ids[s + n : s + span], all_logits=False).snapshot)
-                idx_a, idx_b = np.arange(n, span), np.arange(0, span - n)
-                c = compare_caches(
-                    base, rolled, idx_a, idx_b, derotate="correct" if rope is not None else "none", l2=False
-                )
-                vals = {"k": c.cos_k, "v": c.cos_v}
-                if rope is not None:
-                    vals["kd"] = c.cos_k_derotated
-                    if n <= BUGGY_MAX_ROLL:  # the thread's mode, reproduced for the small rolls it studied
-                        vals["kb"] = compare_caches(
-                            base, rolled, idx_a, idx_b, derotate="buggy", l2=False
-                        ).cos_k_derotated
-                w = T - n  # aligned slots inside the window of length `context`
-                for m, arr in vals.items():
-                    out[f"roll_{m}_mean"][j] = arr[..., :w].mean(-1)
-                    out[f"roll_{m}_mean_x1"][j] = arr[..., 1:w].mean(-1)
-                    out[f"roll_{m}_blocks"][j] = block_means(arr[..., :w].mean((0, 1)), plan.blocks)
-                    out[f"roll_{m}_last"][j] = np.moveaxis(arr[..., ends - 1 - n], -1, 0)
-                out["per_position_k"][j, n:] = vals["k"][..., :w].mean((0, 1))
-                if rope is not None:
-                    out["per_position_kd"][j, n:] = vals["kd"][..., :w].mean((0, 1))
-                if n in FULL_ARRAY_ROLLS:
-                    for m in ("k", "v", "kd"):
-                        if m in vals:
-                            out[f"full_{m}_n{n}"] = vals[m][..., :w].astype(np.float32)
-                t = compare_caches(
-                    base,
-                    base,
-                    ends - 1,
-                    ends - 1 - n,
-                    derotate="correct" if rope is not None else "none",
-                    l2=False,
-                )
-                out["trunc_k_last"][j] = np.moveaxis(t.cos_k, -1, 0)
-                out["trunc_v_last"][j] = np.moveaxis(t.cos_v, -1, 0)
-                if rope is not None:
-                    out["trunc_kd_last"][j] = np.moveaxis(t.cos_k_derotated, -1, 0)
-                del rolled
+                _measure_roll(out, j, n, base, model, ids, plan, rope)
             else:
-                for m in metrics:
-                    out[f"roll_{m}_mean"][j] = out[f"roll_{m}_mean_x1"][j] = 1.0
-                    out[f"roll_{m}_blocks"][j] = 1.0
-                    out[f"roll_{m}_last"][j] = 1.0
-                for m in metrics[:3]:
-                    out[f"trunc_{m}_last"][j] = 1.0
-                out["per_position_k"][j] = 1.0
-                if rope is not None:
-                    out["per_position_kd"][j] = 1.0
+                _identity(out, j, metrics, rope)
             advance(1)
     finally:
         if task is not None:
