@@ -194,3 +194,32 @@ def test_experiment_names_equal_module_names():
     for name, exp in registry().items():
         module = exp.run.__module__.rsplit(".", 1)[-1]
         assert module == name, f"experiment '{name}' lives in module '{module}'"
+
+
+def test_no_unreachable_statements():
+    """Nothing follows a return/raise/continue/break in the same block (a split function that returns early
+    would silently drop the figures or rows after it)."""
+    bad = []
+    for mod, tree in MODULES.items():
+        for node in ast.walk(tree):
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(node, field, None)
+                if isinstance(block, list):
+                    bad += [
+                        f"{mod}:{st.lineno}"
+                        for st in block[:-1]
+                        if isinstance(st, (ast.Return, ast.Raise, ast.Continue, ast.Break))
+                    ]
+    assert not bad, bad
+
+
+def test_experiment_functions_stay_short():
+    """Experiments are measure -> records -> tables and figures, each a function under 80 lines."""
+    long = [
+        f"{mod}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for mod, tree in MODULES.items()
+        if mod.startswith("kvlab.study.experiments")
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 >= 80
+    ]
+    assert not long, long

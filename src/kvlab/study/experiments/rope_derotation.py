@@ -81,9 +81,16 @@ def predictor(data: dict, rope: Any) -> dict[str, Any]:
 
 
 def _figures(ctx: ExperimentContext, data: dict, pred: dict, rope: Any, name: str, T: int) -> list:
+    """R5: de-rotation under small rolls; B3: the RoPE-only predictor and the pair energies."""
+    return [
+        _derotation_figure(ctx, data, pred, rope, name, T),
+        _predictor_figure(ctx, data, pred, rope, name, T),
+    ]
+
+
+def _derotation_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any, name: str, T: int):
     import matplotlib.pyplot as plt
 
-    figs = []
     ns = data["ns"]
     small = np.isin(ns, np.arange(1, 21))
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
@@ -107,14 +114,18 @@ def _figures(ctx: ExperimentContext, data: dict, pred: dict, rope: Any, name: st
     ax.set_title(f"{name}: R5 de-rotation on a {T}-token window")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    figs.append(
-        ctx.figure(
-            "derotation_modes",
-            fig,
-            "Correct de-rotation recovers ~1; the thread's mode lies exactly "
-            "on the raw curve (bands: bootstrap over blocks of positions).",
-        )
+    return ctx.figure(
+        "derotation_modes",
+        fig,
+        "Correct de-rotation recovers ~1; the thread's mode lies exactly "
+        "on the raw curve (bands: bootstrap over blocks of positions).",
     )
+
+
+def _predictor_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any, name: str, T: int):
+    import matplotlib.pyplot as plt
+
+    ns = data["ns"]
     sel = ns >= 1
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     ax = axes[0]
@@ -153,26 +164,27 @@ def _figures(ctx: ExperimentContext, data: dict, pred: dict, rope: Any, name: st
     ax.set_title("Where key energy sits in the RoPE spectrum")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
-    figs.append(
-        ctx.figure(
-            "rope_predictor",
-            fig,
-            "If only positions changed, raw cosine = Σ E_i cos(n ω_i) / Σ E_i; "
-            "right: energy per rotary pair against its period.",
-        )
+    return ctx.figure(
+        "rope_predictor",
+        fig,
+        "If only positions changed, raw cosine = Σ E_i cos(n ω_i) / Σ E_i; "
+        "right: energy per rotary pair against its period.",
     )
+
+
+def _layer_figure(ctx: ExperimentContext, pred: dict):
+    """B3 per layer: how much of each layer's drift the RoPE spectrum explains."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 3.6))
     ax.plot(np.arange(pred["r2_per_layer"].size), pred["r2_per_layer"], marker="o", ms=3)
     ax.set_xlabel("layer")
     ax.set_ylabel("R² of the RoPE-only prediction")
     ax.set_title("B3 per layer")
     ax.grid(alpha=0.3)
-    figs.append(
-        ctx.figure(
-            "predictor_per_layer", fig, "How much of each layer's raw K drift the RoPE spectrum explains."
-        )
+    return ctx.figure(
+        "predictor_per_layer", fig, "How much of each layer's raw K drift the RoPE spectrum explains."
     )
-    return figs
 
 
 def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None = None) -> ExperimentResult:
