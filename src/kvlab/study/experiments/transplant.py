@@ -128,22 +128,8 @@ def _derivative_section(
     n = ctx.count("windows", windows, quick=2, default=6, full=24)
     length = ctx.count("length", length, quick=40, default=80, full=128)
     cont, gen = ctx.pick(quick=8, default=16), ctx.pick(quick=6, default=16, full=32)
-    info = derivative_info()
-    if info is None and ctx.profile == "full":
-        source = default_training_text()
-        with ctx.progress.task("transplant: fine-tuning the derivative", total=DEFAULT_STEPS) as advance:
-            info = finetune_derivative(
-                base, source.text, text_source=source.source, progress=lambda step, loss: advance(1)
-            )
-        result.notes.append(
-            f"The derivative was built by this --full run ({info.steps} steps, {info.seconds:.0f} s)."
-        )
+    info = _derivative(ctx, result, base)
     if info is None:
-        result.notes.append(
-            f"The fine-tuned derivative is not built (200 training steps: about 7-8 minutes on one CPU "
-            f"thread), so the base <-> derivative transplant did not run. Build it with: {build_command()} "
-            "(or run with --full, which builds it)"
-        )
         result.summary["derivative"] = None
         return
     deriv = load_derivative(dtype=str(base.dtype).replace("torch.", ""))
@@ -166,57 +152,35 @@ def _derivative_section(
     rows, ev_rows = [], []
     with ctx.progress.task("transplant: texts", total=2) as advance:
         for source, wins in _texts(n, length, base, ctx.seed):
-            train, test = wins[:n], wins[n:]
             prefill = _Prefills()  # per text: both directions reuse each model's snapshots
             tag = "docs" if source.startswith("Python") else "train-text"
             for rname, receiver, donor in (("derivative", deriv, base), ("base", base, deriv)):
-                cmap = fit_cache_map(
-                    [prefill(donor, w) for w in train],
-                    [prefill(receiver, w) for w in train],
-                    [prefill(donor, w) for w in test[:2]],
-                    [prefill(receiver, w) for w in test[:2]],
-                    alpha=alpha,
+                _derivative_direction(
+                    ctx,
+                    result,
+                    rows,
+                    ev_rows,
+                    source,
+                    tag,
+                    rname,
+                    receiver,
+                    donor,
+                    wins[:n],
+                    wins[n:],
+                    prefill,
+                    cont,
+                    gen,
+                    alpha,
                 )
-                met = _pair_metrics(receiver, donor, test, cont, gen, cmap, prefill)
-                for j, cond in enumerate(CONDS):
-                    ci = {k: bootstrap_ci(v[:, j], seed=ctx.seed) for k, v in met.items()}
-                    rows.append(
-                        [source, f"{rname} receives", cond]
-                        + [f"{ci[k].value:.3g} [{ci[k].low:.3g}, {ci[k].high:.3g}]" for k in met]
-                    )
-                    result.summary[f"{tag}/{rname}/{cond}"] = {k: ci[k].to_json() for k in met}
-                for k, v in met.items():
-                    result.arrays[f"{tag}_{rname}_{k}"] = v
-                result.arrays.update(
-                    {
-                        f"{tag}_{rname}_ev_k": cmap.ev_k,
-                        f"{tag}_{rname}_ev_v": cmap.ev_v,
-                        f"{tag}_{rname}_ev_k_identity": cmap.ev_k_identity,
-                        f"{tag}_{rname}_ev_v_identity": cmap.ev_v_identity,
-                    }
-                )
-                ev_rows.append(
-                    [
-                        source,
-                        f"{'base' if rname == 'derivative' else 'derivative'} -> {rname}",
-                        float(cmap.ev_k.mean()),
-                        float(cmap.ev_k_identity.mean()),
-                        float(cmap.ev_v.mean()),
-                        float(cmap.ev_v_identity.mean()),
-                    ]
-                )
-                if rname == "derivative":
-                    result.figures.append(
-                        ctx.figure(
-                            f"ridge_ev_{tag}",
-                            _ev_figure(cmap, f"base -> derivative, {source}"),
-                            f"Held-out explained variance per layer of the ridge map base -> "
-                            f"derivative ({tag}), vs using the base cache as is.",
-                        )
-                    )
             advance(1)
-    result.tables.insert(
-        first,
+    result.tables[first:first] = _derivative_tables(rows, ev_rows, n, length, cont, gen, alpha, info)
+
+
+def _derivative_tables(
+    rows, ev_rows, n: int, length: int, cont: int, gen: int, alpha: float, info
+) -> list[Table]:
+    """The transplant table and the ridge maps' explained variance."""
+    return [
         Table(
             "Transplant between the base model and its derivative",
             [
@@ -236,16 +200,85 @@ def _derivative_section(
             f"Derivative: {info.steps} AdamW steps on {info.batch} x {info.seq_len}-token windows of "
             f"{info.text_source}, loss {info.loss_first:.2f} -> {info.loss_last:.2f}.",
         ),
-    )
-    result.tables.insert(
-        first + 1,
         Table(
             "C2C-lite: held-out explained variance (mean over layers and heads)",
             ["text", "map", "EV keys (ridge)", "EV keys (as is)", "EV values (ridge)", "EV values (as is)"],
             ev_rows,
             caption="De-rotated keys. 'As is' uses the donor's cache unchanged, the transplant.",
         ),
+    ]
+
+
+def _derivative(ctx: ExperimentContext, result: ExperimentResult, base):
+    """The fine-tuned derivative's build info: built here under --full, else None (and a note) when absent."""
+    info = derivative_info()
+    if info is None and ctx.profile == "full":
+        source = default_training_text()
+        with ctx.progress.task("transplant: fine-tuning the derivative", total=DEFAULT_STEPS) as advance:
+            info = finetune_derivative(
+                base, source.text, text_source=source.source, progress=lambda step, loss: advance(1)
+            )
+        result.notes.append(
+            f"The derivative was built by this --full run ({info.steps} steps, {info.seconds:.0f} s)."
+        )
+    if info is None:
+        result.notes.append(
+            f"The fine-tuned derivative is not built (200 training steps: about 7-8 minutes on one CPU "
+            f"thread), so the base <-> derivative transplant did not run. Build it with: {build_command()} "
+            "(or run with --full, which builds it)"
+        )
+        return None
+    return info
+
+
+def _derivative_direction(
+    ctx, result, rows, ev_rows, source, tag, rname, receiver, donor, train, test, prefill, cont, gen, alpha
+) -> None:
+    """One direction (receiver <- donor) on one text: the ridge map, the pair metrics, their rows and arrays."""
+    cmap = fit_cache_map(
+        [prefill(donor, w) for w in train],
+        [prefill(receiver, w) for w in train],
+        [prefill(donor, w) for w in test[:2]],
+        [prefill(receiver, w) for w in test[:2]],
+        alpha=alpha,
     )
+    met = _pair_metrics(receiver, donor, test, cont, gen, cmap, prefill)
+    for j, cond in enumerate(CONDS):
+        ci = {k: bootstrap_ci(v[:, j], seed=ctx.seed) for k, v in met.items()}
+        rows.append(
+            [source, f"{rname} receives", cond]
+            + [f"{ci[k].value:.3g} [{ci[k].low:.3g}, {ci[k].high:.3g}]" for k in met]
+        )
+        result.summary[f"{tag}/{rname}/{cond}"] = {k: ci[k].to_json() for k in met}
+    for k, v in met.items():
+        result.arrays[f"{tag}_{rname}_{k}"] = v
+    result.arrays.update(
+        {
+            f"{tag}_{rname}_ev_k": cmap.ev_k,
+            f"{tag}_{rname}_ev_v": cmap.ev_v,
+            f"{tag}_{rname}_ev_k_identity": cmap.ev_k_identity,
+            f"{tag}_{rname}_ev_v_identity": cmap.ev_v_identity,
+        }
+    )
+    ev_rows.append(
+        [
+            source,
+            f"{'base' if rname == 'derivative' else 'derivative'} -> {rname}",
+            float(cmap.ev_k.mean()),
+            float(cmap.ev_k_identity.mean()),
+            float(cmap.ev_v.mean()),
+            float(cmap.ev_v_identity.mean()),
+        ]
+    )
+    if rname == "derivative":
+        result.figures.append(
+            ctx.figure(
+                f"ridge_ev_{tag}",
+                _ev_figure(cmap, f"base -> derivative, {source}"),
+                f"Held-out explained variance per layer of the ridge map base -> "
+                f"derivative ({tag}), vs using the base cache as is.",
+            )
+        )
 
 
 def _cross_texts(n: int, seed: int, chars: int = 1400) -> list[str]:
@@ -302,90 +335,100 @@ def _cross_geometry_section(
     }
     gen = np.random.default_rng(ctx.seed)
     for src, dst, xs, ys in ((base, other, a_snaps, b_snaps), (other, base, b_snaps, a_snaps)):
-        sr, dr = ropes[src.name], ropes[dst.name]
-        split = (xs[:n_train], ys[:n_train], xs[n_train:], ys[n_train:])
-        cmap = fit_cache_map(*split, alpha=alpha, src_ropes=sr, dst_ropes=dr)
-        grid_k, grid_v = cache_map_grid(*split, alpha=alpha, src_ropes=sr, dst_ropes=dr)
-        # control: the same fit with the receiver's slots shuffled within each text (alignment destroyed)
-        shuffled = [y.select(gen.permutation(y.seq_len).tolist()) for y in ys]
-        ctrl = fit_cache_map(
-            xs[:n_train],
-            shuffled[:n_train],
-            xs[n_train:],
-            shuffled[n_train:],
-            alpha=alpha,
-            src_ropes=sr,
-            dst_ropes=dr,
-        )
-        kinds = _layer_kinds(dst)
-        rows = [
-            [
-                li,
-                kinds[li],
-                sl,
-                float(cmap.ev_k[li].mean()),
-                float(cmap.ev_v[li].mean()),
-                f"{grid_k[:, li].max():.3f} (L{int(grid_k[:, li].argmax())})",
-                f"{grid_v[:, li].max():.3f} (L{int(grid_v[:, li].argmax())})",
-                float(ctrl.ev_k[li].mean()),
-                float(ctrl.ev_v[li].mean()),
-            ]
-            for li, sl in enumerate(cmap.src_layer)
-        ]
-        label = f"{src.name} -> {dst.name}"
-        tag = "to_target" if src is base else "from_target"
-        result.tables.append(
-            Table(
-                f"C2C-lite across geometries: {label}",
-                [
-                    "receiver layer",
-                    "type",
-                    "sharer layer (same depth)",
-                    "EV keys",
-                    "EV values",
-                    "best EV keys, any sharer layer",
-                    "best EV values, any sharer layer",
-                    "EV keys, shuffled slots",
-                    "EV values, shuffled slots",
-                ],
-                rows,
-                caption=f"Held-out explained variance (R^2, mean over receiver KV heads) of a ridge map (alpha {alpha}) "
-                f"from all sharer heads' de-rotated keys / values to each receiver head. Fitted on "
-                f"{summary['slots_train']} span-aligned token slots of {n_train} Python-docs passages, tested on "
-                f"{summary['slots_test']} slots of {n_test} others. 'Shuffled slots' refits with the receiver's "
-                "slots permuted within each text: what a map gets without the alignment.",
-            )
-        )
-        result.arrays.update(
-            {
-                f"cross_{tag}_ev_k": cmap.ev_k,
-                f"cross_{tag}_ev_v": cmap.ev_v,
-                f"cross_{tag}_grid_ev_k": grid_k,
-                f"cross_{tag}_grid_ev_v": grid_v,
-                f"cross_{tag}_shuffled_ev_k": ctrl.ev_k,
-                f"cross_{tag}_shuffled_ev_v": ctrl.ev_v,
-            }
-        )
-        summary[tag] = {
-            "map": label,
-            "ev_k_mean": float(cmap.ev_k.mean()),
-            "ev_v_mean": float(cmap.ev_v.mean()),
-            "grid_best_ev_k_mean": float(grid_k.max(0).mean()),
-            "grid_best_ev_v_mean": float(grid_v.max(0).mean()),
-            "shuffled_ev_k_mean": float(ctrl.ev_k.mean()),
-            "shuffled_ev_v_mean": float(ctrl.ev_v.mean()),
-        }
-        result.figures.append(
-            ctx.figure(
-                f"cross_{tag}",
-                _cross_figure(cmap, ctrl, grid_k, grid_v, label),
-                f"C2C-lite {label}: held-out explained variance per receiver layer (depth-matched sharer layer, "
-                "and shuffled-slot control), and for every (sharer, receiver) layer pair.",
-            )
-        )
+        _cross_direction(ctx, result, summary, src, dst, xs, ys, ropes, n_train, n_test, alpha, gen, base)
     result.summary["cross_model"] = summary
     result.data_sources.append(
         f"C2C-lite across geometries: {n_train + n_test} Python documentation passages"
+    )
+
+
+def _cross_direction(
+    ctx, result, summary, src, dst, xs, ys, ropes, n_train, n_test, alpha, gen, base
+) -> None:
+    """One direction of C2C-lite: the ridge map, its all-pairs grid and the shuffled-slot control."""
+    sr, dr = ropes[src.name], ropes[dst.name]
+    split = (xs[:n_train], ys[:n_train], xs[n_train:], ys[n_train:])
+    cmap = fit_cache_map(*split, alpha=alpha, src_ropes=sr, dst_ropes=dr)
+    grid_k, grid_v = cache_map_grid(*split, alpha=alpha, src_ropes=sr, dst_ropes=dr)
+    # control: the same fit with the receiver's slots shuffled within each text (alignment destroyed)
+    shuffled = [y.select(gen.permutation(y.seq_len).tolist()) for y in ys]
+    ctrl = fit_cache_map(
+        xs[:n_train],
+        shuffled[:n_train],
+        xs[n_train:],
+        shuffled[n_train:],
+        alpha=alpha,
+        src_ropes=sr,
+        dst_ropes=dr,
+    )
+    kinds = _layer_kinds(dst)
+    rows = [
+        [
+            li,
+            kinds[li],
+            sl,
+            float(cmap.ev_k[li].mean()),
+            float(cmap.ev_v[li].mean()),
+            f"{grid_k[:, li].max():.3f} (L{int(grid_k[:, li].argmax())})",
+            f"{grid_v[:, li].max():.3f} (L{int(grid_v[:, li].argmax())})",
+            float(ctrl.ev_k[li].mean()),
+            float(ctrl.ev_v[li].mean()),
+        ]
+        for li, sl in enumerate(cmap.src_layer)
+    ]
+    label = f"{src.name} -> {dst.name}"
+    tag = "to_target" if src is base else "from_target"
+    result.tables.append(_cross_table(rows, label, alpha, summary, n_train, n_test))
+    result.arrays.update(
+        {
+            f"cross_{tag}_ev_k": cmap.ev_k,
+            f"cross_{tag}_ev_v": cmap.ev_v,
+            f"cross_{tag}_grid_ev_k": grid_k,
+            f"cross_{tag}_grid_ev_v": grid_v,
+            f"cross_{tag}_shuffled_ev_k": ctrl.ev_k,
+            f"cross_{tag}_shuffled_ev_v": ctrl.ev_v,
+        }
+    )
+    summary[tag] = {
+        "map": label,
+        "ev_k_mean": float(cmap.ev_k.mean()),
+        "ev_v_mean": float(cmap.ev_v.mean()),
+        "grid_best_ev_k_mean": float(grid_k.max(0).mean()),
+        "grid_best_ev_v_mean": float(grid_v.max(0).mean()),
+        "shuffled_ev_k_mean": float(ctrl.ev_k.mean()),
+        "shuffled_ev_v_mean": float(ctrl.ev_v.mean()),
+    }
+    result.figures.append(
+        ctx.figure(
+            f"cross_{tag}",
+            _cross_figure(cmap, ctrl, grid_k, grid_v, label),
+            f"C2C-lite {label}: held-out explained variance per receiver layer (depth-matched sharer layer, "
+            "and shuffled-slot control), and for every (sharer, receiver) layer pair.",
+        )
+    )
+
+
+def _cross_table(rows: list, label: str, alpha: float, summary: dict, n_train: int, n_test: int) -> Table:
+    """Held-out explained variance per receiver layer, for one direction."""
+    return Table(
+        f"C2C-lite across geometries: {label}",
+        [
+            "receiver layer",
+            "type",
+            "sharer layer (same depth)",
+            "EV keys",
+            "EV values",
+            "best EV keys, any sharer layer",
+            "best EV values, any sharer layer",
+            "EV keys, shuffled slots",
+            "EV values, shuffled slots",
+        ],
+        rows,
+        caption=f"Held-out explained variance (R^2, mean over receiver KV heads) of a ridge map (alpha {alpha}) "
+        f"from all sharer heads' de-rotated keys / values to each receiver head. Fitted on "
+        f"{summary['slots_train']} span-aligned token slots of {n_train} Python-docs passages, tested on "
+        f"{summary['slots_test']} slots of {n_test} others. 'Shuffled slots' refits with the receiver's "
+        "slots permuted within each text: what a map gets without the alignment.",
     )
 
 
