@@ -24,6 +24,7 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError
+from kvlab.metrics.text import agreement_length
 from kvlab.store.block import Block, BlockHeader
 from kvlab.store.disk import ReadBuffer
 from kvlab.store.errors import BlockNotFoundError, CorruptBlockError
@@ -252,7 +253,7 @@ class KVStore:
             best: tuple[int, str, int] | None = None
             for i, tier in enumerate(self.tiers):
                 for h, kid_ids in tier.children(parent).items():
-                    common = _common_prefix(kid_ids, rest)
+                    common = agreement_length(kid_ids, rest)  # shared leading tokens
                     if common > (best[2] if best else 0):
                         best = (i, h, common)
             if best is not None:
@@ -492,15 +493,6 @@ def _owned(block: Block) -> Block:
         block.values.clone(),
         block.namespace_info,
     )
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 _HUGE_MIN_BYTES = 4 * 2**20

@@ -9,20 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from kvlab.compress.evict.policies import LayerView, Policy
+from kvlab.compress.evict.policies import RandomPolicy
 
 
 @dataclass(frozen=True)
-class RandomWithSinks(Policy):
-    """The first ``sinks`` slots, then uniform random scores (seeded per layer, so runs repeat)."""
+class RandomWithSinks(RandomPolicy):
+    """The first ``sinks`` slots kept, the rest scored like :class:`RandomPolicy` (seeded per layer)."""
 
     sinks: int = 4
-    seed: int = 0
     name = "random_sinks"
-
-    def score(self, view: LayerView) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1000 + view.layer)
-        b, h = view.keys.shape[:2]
-        return torch.rand(b, h, view.seq_len, generator=gen)
