@@ -223,3 +223,19 @@ def test_experiment_functions_stay_short():
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 >= 80
     ]
     assert not long, long
+
+
+def test_no_private_function_is_left_unused():
+    """A module-level ``_helper`` that nothing references is dead code (or a figure a refactor forgot to call)."""
+    text = "\n".join((SRC / _path(m)).read_text() for m in MODULES)
+    unused = [
+        f"{mod}.{node.name}"
+        for mod, tree in MODULES.items()
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+        and node.name.startswith("_")
+        and not node.name.startswith("__")
+        and not node.decorator_list  # registered by its decorator (a typer callback, a fixture)
+        and len(re.findall(rf"\b{re.escape(node.name)}\b", text)) < 2
+    ]
+    assert not unused, unused

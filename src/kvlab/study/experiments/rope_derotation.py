@@ -85,6 +85,7 @@ def _figures(ctx: ExperimentContext, data: dict, pred: dict, rope: Any, name: st
     return [
         _derotation_figure(ctx, data, pred, rope, name, T),
         _predictor_figure(ctx, data, pred, rope, name, T),
+        _layer_figure(ctx, pred),
     ]
 
 

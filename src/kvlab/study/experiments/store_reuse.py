@@ -111,12 +111,6 @@ def _ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def _ci_row(name: str, x: np.ndarray) -> list:
-    ci = bootstrap_ci(x)
-    return [name, ci.value, ci.low, ci.high, ci.n]
-
-
-# -- part 1 ------------------------------------------------------------------------------------------
 def _tier_stores(tmp: Path, redis_url: str | None, block_tokens: int) -> tuple[dict[str, KVStore], list[str]]:
     stores = {
         "memory": KVStore([MemoryTier()], block_tokens=block_tokens),
