@@ -1,9 +1,9 @@
 # The two commands a newcomer runs (each sets everything up first, and is safe to re-run):
 #   make study   - the full study on the bundled model, writing an HTML report under runs/
-#   make test    - lint + the test suite
+#   make test    - lint + type check (mypy, library packages) + the test suite
 VENV := .venv/bin
 
-.PHONY: setup test-deps study study-quick test test-optional lint format bench
+.PHONY: setup test-deps study study-quick test test-optional lint typecheck format bench
 setup:
 	@bash scripts/install.sh
 
@@ -17,6 +17,10 @@ lint: setup
 	$(VENV)/ruff check src tests benchmarks
 	$(VENV)/ruff format --check src tests benchmarks
 
+# mypy over the library packages ([tool.mypy] in pyproject.toml; the study and the CLI are not checked).
+typecheck: setup
+	$(VENV)/mypy
+
 format: setup
 	$(VENV)/ruff format src tests benchmarks
 	$(VENV)/ruff check --fix src tests benchmarks
@@ -25,7 +29,7 @@ test-deps:
 	@bash scripts/install-test-deps.sh
 
 # A skipped test fails the run (KVLAB_TEST_NO_SKIPS=1): every test runs, or the run says what is missing.
-test: lint test-deps
+test: lint typecheck test-deps
 	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q
 
 # Checks on models that are not installed by default (Gemma-3-270M: see tests/optional/).
