@@ -73,6 +73,13 @@ class DecodeStep:
     seconds: float  # wall time of the feed (0.0 when not fed)
     logits: torch.Tensor | None = None  # [B, vocab] the tokens were picked from (keep_logits=True)
 
+    def token(self, row: int = 0) -> int:
+        """Row ``row``'s token at this step (an error for a row that had already stopped)."""
+        tok = self.tokens[row]
+        if tok is None:
+            raise BadInputError(f"row {row} stopped before step {self.step}")
+        return tok
+
 
 def decode_loop(
     feed: Feed,

@@ -299,4 +299,4 @@ def greedy_on_layers(
         position += 1
         return out.logits[:, -1]
 
-    return [int(s.tokens[0]) for s in decode_loop(feed, first, max_new_tokens)]
+    return [s.token(0) for s in decode_loop(feed, first, max_new_tokens)]

@@ -343,12 +343,12 @@ class ModelHandle:
                 feed, first_logits, max_new_tokens, sampling=sampling, stop_ids=eos, keep_logits=keep_logits
             )
         )
-        out = [int(s.tokens[0]) for s in steps]
+        out = [s.token(0) for s in steps]
         return Generation(
             token_ids=out,
             text=self.decode([t for t in out if t not in eos]),
             snapshot=latest(),
-            step_logits=torch.cat([s.logits for s in steps]) if keep_logits else None,
+            step_logits=torch.cat([s.logits for s in steps if s.logits is not None]) if keep_logits else None,
         )
 
     @torch.no_grad()
@@ -370,8 +370,8 @@ class ModelHandle:
         feed, _ = self._snapshot_feed(past)
         out: list[list[int]] = [[] for _ in range(past.batch_size)]
         for step in decode_loop(feed, logits, max_new_tokens):
-            for row, tok in zip(out, step.tokens, strict=True):
-                row.append(int(tok))
+            for r, row in enumerate(out):
+                row.append(step.token(r))
         return out
 
     def generate_text(self, text: str, max_new_tokens: int = 20, *, chat: bool = False) -> Generation:

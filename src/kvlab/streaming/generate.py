@@ -36,7 +36,7 @@ def feed(handle, cache: RollingCache, token_ids: Sequence[int], chunk: int | Non
     if ids.shape[1] == 0:
         raise BadInputError("nothing to feed: give at least one token")
     chunk = chunk or cache.headroom
-    logits = None
+    logits = torch.empty(0)
     for start in range(0, ids.shape[1], chunk):
         logits = handle.run(ids[:, start : start + chunk], cache, logits_to_keep=1).logits[0, -1].float()
     return logits
@@ -70,7 +70,7 @@ def stream_generate(
         feed_one, first_logits, max_new_tokens, sampling=sampling, stop_ids=stop_ids, feed_last=True
     ):
         yield StreamEvent(
-            token_id=int(step.tokens[0]),
+            token_id=step.token(0),
             step=step.step,
             position=before["position"],
             kept=cache.kept,
