@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError
 from kvlab.rope.ops import apply_rope, remove_rope
 from kvlab.rope.spec import RopeSpec
+
+if TYPE_CHECKING:
+    from kvlab.model.handle import ModelHandle
 
 LayerRopes = Sequence[RopeSpec | None]
 
@@ -41,12 +44,12 @@ def same_tokenizer(a: Any, b: Any) -> bool:
     return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
 
 
-def geometry(handle: Any) -> tuple[int, int, int]:
+def geometry(handle: ModelHandle) -> tuple[int, int, int]:
     f = handle.facts
     return (f.num_layers, f.num_kv_heads, f.head_dim)
 
 
-def layer_ropes(handle: Any) -> list[RopeSpec | None]:
+def layer_ropes(handle: ModelHandle) -> list[RopeSpec | None]:
     """The RoPE each cache layer's keys carry: the model's one spec, or per layer type (Gemma-3 local/global).
 
     kvlab's RoPE spec covers one RoPE per model; hybrid models such as Gemma-3 keep one inverse-frequency

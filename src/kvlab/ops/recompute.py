@@ -12,7 +12,7 @@ chosen keep their cached K/V (that is the approximation being measured).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +20,12 @@ from kvlab.cache.snapshot import KVSnapshot, concat
 from kvlab.errors import BadInputError
 from kvlab.hf.masked import forward_masked
 
+if TYPE_CHECKING:
+    from kvlab.model.handle import ModelHandle
+
 
 def recompute_slots(
-    handle: Any,
+    handle: ModelHandle,
     snapshot: KVSnapshot,
     slots: Sequence[int] | torch.Tensor,
     *,

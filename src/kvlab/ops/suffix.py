@@ -16,7 +16,7 @@ Every function returns a new snapshot and leaves its input untouched.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError
 from kvlab.ops.recompute import recompute_slots
 from kvlab.policy.window import SinksWindow
+
+if TYPE_CHECKING:
+    from kvlab.model.handle import ModelHandle
 
 
 def roll(snapshot: KVSnapshot, drop: int, sinks: int = 0, *, reposition: bool = True) -> KVSnapshot:
@@ -44,7 +47,7 @@ def rolled_ids(snapshot: KVSnapshot, drop: int, sinks: int = 0) -> list[int]:
     return [ids[i] for i in SinksWindow.dropping(len(ids), drop, sinks).kept(len(ids))]
 
 
-def reprefill_rolled(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
+def reprefill_rolled(handle: ModelHandle, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
     """The exact reference: a fresh prefill of the rolled text (``sinks + survivors``) from the first position.
 
     With ``sinks=0`` this is "re-prefill of the rolled text"; with sinks, "re-prefill of sinks + rolled text".
@@ -53,19 +56,19 @@ def reprefill_rolled(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 
     return handle.prefill(ids, start_position=int(snapshot.positions[0]), all_logits=False).snapshot
 
 
-def simulated_roll(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
+def simulated_roll(handle: ModelHandle, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
     """The thread's ``simulated_roll``: cached K shifted to the new positions + cached V (= :func:`roll`)."""
     return roll(snapshot, drop, sinks)
 
 
-def k_ropefixed_v_rolled(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
+def k_ropefixed_v_rolled(handle: ModelHandle, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
     """The thread's ``k_ropefixed_v_rolled``: cached K shifted + V taken from a re-prefill of the rolled text."""
     k = roll(snapshot, drop, sinks)
     ref = reprefill_rolled(handle, snapshot, drop, sinks)
     return k.replace(values=ref.values, provenance="rolled")
 
 
-def naive_slice(handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
+def naive_slice(handle: ModelHandle, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
     """Kept slots with their original positions (no re-rotation); queries continue at the old positions."""
     return roll(snapshot, drop, sinks, reposition=False)
 
@@ -81,20 +84,22 @@ VARIANTS: dict[str, RollFn] = {
 }
 
 
-def roll_variant(name: str, handle: Any, snapshot: KVSnapshot, drop: int, sinks: int = 0) -> KVSnapshot:
+def roll_variant(
+    name: str, handle: ModelHandle, snapshot: KVSnapshot, drop: int, sinks: int = 0
+) -> KVSnapshot:
     if name not in VARIANTS:
         raise BadInputError(f"unknown roll variant '{name}'; choose one of {', '.join(VARIANTS)}")
     return VARIANTS[name](handle, snapshot, drop, sinks)
 
 
 # -- selective recompute (one implementation: kvlab.ops.recompute) -------------------------------
-def recompute_first(handle: Any, rolled: KVSnapshot, k: int, sinks: int = 0) -> KVSnapshot:
+def recompute_first(handle: ModelHandle, rolled: KVSnapshot, k: int, sinks: int = 0) -> KVSnapshot:
     """Refresh the first ``k`` slots after the sinks (the tokens that lost the most context)."""
     k = max(0, min(k, rolled.seq_len - sinks))
     return recompute_slots(handle, rolled, range(sinks, sinks + k))
 
 
-def probe_deviation(handle: Any, rolled: KVSnapshot, probe_layers: int = 2) -> torch.Tensor:
+def probe_deviation(handle: ModelHandle, rolled: KVSnapshot, probe_layers: int = 2) -> torch.Tensor:
     """``[T]`` per-slot L2 distance between the rolled keys and a cheap probe's keys.
 
     The probe is a prefill of the rolled text through the first ``probe_layers`` layers only
@@ -112,7 +117,7 @@ def probe_deviation(handle: Any, rolled: KVSnapshot, probe_layers: int = 2) -> t
 
 
 def recompute_most_deviant(
-    handle: Any, rolled: KVSnapshot, k: int, sinks: int = 0, probe_layers: int = 2
+    handle: ModelHandle, rolled: KVSnapshot, k: int, sinks: int = 0, probe_layers: int = 2
 ) -> tuple[KVSnapshot, list[int]]:
     """Refresh the ``k`` slots (after the sinks) whose probe keys deviate most; returns the slots too."""
     dev = probe_deviation(handle, rolled, probe_layers)

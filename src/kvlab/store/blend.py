@@ -22,7 +22,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -31,13 +31,16 @@ from kvlab.errors import BadInputError
 from kvlab.hf.masked import first_layers_kv
 from kvlab.ops.recompute import recompute_slots
 
+if TYPE_CHECKING:
+    from kvlab.model.handle import ModelHandle
+
 Piece = KVSnapshot | Sequence[int]
 
 
 class Correction(Protocol):
     name: str
 
-    def select(self, handle: Any, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
+    def select(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
         """Chunk-local slot indices (sorted, int64) to recompute; ``chunk`` is already at its new positions."""
         ...
 
@@ -46,7 +49,7 @@ class Correction(Protocol):
 class RotateOnly:
     name: str = "none"
 
-    def select(self, handle: Any, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
+    def select(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
         return torch.empty(0, dtype=torch.long)
 
 
@@ -57,7 +60,7 @@ class RecomputeFirst:
     k: int = 16
     name: str = "epic"
 
-    def select(self, handle: Any, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
+    def select(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
         if self.k < 0:
             raise BadInputError(f"k must be >= 0, got {self.k}")
         return (
@@ -75,7 +78,7 @@ class RecomputeDeviating:
     probe_layers: int = 2
     name: str = "cacheblend"
 
-    def scores(self, handle: Any, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
+    def scores(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
         """``[n]`` squared L2 deviation of each token's K and V (all heads) from a fresh in-context pass."""
         fresh = first_layers_kv(handle, before, chunk.token_ids[0], chunk.positions, self.probe_layers)
         k, v = fresh[-1]
@@ -84,7 +87,7 @@ class RecomputeDeviating:
         dv = (v.float() - chunk.values[layer].float()).pow(2).sum(dim=(0, 1, 3))
         return dk + dv
 
-    def select(self, handle: Any, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
+    def select(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
         if not 0.0 <= self.ratio <= 1.0:
             raise BadInputError(f"ratio must lie in [0, 1], got {self.ratio}")
         if before is None:
@@ -99,7 +102,7 @@ class RecomputeDeviating:
 class RecomputeAll:
     name: str = "full"
 
-    def select(self, handle: Any, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
+    def select(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
         return torch.arange(chunk.seq_len) if before is not None else torch.empty(0, dtype=torch.long)
 
 
@@ -135,7 +138,7 @@ class Blended:
     blend_ms: float
 
 
-def blend(handle: Any, pieces: Sequence[Piece], correction: Correction | None = None) -> Blended:
+def blend(handle: ModelHandle, pieces: Sequence[Piece], correction: Correction | None = None) -> Blended:
     """Assemble a prompt's cache from ``pieces``: token-id lists are computed, snapshots are reused chunks.
 
     Each reused chunk (a batch-1 cache of the chunk alone, any positions) is re-rotated to where it
@@ -171,7 +174,7 @@ def blend(handle: Any, pieces: Sequence[Piece], correction: Correction | None = 
     return Blended(snap, chunk_tokens, recomputed, fresh, (time.perf_counter() - started) * 1000)
 
 
-def chunk_cache(handle: Any, store: Any, ids: Sequence[int]) -> KVSnapshot:
+def chunk_cache(handle: ModelHandle, store: Any, ids: Sequence[int]) -> KVSnapshot:
     """The standalone cache of a chunk (positions ``0..n-1``), from the store when stored, else computed and stored."""
     from kvlab.store.reuse import prefill_with_store
 

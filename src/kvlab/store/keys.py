@@ -15,13 +15,16 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvlab.errors import BadInputError
 from kvlab.rope.spec import RopeSpec
+
+if TYPE_CHECKING:
+    from kvlab.model.handle import ModelHandle
 
 # v2: the namespace hashes the cache geometry, so a snapshot of another shape can never share a root.
 KEY_VERSION = "kvlab-block-v2"
@@ -55,7 +58,7 @@ class Namespace:
     @classmethod
     def for_model(
         cls,
-        handle: Any,
+        handle: ModelHandle,
         *,
         dtype: str | torch.dtype | None = None,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,

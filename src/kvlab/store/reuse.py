@@ -12,13 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError
 from kvlab.store.store import KVStore, Match, PutReport
+
+if TYPE_CHECKING:
+    from kvlab.model.handle import ModelHandle
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class ReuseResult:
     stored_blocks: int
 
 
-def _ids(handle: Any, prompt: str | Sequence[int], chat: bool) -> list[int]:
+def _ids(handle: ModelHandle, prompt: str | Sequence[int], chat: bool) -> list[int]:
     ids = handle.encode(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise BadInputError("empty prompt: give text or at least one token id")
@@ -65,7 +68,7 @@ def _ids(handle: Any, prompt: str | Sequence[int], chat: bool) -> list[int]:
 
 
 def prefill_with_store(
-    handle: Any,
+    handle: ModelHandle,
     store: KVStore,
     prompt: str | Sequence[int],
     *,
@@ -91,7 +94,7 @@ def prefill_with_store(
 
 
 def reuse_generate(
-    handle: Any,
+    handle: ModelHandle,
     store: KVStore,
     prompt: str | Sequence[int],
     max_new_tokens: int = 32,
@@ -109,7 +112,7 @@ def reuse_generate(
 
 
 def fork(
-    handle: Any,
+    handle: ModelHandle,
     base: KVSnapshot,
     continuations: Sequence[str | Sequence[int]],
     max_new_tokens: int = 16,
