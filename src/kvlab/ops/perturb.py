@@ -76,12 +76,6 @@ def scramble_tokens(ids: Sequence[int], seed: int = 0, keep_first: int = 0) -> l
 # -- caches -------------------------------------------------------------------------------------
 
 
-def roll(model: Any, snapshot: KVSnapshot, n: int | float) -> KVSnapshot:
-    """The reference roll: re-prefill the snapshot's tokens without the first ``n``, from position 0."""
-    ids = roll_tokens(snapshot.token_list(), n)
-    return model.prefill(ids, all_logits=False).snapshot
-
-
 def truncate(snapshot: KVSnapshot, n: int | float) -> KVSnapshot:
     """Drop the last ``n`` slots. By causality this equals re-prefilling the shorter text (no model needed)."""
     check_tokens(snapshot.token_list(), "the cache")
