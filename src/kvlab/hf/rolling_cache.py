@@ -125,6 +125,8 @@ class RollingLayer(CacheLayerMixin):
         super().__init__()
         self.rule = rule
         self.sink_keys: torch.Tensor | None = None
+        self._buf_k: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]; keys is a view
+        self._buf_v: torch.Tensor | None = None
         self.base = 0  # position of slot 0
         self.slots = 0  # tokens held (including those a pending drop will remove)
         self.plan = RollPlan()
@@ -159,16 +161,27 @@ class RollingLayer(CacheLayerMixin):
 
     # -- the update ------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Apply the pending roll, append the new K/V, plan the next roll; return everything visible."""
+        """Apply the pending roll, append the new K/V, plan the next roll; return everything visible.
+
+        In place: the layer owns two buffers (keys, values) with room for ``sinks + window`` plus the
+        eviction chunk and a feed; a plain step writes only the new tokens (no copy of the cache), a
+        roll moves the kept window down once (every ``evict_chunk`` tokens) and re-rotates the sinks,
+        a re-base rotates the kept keys where they are. The returned tensors are views of the buffers,
+        valid until the next update.
+        """
         n_new = key_states.shape[-2]
         self._check_room(n_new)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        full_k, full_v = self._rolled_with(key_states, value_states)
-        s = min(self.rule.policy.sinks, full_k.shape[-2])
-        if self.sink_keys is None and self.rule.policy.sinks and full_k.shape[-2] >= self.rule.policy.sinks:
-            self.sink_keys = full_k[:, :, :s].clone()
-        self.keys, self.values = full_k, full_v
+        kept = self._apply_plan()
+        total = kept + n_new
+        self._reserve(total, kept, key_states, value_states)
+        self._buf_k[:, :, kept:total] = key_states
+        self._buf_v[:, :, kept:total] = value_states
+        self.keys, self.values = self._buf_k[:, :, :total], self._buf_v[:, :, :total]
+        sinks = self.rule.policy.sinks
+        if self.sink_keys is None and sinks and total >= sinks:
+            self.sink_keys = self.keys[:, :, :sinks].clone()
         plan = self.plan
         self.rolls += plan.drop > 0
         self.rebases += plan.rebase != 0
@@ -176,7 +189,41 @@ class RollingLayer(CacheLayerMixin):
         self.slots += n_new - plan.drop
         self.tokens_seen += n_new
         self.plan = self.rule.next_plan(self.base, self.slots, self.may_rebase)
-        return full_k, full_v
+        return self.keys, self.values
+
+    def _apply_plan(self) -> int:
+        """Apply the pending drop and re-base to the buffers in place; returns the slots kept."""
+        plan = self.plan
+        if not plan.pending:
+            return self.slots
+        s = min(self.rule.policy.sinks, self.slots)
+        kept = self.slots - plan.drop
+        if plan.drop:  # overlapping move down: copy the survivors out first (once per evicted chunk)
+            for buf in (self._buf_k, self._buf_v):
+                buf[:, :, s:kept] = buf[:, :, s + plan.drop : self.slots].clone()
+        if plan.rebase:
+            rotate_by_(self._buf_k[:, :, s:kept], -plan.rebase, self.rule.rope)
+        if s:  # the sinks, rotated from their stored originals straight into place (no drift)
+            rotate_by(
+                self.sink_keys, self.base + plan.drop - plan.rebase, self.rule.rope, out=self._buf_k[:, :, :s]
+            )
+        return kept
+
+    def _reserve(self, need: int, held: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Buffers with room for ``need`` slots: allocated once at the steady-state size, grown for a
+        larger feed (a long prompt under ``model.generate``), shrunk back once the cache has rolled."""
+        steady = int(self.rule.policy.capacity or 0) + 2 * self.rule.evict_chunk
+        cap = 0 if self._buf_k is None else self._buf_k.shape[-2]
+        if need <= cap <= 2 * max(need, steady):
+            return
+        size = max(need, steady)
+        shape = (*key_states.shape[:2], size)
+        new_k = key_states.new_empty((*shape, key_states.shape[-1]))
+        new_v = value_states.new_empty((*shape, value_states.shape[-1]))
+        if held:
+            new_k[:, :, :held] = self._buf_k[:, :, :held]
+            new_v[:, :, :held] = self._buf_v[:, :, :held]
+        self._buf_k, self._buf_v = new_k, new_v
 
     def _check_room(self, n_new: int) -> None:
         """Refuse a feed whose positions would pass the model's maximum (``rebase="never"`` opts out)."""
@@ -232,6 +279,7 @@ class RollingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.sink_keys = None
+        self._buf_k = self._buf_v = None
         self.is_initialized = False
         self.base = self.slots = self.tokens_seen = self.rolls = self.rebases = 0
         self.plan = RollPlan()
@@ -337,10 +385,11 @@ class RollingCache(Cache):
         return [layer.visible() for layer in self.layers]
 
     def nbytes(self) -> int:
+        """Bytes the cache holds: every layer's key and value buffers (with their spare room) and sinks."""
         return sum(
             t.numel() * t.element_size()
             for layer in self.layers
-            for t in (layer.keys, layer.values, layer.sink_keys)
+            for t in (layer._buf_k, layer._buf_v, layer.sink_keys)
             if t is not None
         )
 
