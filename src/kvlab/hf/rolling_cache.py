@@ -5,22 +5,21 @@ StreamingLLM's policy on transformers 5.x's layer API, built so that a roll cost
 * Slots are always contiguous in RoPE position: slot ``i`` holds position ``base + i``; the sinks sit
   right before the window. ``next_position = base + slots`` is what :meth:`get_seq_length` returns,
   so a model called without ``position_ids`` puts its queries where the cache expects them.
-* Evicting ``d`` window tokens is a slice of the window (no key is touched) plus re-rotating the
-  ``sinks`` sink keys from their stored originals (float64 angles, never incremental): ``base`` grows
-  by ``d`` and ``next_position`` does not change. RoPE only sees relative positions, so this equals
-  StreamingLLM's "re-position everything from 0" up to fp32 rounding.
-* Positions stay bounded by an occasional re-base: one rotation of every cached key by ``-base``
-  (``rebase="auto"``: only when ``next_position`` would pass the model's maximum; ``"always"``:
-  after every eviction, StreamingLLM's in-cache positions; ``"never"``: positions follow the token
-  count, which is what ``model.generate`` needs, see below). The re-base is
-  :func:`kvlab.rope.fast.rotate_by`: one ``[head_dim/2]`` cos/sin pair per re-base (float64 angles,
-  fp32 multiply-adds, ~1e-7 relative error against the float64 reference), written chunk by chunk
-  straight into the buffer the step allocates anyway for the concatenation, so it replaces that
-  copy instead of adding a pass. The cache owns its storage, so this is a re-base in place as far as
-  memory goes (no second copy of the cache is ever alive); :func:`kvlab.rope.fast.rotate_by_`
-  rotates storage you own in place.
-* Eviction and re-basing are lazy: decided at the end of a forward, applied inside the next
-  ``update`` as part of the concatenation every step does anyway; the mask offset accounts for it.
+* Storage is written in place: each layer owns key and value buffers sized for ``sinks + window``
+  plus two eviction chunks. A plain decode step writes only the new token (a ``DynamicCache``
+  concatenates the whole cache every step); views of the buffers are what attention reads.
+* Evicting ``d`` window tokens moves the kept window down once (every ``evict_chunk`` tokens, so the
+  copy is amortized) and re-rotates the ``sinks`` sink keys from their stored originals (float64
+  angles, never incremental): ``base`` grows by ``d`` and ``next_position`` does not change. RoPE
+  only sees relative positions, so this equals StreamingLLM's "re-position everything from 0" up to
+  fp32 rounding.
+* Positions stay bounded by an occasional re-base: one rotation of every kept key by ``-base``, in
+  place (:func:`kvlab.rope.fast.rotate_by_`: one ``[head_dim/2]`` cos/sin pair per re-base, float64
+  angles, fp32 multiply-adds, ~1e-7 relative error against the float64 reference). ``rebase="auto"``
+  re-bases only when ``next_position`` would pass the model's maximum, ``"always"`` after every
+  eviction (StreamingLLM's in-cache positions), ``"never"`` not at all.
+* Eviction and re-basing are lazy: decided at the end of a layer's update, applied at the start of
+  its next one; the mask offset accounts for it.
 
 Each :class:`RollingLayer` owns its state and follows one immutable :class:`RollRule` (the
 :class:`~kvlab.policy.SinksWindow` policy, the chunk, the re-base mode); layers never reach back
