@@ -38,7 +38,7 @@ def forward_masked(
     dtype = handle.dtype
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
     out = handle.run(ids.reshape(1, n), cache, positions=positions.reshape(n), attention_mask=mask)
-    layers = hf_cache_layers(out.past_key_values)
+    layers = hf_cache_layers(cache)  # the cache this pass extended
     keys = tuple(k[:, :, past.seq_len :].clone() for k, _ in layers)
     values = tuple(v[:, :, past.seq_len :].clone() for _, v in layers)
     return keys, values, out.logits[0].float()

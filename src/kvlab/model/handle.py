@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -126,6 +127,12 @@ class ModelHandle:
         )
         return hashlib.sha256(payload.encode()).hexdigest()
 
+    @cached_property
+    def _cache_kwarg(self) -> str:
+        """``cache`` (transformers >= 5.24) or ``past_key_values`` (before; deprecated in 5.24, removed in 5.40)."""
+        params = inspect.signature(type(self.model).forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
+
     # -- tokens ------------------------------------------------------------------------------------
     def encode(self, text: str, *, chat: bool = False, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``text`` (plain, no BOS unless the tokenizer adds one), or of a one-turn chat."""
@@ -220,7 +227,7 @@ class ModelHandle:
         # A prefill only when every slot is this model's own computation at positions 0..T-1.
         exact = (past is None or past.is_prefill) and torch.equal(positions_all, torch.arange(total))
         snapshot = snapshot_from_hf(
-            out.past_key_values,
+            cache,  # the cache this pass extended (transformers 5.24 renamed the output's field)
             token_ids=token_ids,
             positions=positions_all,
             rope=self.rope,
@@ -265,7 +272,7 @@ class ModelHandle:
             "logits_to_keep": logits_to_keep,
         }
         if cache is not None:
-            kwargs["past_key_values"] = cache
+            kwargs[self._cache_kwarg] = cache
         if positions is not None:
             pos = torch.as_tensor(positions, dtype=torch.long).to(self.device)
             kwargs["position_ids"] = (pos[None] if pos.ndim == 1 else pos).expand(ids.shape[0], -1)
