@@ -247,3 +247,17 @@ def test_sliding_window_model_refused(tiny_model):
     with pytest.raises(UnsupportedModelError, match="sliding window"):
         RollingCache(h.config, h.rope, window=4090, sinks=4, evict_chunk=8)
     RollingCache(h.config, h.rope, window=256, sinks=4)  # fine below the model's own window
+
+
+def test_kept_layers_are_copies_that_later_steps_do_not_touch(tiny_model):
+    """The cache writes in place; what it hands out must not change under the caller."""
+    h = tiny_model("llama")
+    cache = RollingCache(h.config, h.rope, window=8, sinks=2, evict_chunk=2, max_position=60)
+    h.run(torch.tensor([list(range(3, 12))]), cache)
+    before = cache.kept_layers()
+    kept = [(k.clone(), v.clone()) for k, v in before]
+    for t in range(12):  # rolls and (near the maximum) a re-base rewrite the buffers
+        h.run(torch.tensor([[t + 20]]), cache)
+    assert cache.rolls > 0
+    for (k, v), (k0, v0) in zip(before, kept, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -270,7 +270,8 @@ class RollingLayer(CacheLayerMixin):
     def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` as the next forward will see them (pending roll applied).
 
-        New tensors when a roll is pending, else views of the layer (do not write into them).
+        New tensors when a roll is pending, else views of the layer's buffers, which the next update
+        overwrites in place (copy them to keep them; :meth:`RollingCache.kept_layers` does).
         """
         empty = self.keys[:, :, :0]
         k, v = self._rolled_with(empty, self.values[:, :, :0])
@@ -379,9 +380,9 @@ class RollingCache(Cache):
     def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(keys, values)]`` per layer as the next forward will see them (pending roll applied).
 
-        Returns new tensors when a roll is pending, else views of the cache (do not write into them).
+        Copies: the cache writes into its buffers in place, so views would change under the caller.
         """
-        return [layer.visible() for layer in self.layers]
+        return [tuple(t.clone() for t in layer.visible()) for layer in self.layers]  # type: ignore[misc]
 
     def nbytes(self) -> int:
         """Bytes the cache holds: every layer's key and value buffers (with their spare room) and sinks."""
