@@ -6,12 +6,17 @@ import json
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from kvlab.compress.evict import SnapKV, StreamingLLM, evict, observe
 from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer, quantize_snapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.hf import cache_argument
 from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
 from tests.tolerances import assert_forward_close
+
+# the keyword transformers takes the cache by (``cache`` from 5.24, ``past_key_values`` before)
+CACHE_ARG = cache_argument(LlamaForCausalLM)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,11 +32,11 @@ IDS = torch.randint(0, 512, (1, 50), generator=torch.Generator().manual_seed(0))
 def test_no_compression_reproduces_dynamic_cache_exactly(tiny):
     ref = tiny.model(IDS, use_cache=True).logits
     cache = CompressedCache(tiny.config)
-    got = tiny.model(IDS, past_key_values=cache, use_cache=True).logits
+    got = tiny.model(IDS, **{CACHE_ARG: cache}, use_cache=True).logits
     assert torch.equal(got, ref)
     a = tiny.model.generate(IDS, max_new_tokens=6, do_sample=False)
     b = tiny.model.generate(
-        IDS, max_new_tokens=6, do_sample=False, past_key_values=CompressedCache(tiny.config)
+        IDS, max_new_tokens=6, do_sample=False, **{CACHE_ARG: CompressedCache(tiny.config)}
     )
     assert torch.equal(a, b)
 
@@ -49,7 +54,7 @@ def test_prefill_holds_exactly_what_quantize_snapshot_holds(tiny, quantizer):
     snap = tiny.prefill(IDS[0].tolist()).snapshot
     ref = quantize_snapshot(snap, quantizer)
     cache = CompressedCache(tiny.config, quantizer=quantizer)
-    tiny.model(IDS, past_key_values=cache, use_cache=True)
+    tiny.model(IDS, **{CACHE_ARG: cache}, use_cache=True)
     for layer, code in zip(cache.layers, ref.layers, strict=True):
         k, v = layer.decoded()
         k2, v2 = code.decode()
@@ -60,7 +65,7 @@ def test_prefill_holds_exactly_what_quantize_snapshot_holds(tiny, quantizer):
 def test_generate_quantized_streams_into_packed_segments(tiny):
     q = KIVIQuantizer(bits=4, group_size=8, window=4, sinks=2)
     cache = CompressedCache(tiny.config, quantizer=q)
-    out = tiny.model.generate(IDS[:, :5], max_new_tokens=30, do_sample=False, past_key_values=cache)
+    out = tiny.model.generate(IDS[:, :5], max_new_tokens=30, do_sample=False, **{CACHE_ARG: cache})
     assert out.shape[1] == 35
     layer = cache.layers[0]
     assert cache.get_seq_length() == layer.held == 34  # the last generated token is never fed back
@@ -71,14 +76,14 @@ def test_evicting_cache_matches_snapshot_eviction_and_keeps_positions(tiny):
     ids = IDS[0].tolist()
     ev = evict(observe(tiny, ids), SnapKV(window=4, observe=4), keep=0.5)
     cache = CompressedCache(tiny.config, policy=SnapKV(window=4, observe=4), keep=0.5, model=tiny.model)
-    tiny.model(IDS, past_key_values=cache, use_cache=True)
+    tiny.model(IDS, **{CACHE_ARG: cache}, use_cache=True)
     assert all(layer.query_hook is None for layer in cache.layers)  # removed after the prefill
     for layer, k, v in zip(cache.layers, ev.keys, ev.values, strict=True):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
     assert cache.get_seq_length() == 50 and cache.held == 25
     # Several new tokens at once: default positions continue at 50 and the mask stays causal.
     cont = torch.tensor([[7, 8, 9, 10]])
-    got = tiny.model(cont, past_key_values=cache, use_cache=True).logits[0]
+    got = tiny.model(cont, **{CACHE_ARG: cache}, use_cache=True).logits[0]
     ref = logits_on_layers(tiny, ev.keys, ev.values, cont[0].tolist(), 50)
     assert_forward_close(got, ref, tiny, what="logits through CompressedCache")
 
@@ -109,17 +114,17 @@ def test_real_model_generate_with_compressed_caches(smollm):
     )
     ref = smollm.model(ids, use_cache=True).logits
     assert torch.equal(
-        smollm.model(ids, past_key_values=CompressedCache(smollm.config), use_cache=True).logits, ref
+        smollm.model(ids, **{CACHE_ARG: CompressedCache(smollm.config)}, use_cache=True).logits, ref
     )
     plain = smollm.model.generate(ids, max_new_tokens=6, do_sample=False)
     # 8-bit rotation keeps the greedy continuation on this prompt; eviction runs inside generate too
     cache = CompressedCache(smollm.config, quantizer=RotatedQuantizer(bits=8, sinks=4))
     assert torch.equal(
-        smollm.model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache), plain
+        smollm.model.generate(ids, max_new_tokens=6, do_sample=False, **{CACHE_ARG: cache}), plain
     )
     assert cache.nbytes < 0.5 * 46080 * cache.get_seq_length()  # 8.5 bits/element + 4 fp32 sinks
     cache = CompressedCache(smollm.config, policy=SnapKV(window=4, observe=4), keep=0.5, model=smollm.model)
-    out = smollm.model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
+    out = smollm.model.generate(ids, max_new_tokens=6, do_sample=False, **{CACHE_ARG: cache})
     assert out.shape == plain.shape and cache.held < cache.get_seq_length()
 
 

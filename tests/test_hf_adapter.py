@@ -7,9 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from kvlab.errors import UnsupportedModelError
-from kvlab.hf import hf_cache_layers, hf_cache_length, sliding_windows, snapshot_from_hf, to_hf_cache
+from kvlab.hf import (
+    cache_argument,
+    hf_cache_layers,
+    hf_cache_length,
+    sliding_windows,
+    snapshot_from_hf,
+    to_hf_cache,
+)
+
+# the keyword transformers takes the cache by (``cache`` from 5.24, ``past_key_values`` before)
+CACHE_ARG = cache_argument(LlamaForCausalLM)
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvlab"
 
@@ -43,7 +54,7 @@ def test_raw_model_call_with_adapter_cache_matches_kvlab_extend(tiny_model):
     a, b = list(range(20, 40)), [7, 8, 9]
     snap = handle.prefill(a).snapshot
     out = handle.model(
-        input_ids=torch.tensor([b]), past_key_values=to_hf_cache(snap, handle.config), use_cache=True
+        input_ids=torch.tensor([b]), **{CACHE_ARG: to_hf_cache(snap, handle.config)}, use_cache=True
     )
     ours = handle.extend(snap, b)
     assert torch.allclose(out.logits[0].float(), ours.logits, atol=1e-5)

@@ -6,13 +6,18 @@ import math
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from kvlab.cache.snapshot import concat
 from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.hf import cache_argument
 from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for, rotate_by, rotate_by_
 from kvlab.rope.ops import shift_keys
 from kvlab.streaming import stream_generate
 from kvlab.streaming.generate import feed
+
+# the keyword transformers takes the cache by (``cache`` from 5.24, ``past_key_values`` before)
+CACHE_ARG = cache_argument(LlamaForCausalLM)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -115,9 +120,7 @@ def test_model_generate_matches_own_loop(tiny_model):
     prompt = torch.randint(0, 500, (1, 12))
     cache = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="never")
     with torch.no_grad():
-        g = h.model.generate(
-            prompt, past_key_values=cache, max_new_tokens=50, do_sample=False, pad_token_id=0
-        )
+        g = h.model.generate(prompt, **{CACHE_ARG: cache}, max_new_tokens=50, do_sample=False, pad_token_id=0)
     assert cache.rolls >= 10
     new = g[0, 12:].tolist()
     mine = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="never")
@@ -136,16 +139,14 @@ def test_model_generate_never_rebases_and_refuses_to_pass_the_maximum(tiny_model
             h.config, h.rope, window=16, sinks=2, evict_chunk=4, max_position=40, rebase=mode
         )
         with pytest.raises(BadInputError, match="stream_generate"), torch.no_grad():
-            h.model.generate(
-                prompt, past_key_values=cache, max_new_tokens=40, do_sample=False, pad_token_id=0
-            )
+            h.model.generate(prompt, **{CACHE_ARG: cache}, max_new_tokens=40, do_sample=False, pad_token_id=0)
         assert cache.rebases == 0 and cache.rolls > 0
         assert cache.next_position == 40  # it stopped exactly at the maximum
     # below the maximum, generate with a re-basing mode equals kvlab's own loop (which may re-base
     # but does not need to here)
     auto = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="auto")
     with torch.no_grad():
-        g = h.model.generate(prompt, past_key_values=auto, max_new_tokens=30, do_sample=False, pad_token_id=0)
+        g = h.model.generate(prompt, **{CACHE_ARG: auto}, max_new_tokens=30, do_sample=False, pad_token_id=0)
     assert auto.rolls > 0 and auto.rebases == 0
     mine = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="auto")
     first = feed(h, mine, prompt[0].tolist())
@@ -159,10 +160,10 @@ def test_a_plain_model_call_never_sees_a_rebase(tiny_model):
     cache = RollingCache(h.config, h.rope, window=8, sinks=2, evict_chunk=2, max_position=30, rebase="always")
     with torch.no_grad():
         for t in range(29):
-            h.model(input_ids=torch.tensor([[t + 3]]), past_key_values=cache, use_cache=True)
+            h.model(input_ids=torch.tensor([[t + 3]]), **{CACHE_ARG: cache}, use_cache=True)
         assert cache.rebases == 0 and cache.next_position == 29
         with pytest.raises(BadInputError, match="maximum"):
-            h.model(input_ids=torch.tensor([[5, 6]]), past_key_values=cache, use_cache=True)
+            h.model(input_ids=torch.tensor([[5, 6]]), **{CACHE_ARG: cache}, use_cache=True)
         h.run(torch.tensor([[5]]), cache)  # through kvlab the cache may re-base; it plans one
         assert cache.plan.rebase > 0 and cache.next_position < 30
 
@@ -174,7 +175,7 @@ def test_model_generate_without_eviction_equals_dynamic_cache(tiny_model):
         plain = h.model.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
         rolled = h.model.generate(
             prompt,
-            past_key_values=RollingCache(h.config, h.rope, window=64, sinks=4, rebase="never"),
+            **{CACHE_ARG: RollingCache(h.config, h.rope, window=64, sinks=4, rebase="never")},
             max_new_tokens=20,
             do_sample=False,
             pad_token_id=0,
@@ -236,7 +237,7 @@ def test_bad_input(tiny_model, smollm):
     with pytest.raises(BadInputError, match="per forward"):
         h.run(torch.zeros(1, 25, dtype=torch.long), cache)
     with pytest.raises(BadInputError, match="stream_generate"):
-        h.model(input_ids=torch.zeros(1, 25, dtype=torch.long), past_key_values=cache, use_cache=True)
+        h.model(input_ids=torch.zeros(1, 25, dtype=torch.long), **{CACHE_ARG: cache}, use_cache=True)
     assert cache.tokens_seen == 0  # refused before anything was written
     with pytest.raises(UnsupportedModelError):
         cache.crop(-1)

@@ -1,6 +1,7 @@
 """Adapter to transformers' cache API. Nothing outside ``kvlab.hf`` touches ``DynamicCache`` or its layers."""
 
 from kvlab.hf.cache import (
+    cache_argument,
     check_fits_sliding_windows,
     hf_cache_layers,
     hf_cache_length,
@@ -11,6 +12,7 @@ from kvlab.hf.cache import (
 )
 
 __all__ = [
+    "cache_argument",
     "check_fits_sliding_windows",
     "hf_cache_layers",
     "hf_cache_length",

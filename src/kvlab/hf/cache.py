@@ -12,6 +12,7 @@ given, so :func:`to_hf_cache` copies by default.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -45,6 +46,54 @@ def check_fits_sliding_windows(config: Any, total_tokens: int) -> None:
             f"this model has sliding-window attention layers (window {min(windows)}); kvlab snapshots hold every "
             f"token in every layer, so sequences must stay below {min(windows)} tokens (got {total_tokens})"
         )
+
+
+# Why a cache that drops or moves slots refuses a padded batch (%s: the cache).
+PADDED_BATCH = (
+    "%s cannot run a padded batch (rows at different positions): transformers masks cached slots by "
+    "index, the same for every row, so once slots are dropped a padded row would attend to pads and "
+    "lose its own first tokens. Run the rows one at a time, or batch prompts of equal length."
+)
+
+
+def _position_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The per-row position information a layer's ``update`` receives, where transformers passes it:
+    ``position_ids [batch, q]`` inside ``kwargs=`` (5.24) or ``cos [batch, q, dim]`` inside the
+    ``cache_kwargs`` dict (earlier 5.x)."""
+    for bag in (
+        kwargs.get("kwargs"),
+        kwargs.get("cache_kwargs"),
+        kwargs,
+        *[a for a in args if isinstance(a, dict)],
+    ):
+        if not isinstance(bag, dict):
+            continue
+        for name in ("position_ids", "cos"):
+            t = bag.get(name)
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                return t
+    return None
+
+
+def rows_at_different_positions(args: tuple, kwargs: dict) -> bool:
+    """True when the rows of a batched ``update`` sit at different positions: a padded batch (transformers
+    derives each row's positions from its attention mask), or per-row positions given by the caller.
+
+    Caches that drop or move slots cannot honour a padded batch with transformers' 2-D mask (which is
+    sliced by slot index, the same for every row), so they call this to refuse one instead of
+    masking real tokens. False when the model passes no position information (it cannot be told).
+    """
+    t = _position_tensor(args, kwargs)
+    return t is not None and t.shape[0] > 1 and bool((t[1:] != t[:1]).any())
+
+
+def cache_argument(model: Any) -> str:  # a model or a model class
+    """The keyword a model's ``forward`` / ``generate`` takes its cache by: ``cache`` (transformers >= 5.24)
+    or ``past_key_values`` (before; deprecated in 5.24, removed in 5.40). Use as
+    ``model.generate(ids, **{cache_argument(model): cache})`` to work on both sides of the rename."""
+    cls: Any = model if isinstance(model, type) else type(model)
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def new_hf_cache(config: Any) -> DynamicCache:

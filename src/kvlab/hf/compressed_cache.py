@@ -26,7 +26,7 @@ from kvlab.compress.evict.policies import LayerView, Policy
 from kvlab.compress.evict.select import budget_slots, keep_indices
 from kvlab.compress.quant.methods import Quantizer, Segment, split_plan
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import sliding_windows
+from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import RopeSpec, rope_spec_from_config
 
@@ -109,6 +109,8 @@ class CompressedLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.rule.policy is not None and rows_at_different_positions(args, kwargs):
+            raise BadInputError(PADDED_BATCH % f"CompressedCache with eviction ({self.rule.policy.name})")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n_new = key_states.shape[-2]
@@ -177,7 +179,7 @@ class CompressedLayer(DynamicLayer):
 class CompressedCache(Cache):
     """A transformers cache that quantizes (``quantizer``) or evicts (``policy`` + ``keep``) as it fills.
 
-    Pass it as ``past_key_values`` to ``model(...)`` or ``model.generate(...)``. Attention-based
+    Pass it as ``cache=`` (``past_key_values=`` before transformers 5.24) to ``model(...)`` or ``model.generate(...)``. Attention-based
     policies need ``model`` (for the query hooks). ``nbytes`` is what the cache holds for K/V now.
     """
 

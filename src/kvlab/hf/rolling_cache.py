@@ -28,7 +28,7 @@ into the cache, and the cache only answers questions (positions, counts) from it
 A re-base is only safe when the model takes query positions from the cache. kvlab's own calls do
 (:meth:`kvlab.model.ModelHandle.run` without positions, :func:`kvlab.streaming.stream_generate`),
 and they say so by entering :meth:`RollingCache.choosing_positions`; only then does the cache plan a
-re-base. ``model.generate(..., past_key_values=RollingCache(...))`` passes its own positions, so the
+re-base. ``model.generate(..., cache=RollingCache(...))`` passes its own positions, so the
 cache never re-bases there: positions follow the token count (what generate expects) and, when they
 would pass the model's maximum, the cache raises :class:`~kvlab.errors.BadInputError` instead of
 mis-positioning a token (``rebase="never"`` opts into passing the maximum).
@@ -45,12 +45,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import sliding_windows
+from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import RopeSpec
 
 Rebase = Literal["auto", "always", "never"]
+
 
 __all__ = [
     "RollRule",
@@ -169,6 +170,8 @@ class RollingLayer(CacheLayerMixin):
         valid until the next update.
         """
         n_new = key_states.shape[-2]
+        if rows_at_different_positions(args, kwargs):
+            raise BadInputError(PADDED_BATCH % "RollingCache")
         self._check_room(n_new)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,7 +21,13 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import check_fits_sliding_windows, new_hf_cache, snapshot_from_hf, to_hf_cache
+from kvlab.hf.cache import (
+    cache_argument,
+    check_fits_sliding_windows,
+    new_hf_cache,
+    snapshot_from_hf,
+    to_hf_cache,
+)
 from kvlab.loop import GREEDY, Sampling, decode_loop
 from kvlab.model.facts import ModelFacts, facts_from_config
 from kvlab.rope.spec import RopeSpec, rope_spec_from_model
@@ -129,9 +134,7 @@ class ModelHandle:
 
     @cached_property
     def _cache_kwarg(self) -> str:
-        """``cache`` (transformers >= 5.24) or ``past_key_values`` (before; deprecated in 5.24, removed in 5.40)."""
-        params = inspect.signature(type(self.model).forward).parameters
-        return "cache" if "cache" in params else "past_key_values"
+        return cache_argument(self.model)
 
     # -- tokens ------------------------------------------------------------------------------------
     def encode(self, text: str, *, chat: bool = False, add_generation_prompt: bool = True) -> list[int]:
