@@ -45,7 +45,8 @@ def test_full_and_recompute_are_exact(stream):
 def test_window_repositioned_equals_absolute(stream):
     h, ids = stream
     a = stream_nll(h, ids, "window", window=24, feed=4)
-    b = stream_nll(h, ids, "window_abs", window=24, feed=4)
+    b = stream_nll(h, ids, "window_abs", window=24, feed=4, path="loop")  # the cache itself, not the mask
+    assert a.extra["path"] == b.extra["path"] == "loop"
     assert a.extra["rebases"] > 5 and b.extra["rebases"] == 0
     assert a.extra["max_position"] < 24 + 8 < b.extra["max_position"]
     assert np.allclose(a.nll, b.nll, atol=1e-4)

@@ -14,33 +14,32 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import hf_cache_layers, to_hf_cache
+from kvlab.hf.cache import hf_cache_layers, new_hf_cache, to_hf_cache
 
 
 @torch.no_grad()
 def forward_masked(
-    handle: Any, past: KVSnapshot, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
+    handle: Any, past: KVSnapshot | None, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
-    """Run ``ids [n]`` at RoPE ``positions [n]`` on top of ``past`` with an explicit visibility mask.
+    """Run ``ids [n]`` at RoPE ``positions [n]`` on top of ``past`` (None: nothing) with an explicit visibility mask.
 
     ``visible [n, past_len + n]`` (bool): which past slots and which of the new tokens each new token
     attends to. Returns the new tokens' per-layer keys and values ``[1, kv_heads, n, head_dim]`` and their
     logits ``[n, vocab]``. ``past`` is not modified.
     """
     n = int(ids.numel())
-    if tuple(visible.shape) != (n, past.seq_len + n) or visible.dtype != torch.bool:
-        raise BadInputError(
-            f"visible must be a bool [{n}, {past.seq_len + n}] mask, got {tuple(visible.shape)}"
-        )
-    if past.fingerprint != handle.fingerprint:
+    past_len = 0 if past is None else past.seq_len
+    if tuple(visible.shape) != (n, past_len + n) or visible.dtype != torch.bool:
+        raise BadInputError(f"visible must be a bool [{n}, {past_len + n}] mask, got {tuple(visible.shape)}")
+    if past is not None and past.fingerprint != handle.fingerprint:
         raise BadInputError("the past cache comes from another model")
-    cache = to_hf_cache(past, handle.config, copy=False)
+    cache = new_hf_cache(handle.config) if past is None else to_hf_cache(past, handle.config, copy=False)
     dtype = handle.dtype
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
     out = handle.run(ids.reshape(1, n), cache, positions=positions.reshape(n), attention_mask=mask)
     layers = hf_cache_layers(cache)  # the cache this pass extended
-    keys = tuple(k[:, :, past.seq_len :].clone() for k, _ in layers)
-    values = tuple(v[:, :, past.seq_len :].clone() for _, v in layers)
+    keys = tuple(k[:, :, past_len:].clone() for k, _ in layers)
+    values = tuple(v[:, :, past_len:].clone() for _, v in layers)
     return keys, values, out.logits[0].float()
 
 
@@ -54,8 +53,6 @@ def first_layers_kv(
     ``num_layers / L`` of a full forward. kvlab's one first-layers probe (selective recompute of
     rolled caches and of blended store chunks both use it).
     """
-    from kvlab.hf.cache import new_hf_cache
-
     cache = to_hf_cache(past, handle.config, copy=False) if past is not None else new_hf_cache(handle.config)
     past_len = past.seq_len if past is not None else 0
     handle.run(ids.reshape(1, -1), cache, positions=positions.reshape(-1), stop_after_layer=num_layers)

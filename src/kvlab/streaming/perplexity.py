@@ -1,9 +1,11 @@
 """Perplexity over a stream: how much does each cache policy lose against full context?
 
 Every method reads the same token ids and returns the NLL of every token it predicts, so methods
-compare on identical targets. Streaming methods feed ``feed`` tokens per forward through a
-:class:`~kvlab.hf.rolling_cache.RollingCache`; a query then sees the sinks, the last ``window``
-tokens (give or take one eviction chunk) and the earlier tokens of its own chunk.
+compare on identical targets. Streaming methods score what a :class:`~kvlab.hf.rolling_cache.RollingCache`
+fed ``feed`` tokens per forward lets each query see: the sinks, the last ``window`` tokens (give or
+take one eviction chunk) and the earlier tokens of its own chunk. By default that is computed in a
+few masked forwards (:mod:`kvlab.streaming.masked`, about one forward pass per method); ``path="loop"``
+feeds the cache itself, the reference the masked path is tested against.
 
 Methods (``name -> what``):
   ``full``        the whole prefix (only where it fits in the model's positions);
@@ -24,8 +26,10 @@ import numpy as np
 import torch
 
 from kvlab.errors import BadInputError
+from kvlab.hf.cache import sliding_windows
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.metrics.logits import nll
+from kvlab.streaming.masked import evicted_before, masked_rolling_nll
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,18 @@ def _recompute_nll(
     return torch.cat(out).numpy()
 
 
+def _masked_is_exact(handle, n: int) -> bool:
+    """Where the masked path computes what the cache computes: RoPE that shifts exactly, every position
+    of the stream within the model's range (the cache would re-base), no sliding-window layers."""
+    rope = handle.rope
+    return (
+        rope is not None
+        and rope.shift_exact
+        and not any(w is not None for w in sliding_windows(handle.config))
+        and (not handle.max_positions or n <= handle.max_positions)
+    )
+
+
 @torch.no_grad()
 def stream_nll(
     handle,
@@ -148,11 +164,19 @@ def stream_nll(
     evict_chunk: int | None = None,
     recompute_targets: Sequence[int] | None = None,
     recompute_batch: int = 8,
+    path: str = "auto",
     on_progress: Callable[[int], None] | None = None,
 ) -> StreamResult:
-    """Per-token NLL of ``method`` over ``token_ids`` (targets 1..N-1, or ``recompute_targets``)."""
+    """Per-token NLL of ``method`` over ``token_ids`` (targets 1..N-1, or ``recompute_targets``).
+
+    ``path`` (rolling methods): ``"masked"`` (a few masked forwards), ``"loop"`` (feed a RollingCache,
+    the reference) or ``"auto"`` (masked where it is exact: a shift-exact RoPE, no sliding-window
+    layers, the stream within the model's positions; the loop otherwise). ``extra["path"]`` says which ran.
+    """
     if method not in METHODS:
         raise BadInputError(f"unknown streaming method '{method}'; choose from {', '.join(METHODS)}")
+    if path not in ("auto", "masked", "loop"):
+        raise BadInputError(f"path must be 'auto', 'masked' or 'loop', got {path!r}")
     m = METHODS[method]
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
     n = ids.shape[1]
@@ -177,7 +201,27 @@ def stream_nll(
             targets.size * window,
         )
     else:
-        values, extra = _rolling_nll(handle, ids, window, m, feed, evict_chunk or feed, on_progress)
+        chunk = evict_chunk or feed
+        # "window" re-bases at every roll: it measures the cache's re-rotation itself, which a mask
+        # cannot stand in for (in relative positions it is "window_abs"), so auto runs it in the cache
+        use_mask = path == "masked" or (
+            path == "auto" and m.rebase != "always" and _masked_is_exact(handle, n)
+        )
+        if use_mask:
+            values = masked_rolling_nll(
+                handle,
+                ids[0],
+                sinks=m.sinks,
+                window=window,
+                feed=feed,
+                evict_chunk=chunk,
+                on_progress=on_progress,
+            )
+            dropped = evicted_before(n - 1, sinks=m.sinks, window=window, feed=feed, evict_chunk=chunk)
+            extra = {"path": "masked", "rolls": int(np.unique(dropped[dropped > 0]).size)}
+        else:
+            values, extra = _rolling_nll(handle, ids, window, m, feed, chunk, on_progress)
+            extra["path"] = "loop"
         targets, processed = np.arange(1, n), n - 1
     return StreamResult(
         method, targets, values.astype(np.float64), time.perf_counter() - t0, processed, extra
@@ -194,6 +238,7 @@ def streaming_perplexity(
     recompute_samples: int = 64,
     recompute_stride: int | None = None,
     seed: int = 0,
+    path: str = "auto",
     on_progress: Callable[[int], None] | None = None,
 ) -> dict[str, StreamResult]:
     """Every method over the same stream; ``recompute`` on a subsample of targets >= window.
@@ -215,7 +260,14 @@ def streaming_perplexity(
     sub = subsample_targets(n, window, samples=recompute_samples, stride=recompute_stride, seed=seed)
     return {
         name: stream_nll(
-            handle, token_ids, name, window=window, feed=feed, recompute_targets=sub, on_progress=on_progress
+            handle,
+            token_ids,
+            name,
+            window=window,
+            feed=feed,
+            recompute_targets=sub,
+            path=path,
+            on_progress=on_progress,
         )
         for name in methods
     }
@@ -248,6 +300,7 @@ TABLE_COLUMNS = [
     "95% CI ",
     "seconds",
     "tokens/s",
+    "computed by",
 ]
 
 
@@ -301,4 +354,5 @@ def table_row(row: dict) -> list:
         f"[{row['ratio_low']:.3f}, {row['ratio_high']:.3f}]",
         row["seconds"],
         row["tokens_per_s"],
+        {"masked": "masked forwards", "loop": "rolling cache"}.get(row.get("path", ""), "forward passes"),
     ]
