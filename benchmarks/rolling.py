@@ -408,12 +408,13 @@ def bench_masked(h, tokens: int, window: int, rounds: int) -> list[list]:
         times.setdefault("full", []).append(time.process_time() - t0)
     med = {k: float(np.median(v)) for k, v in times.items()}
     rows = [
+        [f"text: {text.source} ({len(ids):,} tokens)", "", "", ""],
         [
             "one dense forward over the stream (full context, 256-token blocks)",
             f"{med['full']:.1f} s",
             "1.00x",
             "",
-        ]
+        ],
     ]
     for method in ("window_abs", "sinks4"):
         loop, masked = med[f"{method} loop"], med[f"{method} masked"]
@@ -464,6 +465,7 @@ def main() -> None:
     ap.add_argument(
         "--max-position", type=int, default=None, help="override the position limit (forces re-bases)"
     )
+    ap.add_argument("--tp-window", type=int, default=2048, help="window of the throughput run")
     ap.add_argument("--ppl-tokens", type=int, default=3000)
     ap.add_argument(
         "--stride", type=int, default=10, help="re-computation baseline on every STRIDE-th target >= W"
@@ -513,7 +515,7 @@ def main() -> None:
         )
     if "throughput" in sections:
         print("throughput ...", file=sys.stderr)
-        w_tp = 256 if q else 1024
+        w_tp = 256 if q else args.tp_window
         put(
             "throughput",
             table(
