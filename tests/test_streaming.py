@@ -103,6 +103,15 @@ def test_streaming_experiment_smoke(smollm, tmp_path):
     assert doc["tables"]
     assert (tmp_path / "sp" / "ppl_by_method.png").is_file()
     assert (tmp_path / "sp" / "arrays.npz").is_file()
+    # --loop feeds the cache itself: the same numbers (masked path within rounding), said in the table
+    ref = ExperimentContext(out_dir=tmp_path / "loop", profile="quick", options={**ctx.options, "loop": True})
+    ref.model_handle = smollm
+    looped = run_experiment(get_experiment("streaming_ppl"), ref)
+    paths = {r["method"]: r.get("path") for r in result.summary["rows"]}
+    assert paths["sinks4"] == "masked" and paths["window"] == "loop"
+    assert {r["method"]: r.get("path") for r in looped.summary["rows"]}["sinks4"] == "loop"
+    for a, b in zip(result.summary["rows"], looped.summary["rows"], strict=True):
+        assert a["ppl_all"] == pytest.approx(b["ppl_all"], rel=1e-4), a["method"]
 
 
 @pytest.mark.real_model

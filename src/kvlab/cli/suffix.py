@@ -67,6 +67,13 @@ def register(app: typer.Typer) -> None:
                 "--stride", min=1, help="Re-compute every STRIDE-th target instead of random samples."
             ),
         ] = None,
+        loop: Annotated[
+            bool,
+            typer.Option(
+                "--loop",
+                help="Feed a real RollingCache token chunk by chunk (the reference) instead of the masked forwards.",
+            ),
+        ] = False,
     ) -> dict:
         """Perplexity over a text per cache policy: full, window, sinks + window, sliding window re-computed."""
         return {
@@ -76,6 +83,7 @@ def register(app: typer.Typer) -> None:
             "tokens": tokens,
             "recompute_samples": samples,
             "recompute_stride": stride,
+            "loop": loop,
         }
 
     @experiment_command(app, "suffix", "suffix_caching")

@@ -109,6 +109,7 @@ def run(
     feed: int | None = None,
     recompute_samples: int | None = None,
     recompute_stride: int | None = None,
+    loop: bool = False,
 ) -> ExperimentResult:
     result = ExperimentResult(name="streaming_ppl", title=TITLE, description=__doc__.strip().split("\n")[0])
     handle = ctx.handle()
@@ -127,7 +128,7 @@ def run(
         for window in windows:
             if len(ids) <= window + feed + 1:
                 raise BadInputError(f"{text.source} has {len(ids)} tokens, too few for window {window}")
-            res = _stream(ctx, handle, ids, text, window, sink_methods, feed, n_sub, recompute_stride)
+            res = _stream(ctx, handle, ids, text, window, sink_methods, feed, n_sub, recompute_stride, loop)
             sub = res["recompute"].targets
             key = f"{Path(text.source).stem}_w{window}"
             result.arrays[f"{key}_subsample_targets"] = sub
@@ -189,6 +190,7 @@ def _stream(
     feed: int,
     n_sub: int,
     recompute_stride,
+    loop: bool = False,
 ):
     """Every method's per-token NLL over one text at one window (full prefill when positions allow)."""
     methods = ["full", "window", "window_abs", *sink_methods, "recompute"]
@@ -206,6 +208,7 @@ def _stream(
             recompute_samples=n_sub,
             recompute_stride=recompute_stride,
             seed=ctx.seed,
+            path="loop" if loop else "auto",
             on_progress=advance,
         )
     return res
