@@ -5,7 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ["snapshot_io", "study_timing", "study_timing_quick", "rolling", "compression", "compressed_decode", "store", "transfer"]
+ORDER = [
+    "snapshot_io",
+    "study_timing",
+    "study_timing_quick",
+    "rolling",
+    "compression",
+    "compressed_decode",
+    "store",
+    "transfer",
+]
 
 HEADER = """# Benchmarks
 

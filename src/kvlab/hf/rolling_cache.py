@@ -48,7 +48,7 @@ from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
-from kvlab.rope.spec import RopeSpec
+from kvlab.rope.spec import RopeSpec, rope_spec_from_model
 
 Rebase = Literal["auto", "always", "never"]
 
@@ -449,13 +449,23 @@ def rolling_cache_for(
     rebase: Rebase = "auto",
     max_position: int | None = None,
 ) -> RollingCache:
-    """A :class:`RollingCache` for a :class:`~kvlab.model.ModelHandle` (its config, RoPE and maximum)."""
+    """A :class:`RollingCache` for a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM
+    (its config, RoPE and maximum position)."""
+    if hasattr(handle, "rope") and hasattr(handle, "max_positions"):
+        rope, max_pos = handle.rope, handle.max_positions
+    elif hasattr(handle, "config") and callable(getattr(handle, "forward", None)):  # a PreTrainedModel
+        text = handle.config.get_text_config(decoder=True)
+        rope, max_pos = rope_spec_from_model(handle), int(getattr(text, "max_position_embeddings", 0) or 0)
+    else:
+        raise BadInputError(
+            f"rolling_cache_for needs a kvlab ModelHandle or a Hugging Face causal LM, got {type(handle).__name__}"
+        )
     return RollingCache(
         handle.config,
-        handle.rope,
+        rope,
         window=window,
         sinks=sinks,
         evict_chunk=evict_chunk,
-        max_position=max_position or handle.max_positions,
+        max_position=max_position or max_pos,
         rebase=rebase,
     )

@@ -9,7 +9,7 @@ import torch
 
 from kvlab.errors import KvlabError, ModelNotFoundError
 from kvlab.model.facts import ModelFacts, facts_from_config, load_config_file
-from kvlab.model.handle import Forward, Generation, ModelHandle
+from kvlab.model.handle import Forward, Generation, ModelHandle, as_handle
 from kvlab.model.loading import (
     BUNDLED_NAME,
     cache_dir,
@@ -113,6 +113,7 @@ __all__ = [
     "Generation",
     "ModelFacts",
     "ModelHandle",
+    "as_handle",
     "facts_from_config",
     "load_config_file",
     "load_model",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -429,3 +430,24 @@ def decoder_layers(model: Any) -> Any:
     if layers is None:
         raise UnsupportedModelError("this model does not keep its decoder layers in model.model.layers")
     return layers
+
+
+_WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def as_handle(model: Any, tokenizer: Any = None) -> ModelHandle:
+    """``model`` as a :class:`ModelHandle`: a handle is returned as is; a plain Hugging Face causal LM
+    (``PreTrainedModel``) is wrapped once per model object (its fingerprint, which hashes the weights,
+    is then computed once), with ``tokenizer`` where text must be encoded. Every public kvlab entry
+    point that runs a model accepts either."""
+    if isinstance(model, ModelHandle):
+        return model
+    if not (hasattr(model, "config") and callable(getattr(model, "forward", None))):
+        raise BadInputError(
+            f"expected a kvlab ModelHandle or a Hugging Face causal LM, got {type(model).__name__}"
+        )
+    handle = _WRAPPED.get(model)
+    if handle is None or (tokenizer is not None and handle.tokenizer is not tokenizer):
+        handle = ModelHandle(model, tokenizer)
+        _WRAPPED[model] = handle
+    return handle

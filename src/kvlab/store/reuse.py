@@ -18,6 +18,7 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError
+from kvlab.model.handle import as_handle
 from kvlab.store.store import KVStore, Match, PutReport
 
 if TYPE_CHECKING:
@@ -76,7 +77,11 @@ def prefill_with_store(
     salt: str | None = None,
     store_prompt: bool = True,
 ) -> StoredPrefill:
-    """Prefill ``prompt``, loading its longest stored prefix and computing only the rest."""
+    """Prefill ``prompt``, loading its longest stored prefix and computing only the rest.
+
+    ``handle``: a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM (then give token
+    ids, or wrap it with its tokenizer: ``kvlab.model.as_handle(model, tokenizer)``)."""
+    handle = as_handle(handle)
     ids = _ids(handle, prompt, chat)
     ns = store.namespace(handle, salt=salt)
     t0 = time.perf_counter()
@@ -105,6 +110,7 @@ def reuse_generate(
     stop_at_eos: bool = True,
 ) -> ReuseResult:
     """Greedy generation whose prompt prefill reuses the store (and feeds it, unless ``store_prompt=False``)."""
+    handle = as_handle(handle)
     pre = prefill_with_store(handle, store, prompt, chat=chat, salt=salt, store_prompt=store_prompt)
     gen = handle.generate(pre.snapshot, pre.last_logits, max_new_tokens, stop_at_eos=stop_at_eos)
     stored = pre.stored.blocks_written if pre.stored is not None else 0
@@ -126,6 +132,7 @@ def fork(
     agent's own snapshot holds its own tensors once it has run (transformers concatenates the past
     with the new tokens), so the memory an agent adds is its own cache while it is alive.
     """
+    handle = as_handle(handle)
     if not continuations:
         raise BadInputError("fork needs at least one continuation")
     out = []

@@ -25,6 +25,7 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError
 from kvlab.metrics.text import agreement_length
+from kvlab.model.handle import as_handle
 from kvlab.store.block import Block, BlockHeader
 from kvlab.store.disk import ReadBuffer
 from kvlab.store.errors import BlockNotFoundError, CorruptBlockError
@@ -104,13 +105,13 @@ class KVStore:
 
     # -- namespaces --------------------------------------------------------------------------------
     def namespace(self, model: Any, *, salt: str | None = None, quantization: str | None = None) -> Namespace:
-        """The namespace of a ModelHandle's (or a snapshot's) caches in this store."""
+        """The namespace of a ModelHandle's, a Hugging Face model's or a snapshot's caches in this store."""
         if isinstance(model, KVSnapshot):
             return Namespace.for_snapshot(
                 model, block_tokens=self.block_tokens, salt=salt, quantization=quantization
             )
         return Namespace.for_model(
-            model, block_tokens=self.block_tokens, salt=salt, quantization=quantization
+            as_handle(model), block_tokens=self.block_tokens, salt=salt, quantization=quantization
         )
 
     # -- put ---------------------------------------------------------------------------------------

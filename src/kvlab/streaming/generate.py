@@ -14,6 +14,7 @@ import torch
 from kvlab.errors import BadInputError
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.loop import Sampling, decode_loop
+from kvlab.model.handle import as_handle
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,10 @@ class StreamEvent:
 
 @torch.no_grad()
 def feed(handle, cache: RollingCache, token_ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
-    """Run ``token_ids`` through the cache in pieces of at most ``chunk`` tokens; returns the last ``[vocab]`` logits."""
+    """Run ``token_ids`` through the cache in pieces of at most ``chunk`` tokens; returns the last ``[vocab]`` logits.
+
+    ``handle``: a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM."""
+    handle = as_handle(handle)
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
     if ids.shape[1] == 0:
         raise BadInputError("nothing to feed: give at least one token")

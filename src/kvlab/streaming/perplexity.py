@@ -29,6 +29,7 @@ from kvlab.errors import BadInputError
 from kvlab.hf.cache import sliding_windows
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.metrics.logits import nll
+from kvlab.model.handle import as_handle
 from kvlab.streaming.masked import evicted_before, masked_rolling_nll
 
 
@@ -172,7 +173,9 @@ def stream_nll(
     ``path`` (rolling methods): ``"masked"`` (a few masked forwards), ``"loop"`` (feed a RollingCache,
     the reference) or ``"auto"`` (masked where it is exact: a shift-exact RoPE, no sliding-window
     layers, the stream within the model's positions; the loop otherwise). ``extra["path"]`` says which ran.
+    ``handle``: a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM.
     """
+    handle = as_handle(handle)
     if method not in METHODS:
         raise BadInputError(f"unknown streaming method '{method}'; choose from {', '.join(METHODS)}")
     if path not in ("auto", "masked", "loop"):
@@ -247,6 +250,7 @@ def streaming_perplexity(
     fixed, reproducible set: the benchmark's choice), else ``recompute_samples`` random targets.
     Every method scores all targets it can, so :meth:`StreamResult.ppl_on` compares identical targets.
     """
+    handle = as_handle(handle)
     methods = (
         list(methods)
         if methods
