@@ -453,6 +453,8 @@ def rolling_cache_for(
     (its config, RoPE and maximum position)."""
     if hasattr(handle, "rope") and hasattr(handle, "max_positions"):
         rope, max_pos = handle.rope, handle.max_positions
+        if rope is None and getattr(handle, "rope_problem", None):
+            raise UnsupportedModelError(handle.rope_problem)
     elif hasattr(handle, "config") and callable(getattr(handle, "forward", None)):  # a PreTrainedModel
         text = handle.config.get_text_config(decoder=True)
         rope, max_pos = rope_spec_from_model(handle), int(getattr(text, "max_position_embeddings", 0) or 0)

@@ -96,7 +96,16 @@ class ModelHandle:
 
     @cached_property
     def rope(self) -> RopeSpec | None:
-        return rope_spec_from_model(self.model)
+        """The model's RoPE; None without one, and None (with :attr:`rope_problem` saying why) for a RoPE
+        kvlab cannot represent yet (one per layer type, as Gemma-3's), so operations that do not move
+        positions still run and those that do refuse."""
+        try:
+            return rope_spec_from_model(self.model)
+        except UnsupportedModelError as exc:
+            self.rope_problem = str(exc)
+            return None
+
+    rope_problem: str | None = None
 
     @property
     def dtype(self) -> torch.dtype:

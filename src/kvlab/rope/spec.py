@@ -136,7 +136,36 @@ def _rope_params(config: Any) -> dict:
     return dict(params) if isinstance(params, dict) else {}
 
 
+def _per_layer_type_bases(rotary: Any) -> dict[str, float] | None:
+    """``{layer type: RoPE base}`` for a rotary module that keeps one RoPE per layer type (Gemma-3 keeps
+    ``sliding_attention_inv_freq`` and ``full_attention_inv_freq``), else None."""
+    types = getattr(rotary, "layer_types", None)
+    if not types or not all(isinstance(getattr(rotary, f"{t}_inv_freq", None), torch.Tensor) for t in types):
+        return None
+    params = getattr(getattr(rotary, "config", None), "rope_parameters", None) or {}
+    out = {}
+    for t in types:
+        theta = (params.get(t) or {}).get("rope_theta") if isinstance(params, dict) else None
+        if theta is None:  # inv_freq[i] = base ** (-2i / dim): the base from the second frequency
+            inv = getattr(rotary, f"{t}_inv_freq").detach().to(torch.float64)
+            theta = float(inv[1] ** (-inv.numel())) if inv.numel() > 1 else float("nan")
+        out[str(t)] = float(theta)
+    return out
+
+
+def _refuse_per_layer_type(bases: dict[str, float]) -> UnsupportedModelError:
+    listed = ", ".join(f"{t}: base {b:,.0f}" for t, b in bases.items())
+    return UnsupportedModelError(
+        f"this model uses a different RoPE per layer type ({listed}); kvlab's RoPE operations (shifts, "
+        "de-rotation, rolling caches, snapshots with positions) support one RoPE per model so far"
+    )
+
+
 def _find_rotary_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    for m in model.modules():
+        bases = _per_layer_type_bases(m)
+        if bases is not None:
+            raise _refuse_per_layer_type(bases)
     found = [m for m in model.modules() if hasattr(m, "inv_freq") and isinstance(m.inv_freq, torch.Tensor)]
     if len(found) > 1:
         raise UnsupportedModelError(
@@ -175,6 +204,11 @@ def rope_spec_from_model(model: torch.nn.Module) -> RopeSpec | None:
 
 def rope_spec_from_config(config: Any) -> RopeSpec | None:
     """The RoPE spec of a model family, built by the family's own rotary class from a config alone."""
+    params, types = getattr(config, "rope_parameters", None), getattr(config, "layer_types", None)
+    if isinstance(params, dict) and types and set(types) <= set(params):  # one RoPE per layer type
+        raise _refuse_per_layer_type(
+            {str(t): float(params[t].get("rope_theta", float("nan"))) for t in sorted(set(types))}
+        )
     cls = _rotary_class_for_config(config)
     if cls is None:
         return None
@@ -188,6 +222,9 @@ def rope_spec_from_config(config: Any) -> RopeSpec | None:
 
 
 def _spec_from_rotary(rotary: torch.nn.Module, config: Any) -> RopeSpec:
+    bases = _per_layer_type_bases(rotary)
+    if bases is not None:
+        raise _refuse_per_layer_type(bases)
     params = _rope_params(config)
     rope_type = str(getattr(rotary, "rope_type", None) or params.get("rope_type") or "default")
     inv_freq = rotary.inv_freq.detach().to("cpu", torch.float64)

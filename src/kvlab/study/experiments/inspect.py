@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvlab.data import PHASE1_PROMPTS, python_docs
-from kvlab.errors import BadInputError
+from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.model.facts import ModelFacts, dtype_bytes, facts_from_config, load_config_file
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
@@ -184,19 +184,23 @@ def run(
     result = ExperimentResult(
         name="inspect", title="Cache inspection (Phase 1)", description=__doc__.strip().split("\n")[0]
     )
-    handle = None
+    handle, rope_problem = None, None
     if config is not None:
         cfg = load_config_file(config)
         facts = facts_from_config(cfg, name=Path(config).stem)
         from kvlab.rope.spec import rope_spec_from_config
 
-        rope = rope_spec_from_config(cfg)
+        try:
+            rope = rope_spec_from_config(cfg)
+        except UnsupportedModelError as exc:
+            rope, rope_problem = None, str(exc)
         result.data_sources.append(f"config file {config} (no weights)")
     else:
         handle = ctx.handle()
         facts, rope = handle.facts, handle.rope
+        rope_problem = handle.rope_problem
     cache_dtype = cache_dtype or (str(handle.dtype).replace("torch.", "") if handle else facts.weights_dtype)
-    _architecture(result, facts, rope, cache_dtype)
+    _architecture(result, facts, rope, cache_dtype, rope_problem)
     _projection(ctx, result, facts, cache_dtype)
     if handle is None:
         result.notes.append(
@@ -215,10 +219,13 @@ def run(
     return result
 
 
-def _architecture(result: ExperimentResult, facts, rope, cache_dtype: str) -> None:
+def _architecture(
+    result: ExperimentResult, facts, rope, cache_dtype: str, rope_problem: str | None = None
+) -> None:
     """The architecture table, bytes per token by dtype (formula and number) and the summary's facts."""
     dtype_bytes(cache_dtype)  # validates
-    result.tables.append(architecture_table(facts, rope.summary() if rope else None))
+    summary = rope.summary() if rope else (f"not supported: {rope_problem}" if rope_problem else None)
+    result.tables.append(architecture_table(facts, summary))
     per_token = {dt: facts.kv_bytes_per_token(dt) for dt in ("float32", "bfloat16", "float16", "int8")}
     result.summary.update(
         {
