@@ -46,3 +46,29 @@ def test_inspect_reports_the_hybrid_rope_instead_of_none(tmp_path):
     arch = next(t for t in result.tables if t.title == "Architecture")
     rope_row = next(r for r in arch.rows if r[0] == "RoPE")
     assert rope_row[1].startswith("not supported:") and "per layer type" in rope_row[1]
+
+
+def test_a_model_without_rope_runs_what_does_not_move_positions_and_refuses_the_rest():
+    """GPT-2 (learned absolute positions): snapshots and full-context perplexity work; a rolling cache
+    and the rolling perplexity methods refuse with one clear line."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kvlab.model.handle import ModelHandle
+    from kvlab.streaming import stream_nll
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=256, bos_token_id=0, eos_token_id=0
+    )
+    h = ModelHandle(GPT2LMHeadModel(cfg))
+    assert h.rope is None and h.rope_problem is None
+    assert h.prefill([1, 2, 3, 4]).snapshot.seq_len == 4
+    ids = torch.randint(3, 500, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert stream_nll(h, ids, "full", window=16).nll.shape == (59,)
+    for attempt in (
+        lambda: rolling_cache_for(h, window=16),
+        lambda: stream_nll(h.model, ids, "sinks2", window=16),
+    ):
+        with pytest.raises(UnsupportedModelError, match="needs a model with RoPE"):
+            attempt()
