@@ -30,6 +30,7 @@ from kvlab.cache.snapshot import KVSnapshot, concat
 from kvlab.errors import BadInputError
 from kvlab.hf.masked import forward_masked
 from kvlab.metrics.logits import nll
+from kvlab.model.handle import as_handle
 from kvlab.policy.window import SinksWindow
 
 
@@ -66,7 +67,9 @@ def masked_rolling_nll(
 ) -> np.ndarray:
     """Per-token NLL ``[n - 1]`` of ``ids [n]`` (targets ``1 .. n-1``) under a rolling cache of ``sinks`` +
     ``window`` fed ``feed`` tokens at a time, evicting ``evict_chunk`` at once: what
-    :func:`kvlab.streaming.stream_nll` computes token loop by token loop, in about ``n / block`` forwards."""
+    :func:`kvlab.streaming.stream_nll` computes token loop by token loop, in about ``n / block`` forwards.
+    ``handle``: a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM."""
+    handle = as_handle(handle)
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
     n_q = ids.numel() - 1
     if n_q < 1 or block < 1:
