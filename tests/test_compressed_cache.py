@@ -12,7 +12,7 @@ from kvlab.compress.evict import SnapKV, StreamingLLM, evict, observe
 from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer, quantize_snapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf import cache_argument
-from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
+from kvlab.hf.compressed_cache import DECODE_BLOCK, CompressedCache, logits_on_layers
 from tests.tolerances import assert_forward_close
 
 # the keyword transformers takes the cache by (``cache`` from 5.24, ``past_key_values`` before)
@@ -72,6 +72,18 @@ def test_generate_quantized_streams_into_packed_segments(tiny):
     assert layer.sink_keys.shape[-2] == 2 and len(layer.segments) >= 3 and layer.keys.shape[-2] < 4 + 8
 
 
+def test_per_token_quantizers_encode_generated_tokens_in_blocks(tiny):
+    """One packed segment per generated token would make each step slower than the last: generated
+    tokens wait in the full-precision tail and are encoded DECODE_BLOCK at a time."""
+    cache = CompressedCache(tiny.config, quantizer=RotatedQuantizer(bits=4, group_size=16, sinks=2))
+    out = tiny.model.generate(IDS[:, :20], max_new_tokens=100, do_sample=False, **{CACHE_ARG: cache})
+    assert out.shape[1] == 120
+    layer = cache.layers[0]
+    assert [s.length for s in layer.segments] == [18, DECODE_BLOCK, DECODE_BLOCK, DECODE_BLOCK]
+    assert layer.keys.shape[-2] == 119 - 2 - 18 - 3 * DECODE_BLOCK  # the rest waits in the fp tail
+    assert cache.get_seq_length() == layer.held == 119
+
+
 def test_evicting_cache_matches_snapshot_eviction_and_keeps_positions(tiny):
     ids = IDS[0].tolist()
     ev = evict(observe(tiny, ids), SnapKV(window=4, observe=4), keep=0.5)
@@ -122,7 +134,10 @@ def test_real_model_generate_with_compressed_caches(smollm):
     assert torch.equal(
         smollm.model.generate(ids, max_new_tokens=6, do_sample=False, **{CACHE_ARG: cache}), plain
     )
-    assert cache.nbytes < 0.5 * 46080 * cache.get_seq_length()  # 8.5 bits/element + 4 fp32 sinks
+    tail = cache.layers[0].keys.shape[-2]  # generated tokens wait in the fp tail for a whole block
+    assert 0 < tail < DECODE_BLOCK
+    packed = cache.get_seq_length() - tail  # 8.5 bits/element + 4 fp32 sinks
+    assert cache.nbytes < 0.5 * 46080 * packed + 46080 * tail
     cache = CompressedCache(smollm.config, policy=SnapKV(window=4, observe=4), keep=0.5, model=smollm.model)
     out = smollm.model.generate(ids, max_new_tokens=6, do_sample=False, **{CACHE_ARG: cache})
     assert out.shape == plain.shape and cache.held < cache.get_seq_length()

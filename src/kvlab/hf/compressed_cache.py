@@ -30,6 +30,9 @@ from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_wi
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import RopeSpec, rope_spec_from_config
 
+# Per-token quantizers encode generated tokens in blocks of this many (they wait in the fp tail until then).
+DECODE_BLOCK = 32
+
 
 def _bytes(*ts: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
@@ -124,10 +127,16 @@ class CompressedLayer(DynamicLayer):
         if rule.quantizer is None:
             self.keys, self.values = out
             return out
-        self._store(key_states, value_states, positions)
+        self._store(key_states, value_states, positions, first=self.seen == n_new)
         return out
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    def _store(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, first: bool = False) -> None:
+        """Append to the full-precision tail; encode what the quantizer may take as one packed segment.
+
+        The first feed (the prompt) is encoded at once, as :func:`quantize_snapshot` would. Later feeds
+        of a per-token quantizer wait in the tail until ``DECODE_BLOCK`` tokens can be encoded together
+        (KIVI's residual): one segment per generated token would make every step slower than the last.
+        """
         q = self.rule.quantizer
         have = self.sink_keys.shape[-2] if self.sink_keys is not None else 0
         take = min(max(q.sinks - have, 0), k.shape[-2])
@@ -140,7 +149,7 @@ class CompressedLayer(DynamicLayer):
         tail_v = torch.cat((self.values, v), dim=-2)
         tail_pos = torch.cat((self.tail_positions, positions))
         _, stop = split_plan(tail_k.shape[-2], 0, q.window, q.token_multiple())
-        if stop > 0:
+        if stop > 0 and (first or q.token_multiple() > 1 or stop >= DECODE_BLOCK):
             self.segments.append(
                 q.encode(tail_k[:, :, :stop], tail_v[:, :, :stop], tail_pos[:stop], self.rule.rope)
             )
