@@ -82,8 +82,8 @@ def _plain_read(paths: list[Path]) -> int:
 def _plain_read_kept(paths: list[Path], sizes: list[int]) -> torch.Tensor:
     """Read the files, in order, into one new buffer that is kept, as any loader that returns the data must.
 
-    The buffer comes from the store's own allocator (``_alloc``), so the plain reader and the store pay
-    the same page faults for fresh memory.
+    The buffer comes from the store's own allocator (``torch.empty``), so the plain reader and the store
+    pay the same page faults for fresh memory.
     """
     out = _alloc((sum(sizes),), torch.uint8)
     view = memoryview(out.numpy())
@@ -245,7 +245,7 @@ def main() -> None:
         "- *plain read, dropped*: `open(p).read()` of each file, the result thrown away; the reused buffer stays in "
         "the CPU cache, so nothing is written to main memory.",
         "- *plain read, kept*: the same files read into one new buffer that is kept (allocated like the store's "
-        "output: plain pages for the process's first, huge pages after). Any loader that returns the bytes pays for writing them to fresh "
+        "output, `torch.empty`). Any loader that returns the bytes pays for writing them to fresh "
         "memory; this is the plain read that does the same job as the store minus the checks and the scatter.",
         "- *cold* evicts the files from the page cache (posix_fadvise DONTNEED) before each read, so all three read "
         "from the device; *warm* reads from the page cache.",

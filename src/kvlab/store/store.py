@@ -11,8 +11,6 @@ One :class:`KVStore` object is not thread-safe; processes share a store through 
 
 from __future__ import annotations
 
-import math
-import mmap
 import os
 import time
 from collections.abc import Sequence
@@ -496,33 +494,16 @@ def _owned(block: Block) -> Block:
     )
 
 
-_HUGE_MIN_BYTES = 4 * 2**20
-_large_outputs = 0  # large outputs allocated by this process so far
-
-
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised output tensor: plain pages for a process's first large one, huge pages after.
+    """An uninitialised output tensor (plain ``torch.empty``).
 
-    Measured on this machine (97 MB outputs, 2026-11-25): advising ``MADV_HUGEPAGE`` makes a
-    long-lived process's loads 2x faster once the kernel has 2 MiB pages to give (23 ms vs 52 ms per
-    load), but a fresh process's first touch of such a map can stall while the kernel compacts memory
-    (98-244 ms vs 17-75 ms with plain pages). So a one-shot process (``kvlab store generate``) never
-    waits for that, and a server pays it once, on its second load.
+    Transparent huge pages were tried (an anonymous map advised ``MADV_HUGEPAGE``). Measured here on
+    97 MB outputs, 2026-11-25: in a long-lived process they make loads 2x faster once the kernel has
+    2 MiB pages (23 vs 52 ms), but a fresh process's first touch can stall while the kernel compacts
+    memory (98-244 ms vs 17-75 ms), and a lookup allocates two outputs, so even "plain pages first"
+    stalled on the second. Plain pages are predictable; a server that wants the 2x can pool outputs.
     """
-    global _large_outputs
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < _HUGE_MIN_BYTES or advice is None:
-        return torch.empty(shape, dtype=dtype)
-    _large_outputs += 1
-    if _large_outputs == 1:
-        return torch.empty(shape, dtype=dtype)
-    try:
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buf.madvise(advice)
-    except (OSError, ValueError):
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+    return torch.empty(shape, dtype=dtype)
 
 
 def _assemble(blocks: list[Block], namespace: Namespace) -> KVSnapshot:
