@@ -207,7 +207,7 @@ def rope_spec_from_config(config: Any) -> RopeSpec | None:
     params, types = getattr(config, "rope_parameters", None), getattr(config, "layer_types", None)
     if isinstance(params, dict) and types and set(types) <= set(params):  # one RoPE per layer type
         raise _refuse_per_layer_type(
-            {str(t): float(params[t].get("rope_theta", float("nan"))) for t in sorted(set(types))}
+            {str(t): float(dict(params[t] or {}).get("rope_theta", float("nan"))) for t in sorted(set(types))}
         )
     cls = _rotary_class_for_config(config)
     if cls is None:
@@ -222,9 +222,6 @@ def rope_spec_from_config(config: Any) -> RopeSpec | None:
 
 
 def _spec_from_rotary(rotary: torch.nn.Module, config: Any) -> RopeSpec:
-    bases = _per_layer_type_bases(rotary)
-    if bases is not None:
-        raise _refuse_per_layer_type(bases)
     params = _rope_params(config)
     rope_type = str(getattr(rotary, "rope_type", None) or params.get("rope_type") or "default")
     inv_freq = rotary.inv_freq.detach().to("cpu", torch.float64)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvlab.cache.snapshot import KVSnapshot, concat
-from kvlab.errors import BadInputError
+from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.masked import forward_masked
 from kvlab.metrics.logits import nll
 from kvlab.model.handle import as_handle
@@ -75,7 +75,9 @@ def masked_rolling_nll(
     if n_q < 1 or block < 1:
         raise BadInputError("masked evaluation needs at least 2 tokens and a block of at least 1")
     if handle.rope is None:
-        raise BadInputError("masked rolling evaluation re-positions sinks, which needs a model with RoPE")
+        raise UnsupportedModelError(
+            "masked rolling evaluation re-positions sinks, which needs a model with RoPE"
+        )
     handle.rope.require_shift_exact("masked rolling evaluation")
     dropped = torch.from_numpy(
         evicted_before(n_q, sinks=sinks, window=window, feed=feed, evict_chunk=evict_chunk)
