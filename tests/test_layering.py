@@ -119,7 +119,7 @@ LAYERS = [
     {"model"},
     {"ops", "streaming"},
     {"store"},
-    {"study"},
+    {"study", "serve"},
     {"cli"},
     {"__main__"},
 ]

@@ -379,6 +379,29 @@ class RollingCache(Cache):
             "disable assisted/speculative decoding with it"
         )
 
+    def seed(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Load a prefix's K/V (``[1, kv_heads, T, head_dim]`` per layer, keys at positions ``0..T-1``)
+        into this empty cache, as if those ``T`` tokens had been fed. In place.
+
+        Refused unless the cache is empty and ``T <= sinks + window`` (no roll would have happened
+        while feeding them, so the result equals feeding them, up to the summation order of the
+        forward that computed the prefix). The server uses it to start a conversation from a stored
+        prefix (:mod:`kvlab.serve`).
+        """
+        if self.tokens_seen:
+            raise BadInputError("seed() needs an empty RollingCache")
+        if len(layers) != len(self.layers):
+            raise BadInputError(f"seed() got {len(layers)} layers for a {len(self.layers)}-layer cache")
+        n = int(layers[0][0].shape[-2])
+        if not 1 <= n <= int(self.rule.policy.capacity or 0):
+            raise BadInputError(
+                f"seed() takes 1 to sinks + window ({self.rule.policy.capacity}) tokens, got {n}"
+            )
+        for layer, (k, v) in zip(self.layers, layers, strict=True):
+            if k.shape[0] != 1 or k.shape[-2] != n or v.shape[-2] != n:
+                raise BadInputError("seed() takes one row of equal length in every layer")
+            layer.update(k, v)
+
     # -- inspection ----------------------------------------------------------------------------------
     def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(keys, values)]`` per layer as the next forward will see them (pending roll applied).

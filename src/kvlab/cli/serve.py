@@ -1,0 +1,97 @@
+"""``kvlab serve``: an OpenAI-compatible server whose conversations roll instead of re-prefilling."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from kvlab.cli.common import ModelOpt
+from kvlab.errors import BadInputError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("serve")
+    def serve(
+        model: ModelOpt = "smollm2-135m",
+        host: Annotated[
+            str, typer.Option(help="Interface to listen on (127.0.0.1: this machine only).")
+        ] = "127.0.0.1",
+        port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
+        store: Annotated[
+            str | None,
+            typer.Option(
+                "--store",
+                help="Prefix store shared by requests and replicas: a folder, redis://host:port/db, or 'memory' (default).",
+            ),
+        ] = None,
+        window: Annotated[int, typer.Option(min=1, help="Recent tokens each conversation keeps.")] = 1024,
+        sinks: Annotated[int, typer.Option(min=0, help="Attention-sink tokens kept before the window.")] = 4,
+        evict_chunk: Annotated[
+            int, typer.Option("--evict-chunk", min=1, help="Tokens evicted at once when a window overflows.")
+        ] = 64,
+        api_key: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--api-key",
+                help="Accepted Bearer key (repeatable; also $KVLAB_API_KEYS, comma-separated). Each key is its own tenant: no cache is shared across keys.",
+            ),
+        ] = None,
+        max_batch: Annotated[
+            int, typer.Option("--max-batch", min=1, help="Requests decoded together in one forward.")
+        ] = 4,
+        max_queue: Annotated[
+            int, typer.Option("--max-queue", min=0, help="Requests waiting beyond those; more get 429.")
+        ] = 16,
+        max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=1)] = 32768,
+        max_tokens: Annotated[
+            int, typer.Option("--max-tokens", min=1, help="Largest max_tokens a request may ask for.")
+        ] = 2048,
+        max_body: Annotated[int, typer.Option("--max-body-bytes", min=1024)] = 1 << 20,
+    ) -> None:
+        """Serve the model over the OpenAI API (chat, completions, streaming) with rolling, shared caches.
+
+        A conversation sent again with a new turn computes only the new tokens; one that outgrows the
+        window rolls (sinks + window, exact RoPE re-rotation); prefixes are shared through the store by
+        every request of a tenant and by every server on the same store. Status page at /, Prometheus
+        metrics at /metrics. See docs/serving.md.
+        """
+        import logging
+
+        import uvicorn
+
+        from kvlab.model import load_model
+        from kvlab.serve.app import Limits, create_app
+        from kvlab.serve.engine import Engine, EngineSettings
+        from kvlab.serve.metrics import Metrics
+        from kvlab.store import open_store
+
+        keys = tuple(api_key or ()) + tuple(k for k in os.environ.get("KVLAB_API_KEYS", "").split(",") if k)
+        if any(len(k) < 8 or any(c.isspace() for c in k) for k in keys):
+            raise BadInputError("API keys need at least 8 characters and no spaces")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        settings = EngineSettings(
+            window=window, sinks=sinks, evict_chunk=evict_chunk, max_batch=max_batch, max_queue=max_queue
+        )
+        kv_store = open_store(store or "memory")
+        handle = load_model(model)
+        engine = Engine(handle, settings, store=kv_store, metrics=Metrics())
+        app_ = create_app(
+            engine,
+            model_id=model,
+            api_keys=keys,
+            limits=Limits(
+                max_body_bytes=max_body, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens
+            ),
+        )
+        config = uvicorn.Config(app_, host=host, port=port, log_level="warning", access_log=False)
+        server = uvicorn.Server(config)
+        typer.echo(
+            f"kvlab serve: {model} on http://{host}:{port}/v1 ({kv_store.describe()}, window {window} + {sinks} sinks)",
+            err=True,
+        )
+        try:
+            server.run()
+        finally:
+            engine.stop()

@@ -1,0 +1,419 @@
+"""The serving engine: conversations that never re-prefill, decoded together in one batched forward.
+
+One worker thread owns the model. Requests wait in a bounded queue; between decode steps the worker
+admits waiting requests (up to ``max_batch`` at once), prefills what is new in each, then runs one
+batched forward per step over every live request (:func:`kvlab.hf.batch.step_rolling_rows`), so
+requests join and leave between steps (continuous batching).
+
+Where a prompt's cache comes from, in order:
+
+1. **A live session.** A finished request leaves its :class:`Session` behind: the token ids its
+   :class:`~kvlab.hf.RollingCache` has seen and the cache itself. A request whose ids start with a
+   session's ids (the same conversation, sent again with the new turn, as clients do) takes the
+   session over and feeds only the new tokens.
+2. **The store.** Otherwise the first ``sinks + window`` tokens are looked up in the
+   :class:`~kvlab.store.KVStore` (chained block keys, longest prefix, salted per tenant) and only
+   the rest is computed; the computed blocks are stored for every later request, agent or replica.
+3. **Nothing**: the prompt is computed.
+
+Prompts and replies beyond the window **roll** (attention sinks + window, exact RoPE re-rotation)
+instead of failing. The system prompt is pinned: it is part of the cache's sinks, never evicted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvlab.errors import BadInputError, KvlabError
+from kvlab.hf.batch import step_rolling_rows
+from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
+from kvlab.loop import Sampling
+from kvlab.store.errors import StoreError
+from kvlab.store.reuse import prefill_with_store
+from kvlab.store.store import KVStore
+from kvlab.streaming.generate import feed
+
+log = logging.getLogger("kvlab.serve")
+
+
+class QueueFullError(KvlabError):
+    """More requests are waiting than the server accepts (HTTP 429)."""
+
+
+class ShuttingDownError(KvlabError):
+    """The engine is stopping (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    window: int = 1024
+    sinks: int = 4
+    evict_chunk: int = 64
+    max_batch: int = 4  # requests decoded together
+    max_queue: int = 16  # requests waiting beyond those decoding
+    max_sessions: int = 64  # idle conversations kept for reuse (least recently used dropped)
+
+
+@dataclass
+class Session:
+    """A conversation's cache: every token id it has seen (in order) and the rolling cache that holds them."""
+
+    id: str
+    salt: str
+    ids: list[int]
+    cache: RollingCache
+    pinned: int
+    requests: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    last_used: float = field(default_factory=time.time)
+
+    def layout(self) -> dict[str, int]:
+        c = self.cache
+        return {
+            "sinks": min(c.sinks, c.kept),
+            "pinned": self.pinned,
+            "window": c.window,
+            "kept": c.kept,
+            "seen": c.tokens_seen,
+            "rolls": c.rolls,
+        }
+
+
+@dataclass
+class Request:
+    """One completion request as the engine sees it (token ids in, events out)."""
+
+    ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    emit: Callable[[tuple], None]  # called from the worker thread with ("start"|"token"|"done"|"error", ...)
+    salt: str = ""
+    pinned: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Row:
+    """A request being decoded."""
+
+    req: Request
+    session: Session
+    logits: torch.Tensor
+    generator: torch.Generator | None
+    info: dict[str, Any]
+    out: list[int] = field(default_factory=list)
+    text: str = ""  # text emitted so far
+    finish: str | None = None
+    last_step: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    """Owns the model, the sessions and the store; serves :class:`Request` s from one worker thread."""
+
+    def __init__(self, handle: Any, settings: EngineSettings, *, store: KVStore | None = None, metrics=None):
+        probe = rolling_cache_for(
+            handle, window=settings.window, sinks=settings.sinks, evict_chunk=settings.evict_chunk
+        )
+        del probe  # the settings are valid for this model (raises before the server starts otherwise)
+        self.handle = handle
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()  # idle, LRU first
+        self._pending: collections.deque[Request] = collections.deque()
+        self._active: list[_Row] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self.store_warnings = 0
+        self._thread = threading.Thread(target=self._work, name="kvlab-engine", daemon=True)
+        self._thread.start()
+
+    # -- the public side (any thread) ----------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.settings.sinks + self.settings.window
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req``; raises :class:`QueueFullError` when ``max_queue`` requests already wait."""
+        with self._cv:
+            if self._stopping:
+                raise ShuttingDownError("the server is shutting down")
+            if len(self._pending) >= self.settings.max_queue:
+                raise QueueFullError(f"{len(self._pending)} requests are already waiting; retry shortly")
+            self._pending.append(req)
+            self._cv.notify()
+        self._gauge()
+
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    def active(self) -> int:
+        return len(self._active)
+
+    def status(self) -> dict[str, Any]:
+        """Live and idle sessions with their cache layouts (for the status page and ``/health``)."""
+        rows = list(self._active)
+        live = [
+            {"session": r.session.id, "state": "decoding", **r.session.layout(), **_reuse(r.session)}
+            for r in rows
+        ]
+        idle = [
+            {"session": s.id, "state": "idle", **s.layout(), **_reuse(s)}
+            for s in list(self.sessions.values())
+        ]
+        return {
+            "queue": self.queue_depth(),
+            "decoding": len(rows),
+            "sessions": live + idle,
+            "settings": dataclasses.asdict(self.settings),
+        }
+
+    def store_stats(self) -> dict[str, Any]:
+        """The store's tiers with their hit counters (counters only: walking a disk or Redis tier for its
+        size takes too long for a status page, and the worker may be writing it)."""
+        if self.store is None:
+            return {}
+        tiers = {t.name: t.counters.to_json() for t in self.store.tiers}
+        return {
+            "describe": self.store.describe(),
+            "warnings": self.store_warnings,
+            "tiers": tiers,
+            "hit_tokens": self.store.hit_tokens,
+            "miss_tokens": self.store.miss_tokens,
+        }
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    # -- the worker ----------------------------------------------------------------------------------
+    def _work(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not self._pending and not self._active and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    for req in self._pending:
+                        req.emit(("error", ShuttingDownError("the server is shutting down")))
+                    self._pending.clear()
+                    return
+                admit: list[Request] = []
+                while self._pending and len(self._active) + len(admit) < self.settings.max_batch:
+                    admit.append(self._pending.popleft())
+            self._gauge()
+            for req in admit:
+                if req.cancelled.is_set():
+                    continue
+                try:
+                    self._active.append(self._start(req))
+                except Exception as exc:  # a bad request must never kill the worker
+                    if not isinstance(exc, KvlabError):
+                        log.exception("prefill failed")
+                    req.emit(("error", exc))
+            if self._active:
+                try:
+                    self._step()
+                except Exception as exc:
+                    log.exception("decode step failed")
+                    for row in self._active:
+                        row.req.emit(("error", exc))
+                        self._drop_session(row.session)
+                    self._active = []
+
+    def _start(self, req: Request) -> _Row:
+        """Find the longest cached prefix, compute the rest, return the row ready to pick its first token."""
+        t0 = time.perf_counter()
+        session = self._take_session(req.ids, req.salt)
+        tiers: dict[str, int] = {}
+        rolls_before = 0
+        if session is not None:
+            source, cached = "session", len(session.ids)
+            rolls_before = session.cache.rolls
+            logits = feed(self.handle, session.cache, req.ids[cached:])
+        else:
+            cache = rolling_cache_for(
+                self.handle,
+                window=self.settings.window,
+                sinks=max(self.settings.sinks, req.pinned),
+                evict_chunk=self.settings.evict_chunk,
+            )
+            session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, req.pinned)
+            head = req.ids[: self.capacity]
+            logits, cached, tiers = self._prefill_head(cache, head, req.salt)
+            source = "store" if cached else "none"
+            if len(req.ids) > len(head):
+                logits = feed(self.handle, cache, req.ids[len(head) :])
+        session.ids = list(req.ids)
+        session.requests += 1
+        session.reused_tokens += cached
+        session.computed_tokens += len(req.ids) - cached
+        info = {
+            "session": session.id,
+            "source": source,
+            "cached_tokens": cached,
+            "computed_tokens": len(req.ids) - cached,
+            "rolls": session.cache.rolls - rolls_before,
+            "prefill_ms": round((time.perf_counter() - t0) * 1000, 2),
+            "store_tiers": tiers,
+        }
+        if self.metrics is not None:
+            self.metrics.prefilled(info)
+        gen = None if req.sampling.greedy else torch.Generator().manual_seed(req.sampling.seed)
+        req.emit(("start", info))
+        return _Row(req, session, logits[None], gen, info)
+
+    def _prefill_head(
+        self, cache: RollingCache, head: list[int], salt: str
+    ) -> tuple[torch.Tensor, int, dict]:
+        """The first ``sinks + window`` tokens: from the store where it has them (then stored), else computed."""
+        if self.store is not None:
+            try:
+                pre = prefill_with_store(self.handle, self.store, head, salt=salt or None)
+            except StoreError as exc:  # e.g. Redis gone: serve from what we have, say so
+                self.store_warnings += 1
+                log.warning("kvlab serve: the store failed (%s); computing this prompt without it", exc)
+            else:
+                cache.seed(list(zip(pre.snapshot.keys, pre.snapshot.values, strict=True)))
+                return pre.last_logits, pre.cached_tokens, dict(pre.match.tier_blocks)
+        return feed(self.handle, cache, head), 0, {}
+
+    def _step(self) -> None:
+        """Pick one token per row, report it, feed every row's token in one batched forward."""
+        now = time.perf_counter()
+        for row in self._active:
+            if row.req.cancelled.is_set():
+                row.finish = "cancelled"
+                continue
+            tok = int(row.req.sampling.pick(row.logits, row.generator)[0])
+            row.out.append(tok)
+            if tok in row.req.stop_ids:
+                row.finish = "stop"
+            else:
+                self._emit_text(row)
+                if row.finish is None and len(row.out) >= row.req.max_new_tokens:
+                    row.finish = "length"
+            if self.metrics is not None:
+                self.metrics.token(
+                    now - (row.req.submitted if len(row.out) == 1 else row.last_step), first=len(row.out) == 1
+                )
+            row.last_step = now
+        fed = [r for r in self._active if r.finish != "cancelled"]
+        if fed:
+            rolls = [r.session.cache.rolls for r in fed]
+            logits = step_rolling_rows(self.handle, [r.session.cache for r in fed], [r.out[-1] for r in fed])
+            for i, row in enumerate(fed):
+                row.logits = logits[i : i + 1]
+                row.session.ids.append(row.out[-1])
+                row.info["rolls"] += row.session.cache.rolls - rolls[i]
+                if self.metrics is not None and row.session.cache.rolls > rolls[i]:
+                    self.metrics.rolled(row.session.cache.rolls - rolls[i])
+        still = []
+        for row in self._active:
+            if row.finish is None:
+                still.append(row)
+                continue
+            self._finish(row)
+        self._active = still
+
+    def _emit_text(self, row: _Row) -> None:
+        """Emit the new text of ``row`` (held back while it may be a partial character or stop string)."""
+        text = self.handle.decode(row.out)
+        for stop in row.req.stop_strings:
+            at = text.find(stop)
+            if at >= 0:
+                text, row.finish = text[:at], "stop"
+        hold = 0 if row.finish else _holdback(text, row.req.stop_strings)
+        ready = text[: len(text) - hold]
+        if len(ready) > len(row.text) and ready.startswith(row.text):
+            row.req.emit(("token", row.out[-1], ready[len(row.text) :]))
+            row.text = ready
+
+    def _finish(self, row: _Row) -> None:
+        if row.finish != "cancelled":
+            text = self.handle.decode([t for t in row.out if t not in row.req.stop_ids])
+            for stop in row.req.stop_strings:
+                at = text.find(stop)
+                text = text[:at] if at >= 0 else text
+            if len(text) > len(row.text) and text.startswith(row.text):  # the held-back tail
+                row.req.emit(("token", None, text[len(row.text) :]))
+                row.text = text
+            row.info["completion_tokens"] = len(row.out)
+            row.info["kept_tokens"] = row.session.cache.kept
+            row.info["pinned_tokens"] = row.session.pinned
+            row.req.emit(("done", row.finish, row.info, row.text))
+        self._return_session(row.session)
+
+    # -- sessions --------------------------------------------------------------------------------------
+    def _take_session(self, ids: list[int], salt: str) -> Session | None:
+        """Remove and return the idle session of ``salt`` whose ids are the longest proper prefix of ``ids``."""
+        best = None
+        for s in self.sessions.values():
+            n = len(s.ids)
+            if s.salt == salt and n < len(ids) and (best is None or n > len(best.ids)) and ids[:n] == s.ids:
+                best = s
+        if best is not None:
+            del self.sessions[best.id]
+        return best
+
+    def _return_session(self, session: Session) -> None:
+        session.last_used = time.time()
+        self.sessions[session.id] = session
+        self.sessions.move_to_end(session.id)
+        while len(self.sessions) > self.settings.max_sessions:
+            self.sessions.popitem(last=False)
+        self._gauge()
+
+    def _drop_session(self, session: Session) -> None:
+        self.sessions.pop(session.id, None)
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.gauges(
+                queue=len(self._pending), active=len(self._active), sessions=len(self.sessions)
+            )
+
+
+def _reuse(s: Session) -> dict[str, Any]:
+    total = s.reused_tokens + s.computed_tokens
+    return {"requests": s.requests, "reuse_ratio": round(s.reused_tokens / total, 3) if total else 0.0}
+
+
+def _holdback(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of ``text`` that must wait: a partial UTF-8 character, or the start of a stop string."""
+    if text.endswith("\ufffd"):
+        return len(text) - len(text.rstrip("\ufffd"))
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                hold = max(hold, n)
+                break
+    return hold
+
+
+def check_request_fits(ids: list[int], pinned: int, settings: EngineSettings) -> None:
+    """Refuse what the engine could not serve faithfully, before it is queued."""
+    if not ids:
+        raise BadInputError("the prompt is empty")
+    if pinned >= settings.window // 2:
+        raise BadInputError(
+            f"the system prompt takes {pinned} tokens; it is pinned in the cache and must stay below half "
+            f"the window ({settings.window // 2}); start the server with a larger --window"
+        )

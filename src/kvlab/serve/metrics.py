@@ -1,0 +1,66 @@
+"""The server's Prometheus metrics (``GET /metrics``), one registry per app so tests can run several."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram(
+            "kvlab_ttft_seconds", "Time from request to first token", buckets=_LATENCY, registry=r
+        )
+        self.tpot = Histogram(
+            "kvlab_token_latency_seconds", "Time between generated tokens", buckets=_LATENCY, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "kvlab_prompt_tokens",
+            "Prompt tokens, by whether they were computed or reused",
+            ["kind"],
+            registry=r,
+        )
+        self.prefills = Counter(
+            "kvlab_prefills", "Prompts, by where their cache came from", ["source"], registry=r
+        )
+        self.rolls = Counter(
+            "kvlab_rolls", "Rolling-window evictions (a conversation outgrew the window)", registry=r
+        )
+        self.store_blocks = Counter(
+            "kvlab_store_hit_blocks", "Store blocks loaded, by tier", ["tier"], registry=r
+        )
+        self.requests = Counter(
+            "kvlab_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.generated = Counter("kvlab_generated_tokens", "Tokens generated", registry=r)
+        self.queue = Gauge("kvlab_queue_depth", "Requests waiting for a decode slot", registry=r)
+        self.active = Gauge("kvlab_active_requests", "Requests being decoded", registry=r)
+        self.sessions = Gauge("kvlab_idle_sessions", "Idle conversations kept for reuse", registry=r)
+
+    def prefilled(self, info: dict[str, Any]) -> None:
+        self.prompt_tokens.labels("reused").inc(info["cached_tokens"])
+        self.prompt_tokens.labels("computed").inc(info["computed_tokens"])
+        self.prefills.labels(info["source"]).inc()
+        if info["rolls"]:
+            self.rolls.inc(info["rolls"])
+        for tier, n in info.get("store_tiers", {}).items():
+            self.store_blocks.labels(tier).inc(n)
+
+    def token(self, seconds: float, *, first: bool) -> None:
+        (self.ttft if first else self.tpot).observe(max(seconds, 0.0))
+        self.generated.inc()
+
+    def rolled(self, n: int) -> None:
+        self.rolls.inc(n)
+
+    def gauges(self, *, queue: int, active: int, sessions: int) -> None:
+        self.queue.set(queue)
+        self.active.set(active)
+        self.sessions.set(sessions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
