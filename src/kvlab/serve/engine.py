@@ -355,6 +355,7 @@ class Engine:
                 row.req.emit(("token", None, text[len(row.text) :]))
                 row.text = text
             row.info["completion_tokens"] = len(row.out)
+            row.info["completion_ids"] = list(row.out)
             row.info["kept_tokens"] = row.session.cache.kept
             row.info["pinned_tokens"] = row.session.pinned
             row.req.emit(("done", row.finish, row.info, row.text))

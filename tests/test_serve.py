@@ -1,0 +1,500 @@
+"""``kvlab serve`` as users run it: a real server subprocess on 127.0.0.1, driven by the official ``openai``
+client (and by raw HTTP for hostile requests). No mocks.
+
+The server runs the bundled SmolLM2 with a small window (96 + 4 sinks) so conversations roll within a
+few turns. Replies are greedy (temperature 0) so they can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+MODEL = "smollm2-135m"
+KEY_A, KEY_B = "tenant-a-key-123", "tenant-b-key-456"
+WINDOW, SINKS, CHUNK = 96, 4, 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``kvlab serve`` in a subprocess; ``stop()`` (or ``kill()``) ends it."""
+
+    def __init__(self, tmp: Path, *args: str, keys: tuple[str, ...] = (KEY_A, KEY_B)) -> None:
+        self.port = _free_port()
+        self.log = tmp / f"serve-{self.port}.log"
+        cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(self.port), "--window", str(WINDOW)]
+        cmd += ["--sinks", str(SINKS), "--evict-chunk", str(CHUNK), *args]
+        for k in keys:
+            cmd += ["--api-key", k]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvlab serve exited: {self.log.read_text()[-2000:]}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"kvlab serve did not start: {self.log.read_text()[-2000:]}")
+
+    def client(self, key: str = KEY_A) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key, max_retries=0, timeout=120
+        )
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, dict(resp.getheaders()), resp.read()
+        finally:
+            conn.close()
+
+    def get(self, path: str):
+        return self.request("GET", path)
+
+    def post(self, path: str, doc, key: str | None = KEY_A, raw: bytes | None = None):
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        status, hdrs, data = self.request(
+            "POST", path, raw if raw is not None else json.dumps(doc).encode(), headers
+        )
+        return status, hdrs, json.loads(data) if data else None
+
+    def metric(self, name: str) -> float:
+        text = self.get("/metrics")[2].decode()
+        return sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith(name + " ") or line.startswith(name + "{")
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    s = Server(
+        tmp,
+        "--store",
+        str(tmp / "store"),
+        "--max-batch",
+        "2",
+        "--max-queue",
+        "2",
+        "--max-tokens",
+        "48",
+        "--max-prompt-tokens",
+        "1500",
+        "--max-body-bytes",
+        "65536",
+    )
+    yield s
+    s.stop()
+
+
+def chat(client, messages, n=16, **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, temperature=0, **kw)
+
+
+def reference_reply(smollm, messages, n):
+    """What ``model.generate`` gives greedily on the whole history (the fidelity reference)."""
+    ids = smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    with torch.no_grad():
+        out = smollm.model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=2,
+        )
+    gen = out[0, len(ids) :].tolist()
+    eos = smollm.tokenizer.eos_token_id
+    return gen[: gen.index(eos) + 1] if eos in gen else gen
+
+
+# -- the API as a client sees it ---------------------------------------------------------------------------
+def test_chat_continues_its_session_and_matches_generate_on_the_full_history(server, smollm):
+    c = server.client()
+    messages = [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of Italy?"},
+    ]
+    first = chat(c, messages)
+    assert first.object == "chat.completion" and first.choices[0].message.role == "assistant"
+    assert first.model_extra["kvlab"]["completion_ids"] == reference_reply(smollm, messages, 16)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And of Spain?"},
+    ]
+    second = chat(c, messages)
+    info = second.model_extra["kvlab"]
+    # the second turn computed only the new tokens: the whole first turn came from its session
+    assert info["source"] == "session"
+    assert (
+        second.usage.prompt_tokens_details.cached_tokens == info["cached_tokens"] >= first.usage.prompt_tokens
+    )
+    assert info["computed_tokens"] == second.usage.prompt_tokens - info["cached_tokens"] < 20
+    assert info["completion_ids"] == reference_reply(smollm, messages, 16)
+    assert info["pinned_tokens"] > SINKS  # the system prompt is pinned, after the sinks
+    assert second.usage.total_tokens == second.usage.prompt_tokens + second.usage.completion_tokens
+
+
+def test_streaming_gives_the_same_text_and_usage(server):
+    c = server.client()
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = chat(c, messages, n=20)
+    parts, usage, finish = [], None, None
+    for ch in chat(c, messages, n=20, stream=True, stream_options={"include_usage": True}):
+        if ch.choices:
+            parts.append(ch.choices[0].delta.content or "")
+            finish = ch.choices[0].finish_reason or finish
+        else:
+            usage = ch.usage
+    assert "".join(parts) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: the store had it
+
+
+def test_completions_stop_strings_and_models(server):
+    c = server.client()
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    full = c.completions.create(
+        model=MODEL, prompt="One, two, three, four, five,", max_tokens=12, temperature=0
+    )
+    text = full.choices[0].text
+    assert full.object == "text_completion" and text
+    stop = text.strip().split()[1] if len(text.split()) > 1 else text.strip()[:2]
+    cut = c.completions.create(
+        model=MODEL, prompt="One, two, three, four, five,", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert stop not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
+    assert text.startswith(cut.choices[0].text)
+    sampled = [
+        c.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, top_p=0.9, seed=7
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1]  # seeded sampling is reproducible
+
+
+def test_a_conversation_three_times_the_window_rolls_and_keeps_answering(server):
+    c = server.client()
+    rolls_before = server.metric("kvlab_rolls_total")
+    messages = [{"role": "system", "content": "Be brief."}]
+    total_rolls, seen = 0, 0
+    for i in range(8):
+        messages.append({"role": "user", "content": f"Tell me one fact about the number {i + 2}."})
+        r = chat(c, messages, n=24)
+        info = r.model_extra["kvlab"]
+        total_rolls += info["rolls"]
+        seen = r.usage.prompt_tokens + r.usage.completion_tokens
+        assert info["kept_tokens"] <= info["pinned_tokens"] + WINDOW + CHUNK
+        assert r.choices[0].message.content
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    assert seen > 3 * WINDOW, seen
+    assert total_rolls > 0 and info["source"] == "session"
+    assert server.metric("kvlab_rolls_total") - rolls_before == total_rolls
+
+
+# -- tenants ------------------------------------------------------------------------------------------------
+def test_one_tenant_never_hits_another_tenants_prefix(server):
+    messages = [{"role": "user", "content": "A question only tenant A has asked: what is a prime number?"}]
+    a1 = chat(server.client(KEY_A), messages, n=4)
+    b = chat(server.client(KEY_B), messages, n=4)
+    a2 = chat(server.client(KEY_A), messages, n=4)
+    # tenant B has sent nothing before: not even the default system prompt A shares across its requests
+    assert b.usage.prompt_tokens_details.cached_tokens == 0  # same text, other key: a miss
+    assert a2.usage.prompt_tokens_details.cached_tokens > a1.usage.prompt_tokens_details.cached_tokens
+    salted = chat(server.client(KEY_A), messages, n=4, extra_body={"cache_salt": "project-x"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+# -- bad and hostile requests ---------------------------------------------------------------------------------
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+HOSTILE = [
+    ("no key", "/v1/chat/completions", GOOD, None, None, 401),
+    ("wrong key", "/v1/chat/completions", GOOD, "not-a-real-key", None, 401),
+    ("key of the wrong case", "/v1/chat/completions", GOOD, KEY_A.upper(), None, 401),
+    ("models without key", "/v1/models", None, None, None, 401),
+    ("bad JSON", "/v1/chat/completions", None, KEY_A, b'{"model": ', 400),
+    ("not UTF-8", "/v1/chat/completions", None, KEY_A, b"\xff\xfe{}", 400),
+    ("a JSON list", "/v1/chat/completions", None, KEY_A, b"[1, 2]", 400),
+    ("huge body", "/v1/chat/completions", None, KEY_A, b'{"x": "' + b"a" * 70000 + b'"}', 413),
+    ("no messages", "/v1/chat/completions", {"model": MODEL}, KEY_A, None, 422),
+    ("empty messages", "/v1/chat/completions", {**GOOD, "messages": []}, KEY_A, None, 422),
+    ("messages not a list", "/v1/chat/completions", {**GOOD, "messages": "hi"}, KEY_A, None, 422),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        {**GOOD, "messages": [{"role": "tool", "content": "x"}]},
+        KEY_A,
+        None,
+        422,
+    ),
+    (
+        "content a number",
+        "/v1/chat/completions",
+        {**GOOD, "messages": [{"role": "user", "content": 5}]},
+        KEY_A,
+        None,
+        422,
+    ),
+    ("max_tokens a string", "/v1/chat/completions", {**GOOD, "max_tokens": "many"}, KEY_A, None, 422),
+    ("max_tokens zero", "/v1/chat/completions", {**GOOD, "max_tokens": 0}, KEY_A, None, 422),
+    ("max_tokens over the limit", "/v1/chat/completions", {**GOOD, "max_tokens": 10_000}, KEY_A, None, 400),
+    ("temperature 5", "/v1/chat/completions", {**GOOD, "temperature": 5}, KEY_A, None, 422),
+    ("top_p 0", "/v1/chat/completions", {**GOOD, "top_p": 0}, KEY_A, None, 422),
+    ("n = 3", "/v1/chat/completions", {**GOOD, "n": 3}, KEY_A, None, 400),
+    ("five stops", "/v1/chat/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, KEY_A, None, 400),
+    ("unknown model", "/v1/chat/completions", {**GOOD, "model": "gpt-9"}, KEY_A, None, 404),
+    (
+        "last turn the assistant's",
+        "/v1/chat/completions",
+        {**GOOD, "messages": [{"role": "assistant", "content": "x"}]},
+        KEY_A,
+        None,
+        400,
+    ),
+    (
+        "blank messages",
+        "/v1/chat/completions",
+        {**GOOD, "messages": [{"role": "user", "content": "  "}]},
+        KEY_A,
+        None,
+        400,
+    ),
+    (
+        "prompt beyond the limit",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "word " * 3000},
+        KEY_A,
+        None,
+        400,
+    ),
+    ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, KEY_A, None, 400),
+    ("prompt a list of numbers", "/v1/completions", {"model": MODEL, "prompt": [1, 2]}, KEY_A, None, 422),
+    (
+        "system prompt too long to pin",
+        "/v1/chat/completions",
+        {
+            **GOOD,
+            "messages": [{"role": "system", "content": "rule " * 200}, {"role": "user", "content": "hi"}],
+        },
+        KEY_A,
+        None,
+        400,
+    ),
+    ("unknown route", "/v1/embeddings", GOOD, KEY_A, None, 404),
+]
+
+
+def test_hostile_requests_get_their_status_and_a_json_error(server):
+    assert len(HOSTILE) >= 20
+    for name, path, doc, key, raw, want in HOSTILE:
+        if path == "/v1/models":
+            status, _, data = server.get(path)
+            data = json.loads(data)
+        else:
+            status, _, data = server.post(path, doc, key=key, raw=raw)
+        assert status == want, (name, status, data)
+        assert set(data["error"]) >= {"message", "type", "code"} and data["error"]["message"], name
+        assert "Traceback" not in json.dumps(data), name
+    status, _, data = server.request("GET", "/v1/chat/completions")
+    assert status == 405 and "error" in json.loads(data)
+    # and the server still serves
+    assert server.post("/v1/chat/completions", GOOD)[0] == 200
+
+
+def test_the_openai_client_raises_its_own_error_types(server):
+    with pytest.raises(openai.AuthenticationError):
+        chat(server.client("wrong-key-000"), [{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.UnprocessableEntityError):
+        server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=9
+        )
+
+
+# -- load: a bounded queue, disconnects ------------------------------------------------------------------------
+def test_beyond_the_queue_requests_get_429_with_retry_after(server):
+    results: list[tuple[int, dict]] = []
+
+    def one(i: int) -> None:
+        doc = {
+            **GOOD,
+            "messages": [{"role": "user", "content": f"Count to ten, attempt {i}."}],
+            "max_tokens": 40,
+        }
+        status, headers, _ = server.post("/v1/chat/completions", doc)
+        results.append((status, headers))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    statuses = sorted(s for s, _ in results)
+    assert len(statuses) == 10 and set(statuses) <= {200, 429}, statuses
+    # at least the queue's 2 are served (more when the worker admits some before the rest arrive)
+    assert statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
+    assert all(h.get("Retry-After") or h.get("retry-after") for s, h in results if s == 429)
+
+
+def test_a_client_that_disconnects_cancels_its_work(server):
+    before = server.metric("kvlab_generated_tokens_total")
+    stream = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while json.loads(server.get("/health")[2])["decoding"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert json.loads(server.get("/health")[2])["decoding"] == 0
+    assert server.metric("kvlab_generated_tokens_total") - before < 40  # stopped well before max_tokens
+
+
+# -- observability -----------------------------------------------------------------------------------------------
+def test_metrics_and_status_page(server, tmp_path):
+    chat(server.client(), [{"role": "user", "content": "Say hello."}], n=4)
+    text = server.get("/metrics")[2].decode()
+    for name in (
+        "kvlab_ttft_seconds_bucket",
+        "kvlab_token_latency_seconds_bucket",
+        'kvlab_prompt_tokens_total{kind="reused"}',
+        'kvlab_prompt_tokens_total{kind="computed"}',
+        "kvlab_rolls_total",
+        "kvlab_queue_depth",
+        'kvlab_store_hit_blocks_total{tier="memory"}',
+    ):
+        assert name in text, name
+    status, headers, page = server.get("/")
+    assert status == 200 and "text/html" in headers["content-type"]
+    html = page.decode()
+    assert "Sessions" in html and 'class="bar"' in html and "disk" in html
+    from tests.test_report_render import _browser, _chromium
+
+    dom = _browser(_chromium(), tmp_path / "profile", "--dump-dom", f"http://127.0.0.1:{server.port}/")
+    assert dom.returncode == 0, dom.stderr[-800:]
+    assert (
+        "kvlab serve" in dom.stdout
+        and "pinned system prompt" in dom.stdout
+        and '<div class="bar"' in dom.stdout
+    )
+    shot = tmp_path / "status.png"
+    done = _browser(
+        _chromium(),
+        tmp_path / "profile2",
+        f"--screenshot={shot}",
+        "--window-size=1100,800",
+        f"http://127.0.0.1:{server.port}/",
+    )
+    assert done.returncode == 0 and shot.stat().st_size > 5000
+
+
+# -- replicas, restarts, Redis --------------------------------------------------------------------------------
+def test_two_replicas_on_one_redis_share_prefixes(tmp_path, redis_url):
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    a = Server(tmp_path, "--store", redis_url)
+    try:
+        b = Server(tmp_path, "--store", redis_url)
+        try:
+            messages = [{"role": "user", "content": "Here is some context. " * 16 + "What is two plus two?"}]
+            ra = chat(a.client(), messages, n=8)
+            rb = chat(b.client(), messages, n=8)
+            info_a, info_b = ra.model_extra["kvlab"], rb.model_extra["kvlab"]
+            assert info_a["cached_tokens"] == 0 and info_b["source"] == "store"
+            assert info_b["store_tiers"].get("redis", 0) >= 1 and info_b["cached_tokens"] >= 64
+            assert info_b["completion_ids"] == info_a["completion_ids"]
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+
+
+def test_kill_9_mid_stream_leaves_a_store_that_verifies_and_still_hits(tmp_path):
+    store = tmp_path / "store"
+    s = Server(tmp_path, "--store", str(store))
+    messages = [{"role": "user", "content": "Remember this context. " * 16 + "Tell me a long story."}]
+    first = chat(s.client(), messages, n=4)
+    stream = s.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Now another long story, please."}],
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+    )
+    next(iter(stream))
+    s.proc.send_signal(signal.SIGKILL)
+    s.proc.wait()
+    check = subprocess.run(
+        [sys.executable, "-m", "kvlab", "store", "verify", "--store", str(store), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stderr
+    report = json.loads(check.stdout)
+    assert report["disk"]["corrupt"] == [] and report["disk"]["ok"] >= 1
+    again = Server(tmp_path, "--store", str(store))
+    try:
+        r = chat(again.client(), messages, n=4)
+        assert (
+            r.model_extra["kvlab"]["source"] == "store"
+            and r.model_extra["kvlab"]["store_tiers"].get("disk", 0) >= 1
+        )
+        assert r.model_extra["kvlab"]["completion_ids"] == first.model_extra["kvlab"]["completion_ids"]
+    finally:
+        again.stop()
