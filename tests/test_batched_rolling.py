@@ -77,4 +77,6 @@ def test_seeding_a_prefix_equals_feeding_it(tiny_model, family):
         seeded.seed(list(zip(snap.keys, snap.values, strict=True)))
     long = h.prefill(_prompts((40,))[0]).snapshot
     with pytest.raises(BadInputError, match="sinks \\+ window"):
-        rolling_cache_for(h, window=32, sinks=4, evict_chunk=8).seed(list(zip(long.keys, long.values, strict=True)))
+        rolling_cache_for(h, window=32, sinks=4, evict_chunk=8).seed(
+            list(zip(long.keys, long.values, strict=True))
+        )

@@ -498,3 +498,62 @@ def test_kill_9_mid_stream_leaves_a_store_that_verifies_and_still_hits(tmp_path)
         assert r.model_extra["kvlab"]["completion_ids"] == first.model_extra["kvlab"]["completion_ids"]
     finally:
         again.stop()
+
+
+def _redis_server(port: int, workdir: Path) -> subprocess.Popen:
+    import shutil
+
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def test_redis_killed_mid_run_degrades_to_memory_and_recovers(tmp_path):
+    port = _free_port()
+    redis_proc = _redis_server(port, tmp_path)
+    s = Server(tmp_path, "--store", f"redis://127.0.0.1:{port}/0")
+    try:
+        ask = lambda text: chat(s.client(), [{"role": "user", "content": text + " Some context. " * 16}], n=4)  # noqa: E731
+        assert ask("Before:").model_extra["kvlab"]["cached_tokens"] == 0
+        redis_proc.kill()
+        redis_proc.wait()
+        during = ask("During:")  # Redis gone: served from memory, the failure logged, no 5xx
+        assert during.choices[0].message.content and during.model_extra["kvlab"]["source"] in (
+            "none",
+            "store",
+        )
+        again = ask("During:")  # the memory tier still shares within the process
+        assert again.model_extra["kvlab"]["store_tiers"].get("memory", 0) >= 1
+        assert "Redis" in s.log.read_text()
+        redis_proc = _redis_server(port, tmp_path)
+        ask("After:")  # Redis back: this prompt's blocks reach it again
+        import redis
+
+        assert len(redis.Redis(port=port).keys("*")) > 0
+    finally:
+        s.stop()
+        redis_proc.kill()
+        redis_proc.wait()

@@ -284,14 +284,21 @@ class Engine:
     ) -> tuple[torch.Tensor, int, dict]:
         """The first ``sinks + window`` tokens: from the store where it has them (then stored), else computed."""
         if self.store is not None:
+            # a tier that fails to read is a miss (the store logs it); one that fails to write must
+            # not cost the request: the cache is already computed, it just is not shared this time
             try:
-                pre = prefill_with_store(self.handle, self.store, head, salt=salt or None)
-            except StoreError as exc:  # e.g. Redis gone: serve from what we have, say so
+                pre = prefill_with_store(self.handle, self.store, head, salt=salt or None, store_prompt=False)
+            except StoreError as exc:
                 self.store_warnings += 1
                 log.warning("kvlab serve: the store failed (%s); computing this prompt without it", exc)
-            else:
-                cache.seed(list(zip(pre.snapshot.keys, pre.snapshot.values, strict=True)))
-                return pre.last_logits, pre.cached_tokens, dict(pre.match.tier_blocks)
+                return feed(self.handle, cache, head), 0, {}
+            cache.seed(list(zip(pre.snapshot.keys, pre.snapshot.values, strict=True)))
+            try:
+                self.store.put(pre.snapshot, salt=salt or None, model=self.handle)
+            except StoreError as exc:
+                self.store_warnings += 1
+                log.warning("kvlab serve: could not store this prompt's blocks (%s); serving it anyway", exc)
+            return pre.last_logits, pre.cached_tokens, dict(pre.match.tier_blocks)
         return feed(self.handle, cache, head), 0, {}
 
     def _step(self) -> None:
