@@ -13,6 +13,7 @@ ORDER = [
     "compression",
     "compressed_decode",
     "store",
+    "serve",
     "transfer",
 ]
 
