@@ -249,101 +249,73 @@ def test_one_tenant_never_hits_another_tenants_prefix(server):
     assert a2.usage.prompt_tokens_details.cached_tokens > a1.usage.prompt_tokens_details.cached_tokens
     salted = chat(server.client(KEY_A), messages, n=4, extra_body={"cache_salt": "project-x"})
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    # B sends A's conversation plus a turn: B may continue its own session (the greedy replies are
+    # equal, so B's history is the same text), never A's
+    follow = [*messages, {"role": "assistant", "content": a2.choices[0].message.content}]
+    follow.append({"role": "user", "content": "And an example?"})
+    b2 = chat(server.client(KEY_B), follow, n=4).model_extra["kvlab"]
+    a3 = chat(server.client(KEY_A), follow, n=4).model_extra["kvlab"]
+    sessions_of_a = {r.model_extra["kvlab"]["session"] for r in (a1, a2)}
+    assert (b2["source"], b2["session"]) == ("session", b.model_extra["kvlab"]["session"])
+    assert a3["source"] == "session" and a3["session"] in sessions_of_a
 
 
 # -- bad and hostile requests ---------------------------------------------------------------------------------
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+
+
+def bad(name, status, *, key=KEY_A, raw=None, path=CHAT, **changes):
+    """A hostile request: GOOD with ``changes`` (or a raw body), and the status it must get."""
+    return name, path, {**GOOD, **changes}, key, raw, status
+
+
+def said(*roles_and_texts):
+    return [{"role": r, "content": t} for r, t in roles_and_texts]
+
 
 HOSTILE = [
-    ("no key", "/v1/chat/completions", GOOD, None, None, 401),
-    ("wrong key", "/v1/chat/completions", GOOD, "not-a-real-key", None, 401),
-    ("key of the wrong case", "/v1/chat/completions", GOOD, KEY_A.upper(), None, 401),
-    ("models without key", "/v1/models", None, None, None, 401),
-    ("bad JSON", "/v1/chat/completions", None, KEY_A, b'{"model": ', 400),
-    ("not UTF-8", "/v1/chat/completions", None, KEY_A, b"\xff\xfe{}", 400),
-    ("a JSON list", "/v1/chat/completions", None, KEY_A, b"[1, 2]", 400),
-    ("huge body", "/v1/chat/completions", None, KEY_A, b'{"x": "' + b"a" * 70000 + b'"}', 413),
-    ("no messages", "/v1/chat/completions", {"model": MODEL}, KEY_A, None, 422),
-    ("empty messages", "/v1/chat/completions", {**GOOD, "messages": []}, KEY_A, None, 422),
-    ("messages not a list", "/v1/chat/completions", {**GOOD, "messages": "hi"}, KEY_A, None, 422),
-    (
-        "unknown role",
-        "/v1/chat/completions",
-        {**GOOD, "messages": [{"role": "tool", "content": "x"}]},
-        KEY_A,
-        None,
-        422,
-    ),
-    (
-        "content a number",
-        "/v1/chat/completions",
-        {**GOOD, "messages": [{"role": "user", "content": 5}]},
-        KEY_A,
-        None,
-        422,
-    ),
-    ("max_tokens a string", "/v1/chat/completions", {**GOOD, "max_tokens": "many"}, KEY_A, None, 422),
-    ("max_tokens zero", "/v1/chat/completions", {**GOOD, "max_tokens": 0}, KEY_A, None, 422),
-    ("max_tokens over the limit", "/v1/chat/completions", {**GOOD, "max_tokens": 10_000}, KEY_A, None, 400),
-    ("temperature 5", "/v1/chat/completions", {**GOOD, "temperature": 5}, KEY_A, None, 422),
-    ("top_p 0", "/v1/chat/completions", {**GOOD, "top_p": 0}, KEY_A, None, 422),
-    ("n = 3", "/v1/chat/completions", {**GOOD, "n": 3}, KEY_A, None, 400),
-    ("five stops", "/v1/chat/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, KEY_A, None, 400),
-    ("unknown model", "/v1/chat/completions", {**GOOD, "model": "gpt-9"}, KEY_A, None, 404),
-    (
-        "last turn the assistant's",
-        "/v1/chat/completions",
-        {**GOOD, "messages": [{"role": "assistant", "content": "x"}]},
-        KEY_A,
-        None,
-        400,
-    ),
-    (
-        "blank messages",
-        "/v1/chat/completions",
-        {**GOOD, "messages": [{"role": "user", "content": "  "}]},
-        KEY_A,
-        None,
-        400,
-    ),
-    (
-        "prompt beyond the limit",
-        "/v1/completions",
-        {"model": MODEL, "prompt": "word " * 3000},
-        KEY_A,
-        None,
-        400,
-    ),
-    ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, KEY_A, None, 400),
-    ("prompt a list of numbers", "/v1/completions", {"model": MODEL, "prompt": [1, 2]}, KEY_A, None, 422),
-    (
-        "system prompt too long to pin",
-        "/v1/chat/completions",
-        {
-            **GOOD,
-            "messages": [{"role": "system", "content": "rule " * 200}, {"role": "user", "content": "hi"}],
-        },
-        KEY_A,
-        None,
-        400,
-    ),
-    ("unknown route", "/v1/embeddings", GOOD, KEY_A, None, 404),
+    bad("no key", 401, key=None),
+    bad("wrong key", 401, key="not-a-real-key"),
+    bad("key of the wrong case", 401, key=KEY_A.upper()),
+    bad("bad JSON", 400, raw=b'{"model": '),
+    bad("not UTF-8", 400, raw=b"\xff\xfe{}"),
+    bad("a JSON list", 400, raw=b"[1, 2]"),
+    bad("huge body", 413, raw=b'{"x": "' + b"a" * 70000 + b'"}'),
+    ("no messages", CHAT, {"model": MODEL}, KEY_A, None, 422),
+    bad("empty messages", 422, messages=[]),
+    bad("messages not a list", 422, messages="hi"),
+    bad("unknown role", 422, messages=said(("tool", "x"))),
+    bad("content a number", 422, messages=said(("user", 5))),
+    bad("max_tokens a string", 422, max_tokens="many"),
+    bad("max_tokens zero", 422, max_tokens=0),
+    bad("max_tokens over the limit", 400, max_tokens=10_000),
+    bad("temperature 5", 422, temperature=5),
+    bad("top_p 0", 422, top_p=0),
+    bad("n = 3", 400, n=3),
+    bad("five stops", 400, stop=["a", "b", "c", "d", "e"]),
+    bad("unknown model", 404, model="gpt-9"),
+    bad("last turn the assistant's", 400, messages=said(("assistant", "x"))),
+    bad("blank messages", 400, messages=said(("user", "  "))),
+    bad("system prompt too long to pin", 400, messages=said(("system", "rule " * 200), ("user", "hi"))),
+    ("prompt beyond the limit", TEXT, {"model": MODEL, "prompt": "word " * 3000}, KEY_A, None, 400),
+    ("empty prompt", TEXT, {"model": MODEL, "prompt": ""}, KEY_A, None, 400),
+    ("prompt a list of numbers", TEXT, {"model": MODEL, "prompt": [1, 2]}, KEY_A, None, 422),
+    bad("unknown route", 404, path="/v1/embeddings"),
 ]
 
 
 def test_hostile_requests_get_their_status_and_a_json_error(server):
     assert len(HOSTILE) >= 20
     for name, path, doc, key, raw, want in HOSTILE:
-        if path == "/v1/models":
-            status, _, data = server.get(path)
-            data = json.loads(data)
-        else:
-            status, _, data = server.post(path, doc, key=key, raw=raw)
+        status, _, data = server.post(path, doc, key=key, raw=raw)
         assert status == want, (name, status, data)
         assert set(data["error"]) >= {"message", "type", "code"} and data["error"]["message"], name
         assert "Traceback" not in json.dumps(data), name
-    status, _, data = server.request("GET", "/v1/chat/completions")
+    status, _, data = server.request("GET", CHAT)
     assert status == 405 and "error" in json.loads(data)
+    status, _, data = server.get("/v1/models")  # no key
+    assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
     # and the server still serves
     assert server.post("/v1/chat/completions", GOOD)[0] == 200
 
@@ -557,3 +529,35 @@ def test_redis_killed_mid_run_degrades_to_memory_and_recovers(tmp_path):
         s.stop()
         redis_proc.kill()
         redis_proc.wait()
+
+
+def test_bad_command_lines_fail_in_one_line_before_anything_is_created(tmp_path):
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "kvlab", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+
+    store = tmp_path / "store"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cases = [
+            (
+                ["--model", "no-such-model", "--store", str(store), "--port", str(_free_port())],
+                "no-such-model",
+            ),
+            (["--port", str(busy.getsockname()[1]), "--store", str(store)], "cannot listen"),
+            (["--window", "8", "--sinks", "8", "--store", str(store), "--port", str(_free_port())], "sinks"),
+            (["--max-batch", "0"], "--max-batch"),
+            (["--api-key", "short"], "API keys"),
+            (["--store", "ftp://x", "--port", str(_free_port())], "scheme"),
+        ]
+        for args, words in cases:
+            done = run(*args)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1 and words in lines[0], (args, done.stderr[-800:])
+    assert not store.exists()

@@ -63,19 +63,21 @@ def register(app: typer.Typer) -> None:
 
         from kvlab.model import load_model
         from kvlab.serve.app import Limits, create_app
-        from kvlab.serve.engine import Engine, EngineSettings
+        from kvlab.serve.engine import Engine, EngineSettings, check_settings
         from kvlab.serve.metrics import Metrics
         from kvlab.store import open_store
 
         keys = tuple(api_key or ()) + tuple(k for k in os.environ.get("KVLAB_API_KEYS", "").split(",") if k)
         if any(len(k) < 8 or any(c.isspace() for c in k) for k in keys):
             raise BadInputError("API keys need at least 8 characters and no spaces")
+        _check_can_listen(host, port)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         settings = EngineSettings(
             window=window, sinks=sinks, evict_chunk=evict_chunk, max_batch=max_batch, max_queue=max_queue
         )
-        kv_store = open_store(store or "memory")
         handle = load_model(model)
+        check_settings(handle, settings)  # before the store creates a folder
+        kv_store = open_store(store or "memory")
         engine = Engine(handle, settings, store=kv_store, metrics=Metrics())
         app_ = create_app(
             engine,
@@ -95,3 +97,16 @@ def register(app: typer.Typer) -> None:
             server.run()
         finally:
             engine.stop()
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """One clear line for a port in use or a host this machine does not have (before the model loads)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(infos[0][4])
+    except OSError as exc:
+        raise BadInputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None

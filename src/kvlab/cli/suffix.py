@@ -153,7 +153,7 @@ def register(app: typer.Typer) -> None:
         cache = _rolling(handle, window, sinks, evict_chunk)
         first = feed(handle, cache, handle.encode(prompt, chat=chat))
         t0, n = time.perf_counter(), 0
-        stops = handle._eos_ids() if chat else set()
+        stops = handle.eos_ids() if chat else set()
         pending: list[int] = []
         try:
             for ev in stream_generate(
@@ -208,7 +208,7 @@ def register(app: typer.Typer) -> None:
 
             raise UnsupportedModelError("kvlab chat needs a tokenizer with a chat template")
         cache = _rolling(handle, window, sinks, evict_chunk)
-        stops = handle._eos_ids()
+        stops = handle.eos_ids()
         interactive = sys.stdin.isatty()
         history: list[dict] = [{"role": "system", "content": system}] if system else []
         unterminated = False

@@ -356,7 +356,7 @@ class ModelHandle:
         """
         if max_new_tokens < 1:
             raise BadInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        eos = self._eos_ids() if stop_at_eos else set()
+        eos = self.eos_ids() if stop_at_eos else set()
         feed, latest = self._snapshot_feed(past)
         steps = list(
             decode_loop(
@@ -399,7 +399,8 @@ class ModelHandle:
         first = self.prefill(ids, all_logits=False)
         return self.generate(first.snapshot, first.logits[-1], max_new_tokens)
 
-    def _eos_ids(self) -> set[int]:
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a reply: the config's ``eos_token_id`` (one or several) and the tokenizer's."""
         eos = getattr(self.config, "eos_token_id", None)
         ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

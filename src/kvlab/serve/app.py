@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvlab.errors import BadInputError, KvlabError
+from kvlab.errors import KvlabError
 from kvlab.loop import Sampling
 from kvlab.serve.engine import (
     Engine,
@@ -183,7 +183,7 @@ def create_app(
             emit=emit,
             salt=salt,
             pinned=pinned,
-            stop_ids=frozenset(engine.handle._eos_ids()),
+            stop_ids=frozenset(engine.handle.eos_ids()),
             stop_strings=stops,
         )
 
@@ -331,7 +331,7 @@ def _template(tok: Any, messages: list[dict]) -> list[int]:
 def _engine_error(exc: Exception) -> ApiError:
     if isinstance(exc, ShuttingDownError):
         return ApiError(503, str(exc), type_="server_error", code="unavailable")
-    if isinstance(exc, KvlabError | BadInputError):
+    if isinstance(exc, KvlabError):
         return ApiError(400, str(exc))
     return ApiError(500, "internal error (logged on the server)", type_="server_error")
 

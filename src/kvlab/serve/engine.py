@@ -125,15 +125,14 @@ class Engine:
     """Owns the model, the sessions and the store; serves :class:`Request` s from one worker thread."""
 
     def __init__(self, handle: Any, settings: EngineSettings, *, store: KVStore | None = None, metrics=None):
-        probe = rolling_cache_for(
-            handle, window=settings.window, sinks=settings.sinks, evict_chunk=settings.evict_chunk
-        )
-        del probe  # the settings are valid for this model (raises before the server starts otherwise)
+        check_settings(handle, settings)
         self.handle = handle
         self.settings = settings
         self.store = store
         self.metrics = metrics
-        self.sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()  # idle, LRU first
+        # idle sessions, least recently used first; written by the worker, read by the status page
+        self.sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
+        self._sessions_lock = threading.Lock()
         self._pending: collections.deque[Request] = collections.deque()
         self._active: list[_Row] = []
         self._cv = threading.Condition()
@@ -171,10 +170,9 @@ class Engine:
             {"session": r.session.id, "state": "decoding", **r.session.layout(), **_reuse(r.session)}
             for r in rows
         ]
-        idle = [
-            {"session": s.id, "state": "idle", **s.layout(), **_reuse(s)}
-            for s in list(self.sessions.values())
-        ]
+        with self._sessions_lock:
+            sessions = list(self.sessions.values())
+        idle = [{"session": s.id, "state": "idle", **s.layout(), **_reuse(s)} for s in sessions]
         return {
             "queue": self.queue_depth(),
             "decoding": len(rows),
@@ -231,10 +229,10 @@ class Engine:
                 try:
                     self._step()
                 except Exception as exc:
+                    # the step's rows fail; their sessions are not returned (a cache may hold half a step)
                     log.exception("decode step failed")
                     for row in self._active:
                         row.req.emit(("error", exc))
-                        self._drop_session(row.session)
                     self._active = []
 
     def _start(self, req: Request) -> _Row:
@@ -317,9 +315,8 @@ class Engine:
                 if row.finish is None and len(row.out) >= row.req.max_new_tokens:
                     row.finish = "length"
             if self.metrics is not None:
-                self.metrics.token(
-                    now - (row.req.submitted if len(row.out) == 1 else row.last_step), first=len(row.out) == 1
-                )
+                first = len(row.out) == 1
+                self.metrics.token(now - (row.req.submitted if first else row.last_step), first=first)
             row.last_step = now
         fed = [r for r in self._active if r.finish != "cancelled"]
         if fed:
@@ -341,12 +338,10 @@ class Engine:
 
     def _emit_text(self, row: _Row) -> None:
         """Emit the new text of ``row`` (held back while it may be a partial character or stop string)."""
-        text = self.handle.decode(row.out)
-        for stop in row.req.stop_strings:
-            at = text.find(stop)
-            if at >= 0:
-                text, row.finish = text[:at], "stop"
-        hold = 0 if row.finish else _holdback(text, row.req.stop_strings)
+        text, stopped = _cut_at_stop(self.handle.decode(row.out), row.req.stop_strings)
+        if stopped:
+            row.finish = "stop"
+        hold = 0 if stopped else _holdback(text, row.req.stop_strings)
         ready = text[: len(text) - hold]
         if len(ready) > len(row.text) and ready.startswith(row.text):
             row.req.emit(("token", row.out[-1], ready[len(row.text) :]))
@@ -354,10 +349,8 @@ class Engine:
 
     def _finish(self, row: _Row) -> None:
         if row.finish != "cancelled":
-            text = self.handle.decode([t for t in row.out if t not in row.req.stop_ids])
-            for stop in row.req.stop_strings:
-                at = text.find(stop)
-                text = text[:at] if at >= 0 else text
+            reply = self.handle.decode([t for t in row.out if t not in row.req.stop_ids])
+            text, _ = _cut_at_stop(reply, row.req.stop_strings)
             if len(text) > len(row.text) and text.startswith(row.text):  # the held-back tail
                 row.req.emit(("token", None, text[len(row.text) :]))
                 row.text = text
@@ -372,24 +365,27 @@ class Engine:
     def _take_session(self, ids: list[int], salt: str) -> Session | None:
         """Remove and return the idle session of ``salt`` whose ids are the longest proper prefix of ``ids``."""
         best = None
-        for s in self.sessions.values():
-            n = len(s.ids)
-            if s.salt == salt and n < len(ids) and (best is None or n > len(best.ids)) and ids[:n] == s.ids:
-                best = s
-        if best is not None:
-            del self.sessions[best.id]
+        with self._sessions_lock:
+            for s in self.sessions.values():
+                n = len(s.ids)
+                if (
+                    s.salt == salt
+                    and n < len(ids)
+                    and (best is None or n > len(best.ids))
+                    and ids[:n] == s.ids
+                ):
+                    best = s
+            if best is not None:
+                del self.sessions[best.id]
         return best
 
     def _return_session(self, session: Session) -> None:
         session.last_used = time.time()
-        self.sessions[session.id] = session
-        self.sessions.move_to_end(session.id)
-        while len(self.sessions) > self.settings.max_sessions:
-            self.sessions.popitem(last=False)
+        with self._sessions_lock:
+            self.sessions[session.id] = session
+            while len(self.sessions) > self.settings.max_sessions:
+                self.sessions.popitem(last=False)
         self._gauge()
-
-    def _drop_session(self, session: Session) -> None:
-        self.sessions.pop(session.id, None)
 
     def _gauge(self) -> None:
         if self.metrics is not None:
@@ -403,6 +399,12 @@ def _reuse(s: Session) -> dict[str, Any]:
     return {"requests": s.requests, "reuse_ratio": round(s.reused_tokens / total, 3) if total else 0.0}
 
 
+def _cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """``text`` up to the earliest stop string, and whether one occurred."""
+    cuts = [at for at in (text.find(stop) for stop in stops) if at >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
 def _holdback(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of ``text`` that must wait: a partial UTF-8 character, or the start of a stop string."""
     if text.endswith("\ufffd"):
@@ -414,6 +416,14 @@ def _holdback(text: str, stops: tuple[str, ...]) -> int:
                 hold = max(hold, n)
                 break
     return hold
+
+
+def check_settings(handle: Any, settings: EngineSettings) -> None:
+    """Refuse settings this model cannot be served with, before anything is created."""
+    if settings.max_batch < 1 or settings.max_queue < 0 or settings.max_sessions < 1:
+        raise BadInputError("need max_batch >= 1, max_queue >= 0 and max_sessions >= 1")
+    # builds nothing but the rule (buffers are allocated on first use): raises for a bad window or model
+    rolling_cache_for(handle, window=settings.window, sinks=settings.sinks, evict_chunk=settings.evict_chunk)
 
 
 def check_request_fits(ids: list[int], pinned: int, settings: EngineSettings) -> None:
