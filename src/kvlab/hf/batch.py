@@ -2,31 +2,174 @@
 
 Continuous batching (the server, :mod:`kvlab.serve`) decodes every live conversation together. Each
 conversation owns a :class:`~kvlab.hf.RollingCache` holding a different number of tokens at
-different positions, so the rows are stacked left-padded into one transformers cache, a 4-D mask
-hides the padding, each row's query sits at its own cache's ``next_position``, and the new token's
-K/V per row are then appended to its own cache (applying the cache's pending roll, exactly as a
-single-row step would). What each row computes equals that row's step alone up to the summation
-order of a batched matmul (tested).
+different positions. The step batches what batching makes cheaper and nothing else:
+
+* **Linear layers run on all rows at once** (the weights are read once per step, not once per row).
+  Each row's query sits at its own cache's ``next_position`` (per-row ``position_ids``).
+* **Attention runs per row, on the row's own cache, in place.** A small transformers ``Cache``
+  (:class:`_RowsCache`) hands each row's new K/V to that row's :class:`~kvlab.hf.RollingLayer`
+  (which applies its pending roll and writes the token into its buffer), and an attention function
+  registered through transformers' ``AttentionInterface`` (no model code is patched) attends each
+  row's single query to that row's visible keys. No row is padded and no cache is copied: a padded
+  stack of four 1,000-token caches cost more than the forward itself (measured in
+  ``benchmarks/serve.py``'s notes).
+
+What each row computes equals that row's step alone up to the summation order of a batched matmul
+(tested); a model whose attention this step cannot reproduce (logit soft-capping, learned attention
+sinks, a forward that never calls transformers' attention interface) is refused, never guessed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvlab.errors import BadInputError
-from kvlab.hf.cache import hf_cache_layers, new_hf_cache
+from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.rolling_cache import RollingCache, RollingLayer
+
+ROWS_ATTENTION = "kvlab_rows"
+
+
+class _RowsCache(Cache):
+    """The cache a batched step gives the model: ``update`` feeds each row's K/V to its own rolling layer.
+
+    It returns the new K/V unchanged (nothing reads them: :func:`_rows_attention` reads ``views``),
+    and counts the layers whose views attention consumed, so a forward that bypassed the attention
+    function is caught instead of returning logits computed from the new token alone.
+    """
+
+    def __init__(self, caches: Sequence[RollingCache]) -> None:
+        super().__init__(layers=list(caches[0].layers))
+        self.caches = list(caches)
+        self.row_layers: list[list[RollingLayer]] = [list(c.layers) for c in caches]  # type: ignore[arg-type]
+        self.views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.consumed = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if key_states.shape[-2] != 1 or key_states.shape[0] != len(self.caches):
+            raise UnsupportedModelError("a batched rolling step feeds exactly one token per row")
+        self.views[layer_idx] = [
+            layers[layer_idx].update(key_states[r : r + 1], value_states[r : r + 1])
+            for r, layers in enumerate(self.row_layers)
+        ]
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(c.next_position for c in self.caches)
+
+
+_ACTIVE: list[_RowsCache] = []  # the step in progress (the worker thread that owns the model sets it)
+
+
+def _rows_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
+):
+    """Attention of each row's one query over that row's own cached keys (grouped-query, no copy of K/V).
+
+    Outside a batched step this is plain SDPA, so a model left switched to it still computes right.
+    """
+    if not _ACTIVE:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+    rows = _ACTIVE[-1]
+    if getattr(module.config, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None:
+        raise UnsupportedModelError(
+            "batched rolling steps do not support attention soft-capping or learned sinks"
+        )
+    views = rows.views.pop(module.layer_idx)
+    n, heads, _, d = query.shape
+    scale = kw.get("scaling") or d**-0.5
+    out = query.new_empty((n, 1, heads, d))
+    for r, (k, v) in enumerate(views):
+        kv_heads = k.shape[1]
+        q = query[r].reshape(kv_heads, heads // kv_heads, d)  # query head h reads kv head h // groups
+        w = torch.softmax((q @ k[0].transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
+        out[r, 0] = (w.to(v.dtype) @ v[0]).reshape(heads, d)
+    rows.consumed += 1
+    return out, None
+
+
+AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
+
+
+class _SmallBatchLinear(TorchFunctionMode):
+    """``F.linear`` on a few rows as ``(W @ x.T).T``: on some BLAS builds (this machine's MKL) a
+    ``[rows, in] x [in, out]`` product with 2-8 rows takes 1.5-5x longer than its transpose (the
+    49,152-word output layer: 12.6 ms against 2.6 ms at 4 rows). Used only when :func:`_linear_pays`
+    measured it on this machine."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows = x.numel() // x.shape[-1]
+            if 2 <= rows <= 8 and w.dim() == 2:
+                y = (w @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], w.shape[0])
+                return y if bias is None else y + bias
+        return func(*args, **kwargs)
+
+
+_LINEAR_PAYS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _linear_pays(model: Any) -> bool:
+    """Measured once per model: is the transposed product at least 1.2x faster on its output layer?"""
+    if model not in _LINEAR_PAYS:
+        w = model.get_output_embeddings().weight
+        x = torch.randn(4, 1, w.shape[1], dtype=w.dtype, device=w.device)
+
+        def best(fn) -> float:
+            fn()
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        with torch.no_grad():
+            plain = best(lambda: F.linear(x, w))
+            with _SmallBatchLinear():
+                swapped = best(lambda: F.linear(x, w))
+        _LINEAR_PAYS[model] = plain > 1.2 * swapped
+    return _LINEAR_PAYS[model]
+
+
+@contextlib.contextmanager
+def _rows_step(handle: Any, rows: _RowsCache) -> Iterator[None]:
+    model = handle.model
+    before = model.config._attn_implementation
+    fast_linear = _linear_pays(model)
+    with contextlib.ExitStack() as stack:
+        for cache in rows.caches:  # each row's query sits at next_position: a re-base may follow
+            stack.enter_context(cache.choosing_positions())
+        model.set_attn_implementation(ROWS_ATTENTION)
+        _ACTIVE.append(rows)
+        try:
+            with _SmallBatchLinear() if fast_linear else contextlib.nullcontext():
+                yield
+        finally:
+            _ACTIVE.pop()
+            model.set_attn_implementation(before)
 
 
 @torch.no_grad()
 def step_rolling_rows(handle: Any, caches: Sequence[RollingCache], tokens: Sequence[int]) -> torch.Tensor:
     """Feed ``tokens[r]`` to ``caches[r]`` for every row in one forward; returns ``[rows, vocab]`` logits.
 
-    Writes into every cache (one token each; in place, like any decode step). A single row takes the
-    plain path (:meth:`ModelHandle.run` on its own cache).
+    Writes into every cache (one token each; in place, like any decode step). If the forward fails
+    part-way, some layers of the caches hold the token and others do not: discard them. A single row
+    takes the plain path (:meth:`ModelHandle.run` on its own cache).
     """
     if len(caches) != len(tokens) or not caches:
         raise BadInputError(f"need one token per cache, got {len(tokens)} tokens for {len(caches)} caches")
@@ -38,29 +181,16 @@ def step_rolling_rows(handle: Any, caches: Sequence[RollingCache], tokens: Seque
     if len(caches) == 1:
         out = handle.run(torch.tensor([[int(tokens[0])]]), caches[0], logits_to_keep=1)
         return out.logits[:, -1].float()
-    rows = len(caches)
-    kept = [c.kept for c in caches]
-    longest = max(kept)
-    stacked = new_hf_cache(handle.config)
-    for i in range(len(layers[0])):
-        seen = [per_layer[i].visible() for per_layer in layers]
-        k0, v0 = seen[0]
-        keys = k0.new_zeros((rows, k0.shape[1], longest, k0.shape[-1]))
-        values = v0.new_zeros((rows, v0.shape[1], longest, v0.shape[-1]))
-        for r, (k, v) in enumerate(seen):
-            keys[r, :, longest - kept[r] :] = k[0]
-            values[r, :, longest - kept[r] :] = v[0]
-        stacked.update(keys, values, i)
-    dtype = handle.dtype
-    mask = torch.zeros((rows, 1, 1, longest + 1), dtype=dtype)
-    for r, n in enumerate(kept):
-        mask[r, :, :, : longest - n] = torch.finfo(dtype).min
+    rows = _RowsCache(caches)
     positions = torch.tensor([[c.next_position] for c in caches], dtype=torch.long)
     ids = torch.tensor([[int(t)] for t in tokens], dtype=torch.long)
-    out = handle.run(ids, stacked, positions=positions, attention_mask=mask, logits_to_keep=1)
-    new = hf_cache_layers(stacked)
-    for r, cache in enumerate(caches):
-        with cache.choosing_positions():  # the row's query sat at next_position: a re-base may follow
-            for layer, (k, v) in zip(layers[r], new, strict=True):
-                layer.update(k[r : r + 1, :, -1:], v[r : r + 1, :, -1:])
+    # a prepared 4-D mask keeps transformers from building one (attention is per row and needs none)
+    mask = torch.zeros((len(caches), 1, 1, 1), dtype=handle.dtype)
+    with _rows_step(handle, rows):
+        out = handle.run(ids, rows, positions=positions, attention_mask=mask, logits_to_keep=1)
+    if rows.consumed != len(layers[0]) or rows.views:
+        raise UnsupportedModelError(
+            f"{type(handle.model).__name__} did not attend through transformers' attention interface in every "
+            "layer, so a batched rolling step cannot run on it (its caches are now inconsistent: discard them)"
+        )
     return out.logits[:, -1].float()
