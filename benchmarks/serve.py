@@ -7,7 +7,12 @@
    computes only the new turn; ``transformers serve`` prefills the whole history every turn.
 2. **Throughput with concurrent conversations.** Generated tokens per second of wall time for one
    conversation alone and for 4 at once (kvlab decodes them in one batched forward per step),
-   against ``transformers serve`` (no continuous batching: its CPU path) with the same 4.
+   against ``transformers serve`` with the same 4, without and with ``--continuous-batching``.
+3. **A conversation that outgrows the context.** Book passages as user turns until the history is
+   past the model's 8,192 positions: kvlab rolls its window; ``transformers serve`` re-prefills the
+   whole history every turn and, past the maximum, fails (reported as it fails).
+4. **Replicas.** Two kvlab servers on one Redis: a long prompt computed by server A, then sent to
+   server B (a store hit), against a different prompt of the same length on B (a miss).
 
 Run: python3 benchmarks/serve.py [--turns 14] [--max-tokens 32]   (writes benchmarks/results/serve.md)
 """
@@ -15,6 +20,7 @@ Run: python3 benchmarks/serve.py [--turns 14] [--max-tokens 32]   (writes benchm
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import socket
@@ -77,8 +83,11 @@ def start(cmd: list[str], port: int, log: Path) -> subprocess.Popen:
     raise RuntimeError(f"{cmd[:3]} did not start")
 
 
-def turn(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
-    """Stream one reply: (time to first content in ms, the reply, tokens generated)."""
+def turn(
+    client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int, info: dict | None = None
+) -> tuple[float, str, int]:
+    """Stream one reply: (time to first content in ms, the reply, tokens generated); kvlab's
+    ``kvlab`` field of the last chunk goes into ``info`` where given."""
     t0 = time.perf_counter()
     ttft, parts, usage = None, [], 0
     stream = client.chat.completions.create(
@@ -95,6 +104,8 @@ def turn(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: in
             parts.append(ch.choices[0].delta.content)
         if getattr(ch, "usage", None):
             usage = ch.usage.completion_tokens
+        if info is not None and (ch.model_extra or {}).get("kvlab"):
+            info.update(ch.model_extra["kvlab"])
     return (ttft if ttft is not None else (time.perf_counter() - t0) * 1000), "".join(parts), usage
 
 
@@ -126,90 +137,218 @@ def throughput(client, model, convs: list[list[str]], max_tokens: int) -> float:
     return sum(tokens) / (time.perf_counter() - t0)
 
 
+LOGS = Path(__file__).resolve().parent / "out"
+
+
+def kvlab_server(port: int, name: str, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(port), "--max-batch", "4", *extra]
+    return start(cmd, port, LOGS / f"serve-{name}.log")
+
+
+def transformers_server(folder: str, port: int, name: str, *extra: str) -> subprocess.Popen:
+    binary = str(Path(sys.executable).parent / "transformers")
+    cmd = [binary, "serve", folder, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", *extra]
+    return start(cmd, port, LOGS / f"serve-{name}.log")
+
+
+def client_for(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=900)
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def passages(n: int, tokens: int, skip: int = 0) -> list[str]:
+    """``n`` consecutive passages of about ``tokens`` SmolLM2 tokens from the long text."""
+    from kvlab.data import default_long_text
+
+    tok = tokenizer()
+    ids = tok(default_long_text().text)["input_ids"]
+    return [tok.decode(ids[(skip + i) * tokens : (skip + i + 1) * tokens]) for i in range(n)]
+
+
+def ttft_section(
+    kc, tc, folder: str, turns: list[str], max_tokens: int
+) -> tuple[list[str], float, float, list]:
+    km: list[dict] = []
+    tm: list[dict] = []
+    lines = [
+        "| turn | history (messages) | kvlab TTFT ms | transformers serve TTFT ms | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    k_late, t_late = [], []
+    for i, text in enumerate(turns, 1):
+        km.append({"role": "user", "content": text})
+        tm.append({"role": "user", "content": text})
+        k_ttft, k_reply, _ = turn(kc, "smollm2-135m", km, max_tokens)
+        t_ttft, t_reply, _ = turn(tc, folder, tm, max_tokens)
+        km.append({"role": "assistant", "content": k_reply or "."})
+        tm.append({"role": "assistant", "content": t_reply or "."})
+        lines.append(f"| {i} | {len(km) - 1} | {k_ttft:.0f} | {t_ttft:.0f} | {t_ttft / k_ttft:.1f}x |")
+        if i >= 10:
+            k_late.append(k_ttft)
+            t_late.append(t_ttft)
+    return lines, statistics.median(k_late), statistics.median(t_late), km
+
+
+def long_section(kc, tc, folder: str, max_turns: int, passage_tokens: int) -> tuple[list[str], int]:
+    """Book passages as user turns until the history passes 8,192 tokens (one more turn after that)."""
+    lines = [
+        "| turn | history tokens | kvlab TTFT ms | kvlab rolls so far | transformers serve TTFT ms | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    km: list[dict] = []
+    tm: list[dict] = []
+    rolls, past = 0, 0
+    for i, text in enumerate(passages(max_turns, passage_tokens, skip=3), 1):
+        content = text + "\n\nIn one sentence, what happens in this passage?"
+        km.append({"role": "user", "content": content})
+        info: dict = {}
+        k_ttft, k_reply, _ = turn(kc, "smollm2-135m", km, 24, info)
+        rolls += int(info.get("rolls", 0))
+        km.append({"role": "assistant", "content": k_reply or "."})
+        history = kvlab_tokens(km[:-1])
+        if tm is not None:
+            tm.append({"role": "user", "content": content})
+            try:
+                t_ttft, t_reply, _ = turn(tc, folder, tm, 24)
+                tm.append({"role": "assistant", "content": t_reply or "."})
+                t_cell, ratio = f"{t_ttft:.0f}", f"{t_ttft / k_ttft:.1f}x"
+            except Exception as exc:  # report how it fails, and stop asking it
+                t_cell, ratio = f"failed: {type(exc).__name__}: {str(exc)[:120]}", "-"
+                tm = None
+        else:
+            t_cell, ratio = "(not sent: it failed before)", "-"
+        lines.append(f"| {i} | {history} | {k_ttft:.0f} | {rolls} | {t_cell} | {ratio} |")
+        past = past + 1 if history > 8192 else past
+        if past >= 2:
+            break
+    return lines, rolls
+
+
+def replica_section(folder: str, reps: int) -> list[str]:
+    """Two kvlab servers on one Redis: a prefix computed by A is a hit on B."""
+    import shutil
+    import tempfile
+
+    rport, pa, pb = free_port(), free_port(), free_port()
+    work = tempfile.mkdtemp(prefix="kvlab-bench-redis-")
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    redis = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(rport),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            work,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"redis://127.0.0.1:{rport}/0"
+    time.sleep(1.0)
+    a = kvlab_server(pa, "replica-a", "--store", url, "--window", "1024")
+    b = kvlab_server(pb, "replica-b", "--store", url, "--window", "1024")
+    ca, cb = client_for(pa), client_for(pb)
+    rows = [
+        "| prompt | A: miss TTFT ms | B: same prompt (store hit) TTFT ms | B: tiers | B: other prompt (miss) TTFT ms "
+        "| miss / hit | replies equal | B's other prompt: tokens from the store |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    hits, misses = [], []
+    try:
+        turn(ca, "smollm2-135m", [{"role": "user", "content": "warm up"}], 2)
+        turn(cb, "smollm2-135m", [{"role": "user", "content": "warm up"}], 2)
+        texts = passages(2 * reps, 900, skip=40)
+        for r in range(reps):
+            q = "\n\nWho is speaking in this passage, and to whom?"
+            same = [{"role": "user", "content": texts[2 * r] + q}]
+            other = [{"role": "user", "content": texts[2 * r + 1] + q}]
+            ia: dict = {}
+            ib: dict = {}
+            io: dict = {}
+            a_ttft, _, _ = turn(ca, "smollm2-135m", same, 16, ia)
+            hit, _, _ = turn(cb, "smollm2-135m", same, 16, ib)
+            miss, _, _ = turn(cb, "smollm2-135m", other, 16, io)
+            equal = ia.get("completion_ids") == ib.get("completion_ids")
+            hits.append(hit)
+            misses.append(miss)
+            tiers = ", ".join(f"{k} {v}" for k, v in ib.get("store_tiers", {}).items())
+            rows.append(
+                f"| {r + 1} ({ib.get('cached_tokens')} of {ib.get('cached_tokens', 0) + ib.get('computed_tokens', 0)}"
+                f" tokens from the store) | {a_ttft:.0f} | {hit:.0f} | {tiers} | {miss:.0f} | {miss / hit:.1f}x "
+                f"| {'yes' if equal else 'NO'} | {io.get('cached_tokens')} |"
+            )
+    finally:
+        stop(a, b, redis)
+        shutil.rmtree(work, ignore_errors=True)
+    rows.append(
+        f"\n**Median: a prefix computed on A reaches B with a TTFT {statistics.median(misses) / statistics.median(hits):.1f}x "
+        "lower than a miss on B.**"
+    )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=14)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--long-passage", type=int, default=700, help="tokens per user turn in section 3")
+    ap.add_argument("--replica-reps", type=int, default=3)
     args = ap.parse_args()
     from kvlab.model.loading import bundled_model_dir
 
     folder = str(bundled_model_dir())
     turns, source = user_turns(args.turns + 12)
-    logs = Path(__file__).resolve().parent / "out"
-    logs.mkdir(exist_ok=True)
+    LOGS.mkdir(exist_ok=True)
     kp, tp = free_port(), free_port()
-    kvlab = start(
-        [
-            sys.executable,
-            "-m",
-            "kvlab",
-            "serve",
-            "--port",
-            str(kp),
-            "--window",
-            str(args.window),
-            "--max-batch",
-            "4",
-        ],
-        kp,
-        logs / "serve-kvlab.log",
-    )
-    tf = start(
-        [
-            str(Path(sys.executable).parent / "transformers"),
-            "serve",
-            folder,
-            "--port",
-            str(tp),
-            "--host",
-            "127.0.0.1",
-            "--dtype",
-            "float32",
-        ],
-        tp,
-        logs / "serve-transformers.log",
-    )
-    kc = openai.OpenAI(base_url=f"http://127.0.0.1:{kp}/v1", api_key="x", max_retries=0, timeout=600)
-    tc = openai.OpenAI(base_url=f"http://127.0.0.1:{tp}/v1", api_key="x", max_retries=0, timeout=600)
+    kvlab = kvlab_server(kp, "kvlab", "--window", str(args.window))
+    tf = transformers_server(folder, tp, "transformers")
+    kc, tc = client_for(kp), client_for(tp)
     try:
         turn(kc, "smollm2-135m", [{"role": "user", "content": "warm up"}], 4)
         turn(tc, folder, [{"role": "user", "content": "warm up"}], 4)
         # 1. TTFT per turn, alternating servers turn by turn
-        km: list[dict] = []
-        tm: list[dict] = []
-        lines = [
-            "| turn | history (messages) | kvlab TTFT ms | transformers serve TTFT ms | ratio |",
-            "|---|---|---|---|---|",
-        ]
-        k_late, t_late = [], []
-        for i, text in enumerate(turns[: args.turns], 1):
-            km.append({"role": "user", "content": text})
-            tm.append({"role": "user", "content": text})
-            k_ttft, k_reply, _ = turn(kc, "smollm2-135m", km, args.max_tokens)
-            t_ttft, t_reply, _ = turn(tc, folder, tm, args.max_tokens)
-            km.append({"role": "assistant", "content": k_reply or "."})
-            tm.append({"role": "assistant", "content": t_reply or "."})
-            lines.append(f"| {i} | {len(km) - 1} | {k_ttft:.0f} | {t_ttft:.0f} | {t_ttft / k_ttft:.1f}x |")
-            if i >= 10:
-                k_late.append(k_ttft)
-                t_late.append(t_ttft)
+        lines, k_med, t_med, km = ttft_section(kc, tc, folder, turns[: args.turns], args.max_tokens)
         tok = kvlab_tokens(km)
-        k_med, t_med = statistics.median(k_late), statistics.median(t_late)
         # 2. throughput: 1 conversation vs 4 at once
         extra = turns[args.turns : args.turns + 12]
         four = [extra[j::4][:3] for j in range(4)]
         k1 = throughput(kc, "smollm2-135m", [four[0]], 64)
         k4 = throughput(kc, "smollm2-135m", [[f"{t} (again)" for t in c] for c in four], 64)
         t4 = throughput(tc, folder, four, 64)
+        # 3. a conversation past the model's maximum position
+        long_lines, long_rolls = long_section(kc, tc, folder, 16, args.long_passage)
     finally:
-        for p in (kvlab, tf):
-            p.terminate()
-            p.wait(30)
+        stop(kvlab, tf)
+    cp = free_port()
+    cb = transformers_server(folder, cp, "transformers-cb", "--continuous-batching")
+    try:
+        cc = client_for(cp)
+        turn(cc, folder, [{"role": "user", "content": "warm up"}], 4)
+        t4cb = throughput(cc, folder, four, 64)
+    finally:
+        stop(cb)
+    # 4. replicas on one Redis
+    replica_rows = replica_section(folder, args.replica_reps)
     body = f"""Model: SmolLM2-135M-Instruct fp32, the same folder for both (`{Path(folder).name}`). kvlab serve:
 window {args.window} + 4 sinks, batch up to 4, memory store. transformers serve: defaults (no continuous
-batching). Replies greedy, at most {args.max_tokens} tokens; user turns: {source}. By the last turn the
-history is {tok} tokens.
+batching) unless said. Replies greedy, at most {args.max_tokens} tokens; user turns: {source}. By the last
+turn the history is {tok} tokens.
 
 ### Time to first token, turn by turn (whole history sent each turn)
 
@@ -224,16 +363,34 @@ history is {tok} tokens.
 | kvlab, 1 conversation | {k1:.1f} | 1.00x |
 | kvlab, 4 conversations at once | {k4:.1f} | {k4 / k1:.2f}x |
 | transformers serve, 4 conversations at once | {t4:.1f} | {t4 / k1:.2f}x |
+| transformers serve --continuous-batching, 4 conversations at once | {t4cb:.1f} | {t4cb / k1:.2f}x |
 
-kvlab at 4 conversations: {k4 / t4:.2f}x transformers serve's rate. Logs of both servers: `benchmarks/out/serve-*.log`.
+kvlab at 4 conversations: {k4 / t4:.2f}x transformers serve's rate, {k4 / t4cb:.2f}x its continuous-batching rate.
+
+### A conversation past the model's 8,192 positions (book passages of ~{args.long_passage} tokens as user turns, replies ≤ 24 tokens)
+
+{chr(10).join(long_lines)}
+
+kvlab rolled its {args.window}-token window {long_rolls} times and computed only each new turn.
+
+### Replicas: two kvlab servers on one Redis (window 1024; prompts of ~900 tokens of the book)
+
+{chr(10).join(replica_rows)}
+
+Logs of every server: `benchmarks/out/serve-*.log`.
 """
     write_results("serve", "Serving: kvlab serve vs transformers serve", body)
 
 
-def kvlab_tokens(messages: list[dict]) -> int:
+@functools.cache
+def tokenizer():
     from kvlab import load_model
 
-    ids = load_model("smollm2-135m").tokenizer.apply_chat_template(messages, tokenize=True)
+    return load_model("smollm2-135m").tokenizer
+
+
+def kvlab_tokens(messages: list[dict]) -> int:
+    ids = tokenizer().apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

@@ -44,6 +44,14 @@ def register(app: typer.Typer) -> None:
         max_queue: Annotated[
             int, typer.Option("--max-queue", min=0, help="Requests waiting beyond those; more get 429.")
         ] = 16,
+        max_sessions: Annotated[
+            int,
+            typer.Option(
+                "--max-sessions",
+                min=1,
+                help="Idle conversations kept for reuse (each holds a window's cache; least recently used dropped).",
+            ),
+        ] = 64,
         max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=1)] = 32768,
         max_tokens: Annotated[
             int, typer.Option("--max-tokens", min=1, help="Largest max_tokens a request may ask for.")
@@ -73,7 +81,12 @@ def register(app: typer.Typer) -> None:
         _check_can_listen(host, port)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         settings = EngineSettings(
-            window=window, sinks=sinks, evict_chunk=evict_chunk, max_batch=max_batch, max_queue=max_queue
+            window=window,
+            sinks=sinks,
+            evict_chunk=evict_chunk,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            max_sessions=max_sessions,
         )
         handle = load_model(model)
         check_settings(handle, settings)  # before the store creates a folder
