@@ -219,6 +219,83 @@ def test_completions_stop_strings_and_models(server):
     assert sampled[0] == sampled[1]  # seeded sampling is reproducible
 
 
+def _log_softmax_rows(smollm, ids):
+    with torch.no_grad():
+        return torch.log_softmax(smollm.model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+# fp32 logits through the server's rolling cache, batched step and chunking against one full forward:
+# 1e-5-level differences in logits; log-probabilities compared with room for another BLAS path.
+LOGPROB_TOL = 2e-3
+
+
+def test_chat_logprobs_are_the_models_own_streamed_or_not(server, smollm):
+    c = server.client()
+    messages = [{"role": "user", "content": "Give me a word that rhymes with light."}]
+    r = chat(c, messages, n=8, logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    gen = r.model_extra["kvlab"]["completion_ids"]
+    eos = smollm.tokenizer.eos_token_id
+    scored = [t for t in gen if t != eos]
+    assert len(entries) == len(scored) > 0
+    ids = smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    rows = _log_softmax_rows(smollm, ids + scored)
+    for i, (e, t) in enumerate(zip(entries, scored, strict=True)):
+        want = float(rows[len(ids) - 1 + i, t])
+        assert abs(e.logprob - want) <= LOGPROB_TOL, (i, e.logprob, want)
+        assert e.token == smollm.tokenizer.decode([t]) and bytes(e.bytes).decode() == e.token
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy: the best one
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+    streamed = []
+    for ch in chat(c, messages, n=8, logprobs=True, stream=True):
+        if ch.choices and ch.choices[0].logprobs:
+            streamed += ch.choices[0].logprobs.content
+    assert [round(e.logprob, 4) for e in streamed] == [round(e.logprob, 4) for e in entries]
+    plain = chat(c, messages, n=8)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_scores_a_prompt_and_its_continuation_scores_only_the_new_tokens(server, smollm):
+    c = server.client()
+    salt = {"cache_salt": "scoring-test"}  # a namespace of its own: nothing cached before
+    first = "The quick brown fox jumps over the lazy dog. The dog"
+    r = c.completions.create(model=MODEL, prompt=first, max_tokens=0, echo=True, logprobs=2, extra_body=salt)
+    lp = r.choices[0].logprobs
+    ids = smollm.encode(first)
+    assert r.choices[0].text == first and len(lp.token_logprobs) == len(ids)
+    assert lp.token_logprobs[0] is None and r.usage.completion_tokens == 0
+    rows = _log_softmax_rows(smollm, ids)
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - float(rows[i - 1, ids[i]])) <= LOGPROB_TOL, i
+        assert len(lp.top_logprobs[i]) == 2
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == first
+    # the same prompt extended: its session continues; the new tokens are scored (the first from the
+    # logits the previous request ended with), the cached ones are null
+    longer = first + " sleeps in the sun all afternoon."
+    r2 = c.completions.create(
+        model=MODEL, prompt=longer, max_tokens=0, echo=True, logprobs=0, extra_body=salt
+    )
+    info = r2.model_extra["kvlab"]
+    ids2 = smollm.encode(longer)
+    assert ids2[: len(ids)] == ids and info["source"] == "session" and info["cached_tokens"] == len(ids)
+    got = r2.choices[0].logprobs.token_logprobs
+    assert got[: len(ids)] == [None] * len(ids)
+    rows2 = _log_softmax_rows(smollm, ids2)
+    for i in range(len(ids), len(ids2)):
+        assert abs(got[i] - float(rows2[i - 1, ids2[i]])) <= LOGPROB_TOL, i
+
+
+def test_logprob_options_are_checked(server):
+    base = {"model": MODEL, "prompt": "Hello"}
+    assert server.post("/v1/completions", {**base, "max_tokens": 0})[0] == 400
+    assert server.post("/v1/completions", {**base, "echo": True, "stream": True})[0] == 400
+    assert server.post("/v1/completions", {**base, "logprobs": 21})[0] == 422
+    msgs = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    status, _, doc = server.post("/v1/chat/completions", {**msgs, "top_logprobs": 2})
+    assert status == 400 and doc["error"]["param"] == "top_logprobs"
+
+
 def test_a_conversation_three_times_the_window_rolls_and_keeps_answering(server):
     c = server.client()
     rolls_before = server.metric("kvlab_rolls_total")

@@ -87,10 +87,15 @@ class _Message(BaseModel):
 
 class ChatBody(_Common):
     messages: list[_Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class CompletionBody(_Common):
     prompt: str
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt, generate nothing
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -166,7 +171,26 @@ def create_app(
                 param="messages",
                 code="context_length_exceeded",
             )
-        max_new = body.max_completion_tokens or body.max_tokens or limits.default_max_tokens
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_new = limits.default_max_tokens if asked is None else asked
+        echo = isinstance(body, CompletionBody) and body.echo
+        if max_new == 0 and not echo:
+            raise ApiError(
+                400,
+                "max_tokens=0 is only for scoring a prompt (with echo)",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        if echo and body.stream:
+            raise ApiError(400, "echo is not supported with stream", param="echo", code="unsupported_value")
+        if isinstance(body, ChatBody):
+            if body.top_logprobs is not None and not body.logprobs:
+                raise ApiError(
+                    400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
+                )
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
         if max_new > limits.max_tokens:
             raise ApiError(
                 400, f"max_tokens is at most {limits.max_tokens}", param="max_tokens", code="invalid_value"
@@ -185,6 +209,8 @@ def create_app(
             pinned=pinned,
             stop_ids=frozenset(engine.handle.eos_ids()),
             stop_strings=stops,
+            logprobs=logprobs,
+            score_prompt=echo and logprobs is not None,
         )
 
     async def serve(request: Request, kind: str) -> Response:
@@ -217,7 +243,7 @@ def create_app(
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             metrics.requests.labels(endpoint, "200").inc()
             return StreamingResponse(
-                _sse(events, req, kind, meta, include_usage),
+                _sse(events, req, kind, meta, include_usage, engine.handle.tokenizer),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -227,7 +253,9 @@ def create_app(
             metrics.requests.labels(endpoint, str(exc.status)).inc()
             return _error(exc)
         metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(_final(kind, meta, text, finish, info))
+        if kind == "text" and body.echo:
+            meta["echo"] = (body.prompt, ids)
+        return JSONResponse(_final(kind, meta, text, finish, info, engine.handle.tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -361,43 +389,101 @@ def _usage(meta: dict, info: dict) -> dict:
     }
 
 
-def _final(kind: str, meta: dict, text: str, finish: str, info: dict) -> dict:
+def _token_text(tok: Any, token_id: int) -> str:
+    return tok.decode([token_id])
+
+
+def _chat_logprobs(tok: Any, entries: list | None) -> dict | None:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if entries is None:
+        return None
+
+    def one(token_id: int, lp: float) -> dict:
+        text = _token_text(tok, token_id)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in alts]} for t, lp, alts in entries
+        ],
+        "refusal": None,
+    }
+
+
+def _text_logprobs(tok: Any, entries: list, offset: int = 0) -> dict:
+    """Legacy completions ``logprobs``: parallel lists (``None`` where a token was not scored)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, entry in entries:
+        text = _token_text(tok, token_id)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        out["token_logprobs"].append(None if entry is None else entry[1])
+        out["top_logprobs"].append(
+            None if entry is None else {_token_text(tok, a): alp for a, alp in entry[2]}
+        )
+    return out
+
+
+def _public(info: dict) -> dict:
+    return {k: v for k, v in info.items() if not k.startswith("_")}
+
+
+def _final(kind: str, meta: dict, text: str, finish: str, info: dict, tok: Any) -> dict:
     head = {"id": meta["id"], "created": meta["created"], "model": meta["model"]}
+    generated = info.get("_logprobs")
     if kind == "chat":
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "finish_reason": finish,
-            "logprobs": None,
+            "logprobs": _chat_logprobs(tok, generated),
         }
         return {
             **head,
             "object": "chat.completion",
             "choices": [choice],
             "usage": _usage(meta, info),
-            "kvlab": info,
+            "kvlab": _public(info),
         }
-    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    logprobs = None
+    if "echo" in meta:
+        prompt, ids = meta["echo"]
+        text = prompt + text
+        if generated is not None:
+            scored = info.get("_prompt_logprobs") or [None] * len(ids)
+            logprobs = _text_logprobs(tok, [*zip(ids, scored, strict=True), *((e[0], e) for e in generated)])
+    elif generated is not None:
+        logprobs = _text_logprobs(tok, [(e[0], e) for e in generated])
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
     return {
         **head,
         "object": "text_completion",
         "choices": [choice],
         "usage": _usage(meta, info),
-        "kvlab": info,
+        "kvlab": _public(info),
     }
 
 
 async def _sse(
-    events: asyncio.Queue, req: EngineRequest, kind: str, meta: dict, include_usage: bool
+    events: asyncio.Queue, req: EngineRequest, kind: str, meta: dict, include_usage: bool, tok: Any
 ) -> AsyncIterator[str]:
     head = {"id": meta["id"], "created": meta["created"], "model": meta["model"]}
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(delta: dict | str, finish: str | None = None, **extra: Any) -> str:
-        if kind == "chat":
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    def chunk(delta: dict | str, finish: str | None = None, entries: list | None = None, **extra: Any) -> str:
+        if req.logprobs is None or entries is None:
+            lp = None
         else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+            lp = (
+                _chat_logprobs(tok, entries)
+                if kind == "chat"
+                else _text_logprobs(tok, [(e[0], e) for e in entries])
+            )
+        if kind == "chat":
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+        else:
+            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lp}
         return "data: " + json.dumps({**head, "object": obj, "choices": [choice], **extra}) + "\n\n"
 
     try:
@@ -406,9 +492,9 @@ async def _sse(
             if ev[0] == "start" and kind == "chat":
                 yield chunk({"role": "assistant", "content": ""})
             elif ev[0] == "token":
-                yield chunk({"content": ev[2]} if kind == "chat" else ev[2])
+                yield chunk({"content": ev[2]} if kind == "chat" else ev[2], entries=ev[3])
             elif ev[0] == "done":
-                yield chunk({} if kind == "chat" else "", ev[1], kvlab=ev[2])
+                yield chunk({} if kind == "chat" else "", ev[1], kvlab=_public(ev[2]))
                 if include_usage:
                     yield (
                         "data: "

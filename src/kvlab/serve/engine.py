@@ -77,6 +77,8 @@ class Session:
     reused_tokens: int = 0
     computed_tokens: int = 0
     last_used: float = field(default_factory=time.time)
+    # [vocab] logits after the last id: they score the first token of the next request that continues
+    last_logits: torch.Tensor | None = None
 
     def layout(self) -> dict[str, int]:
         c = self.cache
@@ -88,6 +90,19 @@ class Session:
             "seen": c.tokens_seen,
             "rolls": c.rolls,
         }
+
+
+# A token's log-probability: (token id, log p, [(alternative id, log p), ...] best first)
+LogProb = tuple[int, float, list[tuple[int, float]]]
+
+
+def _logprob(log_probs: torch.Tensor, token: int, top: int) -> LogProb:
+    """``token``'s entry from a ``[vocab]`` row of log-probabilities (the model's, before sampling settings)."""
+    alts: list[tuple[int, float]] = []
+    if top:
+        values, ids = log_probs.topk(top)
+        alts = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+    return int(token), float(log_probs[token]), alts
 
 
 @dataclass
@@ -102,6 +117,8 @@ class Request:
     pinned: int = 0
     stop_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
+    logprobs: int | None = None  # report each generated token's log-probability and this many alternatives
+    score_prompt: bool = False  # also each prompt token's (those this request computes; not via the store)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -118,6 +135,8 @@ class _Row:
     out: list[int] = field(default_factory=list)
     text: str = ""  # text emitted so far
     finish: str | None = None
+    logprobs: list[LogProb] = field(default_factory=list)  # per generated token (when asked)
+    unsent: list[LogProb] = field(default_factory=list)  # those not yet attached to an emitted chunk
     last_step: float = field(default_factory=time.perf_counter)
 
 
@@ -220,7 +239,12 @@ class Engine:
                 if req.cancelled.is_set():
                     continue
                 try:
-                    self._active.append(self._start(req))
+                    row = self._start(req)
+                    if req.max_new_tokens == 0:  # scoring a prompt: nothing to generate
+                        row.finish = "length"
+                        self._finish(row)
+                    else:
+                        self._active.append(row)
                 except Exception as exc:  # a bad request must never kill the worker
                     if not isinstance(exc, KvlabError):
                         log.exception("prefill failed")
@@ -241,10 +265,15 @@ class Engine:
         session = self._take_session(req.ids, req.salt)
         tiers: dict[str, int] = {}
         rolls_before = 0
+        scores: list[LogProb | None] = []
         if session is not None:
             source, cached = "session", len(session.ids)
             rolls_before = session.cache.rolls
-            logits = feed(self.handle, session.cache, req.ids[cached:])
+            if req.score_prompt:
+                logits, fresh = self._feed_scored(session.cache, req.ids[cached:], session.last_logits, req)
+                scores = [*(None for _ in range(cached)), *fresh]
+            else:
+                logits = feed(self.handle, session.cache, req.ids[cached:])
         else:
             cache = rolling_cache_for(
                 self.handle,
@@ -253,11 +282,11 @@ class Engine:
                 evict_chunk=self.settings.evict_chunk,
             )
             session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, req.pinned)
-            head = req.ids[: self.capacity]
-            logits, cached, tiers = self._prefill_head(cache, head, req.salt)
-            source = "store" if cached else "none"
-            if len(req.ids) > len(head):
-                logits = feed(self.handle, cache, req.ids[len(head) :])
+            if req.score_prompt:  # every token computed here, so every token but the first is scored
+                logits, scores = self._feed_scored(cache, req.ids, None, req)
+                source, cached = "none", 0
+            else:
+                logits, source, cached, tiers = self._prefill_new(cache, req)
         session.ids = list(req.ids)
         session.requests += 1
         session.reused_tokens += cached
@@ -273,9 +302,39 @@ class Engine:
         }
         if self.metrics is not None:
             self.metrics.prefilled(info)
+        if req.score_prompt:
+            info["_prompt_logprobs"] = scores
         gen = None if req.sampling.greedy else torch.Generator().manual_seed(req.sampling.seed)
         req.emit(("start", info))
         return _Row(req, session, logits[None], gen, info)
+
+    def _prefill_new(self, cache: RollingCache, req: Request) -> tuple[torch.Tensor, str, int, dict]:
+        """A new conversation: its head from the store where it can, the rest computed."""
+        head = req.ids[: self.capacity]
+        logits, cached, tiers = self._prefill_head(cache, head, req.salt)
+        if len(req.ids) > len(head):
+            logits = feed(self.handle, cache, req.ids[len(head) :])
+        return logits, ("store" if cached else "none"), cached, tiers
+
+    def _feed_scored(
+        self, cache: RollingCache, ids: list[int], before: torch.Tensor | None, req: Request
+    ) -> tuple[torch.Tensor, list[LogProb | None]]:
+        """Feed ``ids`` keeping every position's logits: each token's log-probability given what precedes
+        it in the cache (the first from ``before``, the logits that ended the cache, where known)."""
+        top = req.logprobs or 0
+        scores: list[LogProb | None] = []
+        prev = None if before is None else torch.log_softmax(before.float(), -1)
+        logits = torch.empty(0)
+        chunk = min(cache.headroom, 256)  # [chunk, vocab] logits at a time
+        for start in range(0, len(ids), chunk):
+            piece = ids[start : start + chunk]
+            logits = self.handle.run(torch.tensor([piece]), cache).logits[0].float()
+            log_probs = torch.log_softmax(logits, -1)
+            for j, tok in enumerate(piece):
+                src = prev if j == 0 else log_probs[j - 1]
+                scores.append(None if src is None else _logprob(src, tok, top))
+            prev = log_probs[-1]
+        return logits[-1], scores
 
     def _prefill_head(
         self, cache: RollingCache, head: list[int], salt: str
@@ -308,6 +367,10 @@ class Engine:
                 continue
             tok = int(row.req.sampling.pick(row.logits, row.generator)[0])
             row.out.append(tok)
+            if row.req.logprobs is not None and tok not in row.req.stop_ids:
+                entry = _logprob(torch.log_softmax(row.logits[0].float(), -1), tok, row.req.logprobs)
+                row.logprobs.append(entry)
+                row.unsent.append(entry)
             if tok in row.req.stop_ids:
                 row.finish = "stop"
             else:
@@ -344,21 +407,24 @@ class Engine:
         hold = 0 if stopped else _holdback(text, row.req.stop_strings)
         ready = text[: len(text) - hold]
         if len(ready) > len(row.text) and ready.startswith(row.text):
-            row.req.emit(("token", row.out[-1], ready[len(row.text) :]))
-            row.text = ready
+            row.req.emit(("token", row.out[-1], ready[len(row.text) :], row.unsent))
+            row.text, row.unsent = ready, []
 
     def _finish(self, row: _Row) -> None:
         if row.finish != "cancelled":
             reply = self.handle.decode([t for t in row.out if t not in row.req.stop_ids])
             text, _ = _cut_at_stop(reply, row.req.stop_strings)
             if len(text) > len(row.text) and text.startswith(row.text):  # the held-back tail
-                row.req.emit(("token", None, text[len(row.text) :]))
-                row.text = text
+                row.req.emit(("token", None, text[len(row.text) :], row.unsent))
+                row.text, row.unsent = text, []
             row.info["completion_tokens"] = len(row.out)
             row.info["completion_ids"] = list(row.out)
             row.info["kept_tokens"] = row.session.cache.kept
             row.info["pinned_tokens"] = row.session.pinned
+            if row.req.logprobs is not None:
+                row.info["_logprobs"] = row.logprobs
             row.req.emit(("done", row.finish, row.info, row.text))
+        row.session.last_logits = row.logits[0]
         self._return_session(row.session)
 
     # -- sessions --------------------------------------------------------------------------------------
