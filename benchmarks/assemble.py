@@ -14,6 +14,8 @@ ORDER = [
     "compressed_decode",
     "store",
     "serve",
+    "serve_fidelity",
+    "serve_soak",
     "transfer",
 ]
 
