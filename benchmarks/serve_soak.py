@@ -161,7 +161,9 @@ def client_loop(i: int, port: int, deadline: float, tally: Tally, book: list[str
             if kind == "conversation" and history and history[-1]["role"] == "user":
                 history.pop()
             if e.status_code == 429:
-                time.sleep(rng.uniform(0.05, 0.3))
+                time.sleep(
+                    rng.uniform(0.2, 1.0)
+                )  # about what Retry-After asks, so the queue stays at its limit
         except openai.APIConnectionError as e:
             tally.add(kind, "connection", str(e))
 
@@ -184,7 +186,7 @@ def main() -> None:
         "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
         "--max-sessions", str(args.max_sessions), "--api-key", KEYS[0], "--api-key", KEYS[1],
     ]  # fmt: skip
-    server = start(cmd, port, LOGS / "serve-soak.log")
+    server = start(cmd, port, LOGS / "serve-soak.log", key=KEYS[0])
     tally = Tally()
     samples: list[tuple[float, float]] = []
     t0 = time.monotonic()

@@ -503,12 +503,18 @@ def test_two_replicas_on_one_redis_share_prefixes(tmp_path, redis_url):
         b = Server(tmp_path, "--store", redis_url)
         try:
             messages = [{"role": "user", "content": "Here is some context. " * 16 + "What is two plus two?"}]
-            ra = chat(a.client(), messages, n=8)
-            rb = chat(b.client(), messages, n=8)
+            ra = chat(a.client(), messages, n=8, logprobs=True, top_logprobs=5)
+            rb = chat(b.client(), messages, n=8, logprobs=True, top_logprobs=5)
             info_a, info_b = ra.model_extra["kvlab"], rb.model_extra["kvlab"]
             assert info_a["cached_tokens"] == 0 and info_b["source"] == "store"
             assert info_b["store_tiers"].get("redis", 0) >= 1 and info_b["cached_tokens"] >= 64
             assert info_b["completion_ids"] == info_a["completion_ids"]
+            # the distributions, not just the argmax: B's cache from A's blocks gives A's log-probabilities
+            # (top values compared in order: two near-equal alternatives may swap places, their values not)
+            for ea, eb in zip(ra.choices[0].logprobs.content, rb.choices[0].logprobs.content, strict=True):
+                assert ea.token == eb.token and abs(ea.logprob - eb.logprob) <= LOGPROB_TOL
+                for ta, tb in zip(ea.top_logprobs, eb.top_logprobs, strict=True):
+                    assert abs(ta.logprob - tb.logprob) <= LOGPROB_TOL
         finally:
             b.stop()
     finally:
