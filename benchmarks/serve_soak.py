@@ -6,8 +6,8 @@ single chats, completions, streams dropped after two chunks, two tenants, and ma
 unauthorised requests. Counted: every status. Sampled: the server's resident memory every 5 s.
 
 Pass: no 5xx other than the deliberate 503 (none expected here), every bad request a 4xx JSON error,
-and resident memory after warm-up growing by at most 10% (warm-up fills the session table, whose
-size is bounded by ``--max-sessions``).
+and resident memory after warm-up growing by at most 10% (warm-up fills the session table and the
+store's memory tier, bounded by ``--max-sessions`` and ``--store-memory-mb``).
 
 Run: python3 benchmarks/serve_soak.py [--minutes 10] [--warmup 2]   (writes benchmarks/results/serve_soak.md)
 """
@@ -177,6 +177,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--max-queue", type=int, default=4)
     ap.add_argument("--max-sessions", type=int, default=16)
+    ap.add_argument("--store-memory-mb", type=int, default=256)
     args = ap.parse_args()
     LOGS.mkdir(exist_ok=True)
     book = passages(40, 180, skip=80)
@@ -184,7 +185,8 @@ def main() -> None:
     cmd = [
         sys.executable, "-m", "kvlab", "serve", "--port", str(port), "--window", str(args.window),
         "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
-        "--max-sessions", str(args.max_sessions), "--api-key", KEYS[0], "--api-key", KEYS[1],
+        "--max-sessions", str(args.max_sessions), "--store-memory-mb", str(args.store_memory_mb),
+        "--api-key", KEYS[0], "--api-key", KEYS[1],
     ]  # fmt: skip
     server = start(cmd, port, LOGS / "serve-soak.log", key=KEYS[0])
     tally = Tally()
@@ -219,7 +221,8 @@ def main() -> None:
     curve = " · ".join(f"{t:.1f} min {m:.0f}" for t, m in samples[:: max(1, len(samples) // 12)])
     verdict = "pass" if five == 0 and not tally.bad and growth <= 0.10 and alive else "FAIL"
     body = f"""kvlab serve on 127.0.0.1 with the bundled SmolLM2 (window {args.window} + 4 sinks, batch {args.max_batch},
-queue {args.max_queue}, {args.max_sessions} idle sessions kept, two API keys); {args.clients} client threads for
+queue {args.max_queue}, {args.max_sessions} idle sessions kept, a {args.store_memory_mb} MiB memory store, two API
+keys); {args.clients} client threads for
 {args.minutes:g} minutes, each looping over: conversations continued turn after turn (30% of turns a
 ~180-token book passage, so they roll), single chats with seeded sampling, completions with a stop
 string, streams dropped after two chunks, and malformed or unauthorised requests.

@@ -52,6 +52,14 @@ def register(app: typer.Typer) -> None:
                 help="Idle conversations kept for reuse (each holds a window's cache; least recently used dropped).",
             ),
         ] = 64,
+        store_memory_mb: Annotated[
+            int,
+            typer.Option(
+                "--store-memory-mb",
+                min=1,
+                help="Cap of the store's in-memory tier (MiB; least recently used blocks dropped beyond it).",
+            ),
+        ] = 2048,
         max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=1)] = 32768,
         max_tokens: Annotated[
             int, typer.Option("--max-tokens", min=1, help="Largest max_tokens a request may ask for.")
@@ -90,7 +98,7 @@ def register(app: typer.Typer) -> None:
         )
         handle = load_model(model)
         check_settings(handle, settings)  # before the store creates a folder
-        kv_store = open_store(store or "memory")
+        kv_store = open_store(store or "memory", memory_bytes=store_memory_mb * 2**20)
         engine = Engine(handle, settings, store=kv_store, metrics=Metrics())
         app_ = create_app(
             engine,
