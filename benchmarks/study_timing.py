@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvlab.model import load_model
     from kvlab.study.experiments import ExperimentContext, registry
-    from kvlab.study.report.writer import run_dir
+    from kvlab.study.report.writer import run_dir, to_jsonable
     from kvlab.study.runner import run_experiment
 
     experiments = [e for e in registry().values() if e.in_study and (not args.only or e.name in args.only)]
@@ -95,15 +95,23 @@ def main(argv: list[str] | None = None) -> int:
     unit_before = prefill_seconds(model)
     root = run_dir(args.out, f"study-{args.profile}")
     rows = []
+    upstream: dict[str, dict] = {}  # as the study runner does: later experiments reuse earlier summaries
     for exp in experiments:
         rss.reset()
         ctx = ExperimentContext(
-            out_dir=root / exp.name, profile=args.profile, model_spec=args.model, model_handle=model
+            out_dir=root / exp.name,
+            profile=args.profile,
+            model_spec=args.model,
+            model_handle=model,
+            upstream={n: upstream[n] for n in exp.needs if n in upstream},
         )
         t0 = time.perf_counter()
         status = "ok"
         try:
-            status = run_experiment(exp, ctx).status
+            result = run_experiment(exp, ctx)
+            status = result.status
+            if status == "ok":
+                upstream[exp.name] = to_jsonable(result.summary)
         except Exception as exc:  # a benchmark records a failure and carries on, like the study
             status = f"failed: {type(exc).__name__}: {exc}"[:120]
         seconds = time.perf_counter() - t0

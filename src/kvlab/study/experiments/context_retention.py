@@ -113,8 +113,8 @@ def _measure(ctx: ExperimentContext, handle, episodes, keys: list[str], sinks: i
     inj_vs_text = np.zeros(len(episodes))
     with ctx.progress.task("retention: facts", total=len(episodes)) as advance:
         for i, ep in enumerate(episodes):
-            p_snap = handle.prefill(ep.preamble).snapshot
-            pa = handle.prefill(ep.preamble + ep.fact).snapshot
+            p_snap = handle.prefill(ep.preamble, all_logits=False).snapshot
+            pa = handle.prefill(ep.preamble + ep.fact, all_logits=False).snapshot
             pasts = {
                 "no_context": p_snap,
                 "injected": pa,
@@ -122,9 +122,12 @@ def _measure(ctx: ExperimentContext, handle, episodes, keys: list[str], sinks: i
                 "repos_0": drop_prefix(pa, len(ep.preamble), sinks=0),
                 "repos_s": drop_prefix(pa, len(ep.preamble), sinks=sinks),
                 "other_preamble": concat_caches(
-                    p_snap, handle.prefill(ep.other_preamble + ep.fact).snapshot.slice(len(ep.other_preamble))
+                    p_snap,
+                    handle.prefill(ep.other_preamble + ep.fact, all_logits=False).snapshot.slice(
+                        len(ep.other_preamble)
+                    ),
                 ),
-                "cached_alone": concat_caches(p_snap, handle.prefill(ep.fact).snapshot),
+                "cached_alone": concat_caches(p_snap, handle.prefill(ep.fact, all_logits=False).snapshot),
             }
             scores = {
                 "text": score_text(handle, ep.preamble + ep.fact, ep),

@@ -69,10 +69,10 @@ def _evaluate_many(
 
 
 def _window_conditions(model, x: list[int], y: list[int], n: int, gen_tokens: int) -> dict[str, dict]:
-    orig = model.prefill(x[:-1]).snapshot
+    orig = model.prefill(x[:-1], all_logits=False).snapshot
     tail = orig.slice(n)  # original slots n.. at positions n..
     shifted = reposition(tail, 0)
-    ref = model.prefill(x[n:-1]).snapshot
+    ref = model.prefill(x[n:-1], all_logits=False).snapshot
     ref_out = model.forward([x[-1]], ref)
     ref_cont = model.generate(ref_out.snapshot, ref_out.logits[-1], gen_tokens, stop_at_eos=False).token_ids
     roll: dict[str, KVSnapshot] = {"roll: reference (re-prefill)": ref}
@@ -88,7 +88,7 @@ def _window_conditions(model, x: list[int], y: list[int], n: int, gen_tokens: in
     res = _evaluate_many(model, roll, x[-1], ref_cont, ref_out.logits[-1], gen_tokens)
     # truncate: reference is a fresh prefill of the shorter text; the original's first slots are the same by causality.
     cut = len(x) - 1 - n
-    tref = model.prefill(x[:cut]).snapshot
+    tref = model.prefill(x[:cut], all_logits=False).snapshot
     t_out = model.forward([x[cut]], tref)
     t_cont = model.generate(t_out.snapshot, t_out.logits[-1], gen_tokens, stop_at_eos=False).token_ids
     prefix = orig.slice(0, cut)
@@ -99,7 +99,7 @@ def _window_conditions(model, x: list[int], y: list[int], n: int, gen_tokens: in
     }
     res.update(_evaluate_many(model, trunc, x[cut], t_cont, t_out.logits[-1], gen_tokens))
     # cross-text: K from x, V from y (same length, same positions), and the reverse; reference: x's own cache.
-    other = model.prefill(y[: len(x) - 1]).snapshot
+    other = model.prefill(y[: len(x) - 1], all_logits=False).snapshot
     x_out = model.forward([x[-1]], orig)
     x_cont = model.generate(x_out.snapshot, x_out.logits[-1], gen_tokens, stop_at_eos=False).token_ids
     y_first = model.forward([x[-1]], other).logits[-1]

@@ -55,8 +55,8 @@ def run(
     nll = np.zeros_like(exact)
     with ctx.progress.task("layer transfer: facts", total=len(episodes)) as advance:
         for i, ep in enumerate(episodes):
-            donor = model.prefill(ep.preamble + ep.fact).snapshot
-            neutral = model.prefill(ep.preamble + ep.neutral_fact).snapshot
+            donor = model.prefill(ep.preamble + ep.fact, all_logits=False).snapshot
+            neutral = model.prefill(ep.preamble + ep.neutral_fact, all_logits=False).snapshot
             unique = list(dict.fromkeys(layers for _, layers in conds))  # a window equal to a third runs once
             pasts = [transfer_layers(neutral, donor, layers) if layers else neutral for layers in unique]
             done = {

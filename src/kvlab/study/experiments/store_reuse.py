@@ -228,7 +228,9 @@ def nonprefix_reuse(
             )
             ref_gen = handle.generate(full.snapshot, full.logits[-1], answer_tokens)
             ref["correct"][i] = float(answer.lower() in ref_gen.text.lower())
-            cached = [handle.prefill(c).snapshot for c in chunks]  # what the store would hold
+            cached = [
+                handle.prefill(c, all_logits=False).snapshot for c in chunks
+            ]  # what the store would hold
             for mode, corr in corrections.items():
                 t0 = time.perf_counter()
                 b = blend(handle, [instr, *cached], corr)
