@@ -435,6 +435,64 @@ def test_beyond_the_queue_requests_get_429_with_retry_after(server):
     assert all(h.get("Retry-After") or h.get("retry-after") for s, h in results if s == 429)
 
 
+def test_mixed_load_at_the_queue_limit_gets_no_server_errors(server):
+    """Six clients for 20 s (bounded) over conversations that roll, dropped streams, completions, logprobs,
+    another tenant and hostile requests: only the statuses each asks for, no 5xx, and a server that
+    still answers (the 10-minute version with memory is benchmarks/serve_soak.py)."""
+    seen: dict[str, int] = {}
+    lock = threading.Lock()
+    deadline = time.monotonic() + 20
+
+    def count(what: str) -> None:
+        with lock:
+            seen[what] = seen.get(what, 0) + 1
+
+    def client(i: int) -> None:
+        c = server.client(KEY_A if i % 2 else KEY_B)
+        history: list[dict] = []
+        step = 0
+        while time.monotonic() < deadline:
+            step += 1
+            kind = ("conversation", "stream", "completion", "hostile")[(i + step) % 4]
+            try:
+                if kind == "conversation":
+                    history = history[-12:] + [{"role": "user", "content": f"Say something about {step}."}]
+                    r = chat(c, history, n=16, logprobs=step % 2 == 0)
+                    history.append({"role": "assistant", "content": r.choices[0].message.content or "."})
+                elif kind == "stream":
+                    s = chat(c, [{"role": "user", "content": "Tell a long tale."}], n=40, stream=True)
+                    next(iter(s))
+                    s.close()
+                elif kind == "completion":
+                    c.completions.create(
+                        model=MODEL, prompt=f"{step} plus {i} is", max_tokens=4, echo=step % 3 == 0
+                    )
+                else:
+                    name, path, doc, key, raw, want = HOSTILE[(i * 7 + step) % len(HOSTILE)]
+                    status, _, data = server.post(path, doc, key=key, raw=raw)
+                    count(f"hostile {status == want and 'error' in data}")
+                    continue
+                count(f"{kind} 200")
+            except openai.APIStatusError as e:
+                count(f"{kind} {e.status_code}")
+                if e.status_code == 429:
+                    time.sleep(0.2)
+            except openai.APIConnectionError:
+                count(f"{kind} connection error")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    bad = {k: n for k, n in seen.items() if k.split()[-1] not in ("200", "429", "True")}
+    assert not bad, seen
+    assert sum(n for k, n in seen.items() if k.endswith("200")) >= 10, seen
+    assert seen.get("hostile True", 0) >= 3, seen
+    assert server.post("/v1/chat/completions", GOOD)[0] == 200
+
+
 def test_a_client_that_disconnects_cancels_its_work(server):
     before = server.metric("kvlab_generated_tokens_total")
     stream = server.client().chat.completions.create(
