@@ -458,8 +458,9 @@ def _validate(text: Any, rope: RopeSpec | None, *, window, sinks, evict_chunk, m
     sw = [w for w in sliding_windows(text) if w is not None]
     if sw and min(sw) <= sinks + window + evict_chunk:
         raise UnsupportedModelError(
-            f"the model's own sliding window ({min(sw)}) is smaller than this rolling "
-            f"cache ({sinks} + {window}); use a window below {min(sw) - sinks - evict_chunk}"
+            f"the model's own sliding window ({min(sw)}) must be larger than this rolling cache at its "
+            f"fullest ({sinks} sinks + {window} window + {evict_chunk} awaiting eviction = "
+            f"{sinks + window + evict_chunk}); use a window below {min(sw) - sinks - evict_chunk}"
         )
 
 
