@@ -262,3 +262,22 @@ def test_kept_layers_are_copies_that_later_steps_do_not_touch(tiny_model):
     assert cache.rolls > 0
     for (k, v), (k0, v0) in zip(before, kept, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_a_model_with_a_small_sliding_window_gets_a_window_that_fits():
+    """Mistral with a 64-token sliding window: the refusal names the largest window that fits, and it does."""
+    from kvlab.model.facts import load_config_file
+    from kvlab.model.random import tiny_random_model
+    from tests.conftest import config_path
+
+    cfg = load_config_file(config_path("mistral"))
+    cfg.sliding_window = 64
+    h = tiny_random_model(cfg)
+    with pytest.raises(
+        UnsupportedModelError, match=r"4 sinks \+ 52 window \+ 8 awaiting eviction = 64.*below 52"
+    ):
+        rolling_cache_for(h, window=52, sinks=4, evict_chunk=8)
+    cache = rolling_cache_for(h, window=51, sinks=4, evict_chunk=8)
+    for t in range(5, 200):  # one token at a time, as decoding does: a roll every 8 tokens
+        feed(h, cache, [t])
+    assert cache.rolls >= 10 and cache.kept <= 4 + 51 + 8
