@@ -15,6 +15,7 @@ import numpy as np
 
 from kvlab.data import PHASE1_PROMPTS, python_docs
 from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.hf.cache import sliding_windows
 from kvlab.model.facts import ModelFacts, dtype_bytes, facts_from_config, load_config_file
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
@@ -365,6 +366,12 @@ def _prompt_tables(rows: list, layers_meta: list, n_gen: int) -> list[Table]:
 def _sinks(ctx: ExperimentContext, result: ExperimentResult, handle) -> dict:
     """Attention-sink indicators on a passage of the Python docs (arrays and summary)."""
     n_sink = min(ctx.pick(64, 256), handle.max_positions - 1)
+    windows = [w for w in sliding_windows(handle.config) if w is not None]
+    if windows and n_sink >= min(windows):  # a snapshot must hold every token: stay inside the window
+        n_sink = min(windows) - 1
+        result.notes.append(
+            f"the sink probe uses {n_sink} tokens: the model's sliding-window layers see {min(windows)} at most"
+        )
     sinks = sink_indicators(handle, n_sink)
     result.arrays.update({f"sink_{k}": v for k, v in sinks.items()})
     rec = sinks["received"].mean(axis=(0, 1))
