@@ -54,18 +54,43 @@ class ModelFacts:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
 
     def kv_bytes_formula(self, dtype: str = "float32") -> str:
-        return (
+        text = (
             f"{self.num_layers} layers x 2 (K,V) x {self.num_kv_heads} kv_heads x {self.head_dim} head_dim x "
             f"{dtype_bytes(dtype)} bytes ({dtype}) = {self.kv_bytes_per_token(dtype):,} bytes/token"
         )
+        if self.sliding_window:
+            text += (
+                f" (up to {self.sliding_window - 1} tokens; then only the "
+                f"{self.num_layers - self.num_sliding_layers} full-attention layers grow)"
+            )
+        return text
+
+    def kv_bytes(self, tokens: int, dtype: str = "float32") -> int:
+        """Cache bytes of one sequence of ``tokens`` tokens. A sliding-window layer holds at most ``window - 1``
+        tokens (transformers' sliding layers keep that many: the next token completes the window)."""
+        per_layer = 2 * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+        held = min(tokens, self.sliding_window - 1) if self.sliding_window else tokens
+        full_layers = self.num_layers - self.num_sliding_layers
+        return per_layer * (full_layers * tokens + self.num_sliding_layers * held)
 
     def weights_bytes(self, dtype: str | None = None) -> int:
         return self.num_parameters * dtype_bytes(dtype or self.weights_dtype)
 
-    def crossover_tokens(self, cache_dtype: str, weights_dtype: str | None = None, batch: int = 1) -> int:
-        """Context length at which the KV cache (for ``batch`` sequences) outgrows the weights."""
-        per_token = self.kv_bytes_per_token(cache_dtype) * batch
-        return -(-self.weights_bytes(weights_dtype) // per_token)
+    def crossover_tokens(
+        self, cache_dtype: str, weights_dtype: str | None = None, batch: int = 1
+    ) -> int | None:
+        """Context length at which the KV cache (for ``batch`` sequences) outgrows the weights; None when it
+        never does (every layer slides, so the cache stops growing at the window)."""
+        weights = self.weights_bytes(weights_dtype)
+        per_layer = 2 * self.num_kv_heads * self.head_dim * dtype_bytes(cache_dtype) * batch
+        n = -(-weights // (per_layer * self.num_layers))
+        if not self.sliding_window or n <= self.sliding_window - 1:
+            return n
+        full_layers = self.num_layers - self.num_sliding_layers
+        if full_layers == 0:
+            return None
+        rest = weights - per_layer * self.num_sliding_layers * (self.sliding_window - 1)
+        return -(-rest // (per_layer * full_layers))
 
     def to_json(self) -> dict:
         return asdict(self) | {"gqa_ratio": self.gqa_ratio, "attention_kind": self.attention_kind}

@@ -59,7 +59,7 @@ def projections(facts: ModelFacts, weights_dtype: str | None = None) -> dict[str
     }
     for dt in CACHE_DTYPES:
         for b in BATCHES:
-            out["bytes"][f"{dt}/batch{b}"] = [facts.kv_bytes_per_token(dt) * n * b for n in lengths]
+            out["bytes"][f"{dt}/batch{b}"] = [facts.kv_bytes(n, dt) * b for n in lengths]
     wd = weights_dtype or facts.weights_dtype
     out["weights_bytes"] = facts.weights_bytes(wd)
     out["weights_dtype"] = wd
@@ -75,9 +75,12 @@ def _projection_figure(ctx: ExperimentContext, facts: ModelFacts, proj: dict) ->
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     xs = np.logspace(2, np.log10(max(proj["tokens"]) * 1.2), 200)
     for dt, style in zip(("float32", "bfloat16", "int8"), ("-", "--", ":"), strict=True):
-        ax.plot(xs, facts.kv_bytes_per_token(dt) * xs / 2**30, style, label=f"KV cache, {dt}, batch 1")
+        ax.plot(xs, [facts.kv_bytes(int(x), dt) / 2**30 for x in xs], style, label=f"KV cache, {dt}, batch 1")
     ax.plot(
-        xs, facts.kv_bytes_per_token("bfloat16") * xs * 8 / 2**30, "-.", label="KV cache, bfloat16, batch 8"
+        xs,
+        [facts.kv_bytes(int(x), "bfloat16") * 8 / 2**30 for x in xs],
+        "-.",
+        label="KV cache, bfloat16, batch 8",
     )
     ax.axhline(proj["weights_bytes"] / 2**30, color="k", lw=1.2, label=f"weights ({proj['weights_dtype']})")
     if facts.max_positions:
@@ -248,6 +251,12 @@ def _architecture(
     )
 
 
+def _tokens(n: Any) -> str:
+    if n is None:
+        return "no length (the sliding-window cache stops growing)"
+    return f"{n:,} tokens" if isinstance(n, int) else f"{n} tokens"
+
+
 def _projection(ctx: ExperimentContext, result: ExperimentResult, facts, cache_dtype: str) -> None:
     """Projected cache size against the weights, as a table and a figure."""
     proj = projections(facts)
@@ -266,8 +275,14 @@ def _projection(ctx: ExperimentContext, result: ExperimentResult, facts, cache_d
             ["tokens"] + [f"{dt} b{b}" for dt in ("float32", "bfloat16") for b in BATCHES],
             rows,
             caption=f"Weights: {_mb(proj['weights_bytes']):,.0f} MiB in {proj['weights_dtype']}. The cache outgrows them at "
-            f"{proj['crossover_tokens'][f'{cache_dtype}/batch1'] if cache_dtype in CACHE_DTYPES else '?':,} tokens "
-            f"({cache_dtype}, batch 1) and at {proj['crossover_tokens']['bfloat16/batch8']:,} tokens (bfloat16, batch 8).",
+            f"{_tokens(proj['crossover_tokens'].get(f'{cache_dtype}/batch1', '?'))} "
+            f"({cache_dtype}, batch 1) and at {_tokens(proj['crossover_tokens']['bfloat16/batch8'])} (bfloat16, batch 8)."
+            + (
+                f" Sliding-window layers ({facts.num_sliding_layers} of {facts.num_layers}) hold at most "
+                f"{facts.sliding_window} tokens."
+                if facts.sliding_window
+                else ""
+            ),
         )
     )
     result.arrays["projection_tokens"] = np.array(proj["tokens"])
