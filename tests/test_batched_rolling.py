@@ -112,3 +112,28 @@ def test_a_forward_that_bypasses_the_rows_attention_is_refused(tiny_model, monke
     with pytest.raises(UnsupportedModelError, match="attention interface"):
         step_rolling_rows(h, caches, [1, 2])
     assert h.model.config._attn_implementation != batch.ROWS_ATTENTION  # switched back after the failure
+
+
+def test_another_threads_forward_never_reads_a_steps_caches(tiny_model):
+    """While one thread's batched step is active (the model switched to the rows attention), a forward on
+    another thread computes plain attention over its own input, not the step's caches."""
+    import threading
+
+    h = tiny_model("llama")
+    caches = [rolling_cache_for(h, window=32, sinks=4, evict_chunk=8) for _ in range(2)]
+    for c, p in zip(caches, _prompts((5, 9)), strict=True):
+        feed(h, c, p)
+    ids = torch.tensor([_prompts((12,), seed=5)[0]])
+    want = h.run(ids).logits
+    before = h.model.config._attn_implementation
+    got: list[torch.Tensor] = []
+    batch._ACTIVE.rows.append(batch._RowsCache(caches))
+    h.model.set_attn_implementation(batch.ROWS_ATTENTION)
+    try:
+        worker = threading.Thread(target=lambda: got.append(h.run(ids).logits))
+        worker.start()
+        worker.join(60)
+    finally:
+        batch._ACTIVE.rows.pop()
+        h.model.set_attn_implementation(before)
+    assert len(got) == 1 and (got[0] - want).abs().max() <= forward_tol(h, want)

@@ -495,11 +495,10 @@ def test_mixed_load_at_the_queue_limit_gets_no_server_errors(server):
 
 def test_a_client_that_disconnects_cancels_its_work(server):
     before = server.metric("kvlab_generated_tokens_total")
-    stream = server.client().chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Write a long story about a dragon."}],
-        max_tokens=48,
-        temperature=0,
+    stream = chat(
+        server.client(),
+        [{"role": "user", "content": "Write a long story about a dragon."}],
+        n=48,
         stream=True,
     )
     for i, _ in enumerate(stream):
@@ -584,12 +583,8 @@ def test_kill_9_mid_stream_leaves_a_store_that_verifies_and_still_hits(tmp_path)
     s = Server(tmp_path, "--store", str(store))
     messages = [{"role": "user", "content": "Remember this context. " * 16 + "Tell me a long story."}]
     first = chat(s.client(), messages, n=4)
-    stream = s.client().chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Now another long story, please."}],
-        max_tokens=48,
-        temperature=0,
-        stream=True,
+    stream = chat(
+        s.client(), [{"role": "user", "content": "Now another long story, please."}], n=48, stream=True
     )
     next(iter(stream))
     s.proc.send_signal(signal.SIGKILL)

@@ -22,6 +22,7 @@ sinks, a forward that never calls transformers' attention interface) is refused,
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -68,7 +69,15 @@ class _RowsCache(Cache):
         return max(c.next_position for c in self.caches)
 
 
-_ACTIVE: list[_RowsCache] = []  # the step in progress (the worker thread that owns the model sets it)
+class _Active(threading.local):
+    """The batched step in progress, per thread: another thread's forward (even on the same model, left
+    switched to the rows attention meanwhile) sees none and gets plain SDPA, never this step's caches."""
+
+    def __init__(self) -> None:
+        self.rows: list[_RowsCache] = []
+
+
+_ACTIVE = _Active()
 
 
 def _rows_attention(
@@ -78,9 +87,9 @@ def _rows_attention(
 
     Outside a batched step this is plain SDPA, so a model left switched to it still computes right.
     """
-    if not _ACTIVE:
+    if not _ACTIVE.rows:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
-    rows = _ACTIVE[-1]
+    rows = _ACTIVE.rows[-1]
     if getattr(module.config, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None:
         raise UnsupportedModelError(
             "batched rolling steps do not support attention soft-capping or learned sinks"
@@ -154,12 +163,12 @@ def _rows_step(handle: Any, rows: _RowsCache) -> Iterator[None]:
         for cache in rows.caches:  # each row's query sits at next_position: a re-base may follow
             stack.enter_context(cache.choosing_positions())
         model.set_attn_implementation(ROWS_ATTENTION)
-        _ACTIVE.append(rows)
+        _ACTIVE.rows.append(rows)
         try:
             with _SmallBatchLinear() if fast_linear else contextlib.nullcontext():
                 yield
         finally:
-            _ACTIVE.pop()
+            _ACTIVE.rows.pop()
             model.set_attn_implementation(before)
 
 
