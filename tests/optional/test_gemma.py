@@ -24,7 +24,8 @@ def test_gemma_per_layer_rope_derotation():
     g = load_model("gemma3-270m")
     ropes = layer_ropes(g)
     types = list(g.config.layer_types)
-    assert g.rope is None and len(ropes) == 18 and types.count("full_attention") == 3
+    assert g.rope is not None and g.rope.kinds == tuple(types)
+    assert len(ropes) == 18 and types.count("full_attention") == 3
     for spec, t in zip(ropes, types, strict=True):
         assert spec.theta == (1e6 if t == "full_attention" else 1e4) and spec.head_dim == 256
     # the same tokens prefilled at two start positions: de-rotated keys agree in every layer type

@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from kvlab.cache.snapshot import PROVENANCES, KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError, SnapshotFileError
-from kvlab.rope.spec import RopeSpec
+from kvlab.rope.spec import rope_from_json
 
 FORMAT = "kvlab.snapshot"
 FORMAT_VERSION = 2
@@ -290,7 +290,9 @@ def _check_meta(meta: Any, where: str) -> dict:
         if meta.get("provenance", "unknown") not in PROVENANCES:
             raise _Bad(f"'provenance' must be one of {', '.join(PROVENANCES)}")
         if meta.get("rope") is not None:
-            RopeSpec.from_json(meta["rope"])  # raises BadInputError
+            per_layer = getattr(rope_from_json(meta["rope"]), "layers", None)  # raises BadInputError
+            if per_layer is not None and len(per_layer) != meta["num_layers"]:
+                raise _Bad(f"its per-layer RoPE covers {len(per_layer)} layers, not {meta['num_layers']}")
         digest_key = "digest" if version == 2 else "sha256"
         d = meta.get(digest_key)
         if not isinstance(d, str) or not re.fullmatch(r"[0-9a-f]{64}", d):
@@ -301,7 +303,7 @@ def _check_meta(meta: Any, where: str) -> dict:
             if meta["dtype"] not in _DTYPE_NAMES:
                 raise _Bad(f"'dtype' must be one of {', '.join(_DTYPE_NAMES)}, got {meta['dtype']!r:.40}")
             if meta["rope"] is not None:
-                rope = RopeSpec.from_json(meta["rope"])
+                rope = rope_from_json(meta["rope"])
                 if rope.head_dim != meta["head_dim"]:
                     raise _Bad(
                         f"its RoPE head_dim {rope.head_dim} differs from the cache's head_dim {meta['head_dim']}"
@@ -445,7 +447,7 @@ def _check_tensors(meta: dict, entries: dict, path: Path) -> None:
             )
     if min(B, H, T, D, Dv) < 1:
         raise SnapshotFileError(f"{path} holds an empty cache (shape [{B}, {H}, {T}, {D}])")
-    if meta.get("rope") is not None and meta["rope"].get("head_dim") != D:
+    if meta.get("rope") is not None and rope_from_json(meta["rope"]).head_dim != D:
         raise SnapshotFileError(f"{path}: its RoPE head_dim differs from the cache's head_dim {D}")
 
 
@@ -590,7 +592,7 @@ def load_snapshot(
             values=tuple(tensors[f"v.{i}"].to(device) for i in range(n)),
             token_ids=tensors["token_ids"],
             positions=tensors["positions"],
-            rope=RopeSpec.from_json(meta["rope"]) if meta.get("rope") else None,
+            rope=rope_from_json(meta["rope"]) if meta.get("rope") else None,
             fingerprint=meta["fingerprint"],
             model_name=meta.get("model_name") or "",
             provenance=provenance,

@@ -24,7 +24,7 @@ import torch
 
 from kvlab.errors import BadInputError, IncompatibleCacheError, UnsupportedModelError
 from kvlab.rope.ops import shift_keys
-from kvlab.rope.spec import RopeSpec
+from kvlab.rope.spec import Rope, RopeSpec
 
 #: How a snapshot was made. "prefill": the model's own cache of ``token_ids`` at positions 0..T-1;
 #: "computed": computed by the model on top of a non-prefill past or at other positions; "rolled",
@@ -51,7 +51,7 @@ class KVSnapshot:
         values: same shapes as ``keys``.
         token_ids: ``[batch, T]`` int64, the token cached at each slot.
         positions: ``[T]`` int64, the RoPE position each slot's key was rotated to.
-        rope: the model's RoPE, or None for models without rotary embeddings.
+        rope: the model's RoPE (one spec, or one per layer for hybrid models), or None without RoPE.
         fingerprint: the model fingerprint (architecture + config + weights hash).
         model_name: a human-readable model name, for reports only.
         provenance: how the snapshot was made, one of :data:`PROVENANCES`.
@@ -61,7 +61,7 @@ class KVSnapshot:
     values: tuple[torch.Tensor, ...]
     token_ids: torch.Tensor
     positions: torch.Tensor
-    rope: RopeSpec | None
+    rope: Rope | None
     fingerprint: str
     model_name: str = ""
     provenance: str = "unknown"
@@ -86,6 +86,11 @@ class KVSnapshot:
                     f"layer {i} has K {tuple(k.shape)} / V {tuple(v.shape)}, layer 0 has K {shape}; "
                     "kvlab snapshots need one geometry for all layers"
                 )
+        per_layer = getattr(self.rope, "layers", None)
+        if per_layer is not None and len(per_layer) != len(self.keys):
+            raise IncompatibleCacheError(
+                f"the per-layer RoPE covers {len(per_layer)} layers, the cache has {len(self.keys)}"
+            )
         if tuple(self.token_ids.shape) != (shape[0], shape[2]):
             raise BadInputError(
                 f"token_ids {tuple(self.token_ids.shape)} do not match the cache [{shape[0]}, {shape[2]}]"
@@ -210,7 +215,7 @@ class KVSnapshot:
         if bool((delta == 0).all()):
             return self.replace(positions=new, provenance=self.provenance)
         return self.replace(
-            keys=tuple(shift_keys(k, delta, rope) for k in self.keys),
+            keys=tuple(_shift_layer(k, delta, rope.for_layer(i)) for i, k in enumerate(self.keys)),
             positions=new,
             provenance="repositioned",
         )
@@ -242,7 +247,7 @@ class KVSnapshot:
                 "prefill the tokens with the model first"
             )
 
-    def require_rope(self, what: str) -> RopeSpec:
+    def require_rope(self, what: str) -> Rope:
         if self.rope is None:
             raise UnsupportedModelError(f"{what} needs a model with rotary position embeddings (RoPE)")
         return self.rope
@@ -310,3 +315,8 @@ def batchable_groups(named: dict[str, KVSnapshot]) -> list[list[str]]:
     for name, snap in named.items():
         groups.setdefault((snap.seq_len, tuple(snap.positions.tolist())), []).append(name)
     return list(groups.values())
+
+
+def _shift_layer(keys: torch.Tensor, delta: torch.Tensor, spec: RopeSpec | None) -> torch.Tensor:
+    """One layer's keys moved by ``delta``; a layer without RoPE (NoPE) carries no position: unchanged."""
+    return keys if spec is None else shift_keys(keys, delta, spec)

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import UnsupportedModelError
-from kvlab.rope.spec import RopeSpec
+from kvlab.rope.spec import Rope
 
 
 def sliding_windows(config: Any) -> list[int | None]:
@@ -122,7 +122,7 @@ def snapshot_from_hf(
     *,
     token_ids: torch.Tensor,
     positions: torch.Tensor,
-    rope: RopeSpec | None,
+    rope: Rope | None,
     fingerprint: str,
     model_name: str = "",
     copy: bool = False,

@@ -28,7 +28,7 @@ from kvlab.compress.quant.methods import Quantizer, Segment, split_plan
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
 from kvlab.rope.ops import apply_rope
-from kvlab.rope.spec import RopeSpec, rope_spec_from_config
+from kvlab.rope.spec import Rope, rope_for_layer, rope_spec_from_config
 
 # Per-token quantizers encode generated tokens in blocks of this many (they wait in the fp tail until then).
 DECODE_BLOCK = 32
@@ -46,7 +46,7 @@ class CompressionRule:
     quantizer: Quantizer | None = None
     policy: Policy | None = None
     keep: float | None = None
-    rope: RopeSpec | None = None
+    rope: Rope | None = None
     scaling: float = 1.0
 
 
@@ -60,6 +60,7 @@ class CompressedLayer(DynamicLayer):
     def __init__(self, rule: CompressionRule, index: int):
         super().__init__()
         self.rule, self.index = rule, index
+        self.rope = rope_for_layer(rule.rope, index)  # this layer's RoPE (None: no RoPE on this layer)
         self.query_hook: Any = None
         self.seen = 0
         self.sink_keys: torch.Tensor | None = None
@@ -151,7 +152,7 @@ class CompressedLayer(DynamicLayer):
         _, stop = split_plan(tail_k.shape[-2], 0, q.window, q.token_multiple())
         if stop > 0 and (first or q.token_multiple() > 1 or stop >= DECODE_BLOCK):
             self.segments.append(
-                q.encode(tail_k[:, :, :stop], tail_v[:, :, :stop], tail_pos[:stop], self.rule.rope)
+                q.encode(tail_k[:, :, :stop], tail_v[:, :, :stop], tail_pos[:stop], self.rope)
             )
             tail_k, tail_v, tail_pos = tail_k[:, :, stop:], tail_v[:, :, stop:], tail_pos[stop:]
         self.keys, self.values, self.tail_positions = tail_k.clone(), tail_v.clone(), tail_pos
@@ -163,8 +164,8 @@ class CompressedLayer(DynamicLayer):
             raw = self.pending_queries
             b, t, _ = raw.shape
             queries = raw.view(b, t, -1, k.shape[-1]).transpose(1, 2).float()
-            if rule.rope is not None:
-                queries = apply_rope(queries, positions, rule.rope).float()
+            if self.rope is not None:
+                queries = apply_rope(queries, positions, self.rope).float()
         view = LayerView(self.index, rule.num_layers, k, v, positions, queries, rule.scaling)
         n = budget_slots(k.shape[-2], rule.keep)
         idx = keep_indices(rule.policy.score(view), n, rule.policy.sinks, rule.policy.window)
@@ -200,7 +201,7 @@ class CompressedCache(Cache):
         policy: Policy | None = None,
         keep: float | None = None,
         model: Any = None,
-        rope: RopeSpec | None = None,
+        rope: Rope | None = None,
     ):
         if quantizer is not None and policy is not None:
             raise BadInputError("choose a quantizer or an eviction policy for one CompressedCache, not both")
@@ -214,7 +215,8 @@ class CompressedCache(Cache):
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
         self.rope = rope if rope is not None else rope_spec_from_config(text)
         if quantizer is not None:
-            quantizer.check(head_dim, self.rope)
+            for i in range(int(text.num_hidden_layers)):
+                quantizer.check(head_dim, rope_for_layer(self.rope, i))
         self.quantizer, self.policy, self.keep = quantizer, policy, keep
         scaling = head_dim**-0.5
         mods = None

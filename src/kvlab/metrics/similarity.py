@@ -24,7 +24,8 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError
-from kvlab.rope.ops import remove_rope
+from kvlab.rope.ops import remove_rope_stacked
+from kvlab.rope.spec import map_rope
 
 Derotate = Literal["none", "correct", "buggy"]
 
@@ -104,7 +105,7 @@ class PreparedCache:
     def derotated_keys(self) -> torch.Tensor:
         if self._derotated is None:
             rope = self.snapshot.require_rope("de-rotating keys")
-            self._derotated = remove_rope(self.keys, self.snapshot.positions, rope)
+            self._derotated = remove_rope_stacked(self.keys, self.snapshot.positions, rope)
         return self._derotated
 
 
@@ -118,7 +119,11 @@ def _side(
         return k, v, kd
     k = torch.stack([select_along(t[0], 1, idx) for t in c.keys]).double()
     v = torch.stack([select_along(t[0], 1, idx) for t in c.values]).double()
-    kd = remove_rope(k, c.positions.index_select(0, idx), c.rope) if derotate == "correct" else None
+    kd = (
+        remove_rope_stacked(k, c.positions.index_select(0, idx), c.require_rope("de-rotating keys"))
+        if derotate == "correct"
+        else None
+    )
     return k, v, kd
 
 
@@ -126,8 +131,10 @@ def _interleaved_buggy_derotate(
     keys: torch.Tensor, positions: torch.Tensor, snap: KVSnapshot
 ) -> torch.Tensor:
     """The thread's de-rotation: GPT-J (interleaved) pairing and positions 0..P-1 for both caches."""
-    rope = dataclasses.replace(snap.require_rope("de-rotating keys"), pairing="interleaved")
-    return remove_rope(keys, positions, rope)
+    rope = map_rope(
+        snap.require_rope("de-rotating keys"), lambda s: dataclasses.replace(s, pairing="interleaved")
+    )
+    return remove_rope_stacked(keys, positions, rope)
 
 
 def compare_caches(
@@ -231,7 +238,7 @@ def centroid_cosine(
     def centroid(s: KVSnapshot) -> torch.Tensor:
         t = torch.stack([x[0] for x in (s.keys if which == "k" else s.values)]).double()
         if which == "k" and derotate and s.rope is not None:
-            t = remove_rope(t, s.positions, s.rope)
+            t = remove_rope_stacked(t, s.positions, s.rope)
         return t.mean(dim=-2)
 
     return _cos(centroid(a), centroid(b))

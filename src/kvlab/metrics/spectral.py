@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvlab.errors import BadInputError
-from kvlab.rope.spec import RopeSpec
+from kvlab.rope.spec import LayerRopes, Rope, RopeSpec
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,9 @@ class AliasingReport:
         )
 
 
-def aliasing_check(ns: np.ndarray, rope: RopeSpec) -> AliasingReport:
-    """Flag every stretch of ``ns`` whose step exceeds half the fastest RoPE period (Nyquist)."""
+def aliasing_check(ns: np.ndarray, rope: Rope) -> AliasingReport:
+    """Flag every stretch of ``ns`` whose step exceeds half the fastest RoPE period (Nyquist; over every
+    layer's RoPE for hybrid models)."""
     periods = [p for p in rope.periods_tokens() if np.isfinite(p)]
     if not periods:
         raise BadInputError("the RoPE spec has no finite period")
@@ -185,15 +186,41 @@ def aliasing_check(ns: np.ndarray, rope: RopeSpec) -> AliasingReport:
 # -- B3: the RoPE predictor ---------------------------------------------------------------------
 
 
-def rope_pair_energy(derotated_keys: torch.Tensor | np.ndarray, rope: RopeSpec) -> np.ndarray:
+def rope_pair_energy(
+    derotated_keys: torch.Tensor | np.ndarray, rope: Rope, layer_axis: int = 0
+) -> np.ndarray:
     """Share of each key's squared norm in each rotary pair, ``[..., pairs + 1]`` (last: non-rotary dims).
 
-    ``derotated_keys`` is ``[..., head_dim]`` (pre-RoPE keys); each row sums to 1.
+    ``derotated_keys`` is ``[..., head_dim]`` (pre-RoPE keys); each row sums to 1. With one RoPE per
+    layer (hybrid models) ``layer_axis`` of the keys indexes layers; a layer without RoPE puts all its
+    energy in the last band (it never rotates, so it predicts an unchanged cosine).
     """
     k = torch.as_tensor(
         np.asarray(derotated_keys) if isinstance(derotated_keys, np.ndarray) else derotated_keys
-    )
-    k = k.double()
+    ).double()
+    if isinstance(rope, RopeSpec):
+        return _pair_energy(k, rope)
+    k = k.movedim(layer_axis, 0)
+    _check_layers(k.shape[0], rope)
+    pairs = rope.rotary_dim // 2
+    out = []
+    for i, kl in enumerate(k):
+        spec = rope.for_layer(i)
+        if spec is None:
+            e = torch.zeros((*kl.shape[:-1], pairs + 1), dtype=torch.float64)
+            e[..., -1] = 1.0
+            out.append(e.numpy())
+        else:
+            out.append(_pair_energy(kl, spec))
+    return np.moveaxis(np.stack(out), 0, layer_axis)
+
+
+def _check_layers(n: int, rope: LayerRopes) -> None:
+    if n != len(rope.layers):
+        raise BadInputError(f"got {n} layers along the layer axis, the per-layer RoPE has {len(rope.layers)}")
+
+
+def _pair_energy(k: torch.Tensor, rope: RopeSpec) -> np.ndarray:
     if k.shape[-1] != rope.head_dim:
         raise BadInputError(f"keys have head_dim {k.shape[-1]}, the RoPE spec expects {rope.head_dim}")
     r, half = rope.rotary_dim, rope.rotary_dim // 2
@@ -207,14 +234,28 @@ def rope_pair_energy(derotated_keys: torch.Tensor | np.ndarray, rope: RopeSpec) 
     return (e / e.sum(-1, keepdim=True).clamp_min(1e-300)).numpy()
 
 
-def predict_raw_cosine(energy: np.ndarray, rope: RopeSpec, ns: np.ndarray) -> np.ndarray:
+def predict_raw_cosine(energy: np.ndarray, rope: Rope, ns: np.ndarray, layer_axis: int = 0) -> np.ndarray:
     """Predicted raw key cosine after a shift of ``n`` tokens: ``sum_i E_i cos(n w_i)``, ``[..., len(ns)]``.
 
     ``energy`` is ``[..., pairs + 1]`` from :func:`rope_pair_energy` (averaged over slots as you like:
-    the prediction is linear in it). Exact when the de-rotated keys do not change.
+    the prediction is linear in it). Exact when the de-rotated keys do not change. With one RoPE per
+    layer, ``layer_axis`` of ``energy`` indexes layers and each uses its own frequencies.
     """
     e = np.asarray(energy, dtype=np.float64)
-    w = np.append(np.asarray(rope.inv_freq, dtype=np.float64), 0.0)
+    if isinstance(rope, RopeSpec):
+        return _predict(e, rope.inv_freq, ns)
+    e = np.moveaxis(e, layer_axis, 0)
+    _check_layers(e.shape[0], rope)
+    zeros = (0.0,) * (e.shape[-1] - 1)
+    out = [
+        _predict(el, s.inv_freq if (s := rope.for_layer(i)) is not None else zeros, ns)
+        for i, el in enumerate(e)
+    ]
+    return np.moveaxis(np.stack(out), 0, layer_axis)
+
+
+def _predict(e: np.ndarray, inv_freq: tuple[float, ...], ns: np.ndarray) -> np.ndarray:
+    w = np.append(np.asarray(inv_freq, dtype=np.float64), 0.0)
     if e.shape[-1] != w.size:
         raise BadInputError(f"energy has {e.shape[-1]} bands, the RoPE spec {w.size} (pairs + non-rotary)")
     phase = np.cos(np.outer(w, np.asarray(ns, dtype=np.float64)))  # [bands, len(ns)]

@@ -31,7 +31,7 @@ from kvlab.hf.cache import (
 )
 from kvlab.loop import GREEDY, Sampling, decode_loop
 from kvlab.model.facts import ModelFacts, facts_from_config
-from kvlab.rope.spec import RopeSpec, rope_spec_from_model
+from kvlab.rope.spec import Rope, rope_spec_from_model
 
 TokensLike = str | Sequence[int] | torch.Tensor
 
@@ -95,10 +95,11 @@ class ModelHandle:
         return facts_from_config(self.config, name=self.name, num_parameters=n_params)
 
     @cached_property
-    def rope(self) -> RopeSpec | None:
-        """The model's RoPE; None without one, and None (with :attr:`rope_problem` saying why) for a RoPE
-        kvlab cannot represent yet (one per layer type, as Gemma-3's), so operations that do not move
-        positions still run and those that do refuse."""
+    def rope(self) -> Rope | None:
+        """The model's RoPE: one :class:`RopeSpec`, one per layer for hybrid models (Gemma-3's local
+        and global bases, SmolLM3's NoPE layers), None without RoPE, and None (with :attr:`rope_problem`
+        saying why) for a RoPE kvlab cannot read, so operations that do not move positions still run
+        and those that do refuse."""
         try:
             return rope_spec_from_model(self.model)
         except UnsupportedModelError as exc:

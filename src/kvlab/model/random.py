@@ -41,6 +41,8 @@ def shrink_config(
             setattr(cfg, key, vocab - 1)
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = list(cfg.layer_types)[:layers]
+    if isinstance(getattr(cfg, "no_rope_layers", None), list):  # SmolLM3, Llama-4: which layers rotate
+        cfg.no_rope_layers = list(cfg.no_rope_layers)[:layers]
     cfg.dtype = "float32"
     return cfg
 

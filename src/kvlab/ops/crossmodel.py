@@ -25,12 +25,12 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError
 from kvlab.rope.ops import apply_rope, remove_rope
-from kvlab.rope.spec import RopeSpec
+from kvlab.rope.spec import RopeSpec, rope_for_layer
 
 if TYPE_CHECKING:
     from kvlab.model.handle import ModelHandle
 
-LayerRopes = Sequence[RopeSpec | None]
+PerLayerSpecs = Sequence[RopeSpec | None]
 
 
 def same_tokenizer(a: Any, b: Any) -> bool:
@@ -50,41 +50,9 @@ def geometry(handle: ModelHandle) -> tuple[int, int, int]:
 
 
 def layer_ropes(handle: ModelHandle) -> list[RopeSpec | None]:
-    """The RoPE each cache layer's keys carry: the model's one spec, or per layer type (Gemma-3 local/global).
-
-    kvlab's RoPE spec covers one RoPE per model; hybrid models such as Gemma-3 keep one inverse-frequency
-    buffer per layer type (``sliding_attention_inv_freq``, ``full_attention_inv_freq``) in a single rotary
-    module. Those are read here so keys can be de-rotated layer by layer for cross-model maps.
-    """
-    n = handle.facts.num_layers
-    if handle.rope is not None:
-        return [handle.rope] * n
-    types = getattr(handle.config, "layer_types", None)
-    rotary = next(
-        (m for m in handle.model.modules() if hasattr(m, "layer_types") and hasattr(m, "rope_type")), None
-    )
-    if not types or rotary is None:
-        return [None] * n
-    specs: dict[str, RopeSpec] = {}
-    params = getattr(handle.config, "rope_parameters", None) or {}
-    for t in set(types):
-        inv = getattr(rotary, f"{t}_inv_freq", None)
-        if inv is None:
-            return [None] * n
-        rope_type = (
-            str(rotary.rope_type.get(t, "default")) if isinstance(rotary.rope_type, dict) else "default"
-        )
-        theta = (params.get(t) or {}).get("rope_theta") if isinstance(params, dict) else None
-        specs[t] = RopeSpec(
-            inv_freq=tuple(float(x) for x in inv.detach().to("cpu", torch.float64).tolist()),
-            head_dim=handle.facts.head_dim,
-            rope_type=rope_type,
-            pairing="half",
-            attention_scaling=float(getattr(rotary, f"{t}_attention_scaling", 1.0) or 1.0),
-            theta=float(theta) if theta is not None else None,
-            shift_exact=rope_type in ("default", "linear", "llama3", "yarn"),
-        )
-    return [specs[t] for t in types]
+    """The RoPE each cache layer's keys carry (one spec per layer; None for a layer without RoPE), so keys
+    can be de-rotated layer by layer for cross-model maps, also on hybrid models (Gemma-3 local/global)."""
+    return [rope_for_layer(handle.rope, i) for i in range(handle.facts.num_layers)]
 
 
 def transplant(
@@ -138,7 +106,7 @@ def depth_matched_layers(src_layers: int, dst_layers: int) -> list[int]:
 
 
 def _features(
-    snaps: Sequence[KVSnapshot], which: str, layer: int, ropes: LayerRopes | None = None
+    snaps: Sequence[KVSnapshot], which: str, layer: int, ropes: PerLayerSpecs | None = None
 ) -> torch.Tensor:
     """``[N, kv_heads, head_dim]`` float64 rows: de-rotated keys or values of one layer, all slots of all snaps.
 
@@ -197,8 +165,8 @@ def fit_cache_map(
     dst_test: Sequence[KVSnapshot],
     *,
     alpha: float = 1e-3,
-    src_ropes: LayerRopes | None = None,
-    dst_ropes: LayerRopes | None = None,
+    src_ropes: PerLayerSpecs | None = None,
+    dst_ropes: PerLayerSpecs | None = None,
 ) -> CacheMap:
     """Fit ridge maps sharer -> receiver on aligned snapshots (slot ``t`` of each pair holds the same token).
 
@@ -274,8 +242,8 @@ def cache_map_grid(
     dst_test: Sequence[KVSnapshot],
     *,
     alpha: float = 1e-3,
-    src_ropes: LayerRopes | None = None,
-    dst_ropes: LayerRopes | None = None,
+    src_ropes: PerLayerSpecs | None = None,
+    dst_ropes: PerLayerSpecs | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Held-out explained variance of a ridge map for every (sharer layer, receiver layer) pair.
 

@@ -28,6 +28,7 @@ import functools
 import torch
 
 from kvlab.errors import BadInputError
+from kvlab.rope.ops import require_one_spec
 from kvlab.rope.spec import RopeSpec
 
 # Elements of the input processed per chunk (256 Ki floats = 1 MiB): big enough that per-kernel
@@ -70,6 +71,7 @@ def _chunks(x: torch.Tensor, *others: torch.Tensor):
 
 
 def _check(x: torch.Tensor, spec: RopeSpec) -> None:
+    require_one_spec(spec)
     if x.shape[-1] != spec.head_dim:
         raise BadInputError(f"keys have head_dim {x.shape[-1]}, the RoPE spec expects {spec.head_dim}")
     if not x.is_floating_point():

@@ -15,9 +15,19 @@ from __future__ import annotations
 import torch
 
 from kvlab.errors import BadInputError
-from kvlab.rope.spec import RopeSpec
+from kvlab.rope.spec import Rope, RopeSpec
 
 PositionsLike = int | float | torch.Tensor
+
+
+def require_one_spec(spec: object) -> None:
+    """Rotations act on one layer's keys: a per-layer RoPE must be narrowed with ``for_layer(i)`` first
+    (rotating with a guessed base is exactly the silent error kvlab exists to avoid)."""
+    if not isinstance(spec, RopeSpec):
+        raise BadInputError(
+            f"a rotation needs one layer's RoPE spec, got {type(spec).__name__}; "
+            "for a model with one RoPE per layer use rope.for_layer(layer)"
+        )
 
 
 def _angles(
@@ -39,6 +49,7 @@ def rotate(
     compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Rotate every rotary pair of ``x [..., T, D]`` by ``positions * inv_freq`` (no scaling)."""
+    require_one_spec(spec)
     if x.shape[-1] != spec.head_dim:
         raise BadInputError(f"keys have head_dim {x.shape[-1]}, the RoPE spec expects {spec.head_dim}")
     r = spec.rotary_dim
@@ -83,3 +94,18 @@ def shift_keys(keys: torch.Tensor, delta: PositionsLike, spec: RopeSpec, **kw) -
     """
     spec.require_shift_exact("shifting cached keys")
     return rotate(keys, delta, spec, **kw)
+
+
+def remove_rope_stacked(keys: torch.Tensor, positions: PositionsLike, rope: Rope, **kw) -> torch.Tensor:
+    """:func:`remove_rope` on keys stacked by layer (``[layers, ..., T, D]``), each layer with its own
+    RoPE (hybrid models); a layer without RoPE is returned as it is."""
+    if isinstance(rope, RopeSpec):
+        return remove_rope(keys, positions, rope, **kw)
+    if keys.shape[0] != len(rope.layers):
+        raise BadInputError(f"got keys of {keys.shape[0]} layers for a RoPE of {len(rope.layers)} layers")
+    return torch.stack(
+        [
+            k if (s := rope.for_layer(i)) is None else remove_rope(k, positions, s, **kw)
+            for i, k in enumerate(keys)
+        ]
+    )

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvlab.errors import BadInputError
-from kvlab.rope.spec import RopeSpec
+from kvlab.rope.spec import Rope, rope_from_json
 
 if TYPE_CHECKING:
     from kvlab.model.handle import ModelHandle
@@ -37,7 +37,7 @@ class Namespace:
 
     fingerprint: str
     dtype: str
-    rope: RopeSpec | None
+    rope: Rope | None
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     quantization: str | None = None
     salt: str | None = None
@@ -119,7 +119,7 @@ class Namespace:
         return cls(
             fingerprint=data["fingerprint"],
             dtype=data["dtype"],
-            rope=RopeSpec.from_json(data["rope"]) if data.get("rope") else None,
+            rope=rope_from_json(data["rope"]) if data.get("rope") else None,
             block_tokens=int(data["block_tokens"]),
             quantization=data.get("quantization"),
             salt=data.get("salt"),

@@ -18,6 +18,7 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import UnsupportedModelError
 from kvlab.rope.ops import apply_rope
+from kvlab.rope.spec import rope_for_layer
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,9 +91,10 @@ def observe(handle: Any, tokens: list[int] | torch.Tensor, *, all_logits: bool =
     snap = fwd.snapshot
     d = snap.head_dim
     queries = []
-    for q in captured:
+    for i, q in enumerate(captured):
         b, t, _ = q.shape
         q = q.view(b, t, -1, d).transpose(1, 2)
-        queries.append(apply_rope(q, snap.positions, rope).float() if rope is not None else q.float())
+        spec = rope_for_layer(rope, i)  # hybrid models rotate each layer type with its own base
+        queries.append(apply_rope(q, snap.positions, spec).float() if spec is not None else q.float())
     scaling = float(getattr(mods[0], "scaling", d**-0.5))
     return Observation(snapshot=snap, queries=tuple(queries), logits=fwd.logits, scaling=scaling)

@@ -20,7 +20,7 @@ from kvlab.compress.evict.policies import LayerView, Policy
 from kvlab.errors import BadInputError
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.ops import shift_keys
-from kvlab.rope.spec import RopeSpec
+from kvlab.rope.spec import Rope
 
 
 def budget_slots(length: int, keep: float | None = None, n_keep: int | None = None) -> int:
@@ -72,7 +72,7 @@ class EvictedCache:
     slots: tuple[torch.Tensor, ...]
     source_len: int
     next_position: int
-    rope: RopeSpec | None
+    rope: Rope | None
     fingerprint: str
     method: str
     mode: str = "keep"
@@ -98,8 +98,8 @@ class EvictedCache:
             raise BadInputError("re-packing positions needs a model with RoPE")
         target = torch.arange(self.n_keep)
         keys = tuple(
-            shift_keys(k, (target - p).to(k.device), self.rope)
-            for k, p in zip(self.keys, self.positions, strict=True)
+            k if (spec := self.rope.for_layer(i)) is None else shift_keys(k, (target - p).to(k.device), spec)
+            for i, (k, p) in enumerate(zip(self.keys, self.positions, strict=True))
         )
         pos = tuple(target.expand_as(p).clone() for p in self.positions)
         return EvictedCache(

@@ -15,6 +15,7 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.compress.quant.methods import Quantizer, Segment, split_plan
 from kvlab.errors import UnsupportedModelError
+from kvlab.rope.spec import rope_for_layer
 
 
 def _fp_bytes(*ts: torch.Tensor | None) -> int:
@@ -121,8 +122,8 @@ class QuantizedSnapshot:
 def quantize_snapshot(snapshot: KVSnapshot, quantizer: Quantizer) -> QuantizedSnapshot:
     """Quantize every layer of ``snapshot`` (which is not modified)."""
     layers = tuple(
-        encode_layer(quantizer, k, v, snapshot.positions, snapshot.rope)
-        for k, v in zip(snapshot.keys, snapshot.values, strict=True)
+        encode_layer(quantizer, k, v, snapshot.positions, rope_for_layer(snapshot.rope, i))
+        for i, (k, v) in enumerate(zip(snapshot.keys, snapshot.values, strict=True))
     )
     return QuantizedSnapshot(
         layers,

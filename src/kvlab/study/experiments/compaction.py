@@ -26,7 +26,7 @@ from kvlab.data import shared_conversations
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
 from kvlab.metrics.similarity import compare_caches, normalise_against_baseline
-from kvlab.rope.ops import remove_rope
+from kvlab.rope.ops import remove_rope_stacked
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 
@@ -115,7 +115,7 @@ def cache_centroids(snap: KVSnapshot) -> np.ndarray:
     """``[2, layers, kv_heads, head_dim]`` float64: mean K (de-rotated with the cache's own positions) and mean V."""
     k = torch.stack([x[0] for x in snap.keys]).double()
     if snap.rope is not None:
-        k = remove_rope(k, snap.positions, snap.rope)
+        k = remove_rope_stacked(k, snap.positions, snap.rope)
     v = torch.stack([x[0] for x in snap.values]).double()
     return torch.stack((k.mean(dim=-2), v.mean(dim=-2))).numpy()
 

@@ -52,7 +52,7 @@ def predictor(data: dict, rope: Any) -> dict[str, Any]:
     measured_lh = np.moveaxis(data["roll_k_mean"], 0, -1)  # [L, H, N]
     pred, meas = pred_lh.mean((0, 1)), measured_lh.mean((0, 1))
     content = data["roll_kd_mean"].mean((1, 2))
-    pred_last = S.predict_raw_cosine(data["energy_last"], rope, ns).mean((1, 2))  # [E, N] -> ...
+    pred_last = S.predict_raw_cosine(data["energy_last"], rope, ns, layer_axis=1).mean((1, 2))  # [E, N]
     meas_last = curves(data, "k").mean(0)
     per_layer = [
         S.r_squared(measured_lh[layer].mean(0)[sel], pred_lh[layer].mean(0)[sel])
@@ -78,6 +78,18 @@ def predictor(data: dict, rope: Any) -> dict[str, Any]:
             ]
         ),
     }
+
+
+def _rope_groups(rope: Any) -> list[tuple[str, list[int], Any]]:
+    """``(label, layer indices, spec)`` per distinct RoPE: one group for a single-RoPE model, one per
+    rotating layer kind for hybrid models (layers without RoPE have no spectrum to show)."""
+    if not hasattr(rope, "layers"):
+        return [("", slice(None), rope)]  # type: ignore[list-item]
+    return [
+        (f" ({kind}, {len(idx)} layers)", idx, spec)
+        for kind, spec in rope.by_kind.items()
+        if spec is not None and (idx := [i for i, k in enumerate(rope.kinds) if k == kind])
+    ]
 
 
 def _figures(ctx: ExperimentContext, data: dict, pred: dict, rope: Any, name: str, T: int) -> list:
@@ -157,9 +169,11 @@ def _predictor_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any,
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     ax = axes[1]
-    energy = data["energy_mean"].mean((0, 1))
-    periods = np.asarray(rope.periods_tokens())
-    ax.loglog(periods, energy[:-1], "o-", ms=3, label="share of de-rotated key energy per rotary pair")
+    for label, layers, spec in _rope_groups(rope):  # one line per RoPE (hybrid models have several)
+        energy = data["energy_mean"][layers].mean((0, 1))
+        ax.loglog(
+            spec.periods_tokens(), energy[:-1], "o-", ms=3, label=f"energy share per rotary pair{label}"
+        )
     ax.set_xlabel("RoPE period of the pair (tokens)")
     ax.set_ylabel("energy share")
     ax.set_title("Where key energy sits in the RoPE spectrum")
