@@ -281,3 +281,67 @@ def test_a_model_with_a_small_sliding_window_gets_a_window_that_fits():
     for t in range(5, 200):  # one token at a time, as decoding does: a roll every 8 tokens
         feed(h, cache, [t])
     assert cache.rolls >= 10 and cache.kept <= 4 + 51 + 8
+
+
+def _small_max_model(max_positions: int):
+    from kvlab.model.facts import load_config_file
+    from kvlab.model.random import tiny_random_model
+    from tests.conftest import config_path
+
+    cfg = load_config_file(config_path("llama"))
+    cfg.max_position_embeddings = max_positions
+    return tiny_random_model(cfg)
+
+
+def test_model_generate_with_a_bound_cache_rebases_forever_and_equals_own_loop():
+    """Issue 14's bar: generate 3x the model's maximum through ``model.generate`` with
+    ``rolling_cache_for(hf_model)``: no position fed to RoPE ever reaches the maximum (recorded at the
+    model's rotary module, and from the cache after every forward), and the tokens equal kvlab's loop."""
+    h = _small_max_model(128)
+    fed, after = [], []
+    rotary = h.model.model.rotary_emb
+    spy = rotary.register_forward_pre_hook(
+        lambda _m, a, k: fed.append(int((a[1] if len(a) > 1 else k["position_ids"]).max())), with_kwargs=True
+    )
+    prompt = torch.randint(0, 500, (1, 12), generator=torch.Generator().manual_seed(6))
+    cache = rolling_cache_for(h.model, window=32, sinks=4, evict_chunk=8)  # a plain HF model
+    watch = h.model.register_forward_hook(lambda *_: after.append(cache.next_position))
+    try:
+        with torch.no_grad():
+            out = h.model.generate(
+                prompt, **{CACHE_ARG: cache}, max_new_tokens=3 * 128, do_sample=False, pad_token_id=0
+            )
+    finally:
+        watch.remove()
+    assert out.shape[1] - 12 == 3 * 128 and cache.tokens_seen == 12 + 3 * 128 - 1
+    assert cache.rebases >= 3 and max(fed) < 128 and max(after) <= 128
+    fed.clear()
+    mine = RollingCache(h.config, h.rope, window=32, sinks=4, evict_chunk=8)
+    first = feed(h, mine, prompt[0].tolist())
+    assert [e.token_id for e in stream_generate(h, mine, first, 3 * 128)] == out[0, 12:].tolist()
+    spy.remove()
+
+
+def test_binding_leaves_other_caches_and_explicit_positions_alone():
+    h = _small_max_model(128)
+    prompt = torch.randint(0, 500, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = h.model.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        bound = rolling_cache_for(h, window=32, sinks=4, evict_chunk=8)
+        rolling_cache_for(h, window=16, sinks=2, evict_chunk=4)  # a second binding: one hook pair per model
+        assert len(h.model._forward_pre_hooks) == 1
+        # a DynamicCache (generate's default) is not touched by the hook
+        assert (
+            h.model.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0).tolist()
+            == before.tolist()
+        )
+        # positions the caller chose (not the token count) are passed on untouched
+        prefix, x, at40 = torch.tensor([[9, 8, 7, 6]]), torch.tensor([[5, 6, 7]]), torch.arange(40, 43)
+        unbound = RollingCache(h.config, h.rope, window=32, sinks=4, evict_chunk=8)
+        for c in (bound, unbound):
+            h.run(prefix, c)
+        got = h.run(x, bound, positions=at40).logits
+        assert torch.equal(got, h.run(x, unbound, positions=at40).logits)
+        fresh = RollingCache(h.config, h.rope, window=32, sinks=4, evict_chunk=8)
+        h.run(prefix, fresh)
+        assert not torch.allclose(got, h.run(x, fresh).logits, atol=1e-3)  # at 4..6 it would differ

@@ -28,15 +28,22 @@ into the cache, and the cache only answers questions (positions, counts) from it
 A re-base is only safe when the model takes query positions from the cache. kvlab's own calls do
 (:meth:`kvlab.model.ModelHandle.run` without positions, :func:`kvlab.streaming.stream_generate`),
 and they say so by entering :meth:`RollingCache.choosing_positions`; only then does the cache plan a
-re-base. ``model.generate(..., cache=RollingCache(...))`` passes its own positions, so the
-cache never re-bases there: positions follow the token count (what generate expects) and, when they
-would pass the model's maximum, the cache raises :class:`~kvlab.errors.BadInputError` instead of
-mis-positioning a token (``rebase="never"`` opts into passing the maximum).
+re-base. ``model.generate`` passes its own positions (the token count). A cache made by
+:func:`rolling_cache_for` is *bound* to its model (:meth:`RollingCache.bind`): a forward hook drops
+generate's positions for calls that carry this cache, so the model takes them from the cache and
+endless generation through ``generate`` stays below the model's maximum, token for token equal to
+kvlab's own loop. An unbound ``RollingCache(...)`` under generate never re-bases: positions follow
+the token count and, when they would pass the model's maximum, the cache raises
+:class:`~kvlab.errors.BadInputError` instead of mis-positioning a token (``rebase="never"`` opts into
+passing the maximum). Either way transformers may print its generic "exceeded the model's predefined
+maximum length" reminder: it counts generated tokens, not positions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -48,7 +55,7 @@ from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
-from kvlab.rope.spec import RopeSpec, rope_spec_from_model
+from kvlab.rope.spec import Rope, rope_spec_from_model
 
 Rebase = Literal["auto", "always", "never"]
 
@@ -83,7 +90,7 @@ class RollRule:
     the eviction chunk and when to re-base positions."""
 
     policy: SinksWindow
-    rope: RopeSpec
+    rope: Rope  # one spec, or one per layer (each RollingLayer holds its own)
     evict_chunk: int
     max_position: int  # 0: no maximum
     rebase: Rebase
@@ -114,16 +121,19 @@ class RollingLayer(CacheLayerMixin):
     The layer owns its state (``base``, ``slots``, the pending ``plan``) and follows the shared
     :class:`RollRule`; every layer sees the same token counts, so all layers make the same decisions.
     ``sink_keys`` keeps the sinks' keys as first computed, at positions ``0 ..``; the live copy in
-    ``keys[:, :, :sinks]`` is always re-rotated from it, so sinks never drift.
+    ``keys[:, :, :sinks]`` is always re-rotated from it, so sinks never drift. ``rope`` is this layer's
+    RoPE (hybrid models rotate layer types differently); None for a layer without RoPE, whose keys carry
+    no position and are never rotated.
     """
 
     is_sliding = False
     is_croppable = False
     is_compileable = False
 
-    def __init__(self, rule: RollRule) -> None:
+    def __init__(self, rule: RollRule, layer: int = 0) -> None:
         super().__init__()
         self.rule = rule
+        self.rope = rule.rope.for_layer(layer)
         self.sink_keys: torch.Tensor | None = None
         self._buf_k: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]; keys is a view
         self._buf_v: torch.Tensor | None = None
@@ -203,12 +213,10 @@ class RollingLayer(CacheLayerMixin):
         if plan.drop:  # overlapping move down: copy the survivors out first (once per evicted chunk)
             for buf in (self._buf_k, self._buf_v):
                 buf[:, :, s:kept] = buf[:, :, s + plan.drop : self.slots].clone()
-        if plan.rebase:
-            rotate_by_(self._buf_k[:, :, s:kept], -plan.rebase, self.rule.rope)
+        if plan.rebase and self.rope is not None:
+            rotate_by_(self._buf_k[:, :, s:kept], -plan.rebase, self.rope)
         if s:  # the sinks, rotated from their stored originals straight into place (no drift)
-            rotate_by(
-                self.sink_keys, self.base + plan.drop - plan.rebase, self.rule.rope, out=self._buf_k[:, :, :s]
-            )
+            self._buf_k[:, :, :s] = self.sinks_at(self.base + plan.drop - plan.rebase)
         return kept
 
     def _reserve(self, need: int, held: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -257,7 +265,10 @@ class RollingLayer(CacheLayerMixin):
             full_k = keys.new_empty((*keys.shape[:2], kept + key_states.shape[-2], keys.shape[-1]))
             if s:
                 full_k[:, :, :s] = sinks[0]
-            rotate_by(window_k, -plan.rebase, self.rule.rope, out=full_k[:, :, s:kept])
+            if self.rope is None:
+                full_k[:, :, s:kept] = window_k
+            else:
+                rotate_by(window_k, -plan.rebase, self.rope, out=full_k[:, :, s:kept])
             full_k[:, :, kept:] = key_states
         else:  # one concatenation, like every step
             full_k = torch.cat([*sinks, window_k, key_states], dim=-2)
@@ -268,7 +279,7 @@ class RollingLayer(CacheLayerMixin):
         """The sink keys rotated from their stored originals (one rotation, no drift) to ``base ..``."""
         if self.sink_keys is None:
             raise RuntimeError("no sink keys stored yet")
-        return rotate_by(self.sink_keys, base, self.rule.rope)
+        return self.sink_keys if self.rope is None else rotate_by(self.sink_keys, base, self.rope)
 
     def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` as the next forward will see them (pending roll applied).
@@ -299,7 +310,8 @@ class RollingCache(Cache):
     Args:
         config: the model config (for the layer count; sliding-window models are refused if their
             window is smaller than ours).
-        rope: the model's :class:`RopeSpec` (``ModelHandle.rope``); must be shift-exact.
+        rope: the model's RoPE (``ModelHandle.rope``: one :class:`RopeSpec`, or one per layer for hybrid
+            models); must be shift-exact.
         window: recent tokens kept (after the sinks).
         sinks: leading tokens kept forever (StreamingLLM's attention sinks); 0 = plain window.
         evict_chunk: tokens evicted at once when the window overflows (>= 1).
@@ -310,7 +322,7 @@ class RollingCache(Cache):
     def __init__(
         self,
         config: Any,
-        rope: RopeSpec | None,
+        rope: Rope | None,
         *,
         window: int,
         sinks: int = 4,
@@ -324,8 +336,14 @@ class RollingCache(Cache):
         _validate(
             text, rope, window=window, sinks=sinks, evict_chunk=evict_chunk, max_pos=max_pos, rebase=rebase
         )
+        per_layer = getattr(rope, "layers", None)
+        if per_layer is not None and len(per_layer) != n_layers:
+            raise BadInputError(
+                f"the per-layer RoPE covers {len(per_layer)} layers, the model has {n_layers}"
+            )
+        assert rope is not None  # _validate refused None
         self.rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase)
-        super().__init__(layers=[RollingLayer(self.rule) for _ in range(n_layers)])
+        super().__init__(layers=[RollingLayer(self.rule, i) for i in range(n_layers)])
 
     # -- settings and state (every layer holds the same counts; layer 0 answers) ----------------------
     window = property(lambda self: self.rule.policy.window)
@@ -402,6 +420,23 @@ class RollingCache(Cache):
                 raise BadInputError("seed() takes one row of equal length in every layer")
             layer.update(k, v)
 
+    def bind(self, model: Any) -> None:
+        """Let ``model.generate`` (and any direct ``model(...)`` call with this cache) re-base, in place.
+
+        A forward pre-hook on ``model`` (one per model, shared by every cache bound to it) drops the
+        ``position_ids`` a call brings *when the call carries a cache bound to this model* and those
+        positions just continue the cache's token count (what ``generate`` passes): the model then
+        takes its positions from :meth:`get_seq_length`, and the cache may choose them
+        (:meth:`choosing_positions`, for that forward only). Calls with another cache, padded batches
+        (rows at different positions: refused by the cache as always) and calls whose positions the
+        caller chose otherwise are left alone. :func:`rolling_cache_for` binds for you.
+        """
+        self._bound_to = weakref.ref(model)
+        if not getattr(model, "_kvlab_rolling_hooks", False):
+            model.register_forward_pre_hook(_let_bound_cache_choose, with_kwargs=True)
+            model.register_forward_hook(_restore_positions, with_kwargs=True, always_call=True)
+            model._kvlab_rolling_hooks = True
+
     # -- inspection ----------------------------------------------------------------------------------
     def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(keys, values)]`` per layer as the next forward will see them (pending roll applied).
@@ -430,7 +465,43 @@ class RollingCache(Cache):
         return self.describe()
 
 
-def _validate(text: Any, rope: RopeSpec | None, *, window, sinks, evict_chunk, max_pos, rebase) -> None:
+_LOCAL = threading.local()  # per thread: the choosing_positions() contexts of bound forwards in progress
+
+
+def _choosing() -> list[Any]:
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
+
+
+def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of :meth:`RollingCache.bind` (see there)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    bound = getattr(cache, "_bound_to", None)
+    if not isinstance(cache, RollingCache) or bound is None or bound() is not model:
+        _choosing().append(None)
+        return None
+    pos = kwargs.get("position_ids")
+    if isinstance(pos, torch.Tensor):
+        rows = pos.reshape(-1, pos.shape[-1])
+        start = cache.tokens_seen
+        if not bool((rows == torch.arange(start, start + rows.shape[-1], device=rows.device)).all()):
+            _choosing().append(None)  # padded rows or positions the caller chose: not ours to replace
+            return None
+    ctx = cache.choosing_positions()
+    ctx.__enter__()
+    _choosing().append(ctx)
+    return args, {**kwargs, "position_ids": None}
+
+
+def _restore_positions(_model: Any, _args: tuple, _kwargs: dict, _out: Any) -> None:
+    stack = _choosing()
+    ctx = stack.pop() if stack else None
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
+
+
+def _validate(text: Any, rope: Rope | None, *, window, sinks, evict_chunk, max_pos, rebase) -> None:
     """Refuse settings a rolling cache cannot honour, before anything is built."""
     if rope is None:
         raise UnsupportedModelError(
@@ -474,9 +545,12 @@ def rolling_cache_for(
     max_position: int | None = None,
 ) -> RollingCache:
     """A :class:`RollingCache` for a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM
-    (its config, RoPE and maximum position)."""
+    (its config, RoPE and maximum position), bound to the model (:meth:`RollingCache.bind`) so that
+    ``model.generate(..., cache=rolling_cache_for(model, ...))`` re-bases positions too and runs forever
+    without passing the model's maximum."""
+    model = handle
     if hasattr(handle, "rope") and hasattr(handle, "max_positions"):
-        rope, max_pos = handle.rope, handle.max_positions
+        rope, max_pos, model = handle.rope, handle.max_positions, handle.model
         if rope is None and getattr(handle, "rope_problem", None):
             raise UnsupportedModelError(handle.rope_problem)
     elif hasattr(handle, "config") and callable(getattr(handle, "forward", None)):  # a PreTrainedModel
@@ -486,7 +560,7 @@ def rolling_cache_for(
         raise BadInputError(
             f"rolling_cache_for needs a kvlab ModelHandle or a Hugging Face causal LM, got {type(handle).__name__}"
         )
-    return RollingCache(
+    cache = RollingCache(
         handle.config,
         rope,
         window=window,
@@ -495,3 +569,5 @@ def rolling_cache_for(
         max_position=max_position or max_pos,
         rebase=rebase,
     )
+    cache.bind(model)
+    return cache
