@@ -31,6 +31,8 @@ FAMILY_CONFIGS = {
     "phi": "phi-2.json",
     "llama3-scaling": "llama-3.1-8b.json",
     "smollm2": "smollm2-135m-instruct.json",
+    "gemma3": "gemma-3-tiny-hybrid-rope.json",  # local (sliding 64, base 1e4) and global (base 1e6) layers
+    "smollm3": "smollm3-3b-nope-layers.json",  # every fourth layer without RoPE (build with layers=4)
 }
 
 

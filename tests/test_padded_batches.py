@@ -1,6 +1,8 @@
 """Batches in model.generate with kvlab's caches: equal-length rows behave exactly like each row alone;
-a padded batch is refused by every cache that drops slots (a wrong row returned as right is the bug
-this guards), and runs unchanged through caches that keep every slot (quantization only)."""
+a left-padded batch through a bound RollingCache (``rolling_cache_for``) runs each row on its own
+cache and equals each row alone, token for token, through many rolls and re-bases; caches that cannot
+keep rows apart refuse a padded batch (an unbound RollingCache, evicting CompressedCaches: a wrong row
+returned as right is the bug this guards), and caches that keep every slot (quantization) run it."""
 
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def generate(h, ids, cache, n, mask=None):
+def generate(h, ids, cache, n, mask=None, min_new=0):
     with torch.no_grad():
         return h.model.generate(
             ids,
             attention_mask=torch.ones_like(ids) if mask is None else mask,
             max_new_tokens=n,
+            min_new_tokens=min_new,  # > 0: no row stops at EOS, so every row runs every roll
             do_sample=False,
             pad_token_id=0,
             **{cache_argument(h.model): cache},
@@ -56,16 +59,94 @@ def test_equal_length_batch_rolls_like_each_row_alone(tiny_model, family):
         assert generate(h, torch.tensor([p]), alone, 40)[0].tolist() == out[r].tolist()
 
 
-def test_padded_batch_is_refused_before_the_cache_is_touched(tiny_model):
+# Gemma-3: hybrid RoPE and 64-token sliding layers (the 100-token prompts pass them, so the per-row
+# prefill applies the sliding window); SmolLM3: a layer without RoPE.
+FAMILIES = ["llama", "qwen2", "mistral", "phi", "llama3-scaling", "gemma3", "smollm3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padded_batch_equals_each_row_alone_through_rolls_and_rebases(tiny_model, family):
+    """Issue 14's bar: a batch of 3 with 0, 5 and 17 pads; each row keeps its own first tokens as sinks,
+    its own positions and its own roll and re-base schedule, as it would alone."""
+    h = tiny_model(family, layers=4) if family == "smollm3" else tiny_model(family)
+    prompts = rows(3, [100, 95, 83])
+    ids, mask = left_padded(prompts)
+    assert (mask == 0).sum(1).tolist() == [0, 5, 17]
+    kw = dict(window=16, sinks=2, evict_chunk=4, max_position=120)  # every row re-bases
+    batch = rolling_cache_for(h, **kw)
+    out = generate(h, ids, batch, 40, mask, min_new=40)
+    assert batch.rows is not None and len(batch.rows) == 3
+    for r, p in enumerate(prompts):
+        alone = rolling_cache_for(h, **kw)
+        want = generate(h, torch.tensor([p]), alone, 40, min_new=40)[0, len(p) :]
+        assert out[r, ids.shape[1] :].tolist() == want.tolist(), r
+        row = batch.rows[r]
+        assert (row.rolls, row.rebases, row.next_position) == (
+            alone.rolls,
+            alone.rebases,
+            alone.next_position,
+        )
+        assert row.rolls >= 3 and row.rebases >= 1
+    # rows re-based at their own times (row 0 holds 17 more tokens): their positions differ
+    assert batch.rows[0].next_position != batch.rows[2].next_position
+
+
+def test_padded_rows_logits_equal_each_row_alone(tiny_model):
+    """The same at the logit level (fp32 tolerance: a batched matmul sums in another order)."""
+    h = tiny_model("llama")
+    prompts = rows(7, [22, 9, 15])
+    ids, mask = left_padded(prompts)
+    batch = rolling_cache_for(h, window=8, sinks=2, evict_chunk=2)
+    with torch.no_grad():
+        got = h.model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=20,
+            min_new_tokens=20,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **{cache_argument(h.model): batch},
+        )
+        for r, p in enumerate(prompts):
+            alone = h.model.generate(
+                torch.tensor([p]),
+                max_new_tokens=20,
+                min_new_tokens=20,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **{cache_argument(h.model): rolling_cache_for(h, window=8, sinks=2, evict_chunk=2)},
+            )
+            worst = max(
+                float((a[r] - b[0]).abs().max()) for a, b in zip(got.logits, alone.logits, strict=True)
+            )
+            assert worst < 1e-4, (r, worst)
+
+
+def test_padded_batch_is_refused_by_an_unbound_rolling_cache_before_it_is_touched(tiny_model):
+    """Without the binding nothing can keep the rows apart: refused, and the cache stays usable."""
     h = tiny_model("llama")
     ids, mask = left_padded(rows(2, [20, 15, 3]))
-    cache = rolling_cache_for(h, window=16, sinks=2, evict_chunk=4, rebase="never")
+    cache = RollingCache(h.config, h.rope, window=16, sinks=2, evict_chunk=4, rebase="never")
     with pytest.raises(BadInputError, match="padded batch"):
         generate(h, ids, cache, 10, mask)
     assert cache.tokens_seen == 0 and not cache.layers[0].is_initialized
     # the same cache then serves a valid request
     generate(h, ids[:1], cache, 5)
     assert cache.tokens_seen == 20 + 4
+
+
+def test_right_padding_and_a_row_of_pads_are_refused(tiny_model):
+    h = tiny_model("llama")
+    ids, mask = left_padded(rows(2, [12, 6]))
+    for bad in (mask.flip(-1), torch.cat([mask[:1], torch.zeros_like(mask[:1])])):
+        cache = rolling_cache_for(h, window=16, sinks=2, evict_chunk=4)
+        with pytest.raises(BadInputError, match="left-padded"):
+            generate(h, ids, cache, 4, bad)
+        assert cache.rows is None and cache.tokens_seen == 0
 
 
 @pytest.mark.parametrize("policy", [StreamingLLM(), SnapKV(window=4, observe=4)], ids=lambda p: p.name)

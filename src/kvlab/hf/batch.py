@@ -44,24 +44,26 @@ ROWS_ATTENTION = "kvlab_rows"
 class _RowsCache(Cache):
     """The cache a batched step gives the model: ``update`` feeds each row's K/V to its own rolling layer.
 
+    Row ``r``'s first ``pads[r]`` tokens are padding (a left-padded prompt): they never reach its cache.
     It returns the new K/V unchanged (nothing reads them: :func:`_rows_attention` reads ``views``),
     and counts the layers whose views attention consumed, so a forward that bypassed the attention
-    function is caught instead of returning logits computed from the new token alone.
+    function is caught instead of returning logits computed from the new tokens alone.
     """
 
-    def __init__(self, caches: Sequence[RollingCache]) -> None:
+    def __init__(self, caches: Sequence[RollingCache], pads: Sequence[int] | None = None) -> None:
         super().__init__(layers=list(caches[0].layers))
         self.caches = list(caches)
+        self.pads = list(pads) if pads is not None else [0] * len(self.caches)
         self.row_layers: list[list[RollingLayer]] = [list(c.layers) for c in caches]  # type: ignore[arg-type]
         self.views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.consumed = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if key_states.shape[-2] != 1 or key_states.shape[0] != len(self.caches):
-            raise UnsupportedModelError("a batched rolling step feeds exactly one token per row")
+        if key_states.shape[0] != len(self.caches):
+            raise UnsupportedModelError("a batched rolling step needs one row per cache")
         self.views[layer_idx] = [
-            layers[layer_idx].update(key_states[r : r + 1], value_states[r : r + 1])
-            for r, layers in enumerate(self.row_layers)
+            layers[layer_idx].update(key_states[r : r + 1, :, p:], value_states[r : r + 1, :, p:])
+            for r, (layers, p) in enumerate(zip(self.row_layers, self.pads, strict=True))
         ]
         return key_states, value_states
 
@@ -95,16 +97,42 @@ def _rows_attention(
             "batched rolling steps do not support attention soft-capping or learned sinks"
         )
     views = rows.views.pop(module.layer_idx)
-    n, heads, _, d = query.shape
+    n, heads, q_len, d = query.shape
     scale = kw.get("scaling") or d**-0.5
-    out = query.new_empty((n, 1, heads, d))
+    window = kw.get("sliding_window") or getattr(module, "sliding_window", None)
+    out = query.new_zeros((n, q_len, heads, d))  # padding queries attend to nothing: zeros
     for r, (k, v) in enumerate(views):
-        kv_heads = k.shape[1]
-        q = query[r].reshape(kv_heads, heads // kv_heads, d)  # query head h reads kv head h // groups
-        w = torch.softmax((q @ k[0].transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
-        out[r, 0] = (w.to(v.dtype) @ v[0]).reshape(heads, d)
+        kv_heads, p = k.shape[1], rows.pads[r]
+        if q_len - p == 1:  # one query (a decode step): no mask, no copy
+            q = query[r, :, -1].reshape(
+                kv_heads, heads // kv_heads, d
+            )  # query head h reads kv head h // groups
+            w = torch.softmax((q @ k[0].transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
+            out[r, -1] = (w.to(v.dtype) @ v[0]).reshape(heads, d)
+        else:
+            out[r, p:] = _causal_rows_attention(query[r, :, p:], k[0], v[0], scale, window)
     rows.consumed += 1
     return out, None
+
+
+def _causal_rows_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+) -> torch.Tensor:
+    """``m`` new queries ``[heads, m, d]`` over one row's keys ``[kv_heads, K, d]`` whose last ``m`` are
+    the queries' own tokens; slots are contiguous positions, so causality and a sliding window are
+    slot distances. Returns ``[m, heads, d]``."""
+    heads, m, d = q.shape
+    kv_heads, K = k.shape[0], k.shape[1]
+    qg = q.reshape(kv_heads, heads // kv_heads, m, d)
+    scores = (qg @ k.transpose(-1, -2).unsqueeze(1)) * scale  # [kv_heads, groups, m, K]
+    at = torch.arange(m)[:, None] + (K - m)  # each query's own slot
+    j = torch.arange(K)[None, :]
+    allowed = j <= at
+    if window:
+        allowed &= j > at - int(window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    w = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return (w.to(v.dtype) @ v.unsqueeze(1)).reshape(heads, m, d).transpose(0, 1)
 
 
 AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
@@ -155,8 +183,7 @@ def _linear_pays(model: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _rows_step(handle: Any, rows: _RowsCache) -> Iterator[None]:
-    model = handle.model
+def _rows_step(model: Any, rows: _RowsCache) -> Iterator[None]:
     before = model.config._attn_implementation
     fast_linear = _linear_pays(model)
     with contextlib.ExitStack() as stack:
@@ -195,7 +222,7 @@ def step_rolling_rows(handle: Any, caches: Sequence[RollingCache], tokens: Seque
     ids = torch.tensor([[int(t)] for t in tokens], dtype=torch.long)
     # a prepared 4-D mask keeps transformers from building one (attention is per row and needs none)
     mask = torch.zeros((len(caches), 1, 1, 1), dtype=handle.dtype)
-    with _rows_step(handle, rows):
+    with _rows_step(handle.model, rows):
         out = handle.run(ids, rows, positions=positions, attention_mask=mask, logits_to_keep=1)
     if rows.consumed != len(layers[0]) or rows.views:
         raise UnsupportedModelError(
@@ -203,3 +230,80 @@ def step_rolling_rows(handle: Any, caches: Sequence[RollingCache], tokens: Seque
             "layer, so a batched rolling step cannot run on it (its caches are now inconsistent: discard them)"
         )
     return out.logits[:, -1].float()
+
+
+# -- padded batches under model.generate (a bound RollingCache runs each row on its own cache) ---------
+
+
+def begin_padded_rows(model: Any, cache: RollingCache, key: str, kwargs: dict) -> tuple[dict, Any] | None:
+    """Set up a forward of a left-padded batch on ``cache`` (bound to ``model``): each row runs on its
+    own rolling cache (``cache.rows``) with its pads stripped, its own positions, sinks and roll
+    schedule, so every row computes what it would alone. Returns the call's new kwargs and a context
+    to close after the forward, or None when the call is not a padded batch (and the cache holds no
+    rows). Refuses right padding and rows of padding only.
+    """
+    ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    rows_caches = cache.rows
+    if rows_caches is None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.all()) or cache.tokens_seen:
+            return (
+                None  # not padded, or padding arriving on a cache already shared by the rows: refused there
+            )
+        if not isinstance(ids, torch.Tensor) or ids.shape != mask.shape:
+            raise BadInputError(
+                "a padded batch on a RollingCache needs input_ids with one mask column per token"
+            )
+        pads = []
+        for row in mask.to(torch.long):
+            p = int((row == 0).sum())
+            if p == row.numel() or not (bool((row[:p] == 0).all()) and bool((row[p:] == 1).all())):
+                raise BadInputError(
+                    "a RollingCache runs left-padded batches only (pads first, then the row's tokens; "
+                    "tokenizer.padding_side = 'left'), and every row needs at least one token"
+                )
+            pads.append(p)
+        rows_caches = cache.start_rows(len(pads))
+    else:
+        n = ids.shape[-1] if isinstance(ids, torch.Tensor) else 0
+        if not isinstance(ids, torch.Tensor) or ids.shape[0] != len(rows_caches):
+            raise BadInputError(
+                f"this RollingCache runs {len(rows_caches)} padded rows; the call brings another batch"
+            )
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -n:].all()):
+            raise BadInputError(
+                "new padding after the prompt: a RollingCache pads only the start of each row"
+            )
+        pads = [0] * len(rows_caches)
+    rows = _RowsCache(rows_caches, pads)
+    n = int(ids.shape[-1])
+    positions = torch.zeros((len(pads), n), dtype=torch.long)
+    for r, (c, p) in enumerate(zip(rows_caches, pads, strict=True)):
+        start = c.next_position
+        positions[r, p:] = torch.arange(start, start + n - p)
+    new = {
+        **kwargs,
+        key: rows,
+        "position_ids": positions.to(ids.device),
+        # a prepared 4-D mask keeps transformers from building one (attention is per row and needs none)
+        "attention_mask": torch.zeros((len(pads), 1, 1, 1), dtype=model.dtype, device=ids.device),
+    }
+    ctx = _rows_step(model, rows)
+    ctx.__enter__()
+    return new, (ctx, rows, cache)
+
+
+def end_padded_rows(state: Any, out: Any, failed: bool) -> None:
+    """Close what :func:`begin_padded_rows` opened; check every layer attended per row; hand the caller
+    back its own cache in the output (generate carries ``outputs["cache"]`` to the next step)."""
+    ctx, rows, cache = state
+    ctx.__exit__(None, None, None)
+    if failed:
+        return
+    if rows.consumed != len(rows.row_layers[0]) or rows.views:
+        raise UnsupportedModelError(
+            "the model did not attend through transformers' attention interface in every layer, so a padded "
+            "batch cannot run on a RollingCache with it (the cache is now inconsistent: discard it)"
+        )
+    for name in ("cache", "past_key_values"):
+        if isinstance(out, dict) and out.get(name) is rows:
+            out[name] = cache

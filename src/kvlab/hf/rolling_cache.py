@@ -343,6 +343,8 @@ class RollingCache(Cache):
             )
         assert rope is not None  # _validate refused None
         self.rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase)
+        self._config = text
+        self.rows: list[RollingCache] | None = None  # per-row caches once a padded batch arrived (bind)
         super().__init__(layers=[RollingLayer(self.rule, i) for i in range(n_layers)])
 
     # -- settings and state (every layer holds the same counts; layer 0 answers) ----------------------
@@ -437,6 +439,28 @@ class RollingCache(Cache):
             model.register_forward_hook(_restore_positions, with_kwargs=True, always_call=True)
             model._kvlab_rolling_hooks = True
 
+    def start_rows(self, n: int) -> list[RollingCache]:
+        """Switch this empty cache to ``n`` per-row caches of the same settings (a padded batch under
+        ``model.generate``, :meth:`bind`): each row keeps its own sinks, window, positions and rolls,
+        exactly as it would alone. In place; the rows are in :attr:`rows`."""
+        if self.tokens_seen or self.rows is not None:
+            raise BadInputError("start_rows() needs an empty RollingCache")
+        r = self.rule
+        policy = r.policy
+        self.rows = [
+            RollingCache(
+                self._config,
+                r.rope,
+                window=int(policy.window or 1),
+                sinks=policy.sinks,
+                evict_chunk=r.evict_chunk,
+                max_position=r.max_position or None,
+                rebase=r.rebase,
+            )
+            for _ in range(n)
+        ]
+        return self.rows
+
     # -- inspection ----------------------------------------------------------------------------------
     def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(keys, values)]`` per layer as the next forward will see them (pending roll applied).
@@ -476,29 +500,37 @@ def _choosing() -> list[Any]:
 
 def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of :meth:`RollingCache.bind` (see there)."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    key = "cache" if "cache" in kwargs else "past_key_values"
+    cache = kwargs.get(key)
     bound = getattr(cache, "_bound_to", None)
     if not isinstance(cache, RollingCache) or bound is None or bound() is not model:
         _choosing().append(None)
         return None
+    from kvlab.hf.batch import begin_padded_rows, end_padded_rows  # batch builds on this module
+
+    padded = begin_padded_rows(model, cache, key, kwargs)
+    if padded is not None:
+        new_kwargs, state = padded
+        _choosing().append(lambda out: end_padded_rows(state, out, failed=out is None))
+        return args, new_kwargs
     pos = kwargs.get("position_ids")
     if isinstance(pos, torch.Tensor):
         rows = pos.reshape(-1, pos.shape[-1])
         start = cache.tokens_seen
         if not bool((rows == torch.arange(start, start + rows.shape[-1], device=rows.device)).all()):
-            _choosing().append(None)  # padded rows or positions the caller chose: not ours to replace
+            _choosing().append(None)  # positions the caller chose: not ours to replace
             return None
     ctx = cache.choosing_positions()
     ctx.__enter__()
-    _choosing().append(ctx)
+    _choosing().append(lambda _out: ctx.__exit__(None, None, None))
     return args, {**kwargs, "position_ids": None}
 
 
-def _restore_positions(_model: Any, _args: tuple, _kwargs: dict, _out: Any) -> None:
+def _restore_positions(_model: Any, _args: tuple, _kwargs: dict, out: Any) -> None:
     stack = _choosing()
-    ctx = stack.pop() if stack else None
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
+    finish = stack.pop() if stack else None
+    if finish is not None:
+        finish(out)
 
 
 def _validate(text: Any, rope: Rope | None, *, window, sinks, evict_chunk, max_pos, rebase) -> None:
