@@ -33,6 +33,9 @@ FAMILY_CONFIGS = {
     "smollm2": "smollm2-135m-instruct.json",
     "gemma3": "gemma-3-tiny-hybrid-rope.json",  # local (sliding 64, base 1e4) and global (base 1e6) layers
     "smollm3": "smollm3-3b-nope-layers.json",  # every fourth layer without RoPE (build with layers=4)
+    # Phi-3-mini-4k's config with Phi-4-mini's partial rotary split (0.75; without its longrope scaling)
+    "phi3": "phi-3-mini-partial-rotary.json",
+    "gpt2": "gpt2.json",  # learned absolute positions, no RoPE
 }
 
 
