@@ -243,13 +243,6 @@ def test_bad_input(tiny_model, smollm):
         cache.crop(-1)
 
 
-def test_sliding_window_model_refused(tiny_model):
-    h = tiny_model("mistral")  # sliding_window 4096
-    with pytest.raises(UnsupportedModelError, match="sliding window"):
-        RollingCache(h.config, h.rope, window=4090, sinks=4, evict_chunk=8)
-    RollingCache(h.config, h.rope, window=256, sinks=4)  # fine below the model's own window
-
-
 def test_kept_layers_are_copies_that_later_steps_do_not_touch(tiny_model):
     """The cache writes in place; what it hands out must not change under the caller."""
     h = tiny_model("llama")
@@ -264,23 +257,61 @@ def test_kept_layers_are_copies_that_later_steps_do_not_touch(tiny_model):
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
-def test_a_model_with_a_small_sliding_window_gets_a_window_that_fits():
-    """Mistral with a 64-token sliding window: the refusal names the largest window that fits, and it does."""
+def _mistral(window: int):
     from kvlab.model.facts import load_config_file
     from kvlab.model.random import tiny_random_model
     from tests.conftest import config_path
 
     cfg = load_config_file(config_path("mistral"))
-    cfg.sliding_window = 64
-    h = tiny_random_model(cfg)
-    with pytest.raises(
-        UnsupportedModelError, match=r"4 sinks \+ 52 window \+ 8 awaiting eviction = 64.*below 52"
-    ):
-        rolling_cache_for(h, window=52, sinks=4, evict_chunk=8)
-    cache = rolling_cache_for(h, window=51, sinks=4, evict_chunk=8)
-    for t in range(5, 200):  # one token at a time, as decoding does: a roll every 8 tokens
-        feed(h, cache, [t])
-    assert cache.rolls >= 10 and cache.kept <= 4 + 51 + 8
+    cfg.sliding_window = window
+    return tiny_random_model(cfg)
+
+
+@pytest.mark.parametrize("rebase", ["never", "always"])
+def test_a_cache_larger_than_the_models_sliding_window_equals_the_full_forward(rebase):
+    """Mistral with a 64-token sliding window under a 4 + 100-slot rolling cache: every layer slides, so
+    a layer never sees more than its last 64 tokens, all of which the cache holds. The rolled logits
+    equal one plain forward over the whole 300-token stream (transformers' sliding mask works on slot
+    distances, and slots are contiguous positions); without the window (the cache's sinks and older
+    slots visible) they would not."""
+    h = _mistral(64)
+    ids = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = RollingCache(h.config, h.rope, window=100, sinks=4, evict_chunk=8, rebase=rebase)
+    got = torch.cat(rolling_logits(h, ids, cache, feed_size=3))
+    with torch.no_grad():
+        full = h.model(torch.tensor([ids])).logits[0]
+    assert cache.rolls >= 20 and (rebase == "never" or cache.rebases >= 20)
+    assert float((got - full).abs().max()) < 1e-4
+    wide = _mistral(4096)  # the same weights with a window wider than the cache: it sees the sinks
+    wide.model.load_state_dict(h.model.state_dict())
+    other = RollingCache(wide.config, wide.rope, window=100, sinks=4, evict_chunk=8, rebase=rebase)
+    assert float((torch.cat(rolling_logits(wide, ids, other, feed_size=3)) - full).abs().max()) > 0.01
+
+
+def test_sliding_window_model_decodes_in_batched_steps():
+    """The server's batched step on the 64-token-window model with a 4 + 72-slot cache:
+    the batched rows (per-row attention, the window applied as a slot distance) equal the rows alone."""
+    from kvlab.hf.batch import step_rolling_rows
+
+    h = _mistral(64)
+    prompts = [
+        torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (90, 70)
+    ]
+    caches = [rolling_cache_for(h, window=72, sinks=4, evict_chunk=8) for _ in prompts]
+    alone = [rolling_cache_for(h, window=72, sinks=4, evict_chunk=8) for _ in prompts]
+    firsts = [feed(h, c, p) for c, p in zip(caches, prompts, strict=True)]
+    for c, p in zip(alone, prompts, strict=True):
+        feed(h, c, p)
+    tokens = [int(f.argmax()) for f in firsts]
+    for _ in range(60):
+        batched = step_rolling_rows(h, caches, tokens)
+        single = [
+            h.run(torch.tensor([[t]]), c).logits[0, -1].float() for c, t in zip(alone, tokens, strict=True)
+        ]
+        for r in range(2):
+            assert float((batched[r] - single[r]).abs().max()) < 1e-4
+        tokens = [int(x.argmax()) for x in single]
+    assert min(c.rolls for c in caches) >= 3 and max(c.kept for c in caches) > 64
 
 
 def _small_max_model(max_positions: int):

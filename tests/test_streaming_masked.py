@@ -101,3 +101,33 @@ def test_auto_path_choice_and_bad_input(tiny_model):
         stream_nll(h, ids, "sinks2", window=32, path="fast")
     with pytest.raises(BadInputError, match="at least 2 tokens"):
         masked_rolling_nll(h, torch.tensor([5]), sinks=2, window=8, feed=1, evict_chunk=1)
+
+
+@pytest.mark.parametrize("family", ["mistral-sw16", "gemma3"])
+@pytest.mark.parametrize("method,feed,chunk", [("sinks4", 5, 8), ("window_abs", 3, 4), ("sinks2", 1, 6)])
+def test_sliding_window_layers_masked_equal_the_loop_with_a_cache_larger_than_the_window(
+    tiny_model, family, method, feed, chunk
+):
+    """Mistral with a 16-token window (every layer slides) and Gemma-3 (local layers slide over 64,
+    global layers do not) under a rolling cache of 4 + 96 slots: the sliding layers see only their own
+    window (transformers' slot-distance mask in the cache; the position-distance mask here)."""
+    if family == "mistral-sw16":
+        from kvlab.model.facts import load_config_file
+        from kvlab.model.random import tiny_random_model
+        from tests.conftest import config_path
+
+        cfg = load_config_file(config_path("mistral"))
+        cfg.sliding_window = 16
+        h = tiny_random_model(cfg)
+    else:
+        h = tiny_model(family)
+    ids = stream(300, seed=5)
+    ref = stream_nll(h, ids, method, window=96, feed=feed, evict_chunk=chunk, path="loop")
+    assert ref.extra["rolls"] >= 5
+    sinks = {"sinks4": 4, "sinks2": 2, "window_abs": 0}[method]
+    got = masked_rolling_nll(h, torch.tensor(ids), sinks=sinks, window=96, feed=feed, evict_chunk=chunk)
+    # (snapshots stop below the window: the rounding bound comes from a 12-token prefill)
+    err, tol = float(np.abs(got - ref.nll).max()), 2 * forward_tol(h, h.prefill(ids[:12]).logits)
+    assert err <= tol, f"max |dNLL| {err:.3g} > {tol:.3g}"
+    # path="auto" now takes the masked path on these models
+    assert stream_nll(h, ids, method, window=96, feed=feed, evict_chunk=chunk).extra["path"] == "masked"

@@ -104,9 +104,10 @@ def _rows_attention(
     for r, (k, v) in enumerate(views):
         kv_heads, p = k.shape[1], rows.pads[r]
         if q_len - p == 1:  # one query (a decode step): no mask, no copy
-            q = query[r, :, -1].reshape(
-                kv_heads, heads // kv_heads, d
-            )  # query head h reads kv head h // groups
+            if window and k.shape[-2] > window:  # a sliding layer: its last `window` slots, itself included
+                k, v = k[:, :, -int(window) :], v[:, :, -int(window) :]
+            # query head h reads kv head h // groups
+            q = query[r, :, -1].reshape(kv_heads, heads // kv_heads, d)
             w = torch.softmax((q @ k[0].transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
             out[r, -1] = (w.to(v.dtype) @ v[0]).reshape(heads, d)
         else:

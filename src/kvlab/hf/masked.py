@@ -8,13 +8,15 @@ call into the model.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import hf_cache_layers, new_hf_cache, to_hf_cache
+from kvlab.hf.cache import hf_cache_layers, new_hf_cache, sliding_windows, to_hf_cache
 
 
 @torch.no_grad()
@@ -26,6 +28,12 @@ def forward_masked(
     ``visible [n, past_len + n]`` (bool): which past slots and which of the new tokens each new token
     attends to. Returns the new tokens' per-layer keys and values ``[1, kv_heads, n, head_dim]`` and their
     logits ``[n, vocab]``. ``past`` is not modified.
+
+    Sliding-window layers (Mistral, Gemma-3's local layers) keep every slot here, as kvlab's snapshots
+    do, and see what ``visible`` allows within their window: a key at position ``p_k`` is visible to a
+    query at ``p_q`` only if ``p_q - p_k < window`` (transformers' rule, on the slots' RoPE positions).
+    A hybrid model gets one mask per layer type, which its decoder must accept
+    (:func:`accepts_mask_per_layer_type`).
     """
     n = int(ids.numel())
     past_len = 0 if past is None else past.seq_len
@@ -33,14 +41,52 @@ def forward_masked(
         raise BadInputError(f"visible must be a bool [{n}, {past_len + n}] mask, got {tuple(visible.shape)}")
     if past is not None and past.fingerprint != handle.fingerprint:
         raise BadInputError("the past cache comes from another model")
-    cache = new_hf_cache(handle.config) if past is None else to_hf_cache(past, handle.config, copy=False)
     dtype = handle.dtype
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+    def as_float(v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(v.shape, dtype=dtype).masked_fill(~v, torch.finfo(dtype).min)[None, None]
+
+    windows = sliding_windows(handle.config)
+    mask: torch.Tensor | dict[str, torch.Tensor]
+    if all(w is None for w in windows):
+        cache = new_hf_cache(handle.config) if past is None else to_hf_cache(past, handle.config, copy=False)
+        mask = as_float(visible)
+    else:
+        # every layer keeps every slot (a cache without sliding layers); the windows go into the masks
+        cache = DynamicCache() if past is None else to_hf_cache(past, None, copy=False)
+        pos = positions.reshape(n).cpu()
+        key_pos = pos if past is None else torch.cat((past.positions.cpu(), pos))
+        distance = pos[:, None] - key_pos[None, :]
+        per_window = {w: as_float(visible & (distance < w)) if w else as_float(visible) for w in set(windows)}
+        if len(per_window) == 1:
+            mask = next(iter(per_window.values()))
+        else:
+            if not accepts_mask_per_layer_type(handle.model):
+                raise UnsupportedModelError(
+                    f"{type(handle.model).__name__} mixes sliding and full attention layers but does not take "
+                    "one prepared mask per layer type, so a masked forward cannot give each its own window"
+                )
+            text = handle.config.get_text_config(decoder=True)
+            types = list(getattr(text, "layer_types", None) or [])
+            if len(types) != len(windows):
+                raise UnsupportedModelError("this hybrid model does not name a type for every layer")
+            mask = {t: per_window[w] for t, w in zip(types, windows, strict=True)}
     out = handle.run(ids.reshape(1, n), cache, positions=positions.reshape(n), attention_mask=mask)
     layers = hf_cache_layers(cache)  # the cache this pass extended
     keys = tuple(k[:, :, past_len:].clone() for k, _ in layers)
     values = tuple(v[:, :, past_len:].clone() for _, v in layers)
     return keys, values, out.logits[0].float()
+
+
+def accepts_mask_per_layer_type(model: Any) -> bool:
+    """Whether the model's decoder takes ``attention_mask`` as ``{layer type: prepared mask}`` (transformers'
+    hybrid decoders, e.g. Gemma-2/3, Qwen2, Cohere-2, GPT-OSS, do; read from the decoder's own code)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return False
+    return "attention_mask, dict)" in source
 
 
 @torch.no_grad()

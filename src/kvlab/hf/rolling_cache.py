@@ -52,7 +52,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
+from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, rope_spec_from_model
@@ -308,8 +308,10 @@ class RollingCache(Cache):
     the module docstring. The cache is a list of :class:`RollingLayer` s that each own their state.
 
     Args:
-        config: the model config (for the layer count; sliding-window models are refused if their
-            window is smaller than ours).
+        config: the model config (for the layer count). Sliding-window layers need nothing of their
+            own: slots are contiguous positions, and transformers' sliding mask (a slot distance below
+            the window, from :meth:`get_query_offset` and :meth:`get_mask_sizes`) lets each such layer
+            see exactly its window's most recent slots, also when the rolling cache holds more.
         rope: the model's RoPE (``ModelHandle.rope``: one :class:`RopeSpec`, or one per layer for hybrid
             models); must be shift-exact.
         window: recent tokens kept (after the sinks).
@@ -558,13 +560,6 @@ def _validate(text: Any, rope: Rope | None, *, window, sinks, evict_chunk, max_p
         )
     if rebase not in ("auto", "always", "never"):
         raise BadInputError(f"rebase must be 'auto', 'always' or 'never', got {rebase!r}")
-    sw = [w for w in sliding_windows(text) if w is not None]
-    if sw and min(sw) <= sinks + window + evict_chunk:
-        raise UnsupportedModelError(
-            f"the model's own sliding window ({min(sw)}) must be larger than this rolling cache at its "
-            f"fullest ({sinks} sinks + {window} window + {evict_chunk} awaiting eviction = "
-            f"{sinks + window + evict_chunk}); use a window below {min(sw) - sinks - evict_chunk}"
-        )
 
 
 def rolling_cache_for(

@@ -261,7 +261,7 @@ class ModelHandle:
         cache: Any = None,
         *,
         positions: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
         logits_to_keep: int = 0,
         output_attentions: bool = False,
         stop_after_layer: int | None = None,
@@ -272,7 +272,8 @@ class ModelHandle:
         caches such as :class:`~kvlab.hf.RollingCache` directly), so there is one place that knows how
         transformers wants its arguments. ``positions`` (``[n]`` or ``[batch, n]``): RoPE positions of
         the new tokens; None lets the cache choose them (``cache.get_seq_length()`` onward), which a
-        rolling cache relies on. ``attention_mask``: a prepared 4-D float mask, passed through as is.
+        rolling cache relies on. ``attention_mask``: a prepared 4-D float mask, passed through as is
+        (or one per layer type, ``{layer type: mask}``, for hybrid models that accept it).
         ``stop_after_layer=k`` stops the pass after decoder layer ``k - 1`` (the cache then holds the
         new tokens' K/V for the first ``k`` layers) and returns None: a probe at ``k / L`` of the cost.
         Writes into ``cache`` (that is what a live cache is for; without one, nothing is cached);
@@ -290,7 +291,9 @@ class ModelHandle:
         if positions is not None:
             pos = torch.as_tensor(positions, dtype=torch.long).to(self.device)
             kwargs["position_ids"] = (pos[None] if pos.ndim == 1 else pos).expand(ids.shape[0], -1)
-        if attention_mask is not None:
+        if isinstance(attention_mask, dict):  # one prepared mask per layer type (hybrid models)
+            kwargs["attention_mask"] = {k: m.to(self.device) for k, m in attention_mask.items()}
+        elif attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.device)
         # a cache that may re-base (RollingCache) does so only while the model takes positions from it
         choosing = getattr(cache, "choosing_positions", None) if positions is None else None

@@ -27,6 +27,7 @@ import torch
 
 from kvlab.errors import BadInputError
 from kvlab.hf.cache import sliding_windows
+from kvlab.hf.masked import accepts_mask_per_layer_type
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.metrics.logits import nll
 from kvlab.model.handle import as_handle
@@ -144,12 +145,13 @@ def _recompute_nll(
 
 def _masked_is_exact(handle, n: int) -> bool:
     """Where the masked path computes what the cache computes: RoPE that shifts exactly, every position
-    of the stream within the model's range (the cache would re-base), no sliding-window layers."""
+    of the stream within the model's range (the cache would re-base), and sliding-window layers only
+    where each can get its own mask (all layers alike, or a decoder taking one mask per layer type)."""
     rope = handle.rope
     return (
         rope is not None
         and rope.shift_exact
-        and not any(w is not None for w in sliding_windows(handle.config))
+        and (len(set(sliding_windows(handle.config))) == 1 or accepts_mask_per_layer_type(handle.model))
         and (not handle.max_positions or n <= handle.max_positions)
     )
 
