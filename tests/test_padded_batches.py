@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.evict import SnapKV, StreamingLLM
+from kvlab.compress.evict import H2O, TOVA, KeyNorm, RandomPolicy, SlidingWindow, SnapKV, StreamingLLM
 from kvlab.compress.quant import KIVIQuantizer
 from kvlab.errors import BadInputError
 from kvlab.hf import cache_argument
@@ -149,16 +149,45 @@ def test_right_padding_and_a_row_of_pads_are_refused(tiny_model):
         assert cache.rows is None and cache.tokens_seen == 0
 
 
-@pytest.mark.parametrize("policy", [StreamingLLM(), SnapKV(window=4, observe=4)], ids=lambda p: p.name)
-def test_padded_batch_is_refused_by_evicting_compressed_caches(tiny_model, policy):
+POLICIES = [
+    SlidingWindow(),
+    StreamingLLM(),
+    SnapKV(window=4, observe=4),
+    H2O(),
+    TOVA(),
+    KeyNorm(),
+    RandomPolicy(seed=3),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_padded_batch_through_each_eviction_policy_equals_each_row_alone(tiny_model, policy):
+    """A CompressedCache given the model runs a left-padded batch row by row: each row scores its own
+    tokens with its own queries (pads stripped) and keeps its own budget, exactly as alone."""
+    h = tiny_model("llama")
+    prompts = rows(3, [40, 35, 23])
+    ids, mask = left_padded(prompts)
+    assert (mask == 0).sum(1).tolist() == [0, 5, 17]
+    cache = CompressedCache(h.config, policy=policy, keep=0.5, model=h.model)
+    out = generate(h, ids, cache, 20, mask, min_new=20)
+    assert cache.rows is not None
+    for r, p in enumerate(prompts):
+        alone = CompressedCache(h.config, policy=policy, keep=0.5, model=h.model)
+        try:
+            want = generate(h, torch.tensor([p]), alone, 20, min_new=20)[0, len(p) :]
+        finally:
+            alone.close()
+        assert out[r, ids.shape[1] :].tolist() == want.tolist(), r
+        assert cache.rows[r].layers[0].held == alone.layers[0].held  # the row's own budget
+    assert len({c.layers[0].held for c in cache.rows}) == 3
+
+
+def test_padded_batch_is_refused_by_an_evicting_cache_without_the_model(tiny_model):
     h = tiny_model("llama")
     ids, mask = left_padded(rows(3, [20, 12]))
-    cache = CompressedCache(h.config, policy=policy, keep=0.5, model=h.model)
-    try:
-        with pytest.raises(BadInputError, match="padded batch"):
-            generate(h, ids, cache, 5, mask)
-    finally:
-        cache.close()
+    cache = CompressedCache(h.config, policy=StreamingLLM(), keep=0.5)  # no model: nothing to run rows on
+    with pytest.raises(BadInputError, match="padded batch"):
+        generate(h, ids, cache, 5, mask)
 
 
 def test_padded_batch_through_a_quantizing_cache_keeps_the_pads_masked(tiny_model):

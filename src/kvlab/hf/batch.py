@@ -50,25 +50,33 @@ class _RowsCache(Cache):
     function is caught instead of returning logits computed from the new tokens alone.
     """
 
-    def __init__(self, caches: Sequence[RollingCache], pads: Sequence[int] | None = None) -> None:
+    def __init__(self, caches: Sequence[Any], pads: Sequence[int] | None = None, outer: Any = None) -> None:
         super().__init__(layers=list(caches[0].layers))
         self.caches = list(caches)
         self.pads = list(pads) if pads is not None else [0] * len(self.caches)
-        self.row_layers: list[list[RollingLayer]] = [list(c.layers) for c in caches]  # type: ignore[arg-type]
+        self.row_layers: list[list[Any]] = [list(c.layers) for c in caches]
+        self.outer = outer  # the caller's cache when its rows run here (a padded batch): the query source
         self.views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.consumed = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if key_states.shape[0] != len(self.caches):
             raise UnsupportedModelError("a batched rolling step needs one row per cache")
-        self.views[layer_idx] = [
-            layers[layer_idx].update(key_states[r : r + 1, :, p:], value_states[r : r + 1, :, p:])
-            for r, (layers, p) in enumerate(zip(self.row_layers, self.pads, strict=True))
-        ]
+        # an evicting cache scores with the prompt's queries, captured on the caller's cache: each row
+        # gets its own, pads stripped
+        queries = getattr(self.outer.layers[layer_idx], "pending_queries", None) if self.outer else None
+        views = []
+        for r, (layers, p) in enumerate(zip(self.row_layers, self.pads, strict=True)):
+            if queries is not None and not getattr(layers[layer_idx], "evicted", True):
+                layers[layer_idx].pending_queries = queries[r : r + 1, p:]
+            views.append(
+                layers[layer_idx].update(key_states[r : r + 1, :, p:], value_states[r : r + 1, :, p:])
+            )
+        self.views[layer_idx] = views
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(c.next_position for c in self.caches)
+        return max(c.get_seq_length() for c in self.caches)
 
 
 class _Active(threading.local):
@@ -189,7 +197,9 @@ def _rows_step(model: Any, rows: _RowsCache) -> Iterator[None]:
     fast_linear = _linear_pays(model)
     with contextlib.ExitStack() as stack:
         for cache in rows.caches:  # each row's query sits at next_position: a re-base may follow
-            stack.enter_context(cache.choosing_positions())
+            choosing = getattr(cache, "choosing_positions", None)
+            if choosing is not None:
+                stack.enter_context(choosing())
         model.set_attn_implementation(ROWS_ATTENTION)
         _ACTIVE.rows.append(rows)
         try:
@@ -233,33 +243,42 @@ def step_rolling_rows(handle: Any, caches: Sequence[RollingCache], tokens: Seque
     return out.logits[:, -1].float()
 
 
-# -- padded batches under model.generate (a bound RollingCache runs each row on its own cache) ---------
+# -- padded batches under model.generate (a bound cache runs each row on its own cache) ----------------
 
 
-def begin_padded_rows(model: Any, cache: RollingCache, key: str, kwargs: dict) -> tuple[dict, Any] | None:
-    """Set up a forward of a left-padded batch on ``cache`` (bound to ``model``): each row runs on its
-    own rolling cache (``cache.rows``) with its pads stripped, its own positions, sinks and roll
-    schedule, so every row computes what it would alone. Returns the call's new kwargs and a context
+def begin_padded_rows(model: Any, cache: Any, key: str, kwargs: dict) -> tuple[dict, Any] | None:
+    """Set up a forward of a left-padded batch on ``cache`` (bound to ``model``; a
+    :class:`~kvlab.hf.RollingCache` or :class:`~kvlab.hf.CompressedCache`): each row runs on its own
+    cache of the same settings (``cache.rows``) with its pads stripped and its own positions, so
+    every row computes what it would alone (its own sinks, rolls and re-bases; its own eviction, scored
+    by its own queries, at its own budget). Returns the call's new kwargs and a context
     to close after the forward, or None when the call is not a padded batch (and the cache holds no
     rows). Refuses right padding and rows of padding only.
     """
     ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    if not hasattr(cache, "start_rows"):
+        return None
     rows_caches = cache.rows
     if rows_caches is None:
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.all()) or cache.tokens_seen:
+        if (
+            not isinstance(mask, torch.Tensor)
+            or mask.dim() != 2
+            or bool(mask.all())
+            or cache.get_seq_length()
+        ):
             return (
                 None  # not padded, or padding arriving on a cache already shared by the rows: refused there
             )
         if not isinstance(ids, torch.Tensor) or ids.shape != mask.shape:
             raise BadInputError(
-                "a padded batch on a RollingCache needs input_ids with one mask column per token"
+                "a padded batch on a kvlab cache needs input_ids with one mask column per token"
             )
         pads = []
         for row in mask.to(torch.long):
             p = int((row == 0).sum())
             if p == row.numel() or not (bool((row[:p] == 0).all()) and bool((row[p:] == 1).all())):
                 raise BadInputError(
-                    "a RollingCache runs left-padded batches only (pads first, then the row's tokens; "
+                    "kvlab's caches run left-padded batches only (pads first, then the row's tokens; "
                     "tokenizer.padding_side = 'left'), and every row needs at least one token"
                 )
             pads.append(p)
@@ -268,18 +287,16 @@ def begin_padded_rows(model: Any, cache: RollingCache, key: str, kwargs: dict) -
         n = ids.shape[-1] if isinstance(ids, torch.Tensor) else 0
         if not isinstance(ids, torch.Tensor) or ids.shape[0] != len(rows_caches):
             raise BadInputError(
-                f"this RollingCache runs {len(rows_caches)} padded rows; the call brings another batch"
+                f"this cache runs {len(rows_caches)} padded rows; the call brings another batch"
             )
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -n:].all()):
-            raise BadInputError(
-                "new padding after the prompt: a RollingCache pads only the start of each row"
-            )
+            raise BadInputError("new padding after the prompt: kvlab caches pad only the start of each row")
         pads = [0] * len(rows_caches)
-    rows = _RowsCache(rows_caches, pads)
+    rows = _RowsCache(rows_caches, pads, outer=cache)
     n = int(ids.shape[-1])
     positions = torch.zeros((len(pads), n), dtype=torch.long)
     for r, (c, p) in enumerate(zip(rows_caches, pads, strict=True)):
-        start = c.next_position
+        start = c.get_seq_length()
         positions[r, p:] = torch.arange(start, start + n - p)
     new = {
         **kwargs,
@@ -298,12 +315,15 @@ def end_padded_rows(state: Any, out: Any, failed: bool) -> None:
     back its own cache in the output (generate carries ``outputs["cache"]`` to the next step)."""
     ctx, rows, cache = state
     ctx.__exit__(None, None, None)
+    close = getattr(cache, "close", None)  # the caller's query hooks: the rows evicted with their queries
+    if close is not None:
+        close()
     if failed:
         return
     if rows.consumed != len(rows.row_layers[0]) or rows.views:
         raise UnsupportedModelError(
             "the model did not attend through transformers' attention interface in every layer, so a padded "
-            "batch cannot run on a RollingCache with it (the cache is now inconsistent: discard it)"
+            "batch cannot run row by row with it (the cache is now inconsistent: discard it)"
         )
     for name in ("cache", "past_key_values"):
         if isinstance(out, dict) and out.get(name) is rows:

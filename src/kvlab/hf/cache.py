@@ -52,7 +52,8 @@ def check_fits_sliding_windows(config: Any, total_tokens: int) -> None:
 PADDED_BATCH = (
     "%s cannot run a padded batch (rows at different positions): transformers masks cached slots by "
     "index, the same for every row, so once slots are dropped a padded row would attend to pads and "
-    "lose its own first tokens. Run the rows one at a time, or batch prompts of equal length."
+    "lose its own first tokens. Bind the cache to the model (rolling_cache_for(model, ...), "
+    "CompressedCache(..., model=model)) to run a padded batch row by row, or batch prompts of equal length."
 )
 
 

@@ -27,6 +27,7 @@ from kvlab.compress.evict.select import budget_slots, keep_indices
 from kvlab.compress.quant.methods import Quantizer, Segment, split_plan
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
+from kvlab.hf.rolling_cache import bind_to_model
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import Rope, rope_for_layer, rope_spec_from_config
 
@@ -190,7 +191,9 @@ class CompressedCache(Cache):
     """A transformers cache that quantizes (``quantizer``) or evicts (``policy`` + ``keep``) as it fills.
 
     Pass it as ``cache=`` (``past_key_values=`` before transformers 5.24) to ``model(...)`` or ``model.generate(...)``. Attention-based
-    policies need ``model`` (for the query hooks). ``nbytes`` is what the cache holds for K/V now.
+    policies need ``model`` (for the query hooks). With ``model`` the cache is bound to it, so a
+    left-padded batch runs row by row (each row evicts or quantizes its own tokens, as alone); without
+    it an evicting cache refuses a padded batch. ``nbytes`` is what the cache holds for K/V now.
     """
 
     def __init__(
@@ -202,6 +205,7 @@ class CompressedCache(Cache):
         keep: float | None = None,
         model: Any = None,
         rope: Rope | None = None,
+        _row_of: CompressedCache | None = None,
     ):
         if quantizer is not None and policy is not None:
             raise BadInputError("choose a quantizer or an eviction policy for one CompressedCache, not both")
@@ -220,7 +224,9 @@ class CompressedCache(Cache):
         self.quantizer, self.policy, self.keep = quantizer, policy, keep
         scaling = head_dim**-0.5
         mods = None
-        if policy is not None and policy.needs_queries:
+        if _row_of is not None:  # one row of a padded batch: its queries come from the caller's cache
+            scaling = _row_of.rule.scaling
+        elif policy is not None and policy.needs_queries:
             if model is None:
                 raise BadInputError(
                     f"policy '{policy.name}' scores by attention: pass model= so the cache can "
@@ -233,6 +239,29 @@ class CompressedCache(Cache):
         super().__init__(layers=[CompressedLayer(self.rule, i) for i in range(n_layers)])
         for layer, mod in zip(self.layers, mods or (), strict=False):
             layer.query_hook = mod.q_proj.register_forward_hook(layer.capture_queries)
+        self._config = config
+        self.rows: list[CompressedCache] | None = None  # per-row caches once a padded batch arrived
+        if model is not None and _row_of is None:
+            bind_to_model(self, model)  # a left-padded batch then runs row by row (kvlab.hf.batch)
+
+    def start_rows(self, n: int) -> list[CompressedCache]:
+        """Switch this empty cache to ``n`` per-row caches of the same settings (a left-padded batch
+        under ``model.generate``): each row evicts from its own tokens at its own budget, scored by its
+        own queries, or quantizes its own tokens, exactly as alone. In place; rows in :attr:`rows`."""
+        if self.rows is not None or self.layers[0].seen:
+            raise BadInputError("start_rows() needs an empty CompressedCache")
+        self.rows = [
+            CompressedCache(
+                self._config,
+                quantizer=self.quantizer,
+                policy=self.policy,
+                keep=self.keep,
+                rope=self.rope,
+                _row_of=self,
+            )
+            for _ in range(n)
+        ]
+        return self.rows
 
     @property
     def scaling(self) -> float:

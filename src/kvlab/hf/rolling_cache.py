@@ -435,11 +435,7 @@ class RollingCache(Cache):
         (rows at different positions: refused by the cache as always) and calls whose positions the
         caller chose otherwise are left alone. :func:`rolling_cache_for` binds for you.
         """
-        self._bound_to = weakref.ref(model)
-        if not getattr(model, "_kvlab_rolling_hooks", False):
-            model.register_forward_pre_hook(_let_bound_cache_choose, with_kwargs=True)
-            model.register_forward_hook(_restore_positions, with_kwargs=True, always_call=True)
-            model._kvlab_rolling_hooks = True
+        bind_to_model(self, model)
 
     def start_rows(self, n: int) -> list[RollingCache]:
         """Switch this empty cache to ``n`` per-row caches of the same settings (a padded batch under
@@ -500,12 +496,24 @@ def _choosing() -> list[Any]:
     return _LOCAL.stack
 
 
+def bind_to_model(cache: Any, model: Any) -> None:
+    """Bind a kvlab cache to ``model``: one forward pre-hook per model (shared by every cache bound to
+    it) lets a left-padded batch run row by row on the cache (``cache.rows``, see
+    :func:`kvlab.hf.batch.begin_padded_rows`) and a :class:`RollingCache` choose its positions
+    (:meth:`RollingCache.bind`). Calls that carry no cache bound to this model pass untouched."""
+    cache._bound_to = weakref.ref(model)
+    if not getattr(model, "_kvlab_rolling_hooks", False):
+        model.register_forward_pre_hook(_let_bound_cache_choose, with_kwargs=True)
+        model.register_forward_hook(_restore_positions, with_kwargs=True, always_call=True)
+        model._kvlab_rolling_hooks = True
+
+
 def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of :meth:`RollingCache.bind` (see there)."""
+    """Forward pre-hook of :func:`bind_to_model` (see there and :meth:`RollingCache.bind`)."""
     key = "cache" if "cache" in kwargs else "past_key_values"
     cache = kwargs.get(key)
     bound = getattr(cache, "_bound_to", None)
-    if not isinstance(cache, RollingCache) or bound is None or bound() is not model:
+    if bound is None or bound() is not model:
         _choosing().append(None)
         return None
     from kvlab.hf.batch import begin_padded_rows, end_padded_rows  # batch builds on this module
@@ -515,6 +523,9 @@ def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tupl
         new_kwargs, state = padded
         _choosing().append(lambda out: end_padded_rows(state, out, failed=out is None))
         return args, new_kwargs
+    if not isinstance(cache, RollingCache):
+        _choosing().append(None)
+        return None
     pos = kwargs.get("position_ids")
     if isinstance(pos, torch.Tensor):
         rows = pos.reshape(-1, pos.shape[-1])
