@@ -89,7 +89,7 @@ def main() -> int:
     for key, value in m_arrays.items():
         if key.endswith("_nll") and key in l_arrays and not key.endswith(("_full_nll", "_recompute_nll")):
             worst = max(worst, float(np.abs(value - l_arrays[key]).max()))
-            compared.append(key.rsplit("_", 2)[-2])
+            compared.append(re.sub(r"^.*_w\d+_(.*)_nll$", r"\1", key))
     loop_rows = {r["method"]: r for r in loop["summary"]["rows"]}
     speed = ", ".join(
         f"{r['method']} {loop_rows[r['method']]['seconds'] / r['seconds']:.1f}x"

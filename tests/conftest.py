@@ -31,6 +31,10 @@ FAMILY_CONFIGS = {
     "phi": "phi-2.json",
     "llama3-scaling": "llama-3.1-8b.json",
     "smollm2": "smollm2-135m-instruct.json",
+}
+# More families for the matrix tests (tests/test_family_matrix.py, test_padded_batches.py): one RoPE per
+# layer, layers without RoPE, no RoPE at all, and Phi-3's split.
+EXTRA_CONFIGS = {
     "gemma3": "gemma-3-tiny-hybrid-rope.json",  # local (sliding 64, base 1e4) and global (base 1e6) layers
     "smollm3": "smollm3-3b-nope-layers.json",  # every fourth layer without RoPE (build with layers=4)
     # Phi-3-mini-4k's config with Phi-4-mini's partial rotary split (0.75; without its longrope scaling)
@@ -43,7 +47,7 @@ SHARED_DATA_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "shared-dat
 
 
 def config_path(family: str) -> Path:
-    return CONFIG_DIR / FAMILY_CONFIGS[family]
+    return CONFIG_DIR / {**FAMILY_CONFIGS, **EXTRA_CONFIGS}[family]
 
 
 @pytest.fixture(scope="session")
