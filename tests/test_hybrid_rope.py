@@ -191,3 +191,37 @@ def test_a_model_without_rope_runs_what_does_not_move_positions_and_refuses_the_
     ):
         with pytest.raises(UnsupportedModelError, match="needs a model with RoPE"):
             attempt()
+
+
+@pytest.mark.parametrize("rebase", ["never", "always"])
+def test_gemma3_sliding_layers_store_only_their_window_and_equal_the_masked_reference(gemma, rebase):
+    """A 100-token rolling window on Gemma-3 (64-token local layers): global layers keep the window,
+    local layers store only the 63 slots they can reach (plus a chunk awaiting a trim), and the logits
+    equal one forward whose masks say exactly that (the window per eviction schedule for global
+    layers, the last 64 positions for local ones)."""
+    from kvlab.hf.rolling_cache import SlidingRollingLayer
+    from kvlab.streaming.masked import evicted_before
+
+    n, window, w = 300, 100, 64
+    ids = _ids(n)
+    cache = RollingCache(gemma.config, gemma.rope, window=window, sinks=0, evict_chunk=8, rebase=rebase)
+    got = torch.cat(rolling_logits(gemma, ids, cache, feed_size=3))
+    assert [type(layer) is SlidingRollingLayer for layer in cache.layers] == [True, False]
+    local, glob = cache.layers
+    assert local.held <= w - 1 + 8 and glob.slots >= window
+    assert local._buf_k.shape[-2] <= w - 1 + 2 * 8 + 3 < glob._buf_k.shape[-2]
+    d = torch.from_numpy(evicted_before(n, sinks=0, window=window, feed=3, evict_chunk=8))
+    t, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    full = (j <= t) & (j >= d[:, None])
+
+    def mask(visible):
+        return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[None, None]
+
+    masks = {"full_attention": mask(full), "sliding_attention": mask(full & (j > t - w))}
+    with torch.no_grad():
+        ref = gemma.model(
+            torch.tensor([ids]), attention_mask=masks, position_ids=torch.arange(n)[None]
+        ).logits[0]
+    assert float((got - ref).abs().max()) < 1e-4
+    if rebase == "always":
+        assert cache.rebases >= 20

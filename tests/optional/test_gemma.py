@@ -7,6 +7,7 @@ collect this folder, so a machine without the model runs no skipped test; here a
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvlab.model.loading import GEMMA_INSTALL, gemma_installed
 from kvlab.ops.crossmodel import layer_ropes
@@ -57,3 +58,30 @@ def test_gemma_rolling_cache_equals_the_reference_over_rolls():
     # fp32 forwards that differ only in summation order: ~1e-6 of the logits here; 1e-4 leaves headroom
     assert worst < 1e-4 * max(float(r.abs().max()) for r in ref), worst
     torch.testing.assert_close(got[-1].argmax(-1), ref[-1].argmax(-1))
+
+
+def test_gemma_rolling_window_past_the_local_window_equals_the_masked_pass():
+    """A rolling window of 600 tokens on the real Gemma-3-270M (local layers: 512): the 15 local layers
+    store only the 511 slots they reach, the 3 global ones the whole window; per-token NLL of the cache
+    (token loop) equals the masked single pass, which masks every layer type independently."""
+    import numpy as np
+
+    from kvlab import load_model
+    from kvlab.hf.rolling_cache import SlidingRollingLayer, rolling_cache_for
+    from kvlab.streaming import stream_nll
+
+    g = load_model("gemma3-270m")
+    ids = g.encode("The lighthouse keeper wrote in his diary every night about the sea. " * 80)[:1100]
+    loop = stream_nll(g, ids, "sinks4", window=600, feed=16, evict_chunk=64, path="loop")
+    masked = stream_nll(g, ids, "sinks4", window=600, feed=16, evict_chunk=64, path="masked")
+    assert loop.extra["rolls"] >= 3
+    worst = float(np.abs(loop.nll - masked.nll).max())
+    print(f"gemma W=600: max |dNLL| loop vs masked {worst:.2e}")
+    assert worst < 1e-3
+    cache = rolling_cache_for(g, window=600, sinks=4, evict_chunk=64)
+    g.run(torch.tensor([ids[:500]]), cache)
+    g.run(torch.tensor([ids[500:700]]), cache)
+    g.run(torch.tensor([ids[700:701]]), cache)
+    local = [layer for layer in cache.layers if type(layer) is SlidingRollingLayer]
+    assert len(local) == 15 and all(layer.held == 512 for layer in local)  # 511 reached + the new token
+    assert cache.rolls == 1 and cache.layers[5].keys.shape[-2] == cache.kept > 512  # a global layer: the window

@@ -52,7 +52,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
+from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, rope_spec_from_model
@@ -166,8 +166,15 @@ class RollingLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.kept + query_length, 0
 
+    def query_offset(self) -> int:
+        """Slot index of the next forward's first query in this layer's own storage."""
+        return self.kept
+
     def get_max_length(self) -> int:
         return -1
+
+    def _steady_slots(self) -> int:
+        return int(self.rule.policy.capacity or 0) + 2 * self.rule.evict_chunk
 
     # -- the update ------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -222,7 +229,7 @@ class RollingLayer(CacheLayerMixin):
     def _reserve(self, need: int, held: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Buffers with room for ``need`` slots: allocated once at the steady-state size, grown for a
         larger feed (a long prompt under ``model.generate``), shrunk back once the cache has rolled."""
-        steady = int(self.rule.policy.capacity or 0) + 2 * self.rule.evict_chunk
+        steady = self._steady_slots()
         cap = 0 if self._buf_k is None else self._buf_k.shape[-2]
         if need <= cap <= 2 * max(need, steady):
             return
@@ -299,6 +306,89 @@ class RollingLayer(CacheLayerMixin):
         self.plan = RollPlan()
 
 
+class SlidingRollingLayer(RollingLayer):
+    """A sliding-window layer (Mistral, Gemma-3's local layers) in a rolling cache whose window is at
+    least the layer's own ``sliding_window``: it keeps the same counts as every layer (``base``,
+    ``slots``, the pending ``plan``: the same decisions) but stores only the newest slots its attention
+    can reach, as transformers' hybrid caches do — at most ``sliding_window - 1`` before a forward, plus
+    up to one eviction chunk awaiting a trim (hidden by the sliding mask), and never the sinks (with the
+    rolling window at least the sliding window, they are out of its reach).
+
+    Storage: ``_buf_k[:, :, :held]`` are the newest ``held`` slots, positions
+    ``next_position - held ..``; a trim moves the newest ``sliding_window - 1`` down once per chunk.
+    """
+
+    is_sliding = True
+
+    def __init__(self, rule: RollRule, layer: int, sliding_window: int) -> None:
+        super().__init__(rule, layer)
+        self.sliding_window = int(sliding_window)
+        self.held = 0
+
+    @property
+    def reach(self) -> int:
+        """Earlier slots one query can see: the window minus the query itself."""
+        return self.sliding_window - 1
+
+    def _held_next(self) -> int:
+        """Slots the next forward keeps (after the trim the next update makes, if due)."""
+        return self.reach if self.held >= self.reach + self.rule.evict_chunk else self.held
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._held_next() + query_length, 0
+
+    def query_offset(self) -> int:
+        return self._held_next()
+
+    def _steady_slots(self) -> int:
+        return self.reach + 2 * self.rule.evict_chunk
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Trim to the reach (once per chunk), apply a pending re-base to what is held, append the new
+        K/V, keep the shared counts; return the held and new slots (views, valid until the next update)."""
+        n_new = key_states.shape[-2]
+        if rows_at_different_positions(args, kwargs):
+            raise BadInputError(PADDED_BATCH % "RollingCache")
+        self._check_room(n_new)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keep = self._held_next()
+        if keep < self.held:  # the newest `reach` slots move down (once per evicted chunk)
+            for buf in (self._buf_k, self._buf_v):
+                buf[:, :, :keep] = buf[:, :, self.held - keep : self.held].clone()
+            self.held = keep
+        plan = self.plan
+        if plan.rebase and self.rope is not None and self.held:
+            rotate_by_(self._buf_k[:, :, : self.held], -plan.rebase, self.rope)
+        total = self.held + n_new
+        self._reserve(total, self.held, key_states, value_states)
+        self._buf_k[:, :, self.held : total] = key_states
+        self._buf_v[:, :, self.held : total] = value_states
+        self.keys, self.values = self._buf_k[:, :, :total], self._buf_v[:, :, :total]
+        self.held = total
+        self.rolls += plan.drop > 0
+        self.rebases += plan.rebase != 0
+        self.base += plan.drop - plan.rebase
+        self.slots += n_new - plan.drop
+        self.tokens_seen += n_new
+        self.plan = self.rule.next_plan(self.base, self.slots, self.may_rebase)
+        return self.keys, self.values
+
+    def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` the next forward will see (trim and pending re-base applied); views when
+        nothing is pending, else new tensors."""
+        keep = self._held_next()
+        k = self._buf_k[:, :, self.held - keep : self.held]
+        v = self._buf_v[:, :, self.held - keep : self.held]
+        if self.plan.rebase and self.rope is not None:
+            k = rotate_by(k, -self.plan.rebase, self.rope)
+        return k, v
+
+    def reset(self) -> None:
+        super().reset()
+        self.held = 0
+
+
 class RollingCache(Cache):
     """``sinks`` attention-sink tokens + a rolling window of ``window`` recent tokens, for any length.
 
@@ -308,10 +398,11 @@ class RollingCache(Cache):
     the module docstring. The cache is a list of :class:`RollingLayer` s that each own their state.
 
     Args:
-        config: the model config (for the layer count). Sliding-window layers need nothing of their
-            own: slots are contiguous positions, and transformers' sliding mask (a slot distance below
-            the window, from :meth:`get_query_offset` and :meth:`get_mask_sizes`) lets each such layer
-            see exactly its window's most recent slots, also when the rolling cache holds more.
+        config: the model config (layer count, sliding windows). Slots are contiguous positions, so
+            transformers' sliding mask (a slot distance below the window, from :meth:`get_query_offset`
+            and :meth:`get_mask_sizes`) lets a sliding-window layer see exactly its window's most recent
+            slots; when ``window`` is at least a layer's sliding window, that layer also stores only
+            those (:class:`SlidingRollingLayer`), as transformers' hybrid caches do.
         rope: the model's RoPE (``ModelHandle.rope``: one :class:`RopeSpec`, or one per layer for hybrid
             models); must be shift-exact.
         window: recent tokens kept (after the sinks).
@@ -347,7 +438,14 @@ class RollingCache(Cache):
         self.rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase)
         self._config = text
         self.rows: list[RollingCache] | None = None  # per-row caches once a padded batch arrived (bind)
-        super().__init__(layers=[RollingLayer(self.rule, i) for i in range(n_layers)])
+        # a sliding layer the rolling window covers stores only what it can reach (hybrid models)
+        layers: list[RollingLayer] = [
+            SlidingRollingLayer(self.rule, i, w)
+            if w is not None and window >= w
+            else RollingLayer(self.rule, i)
+            for i, w in enumerate(sliding_windows(text))
+        ]
+        super().__init__(layers=layers)
 
     # -- settings and state (every layer holds the same counts; layer 0 answers) ----------------------
     window = property(lambda self: self.rule.policy.window)
@@ -387,7 +485,7 @@ class RollingCache(Cache):
         return self.layers[layer_idx].next_position
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].kept
+        return self.layers[layer_idx].query_offset()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query_length)
