@@ -17,6 +17,7 @@ ORDER = [
     "serve_fidelity",
     "serve_soak",
     "transfer",
+    "hybrid_models",
 ]
 
 HEADER = """# Benchmarks
