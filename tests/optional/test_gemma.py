@@ -84,4 +84,5 @@ def test_gemma_rolling_window_past_the_local_window_equals_the_masked_pass():
     g.run(torch.tensor([ids[700:701]]), cache)
     local = [layer for layer in cache.layers if type(layer) is SlidingRollingLayer]
     assert len(local) == 15 and all(layer.held == 512 for layer in local)  # 511 reached + the new token
-    assert cache.rolls == 1 and cache.layers[5].keys.shape[-2] == cache.kept > 512  # a global layer: the window
+    # layer 5 is global: it holds the whole window
+    assert cache.rolls == 1 and cache.layers[5].keys.shape[-2] == cache.kept > 512
