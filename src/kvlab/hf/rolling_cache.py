@@ -608,32 +608,31 @@ def bind_to_model(cache: Any, model: Any) -> None:
 
 def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of :func:`bind_to_model` (see there and :meth:`RollingCache.bind`)."""
+    stack = _choosing()
+    stack.append(None)  # one entry per call, pushed first: the post-hook (always called) pops it
     key = "cache" if "cache" in kwargs else "past_key_values"
     cache = kwargs.get(key)
     bound = getattr(cache, "_bound_to", None)
     if bound is None or bound() is not model:
-        _choosing().append(None)
         return None
     from kvlab.hf.batch import begin_padded_rows, end_padded_rows  # batch builds on this module
 
     padded = begin_padded_rows(model, cache, key, kwargs)
     if padded is not None:
         new_kwargs, state = padded
-        _choosing().append(lambda out: end_padded_rows(state, out, failed=out is None))
+        stack[-1] = lambda out: end_padded_rows(state, out, failed=out is None)
         return args, new_kwargs
     if not isinstance(cache, RollingCache):
-        _choosing().append(None)
         return None
     pos = kwargs.get("position_ids")
     if isinstance(pos, torch.Tensor):
         rows = pos.reshape(-1, pos.shape[-1])
         start = cache.tokens_seen
         if not bool((rows == torch.arange(start, start + rows.shape[-1], device=rows.device)).all()):
-            _choosing().append(None)  # positions the caller chose: not ours to replace
-            return None
+            return None  # positions the caller chose: not ours to replace
     ctx = cache.choosing_positions()
     ctx.__enter__()
-    _choosing().append(lambda _out: ctx.__exit__(None, None, None))
+    stack[-1] = lambda _out: ctx.__exit__(None, None, None)
     return args, {**kwargs, "position_ids": None}
 
 
