@@ -99,6 +99,9 @@ def test_streaming_experiment_smoke(smollm, tmp_path):
     ctx.model_handle = smollm
     result = run_experiment(get_experiment("streaming_ppl"), ctx)
     assert result.status == "ok", result.notes
+    # the text's label is its description, not cut at the dot in "pydoc_data.topics"
+    assert {r["source"] for r in result.summary["rows"]} == {"Python documentation"}
+    assert "sinks4_over_recompute_Python documentation_w32" in result.summary
     doc = json.loads((tmp_path / "sp" / "result.json").read_text())
     assert doc["tables"]
     assert (tmp_path / "sp" / "ppl_by_method.png").is_file()
@@ -145,3 +148,15 @@ def test_generate_and_chat_commands(smollm):
     )
     assert chat.exit_code == 0, chat.output
     assert "bye" in chat.output and chat.output.count("tokens/s") == 2
+
+
+def test_source_names_are_short_and_never_cut_at_a_dot():
+    from kvlab.study.experiments.streaming_ppl import source_name
+
+    assert source_name("frankenstein.txt") == "frankenstein"
+    assert source_name("/data/books/moby.dick.txt") == "moby.dick"
+    assert (
+        source_name("Python documentation (pydoc_data.topics, shipped with CPython)")
+        == "Python documentation"
+    )
+    assert source_name("conversations file chat.v2.json") == "conversations file chat.v2.json"

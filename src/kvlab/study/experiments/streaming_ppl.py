@@ -27,6 +27,14 @@ from kvlab.study.report.format import format_interval, format_range
 TITLE = "Streaming perplexity (attention sinks)"
 
 
+def source_name(source: str) -> str:
+    """A short label for a text source: a file's stem (``frankenstein.txt`` -> ``frankenstein``), else
+    the description before its parenthesis (``Python documentation (pydoc_data.topics, ...)`` ->
+    ``Python documentation``), never cut at a dot inside the description."""
+    head = source.split(" (", 1)[0].strip()
+    return Path(head).stem if " " not in head and Path(head).suffix else head
+
+
 def _texts(ctx: ExperimentContext, text_file: str | Path | None) -> list[Text]:
     if text_file is not None:
         return [read_text_file(text_file)]
@@ -130,12 +138,12 @@ def run(
                 raise BadInputError(f"{text.source} has {len(ids)} tokens, too few for window {window}")
             res = _stream(ctx, handle, ids, text, window, sink_methods, feed, n_sub, recompute_stride, loop)
             sub = res["recompute"].targets
-            key = f"{Path(text.source).stem}_w{window}"
+            key = f"{source_name(text.source)}_w{window}"
             result.arrays[f"{key}_subsample_targets"] = sub
             for name, r in res.items():
                 result.arrays[f"{key}_{name}_nll"] = r.nll.astype(np.float32)
                 result.arrays[f"{key}_{name}_targets"] = r.targets
-            rows += summarize(res, Path(text.source).stem, window, seed=ctx.seed)
+            rows += summarize(res, source_name(text.source), window, seed=ctx.seed)
             result.figures.append(
                 _figure(
                     ctx,
