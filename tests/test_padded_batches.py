@@ -19,7 +19,7 @@ from kvlab.hf.rolling_cache import RollingCache, _choosing, rolling_cache_for
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def generate(h, ids, cache, n, mask=None, min_new=0):
+def generate(h, ids, cache, n, mask=None, min_new=0, **extra):
     with torch.no_grad():
         return h.model.generate(
             ids,
@@ -29,6 +29,7 @@ def generate(h, ids, cache, n, mask=None, min_new=0):
             do_sample=False,
             pad_token_id=0,
             **{cache_argument(h.model): cache},
+            **extra,
         )
 
 
@@ -96,34 +97,21 @@ def test_padded_rows_logits_equal_each_row_alone(tiny_model):
     h = tiny_model("llama")
     prompts = rows(7, [22, 9, 15])
     ids, mask = left_padded(prompts)
-    batch = rolling_cache_for(h, window=8, sinks=2, evict_chunk=2)
-    with torch.no_grad():
-        got = h.model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=20,
-            min_new_tokens=20,
-            do_sample=False,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-            **{cache_argument(h.model): batch},
+    logits = dict(output_logits=True, return_dict_in_generate=True)
+    got = generate(
+        h, ids, rolling_cache_for(h, window=8, sinks=2, evict_chunk=2), 20, mask, min_new=20, **logits
+    )
+    for r, p in enumerate(prompts):
+        alone = generate(
+            h,
+            torch.tensor([p]),
+            rolling_cache_for(h, window=8, sinks=2, evict_chunk=2),
+            20,
+            min_new=20,
+            **logits,
         )
-        for r, p in enumerate(prompts):
-            alone = h.model.generate(
-                torch.tensor([p]),
-                max_new_tokens=20,
-                min_new_tokens=20,
-                do_sample=False,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-                **{cache_argument(h.model): rolling_cache_for(h, window=8, sinks=2, evict_chunk=2)},
-            )
-            worst = max(
-                float((a[r] - b[0]).abs().max()) for a, b in zip(got.logits, alone.logits, strict=True)
-            )
-            assert worst < 1e-4, (r, worst)
+        worst = max(float((a[r] - b[0]).abs().max()) for a, b in zip(got.logits, alone.logits, strict=True))
+        assert worst < 1e-4, (r, worst)
 
 
 def test_padded_batch_is_refused_by_an_unbound_rolling_cache_before_it_is_touched(tiny_model):

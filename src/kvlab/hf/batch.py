@@ -266,9 +266,7 @@ def begin_padded_rows(model: Any, cache: Any, key: str, kwargs: dict) -> tuple[d
             or bool(mask.all())
             or cache.get_seq_length()
         ):
-            return (
-                None  # not padded, or padding arriving on a cache already shared by the rows: refused there
-            )
+            return None  # not padded, or padding on a cache the rows already share: the cache refuses it
         if not isinstance(ids, torch.Tensor) or ids.shape != mask.shape:
             raise BadInputError(
                 "a padded batch on a kvlab cache needs input_ids with one mask column per token"
@@ -284,12 +282,11 @@ def begin_padded_rows(model: Any, cache: Any, key: str, kwargs: dict) -> tuple[d
             pads.append(p)
         rows_caches = cache.start_rows(len(pads))
     else:
-        n = ids.shape[-1] if isinstance(ids, torch.Tensor) else 0
         if not isinstance(ids, torch.Tensor) or ids.shape[0] != len(rows_caches):
             raise BadInputError(
                 f"this cache runs {len(rows_caches)} padded rows; the call brings another batch"
             )
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -n:].all()):
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -ids.shape[-1] :].all()):
             raise BadInputError("new padding after the prompt: kvlab caches pad only the start of each row")
         pads = [0] * len(rows_caches)
     rows = _RowsCache(rows_caches, pads, outer=cache)

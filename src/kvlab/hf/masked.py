@@ -8,6 +8,7 @@ call into the model.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -82,11 +83,16 @@ def accepts_mask_per_layer_type(model: Any) -> bool:
     """Whether the model's decoder takes ``attention_mask`` as ``{layer type: prepared mask}`` (transformers'
     hybrid decoders, e.g. Gemma-2/3, Qwen2, Cohere-2, GPT-OSS, do; read from the decoder's own code)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    return _forward_takes_mask_dict(type(decoder))
+
+
+@functools.cache
+def _forward_takes_mask_dict(cls: type) -> bool:
+    """Read once per decoder class (the source lookup is file I/O)."""
     try:
-        source = inspect.getsource(type(decoder).forward)
+        return "attention_mask, dict)" in inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
-    return "attention_mask, dict)" in source
 
 
 @torch.no_grad()

@@ -201,6 +201,12 @@ class RollingLayer(CacheLayerMixin):
         sinks = self.rule.policy.sinks
         if self.sink_keys is None and sinks and total >= sinks:
             self.sink_keys = self.keys[:, :, :sinks].clone()
+        self._advance(n_new)
+        return self.keys, self.values
+
+    def _advance(self, n_new: int) -> None:
+        """The counts after a feed of ``n_new`` tokens with the pending plan applied, and the next plan
+        (the same in every layer, so every layer makes the same decisions)."""
         plan = self.plan
         self.rolls += plan.drop > 0
         self.rebases += plan.rebase != 0
@@ -208,7 +214,6 @@ class RollingLayer(CacheLayerMixin):
         self.slots += n_new - plan.drop
         self.tokens_seen += n_new
         self.plan = self.rule.next_plan(self.base, self.slots, self.may_rebase)
-        return self.keys, self.values
 
     def _apply_plan(self) -> int:
         """Apply the pending drop and re-base to the buffers in place; returns the slots kept."""
@@ -366,12 +371,7 @@ class SlidingRollingLayer(RollingLayer):
         self._buf_v[:, :, self.held : total] = value_states
         self.keys, self.values = self._buf_k[:, :, :total], self._buf_v[:, :, :total]
         self.held = total
-        self.rolls += plan.drop > 0
-        self.rebases += plan.rebase != 0
-        self.base += plan.drop - plan.rebase
-        self.slots += n_new - plan.drop
-        self.tokens_seen += n_new
-        self.plan = self.rule.next_plan(self.base, self.slots, self.may_rebase)
+        self._advance(n_new)
         return self.keys, self.values
 
     def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
