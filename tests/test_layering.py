@@ -112,7 +112,7 @@ def test_the_checker_sees_a_direct_model_call():
 LAYERS = [
     {"errors"},
     {"paths", "loop", "rope"},
-    {"data", "cache"},
+    {"data", "cache", "kernels"},
     {"metrics", "policy"},
     {"compress"},
     {"hf"},

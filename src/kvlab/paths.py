@@ -16,6 +16,15 @@ from kvlab.errors import BadInputError
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def cache_dir() -> Path:
+    """Where kvlab keeps converted models, fingerprints and built kernels: ``$KVLAB_CACHE_DIR`` or
+    ``~/.cache/kvlab`` (``$XDG_CACHE_HOME/kvlab`` when that is set)."""
+    root = os.environ.get("KVLAB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvlab"
+    )
+    return Path(root)
+
+
 def safe_name(name: str, *, what: str = "name") -> str:
     """``name`` if it is one plain path component (letters, digits, ``._-``; no separators, no ``..``)."""
     if not isinstance(name, str) or not _SAFE.match(name) or name in (".", "..") or ".." in name:

@@ -14,12 +14,16 @@ and query offset use the number of slots *held*.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.compress.evict.observe import attention_modules
 from kvlab.compress.evict.policies import LayerView, Policy
@@ -33,10 +37,77 @@ from kvlab.rope.spec import Rope, rope_for_layer, rope_spec_from_config
 
 # Per-token quantizers encode generated tokens in blocks of this many (they wait in the fp tail until then).
 DECODE_BLOCK = 32
+QUANT_ATTENTION = "kvlab_quantized"
 
 
 def _bytes(*ts: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+@dataclass(eq=False)
+class _Step:
+    """One decode forward on the packed codes: each layer's view, until its attention consumes it."""
+
+    rule: Any
+    views: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    consumed: int = 0
+
+
+class _Steps(threading.local):
+    """The packed-code steps in progress, per thread (another thread's forward sees none of them)."""
+
+    def __init__(self) -> None:
+        self.stack: list[_Step] = []
+
+    def current(self, rule: Any) -> _Step | None:
+        if self.stack and self.stack[-1].rule is rule:
+            return self.stack[-1]
+        return None
+
+
+_STEPS = _Steps()
+
+
+def _quantized_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
+):
+    """A decode query over its layer's packed segments plus the full-precision sinks, tail and new
+    token (:func:`kvlab.compress.quant.attention.decode_attention`); plain SDPA for any other call."""
+    step = _STEPS.stack[-1] if _STEPS.stack else None
+    view = step.views.pop(module.layer_idx, None) if step is not None else None
+    if view is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+    from kvlab.compress.quant.attention import decode_attention
+
+    plan, fp_k, fp_v = view
+    b, heads, q_len, d = query.shape
+    out = decode_attention(plan, query[0, :, -1], fp_k, fp_v, kw.get("scaling") or d**-0.5)
+    step.consumed += 1
+    return out.to(query.dtype).reshape(1, 1, heads, d), None
+
+
+AttentionInterface.register(QUANT_ATTENTION, _quantized_attention)
+_PACKED_OK: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _attends_plainly(model: Any) -> bool:
+    """Softmax attention with nothing the packed-code step would drop (no logit soft-capping, no
+    learned sinks, no sliding window), checked once per model."""
+    if model not in _PACKED_OK:
+        mods = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+        cfg = (
+            model.config.get_text_config(decoder=True)
+            if hasattr(model.config, "get_text_config")
+            else model.config
+        )
+        _PACKED_OK[model] = bool(mods) and not any(
+            getattr(cfg, "attn_logit_softcapping", None)
+            or getattr(m, "sinks", None) is not None
+            or getattr(m, "sliding_window", None)
+            or not hasattr(m, "layer_idx")
+            for m in mods
+        )
+    return _PACKED_OK[model]
 
 
 @dataclass(frozen=True)
@@ -70,6 +141,8 @@ class CompressedLayer(DynamicLayer):
         self.tail_positions = torch.zeros(0, dtype=torch.long)
         self.pending_queries: torch.Tensor | None = None
         self.evicted = False
+        self._plan: Any = None  # kvlab.compress.quant.attention.SegmentPlan of self.segments, or None
+        self._plan_of: tuple[int, int] = (-1, 0)
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -124,6 +197,15 @@ class CompressedLayer(DynamicLayer):
         rule = self.rule
         if rule.policy is not None and not self.evicted:
             return self._evict(key_states, value_states, positions)
+        step = _STEPS.current(rule)
+        if step is not None and n_new == 1 and key_states.shape[0] == 1 and self.segments:
+            plan = self.segment_plan()
+            if plan is not None:  # attention reads the packed codes (kvlab_quantized): no decoded copy
+                fp_k = [t for t in (self.sink_keys, self.keys) if t is not None] + [key_states]
+                fp_v = [t for t in (self.sink_values, self.values) if t is not None] + [value_states]
+                step.views[self.index] = (plan, torch.cat(fp_k, dim=-2)[0], torch.cat(fp_v, dim=-2)[0])
+                self._store(key_states, value_states, positions)
+                return key_states, value_states
         prior_k, prior_v = self.decoded()
         out = torch.cat((prior_k, key_states), dim=-2), torch.cat((prior_v, value_states), dim=-2)
         if rule.quantizer is None:
@@ -131,6 +213,16 @@ class CompressedLayer(DynamicLayer):
             return out
         self._store(key_states, value_states, positions, first=self.seen == n_new)
         return out
+
+    def segment_plan(self) -> Any:
+        """The packed segments as the decode kernel reads them (rebuilt when a segment is added), or
+        None when they need the reference path (see :func:`kvlab.compress.quant.attention.segment_plan`)."""
+        key = (len(self.segments), id(self.segments[-1]) if self.segments else 0)
+        if self._plan_of != key:
+            from kvlab.compress.quant.attention import segment_plan
+
+            self._plan, self._plan_of = segment_plan(self.segments), key
+        return self._plan
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, first: bool = False) -> None:
         """Append to the full-precision tail; encode what the quantizer may take as one packed segment.
@@ -266,6 +358,42 @@ class CompressedCache(Cache):
     @property
     def scaling(self) -> float:
         return self.rule.scaling
+
+    def begin_step(self, model: Any, kwargs: dict) -> Callable[[Any], None] | None:
+        """Called by the bound model's pre-hook: a one-token decode step on a quantizing cache attends
+        over the packed codes (no full-precision copy of the history; see
+        :mod:`kvlab.compress.quant.attention`). Returns what closes the step, or None (reference path)."""
+        x = kwargs.get("input_ids")
+        x = x if isinstance(x, torch.Tensor) else kwargs.get("inputs_embeds")
+        if (
+            self.quantizer is None
+            or self.rows is not None
+            or not isinstance(x, torch.Tensor)
+            or tuple(x.shape[:2]) != (1, 1)
+            or getattr(model, "dtype", None) != torch.float32
+            or not _attends_plainly(model)
+        ):
+            return None
+        from kvlab.compress.quant.attention import library
+
+        if library() is None:
+            return None
+        before = model.config._attn_implementation
+        step = _Step(self.rule)
+        model.set_attn_implementation(QUANT_ATTENTION)
+        _STEPS.stack.append(step)
+
+        def finish(out: Any) -> None:
+            _STEPS.stack.remove(step)
+            model.set_attn_implementation(before)
+            if out is not None and step.views:
+                raise UnsupportedModelError(
+                    "the model did not attend through transformers' attention interface in every layer, so "
+                    "its output ignores the packed history (the cache itself is intact: re-run the step "
+                    "without model= on the cache)"
+                )
+
+        return finish
 
     def close(self) -> None:
         """Remove the query hooks (done automatically as each layer evicts its prefill)."""

@@ -623,6 +623,10 @@ def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tupl
         stack[-1] = lambda out: end_padded_rows(state, out, failed=out is None)
         return args, new_kwargs
     if not isinstance(cache, RollingCache):
+        begin = getattr(cache, "begin_step", None)  # a CompressedCache: decode on its packed codes
+        finish = begin(model, kwargs) if begin is not None else None
+        if finish is not None:
+            stack[-1] = finish
         return None
     pos = kwargs.get("position_ids")
     if isinstance(pos, torch.Tensor):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvlab.errors import BadInputError, ModelNotFoundError, UnsupportedModelError
+from kvlab.paths import cache_dir
 
 BUNDLED_NAME = "smollm2-135m"
 BUNDLED_ALIASES = {BUNDLED_NAME, "smollm2-135m-instruct", "smollm2", "bundled"}
@@ -38,14 +39,6 @@ DTYPES = {
     "float64": torch.float64,
     "fp64": torch.float64,
 }
-
-
-def cache_dir() -> Path:
-    """Where kvlab keeps converted models and fingerprints: ``$KVLAB_CACHE_DIR`` or ``~/.cache/kvlab``."""
-    root = os.environ.get("KVLAB_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvlab"
-    )
-    return Path(root)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

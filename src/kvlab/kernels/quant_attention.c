@@ -1,0 +1,127 @@
+/* Decode-step attention read straight from packed quantized K/V (kvlab.kernels.quant_attention).
+ *
+ * A quantized segment stores, per KV head h and slot t, `D * bits / 8` bytes of codes (pack_bits'
+ * layout: byte j holds codes (8/bits)*j + r at bit bits*r), one fp16 scale per group of `group`
+ * channels, and optionally an fp16 coefficient on the segment's mean. A key is
+ *     k_t = R_h^T (scale * level[code]) + coef_t * RoPE(mean_h, pos_t)
+ * and a value the same without RoPE. The Python side rotates the queries (R q) and turns the mean
+ * term into per-frequency weights A, B and a constant C, so that
+ *     q . RoPE(mean, p) = C + sum_i cos(p w_i) A_i + sin(p w_i) B_i.
+ * Nothing here allocates more than one row of one head on the stack: the history is read once per
+ * step, a row at a time, and never expanded to full precision.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef _Float16 f16;
+
+#define MAX_D 512
+
+/* byte -> its 8/bits levels, so one table read decodes a whole byte */
+static void byte_table(const float *levels, int bits, float *table) {
+    int per = 8 / bits, mask = (1 << bits) - 1;
+    for (int b = 0; b < 256; b++)
+        for (int r = 0; r < per; r++) table[b * per + r] = levels[(b >> (bits * r)) & mask];
+}
+
+static inline void decode_row(const uint8_t *codes, int nbytes, int per, const float *table, float *y) {
+    if (per == 2) {
+        for (int j = 0; j < nbytes; j++) memcpy(y + 2 * j, table + 2 * codes[j], 2 * sizeof(float));
+    } else {
+        for (int j = 0; j < nbytes; j++) memcpy(y + per * j, table + per * codes[j], per * sizeof(float));
+    }
+}
+
+/* scores[h][j][off_s + t] = (R q)_hj . y_t (per group scaled) + coef_t * mean term.
+ * Per segment s: codes[s] [H][n_s][D*bits/8], scales[s] [H][n_s][D/group], coef[s] [H][n_s] or NULL,
+ * has_mean[s]; A, B [S][H][G][half], C [S][H][G]; cos_t, sin_t [positions][half]. */
+int kvq_scores(int S, const uint8_t *const *codes, const f16 *const *scales, const f16 *const *coef,
+               const int64_t *n, const int64_t *pos0, const int32_t *has_mean, int H, int G, int D,
+               int bits, int group, const float *levels, const float *qrot, const float *A,
+               const float *B, const float *C, int half, const float *cos_t, const float *sin_t,
+               float *out, int64_t stride) {
+    if (D > MAX_D || (bits != 2 && bits != 4 && bits != 8) || D % group || (D * bits) % 8) return -1;
+    float table[256 * 4];
+    float y[MAX_D];
+    int per = 8 / bits, rowbytes = D * bits / 8, ng = D / group;
+    byte_table(levels, bits, table);
+    for (int h = 0; h < H; h++) {
+        int64_t off = 0;
+        for (int s = 0; s < S; s++) {
+            int64_t ns = n[s];
+            const uint8_t *cs = codes[s] + (int64_t)h * ns * rowbytes;
+            const f16 *ss = scales[s] + (int64_t)h * ns * ng;
+            const f16 *co = coef[s] ? coef[s] + (int64_t)h * ns : NULL;
+            for (int64_t t = 0; t < ns; t++) {
+                decode_row(cs + t * rowbytes, rowbytes, per, table, y);
+                const f16 *sc = ss + t * ng;
+                const float *cr = cos_t + (pos0[s] + t) * half, *sr = sin_t + (pos0[s] + t) * half;
+                for (int j = 0; j < G; j++) {
+                    const float *q = qrot + ((int64_t)h * G + j) * D;
+                    float acc = 0.f;
+                    for (int g = 0; g < ng; g++) {
+                        float d = 0.f;
+                        const float *qg = q + g * group, *yg = y + g * group;
+#pragma omp simd reduction(+ : d)
+                        for (int c = 0; c < group; c++) d += qg[c] * yg[c];
+                        acc += (float)sc[g] * d;
+                    }
+                    if (has_mean[s]) {
+                        int64_t k = ((int64_t)s * H + h) * G + j;
+                        const float *a = A + k * half, *b = B + k * half;
+                        float m = 0.f;
+#pragma omp simd reduction(+ : m)
+                        for (int i = 0; i < half; i++) m += cr[i] * a[i] + sr[i] * b[i];
+                        m += C[k];
+                        acc += (co ? (float)co[t] : 1.f) * m;
+                    }
+                    out[((int64_t)h * G + j) * stride + off + t] = acc;
+                }
+            }
+            off += ns;
+        }
+    }
+    return 0;
+}
+
+/* acc[h][j][:] = sum_t w[h][j][off_s + t] * scale_t * level[code_t]  (rotated frame), and
+ * wmean[s][h][j] = sum_t w * coef_t over segment s (the weight the segment's mean value gets). */
+int kvq_values(int S, const uint8_t *const *codes, const f16 *const *scales, const f16 *const *coef,
+               const int64_t *n, const int32_t *has_mean, int H, int G, int D, int bits, int group,
+               const float *levels, const float *w, int64_t stride, float *acc, float *wmean) {
+    if (D > MAX_D || (bits != 2 && bits != 4 && bits != 8) || D % group || (D * bits) % 8 || G > 64)
+        return -1;
+    float table[256 * 4];
+    float y[MAX_D];
+    int per = 8 / bits, rowbytes = D * bits / 8, ng = D / group;
+    byte_table(levels, bits, table);
+    memset(acc, 0, sizeof(float) * (size_t)H * G * D);
+    memset(wmean, 0, sizeof(float) * (size_t)S * H * G);
+    for (int h = 0; h < H; h++) {
+        int64_t off = 0;
+        for (int s = 0; s < S; s++) {
+            int64_t ns = n[s];
+            const uint8_t *cs = codes[s] + (int64_t)h * ns * rowbytes;
+            const f16 *ss = scales[s] + (int64_t)h * ns * ng;
+            const f16 *co = coef[s] ? coef[s] + (int64_t)h * ns : NULL;
+            for (int64_t t = 0; t < ns; t++) {
+                decode_row(cs + t * rowbytes, rowbytes, per, table, y);
+                const f16 *sc = ss + t * ng;
+                for (int j = 0; j < G; j++) {
+                    float wt = w[((int64_t)h * G + j) * stride + off + t];
+                    float *a = acc + ((int64_t)h * G + j) * D;
+                    for (int g = 0; g < ng; g++) {
+                        float ws = wt * (float)sc[g];
+                        float *ag = a + g * group;
+                        const float *yg = y + g * group;
+#pragma omp simd
+                        for (int c = 0; c < group; c++) ag[c] += ws * yg[c];
+                    }
+                    if (has_mean[s]) wmean[((int64_t)s * H + h) * G + j] += wt * (co ? (float)co[t] : 1.f);
+                }
+            }
+            off += ns;
+        }
+    }
+    return 0;
+}

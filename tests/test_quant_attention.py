@@ -1,0 +1,185 @@
+"""Decode attention read from packed codes (kvlab.compress.quant.attention) equals attention over what the
+cache decodes to, and a bound quantizing CompressedCache takes that path under the model and generate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvlab.compress.quant.attention as qa
+from kvlab import kernels
+from kvlab.compress.quant import KIVIQuantizer, RotatedQuantizer
+from kvlab.hf import cache_argument
+from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
+from kvlab.rope.spec import RopeSpec
+from tests.tolerances import assert_forward_close, elementwise_tol
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _rope(d: int, *, pairing="half", rotary_dim=None, scaling=1.0) -> RopeSpec:
+    r = rotary_dim or d
+    inv = tuple(float(10000.0 ** (-2 * i / r)) for i in range(r // 2))
+    return RopeSpec(inv, d, pairing=pairing, attention_scaling=scaling)
+
+
+def _segments(q: RotatedQuantizer, rope, *, heads=3, d=64, lengths=(40, 8, 33), start=5, seed=0):
+    """Quantized segments of random post-RoPE-like K/V at contiguous positions from ``start``."""
+    gen = torch.Generator().manual_seed(seed)
+    segs, pos = [], start
+    for n in lengths:
+        k = torch.randn(1, heads, n, d, generator=gen) * 2 + torch.randn(1, heads, 1, d, generator=gen) * 3
+        v = torch.randn(1, heads, n, d, generator=gen) + torch.randn(1, heads, 1, d, generator=gen)
+        segs.append(q.encode(k, v, torch.arange(pos, pos + n), rope))
+        pos += n
+    return segs
+
+
+def _reference(segs, q, fp_k, fp_v, scaling):
+    """float64 softmax attention over the segments' decoded K/V plus the full-precision parts."""
+    ks = [s.decode()[0][0] for s in segs] + [fp_k]
+    vs = [s.decode()[1][0] for s in segs] + [fp_v]
+    k, v = torch.cat(ks, dim=-2).double(), torch.cat(vs, dim=-2).double()
+    h, d = k.shape[0], k.shape[-1]
+    qg = q.double().reshape(h, -1, d)
+    w = torch.softmax(qg @ k.transpose(-1, -2) * scaling, dim=-1)
+    return (w @ v).reshape(-1, d), (qg @ k.transpose(-1, -2) * scaling)
+
+
+CASES = {
+    "int4 proj-centred, half RoPE": (RotatedQuantizer(bits=4, sinks=0), _rope(64)),
+    "int2": (RotatedQuantizer(bits=2, sinks=0), _rope(64)),
+    "int8 (uniform levels)": (RotatedQuantizer(bits=8, sinks=0), _rope(64)),
+    "groups of 16": (RotatedQuantizer(bits=4, group_size=16), _rope(64)),
+    "mean-centred": (RotatedQuantizer(bits=4, center="mean"), _rope(64)),
+    "not centred": (RotatedQuantizer(bits=4, center="none"), _rope(64)),
+    "keys centred, values not": (RotatedQuantizer(bits=4, center_values=False), _rope(64)),
+    "interleaved RoPE": (RotatedQuantizer(bits=4), _rope(64, pairing="interleaved")),
+    "partial rotary + attention scaling": (RotatedQuantizer(bits=4), _rope(64, rotary_dim=48, scaling=1.3)),
+    "no RoPE on the layer": (RotatedQuantizer(bits=4), None),
+    "random rotation": (RotatedQuantizer(bits=4, rotation="random"), _rope(64)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_packed_attention_equals_attention_over_the_decoded_cache(case):
+    quantizer, rope = CASES[case]
+    segs = _segments(quantizer, rope)
+    plan = qa.segment_plan(segs)
+    assert plan is not None, kernels.why_not(qa.KERNEL)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(9, 64, generator=gen)  # 3 query heads per KV head
+    fp_k, fp_v = torch.randn(3, 6, 64, generator=gen), torch.randn(3, 6, 64, generator=gen)
+    got = qa.decode_attention(plan, q, fp_k, fp_v, 64**-0.5)
+    ref, logits = _reference(segs, q, fp_k, fp_v, 64**-0.5)
+    # fp32 sums of 64 products per logit; the output moves by at most the logit error times |v|
+    tol = elementwise_tol(torch.float32, [logits, fp_v], ops=64) * max(1.0, float(fp_v.abs().max()))
+    assert_forward_close(got, ref.float(), None, what=f"packed-code attention ({case})", tol=tol)
+    # the mean term matters: attention without it is far off, so this comparison can fail
+    if quantizer.center == "proj" and rope is not None:
+        for seg in segs:
+            if seg.keys.coef is not None:
+                object.__setattr__(seg.keys, "coef", torch.zeros_like(seg.keys.coef))
+        wrong = qa.decode_attention(qa.segment_plan(segs), q, fp_k, fp_v, 64**-0.5)
+        assert float((wrong - ref.float()).abs().max()) > 100 * tol
+
+
+def test_segments_the_kernel_cannot_read_go_to_the_reference_path():
+    rope = _rope(64)
+    assert qa.segment_plan([]) is None
+    assert qa.segment_plan(_segments(RotatedQuantizer(bits=4, sketch=True), rope)) is None
+    assert qa.segment_plan(_segments(RotatedQuantizer(bits=4, grid="uniform"), rope)) is None
+    assert qa.segment_plan(_segments(RotatedQuantizer(bits=3), rope)) is None
+    assert qa.segment_plan(_segments(KIVIQuantizer(bits=4), rope, lengths=(32, 64))) is None
+
+
+def _count_kernel_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    real = qa.decode_attention
+
+    def counting(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(qa, "decode_attention", counting)
+    return calls
+
+
+def test_bound_cache_decodes_on_packed_codes_and_equals_its_decoded_history(tiny_model, monkeypatch):
+    """Each decode step's logits equal the logits over what the cache held before the step (decoded to
+    full precision, then SDPA), across segment boundaries (a segment every 32 generated tokens)."""
+    h = tiny_model("llama")
+    ids = torch.randint(0, h.config.vocab_size, (1, 160), generator=torch.Generator().manual_seed(3))
+    cache = CompressedCache(
+        h.config, quantizer=RotatedQuantizer(bits=4, group_size=16, sinks=4), model=h.model
+    )
+    with torch.no_grad():
+        h.run(ids[:, :90], cache)
+    calls = _count_kernel_calls(monkeypatch)
+    n_layers = len(cache.layers)
+    with torch.no_grad():
+        for p in range(90, 160):
+            held = [layer.decoded() for layer in cache.layers]
+            ref = logits_on_layers(
+                h, tuple(k for k, _ in held), tuple(v for _, v in held), [int(ids[0, p])], p
+            )
+            got = h.run(ids[:, p : p + 1], cache).logits[0]
+            assert_forward_close(got, ref, h, what=f"logits of the packed-code step at position {p}")
+    assert calls[0] == 70 * n_layers
+    assert len(cache.layers[0].segments) >= 3  # the generated tokens were encoded in blocks on the way
+
+
+def test_generate_with_a_bound_quantizing_cache_uses_packed_codes(smollm, monkeypatch):
+    """model.generate on the bundled model: every decode step attends on the packed codes, and the tokens
+    equal generate with the same cache unbound (decode + SDPA) on this prompt."""
+    prompt = torch.tensor([smollm.encode("The history of the printing press begins in " * 8)])
+    q = RotatedQuantizer(bits=4, sinks=4)
+    calls = _count_kernel_calls(monkeypatch)
+    bound = CompressedCache(smollm.config, quantizer=q, model=smollm.model)
+    kw = {"max_new_tokens": 12, "do_sample": False}
+    arg = cache_argument(type(smollm.model))
+    a = smollm.model.generate(prompt, **{arg: bound}, **kw)
+    b = smollm.model.generate(prompt, **{arg: CompressedCache(smollm.config, quantizer=q)}, **kw)
+    assert calls[0] == 11 * len(bound.layers)  # 11 one-token steps after the prompt
+    assert a.tolist() == b.tolist()
+    assert smollm.model.config._attn_implementation != "kvlab_quantized"  # restored after every step
+
+
+def test_steps_the_kernel_does_not_take_run_the_reference_path(tiny_model, monkeypatch):
+    """A batch of two rows, a prompt-sized feed and a KIVI cache attend through SDPA, unchanged."""
+    h = tiny_model("llama")
+    calls = _count_kernel_calls(monkeypatch)
+    ids = torch.randint(0, h.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        two = CompressedCache(h.config, quantizer=RotatedQuantizer(bits=4, group_size=16), model=h.model)
+        h.model(ids[:, :64], **{cache_argument(type(h.model)): two})
+        kivi = CompressedCache(h.config, quantizer=KIVIQuantizer(bits=4, group_size=16), model=h.model)
+        h.run(ids[:1, :64], kivi)
+        h.run(ids[:1, 64:65], kivi)
+        one = CompressedCache(h.config, quantizer=RotatedQuantizer(bits=4, group_size=16), model=h.model)
+        h.run(ids[:1, :64], one)
+        h.run(ids[:1, 64:70], one)  # six tokens at once: not a decode step
+    assert calls[0] == 0
+
+
+def test_without_a_compiler_the_kernel_is_absent_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    monkeypatch.setattr(kernels, "_ERRORS", {})
+    assert kernels.load(qa.KERNEL) is None
+    assert "no-such-compiler" in (kernels.why_not(qa.KERNEL) or "")
+    assert qa.segment_plan(_segments(RotatedQuantizer(bits=4), _rope(64))) is None  # reference path
+    assert not list(tmp_path.glob("kernels/*.so"))  # nothing half-built left behind
+
+
+def test_the_kernel_is_built_once_per_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    first = kernels._build(qa.KERNEL)
+    stamp = first.stat().st_mtime_ns
+    assert kernels._build(qa.KERNEL) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temporary files left
+    assert math.isfinite(stamp)
