@@ -103,3 +103,109 @@ def test_declared_dependencies_run_first_and_are_handed_over(tmp_path, monkeypat
     assert user.run(ctx).summary == {"twice": 14} and seen["how"].startswith("computed here")
     ctx = ExperimentContext(out_dir=tmp_path / "u2", profile="quick", upstream={"base_x": {"value": 1}})
     assert user.run(ctx).summary == {"twice": 2} and "this study" in str(seen["how"])
+
+
+# -- a study on several workers ------------------------------------------------------------------------
+
+
+def test_parallel_study_runs_real_experiments_in_worker_processes(tmp_path):
+    """Two worker processes (spawned, each with its own model copy): every section is written, in study
+    order, and a deterministic experiment reports what it reports when run in this process."""
+    only = ["inspect", "transplant", "layer_transfer"]
+    par = runner.run_study(out=tmp_path / "par", profile="quick", only=only, show_progress=False, workers=2)
+    assert par.failed == [] and [n for n, _ in par.results] == ["inspect", "layer_transfer", "transplant"]
+    study = json.loads((par.run_dir / "result.json").read_text())
+    assert study["summary"]["workers"] == 2 and set(study["summary"]["seconds"]) == set(only)
+    for name in only:
+        assert json.loads((par.run_dir / name / "result.json").read_text())["status"] == "ok"
+        assert (par.run_dir / name / "index.html").is_file()
+    one = runner.run_study(out=tmp_path / "one", profile="quick", only=["inspect"], show_progress=False)
+    a, b = dict(par.results)["inspect"].summary, dict(one.results)["inspect"].summary
+    assert a["measured_bytes_per_token"] == b["measured_bytes_per_token"] and a.keys() == b.keys()
+
+
+class _ThreadWorkers:
+    """Stands in for runner._Workers with threads, so the scheduling runs on fake experiments."""
+
+    def __init__(self, n: int) -> None:
+        import concurrent.futures as cf
+        import queue
+
+        self.n, self.queue, self.restarts = n, queue.Queue(), 0
+        self.pool = cf.ThreadPoolExecutor(n)
+
+    def restart(self) -> None:
+        self.restarts += 1
+
+    def close(self) -> None:
+        pass
+
+
+def test_parallel_scheduling_respects_needs_reuse_chains_and_a_dead_worker(tmp_path, monkeypatch):
+    import concurrent.futures as cf
+    import threading
+    from concurrent.futures.process import BrokenProcessPool
+
+    order: list[str] = []
+    where: list[tuple[int, str]] = []  # (thread, experiment) in run order
+    lock = threading.Lock()
+
+    def make(name: str):
+        def run(ctx):
+            with lock:
+                order.append(name)
+                where.append((threading.get_ident(), name))
+            return ExperimentResult(
+                name=name, title=name, summary={"v": len(name), "up": sorted(ctx.upstream)}
+            )
+
+        return run
+
+    exps = [
+        Experiment("a", "a", make("a"), order=1),
+        Experiment("memo_user", "memo_user", make("memo_user"), order=2, reuses="a"),
+        Experiment("b", "b", make("b"), order=3),
+        Experiment("dies", "dies", make("dies"), order=4),
+        Experiment("last", "last", make("last"), order=5, needs=("a", "b", "memo_user")),
+    ]
+    reg = {e.name: e for e in exps}
+    monkeypatch.setattr(runner, "registry", lambda: reg)
+    workers = _ThreadWorkers(2)
+    monkeypatch.setitem(runner._WORKER, "model", None)
+    monkeypatch.setitem(runner._WORKER, "queue", workers.queue)
+    real_submit = workers.pool.submit
+
+    def submit(fn, tasks, settings):
+        if tasks[0][0] == "dies":  # as if the process running it was killed
+            fut: cf.Future = cf.Future()
+            fut.set_exception(BrokenProcessPool("killed"))
+            return fut
+        return real_submit(fn, tasks, settings)
+
+    monkeypatch.setattr(workers.pool, "submit", submit)
+    settings = {"profile": "quick", "seed": 0, "model_spec": "smollm2-135m", "dtype": "float32"}
+    assert [[e.name for e in c] for c in runner._chains(runner.dependencies_first(exps))] == [
+        ["a", "memo_user"],
+        ["b"],
+        ["dies"],
+        ["last"],
+    ]
+    got = dict(
+        runner._run_parallel(
+            runner.dependencies_first(exps), tmp_path, settings, workers, runner.Progress(None), None
+        )
+    )
+    thread = next(t for t, n in reversed(where) if n == "a")
+    mine = [n for t, n in where if t == thread]
+    assert mine[mine.index("memo_user") - 1] == "a"  # same worker, right after
+    # chains running when the pool broke are run again (a real broken pool loses them), at most once more
+    assert "dies" not in order and all(order.count(n) in (1, 2) for n in ("a", "b", "memo_user", "last"))
+    assert order[-1] == "last" and got["last"][0].summary["up"] == ["a", "b", "memo_user"]
+    assert got["dies"][2] is True and "worker process" in got["dies"][0].notes[0]
+    assert json.loads((tmp_path / "dies" / "result.json").read_text())["status"] == "failed"
+    assert workers.restarts == 1 and not any(got[n][2] for n in ("a", "b", "memo_user", "last"))
+
+
+def test_workers_must_be_positive(tmp_path, fake_registry):
+    with pytest.raises(BadInputError, match="workers"):
+        runner.run_study(out=tmp_path, profile="quick", show_progress=False, workers=0)

@@ -31,9 +31,18 @@ def register(app: typer.Typer) -> None:
         only: Annotated[
             list[str] | None, typer.Option("--only", help="Run only these experiments (repeatable).")
         ] = None,
+        workers: Annotated[
+            int | None,
+            typer.Option(
+                "--workers",
+                min=1,
+                help="Experiments run at once, each in its own process with its own model copy "
+                "(default: one per core, at most 4; 1 runs them one after another in this process).",
+            ),
+        ] = None,
     ) -> None:
         """Run every registered experiment on the model and write one HTML report."""
-        from kvlab.study.runner import run_study
+        from kvlab.study.runner import default_workers, run_study
 
         profile = profile_from(quick, full)
         check_output_dir(out)
@@ -41,7 +50,14 @@ def register(app: typer.Typer) -> None:
             console.print(
                 "[yellow]--full runs every experiment at its largest size; expect an hour or more here.[/yellow]"
             )
-        outcome = run_study(out=out, model_spec=model, profile=profile, seed=seed, only=only)
+        outcome = run_study(
+            out=out,
+            model_spec=model,
+            profile=profile,
+            seed=seed,
+            only=only,
+            workers=workers or default_workers(),
+        )
         rt = RichTable(title="kvlab study", title_justify="left")
         for col in ("experiment", "status", "seconds"):
             rt.add_column(col)

@@ -4,14 +4,27 @@ Data flow: a command builds an :class:`ExperimentContext` -> the experiment's ``
 on first use, measures, saves figures into its folder -> :func:`finish` writes ``result.json``,
 ``arrays.npz`` and ``index.html``. A study does this for every registered experiment, one sub-folder
 each, and writes a top-level ``index.html`` with every section.
+
+A study with ``workers > 1`` runs experiments in that many worker processes at once, each with its
+own copy of the model and ``cores / workers`` torch threads: a small model's forward passes use two
+threads poorly, and report figures and statistics are single-threaded Python, so two one-thread
+workers finish the quick study in about 0.7x the time of one two-thread process on this 2-core
+machine. Every experiment still runs exactly as alone (same sizes, samples, seeds); one that ``needs``
+another starts after it; sections keep study order; the workers' progress reaches this display.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import itertools
+import multiprocessing
+import os
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +84,25 @@ def finish(result: ExperimentResult, ctx: ExperimentContext, started: float) -> 
     return m
 
 
+def _run_one(exp: Experiment, ctx: ExperimentContext) -> tuple[ExperimentResult, float, bool]:
+    """Run one experiment of a study into ``ctx.out_dir`` and write its report, whatever happens.
+    Returns the result, its seconds and whether it failed (a failure becomes a failed section)."""
+    started = time.perf_counter()
+    failed = False
+    try:
+        result = exp.run(ctx)
+    except Exception as exc:  # a study records failures and carries on
+        detail = str(exc) if isinstance(exc, KvlabError) else traceback.format_exc(limit=6)
+        result = ExperimentResult(
+            name=exp.name, title=exp.title, status="failed", notes=[f"{type(exc).__name__}: {detail}"]
+        )
+        failed = True
+        ctx.progress.log(f"[red]{exp.name} failed: {exc}[/red]")
+    describe(exp, result)
+    finish(result, ctx, started)
+    return result, round(time.perf_counter() - started, 2), failed
+
+
 def run_experiment(experiment: Experiment, ctx: ExperimentContext) -> ExperimentResult:
     """Run one experiment into ``ctx.out_dir`` and write its report. Errors propagate."""
     started = time.perf_counter()
@@ -101,6 +133,11 @@ class StudyOutcome:
     seconds: dict[str, float]
 
 
+def default_workers() -> int:
+    """Worker processes for a study on this machine: one per core, at most 4 (each holds a model copy)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def run_study(
     *,
     out: str | Path = "runs",
@@ -110,11 +147,15 @@ def run_study(
     only: Sequence[str] | None = None,
     show_progress: bool = True,
     dtype: str = "float32",
+    workers: int = 1,
 ) -> StudyOutcome:
     """Run every registered experiment (or ``only`` these) into one report folder.
 
     A failing experiment is recorded as a failed section with its error, and the study goes on.
+    ``workers > 1`` runs experiments in that many processes at once (see the module docstring).
     """
+    if workers < 1:
+        raise BadInputError(f"--workers must be >= 1, got {workers}")
     experiments = [e for e in registry().values() if e.in_study]
     if only:
         known = {e.name for e in experiments}
@@ -124,6 +165,13 @@ def run_study(
                 f"unknown experiment(s) {', '.join(missing)}; known: {', '.join(sorted(known))}"
             )
         experiments = [e for e in experiments if e.name in only]
+    experiments = dependencies_first(experiments)
+    # Workers start loading their model copies now, while this process loads its own.
+    pool = (
+        _Workers(min(workers, len(experiments)), model_spec, dtype)
+        if workers > 1 and len(experiments) > 1
+        else None
+    )
     # The model is loaded once, before the report folder exists: an unknown model is one error and
     # no report of N identical failures.
     from kvlab.model import load_model
@@ -131,64 +179,63 @@ def run_study(
     say = (
         (lambda msg: print(msg, file=sys.stderr)) if show_progress else None
     )  # e.g. the first GGUF conversion
-    model: Any = load_model(model_spec, dtype=dtype, progress=say)
     try:
-        root = run_dir(out, "study")
-    except OSError as exc:
-        raise BadInputError(
-            f"--out {out}: cannot create a report folder there ({exc.strerror or exc})"
-        ) from None
-    experiments = dependencies_first(experiments)
-    results: list[tuple[str, ExperimentResult]] = []
-    upstream: dict[str, dict] = {}  # summaries of the experiments run so far, for those that need them
-    failed: list[str] = []
-    seconds: dict[str, float] = {}
+        model: Any = load_model(model_spec, dtype=dtype, progress=say)
+        try:
+            root = run_dir(out, "study")
+        except OSError as exc:
+            raise BadInputError(
+                f"--out {out}: cannot create a report folder there ({exc.strerror or exc})"
+            ) from None
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        raise
+    by_name: dict[str, tuple[ExperimentResult, float, bool]] = {}
     t0 = time.perf_counter()
     with progress_display(show_progress) as progress:
         with progress.task("study", total=len(experiments)) as advance:
-            for exp in experiments:
-                ctx = ExperimentContext(
-                    out_dir=root / exp.name,
-                    profile=profile,
-                    seed=seed,
-                    model_spec=model_spec,
-                    dtype=dtype,
-                    progress=progress,
-                    model_handle=model,
-                    upstream={n: upstream[n] for n in exp.needs if n in upstream},
-                )
-                progress.log(f"[bold]{exp.title}[/bold]")
-                started = time.perf_counter()
-                try:
-                    result = exp.run(ctx)
-                except Exception as exc:  # a study records failures and carries on
-                    detail = str(exc) if isinstance(exc, KvlabError) else traceback.format_exc(limit=6)
-                    result = ExperimentResult(
-                        name=exp.name,
-                        title=exp.title,
-                        status="failed",
-                        notes=[f"{type(exc).__name__}: {detail}"],
+            settings = {"profile": profile, "seed": seed, "model_spec": model_spec, "dtype": dtype}
+            if pool is None:
+                upstream: dict[str, dict] = {}
+                for exp in experiments:
+                    ctx = ExperimentContext(
+                        out_dir=root / exp.name,
+                        progress=progress,
+                        model_handle=model,
+                        upstream={n: upstream[n] for n in exp.needs if n in upstream},
+                        **settings,  # type: ignore[arg-type]
                     )
-                    failed.append(exp.name)
-                    progress.log(f"[red]{exp.name} failed: {exc}[/red]")
-                model = ctx.model_handle or model
-                describe(exp, result)
-                finish(result, ctx, started)
-                seconds[exp.name] = round(time.perf_counter() - started, 2)
-                results.append((exp.name, result))
-                if result.status == "ok":
-                    upstream[exp.name] = to_jsonable(result.summary)
-                advance(1)
+                    progress.log(f"[bold]{exp.title}[/bold]")
+                    by_name[exp.name] = _run_one(exp, ctx)
+                    model = ctx.model_handle or model
+                    if by_name[exp.name][0].status == "ok":
+                        upstream[exp.name] = to_jsonable(by_name[exp.name][0].summary)
+                    advance(1)
+            else:
+                for name, outcome in _run_parallel(experiments, root, settings, pool, progress, model):
+                    by_name[name] = outcome
+                    advance(1)
+    results = [(e.name, by_name[e.name][0]) for e in experiments]
+    seconds = {e.name: by_name[e.name][1] for e in experiments}
+    failed = [e.name for e in experiments if by_name[e.name][2]]
     m = manifest(
         model=model,
         model_spec=model_spec,
         profile=profile,
         seed=seed,
         started=t0,
-        extra={"experiments": seconds},
+        extra={"experiments": seconds, "workers": workers},
     )
     summary = ExperimentResult(
-        name="study", title="kvlab study", summary={"seconds": seconds, "failed": failed}
+        name="study",
+        title="kvlab study",
+        summary={
+            "seconds": seconds,
+            "failed": failed,
+            "workers": workers,
+            "wall_seconds": round(time.perf_counter() - t0, 2),
+        },
     )
     write_result(summary, root, m)
     subtitle = (
@@ -196,6 +243,203 @@ def run_study(
     )
     write_study_index(root, results, subtitle, _manifest_line(m))
     return StudyOutcome(run_dir=root, results=results, failed=failed, seconds=seconds)
+
+
+# -- experiments in worker processes ----------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+class _ForwardedProgress(Progress):
+    """A worker's progress, sent to the study's display as messages (``task``/``advance``/``end``/``log``)."""
+
+    def __init__(self, queue: Any) -> None:
+        super().__init__(None)
+        self._queue = queue
+        self._ids = itertools.count()
+
+    @contextmanager
+    def task(self, description: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
+        key = f"{os.getpid()}-{next(self._ids)}"
+        self._queue.put(("task", key, description, total))
+        try:
+            yield lambda n=1: self._queue.put(("advance", key, n))
+        finally:
+            self._queue.put(("end", key, total))
+
+    def log(self, message: str) -> None:
+        self._queue.put(("log", message))
+
+
+def _worker_start(model_spec: str, dtype: str, threads: int, queue: Any) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    from kvlab.model import load_model
+
+    _WORKER["model"] = load_model(model_spec, dtype=dtype)
+    _WORKER["queue"] = queue
+
+
+def _worker_run(
+    chain: list[tuple[str, Path, dict]], settings: dict
+) -> list[tuple[ExperimentResult, float, bool]]:
+    """Run a chain of experiments in this worker, in order (a later one may reuse an earlier one's
+    in-process measurements, and gets its summary if it needs it)."""
+    progress = _ForwardedProgress(_WORKER["queue"])
+    local: dict[str, dict] = {}
+    outcomes = []
+    for name, out_dir, upstream in chain:
+        exp = registry()[name]
+        progress.log(f"[bold]{exp.title}[/bold]")
+        given = {**upstream, **{n: local[n] for n in exp.needs if n in local}}
+        ctx = ExperimentContext(
+            out_dir=out_dir, progress=progress, model_handle=_WORKER["model"], upstream=given, **settings
+        )
+        outcomes.append(_run_one(exp, ctx))
+        if outcomes[-1][0].status == "ok":
+            local[name] = to_jsonable(outcomes[-1][0].summary)
+    return outcomes
+
+
+def _chains(experiments: list[Experiment]) -> list[list[Experiment]]:
+    """Experiments grouped into what one worker runs in a row: each one that ``reuses`` another's
+    in-process measurements joins that one's chain (study order otherwise)."""
+    chains: list[list[Experiment]] = []
+    where: dict[str, list[Experiment]] = {}
+    for exp in experiments:
+        chain = where.get(exp.reuses) if exp.reuses else None
+        if chain is None:
+            chain = []
+            chains.append(chain)
+        chain.append(exp)
+        where[exp.name] = chain
+    return chains
+
+
+def _show_forwarded(queue: Any, progress: Progress) -> None:
+    """Apply the workers' progress messages to this process's display, until the None sentinel."""
+    rich = progress._p
+    tasks: dict[str, Any] = {}
+    while (msg := queue.get()) is not None:
+        if rich is None:
+            continue
+        kind = msg[0]
+        if kind == "log":
+            rich.console.print(msg[1])
+        elif kind == "task":
+            tasks[msg[1]] = rich.add_task(msg[2], total=msg[3])
+        elif kind == "advance" and msg[1] in tasks:
+            rich.advance(tasks[msg[1]], msg[2])
+        elif kind == "end" and msg[1] in tasks:
+            total = msg[2]
+            rich.update(tasks.pop(msg[1]), completed=total or 1, total=total or 1, visible=False)
+
+
+# Seconds each experiment took in the default profile (benchmarks/study_timing.py, 2026-11-25): a
+# scheduling hint only, so the longest start first and the workers finish together (the report keeps
+# study order). An experiment without a hint starts after these.
+EXPECTED_SECONDS = {
+    "roll_long": 281, "suffix_caching": 102, "attention": 87, "roll_sweep": 85, "transplant": 84,
+    "compaction": 83, "caching_numerics": 73, "compression": 72, "context_retention": 61,
+    "streaming_ppl": 57, "kv_swap": 43, "layer_transfer": 34, "transfer_equivalence": 27,
+    "store_reuse": 20, "findings": 14, "inspect": 4, "rope_derotation": 1,
+}  # fmt: skip
+
+
+class _Workers:
+    """The worker processes of a parallel study (spawned at once, each loading its model copy) and
+    the queue their progress messages come back on."""
+
+    def __init__(self, n: int, model_spec: str, dtype: str) -> None:
+        self.n = n
+        self.spawn = multiprocessing.get_context("spawn")  # no fork of a process holding torch's threads
+        self.queue = self.spawn.Queue()
+        self.args = (model_spec, dtype, max(1, (os.cpu_count() or 1) // n), self.queue)
+        self.pool = self._start()
+
+    def _start(self) -> cf.ProcessPoolExecutor:
+        pool = cf.ProcessPoolExecutor(
+            self.n, mp_context=self.spawn, initializer=_worker_start, initargs=self.args
+        )
+        for _ in range(self.n):  # workers are spawned on demand: ask for all of them now
+            pool.submit(os.getpid)
+        return pool
+
+    def restart(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool = self._start()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_parallel(
+    experiments: list[Experiment],
+    root: Path,
+    settings: dict,
+    workers: _Workers,
+    progress: Progress,
+    model: Any,
+) -> Iterator[tuple[str, tuple[ExperimentResult, float, bool]]]:
+    """Run ``experiments`` on the ``workers``, longest first (:data:`EXPECTED_SECONDS`), each as soon as
+    what it ``needs`` has finished; yields ``(name, (result, seconds, failed))`` as they finish. A
+    worker that dies fails its experiments (with the reason) and the rest go on in fresh workers."""
+    shower = threading.Thread(target=_show_forwarded, args=(workers.queue, progress), daemon=True)
+    shower.start()
+    names = {e.name for e in experiments}
+    pending = sorted(_chains(experiments), key=lambda c: -sum(EXPECTED_SECONDS.get(e.name, 0) for e in c))
+    done: dict[str, ExperimentResult] = {}
+    running: dict[cf.Future, list[Experiment]] = {}
+
+    def ready(chain: list[Experiment]) -> bool:
+        inside = {e.name for e in chain}
+        return all(n not in names or n in done or n in inside for e in chain for n in e.needs)
+
+    def upstream(exp: Experiment) -> dict:
+        return {n: to_jsonable(done[n].summary) for n in exp.needs if n in done and done[n].status == "ok"}
+
+    try:
+        while pending or running:
+            for chain in list(pending):
+                if len(running) >= workers.n:
+                    break
+                if not ready(chain):
+                    continue  # waits for what it needs
+                tasks = [(e.name, root / e.name, upstream(e)) for e in chain]
+                running[workers.pool.submit(_worker_run, tasks, settings)] = chain
+                pending.remove(chain)
+            if not running:  # dependencies_first refuses cycles, so this is a runner bug: say so
+                raise RuntimeError(f"no experiment can start: {[e.name for c in pending for e in c]}")
+            finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                if fut not in running:
+                    continue  # re-queued when its pool broke (below)
+                chain = running.pop(fut)
+                try:
+                    outcomes = fut.result()
+                except Exception as exc:  # the worker process died (killed, out of memory, a crash)
+                    note = f"{type(exc).__name__}: the worker process running it died ({exc})"
+                    outcomes = []
+                    for exp in chain:
+                        result = ExperimentResult(
+                            name=exp.name, title=exp.title, status="failed", notes=[note]
+                        )
+                        ctx = ExperimentContext(out_dir=root / exp.name, model_handle=model, **settings)
+                        finish(result, ctx, time.perf_counter())  # its section says what happened
+                        outcomes.append((result, 0.0, True))
+                        progress.log(f"[red]{exp.name} failed: {note}[/red]")
+                    if isinstance(exc, BrokenProcessPool):
+                        for other in list(running):  # lost with the pool: run them again
+                            pending.insert(0, running.pop(other))
+                        workers.restart()
+                for exp, outcome in zip(chain, outcomes, strict=True):
+                    done[exp.name] = outcome[0]
+                    yield exp.name, outcome
+    finally:
+        workers.close()
+        workers.queue.put(None)
+        shower.join(timeout=5)
 
 
 def dependencies_first(experiments: list[Experiment]) -> list[Experiment]:

@@ -188,3 +188,6 @@ class Experiment:
     describe: Callable[[dict], tuple[str, list[tuple[str, str]]]] | None = None
     #: experiments whose summaries this one uses (``ctx.needed(name)``); a study runs them first
     needs: tuple[str, ...] = ()
+    #: an experiment whose in-process measurements this one reuses (a memo of prefills): a study with
+    #: several workers runs this one in the same process, right after it
+    reuses: str | None = None

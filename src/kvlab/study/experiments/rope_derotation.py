@@ -313,6 +313,7 @@ EXPERIMENT = Experiment(
     title="RoPE de-rotation and the RoPE predictor (R5, B3)",
     run=run,
     order=34,
+    reuses="roll_long",  # roll_long's long-context prefills (memoised per process)
     description="Correct vs buggy de-rotation of rolled caches, and how much of the "
     "raw K drift RoPE alone predicts.",
 )
