@@ -133,6 +133,18 @@ class StudyOutcome:
     seconds: dict[str, float]
 
 
+def _check_model(model_spec: str, dtype: str, say: Any) -> None:
+    """What loading would refuse before anything is written (name, folder, config, dtype), without
+    loading the weights here: a parallel study's workers load them."""
+    from kvlab.model.facts import load_config_file
+    from kvlab.model.loading import parse_dtype, resolve_model_dir
+
+    parse_dtype(dtype)
+    path, _ = resolve_model_dir(model_spec, say)
+    if (path / "config.json").is_file():
+        load_config_file(path / "config.json")
+
+
 def default_workers() -> int:
     """Worker processes for a study on this machine: one per core, at most 4 (each holds a model copy)."""
     return max(1, min(4, os.cpu_count() or 1))
@@ -166,31 +178,26 @@ def run_study(
             )
         experiments = [e for e in experiments if e.name in only]
     experiments = dependencies_first(experiments)
-    # Workers start loading their model copies now, while this process loads its own.
-    pool = (
-        _Workers(min(workers, len(experiments)), model_spec, dtype)
-        if workers > 1 and len(experiments) > 1
-        else None
-    )
-    # The model is loaded once, before the report folder exists: an unknown model is one error and
-    # no report of N identical failures.
+    parallel = workers > 1 and len(experiments) > 1
+    # The model is checked before the report folder exists: an unknown model is one error and no
+    # report of N identical failures. One process loads it; in parallel each worker loads its own.
     from kvlab.model import load_model
 
     say = (
         (lambda msg: print(msg, file=sys.stderr)) if show_progress else None
     )  # e.g. the first GGUF conversion
+    model: Any = None
+    if parallel:
+        _check_model(model_spec, dtype, say)
+    else:
+        model = load_model(model_spec, dtype=dtype, progress=say)
     try:
-        model: Any = load_model(model_spec, dtype=dtype, progress=say)
-        try:
-            root = run_dir(out, "study")
-        except OSError as exc:
-            raise BadInputError(
-                f"--out {out}: cannot create a report folder there ({exc.strerror or exc})"
-            ) from None
-    except BaseException:
-        if pool is not None:
-            pool.close()
-        raise
+        root = run_dir(out, "study")
+    except OSError as exc:
+        raise BadInputError(
+            f"--out {out}: cannot create a report folder there ({exc.strerror or exc})"
+        ) from None
+    pool = _Workers(min(workers, len(experiments)), model_spec, dtype) if parallel else None
     by_name: dict[str, tuple[ExperimentResult, float, bool]] = {}
     t0 = time.perf_counter()
     with progress_display(show_progress) as progress:
@@ -227,6 +234,8 @@ def run_study(
         started=t0,
         extra={"experiments": seconds, "workers": workers},
     )
+    if model is None:  # parallel: the model as the workers loaded it (each section's manifest has it)
+        m["model"] = _model_from_sections(root, [name for name, _ in results])
     summary = ExperimentResult(
         name="study",
         title="kvlab study",
@@ -243,6 +252,19 @@ def run_study(
     )
     write_study_index(root, results, subtitle, _manifest_line(m))
     return StudyOutcome(run_dir=root, results=results, failed=failed, seconds=seconds)
+
+
+def _model_from_sections(root: Path, names: list[str]) -> dict | None:
+    import json
+
+    for name in names:
+        try:
+            found = json.loads((root / name / "result.json").read_text())["manifest"].get("model")
+        except (OSError, ValueError, KeyError):
+            continue
+        if found:
+            return found
+    return None
 
 
 # -- experiments in worker processes ----------------------------------------------------------------
@@ -399,6 +421,7 @@ def _run_parallel(
     def upstream(exp: Experiment) -> dict:
         return {n: to_jsonable(done[n].summary) for n in exp.needs if n in done and done[n].status == "ok"}
 
+    fruitless = 0  # pools in a row that broke before finishing anything (a worker cannot even start)
     try:
         while pending or running:
             for chain in list(pending):
@@ -430,9 +453,25 @@ def _run_parallel(
                         outcomes.append((result, 0.0, True))
                         progress.log(f"[red]{exp.name} failed: {note}[/red]")
                     if isinstance(exc, BrokenProcessPool):
-                        for other in list(running):  # lost with the pool: run them again
-                            pending.insert(0, running.pop(other))
-                        workers.restart()
+                        lost = [running.pop(other) for other in list(running)]
+                        fruitless += 1
+                        if fruitless >= 2:  # workers die before finishing anything: give up, say why
+                            for exp in [e for c in lost + pending for e in c]:
+                                result = ExperimentResult(
+                                    name=exp.name, title=exp.title, status="failed", notes=[note]
+                                )
+                                ctx = ExperimentContext(
+                                    out_dir=root / exp.name, model_handle=model, **settings
+                                )
+                                finish(result, ctx, time.perf_counter())
+                                done[exp.name] = result
+                                yield exp.name, (result, 0.0, True)
+                            pending.clear()
+                        else:
+                            pending[:0] = lost  # lost with the pool: run them again on fresh workers
+                            workers.restart()
+                else:
+                    fruitless = 0
                 for exp, outcome in zip(chain, outcomes, strict=True):
                     done[exp.name] = outcome[0]
                     yield exp.name, outcome
