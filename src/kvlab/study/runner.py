@@ -7,9 +7,10 @@ each, and writes a top-level ``index.html`` with every section.
 
 A study with ``workers > 1`` runs experiments in that many worker processes at once, each with its
 own copy of the model and ``cores / workers`` torch threads: a small model's forward passes use two
-threads poorly, and report figures and statistics are single-threaded Python, so two one-thread
-workers finish the quick study in about 0.7x the time of one two-thread process on this 2-core
-machine. Every experiment still runs exactly as alone (same sizes, samples, seeds); one that ``needs``
+threads poorly, and report figures and statistics are single-threaded Python, so on this 2-core
+machine two one-thread workers ran the default study in 0.6x the time of one two-thread process
+(692 s against about 1,170 s) and the quick one in about 0.85x (benchmarks/study_timing.py).
+Every experiment still runs exactly as alone (same sizes, samples, seeds); one that ``needs``
 another starts after it; sections keep study order; the workers' progress reaches this display.
 """
 
