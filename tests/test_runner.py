@@ -192,7 +192,7 @@ def test_parallel_scheduling_respects_needs_reuse_chains_and_a_dead_worker(tmp_p
     ]
     got = dict(
         runner._run_parallel(
-            runner.dependencies_first(exps), tmp_path, settings, workers, runner.Progress(None), None
+            runner.dependencies_first(exps), tmp_path, settings, workers, runner.Progress(None)
         )
     )
     thread = next(t for t, n in reversed(where) if n == "a")

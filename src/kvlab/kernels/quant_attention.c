@@ -24,6 +24,22 @@ static void byte_table(const float *levels, int bits, float *table) {
         for (int r = 0; r < per; r++) table[b * per + r] = levels[(b >> (bits * r)) & mask];
 }
 
+/* What both kernels need to decode rows: bytes and groups per row, and the byte -> levels table. */
+typedef struct {
+    int per, rowbytes, ng;
+    float table[256 * 4];
+} Rows;
+
+static int rows_setup(Rows *r, int D, int bits, int group, const float *levels) {
+    if (D > MAX_D || (bits != 2 && bits != 4 && bits != 8) || group < 1 || D % group || (D * bits) % 8)
+        return -1;
+    r->per = 8 / bits;
+    r->rowbytes = D * bits / 8;
+    r->ng = D / group;
+    byte_table(levels, bits, r->table);
+    return 0;
+}
+
 static inline void decode_row(const uint8_t *codes, int nbytes, int per, const float *table, float *y) {
     if (per == 2) {
         for (int j = 0; j < nbytes; j++) memcpy(y + 2 * j, table + 2 * codes[j], 2 * sizeof(float));
@@ -40,11 +56,10 @@ int kvq_scores(int S, const uint8_t *const *codes, const f16 *const *scales, con
                int bits, int group, const float *levels, const float *qrot, const float *A,
                const float *B, const float *C, int half, const float *cos_t, const float *sin_t,
                float *out, int64_t stride) {
-    if (D > MAX_D || (bits != 2 && bits != 4 && bits != 8) || D % group || (D * bits) % 8) return -1;
-    float table[256 * 4];
+    Rows r;
+    if (rows_setup(&r, D, bits, group, levels)) return -1;
+    const int rowbytes = r.rowbytes, ng = r.ng;
     float y[MAX_D];
-    int per = 8 / bits, rowbytes = D * bits / 8, ng = D / group;
-    byte_table(levels, bits, table);
     for (int h = 0; h < H; h++) {
         int64_t off = 0;
         for (int s = 0; s < S; s++) {
@@ -53,9 +68,8 @@ int kvq_scores(int S, const uint8_t *const *codes, const f16 *const *scales, con
             const f16 *ss = scales[s] + (int64_t)h * ns * ng;
             const f16 *co = coef[s] ? coef[s] + (int64_t)h * ns : NULL;
             for (int64_t t = 0; t < ns; t++) {
-                decode_row(cs + t * rowbytes, rowbytes, per, table, y);
+                decode_row(cs + t * rowbytes, rowbytes, r.per, r.table, y);
                 const f16 *sc = ss + t * ng;
-                const float *cr = cos_t + (pos0[s] + t) * half, *sr = sin_t + (pos0[s] + t) * half;
                 for (int j = 0; j < G; j++) {
                     const float *q = qrot + ((int64_t)h * G + j) * D;
                     float acc = 0.f;
@@ -69,6 +83,7 @@ int kvq_scores(int S, const uint8_t *const *codes, const f16 *const *scales, con
                     if (has_mean[s]) {
                         int64_t k = ((int64_t)s * H + h) * G + j;
                         const float *a = A + k * half, *b = B + k * half;
+                        const float *cr = cos_t + (pos0[s] + t) * half, *sr = sin_t + (pos0[s] + t) * half;
                         float m = 0.f;
 #pragma omp simd reduction(+ : m)
                         for (int i = 0; i < half; i++) m += cr[i] * a[i] + sr[i] * b[i];
@@ -89,12 +104,10 @@ int kvq_scores(int S, const uint8_t *const *codes, const f16 *const *scales, con
 int kvq_values(int S, const uint8_t *const *codes, const f16 *const *scales, const f16 *const *coef,
                const int64_t *n, const int32_t *has_mean, int H, int G, int D, int bits, int group,
                const float *levels, const float *w, int64_t stride, float *acc, float *wmean) {
-    if (D > MAX_D || (bits != 2 && bits != 4 && bits != 8) || D % group || (D * bits) % 8 || G > 64)
-        return -1;
-    float table[256 * 4];
+    Rows r;
+    if (rows_setup(&r, D, bits, group, levels)) return -1;
+    const int rowbytes = r.rowbytes, ng = r.ng;
     float y[MAX_D];
-    int per = 8 / bits, rowbytes = D * bits / 8, ng = D / group;
-    byte_table(levels, bits, table);
     memset(acc, 0, sizeof(float) * (size_t)H * G * D);
     memset(wmean, 0, sizeof(float) * (size_t)S * H * G);
     for (int h = 0; h < H; h++) {
@@ -105,7 +118,7 @@ int kvq_values(int S, const uint8_t *const *codes, const f16 *const *scales, con
             const f16 *ss = scales[s] + (int64_t)h * ns * ng;
             const f16 *co = coef[s] ? coef[s] + (int64_t)h * ns : NULL;
             for (int64_t t = 0; t < ns; t++) {
-                decode_row(cs + t * rowbytes, rowbytes, per, table, y);
+                decode_row(cs + t * rowbytes, rowbytes, r.per, r.table, y);
                 const f16 *sc = ss + t * ng;
                 for (int j = 0; j < G; j++) {
                     float wt = w[((int64_t)h * G + j) * stride + off + t];

@@ -205,25 +205,13 @@ def run_study(
         with progress.task("study", total=len(experiments)) as advance:
             settings = {"profile": profile, "seed": seed, "model_spec": model_spec, "dtype": dtype}
             if pool is None:
-                upstream: dict[str, dict] = {}
-                for exp in experiments:
-                    ctx = ExperimentContext(
-                        out_dir=root / exp.name,
-                        progress=progress,
-                        model_handle=model,
-                        upstream={n: upstream[n] for n in exp.needs if n in upstream},
-                        **settings,  # type: ignore[arg-type]
-                    )
-                    progress.log(f"[bold]{exp.title}[/bold]")
-                    by_name[exp.name] = _run_one(exp, ctx)
-                    model = ctx.model_handle or model
-                    if by_name[exp.name][0].status == "ok":
-                        upstream[exp.name] = to_jsonable(by_name[exp.name][0].summary)
-                    advance(1)
+                tasks = [(e.name, root / e.name, {}) for e in experiments]
+                outcomes = _run_in_order(tasks, settings, model, progress)
             else:
-                for name, outcome in _run_parallel(experiments, root, settings, pool, progress, model):
-                    by_name[name] = outcome
-                    advance(1)
+                outcomes = _run_parallel(experiments, root, settings, pool, progress)
+            for name, outcome in outcomes:
+                by_name[name] = outcome
+                advance(1)
     results = [(e.name, by_name[e.name][0]) for e in experiments]
     seconds = {e.name: by_name[e.name][1] for e in experiments}
     failed = [e.name for e in experiments if by_name[e.name][2]]
@@ -304,25 +292,32 @@ def _worker_start(model_spec: str, dtype: str, threads: int, queue: Any) -> None
     _WORKER["queue"] = queue
 
 
-def _worker_run(
-    chain: list[tuple[str, Path, dict]], settings: dict
-) -> list[tuple[ExperimentResult, float, bool]]:
-    """Run a chain of experiments in this worker, in order (a later one may reuse an earlier one's
-    in-process measurements, and gets its summary if it needs it)."""
-    progress = _ForwardedProgress(_WORKER["queue"])
+def _run_in_order(
+    tasks: list[tuple[str, Path, dict]], settings: dict, model: Any, progress: Progress
+) -> Iterator[tuple[str, tuple[ExperimentResult, float, bool]]]:
+    """Run ``(name, folder, upstream summaries)`` one after another in this process, on ``model``;
+    each gets the summaries of the earlier ones it ``needs``. Yields ``(name, outcome)`` as each ends."""
     local: dict[str, dict] = {}
-    outcomes = []
-    for name, out_dir, upstream in chain:
+    for name, out_dir, upstream in tasks:
         exp = registry()[name]
         progress.log(f"[bold]{exp.title}[/bold]")
         given = {**upstream, **{n: local[n] for n in exp.needs if n in local}}
         ctx = ExperimentContext(
-            out_dir=out_dir, progress=progress, model_handle=_WORKER["model"], upstream=given, **settings
+            out_dir=out_dir, progress=progress, model_handle=model, upstream=given, **settings
         )
-        outcomes.append(_run_one(exp, ctx))
-        if outcomes[-1][0].status == "ok":
-            local[name] = to_jsonable(outcomes[-1][0].summary)
-    return outcomes
+        outcome = _run_one(exp, ctx)
+        if outcome[0].status == "ok":
+            local[name] = to_jsonable(outcome[0].summary)
+        yield name, outcome
+
+
+def _worker_run(
+    chain: list[tuple[str, Path, dict]], settings: dict
+) -> list[tuple[ExperimentResult, float, bool]]:
+    """Run a chain of experiments in this worker process, in order (a later one may reuse an earlier
+    one's in-process measurements)."""
+    progress = _ForwardedProgress(_WORKER["queue"])
+    return [outcome for _, outcome in _run_in_order(chain, settings, _WORKER["model"], progress)]
 
 
 def _chains(experiments: list[Experiment]) -> list[list[Experiment]]:
@@ -397,13 +392,19 @@ class _Workers:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _died(exp: Experiment, root: Path, settings: dict, note: str) -> tuple[ExperimentResult, float, bool]:
+    """The failed section of an experiment whose worker process died (its report says so)."""
+    result = ExperimentResult(name=exp.name, title=exp.title, status="failed", notes=[note])
+    finish(result, ExperimentContext(out_dir=root / exp.name, **settings), time.perf_counter())
+    return result, 0.0, True
+
+
 def _run_parallel(
     experiments: list[Experiment],
     root: Path,
     settings: dict,
     workers: _Workers,
     progress: Progress,
-    model: Any,
 ) -> Iterator[tuple[str, tuple[ExperimentResult, float, bool]]]:
     """Run ``experiments`` on the ``workers``, longest first (:data:`EXPECTED_SECONDS`), each as soon as
     what it ``needs`` has finished; yields ``(name, (result, seconds, failed))`` as they finish. A
@@ -444,29 +445,15 @@ def _run_parallel(
                     outcomes = fut.result()
                 except Exception as exc:  # the worker process died (killed, out of memory, a crash)
                     note = f"{type(exc).__name__}: the worker process running it died ({exc})"
-                    outcomes = []
-                    for exp in chain:
-                        result = ExperimentResult(
-                            name=exp.name, title=exp.title, status="failed", notes=[note]
-                        )
-                        ctx = ExperimentContext(out_dir=root / exp.name, model_handle=model, **settings)
-                        finish(result, ctx, time.perf_counter())  # its section says what happened
-                        outcomes.append((result, 0.0, True))
-                        progress.log(f"[red]{exp.name} failed: {note}[/red]")
+                    outcomes = [_died(exp, root, settings, note) for exp in chain]
+                    progress.log(f"[red]{', '.join(e.name for e in chain)} failed: {note}[/red]")
                     if isinstance(exc, BrokenProcessPool):
                         lost = [running.pop(other) for other in list(running)]
                         fruitless += 1
                         if fruitless >= 2:  # workers die before finishing anything: give up, say why
                             for exp in [e for c in lost + pending for e in c]:
-                                result = ExperimentResult(
-                                    name=exp.name, title=exp.title, status="failed", notes=[note]
-                                )
-                                ctx = ExperimentContext(
-                                    out_dir=root / exp.name, model_handle=model, **settings
-                                )
-                                finish(result, ctx, time.perf_counter())
-                                done[exp.name] = result
-                                yield exp.name, (result, 0.0, True)
+                                done[exp.name] = (given_up := _died(exp, root, settings, note))[0]
+                                yield exp.name, given_up
                             pending.clear()
                         else:
                             pending[:0] = lost  # lost with the pool: run them again on fresh workers
