@@ -33,7 +33,8 @@ CONFIGS = {
     "full precision (DynamicCache)": None,
     "rotation+sinks int4, packed-code attention": ("rotation", {"sinks": 4}, True),
     "rotation+sinks int4, decode + SDPA (reference)": ("rotation", {"sinks": 4}, False),
-    "kivi+sinks int4, decode + SDPA": ("kivi", {"sinks": 4}, False),
+    "kivi+sinks int4, packed-code attention": ("kivi", {"sinks": 4}, True),
+    "kivi+sinks int4, decode + SDPA (reference)": ("kivi", {"sinks": 4}, False),
 }
 
 
@@ -190,9 +191,10 @@ def main() -> None:
         "excluded), with glibc returning every allocation of 64 KiB or more on free, so the peak follows live "
         "tensors; the step times come from one more process with glibc's default allocator. "
         "Packed-code attention (a cache built with model=): each layer's decode query reads the codes in a "
-        "C kernel (rotate the query, not the keys; one decoded row at a time), so no full-precision copy "
-        "of the history exists. Decode + SDPA (a cache without model=, and KIVI, which the kernel does "
-        "not read): each layer's history is dequantized for its own attention only (one layer's "
+        "C kernel (rotation: rotate the query, not the keys, one decoded row at a time; KIVI: per-channel "
+        "keys read one token group at a time with a scaled query, per-token values with their zero "
+        "points), so no full-precision copy of the history exists. Decode + SDPA (the same cache without "
+        "model=): each layer's history is dequantized for its own attention only (one layer's "
         "full-precision K/V at a time), repeated over the whole history at every step.",
     ]
     from _common import write_results

@@ -180,3 +180,20 @@ def test_experiment_smoke(smollm, tmp_path):
     )
     for fig in ("pareto.png", "per_layer_distortion.png", "arrays.npz"):
         assert (tmp_path / fig).is_file()
+
+
+@pytest.mark.real_model
+def test_experiment_timing_says_which_attention_each_cache_read(smollm, tmp_path):
+    """The decode-time table's 'attention read' column comes from the caches' own count of packed-code
+    steps: every quantized cache here is bound, so each of its steps read the packed codes."""
+    from kvlab.study.experiments import ExperimentContext
+    from kvlab.study.experiments.compression import _timing, _timing_table
+
+    ctx = ExperimentContext(out_dir=tmp_path, profile="quick")
+    context = smollm.encode("The printing press spread across Europe within decades. " * 12)[:160]
+    timing = _timing(ctx, smollm, context, ("pertoken", "kivi+sinks", "rotation+sinks"), (), 3)
+    for name in ("pertoken int4", "kivi+sinks int4", "rotation+sinks int4"):
+        assert timing[name + " packed"] == 1.0, name
+    rows = {row[0]: row[-1] for row in _timing_table(timing).rows}
+    assert rows["full precision"] == "full-precision K/V"
+    assert rows["kivi+sinks int4"] == "packed codes (C kernel)"

@@ -10,7 +10,7 @@ import torch
 
 import kvlab.compress.quant.attention as qa
 from kvlab import kernels
-from kvlab.compress.quant import KIVIQuantizer, RotatedQuantizer
+from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, PreRopeQuantizer, RotatedQuantizer
 from kvlab.hf import cache_argument
 from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
 from kvlab.rope.spec import RopeSpec
@@ -25,7 +25,7 @@ def _rope(d: int, *, pairing="half", rotary_dim=None, scaling=1.0) -> RopeSpec:
     return RopeSpec(inv, d, pairing=pairing, attention_scaling=scaling)
 
 
-def _segments(q: RotatedQuantizer, rope, *, heads=3, d=64, lengths=(40, 8, 33), start=5, seed=0):
+def _segments(q, rope, *, heads=3, d=64, lengths=(40, 8, 33), start=5, seed=0):
     """Quantized segments of random post-RoPE-like K/V at contiguous positions from ``start``."""
     gen = torch.Generator().manual_seed(seed)
     segs, pos = [], start
@@ -60,13 +60,25 @@ CASES = {
     "partial rotary + attention scaling": (RotatedQuantizer(bits=4), _rope(64, rotary_dim=48, scaling=1.3)),
     "no RoPE on the layer": (RotatedQuantizer(bits=4), None),
     "random rotation": (RotatedQuantizer(bits=4, rotation="random"), _rope(64)),
+    "rotation, uniform grid (zero points)": (RotatedQuantizer(bits=4, grid="uniform"), _rope(64)),
+    "pertoken int4": (PerTokenQuantizer(bits=4, group_size=32), _rope(64)),
+    "pertoken int8 symmetric": (PerTokenQuantizer(bits=8, group_size=16, symmetric=True), _rope(64)),
+    "KIVI int2": (KIVIQuantizer(bits=2, group_size=32), _rope(64)),
+    "KIVI int4, groups of 16": (KIVIQuantizer(bits=4, group_size=16), _rope(64)),
+    "KIVI int8 symmetric": (KIVIQuantizer(bits=8, group_size=16, symmetric=True), None),
+}
+# KIVI's per-channel keys need segments of whole token groups
+LENGTHS = {
+    "KIVI int2": (32, 64, 32),
+    "KIVI int4, groups of 16": (48, 16, 32),
+    "KIVI int8 symmetric": (16, 64),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_attention_equals_attention_over_the_decoded_cache(case):
     quantizer, rope = CASES[case]
-    segs = _segments(quantizer, rope)
+    segs = _segments(quantizer, rope, **({"lengths": LENGTHS[case]} if case in LENGTHS else {}))
     plan = qa.segment_plan(segs)
     assert plan is not None, kernels.why_not(qa.KERNEL)
     gen = torch.Generator().manual_seed(1)
@@ -78,7 +90,7 @@ def test_packed_attention_equals_attention_over_the_decoded_cache(case):
     tol = elementwise_tol(torch.float32, [logits, fp_v], ops=64) * max(1.0, float(fp_v.abs().max()))
     assert_forward_close(got, ref.float(), None, what=f"packed-code attention ({case})", tol=tol)
     # the mean term matters: attention without it is far off, so this comparison can fail
-    if quantizer.center == "proj" and rope is not None:
+    if getattr(quantizer, "center", None) == "proj" and rope is not None:
         for seg in segs:
             if seg.keys.coef is not None:
                 object.__setattr__(seg.keys, "coef", torch.zeros_like(seg.keys.coef))
@@ -90,9 +102,17 @@ def test_segments_the_kernel_cannot_read_go_to_the_reference_path():
     rope = _rope(64)
     assert qa.segment_plan([]) is None
     assert qa.segment_plan(_segments(RotatedQuantizer(bits=4, sketch=True), rope)) is None
-    assert qa.segment_plan(_segments(RotatedQuantizer(bits=4, grid="uniform"), rope)) is None
     assert qa.segment_plan(_segments(RotatedQuantizer(bits=3), rope)) is None
-    assert qa.segment_plan(_segments(KIVIQuantizer(bits=4), rope, lengths=(32, 64))) is None
+    assert qa.segment_plan(_segments(KIVIQuantizer(bits=3), rope, lengths=(32, 64))) is None
+    assert qa.segment_plan(_segments(PreRopeQuantizer(bits=4), rope, lengths=(32, 64))) is None
+    # segments that disagree (another method, other bits) cannot share one plan
+    kivi = _segments(KIVIQuantizer(bits=4), rope, lengths=(32,))
+    assert qa.segment_plan(kivi + _segments(PerTokenQuantizer(bits=4), rope, lengths=(32,))) is None
+    assert qa.segment_plan(kivi + _segments(KIVIQuantizer(bits=2), rope, lengths=(32,))) is None
+    assert (
+        qa.segment_plan(kivi + _segments(KIVIQuantizer(bits=4, symmetric=True), rope, lengths=(32,))) is None
+    )
+    assert qa.segment_plan(kivi) is not None
 
 
 def _count_kernel_calls(monkeypatch) -> list[int]:
@@ -107,14 +127,20 @@ def _count_kernel_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def test_bound_cache_decodes_on_packed_codes_and_equals_its_decoded_history(tiny_model, monkeypatch):
+BOUND = {
+    "rotation": RotatedQuantizer(bits=4, group_size=16, sinks=4),
+    "kivi": KIVIQuantizer(bits=4, group_size=16, sinks=4, window=16),
+    "pertoken": PerTokenQuantizer(bits=4, group_size=16),
+}
+
+
+@pytest.mark.parametrize("method", list(BOUND))
+def test_bound_cache_decodes_on_packed_codes_and_equals_its_decoded_history(tiny_model, monkeypatch, method):
     """Each decode step's logits equal the logits over what the cache held before the step (decoded to
     full precision, then SDPA), across segment boundaries (a segment every 32 generated tokens)."""
     h = tiny_model("llama")
     ids = torch.randint(0, h.config.vocab_size, (1, 160), generator=torch.Generator().manual_seed(3))
-    cache = CompressedCache(
-        h.config, quantizer=RotatedQuantizer(bits=4, group_size=16, sinks=4), model=h.model
-    )
+    cache = CompressedCache(h.config, quantizer=BOUND[method], model=h.model)
     with torch.no_grad():
         h.run(ids[:, :90], cache)
     calls = _count_kernel_calls(monkeypatch)
@@ -148,16 +174,16 @@ def test_generate_with_a_bound_quantizing_cache_uses_packed_codes(smollm, monkey
 
 
 def test_steps_the_kernel_does_not_take_run_the_reference_path(tiny_model, monkeypatch):
-    """A batch of two rows, a prompt-sized feed and a KIVI cache attend through SDPA, unchanged."""
+    """A batch of two rows, a prompt-sized feed and a pre-RoPE cache attend through SDPA, unchanged."""
     h = tiny_model("llama")
     calls = _count_kernel_calls(monkeypatch)
     ids = torch.randint(0, h.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         two = CompressedCache(h.config, quantizer=RotatedQuantizer(bits=4, group_size=16), model=h.model)
         h.model(ids[:, :64], **{cache_argument(type(h.model)): two})
-        kivi = CompressedCache(h.config, quantizer=KIVIQuantizer(bits=4, group_size=16), model=h.model)
-        h.run(ids[:1, :64], kivi)
-        h.run(ids[:1, 64:65], kivi)
+        pre = CompressedCache(h.config, quantizer=PreRopeQuantizer(bits=4, group_size=16), model=h.model)
+        h.run(ids[:1, :64], pre)
+        h.run(ids[:1, 64:65], pre)
         one = CompressedCache(h.config, quantizer=RotatedQuantizer(bits=4, group_size=16), model=h.model)
         h.run(ids[:1, :64], one)
         h.run(ids[:1, 64:70], one)  # six tokens at once: not a decode step

@@ -333,6 +333,7 @@ class CompressedCache(Cache):
             layer.query_hook = mod.q_proj.register_forward_hook(layer.capture_queries)
         self._config = config
         self.rows: list[CompressedCache] | None = None  # per-row caches once a padded batch arrived
+        self.packed_steps = 0  # decode steps whose attention read the packed codes (not a decoded copy)
         if model is not None and _row_of is None:
             bind_to_model(self, model)  # a left-padded batch then runs row by row (kvlab.hf.batch)
 
@@ -386,6 +387,7 @@ class CompressedCache(Cache):
         def finish(out: Any) -> None:
             _STEPS.stack.remove(step)
             model.set_attn_implementation(before)
+            self.packed_steps += step.consumed > 0
             if out is not None and step.views:
                 raise UnsupportedModelError(
                     "the model did not attend through transformers' attention interface in every layer, so "

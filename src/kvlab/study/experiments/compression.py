@@ -302,6 +302,8 @@ def _timing(ctx, model, context, methods, policies, steps) -> dict[str, float]:
             first = model.run(ids, cache, logits_to_keep=1).logits
         out[name] = time_decode_ms(model, cache, int(first[0, -1].argmax()), len(context), steps)
         out[name + " bytes"] = cache.nbytes
+        if "quantizer" in kw:  # which attention each step really took, counted by the cache
+            out[name + " packed"] = cache.packed_steps / steps
     return out
 
 
@@ -318,7 +320,11 @@ def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, n
     result.tables.extend(_tables(rows_q, rows_e, summary["full_bytes_per_token"]))
     if timing:
         result.tables.append(_timing_table(timing))
-        summary["decode_ms"] = {k: v for k, v in timing.items() if not k.endswith(" bytes")}
+        summary["decode_ms"] = {k: v for k, v in timing.items() if not k.endswith((" bytes", " packed"))}
+        # the share of each quantized cache's decode steps that attended on its packed codes
+        summary["decode_packed_share"] = {
+            k.removesuffix(" packed"): v for k, v in timing.items() if k.endswith(" packed")
+        }
     _acceptance(summary)
     result.summary.update(summary)
     result.figures.append(_pareto_figure(ctx, points, model, summary["windows"]))
@@ -435,13 +441,27 @@ def _tables(rows_q: list, rows_e: list, fp_bpt: float) -> list[Table]:
 def _timing_table(timing: dict) -> Table:
     """Decode time per token on each CompressedCache, measured in one run."""
     base = timing.get("full precision", float("nan"))
+
+    def path(name: str) -> str:
+        share = timing.get(name + " packed")
+        if share is None:
+            return "full-precision K/V" if name == "full precision" else "kept K/V (eviction)"
+        if share >= 1:
+            return "packed codes (C kernel)"
+        return "dequantize + SDPA" if share == 0 else f"packed codes in {share:.0%} of steps"
+
     return Table(
         "Decode time on CompressedCache (one run, same machine load)",
-        ["cache", "ms/token", "ratio to full", "bytes held"],
-        [[k, v, v / base, int(timing[k + " bytes"])] for k, v in timing.items() if not k.endswith(" bytes")],
+        ["cache", "ms/token", "ratio to full", "bytes held", "attention read"],
+        [
+            [k, v, v / base, int(timing[k + " bytes"]), path(k)]
+            for k, v in timing.items()
+            if not k.endswith((" bytes", " packed"))
+        ],
         caption="Median over decode steps with model(...) on kvlab.hf.CompressedCache bound to the model "
-        "(model=): the rotation cache attends on its packed codes (a C kernel, no full-precision copy); "
-        "pertoken and KIVI dequantize their packed history at every step.",
+        "(model=). 'attention read' is counted by each cache: packed codes (a C kernel reads the codes, "
+        "no full-precision copy of the history) or, where the kernel is absent (no C compiler, see "
+        "kvlab.kernels.why_not) or cannot read the codes, the history dequantized at every step.",
     )
 
 
