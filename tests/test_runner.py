@@ -135,7 +135,14 @@ class _ThreadWorkers:
         self.pool = cf.ThreadPoolExecutor(n)
 
     def restart(self) -> None:
+        # A broken process pool's workers are gone before the new pool starts (the executor terminates
+        # them); threads cannot be killed, so wait for the old ones instead: otherwise a chain re-run on
+        # the new pool could write the same section folder as its orphaned first run, at the same time.
+        import concurrent.futures as cf
+
         self.restarts += 1
+        self.pool.shutdown(wait=True)
+        self.pool = cf.ThreadPoolExecutor(self.n)
 
     def close(self) -> None:
         pass
