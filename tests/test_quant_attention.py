@@ -98,6 +98,23 @@ def test_packed_attention_equals_attention_over_the_decoded_cache(case):
         assert float((wrong - ref.float()).abs().max()) > 100 * tol
 
 
+@pytest.mark.parametrize(
+    "quantizer", [KIVIQuantizer(bits=4), RotatedQuantizer(bits=4)], ids=["kivi", "rotation"]
+)
+def test_many_query_heads_per_kv_head(quantizer):
+    """71 query heads per KV head (Falcon-7B's multi-query layout): no fixed per-head limit in the kernel."""
+    segs = _segments(quantizer, _rope(64), heads=2, lengths=(64, 32))
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2 * 71, 64, generator=gen)
+    fp_k, fp_v = torch.randn(2, 3, 64, generator=gen), torch.randn(2, 3, 64, generator=gen)
+    got = qa.decode_attention(qa.segment_plan(segs), q, fp_k, fp_v, 64**-0.5)
+    ref, logits = _reference(segs, q, fp_k, fp_v, 64**-0.5)
+    tol = elementwise_tol(torch.float32, [logits, fp_v], ops=64) * max(1.0, float(fp_v.abs().max()))
+    assert_forward_close(
+        got, ref.float(), None, what="packed-code attention, 71 query heads per KV head", tol=tol
+    )
+
+
 def test_segments_the_kernel_cannot_read_go_to_the_reference_path():
     rope = _rope(64)
     assert qa.segment_plan([]) is None

@@ -19,7 +19,6 @@
 typedef _Float16 f16;
 
 #define MAX_D 512
-#define MAX_G 64   /* query heads per KV head (kvq_scores_channel) */
 
 /* byte -> its 8/bits levels, so one table read decodes a whole byte */
 static void byte_table(const float *levels, int bits, float *table) {
@@ -162,9 +161,9 @@ int kvq_scores_channel(int S, const uint8_t *const *codes, const f16 *const *sca
                        int tgroup, const float *levels, const float *q, float *out, int64_t stride) {
     Rows r;
     /* a token group decodes like a row of `tgroup` channels: at most MAX_D tokens, whole bytes */
-    if (rows_setup(&r, tgroup, bits, tgroup, levels) || G > MAX_G || D < 1) return -1;
+    if (rows_setup(&r, tgroup, bits, tgroup, levels) || G < 1 || D < 1) return -1;
     const int gbytes = r.rowbytes;
-    float y[MAX_D], bias[MAX_G];
+    float y[MAX_D], bias[G]; /* one running zero-point term per query head of this KV head */
     for (int h = 0; h < H; h++) {
         int64_t off = 0;
         for (int s = 0; s < S; s++) {

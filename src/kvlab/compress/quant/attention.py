@@ -35,6 +35,7 @@ from kvlab.compress.quant.scalar import QuantizedTensor, grid_levels
 from kvlab.rope.spec import RopeSpec
 
 KERNEL = "quant_attention"
+MAX_D = 512  # the kernel's longest decoded row: head_dim, or tokens per group of a per-channel code
 _P = ctypes.c_void_p
 _I64P = ctypes.POINTER(ctypes.c_int64)
 _I32P = ctypes.POINTER(ctypes.c_int32)
@@ -132,7 +133,8 @@ def _parts(code: Any) -> tuple[str, QuantizedTensor, RotatedCode | None] | None:
         and q.scale.dtype == torch.float16
         and q.scale.is_contiguous()
         and (q.zero is None or (q.zero.dtype == torch.float16 and q.zero.is_contiguous()))
-        and (layout == "token" or (q.group_size * q.bits) % 8 == 0)
+        and (q.shape[3] if layout == "token" else q.shape[2]) <= MAX_D
+        and (layout == "token" or (q.group_size <= MAX_D and (q.group_size * q.bits) % 8 == 0))
     )
     return (layout, q, rot) if ok else None
 
