@@ -130,6 +130,9 @@ def test_segments_the_kernel_cannot_read_go_to_the_reference_path():
         qa.segment_plan(kivi + _segments(KIVIQuantizer(bits=4, symmetric=True), rope, lengths=(32,))) is None
     )
     assert qa.segment_plan(kivi) is not None
+    # a segment claiming more slots than its codes hold is refused, never read past its bytes
+    seg = kivi[0]
+    assert qa.segment_plan([type(seg)(seg.keys, seg.values, seg.length + 32)]) is None
 
 
 def _count_kernel_calls(monkeypatch) -> list[int]:

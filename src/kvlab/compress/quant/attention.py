@@ -146,11 +146,10 @@ def _side(parts: list[tuple[str, QuantizedTensor, RotatedCode | None]], heads: i
     means = torch.zeros(len(parts), heads, dim)
     keep: list[torch.Tensor] = []
     for i, (lay, q, rc) in enumerate(parts):
-        seq = q.shape[2] if lay == "token" else q.shape[3]
         width = q.shape[3] if lay == "token" else q.shape[2]
         if (lay, q.bits, q.group_size, q.shape[1], width) != (layout, q0.bits, q0.group_size, heads, dim):
             return None
-        if (q.zero is None) != (q0.zero is None) or not torch.equal(_levels(q), levels) or seq < 1:
+        if (q.zero is None) != (q0.zero is None) or not torch.equal(_levels(q), levels):
             return None
         keep += [q.packed, q.scale] + [t for t in (q.zero, rc.coef if rc else None) if t is not None]
         if rc is not None and rc.mean is not None:
@@ -182,6 +181,9 @@ def segment_plan(segments: list[Segment]) -> SegmentPlan | None:
     for seg in segments:
         kp, vp = _parts(seg.keys), _parts(seg.values)
         if kp is None or vp is None or vp[0] != "token":
+            return None
+        # the kernel reads seg.length slots of every code: a code of another length is refused, not read
+        if any((q.shape[2] if lay == "token" else q.shape[3]) != seg.length for lay, q, _ in (kp, vp)):
             return None
         kparts.append(kp)
         vparts.append(vp)
