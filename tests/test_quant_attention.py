@@ -11,6 +11,7 @@ import torch
 import kvlab.compress.quant.attention as qa
 from kvlab import kernels
 from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, PreRopeQuantizer, RotatedQuantizer
+from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf import cache_argument
 from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
 from kvlab.rope.spec import RopeSpec
@@ -75,12 +76,18 @@ LENGTHS = {
 }
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_packed_attention_equals_attention_over_the_decoded_cache(case):
+def test_packed_attention_equals_attention_over_the_decoded_cache(case, path, monkeypatch):
+    """Both packed paths (the C kernel; torch ops on the codes, CUDA's path, here on the CPU) equal float64
+    attention over the decoded cache. The torch path decodes a few slots at a time (a small chunk here,
+    so segments span several chunks)."""
+    monkeypatch.setattr(qa, "CHUNK_ELEMENTS", 3 * 64 * 16)
     quantizer, rope = CASES[case]
     segs = _segments(quantizer, rope, **({"lengths": LENGTHS[case]} if case in LENGTHS else {}))
-    plan = qa.segment_plan(segs)
+    plan = qa.segment_plan(segs, path=path)
     assert plan is not None, kernels.why_not(qa.KERNEL)
+    assert plan.path == path
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(9, 64, generator=gen)  # 3 query heads per KV head
     fp_k, fp_v = torch.randn(3, 6, 64, generator=gen), torch.randn(3, 6, 64, generator=gen)
@@ -94,8 +101,39 @@ def test_packed_attention_equals_attention_over_the_decoded_cache(case):
         for seg in segs:
             if seg.keys.coef is not None:
                 object.__setattr__(seg.keys, "coef", torch.zeros_like(seg.keys.coef))
-        wrong = qa.decode_attention(qa.segment_plan(segs), q, fp_k, fp_v, 64**-0.5)
+        wrong = qa.decode_attention(qa.segment_plan(segs, path=path), q, fp_k, fp_v, 64**-0.5)
         assert float((wrong - ref.float()).abs().max()) > 100 * tol
+
+
+@pytest.mark.parametrize(
+    "case", ["int4 proj-centred, half RoPE", "rotation, uniform grid (zero points)", "KIVI int2"]
+)
+def test_the_torch_path_equals_the_kernel(case):
+    """The two packed paths compute the same sums in another order: equal within float32 rounding."""
+    quantizer, rope = CASES[case]
+    segs = _segments(quantizer, rope, **({"lengths": LENGTHS[case]} if case in LENGTHS else {}))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 64, generator=gen)
+    fp_k, fp_v = torch.randn(3, 4, 64, generator=gen), torch.randn(3, 4, 64, generator=gen)
+    kernel = qa.decode_attention(qa.segment_plan(segs, path="kernel"), q, fp_k, fp_v, 64**-0.5)
+    torch_ops = qa.decode_attention(qa.segment_plan(segs, path="torch"), q, fp_k, fp_v, 64**-0.5)
+    _, logits = _reference(segs, q, fp_k, fp_v, 64**-0.5)
+    tol = elementwise_tol(torch.float32, [logits, fp_v], ops=64) * max(1.0, float(fp_v.abs().max()))
+    assert_forward_close(torch_ops, kernel, None, what=f"torch path vs C kernel ({case})", tol=tol)
+
+
+def test_the_kernel_only_ever_sees_host_memory():
+    """Every pointer handed to the C kernel is checked at the ctypes boundary: a tensor on another
+    device (meta here; CUDA on a GPU machine) is refused, never read as a host address; and the auto
+    path sends codes that are not on the CPU to the torch ops."""
+    with pytest.raises(UnsupportedModelError, match="host memory"):
+        qa._ptr(torch.empty(4, device="meta"))
+    assert qa._ptr(None) is None
+    assert qa.packed_path("meta") == "torch" and qa.packed_path("cpu", "torch") == "torch"
+    with pytest.raises(UnsupportedModelError, match="host memory"):
+        qa.packed_path("meta", "kernel")
+    with pytest.raises(BadInputError):
+        qa.packed_path("cpu", "gpu")
 
 
 @pytest.mark.parametrize(
@@ -154,13 +192,17 @@ BOUND = {
 }
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("method", list(BOUND))
-def test_bound_cache_decodes_on_packed_codes_and_equals_its_decoded_history(tiny_model, monkeypatch, method):
+def test_bound_cache_decodes_on_packed_codes_and_equals_its_decoded_history(
+    tiny_model, monkeypatch, method, path
+):
     """Each decode step's logits equal the logits over what the cache held before the step (decoded to
-    full precision, then SDPA), across segment boundaries (a segment every 32 generated tokens)."""
+    full precision, then SDPA), across segment boundaries (a segment every 32 generated tokens), on
+    either packed path; the cache counts the steps each path took."""
     h = tiny_model("llama")
     ids = torch.randint(0, h.config.vocab_size, (1, 160), generator=torch.Generator().manual_seed(3))
-    cache = CompressedCache(h.config, quantizer=BOUND[method], model=h.model)
+    cache = CompressedCache(h.config, quantizer=BOUND[method], model=h.model, packed_path=path)
     with torch.no_grad():
         h.run(ids[:, :90], cache)
     calls = _count_kernel_calls(monkeypatch)
@@ -174,6 +216,10 @@ def test_bound_cache_decodes_on_packed_codes_and_equals_its_decoded_history(tiny
             got = h.run(ids[:, p : p + 1], cache).logits[0]
             assert_forward_close(got, ref, h, what=f"logits of the packed-code step at position {p}")
     assert calls[0] == 70 * n_layers
+    assert cache.packed_steps == 70 and cache.packed_steps_by_path == {
+        path: 70,
+        ({"kernel", "torch"} - {path}).pop(): 0,
+    }
     assert len(cache.layers[0].segments) >= 3  # the generated tokens were encoded in blocks on the way
 
 

@@ -104,7 +104,7 @@ def decode_loop(
     rows = logits.shape[0]
     stops = {int(s) for s in stop_ids}
     stopped = [False] * rows
-    last = torch.zeros(rows, dtype=torch.long)
+    last = torch.zeros(rows, dtype=torch.long, device="cpu")  # picked on the host; each feed moves them
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
     step = 0
     while max_new_tokens is None or step < max_new_tokens:

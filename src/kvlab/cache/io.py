@@ -457,7 +457,9 @@ def _check_values(
     pos, ids = tensors["positions"], tensors["token_ids"]
     if int(pos.min()) < 0 or int(pos.max()) > _MAX_POSITION:
         raise SnapshotFileError(f"{path} has positions outside [0, {_MAX_POSITION}]")
-    if meta.get("provenance") == "prefill" and not torch.equal(pos, torch.arange(pos.numel())):
+    if meta.get("provenance") == "prefill" and not torch.equal(
+        pos, torch.arange(pos.numel(), device=pos.device)
+    ):
         raise SnapshotFileError(f"{path} says it is a prefill but its positions are not 0..T-1")
     hi = vocab if vocab is not None else _MAX_TOKEN_ID
     if int(ids.min()) < 0 or int(ids.max()) >= hi:
@@ -519,7 +521,7 @@ def load_snapshot(
     verify: bool = True,
     allow_nonfinite: bool = False,
     allow_v1: bool = False,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
 ) -> KVSnapshot:
     """Read a snapshot written by :func:`save_snapshot`, validated in full.
 
@@ -528,8 +530,12 @@ def load_snapshot(
     and :class:`IncompatibleCacheError` if ``expect_fingerprint`` or ``model`` names another model.
     ``model=handle`` checks fingerprint, geometry, dtype, RoPE and vocabulary in one go.
     ``verify=False`` skips the digest and the finiteness scan (tensors are then read lazily).
+    ``device``: where the K/V go (ids and positions stay on the host, as in every snapshot); by default
+    the model's device with ``model=``, else the CPU, so a loaded cache can feed the model as it is.
     """
     path = Path(path)
+    if device is None:
+        device = model.device if model is not None else "cpu"
     if model is not None:
         expect_fingerprint = expect_fingerprint or model.fingerprint
         expect_vocab_size = expect_vocab_size or int(model.facts.vocab_size)

@@ -51,6 +51,8 @@ class KVSnapshot:
         values: same shapes as ``keys``.
         token_ids: ``[batch, T]`` int64, the token cached at each slot.
         positions: ``[T]`` int64, the RoPE position each slot's key was rotated to.
+        (K/V live on the model's device; ids and positions are metadata kvlab reads on the host, so
+        kvlab's snapshots keep them on the CPU and move them where they rotate or feed a model.)
         rope: the model's RoPE (one spec, or one per layer for hybrid models), or None without RoPE.
         fingerprint: the model fingerprint (architecture + config + weights hash).
         model_name: a human-readable model name, for reports only.
@@ -173,7 +175,7 @@ class KVSnapshot:
         return dataclasses.replace(self, **changes)
 
     def _is_leading(self, idx: torch.Tensor) -> bool:
-        return bool(torch.equal(idx.cpu(), torch.arange(idx.numel())))
+        return bool(torch.equal(idx.cpu(), torch.arange(idx.numel(), device="cpu")))
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> KVSnapshot:
         """Keep only the given slots (in the given order); positions are kept, keys are not re-rotated."""
@@ -207,7 +209,7 @@ class KVSnapshot:
 
     def with_positions(self, new_positions: Sequence[int] | torch.Tensor) -> KVSnapshot:
         """Re-rotate every key from its current position to ``new_positions`` (exact RoPE shift)."""
-        new = torch.as_tensor(new_positions, dtype=torch.long)
+        new = torch.as_tensor(new_positions, dtype=torch.long, device="cpu")
         if tuple(new.shape) != (self.seq_len,):
             raise BadInputError(f"need {self.seq_len} new positions, got shape {tuple(new.shape)}")
         rope = self.require_rope("re-positioning keys")

@@ -111,7 +111,7 @@ def distortion(
 
 def continuation_nll(logits: torch.Tensor, continuation: list[int]) -> np.ndarray:
     """NLL (nats) of ``continuation[1:]`` given ``logits [n, vocab]`` of the continuation tokens."""
-    return nll(logits[:-1], torch.as_tensor(continuation[1:])).numpy()
+    return nll(logits[:-1], torch.as_tensor(continuation[1:], device=logits.device)).cpu().numpy()
 
 
 def time_decode_ms(handle: Any, cache: Any, first_token: int, start_position: int, steps: int) -> float:
@@ -122,11 +122,11 @@ def time_decode_ms(handle: Any, cache: Any, first_token: int, start_position: in
 
     def feed(tokens: torch.Tensor) -> torch.Tensor:
         nonlocal position
-        out = handle.run(tokens[:, None], cache, positions=torch.tensor([position]))
+        out = handle.run(tokens[:, None], cache, positions=torch.tensor([position], device=handle.device))
         position += 1
         return out.logits[:, -1]
 
-    first = torch.zeros(1, int(handle.config.vocab_size))
+    first = torch.zeros(1, int(handle.config.vocab_size), device=handle.device)
     first[0, int(first_token)] = 1.0  # the loop's first pick is ``first_token``
     with torch.no_grad():
         times = [s.seconds * 1000 for s in decode_loop(feed, first, steps, feed_last=True)]

@@ -134,8 +134,8 @@ def _causal_rows_attention(
     kv_heads, K = k.shape[0], k.shape[1]
     qg = q.reshape(kv_heads, heads // kv_heads, m, d)
     scores = (qg @ k.transpose(-1, -2).unsqueeze(1)) * scale  # [kv_heads, groups, m, K]
-    at = torch.arange(m)[:, None] + (K - m)  # each query's own slot
-    j = torch.arange(K)[None, :]
+    at = torch.arange(m, device=q.device)[:, None] + (K - m)  # each query's own slot
+    j = torch.arange(K, device=q.device)[None, :]
     allowed = j <= at
     if window:
         allowed &= j > at - int(window)
@@ -226,13 +226,13 @@ def step_rolling_rows(handle: Any, caches: Sequence[RollingCache], tokens: Seque
     if any(not per_layer[0].is_initialized for per_layer in layers):
         raise BadInputError("every cache must hold a prompt before a batched decode step")
     if len(caches) == 1:
-        out = handle.run(torch.tensor([[int(tokens[0])]]), caches[0], logits_to_keep=1)
+        out = handle.run(torch.tensor([[int(tokens[0])]], device=handle.device), caches[0], logits_to_keep=1)
         return out.logits[:, -1].float()
     rows = _RowsCache(caches)
-    positions = torch.tensor([[c.next_position] for c in caches], dtype=torch.long)
-    ids = torch.tensor([[int(t)] for t in tokens], dtype=torch.long)
+    positions = torch.tensor([[c.next_position] for c in caches], dtype=torch.long, device=handle.device)
+    ids = torch.tensor([[int(t)] for t in tokens], dtype=torch.long, device=handle.device)
     # a prepared 4-D mask keeps transformers from building one (attention is per row and needs none)
-    mask = torch.zeros((len(caches), 1, 1, 1), dtype=handle.dtype)
+    mask = torch.zeros((len(caches), 1, 1, 1), dtype=handle.dtype, device=handle.device)
     with _rows_step(handle.model, rows):
         out = handle.run(ids, rows, positions=positions, attention_mask=mask, logits_to_keep=1)
     if rows.consumed != len(layers[0]) or rows.views:
@@ -291,14 +291,14 @@ def begin_padded_rows(model: Any, cache: Any, key: str, kwargs: dict) -> tuple[d
         pads = [0] * len(rows_caches)
     rows = _RowsCache(rows_caches, pads, outer=cache)
     n = int(ids.shape[-1])
-    positions = torch.zeros((len(pads), n), dtype=torch.long)
+    positions = torch.zeros((len(pads), n), dtype=torch.long, device=ids.device)
     for r, (c, p) in enumerate(zip(rows_caches, pads, strict=True)):
         start = c.get_seq_length()
-        positions[r, p:] = torch.arange(start, start + n - p)
+        positions[r, p:] = torch.arange(start, start + n - p, device=ids.device)
     new = {
         **kwargs,
         key: rows,
-        "position_ids": positions.to(ids.device),
+        "position_ids": positions,
         # a prepared 4-D mask keeps transformers from building one (attention is per row and needs none)
         "attention_mask": torch.zeros((len(pads), 1, 1, 1), dtype=model.dtype, device=ids.device),
     }

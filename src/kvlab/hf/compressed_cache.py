@@ -51,6 +51,7 @@ class _Step:
     rule: Any
     views: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     consumed: int = 0
+    paths: set[str] = field(default_factory=set)  # which packed-code paths the layers took
 
 
 class _Steps(threading.local):
@@ -83,6 +84,7 @@ def _quantized_attention(
     b, heads, q_len, d = query.shape
     out = decode_attention(plan, query[0, :, -1], fp_k, fp_v, kw.get("scaling") or d**-0.5)
     step.consumed += 1
+    step.paths.add(plan.path)
     return out.to(query.dtype).reshape(1, 1, heads, d), None
 
 
@@ -120,6 +122,7 @@ class CompressionRule:
     keep: float | None = None
     rope: Rope | None = None
     scaling: float = 1.0
+    packed_path: str = "auto"  # kvlab.compress.quant.attention.packed_path: kernel, torch or auto
 
 
 class CompressedLayer(DynamicLayer):
@@ -138,7 +141,7 @@ class CompressedLayer(DynamicLayer):
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
         self.segments: list[Segment] = []
-        self.tail_positions = torch.zeros(0, dtype=torch.long)
+        self.tail_positions = torch.zeros(0, dtype=torch.long, device="cpu")  # positions: host bookkeeping
         self.pending_queries: torch.Tensor | None = None
         self.evicted = False
         self._plan: Any = None  # kvlab.compress.quant.attention.SegmentPlan of self.segments, or None
@@ -192,7 +195,7 @@ class CompressedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n_new = key_states.shape[-2]
-        positions = torch.arange(self.seen, self.seen + n_new)
+        positions = torch.arange(self.seen, self.seen + n_new, device="cpu")  # moved where they rotate
         self.seen += n_new
         rule = self.rule
         if rule.policy is not None and not self.evicted:
@@ -221,7 +224,7 @@ class CompressedLayer(DynamicLayer):
         if self._plan_of != key:
             from kvlab.compress.quant.attention import segment_plan
 
-            self._plan, self._plan_of = segment_plan(self.segments), key
+            self._plan, self._plan_of = segment_plan(self.segments, path=self.rule.packed_path), key
         return self._plan
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, first: bool = False) -> None:
@@ -286,6 +289,11 @@ class CompressedCache(Cache):
     policies need ``model`` (for the query hooks). With ``model`` the cache is bound to it, so a
     left-padded batch runs row by row (each row evicts or quantizes its own tokens, as alone); without
     it an evicting cache refuses a padded batch. ``nbytes`` is what the cache holds for K/V now.
+
+    A bound quantizing cache decodes one-token steps on its packed codes: ``packed_path="auto"`` reads
+    them with the C kernel on the CPU and with torch ops on other devices (``"kernel"`` / ``"torch"``
+    force one; see :func:`kvlab.compress.quant.attention.packed_path`). ``packed_steps`` counts those
+    steps, ``packed_steps_by_path`` which path read them.
     """
 
     def __init__(
@@ -297,12 +305,17 @@ class CompressedCache(Cache):
         keep: float | None = None,
         model: Any = None,
         rope: Rope | None = None,
+        packed_path: str = "auto",
         _row_of: CompressedCache | None = None,
     ):
         if quantizer is not None and policy is not None:
             raise BadInputError("choose a quantizer or an eviction policy for one CompressedCache, not both")
         if policy is not None:
             budget_slots(1000, keep)  # validates the fraction
+        from kvlab.compress.quant.attention import PATHS
+
+        if packed_path not in PATHS:
+            raise BadInputError(f"packed_path must be one of {', '.join(PATHS)}, got {packed_path!r}")
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if any(w is not None for w in sliding_windows(config)):
             raise UnsupportedModelError(
@@ -327,13 +340,14 @@ class CompressedCache(Cache):
             mods = attention_modules(model)
             scaling = float(getattr(mods[0], "scaling", scaling))
         n_layers = int(text.num_hidden_layers)
-        self.rule = CompressionRule(n_layers, quantizer, policy, keep, self.rope, scaling)
+        self.rule = CompressionRule(n_layers, quantizer, policy, keep, self.rope, scaling, packed_path)
         super().__init__(layers=[CompressedLayer(self.rule, i) for i in range(n_layers)])
         for layer, mod in zip(self.layers, mods or (), strict=False):
             layer.query_hook = mod.q_proj.register_forward_hook(layer.capture_queries)
         self._config = config
         self.rows: list[CompressedCache] | None = None  # per-row caches once a padded batch arrived
         self.packed_steps = 0  # decode steps whose attention read the packed codes (not a decoded copy)
+        self.packed_steps_by_path = {"kernel": 0, "torch": 0}
         if model is not None and _row_of is None:
             bind_to_model(self, model)  # a left-padded batch then runs row by row (kvlab.hf.batch)
 
@@ -350,6 +364,7 @@ class CompressedCache(Cache):
                 policy=self.policy,
                 keep=self.keep,
                 rope=self.rope,
+                packed_path=self.rule.packed_path,
                 _row_of=self,
             )
             for _ in range(n)
@@ -375,9 +390,9 @@ class CompressedCache(Cache):
             or not _attends_plainly(model)
         ):
             return None
-        from kvlab.compress.quant.attention import library
+        from kvlab.compress.quant.attention import packed_path
 
-        if library() is None:
+        if packed_path(x.device, self.rule.packed_path) is None:
             return None
         before = model.config._attn_implementation
         step = _Step(self.rule)
@@ -388,6 +403,8 @@ class CompressedCache(Cache):
             _STEPS.stack.remove(step)
             model.set_attn_implementation(before)
             self.packed_steps += step.consumed > 0
+            for path in step.paths:
+                self.packed_steps_by_path[path] += 1
             if out is not None and step.views:
                 raise UnsupportedModelError(
                     "the model did not attend through transformers' attention interface in every layer, so "
@@ -440,8 +457,9 @@ def logits_on_layers(
     inputs are copied, never written.
     """
     cache = dynamic_cache_from_layers(keys, values, handle.config)
-    positions = torch.arange(start_position, start_position + len(tokens))
-    return handle.run(torch.as_tensor(tokens), cache, positions=positions).logits[0].float()
+    positions = torch.arange(start_position, start_position + len(tokens), device=handle.device)
+    ids = torch.as_tensor(tokens, device=handle.device)
+    return handle.run(ids, cache, positions=positions).logits[0].float()
 
 
 @torch.no_grad()
@@ -459,15 +477,16 @@ def greedy_on_layers(
     cache = dynamic_cache_from_layers(keys, values, handle.config)
     position = start_position + len(prompt)
     first = handle.run(
-        torch.as_tensor(prompt),
+        torch.as_tensor(prompt, device=handle.device),
         cache,
-        positions=torch.arange(start_position, position),
+        positions=torch.arange(start_position, position, device=handle.device),
         logits_to_keep=1,
     ).logits[:, -1]
 
     def feed(tokens: torch.Tensor) -> torch.Tensor:
         nonlocal position
-        out = handle.run(tokens[:, None], cache, positions=torch.tensor([position]), logits_to_keep=1)
+        at = torch.tensor([position], device=handle.device)
+        out = handle.run(tokens[:, None], cache, positions=at, logits_to_keep=1)
         position += 1
         return out.logits[:, -1]
 

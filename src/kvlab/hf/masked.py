@@ -42,10 +42,13 @@ def forward_masked(
         raise BadInputError(f"visible must be a bool [{n}, {past_len + n}] mask, got {tuple(visible.shape)}")
     if past is not None and past.fingerprint != handle.fingerprint:
         raise BadInputError("the past cache comes from another model")
-    dtype = handle.dtype
+    dtype, device = handle.dtype, handle.device
 
     def as_float(v: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(v.shape, dtype=dtype).masked_fill(~v, torch.finfo(dtype).min)[None, None]
+        hidden = ~v.to(device)
+        return torch.zeros(v.shape, dtype=dtype, device=device).masked_fill(hidden, torch.finfo(dtype).min)[
+            None, None
+        ]
 
     windows = sliding_windows(handle.config)
     mask: torch.Tensor | dict[str, torch.Tensor]

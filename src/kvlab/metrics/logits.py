@@ -6,6 +6,8 @@ divergences (1e-6) are not rounding noise.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -22,7 +24,7 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tenso
 def js_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """Jensen-Shannon divergence in nats per row (symmetric, at most ln 2)."""
     lp, lq = _logp(p_logits), _logp(q_logits)
-    m = torch.logsumexp(torch.stack((lp, lq)), dim=0) - torch.log(torch.tensor(2.0, dtype=torch.float64))
+    m = torch.logsumexp(torch.stack((lp, lq)), dim=0) - math.log(2.0)
     return (0.5 * (lp.exp() * (lp - m)).sum(-1) + 0.5 * (lq.exp() * (lq - m)).sum(-1)).clamp_min(0.0)
 
 
@@ -37,8 +39,10 @@ def topk_overlap(a: torch.Tensor, b: torch.Tensor, k: int = 10) -> torch.Tensor:
 
 
 def nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Negative log-likelihood (nats) of ``targets [T]`` under ``logits [T, vocab]``, per token."""
-    return -_logp(logits).gather(-1, targets.long()[..., None]).squeeze(-1)
+    """Negative log-likelihood (nats) of ``targets [T]`` under ``logits [T, vocab]``, per token (on the
+    logits' device: targets made on the host are moved there)."""
+    idx = targets.to(device=logits.device, dtype=torch.long)
+    return -_logp(logits).gather(-1, idx[..., None]).squeeze(-1)
 
 
 def perplexity(token_nll: torch.Tensor) -> float:

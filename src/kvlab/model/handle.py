@@ -172,10 +172,11 @@ class ModelHandle:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def _as_ids(self, tokens: TokensLike) -> torch.Tensor:
+        """``[batch, n]`` token ids on the host (checked there; a snapshot keeps them there)."""
         if isinstance(tokens, str):
-            ids = torch.tensor([self.encode(tokens)], dtype=torch.long)
+            ids = torch.tensor([self.encode(tokens)], dtype=torch.long, device="cpu")
         else:
-            ids = torch.as_tensor(tokens, dtype=torch.long)
+            ids = torch.as_tensor(tokens, dtype=torch.long, device="cpu")
             if ids.ndim == 1:
                 ids = ids[None]
         if ids.ndim != 2 or ids.shape[1] == 0:
@@ -205,10 +206,10 @@ class ModelHandle:
         ids = self._as_ids(tokens).to(self.device)
         n_new = ids.shape[1]
         start = past.next_position if past is not None else 0
-        pos = (
-            torch.arange(start, start + n_new)
+        pos = (  # positions are snapshot metadata: on the host (run moves them to the model)
+            torch.arange(start, start + n_new, device="cpu")
             if positions is None
-            else torch.as_tensor(positions, dtype=torch.long)
+            else torch.as_tensor(positions, dtype=torch.long, device="cpu")
         )
         if tuple(pos.shape) != (n_new,):
             raise BadInputError(f"got {tuple(pos.shape)} positions for {n_new} new tokens")
@@ -237,9 +238,11 @@ class ModelHandle:
             logits_to_keep=0 if all_logits else 1,
         )
         token_ids = ids.cpu() if past is None else torch.cat((past.token_ids, ids.cpu()), dim=1)
-        positions_all = pos if past is None else torch.cat((past.positions, pos))
+        positions_all = pos if past is None else torch.cat((past.positions.cpu(), pos))
         # A prefill only when every slot is this model's own computation at positions 0..T-1.
-        exact = (past is None or past.is_prefill) and torch.equal(positions_all, torch.arange(total))
+        exact = (past is None or past.is_prefill) and torch.equal(
+            positions_all, torch.arange(total, device="cpu")
+        )
         snapshot = snapshot_from_hf(
             cache,  # the cache this pass extended (transformers 5.24 renamed the output's field)
             token_ids=token_ids,
@@ -279,8 +282,8 @@ class ModelHandle:
         Writes into ``cache`` (that is what a live cache is for; without one, nothing is cached);
         returns transformers' output.
         """
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        ids = (ids[None] if ids.ndim == 1 else ids).to(self.device)
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = ids[None] if ids.ndim == 1 else ids
         kwargs: dict[str, Any] = {
             "input_ids": ids,
             "use_cache": cache is not None,
@@ -289,7 +292,7 @@ class ModelHandle:
         if cache is not None:
             kwargs[self._cache_kwarg] = cache
         if positions is not None:
-            pos = torch.as_tensor(positions, dtype=torch.long).to(self.device)
+            pos = torch.as_tensor(positions, dtype=torch.long, device=self.device)
             kwargs["position_ids"] = (pos[None] if pos.ndim == 1 else pos).expand(ids.shape[0], -1)
         if isinstance(attention_mask, dict):  # one prepared mask per layer type (hybrid models)
             kwargs["attention_mask"] = {k: m.to(self.device) for k, m in attention_mask.items()}
@@ -321,7 +324,8 @@ class ModelHandle:
         n = self._as_ids(tokens).shape[1]
         if start_position < 0:
             raise BadInputError(f"start_position must be >= 0, got {start_position}")
-        return self.forward(tokens, None, positions=torch.arange(start_position, start_position + n), **kw)
+        positions = torch.arange(start_position, start_position + n, device="cpu")
+        return self.forward(tokens, None, positions=positions, **kw)
 
     def extend(self, past: KVSnapshot, tokens: TokensLike, **kw) -> Forward:
         """Feed ``tokens`` after the cached ones (the cache of A, then B, equals prefilling A+B)."""

@@ -36,7 +36,10 @@ def recompute_slots(
     ``before`` (optional): cached slots in front of ``snapshot`` that every recomputed token sees but
     that are not returned (a reused chunk's left context). Returns a new snapshot; inputs untouched.
     """
-    idx = torch.as_tensor(list(slots) if not isinstance(slots, torch.Tensor) else slots, dtype=torch.long)
+    # slot indices and the visibility mask are host bookkeeping (forward_masked moves the mask)
+    idx = torch.as_tensor(
+        list(slots) if not isinstance(slots, torch.Tensor) else slots, dtype=torch.long, device="cpu"
+    )
     if idx.numel() == 0:
         return snapshot
     idx = idx.unique(sorted=True)
@@ -48,10 +51,10 @@ def recompute_slots(
     offset = 0 if before is None else before.seq_len
     r, total = int(idx.numel()), past.seq_len
     absolute = idx + offset
-    visible = torch.zeros((r, total + r), dtype=torch.bool)
-    visible[:, :total] = torch.arange(total)[None, :] < absolute[:, None]
+    visible = torch.zeros((r, total + r), dtype=torch.bool, device="cpu")
+    visible[:, :total] = torch.arange(total, device="cpu")[None, :] < absolute[:, None]
     visible[:, absolute] = False  # a recomputed slot's stale K/V is never seen...
-    visible[:, total:] = torch.tril(torch.ones(r, r, dtype=torch.bool))  # ...its fresh one is
+    visible[:, total:] = torch.tril(torch.ones(r, r, dtype=torch.bool, device="cpu"))  # ...its fresh one is
     keys, values, _ = forward_masked(
         handle, past, snapshot.token_ids[0, idx], snapshot.positions[idx], visible
     )

@@ -19,6 +19,11 @@ angles in fp32 would cost ~1e-3 at ``|delta|`` in the thousands.
 
 Shapes: ``x`` is ``[..., T, head_dim]`` (kvlab caches hold ``[batch, kv_heads, T, head_dim]``, often as
 a strided slice of a larger buffer: views are fine).
+
+Autograd: the preallocated outputs (``out=``) and the reused scratch buffer are what autograd refuses
+(``out=`` ops are not differentiable; a scratch overwritten chunk after chunk would corrupt what the
+backward pass saved), so where a gradient is wanted (grad mode on and ``x`` or ``out`` requiring one)
+both functions compute the rotation out of place and write it with one differentiable copy.
 """
 
 from __future__ import annotations
@@ -46,10 +51,10 @@ def _cos_sin(
     ``cos_full`` holds each pair's cosine at both members' dimensions and 1 at the pass-through
     dimensions of a partial rotary, so ``x * cos_full`` is one contiguous kernel over whole keys.
     """
-    theta = float(delta) * torch.tensor(inv_freq, dtype=torch.float64)
+    theta = float(delta) * torch.tensor(inv_freq, dtype=torch.float64, device="cpu")  # host, then cast once
     cos, sin = theta.cos(), theta.sin()
     rot = torch.cat([cos, cos]) if pairing == "half" else cos.repeat_interleave(2)
-    full = torch.cat([rot, torch.ones(head_dim - rot.numel(), dtype=torch.float64)])
+    full = torch.cat([rot, torch.ones(head_dim - rot.numel(), dtype=torch.float64, device="cpu")])
     cast = {"device": device, "dtype": dtype}
     return full.to(**cast), sin.to(**cast), (-sin).to(**cast)
 
@@ -70,6 +75,23 @@ def _chunks(x: torch.Tensor, *others: torch.Tensor):
         yield (x[..., a : a + step, :], *(o[..., a : a + step, :] for o in others))
 
 
+def _wants_grad(*ts: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def _rotated(x: torch.Tensor, delta: int, spec: RopeSpec) -> torch.Tensor:
+    """A new tensor: ``x`` rotated by ``delta`` with differentiable ops only (the autograd path)."""
+    cos_full, sin, nsin = _cos_sin(
+        int(delta), spec.inv_freq, spec.pairing, spec.head_dim, x.dtype, str(x.device)
+    )
+    y = x * cos_full  # a fresh tensor: its halves may be updated in place, x is only read
+    x1, x2 = _halves(x, spec)
+    y1, y2 = _halves(y, spec)
+    y1.addcmul_(x2, nsin)
+    y2.addcmul_(x1, sin)
+    return y
+
+
 def _check(x: torch.Tensor, spec: RopeSpec) -> None:
     require_one_spec(spec)
     if x.shape[-1] != spec.head_dim:
@@ -86,10 +108,13 @@ def rotate_by(x: torch.Tensor, delta: int, spec: RopeSpec, out: torch.Tensor | N
     the RoPE is shift-exact (``spec.require_shift_exact``). See the module docstring for accuracy.
     """
     _check(x, spec)
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        raise BadInputError(f"out has shape {tuple(out.shape)} {out.dtype}, keys {tuple(x.shape)} {x.dtype}")
+    if _wants_grad(x, out):
+        y = x.clone() if delta == 0 else _rotated(x, delta, spec)
+        return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty_like(x)
-    elif out.shape != x.shape or out.dtype != x.dtype:
-        raise BadInputError(f"out has shape {tuple(out.shape)} {out.dtype}, keys {tuple(x.shape)} {x.dtype}")
     if delta == 0:
         return out.copy_(x)
     cos_full, sin, nsin = _cos_sin(
@@ -113,6 +138,8 @@ def rotate_by_(x: torch.Tensor, delta: int, spec: RopeSpec) -> torch.Tensor:
     _check(x, spec)
     if delta == 0:
         return x
+    if _wants_grad(x):  # rotate a copy (the backward pass keeps what it read), then write it back
+        return x.copy_(_rotated(x.clone(), delta, spec))
     cos_full, sin, nsin = _cos_sin(
         int(delta), spec.inv_freq, spec.pairing, spec.head_dim, x.dtype, str(x.device)
     )

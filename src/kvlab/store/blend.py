@@ -41,8 +41,13 @@ class Correction(Protocol):
     name: str
 
     def select(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
-        """Chunk-local slot indices (sorted, int64) to recompute; ``chunk`` is already at its new positions."""
+        """Chunk-local slot indices (sorted, int64, on the host like every slot index) to recompute;
+        ``chunk`` is already at its new positions."""
         ...
+
+
+def _no_slots() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.long, device="cpu")
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class RotateOnly:
     name: str = "none"
 
     def select(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.long)
+        return _no_slots()
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,7 @@ class RecomputeFirst:
     def select(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
         if self.k < 0:
             raise BadInputError(f"k must be >= 0, got {self.k}")
-        return (
-            torch.arange(min(self.k, chunk.seq_len))
-            if before is not None
-            else torch.empty(0, dtype=torch.long)
-        )
+        return torch.arange(min(self.k, chunk.seq_len), device="cpu") if before is not None else _no_slots()
 
 
 @dataclass(frozen=True)
@@ -91,11 +92,11 @@ class RecomputeDeviating:
         if not 0.0 <= self.ratio <= 1.0:
             raise BadInputError(f"ratio must lie in [0, 1], got {self.ratio}")
         if before is None:
-            return torch.empty(0, dtype=torch.long)  # nothing precedes the chunk: its cache is exact
+            return _no_slots()  # nothing precedes the chunk: its cache is exact
         count = math.ceil(self.ratio * chunk.seq_len)
         if count == 0:
-            return torch.empty(0, dtype=torch.long)
-        return torch.topk(self.scores(handle, before, chunk), count).indices.sort().values
+            return _no_slots()
+        return torch.topk(self.scores(handle, before, chunk), count).indices.sort().values.cpu()
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class RecomputeAll:
     name: str = "full"
 
     def select(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
-        return torch.arange(chunk.seq_len) if before is not None else torch.empty(0, dtype=torch.long)
+        return torch.arange(chunk.seq_len, device="cpu") if before is not None else _no_slots()
 
 
 CORRECTIONS = {
@@ -157,7 +158,7 @@ def blend(handle: ModelHandle, pieces: Sequence[Piece], correction: Correction |
                 raise BadInputError("a reused chunk was cached by another model")
             if piece.batch_size != 1:
                 raise BadInputError("reused chunks must have batch 1")
-            moved = piece.with_positions(torch.arange(pos, pos + piece.seq_len))
+            moved = piece.with_positions(torch.arange(pos, pos + piece.seq_len, device="cpu"))
             slots = correction.select(handle, snap, moved)
             moved = recompute_slots(handle, moved, slots, before=snap)
             snap = moved if snap is None else concat(snap, moved)
@@ -179,7 +180,7 @@ def chunk_cache(handle: ModelHandle, store: Any, ids: Sequence[int]) -> KVSnapsh
     from kvlab.store.reuse import prefill_with_store
 
     ids = [int(t) for t in ids]
-    match = store.lookup(ids, store.namespace(handle))
+    match = store.lookup(ids, store.namespace(handle), device=handle.device)
     if match.snapshot is not None and match.cached_tokens == len(ids):
         return match.snapshot
     return prefill_with_store(handle, store, ids).snapshot

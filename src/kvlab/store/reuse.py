@@ -85,7 +85,7 @@ def prefill_with_store(
     ids = _ids(handle, prompt, chat)
     ns = store.namespace(handle, salt=salt)
     t0 = time.perf_counter()
-    match = store.lookup(ids, ns, max_tokens=len(ids) - 1)
+    match = store.lookup(ids, ns, max_tokens=len(ids) - 1, device=handle.device)
     t1 = time.perf_counter()
     rest = ids[match.cached_tokens :]
     fwd = (

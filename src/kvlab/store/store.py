@@ -130,7 +130,7 @@ class KVStore:
         """
         if snapshot.batch_size != 1:
             raise BadInputError(f"the store keeps one sequence per cache; got batch {snapshot.batch_size}")
-        if not torch.equal(snapshot.positions.cpu(), torch.arange(snapshot.seq_len)):
+        if not torch.equal(snapshot.positions.cpu(), torch.arange(snapshot.seq_len, device="cpu")):
             raise BadInputError(
                 "only prefix caches (positions 0..T-1, as a prefill makes) can be stored; "
                 "re-prefill a rolled or shifted cache first"
@@ -219,13 +219,19 @@ class KVStore:
         return None
 
     def lookup(
-        self, token_ids: Sequence[int] | torch.Tensor, namespace: Namespace, *, max_tokens: int | None = None
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        namespace: Namespace,
+        *,
+        max_tokens: int | None = None,
+        device: str | torch.device | None = None,
     ) -> Match:
         """The longest stored prefix of ``token_ids`` (at most ``max_tokens`` of them) as a snapshot.
 
         ``namespace`` must come from this store (:meth:`namespace`); blocks of any other model, dtype,
         RoPE or salt hash differently and are never found. Plans the chain first (which tier holds each
-        block), then reads every block straight into one preallocated K and V.
+        block), then reads every block straight into one preallocated K and V (host memory, where the
+        tiers read), moved once to ``device`` (the model's, to feed it; default: stay on the host).
         """
         started = time.perf_counter()
         ids = [
@@ -259,6 +265,8 @@ class KVStore:
                 plan.append((best[0], parent, best[1], best[2]))
                 planned += best[2]
         snapshot, used, served = self._load(plan, namespace, ids) if plan else (None, [], {})
+        if snapshot is not None and device is not None:
+            snapshot = snapshot.to(device=device)
         cached = sum(p[3] for p in plan[: len(used)])
         self.lookups += 1
         self.hit_tokens += cached
@@ -368,8 +376,8 @@ class KVStore:
         snapshot = KVSnapshot(
             keys=tuple(keys[i].unsqueeze(0) for i in range(keys.shape[0])),
             values=tuple(values[i].unsqueeze(0) for i in range(values.shape[0])),
-            token_ids=torch.tensor([ids[:at]], dtype=torch.long),
-            positions=torch.arange(at),
+            token_ids=torch.tensor([ids[:at]], dtype=torch.long, device="cpu"),
+            positions=torch.arange(at, device="cpu"),
             rope=namespace.rope,
             fingerprint=namespace.fingerprint,
             model_name=namespace.model_name,
@@ -404,8 +412,9 @@ class KVStore:
                 return block
         raise BlockNotFoundError(f"no block {block_hash[:16]} in this store (see `kvlab store ls`)")
 
-    def prefix_snapshot(self, block_hash: str) -> KVSnapshot:
-        """The whole cached prefix that ends with block ``block_hash``, rebuilt from the store."""
+    def prefix_snapshot(self, block_hash: str, *, device: str | torch.device | None = None) -> KVSnapshot:
+        """The whole cached prefix that ends with block ``block_hash``, rebuilt from the store (K/V on
+        ``device``; default: the host)."""
         chain = [self.find_block(block_hash)]
         seen = {chain[0].hash}
         while chain[-1].parent != chain[-1].namespace:
@@ -443,7 +452,8 @@ class KVStore:
                 self.malformed += 1
                 raise CorruptBlockError(f"block {b.hash[:16]} does not fit the chain of {block_hash[:16]}")
             at += b.num_tokens
-        return _assemble(chain, ns)
+        snapshot = _assemble(chain, ns)
+        return snapshot if device is None else snapshot.to(device=device)
 
     def stats(self) -> dict:
         tiers = {}
@@ -495,7 +505,7 @@ def _owned(block: Block) -> Block:
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised output tensor (plain ``torch.empty``).
+    """An uninitialised output tensor in host memory, where the tiers read (plain ``torch.empty``).
 
     Transparent huge pages were tried (an anonymous map advised ``MADV_HUGEPAGE``). Measured here on
     97 MB outputs, 2026-11-25: in a long-lived process they make loads 2x faster once the kernel has
@@ -503,7 +513,7 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     memory (98-244 ms vs 17-75 ms), and a lookup allocates two outputs, so even "plain pages first"
     stalled on the second. Plain pages are predictable; a server that wants the 2x can pool outputs.
     """
-    return torch.empty(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, device="cpu")
 
 
 def _assemble(blocks: list[Block], namespace: Namespace) -> KVSnapshot:
@@ -522,8 +532,8 @@ def _assemble(blocks: list[Block], namespace: Namespace) -> KVSnapshot:
     return KVSnapshot(
         keys=tuple(keys[i].unsqueeze(0) for i in range(keys.shape[0])),
         values=tuple(values[i].unsqueeze(0) for i in range(values.shape[0])),
-        token_ids=torch.tensor([ids], dtype=torch.long),
-        positions=torch.arange(total),
+        token_ids=torch.tensor([ids], dtype=torch.long, device="cpu"),
+        positions=torch.arange(total, device="cpu"),
         rope=namespace.rope,
         fingerprint=namespace.fingerprint,
         model_name=namespace.model_name,

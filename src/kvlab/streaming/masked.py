@@ -70,7 +70,8 @@ def masked_rolling_nll(
     :func:`kvlab.streaming.stream_nll` computes token loop by token loop, in about ``n / block`` forwards.
     ``handle``: a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM."""
     handle = as_handle(handle)
-    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    # the schedule (ids, slots, what each query sees) is host bookkeeping; forward_masked moves what it feeds
+    ids = torch.as_tensor(ids, dtype=torch.long, device="cpu").reshape(-1)
     n_q = ids.numel() - 1
     if n_q < 1 or block < 1:
         raise BadInputError("masked evaluation needs at least 2 tokens and a block of at least 1")
@@ -79,12 +80,14 @@ def masked_rolling_nll(
             "masked rolling evaluation re-positions sinks, which needs a model with RoPE"
         )
     handle.rope.require_shift_exact("masked rolling evaluation")
-    dropped = torch.from_numpy(
+    dropped = torch.from_numpy(  # device: host bookkeeping, like the rest of the schedule
         evicted_before(n_q, sinks=sinks, window=window, feed=feed, evict_chunk=evict_chunk)
     )
     live: KVSnapshot | None = None
     sink_keys: KVSnapshot | None = None
-    slot_stream = slot_copy = torch.zeros(0, dtype=torch.long)  # per live slot: stream index | copy's d
+    slot_stream = slot_copy = torch.zeros(
+        0, dtype=torch.long, device="cpu"
+    )  # per live slot: stream index | copy's d
     out, b0 = [], 0
     while b0 < n_q:
         b1 = min(b0 + block, n_q)
@@ -93,7 +96,7 @@ def masked_rolling_nll(
         copies = sorted(set(dropped[b0:b1].tolist()) - set(slot_copy.tolist()) - {0}) if sinks else []
         if copies:
             live, slot_stream, slot_copy = _add_sink_copies(live, sink_keys, copies, slot_stream, slot_copy)
-        q = torch.arange(b0, b1)
+        q = torch.arange(b0, b1, device="cpu")
         visible = _visible(
             torch.cat((slot_stream, q)), torch.cat((slot_copy, torch.zeros_like(q))), q, dropped[q], sinks
         )
@@ -112,7 +115,7 @@ def masked_rolling_nll(
         if on_progress:
             on_progress(b1 - b0)
         b0 = b1
-    return torch.cat(out).numpy()
+    return torch.cat(out).cpu().numpy()
 
 
 def _add_sink_copies(live, sink_keys, copies: list[int], slot_stream, slot_copy):
@@ -122,9 +125,9 @@ def _add_sink_copies(live, sink_keys, copies: list[int], slot_stream, slot_copy)
         raise RuntimeError("sink copies are needed before the sinks were computed")
     sinks = sink_keys.seq_len
     for d in copies:
-        live = concat(live, sink_keys.with_positions(torch.arange(d, d + sinks)))
-        slot_stream = torch.cat((slot_stream, torch.full((sinks,), -1)))
-        slot_copy = torch.cat((slot_copy, torch.full((sinks,), d)))
+        live = concat(live, sink_keys.with_positions(torch.arange(d, d + sinks, device="cpu")))
+        slot_stream = torch.cat((slot_stream, torch.full((sinks,), -1, device="cpu")))
+        slot_copy = torch.cat((slot_copy, torch.full((sinks,), d, device="cpu")))
     return live, slot_stream, slot_copy
 
 

@@ -110,7 +110,11 @@ def _rolling_nll(
         out.append(nll(logits, ids[0, start + 1 : start + 1 + chunk.shape[1]]))
         if on_chunk:
             on_chunk(chunk.shape[1])
-    return torch.cat(out).numpy(), {"rolls": cache.rolls, "rebases": cache.rebases, "max_position": max_pos}
+    return torch.cat(out).cpu().numpy(), {
+        "rolls": cache.rolls,
+        "rebases": cache.rebases,
+        "max_position": max_pos,
+    }
 
 
 def _full_nll(handle, ids: torch.Tensor, feed: int, on_chunk) -> np.ndarray:
@@ -125,7 +129,7 @@ def _full_nll(handle, ids: torch.Tensor, feed: int, on_chunk) -> np.ndarray:
         out.append(nll(logits, ids[0, start + 1 : start + 1 + chunk.shape[1]]))
         if on_chunk:
             on_chunk(chunk.shape[1])
-    return torch.cat(out).numpy()
+    return torch.cat(out).cpu().numpy()
 
 
 def _recompute_nll(
@@ -137,10 +141,10 @@ def _recompute_nll(
         ts = targets[i : i + batch]
         x = torch.stack([ids[0, t - window : t] for t in ts])
         logits = handle.run(x, logits_to_keep=1).logits[:, -1].float()
-        out.append(nll(logits, ids[0, torch.as_tensor(ts)]))
+        out.append(nll(logits, ids[0, torch.as_tensor(ts, device=ids.device)]))
         if on_chunk:
             on_chunk(len(ts) * window)
-    return torch.cat(out).numpy()
+    return torch.cat(out).cpu().numpy()
 
 
 def _masked_is_exact(handle, n: int) -> bool:
@@ -183,7 +187,7 @@ def stream_nll(
     if path not in ("auto", "masked", "loop"):
         raise BadInputError(f"path must be 'auto', 'masked' or 'loop', got {path!r}")
     m = METHODS[method]
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=handle.device)[None]
     n = ids.shape[1]
     if n < 2:
         raise BadInputError("the text needs at least 2 tokens")

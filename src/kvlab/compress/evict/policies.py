@@ -58,7 +58,8 @@ class LayerView:
             q = self.require_queries("this policy")
             t = self.seq_len
             n = min(n, t)
-            a = attention_weights(q[:, :, t - n :], self.keys, self.scaling, torch.arange(t - n, t))
+            slots = torch.arange(t - n, t, device=q.device)
+            a = attention_weights(q[:, :, t - n :], self.keys, self.scaling, slots)
             self._memo[key] = _group_mean(a.mean(dim=2), self.keys.shape[1])
         return self._memo[key]
 
@@ -67,10 +68,11 @@ class LayerView:
         """Attention each slot received from every context query, ``[B, Hkv, T]`` (sum over queries, group mean)."""
         q = self.require_queries("this policy")
         t = self.seq_len
-        total = torch.zeros(q.shape[0], q.shape[1], t)
+        total = torch.zeros(q.shape[0], q.shape[1], t, device=q.device)
         for s in range(0, t, 256):
             e = min(s + 256, t)
-            total += attention_weights(q[:, :, s:e], self.keys, self.scaling, torch.arange(s, e)).sum(dim=2)
+            slots = torch.arange(s, e, device=q.device)
+            total += attention_weights(q[:, :, s:e], self.keys, self.scaling, slots).sum(dim=2)
         return _group_mean(total, self.keys.shape[1])
 
 
@@ -120,7 +122,7 @@ class SlidingWindow(Policy):
     name = "window"
 
     def score(self, view: LayerView) -> torch.Tensor:
-        return _broadcast(torch.arange(view.seq_len), view)
+        return _broadcast(torch.arange(view.seq_len, device=view.keys.device), view)
 
 
 @dataclass(frozen=True)
@@ -191,4 +193,5 @@ class RandomPolicy(Policy):
     def score(self, view: LayerView) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1000 + view.layer)
         b, h = view.keys.shape[:2]
-        return torch.rand(b, h, view.seq_len, generator=gen)
+        # drawn on the host, so a seed gives the same scores on every device, then moved to the keys
+        return torch.rand(b, h, view.seq_len, generator=gen, device="cpu").to(view.keys.device)

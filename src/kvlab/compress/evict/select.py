@@ -51,10 +51,10 @@ def keep_indices(scores: torch.Tensor, n_keep: int, sinks: int = 0, window: int 
     s = torch.where(torch.isfinite(s), s, torch.full_like(s, -1e30))
     # the protected slots are a SinksWindow's, with the window cut to what the budget leaves
     sink_end, window_start = SinksWindow(sinks, max(0, min(window, n_keep - min(sinks, t)))).bounds(t)
-    bonus = torch.zeros(t)
+    bonus = torch.zeros(t, device=s.device)
     bonus[window_start:] = 1e35  # below the sinks' bonus, above any score
     bonus[:sink_end] = 1e36
-    idx = torch.topk(s + bonus.to(s.device), n_keep, dim=-1).indices
+    idx = torch.topk(s + bonus, n_keep, dim=-1).indices
     return idx.sort(dim=-1).values
 
 
@@ -96,7 +96,7 @@ class EvictedCache:
             return self
         if self.rope is None:
             raise BadInputError("re-packing positions needs a model with RoPE")
-        target = torch.arange(self.n_keep)
+        target = torch.arange(self.n_keep, device=self.positions[0].device)
         keys = tuple(
             k if (spec := self.rope.for_layer(i)) is None else shift_keys(k, (target - p).to(k.device), spec)
             for i, (k, p) in enumerate(zip(self.keys, self.positions, strict=True))

@@ -118,7 +118,7 @@ class RotatedCode:
         if self.signs is not None and self.norms is not None:
             b, h, n, d = y.shape
             bits = unpack_bits(self.signs, 1, b * h * n * self.sketch_dim).view(b, h, n, self.sketch_dim)
-            proj = sketch_matrix(d, self.sketch_dim)
+            proj = sketch_matrix(d, self.sketch_dim, device=y.device)
             y = y + sketch_estimate(bits.float() * 2 - 1, self.norms.float(), proj)
         out = unrotate_heads(y, self.rot)
         if self.mean is not None:
@@ -337,7 +337,7 @@ class RotatedQuantizer(Quantizer):
 
     def encode(self, keys, values, positions, rope) -> Segment:
         h, d = keys.shape[1], keys.shape[-1]
-        rot = rotation_matrix(d, self.rotation, self.seed, h)
+        rot = rotation_matrix(d, self.rotation, self.seed, h, keys.device)
         k, kextra = self._centre(keys.float(), positions, rope)
         v, vextra = values.float(), {}
         if self.center_values and self.center == "proj":
@@ -348,7 +348,7 @@ class RotatedQuantizer(Quantizer):
         else:
             inner = self._code(rk, self.bits - 1)
             resid = rk - inner.decode().float()
-            proj = sketch_matrix(d, d)
+            proj = sketch_matrix(d, d, device=rk.device)
             signs = (resid @ proj.T) >= 0
             kcode = RotatedCode(
                 inner,
