@@ -29,13 +29,70 @@ FullOpt = Annotated[bool, typer.Option("--full", help="Thorough profile (slower;
 SeedOpt = Annotated[
     int, typer.Option("--seed", help="Seed for choosing text samples, permutations and bootstrap intervals.")
 ]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16.")]
+
+
+def device_name_value(value: str | None) -> str | None:
+    """Typer callback for a ``--device`` that may name a device of another machine (``kvlab sweep --ray``:
+    the cluster's GPUs): its form only, here; where it runs checks the rest."""
+    if value is None:
+        return None
+    from kvlab.errors import KvlabError
+    from kvlab.model.loading import check_device_name
+
+    try:
+        return check_device_name(value)
+    except KvlabError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def device_value(value: str | None) -> str | None:
+    """Typer callback for ``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``, checked here, before any
+    work: a name kvlab does not know, CUDA that this torch build or machine lacks, or a device index past
+    the device count is one line and exit code 2. ``auto`` stays ``auto`` (the library resolves it)."""
+    name = device_name_value(value)
+    if name is not None and name.startswith("cuda"):
+        from kvlab.errors import KvlabError
+        from kvlab.model.loading import resolve_device
+
+        try:
+            resolve_device(name)
+        except KvlabError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return name
+
+
+def dtype_value(value: str | None) -> str | None:
+    """Typer callback for ``--dtype``: a dtype the model can be loaded in, checked before any work."""
+    if not value:
+        return value
+    from kvlab.errors import KvlabError
+    from kvlab.model.loading import parse_dtype
+
+    try:
+        parse_dtype(value)
+    except KvlabError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+DEVICE_HELP = "Where the model runs: auto (CUDA when there is a GPU, else cpu), cpu, cuda or cuda:N."
+DTYPE_HELP = "Model dtype: float32, bfloat16, float16."
+DeviceOpt = Annotated[str, typer.Option("--device", callback=device_value, help=DEVICE_HELP)]
+DtypeOpt = Annotated[str, typer.Option("--dtype", callback=dtype_value, help=DTYPE_HELP)]
+#: ``--load-in-4bit``: the Phase 1 set-up (NF4 weights via bitsandbytes, CUDA only)
+FourBitOpt = Annotated[
+    bool,
+    typer.Option(
+        "--load-in-4bit",
+        help="Load the weights in 4-bit NF4 (bitsandbytes; needs a CUDA GPU), as in Phase 1.",
+    ),
+]
 
 
 # One vocabulary for every command (validated at parse time, so bad values fail before any model loads):
 # --text/-T a UTF-8 text file, --model/-m, --context/-c tokens per sample, --window/-w cache window,
 # --roll/-r tokens rolled off, --sinks/-s, --max-new-tokens/-n, --samples text samples, --seed,
-# --out/-o, --json.
+# --out/-o, --json, and on every command that loads a model --device and --dtype.
 def text_file(value: Path | None) -> Path | None:
     """Typer callback: an existing, readable UTF-8 text file (checked before any work starts)."""
     if value is None:
@@ -128,6 +185,8 @@ _SHARED_OPTIONS = (
     ("quick", QuickOpt, False),
     ("full", FullOpt, False),
     ("seed", SeedOpt, 0),
+    ("device", DeviceOpt, "auto"),
+    ("dtype", DtypeOpt, "float32"),
 )
 
 
@@ -138,7 +197,8 @@ def experiment_command(
 
     The function declares only the command's own options (its docstring is the help) and returns
     the experiment's options as a dict, or None to pass its own arguments through unchanged.
-    ``--model --out --json --quick --full --seed`` are appended here, once for every command.
+    ``--model --out --json --quick --full --seed --device --dtype`` are appended here, once for every
+    command.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -160,6 +220,8 @@ def experiment_command(
                 model=common["model"],
                 profile=profile_from(common["quick"], common["full"]),
                 seed=common["seed"],
+                device=common["device"],
+                dtype=common["dtype"],
                 **(kwargs if options is None else options),
             )
 
@@ -181,11 +243,15 @@ def run_and_report(
     profile: str = "default",
     seed: int = 0,
     dtype: str = "float32",
+    device: str = "auto",
+    load_in_4bit: bool = False,
     **options: Any,
 ) -> ExperimentResult:
     """Run one experiment into ``<out>/<name>-<timestamp>/`` and print a summary (or JSON)."""
+    from kvlab.model.loading import check_4bit, resolve_device
     from kvlab.study.runner import progress_display, run_experiment
 
+    device = check_4bit(device) if load_in_4bit else resolve_device(device)  # before anything is written
     check_output_dir(out)
     out_existed = Path(out).exists()
     try:
@@ -201,6 +267,8 @@ def run_and_report(
             seed=seed,
             model_spec=model,
             dtype=dtype,
+            device=device,
+            load_in_4bit=load_in_4bit,
             progress=progress,
             options={k: v for k, v in options.items() if v is not None},
         )

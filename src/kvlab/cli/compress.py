@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from kvlab.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
     JsonOpt,
     ModelOpt,
     SeedOpt,
@@ -97,6 +99,8 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         model: ModelOpt = "smollm2-135m",
+        device: DeviceOpt = "auto",
+        dtype: DtypeOpt = "float32",
         seed: SeedOpt = 0,
         json_out: JsonOpt = False,
     ) -> None:
@@ -108,7 +112,7 @@ def register(app: typer.Typer) -> None:
         from kvlab.model import load_model
         from kvlab.study.experiments.compression import TRAIN_CHARS
 
-        handle = load_model(model)
+        handle = load_model(model, device=device, dtype=dtype)
         src = read_text_file(text).text if text else python_docs().text[:TRAIN_CHARS]
         ids = handle.encode(src)
         wins = token_samples(ids, context + future, windows, seed=seed)

@@ -7,7 +7,24 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import JsonOpt, ModelOpt, OutOpt, QuickOpt, run_and_report
+from kvlab.cli.common import (
+    DeviceOpt,
+    FourBitOpt,
+    JsonOpt,
+    ModelOpt,
+    OutOpt,
+    QuickOpt,
+    dtype_value,
+    run_and_report,
+)
+from kvlab.errors import BadInputError
+
+CACHE_ONLY_DTYPES = ("int8", "float8")  # sizes a cache can be projected in, not dtypes a model loads in
+
+
+def _dtype(value: str) -> str:
+    """``--dtype``: a model dtype, or (for ``--config`` projections) a cache-only dtype like int8."""
+    return value if value in CACHE_ONLY_DTYPES else str(dtype_value(value))
 
 
 def register(app: typer.Typer) -> None:
@@ -20,9 +37,17 @@ def register(app: typer.Typer) -> None:
             list[str] | None, typer.Option("--prompt", "-p", help="Prompt(s) to cache (repeatable).")
         ] = None,
         dtype: Annotated[
-            str, typer.Option("--dtype", help="Cache dtype for bytes/token (default: the model's).")
+            str,
+            typer.Option(
+                "--dtype",
+                callback=_dtype,
+                help="Model dtype, and the cache dtype for bytes/token: float32 (default), bfloat16, "
+                "float16; with --config also int8 or float8 (default there: the config's).",
+            ),
         ] = "",
         model: ModelOpt = "smollm2-135m",
+        device: DeviceOpt = "auto",
+        load_in_4bit: FourBitOpt = False,
         out: OutOpt = Path("runs"),
         json_out: JsonOpt = False,
         quick: QuickOpt = False,
@@ -30,12 +55,19 @@ def register(app: typer.Typer) -> None:
         """Structure, bytes per token, growth projections and attention sinks of a model's KV cache."""
         from kvlab.study.experiments import get_experiment
 
+        if config is None and dtype in CACHE_ONLY_DTYPES:
+            raise BadInputError(
+                f"--dtype {dtype} sizes a cache from --config only; a model loads in float32, bfloat16 or float16"
+            )
         run_and_report(
             get_experiment("inspect"),
             out=out,
             json_out=json_out,
             model=model,
             profile="quick" if quick else "default",
+            dtype=dtype or "float32",
+            device=device,
+            load_in_4bit=load_in_4bit,
             config=config,
             prompts=prompt or None,
             cache_dtype=dtype or None,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import ModelOpt
+from kvlab.cli.common import DeviceOpt, DtypeOpt, ModelOpt
 from kvlab.errors import BadInputError
 
 
@@ -15,6 +15,8 @@ def register(app: typer.Typer) -> None:
     @app.command("serve")
     def serve(
         model: ModelOpt = "smollm2-135m",
+        device: DeviceOpt = "auto",
+        dtype: DtypeOpt = "float32",
         host: Annotated[
             str, typer.Option(help="Interface to listen on (127.0.0.1: this machine only).")
         ] = "127.0.0.1",
@@ -96,7 +98,7 @@ def register(app: typer.Typer) -> None:
             max_queue=max_queue,
             max_sessions=max_sessions,
         )
-        handle = load_model(model)
+        handle = load_model(model, device=device, dtype=dtype)
         check_settings(handle, settings)  # before the store creates a folder
         kv_store = open_store(store or "memory", memory_bytes=store_memory_mb * 2**20)
         engine = Engine(handle, settings, store=kv_store, metrics=Metrics())
@@ -111,7 +113,8 @@ def register(app: typer.Typer) -> None:
         config = uvicorn.Config(app_, host=host, port=port, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
         typer.echo(
-            f"kvlab serve: {model} on http://{host}:{port}/v1 ({kv_store.describe()}, window {window} + {sinks} sinks)",
+            f"kvlab serve: {model} on http://{host}:{port}/v1 ({kv_store.describe()}, window {window} + {sinks} sinks, "
+            f"{engine.device_description()})",
             err=True,
         )
         try:

@@ -15,6 +15,8 @@ from typing import Annotated, Any
 import typer
 
 from kvlab.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
     JsonOpt,
     ModelOpt,
     console,
@@ -141,6 +143,8 @@ def register(app: typer.Typer) -> None:
         block_tokens: BlockOpt = 64,
         salt: SaltOpt = None,
         model: ModelOpt = "smollm2-135m",
+        device: DeviceOpt = "auto",
+        dtype: DtypeOpt = "float32",
         json_out: JsonOpt = False,
     ) -> None:
         """Prefill TEXT and store its cache as blocks (blocks already stored are skipped)."""
@@ -153,7 +157,7 @@ def register(app: typer.Typer) -> None:
         if not body.strip():
             raise BadInputError("the text is empty")
         # model and prefill first: a failure there must not leave a new, empty store folder behind
-        h = load_model(model)
+        h = load_model(model, device=device, dtype=dtype)
         ids = h.encode(body, chat=chat)
         snap = h.prefill(ids, all_logits=False).snapshot
         st = _open(store, redis, create=True, block_tokens=block_tokens)
@@ -277,6 +281,8 @@ def register(app: typer.Typer) -> None:
         block_tokens: BlockOpt = 64,
         salt: SaltOpt = None,
         model: ModelOpt = "smollm2-135m",
+        device: DeviceOpt = "auto",
+        dtype: DtypeOpt = "float32",
         json_out: JsonOpt = False,
     ) -> None:
         """Greedy generation that loads the prompt's longest stored prefix and prefills only the rest."""
@@ -285,7 +291,9 @@ def register(app: typer.Typer) -> None:
 
         if not prompt.strip():
             raise BadInputError("the prompt is empty")
-        handle = load_model(model)  # before the store: a failure here creates nothing
+        handle = load_model(
+            model, device=device, dtype=dtype
+        )  # before the store: a failure here creates nothing
         st = _open(store, redis, create=True, block_tokens=block_tokens)
         res = reuse_generate(
             handle, st, prompt, max_new_tokens, chat=chat, salt=salt, store_prompt=not no_store

@@ -9,6 +9,8 @@ import typer
 from rich.table import Table as RichTable
 
 from kvlab.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
     FullOpt,
     ModelOpt,
     OutOpt,
@@ -28,6 +30,8 @@ def register(app: typer.Typer) -> None:
         quick: QuickOpt = False,
         full: FullOpt = False,
         seed: SeedOpt = 0,
+        device: DeviceOpt = "auto",
+        dtype: DtypeOpt = "float32",
         only: Annotated[
             list[str] | None, typer.Option("--only", help="Run only these experiments (repeatable).")
         ] = None,
@@ -37,14 +41,16 @@ def register(app: typer.Typer) -> None:
                 "--workers",
                 min=1,
                 help="Experiments run at once, each in its own process with its own model copy "
-                "(default: one per core, at most 4; 1 runs them one after another in this process).",
+                "(default: one per core, at most 4, and 1 on CUDA; 1 runs them one after another in this process).",
             ),
         ] = None,
     ) -> None:
         """Run every registered experiment on the model and write one HTML report."""
+        from kvlab.model.loading import resolve_device
         from kvlab.study.runner import default_workers, run_study
 
         profile = profile_from(quick, full)
+        device = resolve_device(device)
         check_output_dir(out)
         if profile == "full":
             console.print(
@@ -56,7 +62,9 @@ def register(app: typer.Typer) -> None:
             profile=profile,
             seed=seed,
             only=only,
-            workers=workers or default_workers(),
+            dtype=dtype,
+            device=device,
+            workers=workers or default_workers(device),
         )
         rt = RichTable(title="kvlab study", title_justify="left")
         for col in ("experiment", "status", "seconds"):

@@ -10,6 +10,8 @@ from typing import Annotated
 import typer
 
 from kvlab.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
     ModelOpt,
     SeedOpt,
     experiment_command,
@@ -142,6 +144,8 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--stats", help="Print tokens/s, rolls and memory to stderr at the end.")
         ] = False,
         model: ModelOpt = "smollm2-135m",
+        device: DeviceOpt = "auto",
+        dtype: DtypeOpt = "float32",
         seed: SeedOpt = 0,
     ) -> None:
         """Stream tokens with constant memory: sinks + a rolling window, positions re-based as needed."""
@@ -149,7 +153,7 @@ def register(app: typer.Typer) -> None:
         from kvlab.streaming import stream_generate
         from kvlab.streaming.generate import feed
 
-        handle = load_model(model)
+        handle = load_model(model, device=device, dtype=dtype)
         cache = _rolling(handle, window, sinks, evict_chunk)
         first = feed(handle, cache, handle.encode(prompt, chat=chat))
         t0, n = time.perf_counter(), 0
@@ -196,13 +200,15 @@ def register(app: typer.Typer) -> None:
             str, typer.Option("--system", help="System prompt (kept as the sinks' neighbourhood).")
         ] = "",
         model: ModelOpt = "smollm2-135m",
+        device: DeviceOpt = "auto",
+        dtype: DtypeOpt = "float32",
     ) -> None:
         """Interactive chat whose context rolls (suffix caching) instead of being re-prefilled. Ctrl-D quits."""
         from kvlab.model import load_model
         from kvlab.streaming import stream_generate
         from kvlab.streaming.generate import feed
 
-        handle = load_model(model)
+        handle = load_model(model, device=device, dtype=dtype)
         if handle.tokenizer is None or not getattr(handle.tokenizer, "chat_template", None):
             from kvlab.errors import UnsupportedModelError
 

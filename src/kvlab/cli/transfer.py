@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import ModelOpt, SeedOpt, console, experiment_command, finite, text_file
+from kvlab.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    SeedOpt,
+    console,
+    experiment_command,
+    finite,
+    text_file,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -98,6 +107,8 @@ def register(app: typer.Typer) -> None:
             str, typer.Option(help="Name under the kvlab cache dir.")
         ] = "smollm2-135m-shakespeare",
         model: ModelOpt = "smollm2-135m",
+        device: DeviceOpt = "auto",
+        dtype: DtypeOpt = "float32",
         seed: SeedOpt = 0,
     ) -> None:
         """Fine-tune a copy of the model on a text (~7 min on one CPU thread) and save it under the kvlab cache dir."""
@@ -107,7 +118,7 @@ def register(app: typer.Typer) -> None:
 
         derivative_dir(name)  # a name that would leave the cache dir is refused before any work
         source = read_text_file(text) if text is not None else default_training_text()
-        base = load_model(model)
+        base = load_model(model, device=device, dtype=dtype)
         with typer.progressbar(length=steps, label="fine-tuning", file=None) as bar:
             info = finetune_derivative(
                 base,

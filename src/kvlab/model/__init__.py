@@ -13,8 +13,11 @@ from kvlab.model.handle import Forward, Generation, ModelHandle, as_handle
 from kvlab.model.loading import (
     BUNDLED_NAME,
     cache_dir,
+    check_4bit,
+    describe_device,
     parse_dtype,
     quantization_config_4bit,
+    resolve_device,
     resolve_model_dir,
 )
 
@@ -25,7 +28,7 @@ def load_model(
     spec: str = BUNDLED_NAME,
     *,
     dtype: str | torch.dtype = "float32",
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     load_in_4bit: bool = False,
     progress: Any = None,
@@ -36,6 +39,9 @@ def load_model(
     ``spec`` is ``smollm2-135m`` (the bundled model, the default), a local folder with a
     ``config.json``, or a Hugging Face id already in the local cache. Nothing is ever downloaded:
     an unknown spec raises :class:`~kvlab.errors.ModelNotFoundError` saying what to install or copy.
+    ``device`` is ``cpu`` (the default), ``cuda``, ``cuda:N`` or ``auto`` (CUDA when torch has it), resolved
+    and checked by :func:`~kvlab.model.loading.resolve_device` (a device this machine lacks is a
+    :class:`~kvlab.errors.BadInputError`, before anything loads).
     ``load_in_4bit`` reproduces the Phase 1 log's NF4 set-up and needs CUDA + bitsandbytes.
     With ``reuse`` (default), loading the same spec twice in one process returns the same handle.
     """
@@ -44,8 +50,7 @@ def load_model(
 
     hf_logging.disable_progress_bar()
     torch_dtype = parse_dtype(dtype)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = check_4bit(device) if load_in_4bit else resolve_device(device)
     key = (spec, torch_dtype, device, attn_implementation, load_in_4bit)
     if reuse and key in _HANDLES:
         return _HANDLES[key]
@@ -114,7 +119,9 @@ __all__ = [
     "ModelFacts",
     "ModelHandle",
     "as_handle",
+    "describe_device",
     "facts_from_config",
     "load_config_file",
     "load_model",
+    "resolve_device",
 ]

@@ -49,6 +49,86 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
+def _device_parts(device: str) -> tuple[str, int | None]:
+    """``"cuda:1"`` -> ``("cuda", 1)``; ``"auto"``/``"cpu"``/``"cuda"`` -> ``(name, None)``. Syntax only."""
+    text = device.strip().lower()
+    kind, sep, index = text.partition(":")
+    if kind in ("auto", "cpu") and not sep:
+        return kind, None
+    if kind == "cuda":
+        if not sep:
+            return "cuda", None
+        if index.isdigit():
+            return "cuda", int(index)
+    raise BadInputError(f"unknown device '{device}'; choose {DEVICE_CHOICES}")
+
+
+def check_device_name(device: str) -> str:
+    """The device written as kvlab spells it (``auto``, ``cpu``, ``cuda``, ``cuda:N``), checked for
+    syntax only (no torch call): what a grid or a command line may ask for before it runs anywhere."""
+    kind, index = _device_parts(str(device))
+    return kind if index is None else f"{kind}:{index}"
+
+
+def _no_cuda_reason() -> str:
+    build = f"torch {torch.__version__}"
+    if torch.version.cuda is None:
+        return f"{build} has no CUDA"
+    return f"{build} (CUDA {torch.version.cuda}) sees no CUDA device here"
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> str:
+    """The one place a device request becomes a device: ``auto`` (or None) picks the current CUDA
+    device when torch has one, else ``cpu``; ``cuda`` is the current CUDA device; ``cuda:N`` must
+    exist. Returns ``"cpu"`` or ``"cuda:N"``; anything else is a :class:`BadInputError` that says why
+    (an unknown name, a torch build without CUDA, a device index past the device count)."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    kind, index = _device_parts(device or "auto")
+    if kind == "cpu":
+        return "cpu"
+    available = torch.cuda.is_available()
+    if kind == "auto":
+        return f"cuda:{torch.cuda.current_device()}" if available else "cpu"
+    if not available:
+        raise BadInputError(f"device '{device}': {_no_cuda_reason()}; use cpu (or auto)")
+    count = torch.cuda.device_count()
+    if index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    if index >= count:
+        raise BadInputError(
+            f"device '{device}': this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
+    return f"cuda:{index}"
+
+
+def describe_device(device: str | torch.device) -> dict[str, Any]:
+    """What a report records about where it ran: the device and, on CUDA, the GPU's name and memory."""
+    name = str(device)
+    out: dict[str, Any] = {"device": name}
+    if name.startswith("cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(name))
+        out["gpu"] = props.name
+        out["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        out["cuda"] = torch.version.cuda
+    return out
+
+
+def check_4bit(device: str | torch.device | None = "auto") -> str:
+    """Refuse, before anything loads, a 4-bit NF4 load (the Phase 1 set-up) that cannot run here: it needs
+    a CUDA device and bitsandbytes. Returns the resolved CUDA device."""
+    resolved = resolve_device(device)
+    if not resolved.startswith("cuda"):
+        why = "the device asked for is cpu" if str(device).strip().lower() == "cpu" else _no_cuda_reason()
+        raise UnsupportedModelError(f"4-bit NF4 weights (bitsandbytes) need a CUDA GPU: {why}")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UnsupportedModelError("4-bit NF4 weights need bitsandbytes: pip install bitsandbytes")
+    return resolved
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -198,9 +278,7 @@ def gemma_model_dir(progress: Any = None) -> Path:
 def quantization_config_4bit() -> Any:
     """The Phase 1 log's set-up: 4-bit NF4 weights, double quantization, fp16 compute (CUDA only)."""
     if not torch.cuda.is_available():
-        raise UnsupportedModelError(
-            "4-bit weights (bitsandbytes) need a CUDA GPU, and none is available here"
-        )
+        raise UnsupportedModelError(f"4-bit NF4 weights (bitsandbytes) need a CUDA GPU: {_no_cuda_reason()}")
     try:
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig

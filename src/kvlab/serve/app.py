@@ -286,6 +286,7 @@ def create_app(
                 "model": model_id,
                 "queue": engine.queue_depth(),
                 "decoding": engine.active(),
+                "device": engine.device_info(),
                 "uptime_s": round(time.time() - started, 1),
             }
         )

@@ -157,6 +157,8 @@ class Engine:
         self._cv = threading.Condition()
         self._stopping = False
         self.store_warnings = 0
+        if metrics is not None:
+            metrics.device(self.device_info())
         self._thread = threading.Thread(target=self._work, name="kvlab-engine", daemon=True)
         self._thread.start()
 
@@ -182,6 +184,21 @@ class Engine:
     def active(self) -> int:
         return len(self._active)
 
+    def device_description(self) -> str:
+        """Where the model runs, in words: ``cuda:0 (NVIDIA H100 80GB HBM3), bfloat16`` or ``cpu, float32``."""
+        info = self.device_info()
+        gpu = f" ({info['gpu']})" if info.get("gpu") else ""
+        return f"{info['device']}{gpu}, {info['dtype']}"
+
+    def device_info(self) -> dict[str, Any]:
+        """The model's device and dtype (and the GPU's name on CUDA), for the status page and ``/health``."""
+        from kvlab.model.loading import describe_device
+
+        return {
+            **describe_device(self.handle.device),
+            "dtype": str(self.handle.dtype).replace("torch.", ""),
+        }
+
     def status(self) -> dict[str, Any]:
         """Live and idle sessions with their cache layouts (for the status page and ``/health``)."""
         rows = list(self._active)
@@ -197,6 +214,7 @@ class Engine:
             "decoding": len(rows),
             "sessions": live + idle,
             "settings": dataclasses.asdict(self.settings),
+            "device": self.device_info(),
         }
 
     def store_stats(self) -> dict[str, Any]:
@@ -304,6 +322,7 @@ class Engine:
             self.metrics.prefilled(info)
         if req.score_prompt:
             info["_prompt_logprobs"] = scores
+        # a CPU generator wherever the model runs: Sampling.pick draws from probabilities on the CPU
         gen = None if req.sampling.greedy else torch.Generator().manual_seed(req.sampling.seed)
         req.emit(("start", info))
         return _Row(req, session, logits[None], gen, info)
@@ -324,11 +343,12 @@ class Engine:
         top = req.logprobs or 0
         scores: list[LogProb | None] = []
         prev = None if before is None else torch.log_softmax(before.float(), -1)
-        logits = torch.empty(0)
+        logits = torch.empty(0, device=self.handle.device)
         chunk = min(cache.headroom, 256)  # [chunk, vocab] logits at a time
         for start in range(0, len(ids), chunk):
             piece = ids[start : start + chunk]
-            logits = self.handle.run(torch.tensor([piece]), cache).logits[0].float()
+            fed = torch.tensor([piece], dtype=torch.long, device=self.handle.device)
+            logits = self.handle.run(fed, cache).logits[0].float()
             log_probs = torch.log_softmax(logits, -1)
             for j, tok in enumerate(piece):
                 src = prev if j == 0 else log_probs[j - 1]

@@ -40,6 +40,9 @@ class Metrics:
         self.queue = Gauge("kvlab_queue_depth", "Requests waiting for a decode slot", registry=r)
         self.active = Gauge("kvlab_active_requests", "Requests being decoded", registry=r)
         self.sessions = Gauge("kvlab_idle_sessions", "Idle conversations kept for reuse", registry=r)
+        self.device_info = Gauge(
+            "kvlab_device_info", "Where the model runs (always 1)", ["device", "gpu", "dtype"], registry=r
+        )
 
     def prefilled(self, info: dict[str, Any]) -> None:
         self.prompt_tokens.labels("reused").inc(info["cached_tokens"])
@@ -61,6 +64,9 @@ class Metrics:
         self.queue.set(queue)
         self.active.set(active)
         self.sessions.set(sessions)
+
+    def device(self, info: dict[str, Any]) -> None:
+        self.device_info.labels(info["device"], info.get("gpu", ""), info["dtype"]).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -54,10 +54,17 @@ def status_page(model: str, status: dict[str, Any], store: dict[str, Any]) -> st
         or '<tr><td colspan=7 class="muted">no store (start with --store PATH or redis://...)</td></tr>'
     )
     st = status["settings"]
+    where = status.get("device") or {}
+    gpu = f" ({where['gpu']})" if where.get("gpu") else ""
+    device = (
+        f" on <b>{escape(str(where.get('device', '?')) + gpu)}</b> in {escape(str(where.get('dtype', '?')))}"
+        if where
+        else ""
+    )
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="refresh" content="2"><title>kvlab serve: {escape(model)}</title><style>{_CSS}</style></head>
 <body><h1>kvlab serve</h1>
-<p class="muted">model <b>{escape(model)}</b> · window {st["window"]} + {st["sinks"]} sinks, eviction chunk {st["evict_chunk"]}
+<p class="muted">model <b>{escape(model)}</b>{device} · window {st["window"]} + {st["sinks"]} sinks, eviction chunk {st["evict_chunk"]}
 · batch up to {st["max_batch"]} · queue {status["queue"]}/{st["max_queue"]} · decoding {status["decoding"]}</p>
 <h2>Sessions</h2>
 <p class="key muted">cache layout:<span class="s"></span>sinks<span class="p"></span>pinned system prompt<span class="w"></span>window<span class="free"></span>free</p>

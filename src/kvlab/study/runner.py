@@ -10,6 +10,8 @@ own copy of the model and ``cores / workers`` torch threads: a small model's for
 threads poorly, and report figures and statistics are single-threaded Python, so on this 2-core
 machine two one-thread workers ran the default study in 0.6x the time of one two-thread process
 (692 s against about 1,170 s) and the quick one in about 0.85x (benchmarks/study_timing.py).
+On CUDA the default is one worker: processes sharing one GPU each hold a model copy and its caches
+in the GPU's memory and queue for the same device, so they add memory, not speed.
 Every experiment still runs exactly as alone (same sizes, samples, seeds); one that ``needs``
 another starts after it; sections keep study order; the workers' progress reaches this display.
 """
@@ -62,23 +64,31 @@ def progress_display(enabled: bool = True):
 
 
 def _manifest_line(m: dict) -> str:
-    model = m.get("model", {})
+    model = m.get("model") or {}
+    where = m.get("device") or {}
+    device = ""
+    if where:
+        gpu = f" ({where['gpu']})" if where.get("gpu") else ""
+        device = f" · {where.get('device')}{gpu} {where.get('dtype', '')}".rstrip()
     return (
         f"{m.get('command', '')} · model {model.get('name', m.get('model_spec', ''))} "
-        f"{model.get('fingerprint', '')[:12]} · profile {m.get('profile')} · seed {m.get('seed')} · "
+        f"{model.get('fingerprint', '')[:12]} · profile {m.get('profile')} · seed {m.get('seed')}{device} · "
         f"kvlab {m['versions']['kvlab']}, torch {m['versions']['torch']}, transformers {m['versions']['transformers']}"
     )
 
 
 def finish(result: ExperimentResult, ctx: ExperimentContext, started: float) -> dict:
     """Write ``result.json``, ``arrays.npz`` and ``index.html`` for one experiment; returns the manifest."""
+    extra: dict[str, Any] = {"device": ctx.device_info()}
+    if ctx.options:
+        extra["options"] = {k: str(v) for k, v in ctx.options.items()}
     m = manifest(
         model=ctx.model_handle,
         model_spec=ctx.model_spec,
         profile=ctx.profile,
         seed=ctx.seed,
         started=started,
-        extra={"options": {k: str(v) for k, v in ctx.options.items()}} if ctx.options else None,
+        extra=extra,
     )
     write_result(result, ctx.out_dir, m)
     write_experiment_page(result, ctx.out_dir, _manifest_line(m))
@@ -136,7 +146,7 @@ class StudyOutcome:
 
 def _check_model(model_spec: str, dtype: str, say: Any) -> None:
     """What loading would refuse before anything is written (name, folder, config, dtype), without
-    loading the weights here: a parallel study's workers load them."""
+    loading the weights here: a parallel study's workers load them (the device is resolved by the caller)."""
     from kvlab.model.facts import load_config_file
     from kvlab.model.loading import parse_dtype, resolve_model_dir
 
@@ -146,8 +156,13 @@ def _check_model(model_spec: str, dtype: str, say: Any) -> None:
         load_config_file(path / "config.json")
 
 
-def default_workers() -> int:
-    """Worker processes for a study on this machine: one per core, at most 4 (each holds a model copy)."""
+def default_workers(device: str = "cpu") -> int:
+    """Worker processes for a study on this machine: one per core, at most 4 (each holds a model copy);
+    one on CUDA (processes sharing one GPU add memory, not speed)."""
+    from kvlab.model.loading import resolve_device
+
+    if resolve_device(device) != "cpu":
+        return 1
     return max(1, min(4, os.cpu_count() or 1))
 
 
@@ -160,15 +175,20 @@ def run_study(
     only: Sequence[str] | None = None,
     show_progress: bool = True,
     dtype: str = "float32",
+    device: str = "cpu",
     workers: int = 1,
 ) -> StudyOutcome:
     """Run every registered experiment (or ``only`` these) into one report folder.
 
     A failing experiment is recorded as a failed section with its error, and the study goes on.
-    ``workers > 1`` runs experiments in that many processes at once (see the module docstring).
+    ``workers > 1`` runs experiments in that many processes at once (see the module docstring); each
+    loads its model copy on ``device`` (resolved here once: ``auto`` is CUDA when there is one) in ``dtype``.
     """
+    from kvlab.model.loading import resolve_device
+
     if workers < 1:
         raise BadInputError(f"--workers must be >= 1, got {workers}")
+    device = resolve_device(device)
     experiments = [e for e in registry().values() if e.in_study]
     if only:
         known = {e.name for e in experiments}
@@ -191,19 +211,25 @@ def run_study(
     if parallel:
         _check_model(model_spec, dtype, say)
     else:
-        model = load_model(model_spec, dtype=dtype, progress=say)
+        model = load_model(model_spec, dtype=dtype, device=device, progress=say)
     try:
         root = run_dir(out, "study")
     except OSError as exc:
         raise BadInputError(
             f"--out {out}: cannot create a report folder there ({exc.strerror or exc})"
         ) from None
-    pool = _Workers(min(workers, len(experiments)), model_spec, dtype) if parallel else None
+    pool = _Workers(min(workers, len(experiments)), model_spec, dtype, device) if parallel else None
     by_name: dict[str, tuple[ExperimentResult, float, bool]] = {}
     t0 = time.perf_counter()
     with progress_display(show_progress) as progress:
         with progress.task("study", total=len(experiments)) as advance:
-            settings = {"profile": profile, "seed": seed, "model_spec": model_spec, "dtype": dtype}
+            settings = {
+                "profile": profile,
+                "seed": seed,
+                "model_spec": model_spec,
+                "dtype": dtype,
+                "device": device,
+            }
             if pool is None:
                 tasks = [(e.name, root / e.name, {}) for e in experiments]
                 outcomes = _run_in_order(tasks, settings, model, progress)
@@ -215,13 +241,16 @@ def run_study(
     results = [(e.name, by_name[e.name][0]) for e in experiments]
     seconds = {e.name: by_name[e.name][1] for e in experiments}
     failed = [e.name for e in experiments if by_name[e.name][2]]
+    where = ExperimentContext(
+        out_dir=root, model_spec=model_spec, dtype=dtype, device=device, model_handle=model
+    )
     m = manifest(
         model=model,
         model_spec=model_spec,
         profile=profile,
         seed=seed,
         started=t0,
-        extra={"experiments": seconds, "workers": workers},
+        extra={"experiments": seconds, "workers": workers, "device": where.device_info()},
     )
     if model is None:  # parallel: the model as the workers loaded it (each section's manifest has it)
         m["model"] = _model_from_sections(root, [name for name, _ in results])
@@ -237,7 +266,7 @@ def run_study(
     )
     write_result(summary, root, m)
     subtitle = (
-        f"{m.get('model', {}).get('name', model_spec)} · profile {profile} · {len(results)} experiments"
+        f"{(m.get('model') or {}).get('name', model_spec)} · profile {profile} · {len(results)} experiments"
     )
     write_study_index(root, results, subtitle, _manifest_line(m))
     return StudyOutcome(run_dir=root, results=results, failed=failed, seconds=seconds)
@@ -282,13 +311,14 @@ class _ForwardedProgress(Progress):
         self._queue.put(("log", message))
 
 
-def _worker_start(model_spec: str, dtype: str, threads: int, queue: Any) -> None:
+def _worker_start(model_spec: str, dtype: str, device: str, threads: int, queue: Any) -> None:
+    """A study worker's start: its own copy of the model, on the study's device and in its dtype."""
     import torch
 
     torch.set_num_threads(threads)
     from kvlab.model import load_model
 
-    _WORKER["model"] = load_model(model_spec, dtype=dtype)
+    _WORKER["model"] = load_model(model_spec, dtype=dtype, device=device)
     _WORKER["queue"] = queue
 
 
@@ -369,11 +399,11 @@ class _Workers:
     """The worker processes of a parallel study (spawned at once, each loading its model copy) and
     the queue their progress messages come back on."""
 
-    def __init__(self, n: int, model_spec: str, dtype: str) -> None:
+    def __init__(self, n: int, model_spec: str, dtype: str, device: str = "cpu") -> None:
         self.n = n
         self.spawn = multiprocessing.get_context("spawn")  # no fork of a process holding torch's threads
         self.queue = self.spawn.Queue()
-        self.args = (model_spec, dtype, max(1, (os.cpu_count() or 1) // n), self.queue)
+        self.args = (model_spec, dtype, device, max(1, (os.cpu_count() or 1) // n), self.queue)
         self.pool = self._start()
 
     def _start(self) -> cf.ProcessPoolExecutor:

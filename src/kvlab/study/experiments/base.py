@@ -95,6 +95,10 @@ class ExperimentContext:
     seed: int = 0
     model_spec: str = "smollm2-135m"
     dtype: str = "float32"
+    #: where the model runs: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (see :func:`kvlab.model.resolve_device`)
+    device: str = "cpu"
+    #: load the weights in 4-bit NF4 (the Phase 1 set-up; CUDA and bitsandbytes only)
+    load_in_4bit: bool = False
     progress: Progress = field(default_factory=Progress)
     options: dict[str, Any] = field(default_factory=dict)
     #: the loaded :class:`~kvlab.model.ModelHandle`, or None until :meth:`handle` loads ``model_spec``
@@ -111,10 +115,35 @@ class ExperimentContext:
     def handle(self):
         """The :class:`~kvlab.model.ModelHandle` for ``model_spec`` (loaded once, shared across a study)."""
         if self.model_handle is None:
-            from kvlab.model import load_model
-
-            self.model_handle = load_model(self.model_spec, dtype=self.dtype, progress=self.progress.log)
+            self.model_handle = self.load_model(self.model_spec, load_in_4bit=self.load_in_4bit)
         return self.model_handle
+
+    def load_model(self, spec: str, *, dtype: Any = None, load_in_4bit: bool = False):
+        """Another model (a reference in another dtype, a transplant target) on this study's device:
+        ``dtype`` defaults to the study's."""
+        from kvlab.model import load_model
+
+        return load_model(
+            spec,
+            dtype=self.dtype if dtype is None else dtype,
+            device=self.device,
+            load_in_4bit=load_in_4bit,
+            progress=self.progress.log,
+        )
+
+    def device_info(self) -> dict[str, Any]:
+        """Where this context's model runs, for the manifest: device and dtype (and the GPU on CUDA)."""
+        from kvlab.model import describe_device, resolve_device
+
+        device, dtype = None, self.dtype
+        if self.model_handle is not None:  # as loaded (a stand-in handle in a test may have no device)
+            with contextlib.suppress(AttributeError, StopIteration, TypeError):
+                device = str(self.model_handle.device)
+                dtype = str(self.model_handle.dtype).replace("torch.", "")
+        info = {**describe_device(device or resolve_device(self.device)), "dtype": dtype}
+        if self.load_in_4bit:
+            info["load_in_4bit"] = True
+        return info
 
     def needed(self, name: str, **options: Any) -> tuple[dict[str, Any], str]:
         """The summary of experiment ``name`` that this one declared in ``needs``, and where it came from.
@@ -134,6 +163,8 @@ class ExperimentContext:
             seed=self.seed,
             model_spec=self.model_spec,
             dtype=self.dtype,
+            device=self.device,
+            load_in_4bit=self.load_in_4bit,
             progress=self.progress,
             options=dict(options),
             model_handle=self.handle(),
