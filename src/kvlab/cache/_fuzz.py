@@ -39,10 +39,10 @@ def small_snapshot(seed: int = 0, layers: int = 2, tokens: int = 6) -> KVSnapsho
         theta=10000.0,
     )
     return KVSnapshot(
-        keys=tuple(torch.randn(1, 2, tokens, head_dim, generator=g) for _ in range(layers)),
-        values=tuple(torch.randn(1, 2, tokens, head_dim, generator=g) for _ in range(layers)),
-        token_ids=torch.randint(0, VOCAB, (1, tokens), generator=g),
-        positions=torch.arange(tokens),
+        keys=tuple(torch.randn(1, 2, tokens, head_dim, generator=g, device="cpu") for _ in range(layers)),
+        values=tuple(torch.randn(1, 2, tokens, head_dim, generator=g, device="cpu") for _ in range(layers)),
+        token_ids=torch.randint(0, VOCAB, (1, tokens), generator=g, device="cpu"),
+        positions=torch.arange(tokens, device="cpu"),
         rope=rope,
         fingerprint="ab" * 32,
         model_name="tiny",
@@ -185,12 +185,18 @@ def forge_invalid(snap: KVSnapshot, rng: random.Random, kind: str | None = None)
             t[name]
             .clone()
             .reshape(-1)
-            .index_fill(0, torch.tensor([rng.randrange(t[name].numel())]), float("nan"))
+            .index_fill(
+                0, torch.tensor([rng.randrange(t[name].numel())], device=t[name].device), float("nan")
+            )
             .reshape(t[name].shape)
         )
     elif kind == "inf":
         t[name] = (
-            t[name].clone().reshape(-1).index_fill(0, torch.tensor([0]), float("inf")).reshape(t[name].shape)
+            t[name]
+            .clone()
+            .reshape(-1)
+            .index_fill(0, torch.tensor([0], device=t[name].device), float("inf"))
+            .reshape(t[name].shape)
         )
     elif kind == "negative position":
         meta["provenance"] = "edited"

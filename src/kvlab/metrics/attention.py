@@ -75,7 +75,7 @@ def stack_attentions(
     A 4-D tensor or array is taken as already stacked.
     """
     if isinstance(attentions, np.ndarray):
-        attentions = torch.from_numpy(attentions)
+        attentions = torch.from_numpy(attentions)  # device: a numpy array lives on the host
     if isinstance(attentions, torch.Tensor):
         if attentions.ndim != 4:
             raise BadInputError(
@@ -93,10 +93,10 @@ def stack_attentions(
 
 
 def _index(idx: IndexLike | None, default: int, name: str, bound: int) -> torch.Tensor:
-    t = (
-        torch.arange(default)
+    t = (  # indices are host bookkeeping (checked here); select_along moves them to the maps
+        torch.arange(default, device="cpu")
         if idx is None
-        else torch.as_tensor(np.asarray(idx), dtype=torch.long).reshape(-1)
+        else torch.as_tensor(np.asarray(idx), dtype=torch.long, device="cpu").reshape(-1)
     )
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= bound):
         raise BadInputError(f"{name} must lie in [0, {bound}), got {int(t.min())}..{int(t.max())}")
@@ -135,7 +135,7 @@ def _topk_overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
     Only the ranking matters, so it runs in the maps' own dtype (no float64 copy).
     """
     if a.shape[-1] < k:
-        return torch.full(a.shape[:-1], math.nan, dtype=torch.float64)
+        return torch.full(a.shape[:-1], math.nan, dtype=torch.float64, device=a.device)
     ta, tb = a.topk(k, dim=-1).indices, b.topk(k, dim=-1).indices
     share = (ta[..., :, None] == tb[..., None, :]).any(-1).double().mean(-1)
     enough = ((a > 0).sum(-1) >= k) & ((b > 0).sum(-1) >= k)

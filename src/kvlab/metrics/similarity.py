@@ -79,12 +79,21 @@ def select_along(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
     """``t.index_select(dim, idx)``, but a view (no copy) when ``idx`` is one contiguous ascending run.
 
     Aligned slots are almost always such a run (a roll pairs n..T-1 with 0..T-n-1), and gathering
-    them is most of a comparison's memory traffic.
+    them is most of a comparison's memory traffic. ``idx`` may live on the host (slot indices do):
+    it is moved to ``t``'s device.
     """
     n = idx.numel()
     if n and int(idx[-1]) - int(idx[0]) == n - 1 and bool((idx.diff() == 1).all()):
         return t.narrow(dim, int(idx[0]), n)
-    return t.index_select(dim, idx)
+    return t.index_select(dim, idx.to(t.device))
+
+
+def _slots(idx: torch.Tensor | np.ndarray | list[int] | None, length: int) -> torch.Tensor:
+    """Aligned slot indices on the host (all of ``0..length-1`` by default), like snapshot positions."""
+    if idx is None:
+        return torch.arange(length, device="cpu")
+    raw = idx if isinstance(idx, torch.Tensor) else np.asarray(idx)
+    return torch.as_tensor(raw, dtype=torch.long, device="cpu")
 
 
 class PreparedCache:
@@ -165,8 +174,7 @@ def compare_caches(
         )
     if derotate not in ("none", "correct", "buggy"):
         raise BadInputError(f"derotate must be 'none', 'correct' or 'buggy', got {derotate!r}")
-    ia = torch.arange(a.seq_len) if idx_a is None else torch.as_tensor(np.asarray(idx_a), dtype=torch.long)
-    ib = torch.arange(b.seq_len) if idx_b is None else torch.as_tensor(np.asarray(idx_b), dtype=torch.long)
+    ia, ib = _slots(idx_a, a.seq_len), _slots(idx_b, b.seq_len)
     if ia.numel() != ib.numel() or ia.numel() == 0:
         raise BadInputError(
             f"need the same non-zero number of aligned slots on both sides, got {ia.numel()} and {ib.numel()}; "
@@ -183,7 +191,7 @@ def compare_caches(
     pa, pb = a.positions.index_select(0, ia), b.positions.index_select(0, ib)
     dk = None
     if mode == "buggy":
-        same = torch.arange(ia.numel())
+        same = torch.arange(ia.numel(), device="cpu")
         ra = _interleaved_buggy_derotate(ka, same, a)
         rb = _interleaved_buggy_derotate(kb, same, b)
     if mode != "none":

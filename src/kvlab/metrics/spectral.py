@@ -195,9 +195,8 @@ def rope_pair_energy(
     layer (hybrid models) ``layer_axis`` of the keys indexes layers; a layer without RoPE puts all its
     energy in the last band (it never rotates, so it predicts an unchanged cosine).
     """
-    k = torch.as_tensor(
-        np.asarray(derotated_keys) if isinstance(derotated_keys, np.ndarray) else derotated_keys
-    ).double()
+    raw = np.asarray(derotated_keys) if isinstance(derotated_keys, np.ndarray) else derotated_keys
+    k = torch.as_tensor(raw, device="cpu").double()  # the shares come back as numpy: computed on the host
     if isinstance(rope, RopeSpec):
         return _pair_energy(k, rope)
     k = k.movedim(layer_axis, 0)
@@ -207,7 +206,7 @@ def rope_pair_energy(
     for i, kl in enumerate(k):
         spec = rope.for_layer(i)
         if spec is None:
-            e = torch.zeros((*kl.shape[:-1], pairs + 1), dtype=torch.float64)
+            e = torch.zeros((*kl.shape[:-1], pairs + 1), dtype=torch.float64, device="cpu")
             e[..., -1] = 1.0
             out.append(e.numpy())
         else:

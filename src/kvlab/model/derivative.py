@@ -113,7 +113,9 @@ def finetune_derivative(
     derivative_dir(name)  # refuse a name that would leave the cache dir before any work or deletion
     if base.tokenizer is None:
         raise BadInputError("fine-tuning a derivative needs a model with a tokenizer")
-    ids = torch.tensor(base.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    ids = torch.tensor(
+        base.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long, device=base.device
+    )
     if ids.numel() < seq_len * 4:
         raise BadInputError(f"the training text has {ids.numel()} tokens; give at least {seq_len * 4}")
     gen = torch.Generator().manual_seed(seed)
@@ -124,7 +126,9 @@ def finetune_derivative(
     losses: list[float] = []
     started = time.perf_counter()
     for step in range(steps):
-        starts = torch.randint(0, ids.numel() - seq_len, (batch,), generator=gen)
+        starts = torch.randint(
+            0, ids.numel() - seq_len, (batch,), generator=gen, device="cpu"
+        )  # seeded host draw
         x = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
         lr = learning_rate * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in opt.param_groups:

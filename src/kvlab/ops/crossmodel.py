@@ -80,7 +80,11 @@ def transplant(
         )
     ids = snap.token_ids
     if token_ids is not None:
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1).expand(snap.batch_size, -1)
+        ids = (
+            torch.as_tensor(token_ids, dtype=torch.long, device="cpu")
+            .reshape(1, -1)
+            .expand(snap.batch_size, -1)
+        )
         if ids.shape[1] != snap.seq_len:
             raise BadInputError(f"token_ids has {ids.shape[1]} ids for a cache of {snap.seq_len} slots")
     elif not same_tokenizer(donor, receiver):
@@ -127,7 +131,7 @@ def ridge_fit(x: torch.Tensor, y: torch.Tensor, alpha: float) -> tuple[torch.Ten
     """Closed-form ridge ``y ≈ x @ W + b`` (x ``[N, din]``, y ``[N, dout]``, float64); returns (W, b)."""
     xm, ym = x.mean(0), y.mean(0)
     xc, yc = x - xm, y - ym
-    gram = xc.T @ xc + alpha * x.shape[0] * torch.eye(x.shape[1], dtype=x.dtype)
+    gram = xc.T @ xc + alpha * x.shape[0] * torch.eye(x.shape[1], dtype=x.dtype, device=x.device)
     w = torch.linalg.solve(gram, xc.T @ yc)
     return w, ym - xm @ w
 
@@ -196,7 +200,7 @@ def fit_cache_map(
             yte = _features(dst_test, which, li, dst_ropes)
             if same_geometry:  # shrink toward "use the sharer's cache as is" (W = I), not toward zero
                 w, b = ridge_fit(xtr, ytr.flatten(1) - xtr, alpha * float(xtr.var(0).mean()))
-                w = w + torch.eye(w.shape[0], dtype=w.dtype)
+                w = w + torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
             else:
                 w, b = ridge_fit(xtr, ytr.flatten(1), alpha * float(xtr.var(0).mean()))
             pred = (xte @ w + b).reshape(yte.shape)
@@ -265,7 +269,9 @@ def cache_map_grid(
             xm = xtr.mean(0)
             xc = xtr - xm
             lam = alpha * float(xtr.var(0).mean()) * xtr.shape[0]
-            chol = torch.linalg.cholesky(xc.T @ xc + lam * torch.eye(xc.shape[1], dtype=xc.dtype))
+            chol = torch.linalg.cholesky(
+                xc.T @ xc + lam * torch.eye(xc.shape[1], dtype=xc.dtype, device=xc.device)
+            )
             for li, (ytr, yte) in enumerate(ys):
                 y2 = ytr.flatten(1)
                 ym = y2.mean(0)
@@ -293,7 +299,7 @@ def apply_cache_map(
         raise IncompatibleCacheError("this cache map was fitted for other models (layer counts differ)")
     ids = snap.token_ids.clone()
     if token_ids is not None:
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device="cpu").reshape(1, -1)
         if ids.shape[1] != snap.seq_len:
             raise BadInputError(f"token_ids has {ids.shape[1]} ids for a cache of {snap.seq_len} slots")
     elif cmap.needs_token_ids:

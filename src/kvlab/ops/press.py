@@ -67,8 +67,8 @@ class Press:
         otherwise; stops after ``max_new_tokens`` or at a token of ``stop_ids``.
         """
         handle = as_handle(model)
-        context = torch.as_tensor(context_ids, dtype=torch.long).reshape(1, -1)
-        question = torch.as_tensor(question_ids, dtype=torch.long).reshape(1, -1)
+        context = torch.as_tensor(context_ids, dtype=torch.long, device=handle.device).reshape(1, -1)
+        question = torch.as_tensor(question_ids, dtype=torch.long, device=handle.device).reshape(1, -1)
         if context.shape[-1] < 1 or question.shape[-1] < 1:
             raise BadInputError("a press needs a non-empty context and a non-empty question")
         cache = self.cache(handle)

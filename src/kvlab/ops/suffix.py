@@ -110,7 +110,7 @@ def probe_deviation(handle: ModelHandle, rolled: KVSnapshot, probe_layers: int =
 
     if probe_layers < 2:
         raise BadInputError("the probe needs at least 2 layers (layer 0's keys ignore the context)")
-    ids = torch.tensor(rolled.token_list(), dtype=torch.long)
+    ids = torch.tensor(rolled.token_list(), dtype=torch.long, device=handle.device)
     probe = first_layers_kv(handle, None, ids, rolled.positions, probe_layers)[-1][0]
     cached = rolled.keys[probe_layers - 1]
     return (probe.float() - cached.float()).norm(dim=-1).mean(dim=(0, 1)).cpu()

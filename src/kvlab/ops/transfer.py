@@ -62,7 +62,7 @@ def reposition(snap: KVSnapshot, start: int = 0) -> KVSnapshot:
     """The same slots at contiguous positions ``start .. start+T-1`` (keys re-rotated exactly)."""
     if start < 0:
         raise BadInputError(f"start position must be >= 0, got {start}")
-    return snap.with_positions(torch.arange(start, start + snap.seq_len))
+    return snap.with_positions(torch.arange(start, start + snap.seq_len, device="cpu"))
 
 
 def drop_prefix(snap: KVSnapshot, n: int, *, sinks: int = 0) -> KVSnapshot:
@@ -128,7 +128,7 @@ def _aligned(
                 "to say which slots correspond"
             )
         return a, b
-    sa, sb = (torch.as_tensor(s, dtype=torch.long) for s in align)
+    sa, sb = (torch.as_tensor(s, dtype=torch.long, device="cpu") for s in align)  # slot lists: host
     if sa.shape != sb.shape or sa.ndim != 1:
         raise BadInputError(
             f"{what}: align needs two equally long 1-D slot lists, got {tuple(sa.shape)} and {tuple(sb.shape)}"
@@ -199,8 +199,12 @@ def swap_slots(
     if which not in ("k", "v", "kv"):
         raise BadInputError(f"which must be 'k', 'v' or 'kv', got '{which}'")
     base.require_compatible(donor, "swapping slots")
-    dst = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
-    src = dst if donor_slots is None else torch.as_tensor(donor_slots, dtype=torch.long).reshape(-1)
+    dst = torch.as_tensor(slots, dtype=torch.long, device="cpu").reshape(-1)  # slot lists: host bookkeeping
+    src = (
+        dst
+        if donor_slots is None
+        else torch.as_tensor(donor_slots, dtype=torch.long, device="cpu").reshape(-1)
+    )
     if dst.numel() == 0 or dst.shape != src.shape:
         raise BadInputError(
             f"need the same non-zero number of base and donor slots, got {dst.numel()} and {src.numel()}"

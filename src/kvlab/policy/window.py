@@ -92,7 +92,9 @@ class SinksWindow:
         first = int(snapshot.positions[0]) if start is None else int(start)
         if first < 0:
             raise BadInputError(f"start position must be >= 0, got {first}")
-        return kept.with_positions(torch.arange(first, first + kept.seq_len)).replace(provenance="rolled")
+        return kept.with_positions(torch.arange(first, first + kept.seq_len, device="cpu")).replace(
+            provenance="rolled"
+        )
 
 
 def roll_amount(spec: int | float | str, seq_len: int, *, sinks: int = 0) -> int:

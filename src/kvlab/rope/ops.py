@@ -79,7 +79,7 @@ def apply_rope(keys: torch.Tensor, positions: PositionsLike, spec: RopeSpec, **k
 
 def remove_rope(keys: torch.Tensor, positions: PositionsLike, spec: RopeSpec, **kw) -> torch.Tensor:
     """Post-RoPE keys cached at ``positions`` -> the pre-RoPE keys (inverse of :func:`apply_rope`)."""
-    out = rotate(keys, -torch.as_tensor(positions), spec, **kw)
+    out = rotate(keys, -torch.as_tensor(positions, device=keys.device), spec, **kw)
     if spec.attention_scaling != 1.0:
         r = spec.rotary_dim
         out = torch.cat((out[..., :r] / spec.attention_scaling, out[..., r:]), dim=-1)

@@ -36,7 +36,7 @@ def make_sample(seed: int = 0, *, block_tokens: int = 4, n_blocks: int = 3) -> S
     ns = Namespace(
         fingerprint="f" * 64, dtype="float32", rope=None, block_tokens=block_tokens, geometry=(2, 2, 8)
     )
-    ids = tuple(int(t) for t in torch.randint(0, 1000, (block_tokens * n_blocks,), generator=g))
+    ids = tuple(int(t) for t in torch.randint(0, 1000, (block_tokens * n_blocks,), generator=g, device="cpu"))
     parent, blocks = ns.root, []
     for i in range(n_blocks):
         chunk = ids[i * block_tokens : (i + 1) * block_tokens]
@@ -48,8 +48,8 @@ def make_sample(seed: int = 0, *, block_tokens: int = 4, n_blocks: int = 3) -> S
                 namespace=ns.root,
                 start=i * block_tokens,
                 token_ids=chunk,
-                keys=torch.randn(2, 2, block_tokens, 8, generator=g),
-                values=torch.randn(2, 2, block_tokens, 8, generator=g),
+                keys=torch.randn(2, 2, block_tokens, 8, generator=g, device="cpu"),
+                values=torch.randn(2, 2, block_tokens, 8, generator=g, device="cpu"),
                 namespace_info=ns.info(),
             )
         )

@@ -283,13 +283,13 @@ def decode_block(buffer: bytes | memoryview, *, expect_hash: str | None = None, 
         hdr.verify([view[hdr.data_offset :]])
     tensors = {}
     for name, spec in (("k", hdr.k), ("v", hdr.v)):
-        count = (spec.end - spec.begin) // torch.empty((), dtype=spec.dtype).element_size()
+        count = (spec.end - spec.begin) // spec.dtype.itemsize
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only buffers: the tensors are never written
-            t = (
+            t = (  # device: a block is read from host bytes (the store moves a lookup's result)
                 torch.frombuffer(buffer, dtype=spec.dtype, count=count, offset=hdr.data_offset + spec.begin)
                 if count
-                else torch.empty(0, dtype=spec.dtype)
+                else torch.empty(0, dtype=spec.dtype, device="cpu")
             )
         tensors[name] = t.reshape(spec.shape)
     return Block(

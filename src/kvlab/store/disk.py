@@ -467,7 +467,7 @@ def _chunks(
         # are contiguous in a [layers, heads, T, head_dim] tensor sliced along T.
         size = t.element_size()
         row = t.shape[2] * t.shape[3] * size
-        flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         base = memoryview(flat.numpy())
         off = t.storage_offset() * size
         starts = _row_starts(t.shape[0], t.shape[1], t.stride(0) * size, t.stride(1) * size)

@@ -36,11 +36,11 @@ def feed(handle, cache: RollingCache, token_ids: Sequence[int], chunk: int | Non
 
     ``handle``: a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM."""
     handle = as_handle(handle)
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=handle.device)[None]
     if ids.shape[1] == 0:
         raise BadInputError("nothing to feed: give at least one token")
     chunk = chunk or cache.headroom
-    logits = torch.empty(0)
+    logits = torch.empty(0, device=handle.device)
     for start in range(0, ids.shape[1], chunk):
         logits = handle.run(ids[:, start : start + chunk], cache, logits_to_keep=1).logits[0, -1].float()
     return logits

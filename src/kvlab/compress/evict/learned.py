@@ -43,7 +43,7 @@ _EPS = 1e-8
 def token_features(view: LayerView) -> torch.Tensor:
     """``[B, Hkv, T, len(FEATURES)]`` float32 features of every slot of one layer."""
     t = view.seq_len
-    slot = torch.arange(t, dtype=torch.float32)
+    slot = torch.arange(t, dtype=torch.float32, device=view.keys.device)
     seen_by = (t - slot).clamp_min(1)  # context queries that can see each slot
     b, h = view.keys.shape[:2]
 
@@ -57,7 +57,7 @@ def token_features(view: LayerView) -> torch.Tensor:
         torch.log(view.values.float().norm(dim=-1) + _EPS),
         bc(slot / max(t - 1, 1)),
         bc(torch.log1p(t - 1 - slot)),
-        torch.full((b, h, t), view.layer / max(view.num_layers - 1, 1)),
+        torch.full((b, h, t), view.layer / max(view.num_layers - 1, 1), device=view.keys.device),
         bc((slot == 0).float()),
     ]
     return torch.stack(feats, dim=-1)
@@ -74,13 +74,13 @@ class MLPWeights:
     meta: dict
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
-        z = (x - torch.as_tensor(self.mean, dtype=torch.float32)) / torch.as_tensor(
-            self.std, dtype=torch.float32
-        )
-        hidden = torch.tanh(
-            z @ torch.as_tensor(self.w1, dtype=torch.float32) + torch.as_tensor(self.b1, dtype=torch.float32)
-        )
-        return hidden @ torch.as_tensor(self.w2, dtype=torch.float32) + self.b2
+        """Scores of features ``x [..., F]``, on ``x``'s device."""
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(a, dtype=torch.float32, device=x.device)
+
+        z = (x - t(self.mean)) / t(self.std)
+        return torch.tanh(z @ t(self.w1) + t(self.b1)) @ t(self.w2) + self.b2
 
     def to_json(self) -> dict:
         return {
@@ -161,25 +161,24 @@ def training_rows(
         feats = token_features(view)
         for h in range(feats.shape[1]):
             pick = rng.choice(context, size=min(max_rows_per_head, context), replace=False)
-            xs.append(feats[0, h, pick].numpy())
-            ys.append(target[0, h, pick].numpy())
+            xs.append(feats[0, h, pick].cpu().numpy())
+            ys.append(target[0, h, pick].cpu().numpy())
     return np.concatenate(xs), np.concatenate(ys)
 
 
 def fit_mlp(
     x: np.ndarray, y: np.ndarray, *, hidden: int = 16, steps: int = 1500, seed: int = 0, lr: float = 0.01
 ) -> tuple[MLPWeights, list[float]]:
-    """Full-batch Adam on mean squared error; returns the weights and the loss curve."""
+    """Full-batch Adam on mean squared error; returns the weights and the loss curve. A small MLP on
+    numpy rows: it trains on the host (seeded, the same weights on every machine)."""
     torch.manual_seed(seed)
     mean, std = x.mean(0), x.std(0) + 1e-6
-    xt = (
-        torch.as_tensor(x, dtype=torch.float32) - torch.as_tensor(mean, dtype=torch.float32)
-    ) / torch.as_tensor(std, dtype=torch.float32)
-    yt = torch.as_tensor(y, dtype=torch.float32)
-    w1 = torch.nn.Parameter(torch.randn(x.shape[1], hidden) / math.sqrt(x.shape[1]))
-    b1 = torch.nn.Parameter(torch.zeros(hidden))
-    w2 = torch.nn.Parameter(torch.randn(hidden) / math.sqrt(hidden))
-    b2 = torch.nn.Parameter(torch.zeros(()))
+    xt, mu, sd, yt = (torch.as_tensor(a, dtype=torch.float32, device="cpu") for a in (x, mean, std, y))
+    xt = (xt - mu) / sd
+    w1 = torch.nn.Parameter(torch.randn(x.shape[1], hidden, device="cpu") / math.sqrt(x.shape[1]))
+    b1 = torch.nn.Parameter(torch.zeros(hidden, device="cpu"))
+    w2 = torch.nn.Parameter(torch.randn(hidden, device="cpu") / math.sqrt(hidden))
+    b2 = torch.nn.Parameter(torch.zeros((), device="cpu"))
     opt = torch.optim.Adam([w1, b1, w2, b2], lr=lr)
     losses = []
     for _ in range(steps):
@@ -223,7 +222,7 @@ def train_evictor(
     x_te, y_te = (np.concatenate([r[k] for r in rows[-n_test:]]) for k in (0, 1))
     data_s = time.perf_counter() - start
     weights, losses = fit_mlp(x_tr, y_tr, hidden=hidden, steps=steps, seed=seed)
-    pred = weights.predict(torch.as_tensor(x_te, dtype=torch.float32)).numpy()
+    pred = weights.predict(torch.as_tensor(x_te, dtype=torch.float32, device="cpu")).numpy()
     report = {
         "windows": len(texts),
         "held_out_windows": n_test,

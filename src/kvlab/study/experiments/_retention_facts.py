@@ -250,6 +250,6 @@ def score_text(model: Any, context: list[int], episode: Episode) -> Score:
 
 
 def _score_logits(logits: Any, episode: Episode, torch: Any, nll: Any) -> Score:
-    target = torch.tensor(episode.answer)
+    target = torch.tensor(episode.answer, device=logits.device)
     exact = bool((logits.argmax(-1) == target).all())
     return Score(exact=exact, nll=float(nll(logits, target).sum()), logits=logits)

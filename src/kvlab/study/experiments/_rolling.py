@@ -207,7 +207,7 @@ def _allocate(plan: LongRollPlan, base: PreparedCache, rope: Any, L: int, H: int
     if rope is not None:
         out["per_position_kd"] = np.full((N, T), np.nan)
         out["energy_mean"] = rope_pair_energy(base.derotated_keys[:, :, :T], rope).mean(axis=2)
-        last = torch.as_tensor(ends - 1)
+        last = torch.as_tensor(ends - 1, device=base.derotated_keys.device)
         out["energy_last"] = np.moveaxis(
             rope_pair_energy(base.derotated_keys.index_select(2, last), rope), 2, 0
         )

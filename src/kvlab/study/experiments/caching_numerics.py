@@ -43,7 +43,7 @@ def recomputed_path(model, prompt: list[int], path: list[int]) -> torch.Tensor:
 
 def first_divergence(logits: torch.Tensor, path: list[int]) -> int:
     """First step whose argmax differs from the path (``len(path)`` if none does)."""
-    miss = (logits.argmax(-1) != torch.tensor(path)).nonzero()
+    miss = (logits.argmax(-1) != torch.tensor(path, device=logits.device)).nonzero()
     return int(miss[0]) if miss.numel() else len(path)
 
 

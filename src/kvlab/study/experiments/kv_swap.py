@@ -47,7 +47,7 @@ def _evaluate_many(
     over the weights per step for all of them).
     """
     res: dict[str, dict] = {}
-    target = torch.tensor(ref_cont)
+    target = torch.tensor(ref_cont, device="cpu")  # nll moves targets to the logits
     for names in batchable_groups(pasts):
         batch = stack_rows([pasts[n] for n in names])
         out = model.forward([[feed, *ref_cont[:-1]]] * len(names), batch)

@@ -220,11 +220,13 @@ def nonprefix_reuse(
             ref_nll = nll(
                 handle.extend(full.snapshot, target[:-1]).logits
                 if len(target) > 1
-                else torch.empty(0, full.logits.shape[-1]),
-                torch.tensor(target[1:]),
+                else torch.empty(0, full.logits.shape[-1], device=full.logits.device),
+                torch.tensor(target[1:], device=full.logits.device),
             )
             ref["nll"][i] = float(
-                torch.cat([nll(full.logits[-1:], torch.tensor(target[:1])), ref_nll]).mean()
+                torch.cat(
+                    [nll(full.logits[-1:], torch.tensor(target[:1], device=full.logits.device)), ref_nll]
+                ).mean()
             )
             ref_gen = handle.generate(full.snapshot, full.logits[-1], answer_tokens)
             ref["correct"][i] = float(answer.lower() in ref_gen.text.lower())
@@ -241,9 +243,9 @@ def nonprefix_reuse(
                 m["recomputed"][i] = b.recomputed_tokens / max(b.chunk_tokens, 1)
                 m["kl"][i] = float(kl_divergence(full.logits[-1], out.logits[-1]))
                 rest = handle.extend(out.snapshot, target[:-1]).logits if len(target) > 1 else None
-                tok_nll = nll(out.logits[-1:], torch.tensor(target[:1]))
+                tok_nll = nll(out.logits[-1:], torch.tensor(target[:1], device=out.logits.device))
                 if rest is not None:
-                    tok_nll = torch.cat([tok_nll, nll(rest, torch.tensor(target[1:]))])
+                    tok_nll = torch.cat([tok_nll, nll(rest, torch.tensor(target[1:], device=rest.device))])
                 m["nll"][i] = float(tok_nll.mean())
                 gen = handle.generate(out.snapshot, out.logits[-1], answer_tokens)
                 m["correct"][i] = float(answer.lower() in gen.text.lower())

@@ -116,7 +116,7 @@ def evaluate_passage(
     ``ids[ctx_len:ctx_len + cont_len]`` the true continuation. Arrays are ``[drops, sinks]``."""
     context, query, cont = ids[: ctx_len - 1], ids[ctx_len - 1], ids[ctx_len : ctx_len + cont_len]
     feed = [query, *cont[:-1]]
-    targets = torch.tensor(cont)
+    targets = torch.tensor(cont, device="cpu")  # nll moves targets to the logits
     snap = handle.prefill(context, all_logits=False).snapshot
     full_logits = handle.extend(snap, feed).logits  # never rolled: the full-context model
     shape = (len(drops), len(sinks))

@@ -90,7 +90,7 @@ def _pair_metrics(
                 own_logits, own_gen = logits, g
             m["top1"][i, j] = float((logits.argmax(-1) == own_logits.argmax(-1)).double().mean())
             m["kl"][i, j] = float(kl_divergence(own_logits, logits).mean())
-            m["nll"][i, j] = float(nll(logits, torch.tensor(f[1:])).mean())
+            m["nll"][i, j] = float(nll(logits, torch.tensor(f[1:], device=logits.device)).mean())
             m["distinct_2"][i, j] = distinct_n(g, 2)
             m["repeat"][i, j] = longest_repeated_ngram(g)
             m["agree"][i, j] = agreement_length(g, own_gen)
@@ -490,7 +490,7 @@ def _random_geometry_map(ctx: ExperimentContext, result: ExperimentResult, base,
     a = tiny_random_model(base.config, seed=ctx.seed, layers=4, head_dim=16, kv_heads=2)
     b = tiny_random_model(base.config, seed=ctx.seed + 1, layers=3, head_dim=32, kv_heads=3)
     gen = torch.Generator().manual_seed(ctx.seed)
-    ids = torch.randint(0, int(a.config.vocab_size), (8, 48), generator=gen).tolist()
+    ids = torch.randint(0, int(a.config.vocab_size), (8, 48), generator=gen, device="cpu").tolist()
     sa, sb = [a.prefill(w).snapshot for w in ids], [b.prefill(w).snapshot for w in ids]
     cmap = fit_cache_map(sa[:6], sb[:6], sa[6:], sb[6:], alpha=alpha)
     result.tables.append(
