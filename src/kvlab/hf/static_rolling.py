@@ -1,0 +1,499 @@
+"""A rolling cache with fixed buffers and device-side bookkeeping, for captured decode steps.
+
+:class:`~kvlab.hf.RollingCache` keeps slot ``i`` at position ``base + i`` and moves its window down
+once per eviction chunk; its counts are Python integers that change every step. Both are fine eagerly
+and both defeat ``torch.compile`` and CUDA graphs (a graph replays fixed kernels on fixed addresses).
+:class:`StaticRollingCache` follows the *same* :class:`~kvlab.hf.rolling_cache.RollRule` — the same
+sinks, window, eviction chunks, re-bases and sink placement, so every forward sees the same tokens at
+the same relative positions — with a storage built for capture:
+
+* **Invariant**: ``slot_pos[j]`` is the RoPE position of the key in slot ``j`` (``EMPTY`` if none).
+  A query at position ``p`` attends exactly to the slots with ``slot_pos <= p``. Attention does not
+  care about slot order, so the window is a **ring**: evicting tokens only marks their slots empty,
+  and a roll moves no data (at 32k tokens, moving the window would copy 4 GiB per roll on an 8B model).
+* **Storage**: per layer, keys and values ``[batch, kv_heads, capacity, head_dim]`` allocated once,
+  ``capacity = sinks + window + evict_chunk``: slots ``[0, sinks)`` hold the sinks, the rest is the
+  ring (the window plus room for one feed of up to ``evict_chunk`` tokens). With ``codec="int4"``
+  they are 4-bit codes with an fp16 scale and minimum per group of ``group`` channels (0.31x the
+  bytes at head_dim 128), written as each token arrives and decoded inside the step.
+* **A step** (what a graph captures) reads only device tensors: the feed's slot indices
+  (:meth:`write_index`), its positions, ``slot_pos``; it writes the new K/V with ``index_copy_`` and
+  returns the whole buffers with the mask ``slot_pos <= position`` (:meth:`attention_mask`).
+* **Between steps** (on the host, never captured: :meth:`prepare` before a feed, :meth:`advance`
+  after it) the cache applies the rule's pending plan: mark the evicted slots empty, re-rotate the
+  sinks from their stored originals to sit right before the oldest kept token (float64 angles, as
+  :class:`RollingCache` does), and on a re-base rotate every stored key in place. It then points the
+  write index at the next free ring slots. Each of these is a handful of small kernels with Python
+  integers as arguments: no host synchronisation.
+
+The cache does not build its own mask or positions inside the model: the caller
+(:class:`kvlab.hf.graphs.RollingDecoder`) passes ``position_ids`` and the 4-D mask explicitly.
+Sliding-window layers are refused (use :class:`RollingCache`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.hf.cache import sliding_windows
+from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, RollRule, _validate
+from kvlab.policy.window import SinksWindow
+from kvlab.rope.fast import rotate_by, rotate_by_
+from kvlab.rope.spec import Rope, RopeSpec
+
+EMPTY = 1 << 62  # slot_pos of a slot that holds nothing: no query position reaches it
+Codec = Literal["none", "int4"]
+
+
+def _encode4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` as asymmetric 4-bit codes ``[..., D/2]`` (element ``2i`` in the low nibble, as
+    :func:`kvlab.compress.quant.pack.pack_bits` lays them out) and fp16 ``scale``, ``low`` ``[..., D/group]``.
+
+    The fp16 minimum is pushed down and the scale up by more than fp16's rounding (half an ulp,
+    2**-11 relative, plus the subnormal spacing) before they are stored, and the codes are computed
+    from the stored values: every element then lies inside its group's grid and decodes within half
+    a step of itself, the bound :mod:`kvlab.compress.quant.scalar` guarantees. Plain arithmetic (no
+    ``nextafter``, which inductor mis-lowers for fp16), so a captured or compiled step encodes as
+    the eager one does.
+    """
+    g = x.float().unflatten(-1, (-1, group))
+    lo = g.amin(-1)
+    low = (lo - lo.abs() * 2.0**-10 - 2.0**-24).to(torch.float16)
+    span = (g.amax(-1) - low.float()) / 15
+    scale = (span * (1 + 2.0**-10) + 2.0**-24).clamp_min(2.0**-14).to(torch.float16)
+    codes = torch.round((g - low.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
+    codes = codes.flatten(-2).unflatten(-1, (-1, 2))
+    return codes[..., 0] | (codes[..., 1] << 4), scale, low
+
+
+def _decode4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`_encode4`: ``[..., D]`` in ``dtype``."""
+    pairs = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+    g = pairs.unflatten(-1, (scale.shape[-1], -1)).float()
+    return (g * scale.float()[..., None] + low.float()[..., None]).flatten(-2).to(dtype)
+
+
+class StaticRollingLayer(CacheLayerMixin):
+    """One layer's fixed buffers: slots ``[0, sinks)`` the sinks, the rest a ring (see the module).
+
+    Holds storage only; every count lives in the :class:`StaticRollingCache` (all layers make the same
+    decisions). ``sink_keys`` are the sinks' keys as first computed (positions ``0 ..``), re-rotated
+    into place at every roll, so they never drift. ``rope``: this layer's RoPE (None: keys carry no
+    position and are never rotated).
+    """
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, owner: StaticRollingCache, rope: RopeSpec | None, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.owner, self.rope = owner, rope
+        o = owner
+        self.sink_keys: torch.Tensor | None = None
+        self.sink_values: torch.Tensor | None = None
+        if o.codec == "int4":
+            half, groups = (*shape[:-1], shape[-1] // 2), (*shape[:-1], shape[-1] // o.group)
+            self.k_codes = torch.zeros(half, dtype=torch.uint8, device=o.device)
+            self.v_codes = torch.zeros(half, dtype=torch.uint8, device=o.device)
+            self.k_scale, self.k_low, self.v_scale, self.v_low = (
+                torch.zeros(groups, dtype=torch.float16, device=o.device) for _ in range(4)
+            )
+            self.keys = self.values = None
+        else:
+            self.keys = torch.zeros(shape, dtype=o.dtype, device=o.device)
+            self.values = torch.zeros(shape, dtype=o.dtype, device=o.device)
+        self.dtype, self.device = o.dtype, o.device
+        self.is_initialized = True
+
+    def buffers(self) -> list[torch.Tensor]:
+        names = ("k_codes", "v_codes", "k_scale", "k_low", "v_scale", "v_low", "keys", "values")
+        return [t for t in (getattr(self, n, None) for n in names) if isinstance(t, torch.Tensor)]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated up front: a captured step must find its buffers at fixed addresses
+
+    # -- the step (capturable) ----------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new K/V at the feed's slots (in place); return every slot (the mask hides the empty)."""
+        self._write(self.owner.write_index(key_states.shape[-2]), key_states, value_states)
+        return self.read()
+
+    def _write(self, index: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        """Store ``k`` and/or ``v`` (``[batch, heads, n, head_dim]``) at the ``[n]`` slots ``index``."""
+        int4 = self.owner.codec == "int4"
+        plain = () if int4 else self.read()
+        for t, bufs in (
+            (k, (self.k_codes, self.k_scale, self.k_low) if int4 else plain[:1]),
+            (v, (self.v_codes, self.v_scale, self.v_low) if int4 else plain[1:]),
+        ):
+            if t is None:
+                continue
+            parts = _encode4(t, self.owner.group) if int4 else (t.to(self.dtype),)
+            for buf, part in zip(bufs, parts, strict=True):
+                buf.index_copy_(2, index, part)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's keys and values in the model's dtype (decoded from the codes with ``int4``)."""
+        if self.owner.codec == "int4":
+            return (
+                _decode4(self.k_codes, self.k_scale, self.k_low, self.dtype),
+                _decode4(self.v_codes, self.v_scale, self.v_low, self.dtype),
+            )
+        assert self.keys is not None and self.values is not None  # allocated in __init__ without a codec
+        return self.keys, self.values
+
+    # -- between steps (host side) -------------------------------------------------------------------
+    def place_sinks(self, start: int) -> None:
+        """Write the sinks rotated from their originals to positions ``start ..`` into slots ``[0, s)``
+        (the values too under ``int4``, so re-encoding never compounds)."""
+        if self.sink_keys is None:
+            return
+        s = self.sink_keys.shape[-2]
+        k = self.sink_keys if self.rope is None else rotate_by(self.sink_keys, start, self.rope)
+        v = self.sink_values if self.owner.codec == "int4" else None
+        self._write(torch.arange(s, device=self.owner.device), k, v)
+
+    def keep_sinks(self, first: int) -> None:
+        """Store the sinks (slots ``[0, s)``, written at positions ``first ..``) as their originals at ``0 ..``."""
+        k, v = self.read_slots(torch.arange(self.owner.sinks, device=self.owner.device))
+        self.sink_keys = k if self.rope is None or first == 0 else rotate_by(k, -first, self.rope)
+        self.sink_values = v
+
+    def rotate_stored(self, delta: int) -> None:
+        """Rotate every stored key by ``delta`` positions in place (a re-base; ``int4`` keys are re-encoded,
+        their values untouched). Empty slots rotate too: harmless, they are never attended."""
+        if self.rope is None or delta == 0:
+            return
+        if self.owner.codec == "int4":
+            every = torch.arange(self.owner.capacity, device=self.owner.device)
+            k, _ = self.read_slots(every)
+            self._write(every, rotate_by(k, delta, self.rope), None)
+        else:
+            rotate_by_(self.read()[0], delta, self.rope)
+
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``slots`` (a ``[n]`` index), decoded, as new tensors."""
+        if self.owner.codec == "int4":
+            k = [t.index_select(2, slots) for t in (self.k_codes, self.k_scale, self.k_low)]
+            v = [t.index_select(2, slots) for t in (self.v_codes, self.v_scale, self.v_low)]
+            return _decode4(k[0], k[1], k[2], self.dtype), _decode4(v[0], v[1], v[2], self.dtype)
+        keys, values = self.read()
+        return keys.index_select(2, slots), values.index_select(2, slots)
+
+    def get_seq_length(self) -> int:
+        return self.owner.next_position
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.capacity, 0
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def nbytes(self) -> int:
+        extra = [t for t in (self.sink_keys, self.sink_values) if t is not None]
+        return sum(t.numel() * t.element_size() for t in [*self.buffers(), *extra])
+
+
+class StaticRollingCache(Cache):
+    """Sinks + a rolling window in fixed buffers: :class:`RollingCache`'s rule, a capturable step.
+
+    Args:
+        config: the model config (layer count, KV heads, head size).
+        rope: the model's RoPE (one spec, or one per layer); shift-exact.
+        window, sinks, evict_chunk, max_position, rebase: as :class:`RollingCache` (the same rule).
+        batch: rows fed in lockstep (same positions).
+        dtype, device: of the model's K/V (``static_rolling_cache_for`` reads them off the model).
+        codec: ``"none"`` (the model's dtype) or ``"int4"`` (4-bit codes, fp16 scale and minimum per
+            ``group`` channels).
+
+    One feed holds at most ``evict_chunk`` tokens (the ring's spare room); longer prompts are fed in
+    pieces or through a :class:`RollingCache` first (:meth:`load`). Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        rope: Rope | None,
+        *,
+        window: int,
+        sinks: int = 4,
+        evict_chunk: int = 64,
+        max_position: int | None = None,
+        rebase: Rebase = "auto",
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        codec: Codec = "none",
+        group: int = 32,
+    ) -> None:
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        max_pos = int(max_position or getattr(text, "max_position_embeddings", 0) or 0)
+        _validate(
+            text, rope, window=window, sinks=sinks, evict_chunk=evict_chunk, max_pos=max_pos, rebase=rebase
+        )
+        assert rope is not None  # _validate refused None
+        if any(w is not None for w in sliding_windows(text)):
+            raise UnsupportedModelError(
+                "StaticRollingCache supports models whose layers all attend globally; this one has "
+                "sliding-window layers: use RollingCache"
+            )
+        if codec not in ("none", "int4"):
+            raise BadInputError(f"codec must be 'none' or 'int4', got {codec!r}")
+        heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        if codec == "int4" and (group < 2 or head_dim % group or group % 2):
+            raise BadInputError(f"int4 group {group} must be even and divide head_dim {head_dim}")
+        if batch < 1:
+            raise BadInputError(f"batch must be >= 1, got {batch}")
+        self.rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.codec, self.group, self.batch = codec, int(group), int(batch)
+        self.capacity = sinks + window + evict_chunk
+        self.ring = window + evict_chunk
+        self.slot_pos = torch.full((self.capacity,), EMPTY, dtype=torch.long, device=self.device)
+        self._write_index: dict[int, torch.Tensor] = {}
+        n_layers = int(text.num_hidden_layers)
+        shape = (self.batch, heads, self.capacity, head_dim)
+        layers: list[Any] = [StaticRollingLayer(self, rope.for_layer(i), shape) for i in range(n_layers)]
+        super().__init__(layers=layers)
+        self.layers: list[StaticRollingLayer] = layers  # type: ignore[assignment]  # ours, typed as ours
+        # host-side counts (the same meaning as RollingCache's, kept once for all layers)
+        self.next_position = 0  # RoPE position of the next token
+        self.slots = 0  # tokens held, including those a pending drop will remove
+        self.plan = RollPlan()
+        self.sinks_held = 0
+        self.tail = 0  # ring index of the oldest window token
+        self._fed = (0, 0)  # (tokens, of which into the sinks) of the feed prepare() announced
+        self.tokens_seen = self.rolls = self.rebases = 0
+
+    sinks = property(lambda self: self.rule.policy.sinks)
+    window = property(lambda self: self.rule.policy.window)
+    evict_chunk = property(lambda self: self.rule.evict_chunk)
+
+    @property
+    def kept(self) -> int:
+        return self.slots - self.plan.drop
+
+    # -- the step's device inputs ---------------------------------------------------------------------
+    def write_index(self, n: int) -> torch.Tensor:
+        """The ``[n]`` slot indices the current feed of ``n`` tokens writes (one fixed tensor per ``n``)."""
+        if n not in self._write_index:
+            self._write_index[n] = torch.zeros(n, dtype=torch.long, device=self.device)
+        return self._write_index[n]
+
+    def attention_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[batch, 1, n, capacity]`` additive mask for queries at ``positions [batch, n]``: 0 where a
+        slot's position is at most the query's, the dtype's minimum elsewhere (empty slots included)."""
+        visible = self.slot_pos[None, None, None, :] <= positions[:, None, :, None]
+        zero = torch.zeros((), dtype=dtype, device=self.device)
+        return torch.where(visible, zero, torch.finfo(dtype).min)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a captured step reads or writes (to mark their addresses static)."""
+        return [self.slot_pos, *self._write_index.values(), *(t for la in self.layers for t in la.buffers())]
+
+    # -- between steps --------------------------------------------------------------------------------
+    def prepare(self, n: int) -> torch.Tensor:
+        """Before a feed of ``n`` tokens: apply the pending plan, point :meth:`write_index` ``(n)`` at the
+        slots the feed fills and record their positions in ``slot_pos``; returns the ``[n]`` positions
+        (a new tensor on the cache's device). Host side; small kernels, no synchronisation."""
+        if n < 1 or (n > self.rule.evict_chunk and not (self.tokens_seen == 0 and n <= self.capacity)):
+            raise BadInputError(
+                f"a StaticRollingCache takes feeds of 1 to evict_chunk ({self.rule.evict_chunk}) tokens, got {n}"
+            )
+        self._check_room(n)
+        self._apply_plan()
+        s = self.sinks
+        dev = self.device
+        into_sinks = min(n, s - self.sinks_held)
+        window_held = self.slots - self.sinks_held
+        if window_held + (n - into_sinks) > self.ring:
+            raise BadInputError(f"a feed of {n} tokens does not fit the ring of {self.ring} slots")
+        steps = torch.arange(n, device=dev)
+        ring_slots = s + (self.tail + window_held + steps - into_sinks) % self.ring
+        index = torch.where(steps < into_sinks, self.sinks_held + steps, ring_slots)
+        self.write_index(n).copy_(index)
+        positions = self.next_position + steps
+        self.slot_pos.index_copy_(0, index, positions)
+        self._fed = (n, into_sinks)
+        return positions
+
+    def advance(self) -> None:
+        """After the feed :meth:`prepare` announced ran: update the counts and plan the next roll."""
+        n, into_sinks = self._fed
+        if into_sinks and self.sinks_held + into_sinks == self.sinks:  # sinks complete: keep the originals
+            for layer in self.layers:
+                layer.keep_sinks(self.next_position - self.sinks_held)
+        self.sinks_held += into_sinks
+        self.slots += n
+        self.next_position += n
+        self.tokens_seen += n
+        self.plan = self.rule.next_plan(self.next_position - self.slots, self.slots, True)
+
+    def _apply_plan(self) -> None:
+        """The pending drop (mark slots empty), re-base (rotate stored keys) and sink placement."""
+        plan, dev = self.plan, self.device
+        if not plan.pending:
+            return
+        if plan.drop:
+            gone = self.sinks + (self.tail + torch.arange(plan.drop, device=dev)) % self.ring
+            self.slot_pos.index_fill_(0, gone, EMPTY)
+            self.tail = (self.tail + plan.drop) % self.ring
+            self.slots -= plan.drop
+            self.rolls += 1
+        if plan.rebase:
+            self.slot_pos.sub_(torch.where(self.slot_pos != EMPTY, plan.rebase, 0))
+            for layer in self.layers:
+                layer.rotate_stored(-plan.rebase)
+            self.next_position -= plan.rebase
+            self.rebases += 1
+        self.plan = RollPlan()
+        start = self.next_position - self.slots  # the sinks sit right before the oldest kept token
+        if self.sinks_held == self.sinks and self.sinks:
+            for layer in self.layers:
+                layer.place_sinks(start)
+            self.slot_pos[: self.sinks] = torch.arange(start, start + self.sinks, device=dev)
+
+    def _check_room(self, n: int) -> None:
+        rule = self.rule
+        position = self.next_position - self.plan.rebase
+        if rule.rebase != "never" and rule.max_position and position + n > rule.max_position:
+            raise BadInputError(
+                f"{n} new tokens would pass the maximum position {rule.max_position}; "
+                f"feed at most {rule.headroom} tokens per forward to a rolling cache"
+            )
+
+    # -- from and to the eager cache ------------------------------------------------------------------
+    def load(self, cache: RollingCache) -> StaticRollingCache:
+        """Take over the state of an eager :class:`RollingCache` (e.g. after a long prefill), as if its
+        tokens had been fed here; the eager cache is not modified. Returns self. In place."""
+        if self.tokens_seen:
+            raise BadInputError("load() needs an empty StaticRollingCache")
+        if cache.rule.policy != self.rule.policy or cache.evict_chunk != self.evict_chunk:
+            raise BadInputError(
+                f"load() needs the same sinks, window and chunk: {cache.describe()} vs sinks={self.sinks}, "
+                f"window={self.window}, chunk={self.evict_chunk}"
+            )
+        if getattr(cache, "rows", None) is not None or not cache.tokens_seen:
+            raise BadInputError("load() takes a RollingCache that has been fed one unpadded batch")
+        kept, s = cache.kept, min(self.sinks, cache.kept)
+        start = cache.next_position - kept
+        dev = self.device
+        window_slots = torch.arange(s, self.capacity, device=dev)[: kept - s]
+        index = torch.cat([torch.arange(s, device=dev), window_slots])
+        theirs_all: list[Any] = cache.layers
+        for mine, theirs in zip(self.layers, theirs_all, strict=True):
+            k, v = theirs.visible()
+            if k.shape[0] != self.batch:
+                raise BadInputError(f"load() got {k.shape[0]} rows for a batch of {self.batch}")
+            mine._write(index, k.to(dev), v.to(dev))
+            if theirs.sink_keys is not None and s == self.sinks:
+                mine.sink_keys = theirs.sink_keys.to(dev, self.dtype).clone()
+                mine.sink_values = v[:, :, :s].to(dev, self.dtype).clone()
+        self.slot_pos.fill_(EMPTY)
+        self.slot_pos.index_copy_(0, index, torch.arange(start, start + kept, device=dev))
+        self.next_position, self.slots, self.sinks_held = cache.next_position, kept, s
+        self.tail, self.tokens_seen = 0, cache.tokens_seen
+        self.rolls, self.rebases = cache.rolls, cache.rebases
+        self.plan = self.rule.next_plan(start, kept, True)
+        return self
+
+    def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(keys, values)]`` per layer in position order, as the next forward will see them (copies;
+        decoded with ``int4``; a pending roll applied) — comparable with :meth:`RollingCache.kept_layers`."""
+        order = self._visible_slots()
+        out = []
+        for layer in self.layers:
+            k, v = layer.read_slots(order)
+            s = min(self.sinks_held, order.numel())
+            if self.plan.pending and s and layer.sink_keys is not None:
+                start = self.next_position - self.plan.rebase - self.kept
+                k[:, :, :s] = (
+                    layer.sink_keys if layer.rope is None else rotate_by(layer.sink_keys, start, layer.rope)
+                )
+            if self.plan.rebase and layer.rope is not None:
+                rotate_by_(k[:, :, s:], -self.plan.rebase, layer.rope)
+            out.append((k, v))
+        return out
+
+    def _visible_slots(self) -> torch.Tensor:
+        """Slot indices of the kept tokens in position order (sinks, then the ring from its tail)."""
+        s = self.sinks_held
+        window = self.kept - s
+        first = self.tail + self.plan.drop
+        ring = self.sinks + (first + torch.arange(window, device=self.device)) % self.ring
+        return torch.cat([torch.arange(s, device=self.device), ring])
+
+    def positions(self) -> torch.Tensor:
+        """``[kept]`` RoPE positions of the kept slots as the next forward sees them."""
+        end = self.next_position - self.plan.rebase
+        return torch.arange(end - self.kept, end, device=self.device)
+
+    # -- transformers' Cache questions ----------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.next_position
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.capacity, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.capacity
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise UnsupportedModelError(
+            "a StaticRollingCache cannot be cropped (it has forgotten evicted tokens)"
+        )
+
+    def nbytes(self) -> int:
+        """Bytes held: every layer's buffers (codes, scales) and stored sink keys, plus the slot positions."""
+        return sum(layer.nbytes() for layer in self.layers) + self.slot_pos.numel() * 8
+
+    def describe(self) -> str:
+        end = self.next_position - self.plan.rebase
+        return (
+            f"StaticRollingCache(sinks={self.sinks}, window={self.window}, chunk={self.evict_chunk}, "
+            f"codec={self.codec}: {self.kept} kept, positions {end - self.kept}..{end - 1}, "
+            f"{self.tokens_seen} seen, {self.rolls} rolls, {self.rebases} re-bases)"
+        )
+
+    __repr__ = describe
+
+
+def static_rolling_cache_for(
+    handle: Any,
+    *,
+    window: int,
+    sinks: int = 4,
+    evict_chunk: int = 64,
+    rebase: Rebase = "auto",
+    batch: int = 1,
+    codec: Codec = "none",
+    group: int = 32,
+    max_position: int | None = None,
+) -> StaticRollingCache:
+    """A :class:`StaticRollingCache` for a :class:`~kvlab.model.ModelHandle` (config, RoPE, maximum
+    position, and the device and dtype of its weights)."""
+    from kvlab.model.handle import as_handle
+
+    h = as_handle(handle)
+    if h.rope is None:
+        raise UnsupportedModelError(h.rope_problem or "a rolling cache needs a model with RoPE")
+    return StaticRollingCache(
+        h.config,
+        h.rope,
+        window=window,
+        sinks=sinks,
+        evict_chunk=evict_chunk,
+        rebase=rebase,
+        max_position=max_position or h.max_positions,
+        batch=batch,
+        dtype=h.dtype,
+        device=h.device,
+        codec=codec,
+        group=group,
+    )

@@ -1,0 +1,218 @@
+"""StaticRollingCache and RollingDecoder: the eager RollingCache's rule, in fixed buffers, captured.
+
+The reference everywhere is :class:`~kvlab.hf.RollingCache` with the same sinks, window, eviction
+chunk and re-base mode: every forward must see the same tokens at the same relative positions, so
+logits agree to fp32 rounding of RoPE at other absolute positions. Each test runs on the CPU and,
+on a machine with CUDA, on the GPU too (where ``mode="cuda-graph"`` is also checked).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.hf.graphs import RollingDecoder
+from kvlab.hf.rolling_cache import RollingCache
+from kvlab.hf.static_rolling import _decode4, _encode4, static_rolling_cache_for
+from kvlab.model.random import tiny_random_model
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# fp32 logits of a 2-layer model with O(1) logits: RoPE applied at other absolute positions (a
+# re-base, the sinks re-rotated from float64 angles) changes keys by ~1e-7 relative; 100x headroom
+LOGIT_TOL = 2e-5
+
+
+def _model(family: str | None, device: str, tiny_model, max_positions: int = 256):
+    if family is None:  # the compression tests' Llama, with a small maximum so re-bases happen
+        cfg = LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=max_positions,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        h = tiny_random_model(cfg, head_dim=16, layers=2)
+    else:
+        h = tiny_model(family)
+    if device != "cpu":
+        from kvlab.model.handle import ModelHandle
+
+        h = ModelHandle(h.model.to(device), h.tokenizer, name=h.name + f"@{device}")
+    return h
+
+
+def _ids(n: int, vocab: int = 512, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(h, *, window, sinks, chunk):
+    return RollingCache(h.config, h.rope, window=window, sinks=sinks, evict_chunk=chunk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", [None, "qwen2", "phi", "llama3-scaling", "smollm2"])
+def test_decode_equals_the_eager_rolling_cache(family, device, tiny_model, one_torch_thread):
+    """Prefill, then 1-token steps through many rolls (and, for the small-maximum Llama, re-bases):
+    logits and the kept K/V equal RollingCache's at every step."""
+    h = _model(family, device, tiny_model)
+    vocab = h.config.vocab_size
+    ids = _ids(330, vocab).to(device)
+    window, sinks, chunk = 40, 4, 8
+    ref = _reference(h, window=window, sinks=sinks, chunk=chunk)
+    h.run(ids[:20], ref, logits_to_keep=1)
+    cache = static_rolling_cache_for(h, window=window, sinks=sinks, evict_chunk=chunk)
+    dec = RollingDecoder(h, cache, mode="eager")
+    dec.prefill(ids[:20])
+    worst = 0.0
+    for t in range(20, ids.numel()):
+        a = h.run(ids[t : t + 1], ref, logits_to_keep=1).logits[0, -1].float()
+        b = dec.feed(ids[t : t + 1])[0]
+        worst = max(worst, float((a - b).abs().max()))
+    assert worst < LOGIT_TOL
+    assert (cache.rolls, cache.kept, cache.next_position) == (ref.rolls, ref.kept, ref.next_position)
+    if family is None:
+        assert cache.rebases == ref.rebases >= 1  # max position 256, 330 tokens: positions were re-based
+    for (k1, v1), (k2, v2) in zip(ref.kept_layers(), cache.kept_layers(), strict=True):
+        assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
+    assert torch.equal(cache.positions().cpu(), torch.arange(ref.next_position - ref.kept, ref.next_position))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_feeding_from_empty_in_chunks(device, tiny_model, one_torch_thread):
+    """No eager prefill: the sinks fill from the first feeds, then chunks of up to evict_chunk tokens
+    (each forward causal inside itself) and single tokens, as RollingCache fed the same pieces."""
+    h = _model(None, device, tiny_model, max_positions=4096)
+    ids = _ids(300).to(device)
+    ref = _reference(h, window=30, sinks=3, chunk=6)
+    cache = static_rolling_cache_for(h, window=30, sinks=3, evict_chunk=6)
+    dec = RollingDecoder(h, cache, mode="eager")
+    pieces, t = [2, 1, 5, 6, 6, 1, 1, 3, 6, 4], 0
+    while t < ids.numel():
+        n = min(pieces[t % len(pieces)], ids.numel() - t)
+        a = h.run(ids[t : t + n], ref, logits_to_keep=1).logits[0, -1].float()
+        b = dec.feed(ids[t : t + n])[0]
+        assert float((a - b).abs().max()) < LOGIT_TOL, t
+        t += n
+    assert cache.rolls == ref.rolls > 10
+
+
+def test_refusals(tiny_model):
+    h = _model(None, "cpu", tiny_model)
+    cache = static_rolling_cache_for(h, window=20, sinks=2, evict_chunk=4)
+    dec = RollingDecoder(h, cache, mode="eager")
+    dec.prefill(_ids(10))
+    with pytest.raises(BadInputError, match="evict_chunk"):
+        dec.feed(_ids(5))  # more than one chunk at once after the first feed
+    with pytest.raises(BadInputError, match="empty"):
+        dec.prefill(_ids(3))
+    with pytest.raises(BadInputError, match="cuda-graph"):
+        RollingDecoder(h, static_rolling_cache_for(h, window=100), mode="cuda-graph")
+    with pytest.raises(BadInputError, match="mode"):
+        RollingDecoder(h, static_rolling_cache_for(h, window=100), mode="fast")  # type: ignore[arg-type]
+    other = RollingCache(h.config, h.rope, window=21, sinks=2, evict_chunk=4)
+    h.run(_ids(5), other)
+    with pytest.raises(BadInputError, match="same sinks"):
+        static_rolling_cache_for(h, window=20, sinks=2, evict_chunk=4).load(other)
+    with pytest.raises(BadInputError, match="int4 group"):
+        static_rolling_cache_for(h, window=100, codec="int4", group=5)
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        static_rolling_cache_for(tiny_model("mistral"), window=100)
+
+
+def test_int4_codes_bound_and_layout():
+    """Every element decodes within half a step of its group (plus fp32 rounding), and the codes are
+    laid out as kvlab's pack_bits lays out 4-bit codes (QuantizedTensor decodes them identically)."""
+    from kvlab.compress.quant.scalar import QuantizedTensor
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 50, 64, generator=g) * torch.logspace(-3, 2, 64)  # outlier channels
+    x[0, 0, 0] = 0.0  # an all-zero token
+    codes, scale, low = _encode4(x, 32)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 3, 50, 32) and scale.shape == (2, 3, 50, 2)
+    y = _decode4(codes, scale, low, torch.float32)
+    step = scale.float().repeat_interleave(32, dim=-1)
+    assert bool(((x - y).abs() <= step / 2 + 1e-6 * x.abs() + 1e-7).all())
+    q = QuantizedTensor(codes.reshape(-1), scale, low, 4, tuple(x.shape), 32, torch.float32)
+    assert torch.equal(q.dequantize(), y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int4_cache_holds_the_quantized_keys_and_a_third_of_the_bytes(device, tiny_model, one_torch_thread):
+    """Layer 0's K/V depend only on the token embeddings, so the int4 cache's layer 0 holds exactly the
+    full-precision cache's layer 0 quantized: within the codes' bound, slot for slot, after rolls."""
+    h = _model(None, device, tiny_model, max_positions=4096)
+    ids = _ids(200).to(device)
+    caches = {
+        c: static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=c, group=8)
+        for c in ("none", "int4")
+    }
+    for c in caches.values():
+        dec = RollingDecoder(h, c, mode="eager")
+        dec.prefill(ids[:30])
+        for t in range(30, 200):
+            dec.feed(ids[t : t + 1])
+    (k, v), (kq, vq) = caches["none"].kept_layers()[0], caches["int4"].kept_layers()[0]
+    for full, quant in ((k, kq), (v, vq)):
+        groups = full.float().unflatten(-1, (-1, 8))
+        step = (groups.amax(-1) - groups.amin(-1)) / 15
+        bound = step.repeat_interleave(8, dim=-1) * (0.5 + 2e-3) + 1e-6
+        assert bool(((full - quant).abs() <= bound).all())
+    fp, q4 = caches["none"], caches["int4"]
+    per_slot_fp = 2 * 16 * 4  # keys + values, head_dim 16, fp32
+    per_slot_q4 = 2 * (16 // 2 + 2 * 2 * (16 // 8))  # codes + fp16 scale and minimum per group of 8
+    slots = fp.capacity * 2 * 2  # layers x kv heads
+    sinks = 2 * 2 * 4 * per_slot_fp  # layers x kv heads x sinks: the stored originals
+    assert fp.nbytes() == slots * per_slot_fp + sinks + fp.capacity * 8
+    assert q4.nbytes() == slots * per_slot_q4 + sinks + q4.capacity * 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("codec", ["none", "int4"])
+def test_compiled_fullgraph_step_equals_eager(codec, tiny_model, one_torch_thread):
+    """torch.compile(fullgraph=True) over the decode step (inductor, on the CPU): one graph for 100
+    steps with 10 rolls (no recompiles, no graph breaks), the same logits as the eager step."""
+    import torch._dynamo
+
+    h = _model(None, "cpu", tiny_model, max_positions=4096)
+    ids = _ids(120)
+    ref = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=codec, group=8)
+    eager = RollingDecoder(h, ref, mode="eager")
+    eager.prefill(ids[:20])
+    cache = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=codec, group=8)
+    dec = RollingDecoder(h, cache, mode="compile")
+    dec.prefill(ids[:20])
+    torch._dynamo.utils.counters.clear()
+    worst = 0.0
+    for t in range(20, 120):
+        worst = max(worst, float((eager.feed(ids[t : t + 1]) - dec.feed(ids[t : t + 1])).abs().max()))
+    assert worst < LOGIT_TOL
+    assert cache.rolls == ref.rolls == 10
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+if torch.cuda.is_available():  # defined only where it can run (a skipped test fails `make test`)
+
+    @pytest.mark.parametrize("codec", ["none", "int4"])
+    def test_cuda_graph_step_equals_eager(codec, tiny_model):
+        """Captured 1-token and chunk feeds replay what the eager step computes, rolls included."""
+        h = _model(None, "cuda", tiny_model, max_positions=4096)
+        ids = _ids(150).cuda()
+        ref = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=codec, group=8)
+        eager = RollingDecoder(h, ref, mode="eager")
+        eager.prefill(ids[:20])
+        cache = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=codec, group=8)
+        dec = RollingDecoder(h, cache, mode="cuda-graph")
+        dec.prefill(ids[:20])
+        t = 20
+        while t < 150:
+            n = 8 if t % 3 == 0 else 1
+            a, b = eager.feed(ids[t : t + n]), dec.feed(ids[t : t + n])
+            assert float((a - b).abs().max()) < LOGIT_TOL, t
+            t += n
+        assert dec.captures == 2 and cache.rolls == ref.rolls > 10
