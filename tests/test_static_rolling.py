@@ -216,3 +216,43 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
             assert float((a - b).abs().max()) < LOGIT_TOL, t
             t += n
         assert dec.captures == 2 and cache.rolls == ref.rolls > 10
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_grouped_attention_equals_sdpa_with_repeated_heads(n):
+    """kvlab's grouped attention (query heads stacked per KV head) is SDPA over repeated K/V heads."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from kvlab.hf.graphs import _grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, t, 16, generator=g) for h, t in ((8, n), (2, 40), (2, 40)))
+    mask = torch.where(torch.rand(2, 1, n, 40, generator=g) < 0.3, float("-inf"), 0.0)
+    mask[..., 0] = 0.0  # every query sees something
+    got, _ = _grouped_attention(SimpleNamespace(), q, k, v, mask, scaling=0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask, scale=0.25
+    )
+    assert torch.allclose(got, ref.transpose(1, 2), atol=1e-6)
+
+
+def test_decoder_steps_use_grouped_attention_and_restore_the_model(tiny_model, monkeypatch):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvlab.hf import graphs
+
+    h = _model(None, "cpu", tiny_model)
+    calls = []
+    inner = ALL_ATTENTION_FUNCTIONS[graphs.GROUPED_ATTENTION]
+    monkeypatch.setitem(
+        ALL_ATTENTION_FUNCTIONS._global_mapping,
+        graphs.GROUPED_ATTENTION,
+        lambda *a, **k: calls.append(1) or inner(*a, **k),
+    )
+    dec = RollingDecoder(h, static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8), mode="eager")
+    dec.prefill(_ids(10))
+    dec.feed(_ids(3))
+    assert len(calls) == 2  # one step, two layers (the prefill ran the model's own attention)
+    assert h.config._attn_implementation == "sdpa"

@@ -1,0 +1,142 @@
+"""`kvlab serve --device cuda` answers the `openai` client, and says what the CPU server says.
+
+Builds a small random-weight Llama with the bundled model's tokenizer (``TOKENIZER_DIR``: a folder
+with ``tokenizer.json`` and the bundled model's ``config.json``), starts one server on CPU and one on
+CUDA (each a subprocess on 127.0.0.1), sends both the same greedy chat (two turns, the second
+continuing the first's cache) plus a streamed request, and prints the replies side by side. Exit 1
+if the CUDA server fails to answer; token-for-token agreement with the CPU server is reported, not
+required (fp32 on both, but different kernels may break a near-tie).
+
+    python scripts/gpu_serve_check.py TOKENIZER_DIR [--devices cpu,cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def build_model(tok: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from kvlab.model.random import shrink_config
+
+    cfg = shrink_config(AutoConfig.from_pretrained(tok), layers=2, head_dim=16, vocab=49152)
+    cfg.initializer_range = 0.5  # larger random weights: varied tokens, not one repeated newline
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (tok / name).exists():
+            shutil.copy(tok / name, out / name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(model: Path, device: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(Path(tempfile.gettempdir()) / f"kvlab-serve-{device.replace(':', '')}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvlab",
+            "serve",
+            "--model",
+            str(model),
+            "--device",
+            device,
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvlab serve --device {device} exited with {proc.returncode}: see {log.name}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"kvlab serve --device {device} did not answer /health in 120 s")
+
+
+def converse(url: str) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Tell me about the key-value cache of a transformer."}]
+    first = client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0)
+    msgs += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And how does a rolling window keep it bounded?"},
+    ]
+    second = client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(
+        model=model, messages=msgs[:1], max_tokens=16, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    reused = [ln for ln in metrics.splitlines() if "reused" in ln and not ln.startswith("#")]
+    return {
+        "first": first.choices[0].message.content,
+        "second": second.choices[0].message.content,
+        "streamed": streamed,
+        "usage_second": second.usage.model_dump() if second.usage else None,
+        "reuse_metrics": reused[:4],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tokenizer_dir", type=Path)
+    ap.add_argument("--devices", default="cpu,cuda")
+    args = ap.parse_args()
+    model = Path(tempfile.mkdtemp(prefix="kvlab-tiny-serve-"))
+    build_model(args.tokenizer_dir, model)
+    results, failed = {}, False
+    for device in args.devices.split(","):
+        proc = None
+        try:
+            proc, url = serve(model, device)
+            results[device] = converse(url)
+        except Exception as exc:
+            results[device] = {"error": f"{type(exc).__name__}: {exc}"}
+            failed = failed or device.startswith("cuda")
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    print(json.dumps(results, indent=1))
+    devs = list(results)
+    if len(devs) == 2 and all("error" not in results[d] for d in devs):
+        a, b = (results[d] for d in devs)
+        same = all(a[k] == b[k] for k in ("first", "second", "streamed"))
+        print(f"serve {devs[0]} vs {devs[1]}: replies identical: {same}")
+    print("serve check:", "FAILED" if failed else "ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
