@@ -478,8 +478,9 @@ class RollingCache(Cache):
                 layer.may_rebase = was
 
     def positions(self) -> torch.Tensor:
-        """``[kept]`` RoPE positions of the kept slots as the next forward sees them (contiguous)."""
-        return torch.arange(self.next_position - self.kept, self.next_position)
+        """``[kept]`` RoPE positions of the kept slots as the next forward sees them (contiguous), on the
+        host like every snapshot's positions."""
+        return torch.arange(self.next_position - self.kept, self.next_position, device="cpu")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].next_position

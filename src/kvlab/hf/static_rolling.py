@@ -430,9 +430,10 @@ class StaticRollingCache(Cache):
         return torch.cat([torch.arange(s, device=self.device), ring])
 
     def positions(self) -> torch.Tensor:
-        """``[kept]`` RoPE positions of the kept slots as the next forward sees them."""
+        """``[kept]`` RoPE positions of the kept slots as the next forward sees them (on the host, as
+        :meth:`RollingCache.positions`)."""
         end = self.next_position - self.plan.rebase
-        return torch.arange(end - self.kept, end, device=self.device)
+        return torch.arange(end - self.kept, end, device="cpu")
 
     # -- transformers' Cache questions ----------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
