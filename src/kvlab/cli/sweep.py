@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import JsonOpt, console
+from kvlab.cli.common import DEVICE_HELP, DTYPE_HELP, JsonOpt, console, device_name_value, dtype_value
 
 
 def register(app: typer.Typer) -> None:
@@ -26,7 +26,23 @@ def register(app: typer.Typer) -> None:
         ] = False,
         workers: Annotated[
             int | None,
-            typer.Option("--workers", min=1, help="Local worker processes (default: one per core)."),
+            typer.Option(
+                "--workers", min=1, help="Local worker processes (default: one per core; 1 on CUDA)."
+            ),
+        ] = None,
+        device: Annotated[
+            str | None,
+            typer.Option(
+                "--device",
+                callback=device_name_value,
+                help=f"{DEVICE_HELP} Default: the grid's device, else auto (with --ray: CUDA when the cluster has GPUs).",
+            ),
+        ] = None,
+        dtype: Annotated[
+            str | None,
+            typer.Option(
+                "--dtype", callback=dtype_value, help=f"{DTYPE_HELP} Default: the grid's dtype, else float32."
+            ),
         ] = None,
         json_out: JsonOpt = False,
     ) -> None:
@@ -38,7 +54,9 @@ def register(app: typer.Typer) -> None:
 
         # Ray's driver prints worker deaths and logs to stdout: keep stdout for the --json document
         with contextlib.redirect_stdout(sys.stderr):
-            result = run_sweep(grid, out, ray=ray, resume=resume, workers=workers, log=log)
+            result = run_sweep(
+                grid, out, ray=ray, resume=resume, workers=workers, device=device, dtype=dtype, log=log
+            )
         if json_out:
             sys.stdout.write(json.dumps(result, indent=1, default=str) + "\n")
         else:

@@ -12,14 +12,18 @@ from typing import Any
 
 from kvlab.study.sweep.grid import Cell
 
-_MODELS: dict[str, Any] = {}  # per worker process: each model is loaded once
+_MODELS: dict[tuple[str, str, str], Any] = {}  # per worker process: each model is loaded once
 
 
-def load_spec(spec: str) -> Any:
-    """A ModelHandle for ``spec``: ``tiny:<config.json>`` (random weights, seed 0, the bundled model's
-    tokenizer so text experiments run) or anything ``load_model`` takes."""
-    if spec in _MODELS:
-        return _MODELS[spec]
+def load_spec(spec: str, device: str = "cpu", dtype: str = "float32") -> Any:
+    """A ModelHandle for ``spec`` on ``device`` in ``dtype``: ``tiny:<config.json>`` (random weights,
+    seed 0, the bundled model's tokenizer so text experiments run) or anything ``load_model`` takes."""
+    from kvlab.model.loading import parse_dtype, resolve_device
+
+    device = resolve_device(device)
+    key = (spec, device, dtype)
+    if key in _MODELS:
+        return _MODELS[key]
     if spec.startswith("tiny:"):
         from transformers import AutoTokenizer
 
@@ -29,12 +33,13 @@ def load_spec(spec: str) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir(), local_files_only=True)
         tiny = tiny_random_model(spec.removeprefix("tiny:"), seed=0, vocab=len(tokenizer))
-        handle = ModelHandle(tiny.model, tokenizer, name=f"tiny-{Path(spec.removeprefix('tiny:')).stem}")
+        model = tiny.model.to(device=device, dtype=parse_dtype(dtype))
+        handle = ModelHandle(model, tokenizer, name=f"tiny-{Path(spec.removeprefix('tiny:')).stem}")
     else:
         from kvlab.model import load_model
 
-        handle = load_model(spec)
-    _MODELS[spec] = handle
+        handle = load_model(spec, device=device, dtype=dtype)
+    _MODELS[key] = handle
     return handle
 
 
@@ -47,9 +52,10 @@ def is_done(folder: Path, key: str) -> bool:
     return doc.get("key") == key and doc.get("status") == "ok"
 
 
-def run_cell(cell_json: dict, out_root: str) -> dict:
+def run_cell(cell_json: dict, out_root: str, extra: dict | None = None) -> dict:
     """Run one cell into ``<out_root>/cells/<folder>`` atomically (temp folder + rename): a worker killed
-    midway leaves only a hidden temp folder, never a cell that --resume would take as done."""
+    midway leaves only a hidden temp folder, never a cell that --resume would take as done. The model is
+    loaded on the cell's device in its dtype; ``extra`` (what a Ray actor was given) goes into cell.json."""
     import torch
 
     from kvlab.study.experiments import ExperimentContext, get_experiment
@@ -64,12 +70,14 @@ def run_cell(cell_json: dict, out_root: str) -> dict:
     tmp = cells_dir / f".{cell.folder_name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.mkdir(parents=True)
     started = time.perf_counter()
-    handle = load_spec(cell.model)
+    handle = load_spec(cell.model, cell.device, cell.dtype)
     ctx = ExperimentContext(
         out_dir=tmp,
         profile=cell.profile,
         seed=cell.seed,
         model_spec=cell.model,
+        dtype=cell.dtype,
+        device=cell.device,
         options=dict(cell.options),
         model_handle=handle,
     )
@@ -83,6 +91,8 @@ def run_cell(cell_json: dict, out_root: str) -> dict:
         **cell.to_json(),
         "model_name": handle.name,
         "fingerprint": handle.fingerprint,
+        "ran_on": ctx.device_info(),
+        **(extra or {}),
         "status": status,
         "error": error,
         "seconds": round(time.perf_counter() - started, 2),

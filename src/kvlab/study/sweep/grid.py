@@ -1,4 +1,5 @@
-"""The sweep grid: a TOML file of models, texts, experiments (with options) and seeds.
+"""The sweep grid: a TOML file of models, texts, experiments (with options) and seeds, and where the
+cells run (``device``, ``dtype``, and on Ray ``gpus_per_actor``).
 
 Everything is validated before anything is created; each problem is one BadInputError.
 """
@@ -9,19 +10,22 @@ import hashlib
 import inspect
 import json
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvlab.errors import BadInputError
 
 PROFILES = ("quick", "default", "full")
+GRID_KEYS = ("models", "texts", "experiments", "seeds", "profile", "device", "dtype", "gpus_per_actor")
 TEXT_OPTIONS = ("text_file", "text")  # how experiments name their text-file option
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One experiment on one model (and text) with one seed; ``key`` decides whether it must run."""
+    """One experiment on one model (and text) with one seed, on one device in one dtype; ``key`` decides
+    whether it must run. ``device`` is what the cell's process loads the model on (``cpu``, ``cuda:N``,
+    or on Ray ``cuda``: the GPU Ray gave the actor)."""
 
     model: str
     experiment: str
@@ -30,6 +34,12 @@ class Cell:
     text: str | None
     profile: str
     key: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def placed(self, key: str, device: str, dtype: str) -> Cell:
+        """This cell keyed, on ``device`` in ``dtype``."""
+        return replace(self, key=key, device=device, dtype=dtype)
 
     @property
     def folder_name(self) -> str:
@@ -46,12 +56,22 @@ class Cell:
             "seed": self.seed,
             "text": self.text,
             "profile": self.profile,
+            "device": self.device,
+            "dtype": self.dtype,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> Cell:
         return cls(
-            d["model"], d["experiment"], dict(d["options"]), int(d["seed"]), d["text"], d["profile"], d["key"]
+            d["model"],
+            d["experiment"],
+            dict(d["options"]),
+            int(d["seed"]),
+            d["text"],
+            d["profile"],
+            d["key"],
+            d.get("device", "cpu"),
+            d.get("dtype", "float32"),
         )
 
 
@@ -64,6 +84,11 @@ class Grid:
     profile: str
     source: Path
     cells: tuple[Cell, ...] = field(default=())
+    #: where cells run: auto (CUDA when there is one), cpu, cuda or cuda:N; and the model's dtype
+    device: str = "auto"
+    dtype: str = "float32"
+    #: GPUs each Ray actor asks for (None: 1 when the cells run on CUDA, else 0); fractions share a GPU
+    gpus_per_actor: float | None = None
 
 
 def _text_option(experiment) -> str | None:
@@ -84,7 +109,7 @@ def load_grid(path: str | Path) -> Grid:
         raise BadInputError(f"{path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise BadInputError(f"{path} is not valid TOML: {exc}") from None
-    unknown = set(doc) - {"models", "texts", "experiments", "seeds", "profile"}
+    unknown = set(doc) - set(GRID_KEYS)
     if unknown:
         raise BadInputError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
     models = doc.get("models")
@@ -113,6 +138,7 @@ def load_grid(path: str | Path) -> Grid:
     profile = doc.get("profile", "quick")
     if profile not in PROFILES:
         raise BadInputError(f"{path}: 'profile' must be one of {', '.join(PROFILES)}")
+    device, dtype, gpus = _placement(path, doc)
     known = registry()
     exps = doc.get("experiments")
     if not isinstance(exps, list) or not exps:
@@ -148,7 +174,45 @@ def load_grid(path: str | Path) -> Grid:
                     if text is not None:
                         full[opt] = text
                     cells.append(Cell(model, name, full, seed, text, profile))
-    return Grid(tuple(models), tuple(text_paths), tuple(parsed), tuple(seeds), profile, path, tuple(cells))
+    return Grid(
+        tuple(models),
+        tuple(text_paths),
+        tuple(parsed),
+        tuple(seeds),
+        profile,
+        path,
+        tuple(cells),
+        device=device,
+        dtype=dtype,
+        gpus_per_actor=gpus,
+    )
+
+
+def _placement(path: Path, doc: dict) -> tuple[str, str, float | None]:
+    """The grid's ``device``, ``dtype`` and ``gpus_per_actor``, checked for form (whether this machine
+    or cluster has the device is checked where the sweep runs)."""
+    from kvlab.model.loading import check_device_name, parse_dtype
+
+    device = doc.get("device", "auto")
+    if not isinstance(device, str):
+        raise BadInputError(f'{path}: \'device\' must be a string such as "cuda" or "cpu"')
+    try:
+        device = check_device_name(device)
+    except BadInputError as exc:
+        raise BadInputError(f"{path}: {exc}") from None
+    dtype = doc.get("dtype", "float32")
+    if not isinstance(dtype, str):
+        raise BadInputError(f"{path}: 'dtype' must be a string such as \"bfloat16\"")
+    try:
+        dtype = str(parse_dtype(dtype)).removeprefix("torch.")
+    except BadInputError as exc:
+        raise BadInputError(f"{path}: {exc}") from None
+    gpus = doc.get("gpus_per_actor")
+    if gpus is not None and (
+        isinstance(gpus, bool) or not isinstance(gpus, int | float) or not 0 <= gpus <= 64
+    ):
+        raise BadInputError(f"{path}: 'gpus_per_actor' must be a number of GPUs from 0 to 64 (e.g. 1 or 0.5)")
+    return device, dtype, None if gpus is None else float(gpus)
 
 
 def file_sha256(path: str | None) -> str | None:
@@ -157,13 +221,17 @@ def file_sha256(path: str | None) -> str | None:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def cell_key(cell: Cell, fingerprint: str) -> str:
+def cell_key(cell: Cell, fingerprint: str, device: str = "cpu", dtype: str = "float32") -> str:
     """sha256 of what decides a cell's result: model fingerprint, text content, experiment, options,
-    seed, profile and kvlab version. A changed input changes the key, so --resume re-runs it."""
+    seed, profile, the kind of device (cpu or cuda: which GPU of a kind does not change a result) and
+    dtype, and kvlab version. A changed input changes the key, so --resume re-runs it (and never takes a
+    CPU result for a GPU one)."""
     from kvlab import __version__
 
     payload = {
         "fingerprint": fingerprint,
+        "device": device.split(":")[0],
+        "dtype": dtype,
         "text_sha256": file_sha256(cell.text),
         "experiment": cell.experiment,
         "options": {k: v for k, v in sorted(cell.options.items()) if k not in TEXT_OPTIONS},

@@ -2,13 +2,17 @@
 
 Actors restart up to ``MAX_RESTARTS`` times when their process dies (a node lost, a kill -9) and a
 call interrupted that way is retried up to ``MAX_TASK_RETRIES`` times; a cell that raises inside the
-experiment is not retried (it is recorded as failed). Each actor asks for one CPU, so Ray places as
-many as the cluster has room for, across nodes.
+experiment is not retried (it is recorded as failed). Each actor asks for one CPU and, when the grid
+runs on CUDA (or sets ``gpus_per_actor``), for that many GPUs (:func:`actor_options`), so Ray places as
+many as the cluster has room for, across nodes, and gives each its own GPU (it sets the actor's
+``CUDA_VISIBLE_DEVICES``, so the actor's ``cuda`` is the GPU it was given).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvlab.errors import BadInputError
 from kvlab.study.sweep.grid import Cell
@@ -17,56 +21,122 @@ MAX_RESTARTS = 3
 MAX_TASK_RETRIES = 3
 
 
+def actor_options(gpus_per_actor: float) -> dict[str, Any]:
+    """What each cell actor asks Ray for: one CPU, and ``gpus_per_actor`` GPUs (a fraction shares one)."""
+    options: dict[str, Any] = {"num_cpus": 1}
+    if gpus_per_actor > 0:
+        options["num_gpus"] = gpus_per_actor
+    return options
+
+
+def check_ray_device(device: str) -> None:
+    """On Ray a device is ``auto``, ``cpu`` or ``cuda``: Ray picks each actor's GPU, so an index is refused."""
+    if device.startswith("cuda:"):
+        raise BadInputError(
+            f'device {device!r}: on Ray write device = "cuda" (Ray gives each actor its own GPU)'
+        )
+
+
+def gpus_per_actor_for(device: str, asked: float | None) -> float:
+    """The GPUs each actor asks for: the grid's ``gpus_per_actor``, else 1 for a CUDA device, else 0.
+    A CUDA device with no GPU per actor is refused (the actor would find no GPU it may use)."""
+    check_ray_device(device)
+    gpus = (1.0 if device == "cuda" else 0.0) if asked is None else asked
+    if device == "cuda" and gpus <= 0:
+        raise BadInputError('device = "cuda" on Ray needs gpus_per_actor > 0 (each actor its GPU)')
+    return gpus
+
+
+class RayCluster:
+    """A connection to a Ray cluster (``address``, ``auto`` or ``local``), closed by :meth:`close`."""
+
+    def __init__(self, address: str) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise BadInputError("--ray needs Ray: pip install 'kvlab[ray]'") from None
+        self.ray, self.address = ray, address
+        try:
+            ray.init(
+                address=None if address == "local" else address,
+                ignore_reinit_error=True,
+                log_to_driver=False,
+                logging_level=logging.WARNING,  # not "connecting to ..." on stderr: errors stay one line
+            )
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            raise BadInputError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
+        resources = ray.cluster_resources()
+        self.cpus = max(1, int(resources.get("CPU", 1)))
+        self.gpus = float(resources.get("GPU", 0))
+
+    def device_for(self, device: str) -> str:
+        """``auto`` on the cluster: ``cuda`` when it has GPUs, else ``cpu`` (resolved here, on the
+        driver, so every cell's key names the device it runs on)."""
+        if device == "auto":
+            return "cuda" if self.gpus > 0 else "cpu"
+        return device
+
+    def check_gpus(self, gpus_per_actor: float) -> None:
+        if gpus_per_actor > self.gpus:
+            raise BadInputError(
+                f"the grid asks for {gpus_per_actor:g} GPU(s) per actor and the Ray cluster at "
+                f"{self.address!r} has {self.gpus:g}"
+            )
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
 def run_ray(
     cells: Sequence[Cell],
     out_root: str,
-    address: str,
+    cluster: RayCluster,
     done: Callable[[dict], None],
     actors_per_model: int = 0,
+    gpus_per_actor: float = 0.0,
 ) -> list[dict]:
-    try:
-        import ray
-    except ImportError:
-        raise BadInputError("--ray needs Ray: pip install 'kvlab[ray]'") from None
+    """Run ``cells`` on ``cluster``: per model, actors that keep it loaded on the cells' device, each
+    asking Ray for :func:`actor_options`; returns the cells' documents as they finish."""
+    ray = cluster.ray
+    cluster.check_gpus(gpus_per_actor)
 
-    @ray.remote(num_cpus=1, max_restarts=MAX_RESTARTS, max_task_retries=MAX_TASK_RETRIES)
+    @ray.remote(max_restarts=MAX_RESTARTS, max_task_retries=MAX_TASK_RETRIES)
     class CellWorker:
-        def __init__(self, spec: str):
+        def __init__(self, spec: str, device: str, dtype: str):
             import os
 
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             from kvlab.study.sweep.cells import load_spec
 
-            self.spec = spec
-            load_spec(spec)
+            load_spec(spec, device, dtype)
 
         def run(self, cell_json: dict, out_root: str) -> dict:
+            import ray
+
             from kvlab.study.sweep.cells import run_cell
 
-            return run_cell(cell_json, out_root)
+            context = ray.get_runtime_context()
+            given = {"node": context.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+            return run_cell(cell_json, out_root, extra={"ray": given})
 
-    try:
-        ray.init(
-            address=None if address == "local" else address, ignore_reinit_error=True, log_to_driver=False
-        )
-    except (ConnectionError, ValueError, RuntimeError) as exc:
-        raise BadInputError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
-    try:
-        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        by_model: dict[str, list[Cell]] = {}
-        for c in cells:
-            by_model.setdefault(c.model, []).append(c)
-        per = actors_per_model or max(1, cpus // max(1, len(by_model)))
-        refs = []
-        for spec, group in by_model.items():
-            actors = [CellWorker.remote(spec) for _ in range(min(per, len(group)))]
-            refs += [actors[i % len(actors)].run.remote(c.to_json(), out_root) for i, c in enumerate(group)]
-        results = []
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            results.append(ray.get(ready[0]))
-            done(results[-1])
-        return results
-    finally:
-        ray.shutdown()
+    slots = cluster.cpus
+    if gpus_per_actor > 0:
+        slots = min(slots, max(1, int(cluster.gpus // gpus_per_actor)))
+    by_model: dict[tuple[str, str, str], list[Cell]] = {}
+    for c in cells:
+        by_model.setdefault((c.model, c.device, c.dtype), []).append(c)
+    per = actors_per_model or max(1, slots // max(1, len(by_model)))
+    options = actor_options(gpus_per_actor)
+    refs = []
+    for (spec, device, dtype), group in by_model.items():
+        actors = [
+            CellWorker.options(**options).remote(spec, device, dtype) for _ in range(min(per, len(group)))
+        ]
+        refs += [actors[i % len(actors)].run.remote(c.to_json(), out_root) for i, c in enumerate(group)]
+    results = []
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        results.append(ray.get(ready[0]))
+        done(results[-1])
+    return results

@@ -81,8 +81,9 @@ def write_sweep_report(out: Path, result: dict) -> Path:
             f'<section id="{html.escape(name)}"><h2>{html.escape(name)}</h2>{fig}'
             f"<table><tr>{head}</tr>{''.join(rows)}</table></section>"
         )
+    where = f", {result['device']} {result['dtype']}" if result.get("device") else ""
     subtitle = (
-        f"{len(result['cells'])} cells ({result['ran']} run, {result['skipped']} resumed), backend {result['backend']}, "
+        f"{len(result['cells'])} cells ({result['ran']} run, {result['skipped']} resumed), backend {result['backend']}{where}, "
         f"{result['seconds']} s; raw: result.json"
     )
     path = out / "index.html"

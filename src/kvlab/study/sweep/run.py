@@ -7,10 +7,11 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvlab.errors import BadInputError
 from kvlab.study.sweep.cells import is_done, load_spec
-from kvlab.study.sweep.grid import Cell, cell_key, load_grid
+from kvlab.study.sweep.grid import cell_key, load_grid
 
 
 def run_sweep(
@@ -20,11 +21,22 @@ def run_sweep(
     ray: str | None = None,
     resume: bool = False,
     workers: int | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
     log: Callable[[str], None] = lambda msg: None,
 ) -> dict:
     """Run every cell of the grid into ``out`` (``out/cells/<cell>/``, ``out/index.html``,
-    ``out/result.json``) and return the sweep's result document."""
+    ``out/result.json``) and return the sweep's result document.
+
+    ``device`` and ``dtype`` (a command line's ``--device``/``--dtype``) override the grid's. Locally the
+    device is resolved on this machine (``auto``: CUDA when there is one; one worker on CUDA unless
+    ``workers`` says otherwise); on Ray, ``auto`` is ``cuda`` when the cluster has GPUs, and each actor
+    asks Ray for ``gpus_per_actor`` GPUs (1 on CUDA unless the grid says otherwise)."""
+    from kvlab.model.loading import check_device_name, parse_dtype, resolve_device
+
     grid = load_grid(grid_path)
+    device = check_device_name(device) if device else grid.device
+    dtype = str(parse_dtype(dtype)).removeprefix("torch.") if dtype else grid.dtype
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise BadInputError(f"--out {out} is a file, not a folder")
@@ -34,33 +46,51 @@ def run_sweep(
         )
     if workers is not None and workers < 1:
         raise BadInputError(f"--workers must be >= 1, got {workers}")
-    fingerprints = {}
-    for spec in grid.models:  # loading validates every model before anything is written
-        fingerprints[spec] = load_spec(spec).fingerprint
-    cells = [
-        Cell(c.model, c.experiment, c.options, c.seed, c.text, c.profile, cell_key(c, fingerprints[c.model]))
-        for c in grid.cells
-    ]
-    (out / "cells").mkdir(parents=True, exist_ok=True)
-    todo = [c for c in cells if not is_done(out / "cells" / c.folder_name, c.key)]
-    log(f"{len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run")
-    started = time.perf_counter()
+    cluster: Any = None
+    gpus = 0.0
+    if ray:
+        from kvlab.study.sweep.ray_backend import RayCluster, check_ray_device, gpus_per_actor_for
 
-    def done(doc: dict) -> None:
+        check_ray_device(device)
+        cluster = RayCluster(ray)
+    try:
+        if cluster is not None:
+            device = cluster.device_for(device)
+            gpus = gpus_per_actor_for(device, grid.gpus_per_actor)
+            cluster.check_gpus(gpus)
+            here = "cpu"  # the driver only reads fingerprints; the actors load their own copies
+        else:
+            device = here = resolve_device(device)
+        fingerprints = {}
+        for spec in grid.models:  # loading validates every model before anything is written
+            fingerprints[spec] = load_spec(spec, here, dtype).fingerprint
+        cells = [
+            c.placed(cell_key(c, fingerprints[c.model], device, dtype), device, dtype) for c in grid.cells
+        ]
+        (out / "cells").mkdir(parents=True, exist_ok=True)
+        todo = [c for c in cells if not is_done(out / "cells" / c.folder_name, c.key)]
         log(
-            f"  {doc['status']:>8}  {doc['model']}  {doc['experiment']}  seed {doc['seed']}  {doc['seconds']} s"
+            f"{len(cells)} cells on {device} in {dtype}, {len(cells) - len(todo)} already done, {len(todo)} to run"
         )
+        started = time.perf_counter()
 
-    if todo:
-        if ray:
+        def done(doc: dict) -> None:
+            log(
+                f"  {doc['status']:>8}  {doc['model']}  {doc['experiment']}  seed {doc['seed']}  {doc['seconds']} s"
+            )
+
+        if todo and cluster is not None:
             from kvlab.study.sweep.ray_backend import run_ray
 
-            run_ray(todo, str(out), ray, done)
-        else:
+            run_ray(todo, str(out), cluster, done, gpus_per_actor=gpus)
+        elif todo:
             from kvlab.study.sweep.local import run_local
 
-            n = workers or min(len(todo), os.cpu_count() or 1)
-            run_local(todo, str(out), n, done)
+            default = 1 if device.startswith("cuda") else min(len(todo), os.cpu_count() or 1)
+            run_local(todo, str(out), workers or default, done)
+    finally:
+        if cluster is not None:
+            cluster.close()
     docs = []
     for c in cells:
         try:
@@ -72,6 +102,9 @@ def run_sweep(
     result = {
         "grid": str(grid.source),
         "backend": f"ray:{ray}" if ray else "local",
+        "device": device,
+        "dtype": dtype,
+        "gpus_per_actor": gpus,
         "cells": docs,
         "ran": len(todo),
         "skipped": len(cells) - len(todo),
