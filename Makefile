@@ -3,7 +3,7 @@
 #   make test    - lint + type check (mypy, library packages) + the test suite
 VENV := .venv/bin
 
-.PHONY: setup test-deps study study-quick test test-optional lint typecheck format bench
+.PHONY: setup test-deps study study-quick test test-gpu test-optional lint typecheck format bench
 setup:
 	@bash scripts/install.sh
 
@@ -31,6 +31,13 @@ test-deps:
 # A skipped test fails the run (KVLAB_TEST_NO_SKIPS=1): every test runs, or the run says what is missing.
 test: lint typecheck test-deps
 	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q
+
+# The device tests alone (issue 29): every path of the GPU table, the static device check. They run on
+# every device torch sees: on a CPU-only machine on the CPU (with meta as the default device around
+# each path, which exposes a factory without device=); on a CUDA machine the same tests also run on
+# cuda and compare each result with the CPU one within the dtype's tolerance. Tiny random models only.
+test-gpu: setup
+	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q tests/test_devices.py tests/test_device_static.py
 
 # Checks on models that are not installed by default (Gemma-3-270M: see tests/optional/).
 test-optional: setup

@@ -398,7 +398,8 @@ def rope_spec_from_config(config: Any) -> Rope | None:
     if cls is None:
         return None
     try:
-        rotary = cls(config)
+        with torch.device("cpu"):  # a spec is host metadata: read it off a host copy of the module
+            rotary = cls(config)
     except Exception as exc:  # a rotary class with an unusual signature
         raise UnsupportedModelError(
             f"could not build the rotary embedding of {config.model_type}: {exc}"
