@@ -526,10 +526,16 @@ def test_metrics_and_status_page(server, tmp_path):
         'kvlab_store_hit_blocks_total{tier="memory"}',
     ):
         assert name in text, name
+    from kvlab.model import resolve_device
+
+    here = resolve_device("auto")  # the server's default --device: where it runs, on /health, / and /metrics
+    assert f'kvlab_device_info{{device="{here}",dtype="float32",' in text
+    assert json.loads(server.get("/health")[2])["device"]["device"] == here
     status, headers, page = server.get("/")
     assert status == 200 and "text/html" in headers["content-type"]
     html = page.decode()
     assert "Sessions" in html and 'class="bar"' in html and "disk" in html
+    assert f"on <b>{here}" in html and "in float32" in html
     from tests.test_report_render import _browser, _chromium
 
     dom = _browser(_chromium(), tmp_path / "profile", "--dump-dom", f"http://127.0.0.1:{server.port}/")

@@ -369,7 +369,13 @@ class Engine:
                 self.store_warnings += 1
                 log.warning("kvlab serve: the store failed (%s); computing this prompt without it", exc)
                 return feed(self.handle, cache, head), 0, {}
-            cache.seed(list(zip(pre.snapshot.keys, pre.snapshot.values, strict=True)))
+            device = self.handle.device  # a prefix read from the store may arrive on the CPU
+            cache.seed(
+                [
+                    (k.to(device), v.to(device))
+                    for k, v in zip(pre.snapshot.keys, pre.snapshot.values, strict=True)
+                ]
+            )
             try:
                 self.store.put(pre.snapshot, salt=salt or None, model=self.handle)
             except StoreError as exc:
