@@ -8,6 +8,8 @@
 #   3. the device-parametrized tests (CPU and CUDA): `make test-gpu`'s files.
 #
 #   OUT=/tmp/out BUDGET=560 bash scripts/gpu_check.sh
+#   (ONLY=section,... runs those benchmark sections; TESTS=EXPR is pytest's -k; RESERVE=seconds kept
+#   for the server check and the tests; SERVE_S bounds the server check)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvlab-gpu}
@@ -27,18 +29,18 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 # 1. the benchmark: everything but ~170 s (serve check + tests) of the budget
 bench=$(( $(left) - ${RESERVE:-170} ))
 echo "== benchmark ($bench s)"
-python3 benchmarks/gpu.py --budget "$bench" --out "$OUT" > "$OUT/bench.log" 2>&1
+python3 benchmarks/gpu.py --budget "$bench" --out "$OUT" ${ONLY:+--only "$ONLY"} > "$OUT/bench.log" 2>&1
 tail -n 45 "$OUT/gpu.md" 2>/dev/null || tail -n 40 "$OUT/bench.log"
 
 # 2. the server on the GPU, answered through the openai client
 echo "== serve ($(left) s left)"
-timeout 75 python3 scripts/gpu_serve_check.py .gpu/tok > "$OUT/serve.log" 2>&1
-echo "serve rc=$?"; tail -n 4 "$OUT/serve.log"
+timeout ${SERVE_S:-75} python3 scripts/gpu_serve_check.py .gpu/tok > "$OUT/serve.log" 2>&1
+echo "serve rc=$?"; grep -A12 -- "^---" "$OUT/serve.log" | head -40; tail -n 3 "$OUT/serve.log"
 
 # 3. the device tests, on cpu and cuda
 t=$(( $(left) - 5 ))
 echo "== tests ($t s)"
-KVLAB_TEST_NO_SKIPS=1 timeout "$t" python3 -m pytest -q -p no:cacheprovider -x --durations=8 \
+KVLAB_TEST_NO_SKIPS=1 timeout "$t" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TESTS:+-k "$TESTS"} \
   tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -n 14 "$OUT/pytest.log"
 echo "== done in $(( $(date +%s) - start )) s"

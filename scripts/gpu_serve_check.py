@@ -69,7 +69,8 @@ def serve(model: Path, device: str) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
         if proc.poll() is not None:
-            raise RuntimeError(f"kvlab serve --device {device} exited with {proc.returncode}: see {log.name}")
+            tail = Path(log.name).read_text(errors="replace").splitlines()[-25:]
+            raise RuntimeError(f"kvlab serve --device {device} exited with {proc.returncode}:\n" + "\n".join(tail))
         try:
             with urllib.request.urlopen(url + "/health", timeout=1) as r:
                 if r.status == 200:
@@ -128,6 +129,9 @@ def main() -> int:
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=30)
+    for d, r in results.items():
+        if "error" in r:
+            print(f"--- {d}: {r['error']}")
     print(json.dumps(results, indent=1))
     devs = list(results)
     if len(devs) == 2 and all("error" not in results[d] for d in devs):

@@ -171,11 +171,18 @@ def test_int4_cache_holds_the_quantized_keys_and_a_third_of_the_bytes(device, ti
     assert q4.nbytes() == slots * per_slot_q4 + sinks + q4.capacity * 8
 
 
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    return torch.stack((codes & 15, codes >> 4), dim=-1).int()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", ["none", "int4"])
 def test_compiled_fullgraph_step_equals_eager(codec, tiny_model, one_torch_thread):
     """torch.compile(fullgraph=True) over the decode step (inductor, on the CPU): one graph for 100
-    steps with 10 rolls (no recompiles, no graph breaks), the same logits as the eager step."""
+    steps with 10 rolls (no recompiles, no graph breaks). Full precision: the eager logits. int4:
+    inductor may divide by a reciprocal or fuse a multiply-add, so a value on a rounding boundary can
+    take the neighbouring code (seen with torch 2.11; both codes are within the codec's bound): layer 0,
+    whose K/V depend on the tokens alone, holds the same codes up to such flips (one step, rare)."""
     import torch._dynamo
 
     h = _model(None, "cpu", tiny_model, max_positions=4096)
@@ -190,10 +197,16 @@ def test_compiled_fullgraph_step_equals_eager(codec, tiny_model, one_torch_threa
     worst = 0.0
     for t in range(20, 120):
         worst = max(worst, float((eager.feed(ids[t : t + 1]) - dec.feed(ids[t : t + 1])).abs().max()))
-    assert worst < LOGIT_TOL
     assert cache.rolls == ref.rolls == 10
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
+    if codec == "none":
+        assert worst < LOGIT_TOL
+        return
+    for name in ("k_codes", "v_codes"):
+        a, b = (_nibbles(getattr(c.layers[0], name)) for c in (ref, cache))
+        assert int((a - b).abs().max()) <= 1 and float((a != b).float().mean()) < 0.01
+    assert worst < 0.25  # a sanity check (a flipped code moves one value by one step), not a bound
 
 
 if torch.cuda.is_available():  # defined only where it can run (a skipped test fails `make test`)
@@ -216,6 +229,47 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
             assert float((a - b).abs().max()) < LOGIT_TOL, t
             t += n
         assert dec.captures == 2 and cache.rolls == ref.rolls > 10
+        assert dec.attention == ("kvlab_split" if _has_triton() else "kvlab_grouped")
+
+    def _has_triton() -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("triton") is not None
+
+    @pytest.mark.parametrize(
+        "n, length, head_dim", [(1, 300, 64), (1, 4100, 128), (64, 2000, 128), (3, 257, 80)]
+    )
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_split_attention_kernel_equals_sdpa(n, length, head_dim, dtype):
+        """The Triton split-KV kernel against SDPA over repeated heads, with masked regions that leave
+        whole slices of the cache empty; tolerance: fp32 accumulation (fp32 inputs: IEEE products)."""
+        if not _has_triton():
+            pytest.fail("triton is not importable on this CUDA machine")
+        from transformers.integrations.sdpa_attention import repeat_kv
+
+        from kvlab.kernels import split_attention as sa
+
+        assert sa.prepare(torch.device("cuda"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        b, h, groups = 2, 8, 4
+        q = torch.randn(b, h * groups, n, head_dim, generator=g, device="cuda").to(dtype)
+        k, v = (torch.randn(b, h, length, head_dim, generator=g, device="cuda").to(dtype) for _ in range(2))
+        visible = torch.rand(b, 1, n, length, generator=g, device="cuda") < 0.7
+        visible[..., 0] = True
+        visible[..., 100:250] = False
+        mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float(),
+            repeat_kv(k, groups).float(),
+            repeat_kv(v, groups).float(),
+            attn_mask=mask.float(),
+            scale=0.1,
+        )
+        out = sa.attend(q.reshape(b, h, groups * n, head_dim), k, v, mask, 0.1).reshape(
+            b, h * groups, n, head_dim
+        )
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert float((out.float() - ref).abs().max()) < tol
 
 
 @pytest.mark.parametrize("n", [1, 5])

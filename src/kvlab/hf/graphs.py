@@ -34,10 +34,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvlab.errors import BadInputError
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.hf.static_rolling import StaticRollingCache
+from kvlab.kernels import split_attention
 
 Mode = Literal["auto", "eager", "compile", "cuda-graph"]
 MODES = ("auto", "eager", "compile", "cuda-graph")
 GROUPED_ATTENTION = "kvlab_grouped"
+SPLIT_ATTENTION = "kvlab_split"
 
 
 def _grouped_attention(
@@ -59,7 +61,19 @@ def _grouped_attention(
     return out.reshape(b, heads, n, d).transpose(1, 2).contiguous(), None
 
 
+def _split_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
+) -> tuple[torch.Tensor, None]:
+    """The grouped layout attended by :mod:`kvlab.kernels.split_attention` (Triton, CUDA): the cache is
+    also split across programs, so a decode step streams it at full occupancy."""
+    b, heads, n, d = query.shape
+    q = query.reshape(b, key.shape[1], heads // key.shape[1] * n, d)
+    out = split_attention.attend(q, key, value, attention_mask, kw.get("scaling") or d**-0.5)
+    return out.reshape(b, heads, n, d).transpose(1, 2).contiguous(), None
+
+
 AttentionInterface.register(GROUPED_ATTENTION, _grouped_attention)
+AttentionInterface.register(SPLIT_ATTENTION, _split_attention)
 
 
 @contextlib.contextmanager
@@ -78,7 +92,7 @@ class RollingDecoder:
     """Feed tokens through a :class:`StaticRollingCache` with captured steps.
 
     Args:
-        handle: a :class:`~kvlab.model.ModelHandle` (or a plain causal LM) on the cache's device.
+        handle: a :class:`~kvlab.model.ModelHandle` on the cache's device.
         cache: an empty or loaded :class:`StaticRollingCache` (:func:`static_rolling_cache_for`).
         mode: ``"cuda-graph"``, ``"compile"``, ``"eager"``, or ``"auto"`` (CUDA graphs on CUDA, eager
             elsewhere).
@@ -97,11 +111,11 @@ class RollingDecoder:
         mode: Mode = "auto",
         compile_mode: str | None = None,
     ) -> None:
-        from kvlab.model.handle import as_handle
-
         if mode not in MODES:
             raise BadInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        self.handle = as_handle(handle)
+        if not callable(getattr(handle, "run", None)):
+            raise BadInputError("RollingDecoder needs a kvlab ModelHandle: kvlab.as_handle(model, tokenizer)")
+        self.handle = handle
         if self.handle.device != cache.device:
             raise BadInputError(f"the model is on {self.handle.device}, the cache on {cache.device}")
         cuda = cache.device.type == "cuda"
@@ -110,6 +124,9 @@ class RollingDecoder:
         if mode == "cuda-graph" and not cuda:
             raise BadInputError("mode='cuda-graph' needs the model and cache on a CUDA device")
         self.mode, self.cache = mode, cache
+        # split-KV attention (Triton) where it runs, else SDPA over the grouped layout; chosen once,
+        # here, so nothing inside a captured or compiled step imports or queries the device
+        self.attention = SPLIT_ATTENTION if split_attention.prepare(cache.device) else GROUPED_ATTENTION
         self._ids: dict[int, torch.Tensor] = {}
         self._pos: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -178,7 +195,7 @@ class RollingDecoder:
             graph, out = self._graphs[n]
             graph.replay()
             return out.clone()
-        with _attention(self.handle.config, GROUPED_ATTENTION):
+        with _attention(self.handle.config, self.attention):
             if self.mode == "eager":
                 return self._step(n)
             if self.mode == "compile":

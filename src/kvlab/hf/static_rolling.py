@@ -479,11 +479,15 @@ def static_rolling_cache_for(
 ) -> StaticRollingCache:
     """A :class:`StaticRollingCache` for a :class:`~kvlab.model.ModelHandle` (config, RoPE, maximum
     position, and the device and dtype of its weights)."""
-    from kvlab.model.handle import as_handle
-
-    h = as_handle(handle)
+    h = handle
+    if not all(hasattr(h, a) for a in ("rope", "max_positions", "dtype", "device", "config")):
+        raise BadInputError(
+            f"static_rolling_cache_for needs a kvlab ModelHandle (kvlab.as_handle(model)), got {type(h).__name__}"
+        )
     if h.rope is None:
-        raise UnsupportedModelError(h.rope_problem or "a rolling cache needs a model with RoPE")
+        raise UnsupportedModelError(
+            getattr(h, "rope_problem", None) or "a rolling cache needs a model with RoPE"
+        )
     return StaticRollingCache(
         h.config,
         h.rope,
