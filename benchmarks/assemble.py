@@ -18,12 +18,14 @@ ORDER = [
     "serve_soak",
     "transfer",
     "hybrid_models",
+    "gpu",
 ]
 
 HEADER = """# Benchmarks
 
-Measured on this project's machine (2 CPU cores, 24 GiB, no GPU). Every figure below was produced by
-the command shown with it; speed goals are ratios measured side by side in one run, never timed unit
+Measured on this project's machine (2 CPU cores, 24 GiB, no GPU), except the GPU section at the end
+(an NVIDIA H100 and an H200, lent for one session; each table names its card). Every figure below was
+produced by the command shown with it; speed goals are ratios measured side by side in one run, never timed unit
 tests. Re-run everything with `make bench` (each script rewrites its section in
 `benchmarks/results/`, then this file is re-assembled).
 """
