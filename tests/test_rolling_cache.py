@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -376,3 +377,36 @@ def test_binding_leaves_other_caches_and_explicit_positions_alone():
         fresh = RollingCache(h.config, h.rope, window=32, sinks=4, evict_chunk=8)
         h.run(prefix, fresh)
         assert not torch.allclose(got, h.run(x, fresh).logits, atol=1e-3)  # at 4..6 it would differ
+
+
+@pytest.mark.parametrize("window", [64, 12])
+def test_gradients_through_several_steps(window, tiny_model):
+    """With autograd on for every piece, the last logits' gradient reaches the first piece's input
+    embeddings (the cache writes into copies under autograd, not into the views earlier forwards saved).
+    Without a roll it equals the gradient through a DynamicCache; with rolls and re-bases it is finite and
+    reaches the sinks, which the cache always keeps."""
+    from transformers import DynamicCache
+
+    h = tiny_model("llama")
+    ids = torch.randint(0, h.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    emb = h.model.get_input_embeddings()
+
+    def grads(cache):
+        xs, out = [], None
+        choosing = getattr(cache, "choosing_positions", None)
+        for a, b in ((0, 16), (16, 24), (24, 32), (32, 33), (33, 34)):
+            x = emb(ids[None, a:b]).detach().requires_grad_(True)
+            xs.append(x)
+            with choosing() if choosing is not None else contextlib.nullcontext():
+                out = h.model(inputs_embeds=x, use_cache=True, past_key_values=cache)
+        (g,) = torch.autograd.grad(out.logits[0, -1].float().pow(2).mean(), [xs[0]])
+        return g
+
+    rolling = RollingCache(h.config, h.rope, window=window, sinks=4, evict_chunk=4, rebase="always")
+    got = grads(rolling)
+    assert bool(torch.isfinite(got).all()) and float(got[0, :4].abs().sum()) > 0
+    if window == 64:
+        assert rolling.rolls == 0
+        assert torch.allclose(got, grads(DynamicCache(config=h.config)), atol=1e-6)
+    else:
+        assert rolling.rolls >= 3 and rolling.rebases >= 1

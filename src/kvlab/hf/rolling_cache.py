@@ -192,6 +192,7 @@ class RollingLayer(CacheLayerMixin):
         self._check_room(n_new)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._copy_on_write(key_states, value_states)
         kept = self._apply_plan()
         total = kept + n_new
         self._reserve(total, kept, key_states, value_states)
@@ -203,6 +204,15 @@ class RollingLayer(CacheLayerMixin):
             self.sink_keys = self.keys[:, :, :sinks].clone()
         self._advance(n_new)
         return self.keys, self.values
+
+    def _copy_on_write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Under autograd, write into copies of the buffers: the previous forwards saved views of the old
+        ones for their backward, which an in-place write would invalidate (gradients through several
+        steps, e.g. to an earlier token's embedding). Without a gradient nothing is copied."""
+        if self._buf_k is None or not torch.is_grad_enabled():
+            return
+        if key_states.requires_grad or value_states.requires_grad or self._buf_k.requires_grad:
+            self._buf_k, self._buf_v = self._buf_k.clone(), self._buf_v.clone()
 
     def _advance(self, n_new: int) -> None:
         """The counts after a feed of ``n_new`` tokens with the pending plan applied, and the next plan
@@ -357,6 +367,7 @@ class SlidingRollingLayer(RollingLayer):
         self._check_room(n_new)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._copy_on_write(key_states, value_states)
         keep = self._held_next()
         if keep < self.held:  # the newest `reach` slots move down (once per evicted chunk)
             for buf in (self._buf_k, self._buf_v):
