@@ -54,8 +54,6 @@ def run(
     prompt_tokens: int = 32,
     dtypes: tuple[str, ...] = DTYPES,
 ) -> ExperimentResult:
-    from kvlab.model import load_model
-
     result = ExperimentResult(
         name="caching_numerics",
         title="Numerics of caching vs recomputation",
@@ -65,7 +63,7 @@ def run(
     if steps < 2 or prompt_tokens < 1:
         raise BadInputError(f"need steps >= 2 and prompt_tokens >= 1, got {steps} and {prompt_tokens}")
     base = ctx.handle()
-    ref_model = load_model(ctx.model_spec, dtype="float64", progress=ctx.progress.log)
+    ref_model = ctx.load_model(ctx.model_spec, dtype="float64")  # on the study's device
     text = python_docs()
     prompt = base.encode(text.text[: prompt_tokens * 8])[:prompt_tokens]
     first = ref_model.prefill(prompt, all_logits=False)
@@ -116,15 +114,13 @@ def run(
 
 def _runs(ctx: ExperimentContext, base, prompt: list[int], path: list[int], dtypes, ref_cached) -> dict:
     """Logits along the reference path, cached and recomputed, in every dtype."""
-    from kvlab.model import load_model
-
     runs: dict[str, torch.Tensor] = {"float64/cached": ref_cached}
     with ctx.progress.task("numerics: dtypes", total=len(dtypes)) as advance:
         for dt in dtypes:
             m = (
                 base
                 if str(base.dtype) == f"torch.{dt}"
-                else load_model(ctx.model_spec, dtype=dt, progress=ctx.progress.log)
+                else ctx.load_model(ctx.model_spec, dtype=dt)
             )
             runs[f"{dt}/cached"] = cached_path(m, prompt, path)
             runs[f"{dt}/recomputed"] = recomputed_path(m, prompt, path)

@@ -308,10 +308,9 @@ def _cross_geometry_section(
         result.tables.append(_not_applicable_table())
         result.summary["cross_model"] = None
         return
-    from kvlab.model import load_model
     from kvlab.model.align import aligned_snapshots
 
-    other = load_model(target, dtype=base.dtype, progress=result.notes.append)
+    other = ctx.load_model(target, dtype=base.dtype)  # on the study's device
     n_train = ctx.count("n_texts", n_texts, quick=4, default=8, full=16)
     n_test = max(2, n_train // 3)
     texts = _cross_texts(n_train + n_test, ctx.seed)
