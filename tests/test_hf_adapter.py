@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from kvlab.errors import UnsupportedModelError
+from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf import (
     cache_argument,
     hf_cache_layers,
@@ -58,6 +58,23 @@ def test_raw_model_call_with_adapter_cache_matches_kvlab_extend(tiny_model):
     )
     ours = handle.extend(snap, b)
     assert torch.allclose(out.logits[0].float(), ours.logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_generate_with_a_snapshot_cache(family, tiny_model):
+    """transformers' generate expects the cache of prompt[:-1]: with it, the same tokens as without a
+    cache; with the snapshot of the whole prompt (which generate would re-feed on top, continuing from
+    the prompt twice), a clear refusal instead of a silently wrong continuation."""
+    handle = tiny_model(family)
+    ids = torch.randint(0, handle.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    plain = handle.model.generate(ids, max_new_tokens=6, do_sample=False)
+    cached = to_hf_cache(handle.prefill(ids[0, :-1]).snapshot, handle.config)
+    assert torch.equal(
+        handle.model.generate(ids, max_new_tokens=6, do_sample=False, **{CACHE_ARG: cached}), plain
+    )
+    whole = to_hf_cache(handle.prefill(ids[0]).snapshot, handle.config)
+    with pytest.raises(BadInputError, match=r"prompt\[:-1\]"):
+        handle.model.generate(ids, max_new_tokens=6, do_sample=False, **{CACHE_ARG: whole})
 
 
 def test_sliding_window_layers_are_detected_and_long_sequences_refused(tiny_model):

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache.snapshot import KVSnapshot
-from kvlab.errors import UnsupportedModelError
+from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.rope.spec import Rope
 
 
@@ -162,20 +162,59 @@ def snapshot_from_hf(
     )
 
 
+class SnapshotCache(DynamicCache):
+    """A ``DynamicCache`` that knows the positions of the snapshot it was built from, and refuses a first
+    forward that feeds any of those positions again.
+
+    ``model.generate(prompt, cache=to_hf_cache(snapshot_of_prompt))`` is the classic mistake: transformers
+    expects the cache of ``prompt[:-1]``, finds every prompt token cached, re-feeds the whole prompt on
+    top and continues from a cache that holds it twice — a wrong cache used as if it were right. The
+    check costs one comparison on the first forward (positions as transformers passes them to a layer).
+    """
+
+    def __init__(self, *args: Any, last_position: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.last_position = last_position
+        self.checking = False  # turned on once the snapshot's slots are in
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.checking and layer_idx == 0:
+            self.checking = False
+            pos = _position_tensor(args, kwargs)
+            if pos is not None and pos.dim() == 2 and int(pos.min()) <= self.last_position:
+                first = int(pos.min())
+                raise BadInputError(
+                    f"this cache already holds positions up to {self.last_position}, and the forward feeds "
+                    f"position {first} again: model.generate(prompt, cache=...) expects the cache of "
+                    "prompt[:-1] (its last token is fed to get the next logits). Snapshot the prompt without "
+                    "its last token, or feed only tokens after the cached ones."
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 def to_hf_cache(snapshot: KVSnapshot, config: Any = None, *, copy: bool = True) -> DynamicCache:
-    """A ``DynamicCache`` holding the snapshot's K/V, ready to pass as ``past_key_values``.
+    """A ``DynamicCache`` holding the snapshot's K/V, ready to pass as ``past_key_values`` / ``cache``.
 
     A forward pass extends the returned cache, so by default its tensors are copies and the snapshot
-    stays untouched. ``copy=False`` shares storage; that is safe with ``DynamicCache`` (updates
-    concatenate into new tensors) and saves one copy of the cache per call.
+    stays untouched, and its first forward must feed positions after the snapshot's (a
+    :class:`SnapshotCache`: ``model.generate`` with the snapshot of the whole prompt is refused, not
+    continued from the prompt fed twice). ``copy=False`` (kvlab's own forwards, which choose positions
+    themselves) shares storage — safe with ``DynamicCache``, whose updates concatenate into new tensors
+    — and checks nothing.
     """
     if config is not None:
         check_fits_sliding_windows(config, snapshot.seq_len)
-    cache = new_hf_cache(config) if config is not None else DynamicCache()
+    if copy and snapshot.seq_len:
+        kw = {"config": config} if config is not None else {}
+        cache: DynamicCache = SnapshotCache(last_position=int(snapshot.positions.max()), **kw)
+    else:
+        cache = new_hf_cache(config) if config is not None else DynamicCache()
     if config is not None and len(cache.layers) != snapshot.num_layers:
         raise UnsupportedModelError(
             f"the model has {len(cache.layers)} cache layers, the snapshot {snapshot.num_layers}"
         )
     for i, (k, v) in enumerate(zip(snapshot.keys, snapshot.values, strict=True)):
         cache.update(k.clone() if copy else k, v.clone() if copy else v, i)
+    if isinstance(cache, SnapshotCache):
+        cache.checking = True
     return cache
