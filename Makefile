@@ -3,9 +3,13 @@
 #   make test    - lint + type check (mypy, library packages) + the test suite
 VENV := .venv/bin
 
-.PHONY: setup test-deps study study-quick test test-gpu test-optional lint typecheck format bench
+.PHONY: setup setup-dev test-deps study study-quick test test-gpu test-optional lint typecheck format bench
 setup:
 	@bash scripts/install.sh
+
+# the test and lint toolchain too (pytest, ruff, mypy, hypothesis, Ray, the openai client): `make test` only
+setup-dev:
+	@bash scripts/install.sh --dev
 
 study: setup
 	$(VENV)/kvlab study
@@ -13,15 +17,15 @@ study: setup
 study-quick: setup
 	$(VENV)/kvlab study --quick
 
-lint: setup
+lint: setup-dev
 	$(VENV)/ruff check src tests benchmarks
 	$(VENV)/ruff format --check src tests benchmarks
 
 # mypy over the library packages ([tool.mypy] in pyproject.toml; the study and the CLI are not checked).
-typecheck: setup
+typecheck: setup-dev
 	$(VENV)/mypy
 
-format: setup
+format: setup-dev
 	$(VENV)/ruff format src tests benchmarks
 	$(VENV)/ruff check --fix src tests benchmarks
 
@@ -36,12 +40,12 @@ test: lint typecheck test-deps
 # every device torch sees: on a CPU-only machine on the CPU (with meta as the default device around
 # each path, which exposes a factory without device=); on a CUDA machine the same tests also run on
 # cuda and compare each result with the CPU one within the dtype's tolerance. Tiny random models only.
-test-gpu: setup
-	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q tests/test_devices.py tests/test_device_static.py
+test-gpu: setup-dev
+	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py
 
 # Checks on models that are not installed by default (Gemma-3-270M: see tests/optional/).
-test-optional: setup
+test-optional: setup-dev
 	$(VENV)/python -m pytest -q tests/optional
 
-bench: setup
+bench: setup-dev
 	$(VENV)/python benchmarks/run_all.py
