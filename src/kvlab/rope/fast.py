@@ -42,6 +42,19 @@ from kvlab.rope.spec import RopeSpec
 CHUNK_ELEMENTS = 1 << 18
 
 
+@functools.lru_cache(maxsize=16)
+def _frequencies(
+    inv_freq: tuple[float, ...], head_dim: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``inv_freq`` in float64 on ``device`` and ones for a partial rotary's pass-through dims (copied to
+    the device once per spec, so a re-base computes its angles there without a host round trip)."""
+    freq = torch.tensor(inv_freq, dtype=torch.float64, device="cpu").to(
+        device
+    )  # device: built on the host once
+    ones = torch.ones(head_dim - 2 * len(inv_freq), dtype=torch.float64, device=device)
+    return freq, ones
+
+
 @functools.lru_cache(maxsize=64)
 def _cos_sin(
     delta: int, inv_freq: tuple[float, ...], pairing: str, head_dim: int, dtype: torch.dtype, device: str
@@ -50,13 +63,15 @@ def _cos_sin(
 
     ``cos_full`` holds each pair's cosine at both members' dimensions and 1 at the pass-through
     dimensions of a partial rotary, so ``x * cos_full`` is one contiguous kernel over whole keys.
+    Computed on ``device`` from its cached frequencies: a roll or re-base on a GPU never waits for a
+    host-to-device copy (no synchronisation between decode steps).
     """
-    theta = float(delta) * torch.tensor(inv_freq, dtype=torch.float64, device="cpu")  # host, then cast once
+    freq, ones = _frequencies(inv_freq, head_dim, device)
+    theta = float(delta) * freq
     cos, sin = theta.cos(), theta.sin()
     rot = torch.cat([cos, cos]) if pairing == "half" else cos.repeat_interleave(2)
-    full = torch.cat([rot, torch.ones(head_dim - rot.numel(), dtype=torch.float64, device="cpu")])
-    cast = {"device": device, "dtype": dtype}
-    return full.to(**cast), sin.to(**cast), (-sin).to(**cast)
+    full = torch.cat([rot, ones])
+    return full.to(dtype), sin.to(dtype), (-sin).to(dtype)
 
 
 def _halves(t: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
