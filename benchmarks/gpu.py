@@ -95,6 +95,19 @@ class Bench:
         if self.cuda:
             torch.cuda.empty_cache()
 
+    def profile(self, name: str, fn) -> None:
+        """The kernels of one call of ``fn`` by device time (``--out``/profile_<name>.txt): where a step goes."""
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.sync()
+        with profile(activities=acts) as prof:
+            fn()
+            self.sync()
+        key = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=25)
+        (self.out / f"profile_{name}.txt").write_text(table)
+
     def timed(self, step, n: int) -> float:
         """ms per call of ``step()`` over ``n`` calls (synchronised once at each end)."""
         self.sync()
@@ -314,6 +327,8 @@ class Bench:
         for c in chunks[2:]:
             feeds.append(self.timed(lambda c=c: dec.feed(c), 1))
         rolled = cache.rolls - rolls
+        self.profile(f"roll_{L}", lambda: dec.feed(chunks[2]))
+        self.profile(f"decode_step_{L}", lambda: dec.feed(chunks[3][:, :1]))
         dec = cache = None  # free the 32k cache before the prefills
         self.free()
 
@@ -475,13 +490,13 @@ def main() -> None:
     b.section("model", 0, b.build)
     graph = "cuda-graph" if cuda else "eager"
     # most valuable first: a section runs only if the budget left covers its estimate
-    b.section(f"dynamic_{short}", 10, b.dynamic, short)
     b.section(f"rolling_graph_{short}", 15, b.rolling, short, graph, "none", True)
+    b.section(f"static_compiled_{short}", 60, b.static_compiled, short)  # the bar's pair, first
+    b.section(f"roll_vs_prefill_{long}", 25, b.roll_vs_prefill, long)
+    b.section(f"dynamic_{short}", 10, b.dynamic, short)
     b.section(f"first_step_vs_dynamic_{short}", 10, b.first_step_vs_dynamic, short)
     b.section(f"rolling_int4_graph_{short}", 15, b.rolling, short, graph, "int4", True)
-    b.section(f"roll_vs_prefill_{long}", 25, b.roll_vs_prefill, long)
-    b.section(f"static_compiled_{short}", 100, b.static_compiled, short)
-    b.section(f"rolling_compile_{short}", 100, b.rolling, short, "compile")
+    b.section(f"rolling_compile_{short}", 60, b.rolling, short, "compile")
     b.section(f"rolling_graph_{long}", 15, b.rolling, long, graph)
     b.section(f"rolling_int4_graph_{long}", 15, b.rolling, long, graph, "int4")
     b.section(f"dynamic_{long}", 12, b.dynamic, long)
