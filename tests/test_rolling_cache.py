@@ -410,3 +410,22 @@ def test_gradients_through_several_steps(window, tiny_model):
         assert torch.allclose(got, grads(DynamicCache(config=h.config)), atol=1e-6)
     else:
         assert rolling.rolls >= 3 and rolling.rebases >= 1
+
+
+@pytest.mark.parametrize("window, sinks", [(32, 4), (5, 4), (1, 0), (300, 4)])
+def test_any_window_works_with_the_default_chunk(window, sinks, tiny_model):
+    """The default eviction chunk (64, at most half the window) makes any window >= sinks + 1 valid; once
+    full, the model sees the sinks and between window - chunk + 1 and window recent tokens."""
+    from kvlab.hf.rolling_cache import default_chunk
+
+    h = tiny_model("llama")
+    cache = rolling_cache_for(h, window=window, sinks=sinks)
+    assert cache.evict_chunk == default_chunk(window) == max(1, min(64, window // 2))
+    seen = set()
+    for t in torch.randint(
+        0, h.config.vocab_size, (window + 150,), generator=torch.Generator().manual_seed(1)
+    ):
+        h.run(t.view(1, 1), cache)
+        if cache.tokens_seen > sinks + window:
+            seen.add(cache.kept - sinks)
+    assert min(seen) >= window - cache.evict_chunk + 1 and max(seen) <= window

@@ -418,7 +418,11 @@ class RollingCache(Cache):
             models); must be shift-exact.
         window: recent tokens kept (after the sinks).
         sinks: leading tokens kept forever (StreamingLLM's attention sinks); 0 = plain window.
-        evict_chunk: tokens evicted at once when the window overflows (>= 1).
+        evict_chunk: tokens evicted at once when the window overflows (>= 1; default
+            :func:`default_chunk`: 64, or half the window for windows under 128, so any window works).
+            Between forwards the cache holds at most ``sinks + window`` tokens and, once full, at least
+            ``sinks + window - evict_chunk + 1``: the model sees the sinks and the last
+            ``window - evict_chunk + 1`` to ``window`` tokens.
         max_position: largest RoPE position allowed + 1 (default: the config's maximum).
         rebase: ``"auto"`` | ``"always"`` | ``"never"`` (see the module docstring).
     """
@@ -430,10 +434,11 @@ class RollingCache(Cache):
         *,
         window: int,
         sinks: int = 4,
-        evict_chunk: int = 64,
+        evict_chunk: int | None = None,
         max_position: int | None = None,
         rebase: Rebase = "auto",
     ) -> None:
+        evict_chunk = default_chunk(window) if evict_chunk is None else evict_chunk
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         n_layers = int(text.num_hidden_layers)
         max_pos = int(max_position or getattr(text, "max_position_embeddings", 0) or 0)
@@ -659,6 +664,12 @@ def _restore_positions(_model: Any, _args: tuple, _kwargs: dict, out: Any) -> No
         finish(out)
 
 
+def default_chunk(window: int) -> int:
+    """Tokens evicted at once by default: 64 (a roll every 64 tokens amortizes its cost), at most half the
+    window so that a small window still keeps half its tokens after a roll."""
+    return max(1, min(64, int(window) // 2))
+
+
 def _validate(text: Any, rope: Rope | None, *, window, sinks, evict_chunk, max_pos, rebase) -> None:
     """Refuse settings a rolling cache cannot honour, before anything is built."""
     if rope is None:
@@ -691,7 +702,7 @@ def rolling_cache_for(
     *,
     window: int,
     sinks: int = 4,
-    evict_chunk: int = 64,
+    evict_chunk: int | None = None,
     rebase: Rebase = "auto",
     max_position: int | None = None,
 ) -> RollingCache:

@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import sliding_windows
-from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, RollRule, _validate
+from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, RollRule, _validate, default_chunk
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, RopeSpec
@@ -222,7 +222,7 @@ class StaticRollingCache(Cache):
         *,
         window: int,
         sinks: int = 4,
-        evict_chunk: int = 64,
+        evict_chunk: int | None = None,
         max_position: int | None = None,
         rebase: Rebase = "auto",
         batch: int = 1,
@@ -231,6 +231,7 @@ class StaticRollingCache(Cache):
         codec: Codec = "none",
         group: int = 32,
     ) -> None:
+        evict_chunk = default_chunk(window) if evict_chunk is None else evict_chunk
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         max_pos = int(max_position or getattr(text, "max_position_embeddings", 0) or 0)
         _validate(
@@ -470,7 +471,7 @@ def static_rolling_cache_for(
     *,
     window: int,
     sinks: int = 4,
-    evict_chunk: int = 64,
+    evict_chunk: int | None = None,
     rebase: Rebase = "auto",
     batch: int = 1,
     codec: Codec = "none",
