@@ -17,7 +17,8 @@ from kvlab.study.report.glossary import GLOSSARY, glossary_html  # noqa: E402
 
 def test_one_interval_format_for_every_shape():
     assert format_interval(0.99812, 0.99701, 0.99903) == "0.998 [0.997, 0.999]"
-    assert format_interval(Interval(0.5, 0.25, 0.75, 8)) == "0.5 [0.25, 0.75]"
+    assert format_interval(Interval(0.5, 0.25, 0.75, 8)) == "0.5 [0.25, 0.75] (n = 8)"
+    assert format_interval({"value": 0.5, "low": None, "high": None, "n": 1}) == "0.5 (n = 1, no interval)"
     assert format_interval({"value": 46080, "low": None, "high": None}) == "46,080"
     assert format_interval(3.2e-5) == "3.20e-05"
     assert format_range([0.996, 0.996]) == "0.996" and format_range([10.9, 37.8]) == "10.9–37.8"
@@ -37,7 +38,7 @@ def test_every_study_experiment_writes_its_finding():
 
 def test_glossary_defines_the_labels_the_report_uses():
     terms = " ".join(t for t, _ in GLOSSARY)
-    for label in ("the thread", "Phase 1", "R1", "B1", "sink", "KL", "interval"):
+    for label in ("the thread", "Phase 1", "sink", "KL", "interval", "smoke run", "seed"):
         assert label in terms or label in glossary_html()
 
 

@@ -1,7 +1,14 @@
-"""Spread, not anecdotes: bootstrap confidence intervals for means and medians over prompts/windows."""
+"""Spread, not anecdotes: bootstrap confidence intervals for means and medians over prompts/windows.
+
+Intervals come from :func:`scipy.stats.bootstrap` (percentile method, seeded). An interval needs at
+least two samples: one sample has a value and no interval (``low`` and ``high`` are NaN, written as
+``null`` in JSON and as "n = 1, no interval" in the report), never a ``[v, v]`` that looks like certainty.
+"""
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -9,21 +16,75 @@ import numpy as np
 
 from kvlab.errors import BadInputError
 
+#: the fewest samples an interval may rest on
+MIN_SAMPLES = 2
+
 
 @dataclass(frozen=True)
 class Interval:
-    """A statistic with its bootstrap interval, over ``n`` independent samples."""
+    """A statistic with its bootstrap interval, over ``n`` independent samples (``low``/``high`` are
+    NaN when ``n`` < :data:`MIN_SAMPLES`: a value without an interval)."""
 
     value: float
     low: float
     high: float
     n: int
 
+    @property
+    def has_interval(self) -> bool:
+        return self.n >= MIN_SAMPLES and math.isfinite(self.low) and math.isfinite(self.high)
+
     def to_json(self) -> dict:
-        return {"value": self.value, "low": self.low, "high": self.high, "n": self.n}
+        ok = self.has_interval
+        return {
+            "value": self.value,
+            "low": self.low if ok else None,
+            "high": self.high if ok else None,
+            "n": self.n,
+        }
+
+    def bracket(self, fmt: str = ".3g") -> str:
+        """``[low, high]``, or ``(n = 1, no interval)`` when there is none."""
+        if not self.has_interval:
+            return f"(n = {self.n}, no interval)"
+        return f"[{self.low:{fmt}}, {self.high:{fmt}}]"
+
+    def text(self, fmt: str = ".3g") -> str:
+        """``value [low, high]`` (or the value and why there is no interval)."""
+        return f"{self.value:{fmt}} {self.bracket(fmt)}"
 
     def __str__(self) -> str:
-        return f"{self.value:.4g} [{self.low:.4g}, {self.high:.4g}] (n={self.n})"
+        return f"{self.text('.4g')} (n={self.n})" if self.has_interval else self.text(".4g")
+
+
+def _statistic(statistic: Callable[..., np.ndarray] | str) -> Callable[..., np.ndarray]:
+    if isinstance(statistic, str):
+        fn = {"mean": np.mean, "median": np.median}.get(statistic)
+        if fn is None:
+            raise BadInputError(f"unknown statistic '{statistic}'")
+        return fn
+    return statistic
+
+
+def _percentile_bootstrap(
+    x: np.ndarray, fn: Callable[..., np.ndarray], confidence: float, n_boot: int, seed: int
+) -> tuple[float, float]:
+    """``scipy.stats.bootstrap`` (percentile) of ``fn`` over axis 0 of ``x``; NaN bounds where every
+    resample gives the same value (scipy's degenerate case) are that value."""
+    from scipy import stats
+
+    vectorized = fn in (np.mean, np.median, np.nanmean, np.nanmedian)
+    res = stats.bootstrap(
+        (x,),
+        fn if vectorized else (lambda s, axis=-1: np.apply_along_axis(fn, axis, s)),
+        confidence_level=confidence,
+        n_resamples=n_boot,
+        method="percentile",
+        vectorized=True,
+        axis=0,
+        rng=np.random.default_rng(seed),
+    )
+    return res.confidence_interval.low, res.confidence_interval.high
 
 
 def bootstrap_ci(
@@ -34,10 +95,11 @@ def bootstrap_ci(
     n_boot: int = 2000,
     seed: int = 0,
 ) -> Interval:
-    """Percentile bootstrap interval of ``statistic`` over the first axis of ``samples``.
+    """Percentile bootstrap interval of ``statistic`` over the first axis of ``samples``
+    (:func:`scipy.stats.bootstrap`).
 
-    ``samples`` is ``[n]`` or ``[n, ...]`` (then the statistic is taken over axis 0 and the interval
-    is of its mean over the remaining axes). NaNs are dropped.
+    ``samples`` is ``[n]`` or ``[n, ...]`` (then each sample is first averaged over its remaining axes).
+    NaNs are dropped. One finite sample gives its value and no interval (NaN bounds, ``n = 1``).
     """
     x = np.asarray(samples, dtype=np.float64)
     if x.ndim > 1:
@@ -47,23 +109,14 @@ def bootstrap_ci(
         raise BadInputError("no finite samples to bootstrap")
     if not 0 < confidence < 1:
         raise BadInputError(f"confidence must lie in (0, 1), got {confidence}")
-    fn = (
-        {"mean": np.mean, "median": np.median}.get(statistic, statistic)
-        if isinstance(statistic, str)
-        else statistic
-    )
-    if isinstance(fn, str):
-        raise BadInputError(f"unknown statistic '{statistic}'")
+    fn = _statistic(statistic)
     value = float(fn(x))
-    if x.size == 1:
-        return Interval(value, value, value, 1)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, x.size, size=(n_boot, x.size))
-    stats = np.apply_along_axis(fn, 1, x[idx]) if fn not in (np.mean, np.median) else fn(x[idx], axis=1)
-    alpha = (1 - confidence) / 2
-    return Interval(
-        value, float(np.quantile(stats, alpha)), float(np.quantile(stats, 1 - alpha)), int(x.size)
-    )
+    if x.size < MIN_SAMPLES:
+        return Interval(value, math.nan, math.nan, int(x.size))
+    if np.all(x == x[0]):  # every resample is the same: the interval is that value, over n samples
+        return Interval(value, value, value, int(x.size))
+    low, high = _percentile_bootstrap(x, fn, confidence, n_boot, seed)
+    return Interval(value, float(low), float(high), int(x.size))
 
 
 def bootstrap_curve(
@@ -71,16 +124,23 @@ def bootstrap_curve(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mean curve and pointwise bootstrap band of ``samples [n, points]`` (n windows/prompts).
 
-    Returns ``(mean, low, high)``, each ``[points]``; NaNs are ignored per point.
+    Returns ``(mean, low, high)``, each ``[points]``; NaNs are ignored per point. With one sample the
+    band is NaN (no band is drawn): a curve from one window has no interval.
     """
     x = np.asarray(samples, dtype=np.float64)
     if x.ndim != 2 or x.shape[0] == 0:
         raise BadInputError(f"bootstrap_curve needs [n, points] samples, got shape {x.shape}")
-    mean = np.nanmean(x, axis=0)
-    if x.shape[0] == 1:
-        return mean, mean.copy(), mean.copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN point stays NaN
+        mean = np.nanmean(x, axis=0)
+    if x.shape[0] < MIN_SAMPLES:
+        nan = np.full_like(mean, np.nan)
+        return mean, nan, nan.copy()
+    # Resample rows (windows), keeping each window's curve whole: one index draw for every point.
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, x.shape[0], size=(n_boot, x.shape[0]))
-    boots = np.nanmean(x[idx], axis=1)  # [n_boot, points]
-    alpha = (1 - confidence) / 2
-    return mean, np.nanquantile(boots, alpha, axis=0), np.nanquantile(boots, 1 - alpha, axis=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        boots = np.nanmean(x[idx], axis=1)  # [n_boot, points]
+        alpha = (1 - confidence) / 2
+        return mean, np.nanquantile(boots, alpha, axis=0), np.nanquantile(boots, 1 - alpha, axis=0)

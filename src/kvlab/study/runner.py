@@ -91,7 +91,7 @@ def finish(result: ExperimentResult, ctx: ExperimentContext, started: float) -> 
         extra=extra,
     )
     write_result(result, ctx.out_dir, m)
-    write_experiment_page(result, ctx.out_dir, _manifest_line(m))
+    write_experiment_page(result, ctx.out_dir, _manifest_line(m), profile=ctx.profile)
     return m
 
 
@@ -268,7 +268,7 @@ def run_study(
     subtitle = (
         f"{(m.get('model') or {}).get('name', model_spec)} · profile {profile} · {len(results)} experiments"
     )
-    write_study_index(root, results, subtitle, _manifest_line(m))
+    write_study_index(root, results, subtitle, _manifest_line(m), profile=profile)
     return StudyOutcome(run_dir=root, results=results, failed=failed, seconds=seconds)
 
 

@@ -123,8 +123,11 @@ def _render(tok: Any, messages: list[dict], generation_prompt: bool) -> str:
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def build_episodes(model: Any, n: int | None = None) -> list[Episode]:
-    """Token pieces for the first ``n`` facts (all by default) using the model's chat template."""
+def build_episodes(model: Any, n: int | None = None, seed: int = 0) -> list[Episode]:
+    """Token pieces for ``n`` facts (all by default) using the model's chat template: the first ``n`` for
+    seed 0, else ``n`` drawn by the seed (:func:`~kvlab.study.experiments._sampling.seeded_order`)."""
+    from kvlab.study.experiments._sampling import seeded_order
+
     tok = model.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise UnsupportedModelError(
@@ -144,7 +147,8 @@ def build_episodes(model: Any, n: int | None = None) -> list[Episode]:
     other_pre_text = other[: other.index(_MARK) - len(user_prefix)]
     neutral_ids = enc(NEUTRAL)
     episodes = []
-    for statement, question, prefix, answer in FACTS[:n]:
+    chosen = [FACTS[i] for i in seeded_order(len(FACTS), seed)[:n]]
+    for statement, question, prefix, answer in chosen:
         msgs = [
             {"role": "user", "content": statement},
             {"role": "assistant", "content": ACK},

@@ -42,8 +42,10 @@ BUGGY_MAX_ROLL = 20
 def study_text(ctx: ExperimentContext, text: str | Path | None = None) -> Text:
     """``--text FILE`` when given (the argument, else the study's options), else Frankenstein (shared
     data) or the Python docs. Reads the options, never writes them."""
+    from kvlab.study.experiments._sampling import seeded_text
+
     path = text if text is not None else ctx.options.get("text")
-    return read_text_file(path) if path else default_long_text()
+    return seeded_text(read_text_file(path) if path else default_long_text(), ctx.seed)
 
 
 def control_text(main: Text) -> Text:

@@ -1,4 +1,4 @@
-"""R7: does rolling the window change where the model looks and what it predicts? Sink-aware.
+"""Does rolling the window change where the model looks and what it predicts? Sink-aware.
 
 For many windows of a long text, the window and the window without its first n tokens are run
 with eager attention. Attention rows of aligned queries are compared over aligned keys (original
@@ -34,6 +34,7 @@ from kvlab.metrics.attention import (
     stack_attentions,
 )
 from kvlab.paths import shared_data_dir
+from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 
@@ -92,7 +93,7 @@ def _reduce(
 
 
 def _interval_str(iv) -> str:
-    return f"{iv.value:.4f} [{iv.low:.4f}, {iv.high:.4f}]"
+    return iv.text(".4f")
 
 
 def run(
@@ -105,7 +106,7 @@ def run(
 ) -> ExperimentResult:
     result = ExperimentResult(
         name="attention",
-        title="Attention rows and next-token logits under a roll (R7)",
+        title="Attention rows and next-token logits under a roll",
         description=__doc__.strip().split("\n")[0],
     )
     n_windows, length, rolls, first_query = _settings(ctx, windows, window_tokens, rolls)
@@ -158,7 +159,7 @@ def _samples(
     ctx: ExperimentContext, result: ExperimentResult, handle, text, length: int, n_windows: int
 ) -> list:
     """Token samples of the study text (the model's maximum checked first)."""
-    source = read_text_file(text) if text else default_long_text()
+    source = seeded_text(read_text_file(text) if text else default_long_text(), ctx.seed)
     ids = handle.encode(source.text)
     if length >= handle.max_positions:
         raise BadInputError(
@@ -548,8 +549,8 @@ def _layer_figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, r
                 stem,
                 fig,
                 f"Attention-row {'cosine' if metric == 'cos' else 'Jensen-Shannon'} per "
-                "layer: with the moved sink (left) and without it (right); dotted: the "
-                "thread's Qwen curves.",
+                "layer: with the moved sink (left) and without it (right)"
+                + ("; dotted: the thread's Qwen curves." if ref is not None else "."),
             )
         )
 
@@ -643,7 +644,7 @@ def _figure_5(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, l
         )
         b = bootstrap_ci(logit_base[metric], seed=0)
         if metric == "cos":  # far below the rolls: say it instead of squashing the axis
-            ax.plot([], [], " ", label=f"unrelated windows: {b.value:.2f} [{b.low:.2f}, {b.high:.2f}]")
+            ax.plot([], [], " ", label=f"unrelated windows: {b.text('.2f')}")
         else:
             ax.axhline(b.value, color="grey", ls="--", label="unrelated windows")
             ax.axhspan(b.low, b.high, color="grey", alpha=0.2)
@@ -713,9 +714,10 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="where in the text the windows are cut (the text starts at a paragraph the seed picks)",
     describe=describe,
     name="attention",
-    title="Attention rows and next-token logits under a roll (R7)",
+    title="Attention rows and next-token logits under a roll",
     run=run,
     order=60,
     description="Sink-aware attention-row and next-token comparison, original vs rolled.",

@@ -222,3 +222,6 @@ class Experiment:
     #: an experiment whose in-process measurements this one reuses (a memo of prefills): a study with
     #: several workers runs this one in the same process, right after it
     reuses: str | None = None
+    #: what the study's seed changes in this experiment's samples (``_sampling.py``; the table in
+    #: docs/sweeps.md); empty for an experiment that samples nothing (the same numbers for every seed)
+    seed_changes: str = ""

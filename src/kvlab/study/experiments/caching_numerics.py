@@ -17,6 +17,7 @@ import torch
 from kvlab.data import python_docs
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, kl_divergence
+from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 
@@ -64,7 +65,7 @@ def run(
         raise BadInputError(f"need steps >= 2 and prompt_tokens >= 1, got {steps} and {prompt_tokens}")
     base = ctx.handle()
     ref_model = ctx.load_model(ctx.model_spec, dtype="float64")  # on the study's device
-    text = python_docs()
+    text = seeded_text(python_docs(), ctx.seed)
     prompt = base.encode(text.text[: prompt_tokens * 8])[:prompt_tokens]
     first = ref_model.prefill(prompt, all_logits=False)
     path = ref_model.generate(first.snapshot, first.logits[-1], steps, stop_at_eos=False).token_ids
@@ -117,11 +118,7 @@ def _runs(ctx: ExperimentContext, base, prompt: list[int], path: list[int], dtyp
     runs: dict[str, torch.Tensor] = {"float64/cached": ref_cached}
     with ctx.progress.task("numerics: dtypes", total=len(dtypes)) as advance:
         for dt in dtypes:
-            m = (
-                base
-                if str(base.dtype) == f"torch.{dt}"
-                else ctx.load_model(ctx.model_spec, dtype=dt)
-            )
+            m = base if str(base.dtype) == f"torch.{dt}" else ctx.load_model(ctx.model_spec, dtype=dt)
             runs[f"{dt}/cached"] = cached_path(m, prompt, path)
             runs[f"{dt}/recomputed"] = recomputed_path(m, prompt, path)
             advance(1)
@@ -154,7 +151,7 @@ def _tables(names, kl, maxabs, div, closer, steps: int, prompt_tokens: int, seed
                 float(maxabs[i].max()),
                 float(np.median(maxabs[i])),
                 ci.value,
-                f"[{ci.low:.3g}, {ci.high:.3g}]",
+                ci.bracket(".3g"),
             ]
         )
     return [
@@ -229,6 +226,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="the prompt: a Python-docs passage starting at a paragraph the seed picks",
     describe=describe,
     name="caching_numerics",
     title="Numerics of caching vs recomputation",

@@ -1,4 +1,4 @@
-"""R11 + B5: is a compacted conversation's cache like the full one's, and why? With lexical controls.
+"""Is a compacted conversation's cache like the full one's, and why? With lexical controls.
 
 Each conversation is cached in full and compacted (a summary, then the last turns verbatim), plus
 controls: the verbatim last turns only, the summary only, the compacted text's words shuffled, and
@@ -165,7 +165,7 @@ def run(
 ) -> ExperimentResult:
     result = ExperimentResult(
         name="compaction",
-        title="Compaction: full vs compacted caches (R11 + B5)",
+        title="Compaction: full vs compacted caches, with lexical controls",
         description=__doc__.strip().split("\n")[0],
     )
     loaded = _conversations(ctx, result, conversations, limit)
@@ -329,7 +329,7 @@ def _iv(x: np.ndarray) -> Any:
 
 
 def _s(iv) -> str:
-    return "n/a" if iv is None else f"{iv.value:.3f} [{iv.low:.3f}, {iv.high:.3f}]"
+    return "n/a" if iv is None else iv.text(".3f")
 
 
 def _report(ctx, result, name, convs, tokens, tail, sim, pos, curves) -> None:
@@ -621,9 +621,10 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="the lexical control's word shuffle only; the ten conversations are the whole set, so the main comparisons are the same for every seed",
     describe=describe,
     name="compaction",
-    title="Compaction: full vs compacted caches (R11 + B5)",
+    title="Compaction: full vs compacted caches, with lexical controls",
     run=run,
     order=70,
     description="Centroid and tail similarity of compacted vs full conversations, "

@@ -23,6 +23,7 @@ from kvlab.compress.quant.scalar import check_bits
 from kvlab.data import Text, default_long_text, python_docs, read_text_file, token_samples
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
+from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 
@@ -134,7 +135,7 @@ def run(
     n_cont = ctx.count("continuation_tokens", continuation_tokens, 48, 128, 256)
     n_win = ctx.count("windows", windows, 1, 2, 8)
     bits, keeps, methods, policies = _choices(ctx, result, bits, keeps, methods, policies)
-    src = evaluation_text(text)
+    src = seeded_text(evaluation_text(text), ctx.seed)
     wins = evaluation_windows(handle, src, n_ctx, n_cont, n_win, ctx.seed)
     result.arrays["window_token_ids"] = np.array(wins)
     result.data_sources.append(
@@ -596,6 +597,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="where in the text the evaluation windows are cut",
     describe=describe,
     name="compression",
     title="Cache compression: quantization and eviction",

@@ -1,4 +1,4 @@
-"""Does a moved cache still carry a fact? Retention of chat-template facts under cache transfers (R13).
+"""Does a moved cache still carry a fact? Retention of chat-template facts under cache transfers.
 
 Each episode is a conversation: preamble P (system prompt), a fact turn A ("my name is Lyra"), a
 question B ("What is my name?" + "Your name is"). The answer is scored by teacher forcing (exact
@@ -42,7 +42,7 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
     )
     handle = ctx.handle()
     n = ctx.count("facts", facts, quick=8, default=len(FACTS))
-    episodes = build_episodes(handle, n)
+    episodes = build_episodes(handle, n, seed=ctx.seed)
     keys = [k for k, _ in CONDITIONS]
     exact, nll, inj_vs_text = _measure(ctx, handle, episodes, keys, sinks)
     labels = [lab.replace("4 sinks", f"{sinks} sinks") for _, lab in CONDITIONS]
@@ -70,9 +70,9 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
                 [
                     lab,
                     acc[k].value,
-                    f"[{acc[k].low:.2f}, {acc[k].high:.2f}]",
+                    acc[k].bracket(".2f"),
                     mnll[k].value,
-                    f"[{mnll[k].low:.2f}, {mnll[k].high:.2f}]",
+                    mnll[k].bracket(".2f"),
                 ]
                 for k, lab in zip(keys, labels, strict=True)
             ],
@@ -198,6 +198,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="which facts are asked (quick profile: 8 drawn by the seed); with every fact (default profile) the facts are the same for each seed",
     describe=describe,
     name="context_retention",
     title="Context retention under cache transfer",

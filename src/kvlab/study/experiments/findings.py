@@ -66,181 +66,272 @@ def attention_rows(
 
 
 def _iv(d: dict) -> str:
+    """``value [low, high]``, or the value and why there is no interval (fewer than 2 samples)."""
+    if d.get("low") is None or d.get("high") is None:
+        return f"{d['value']:.3f} (n = {d.get('n', 1)}, no interval)"
     return f"{d['value']:.3f} [{d['low']:.3f}, {d['high']:.3f}]"
 
 
-def claims(sweep: dict, long: dict, derot: dict, attn: dict, ref: R.Reference, rope: Any) -> list[list[Any]]:
-    """One row per claim: claim, measured, thread, verdict, rule (a claim without its data has no row)."""
+#: The thread's claims, in the order the report lists them: (id, claim, sections holding the evidence).
+CLAIMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("k_drift_is_rope", "K drift under a roll is RoPE (position), not content", ("rope_derotation",)),
+    (
+        "derotation_null",
+        "De-rotating keys does not restore similarity (the thread's null)",
+        ("rope_derotation",),
+    ),
+    ("v_stable", "V barely changes under a roll", ("roll_long", "rope_derotation", "roll_sweep")),
+    ("control_order", "unrelated < scrambled < rolled", ("roll_sweep",)),
+    (
+        "constant_offset",
+        "The roll - truncate gap (last position, raw K) is a constant offset",
+        ("roll_long",),
+    ),
+    (
+        "attention_disrupted",
+        "A roll disrupts attention (low attention-row cosine at every n)",
+        ("findings", "attention"),
+    ),
+)
+#: What each fine-grained verdict means for the claim (the first screen's three outcomes).
+OUTCOME = {
+    "holds": "holds",
+    "does not hold": "does not hold",
+    "artefact": "does not hold",
+    "not applicable": "not tested here",
+    "not tested here": "not tested here",
+}
+
+
+def _claim(
+    cid: str, measured: str, thread: str, verdict: str, rule: str, key: dict | None, what: str
+) -> dict[str, Any]:
+    """One claim's record: the table row's fields, the outcome, and the key number with its samples."""
+    claim, evidence = next((c, e) for i, c, e in CLAIMS if i == cid)
+    return {
+        "id": cid,
+        "claim": claim,
+        "measured": measured,
+        "thread": thread,
+        "verdict": verdict,
+        "outcome": OUTCOME[verdict],
+        "rule": rule,
+        "evidence": list(evidence),
+        "key": None if key is None else {**key, "label": what},
+    }
+
+
+def claims(sweep: dict, long: dict, derot: dict, attn: dict, ref: R.Reference, rope: Any) -> list[dict]:
+    """One record per claim of :data:`CLAIMS`; a claim whose data this run lacks is "not tested here"."""
     ref14 = ref.get("orig_14b_base_results")
+    found = {
+        c["id"]: c
+        for c in (
+            *_claims_rope(derot, rope),
+            *_claim_v(sweep, long, derot, ref14),
+            *_claim_order(sweep, ref14),
+            *_claim_offset(long, ref),
+            *_claim_attention(attn, ref),
+        )
+    }
     return [
-        *_claims_rope(derot, rope),
-        *_claim_v(sweep, long, ref14),
-        *_claim_order(sweep, ref14),
-        *_claim_offset(long, ref),
-        *_claim_attention(attn, ref),
+        found.get(cid)
+        or _claim(cid, "—", "—", "not tested here", "its experiment did not run or has no result", None, "")
+        for cid, _, _ in CLAIMS
     ]
 
 
-def _claims_rope(derot: dict, rope: Any) -> list[list[Any]]:
-    """Rows for the claim: K drift is RoPE, and the thread's de-rotation null."""
-    rows: list[list[Any]] = []
+def claim_rows(records: list[dict]) -> list[list[Any]]:
+    """The findings table: claim, measured, thread's number, verdict, rule."""
+    return [[c["claim"], c["measured"], c["thread"], c["verdict"], c["rule"]] for c in records]
+
+
+def _claims_rope(derot: dict, rope: Any) -> list[dict]:
+    """Records for the claims: K drift is RoPE, and the thread's de-rotation null."""
+    out: list[dict] = []
     if derot:
         kd_min, k_max = derot["derotated_k_min_small_rolls"], derot["raw_k_max_small_rolls"]
         rolls = derot["rolls"]
-        n_big = max(rolls, key=int)
+        n_small, n_big = min(rolls, key=int), max(rolls, key=int)
         raw_big = rolls[n_big]["k"]["value"]
         holds = kd_min >= 0.99 and raw_big <= kd_min - 0.02
-        rows.append(
-            [
-                "K drift under a roll is RoPE (position), not content",
-                f"de-rotated K >= {kd_min:.4f} for n={min(rolls, key=int)}..{n_big} vs raw {k_max:.3f}..{raw_big:.3f} "
+        blocks = f"blocks of a {derot['context_tokens']}-token context"
+        out.append(
+            _claim(
+                "k_drift_is_rope",
+                f"de-rotated K >= {kd_min:.4f} for n={n_small}..{n_big} vs raw {k_max:.3f}..{raw_big:.3f} "
                 f"({derot['context_tokens']} tokens); RoPE-only predictor R² {derot['b3_r2_mean']:.3f}, "
                 f"× de-rotated cosine R² {derot['b3_r2_mean_times_content']:.3f}",
                 "suspected; its de-rotation test showed no recovery",
                 "holds" if holds else "does not hold",
                 f"holds if de-rotated K >= 0.99 for every n <= {n_big} and raw K at n={n_big} is >= 0.02 lower",
-            ]
+                {**rolls[n_big]["kd"], "samples": blocks},
+                f"de-rotated K cosine, roll {n_big}",
+            )
         )
         bug = derot["buggy_minus_raw_max_abs"]
         gains = [e["kd"]["value"] - e["k"]["value"] for e in rolls.values()]
         artefact = bug < 1e-6 and min(gains) > 0.005
-        rows.append(
-            [
-                "De-rotating keys does not restore similarity (the thread's null)",
+        out.append(
+            _claim(
+                "derotation_null",
                 f"thread's mode equals raw to {bug:.1e}; correct de-rotation raises K by "
-                f"{min(gains):+.4f}..{max(gains):+.4f} (n={min(rolls, key=int)}..{n_big})",
+                f"{min(gains):+.4f}..{max(gains):+.4f} (n={n_small}..{n_big})",
                 "null: de-rotated ≈ raw",
                 "artefact" if artefact else "holds",
                 "artefact if the buggy mode reproduces raw (< 1e-6) while correct de-rotation raises K by > 0.005 at every n",
-            ]
+                {**rolls[n_small]["kd"], "samples": blocks},
+                f"correctly de-rotated K cosine, roll {n_small} (raw {rolls[n_small]['k']['value']:.3f})",
+            )
         )
     elif rope is None:
-        rows.append(["K drift under a roll is RoPE", "model has no RoPE", "—", "not applicable", "—"])
-    return rows
-
-
-def _claim_v(sweep: dict, long: dict, ref14: Any) -> list[list[Any]]:
-    """Rows for the claim: V barely changes under a roll."""
-    rows: list[list[Any]] = []
-    if sweep and long:
-        shown = [n for n in (1, 5, 20) if str(n) in long["roll_mean"] and f"roll_{n}" in sweep["conditions"]]
-        v_short = [sweep["conditions"][f"roll_{n}"]["v_x0"] for n in shown]
-        v_long = [long["roll_mean"][str(n)]["v"] for n in shown]
-        k_long = [long["roll_mean"][str(n)]["k"] for n in shown]
-        thread_v = (
-            [ref14[f"roll_{n}"]["cos_v"]["mean"] for n in (1, 5, 20)]
-            if ref14
-            else list(THREAD_BRIEF["v_roll_1_5_20"])
+        out.append(
+            _claim("k_drift_is_rope", "model has no RoPE", "—", "not applicable", "—", None, ""),
         )
-        holds = min(v_long) >= 0.95 and all(v >= k for v, k in zip(v_long, k_long, strict=True))
-        rows.append(
-            [
-                "V barely changes under a roll",
-                f"cos V at n={'/'.join(map(str, shown))}: {'/'.join(f'{v:.3f}' for v in v_long)} ({long['context_tokens']} tokens), "
-                f"{'/'.join(format(v['value'], '.3f') for v in v_short)} ({sweep['context_tokens']} tokens)",
-                "/".join(f"{v:.3f}" for v in thread_v) + " (Qwen2.5-14B, 87 tokens)",
-                "holds" if holds else "does not hold",
-                f"holds if long-context cos V >= 0.95 for n = {'/'.join(map(str, shown))} and V >= raw K at each",
-            ]
+    return out
+
+
+def _claim_v(sweep: dict, long: dict, derot: dict, ref14: Any) -> list[dict]:
+    """Record for the claim: V barely changes under a roll."""
+    if not (sweep and long):
+        return []
+    shown = [n for n in (1, 5, 20) if str(n) in long["roll_mean"] and f"roll_{n}" in sweep["conditions"]]
+    v_short = [sweep["conditions"][f"roll_{n}"]["v_x0"] for n in shown]
+    v_long = [long["roll_mean"][str(n)]["v"] for n in shown]
+    k_long = [long["roll_mean"][str(n)]["k"] for n in shown]
+    thread_v = (
+        [ref14[f"roll_{n}"]["cos_v"]["mean"] for n in (1, 5, 20)]
+        if ref14
+        else list(THREAD_BRIEF["v_roll_1_5_20"])
+    )
+    holds = min(v_long) >= 0.95 and all(v >= k for v, k in zip(v_long, k_long, strict=True))
+    n_last = shown[-1]
+    if derot and str(n_last) in derot.get("rolls", {}):  # the same long context, with its blocks' interval
+        key = {
+            **derot["rolls"][str(n_last)]["v"],
+            "samples": f"blocks of a {derot['context_tokens']}-token context",
+        }
+    else:
+        key = {**v_short[-1], "samples": f"windows of {sweep['context_tokens']} tokens"}
+    return [
+        _claim(
+            "v_stable",
+            f"cos V at n={'/'.join(map(str, shown))}: {'/'.join(f'{v:.3f}' for v in v_long)} ({long['context_tokens']} tokens), "
+            f"{'/'.join(format(v['value'], '.3f') for v in v_short)} ({sweep['context_tokens']} tokens)",
+            "/".join(f"{v:.3f}" for v in thread_v) + " (Qwen2.5-14B, 87 tokens)",
+            "holds" if holds else "does not hold",
+            f"holds if long-context cos V >= 0.95 for n = {'/'.join(map(str, shown))} and V >= raw K at each",
+            key,
+            f"V cosine, roll {n_last}",
         )
-    return rows
+    ]
 
 
-def _claim_order(sweep: dict, ref14: Any) -> list[list[Any]]:
-    """Rows for the claim: unrelated < scrambled < rolled."""
-    rows: list[list[Any]] = []
-    if sweep:
-        c = sweep["conditions"]
-        parts, ok = [], True
-        for m in ("k", "v"):
-            u, s, r = c["unrelated"][f"{m}_x0"], c["scrambled"][f"{m}_x0"], c["roll_20"][f"{m}_x0"]
-            ok &= u["high"] < s["low"] and s["high"] < r["low"]
-            parts.append(f"{m.upper()}: {_iv(u)} < {_iv(s)} < {_iv(r)}")
-        if ref14:
-            thread = "K " + " < ".join(
-                f"{ref14[k]['cos_k']['mean']:.3f}" for k in ("unrelated", "scrambled", "roll_20")
-            )
-        else:
-            thread = "K " + " < ".join(str(x) for x in THREAD_BRIEF["k_unrel_scr_roll20"])
-        rows.append(
-            [
-                "unrelated < scrambled < rolled",
-                "; ".join(parts) + " (unrelated / scrambled / roll 20)",
-                thread,
-                "holds" if ok else "does not hold",
-                f"holds if the bootstrap 95% intervals are ordered and disjoint for both K and V over {sweep['windows']} windows",
-            ]
+def _disjoint(a: dict, b: dict) -> bool:
+    """``a``'s interval lies wholly below ``b``'s (False where either has no interval)."""
+    if None in (a.get("high"), b.get("low")):
+        return False
+    return a["high"] < b["low"]
+
+
+def _claim_order(sweep: dict, ref14: Any) -> list[dict]:
+    """Record for the claim: unrelated < scrambled < rolled."""
+    if not sweep:
+        return []
+    c = sweep["conditions"]
+    parts, ok = [], True
+    for m in ("k", "v"):
+        u, s, r = c["unrelated"][f"{m}_x0"], c["scrambled"][f"{m}_x0"], c["roll_20"][f"{m}_x0"]
+        ok &= _disjoint(u, s) and _disjoint(s, r)
+        parts.append(f"{m.upper()}: {_iv(u)} < {_iv(s)} < {_iv(r)}")
+    if ref14:
+        thread = "K " + " < ".join(
+            f"{ref14[k]['cos_k']['mean']:.3f}" for k in ("unrelated", "scrambled", "roll_20")
         )
-    return rows
-
-
-def _claim_offset(long: dict, ref: R.Reference) -> list[list[Any]]:
-    """Rows for the claim: the roll - truncate offset is constant."""
-    rows: list[list[Any]] = []
-    if long:
-        reg = long["regression"]["difference"]
-        offset, change = long["mean_difference_roll_minus_truncate"], long["difference_change_over_range"]
-        holds = abs(change) < 0.25 * abs(offset)
-        d = ref.get("results_14b_base_roll_truncate")
-        if d:
-            fit = S.linear_fit(
-                np.asarray(d["ns"]), np.asarray(d["roll_last_k"]) - np.asarray(d["trunc_last_k"])
-            )
-            thread = (
-                f"offset {np.mean(np.asarray(d['roll_last_k']) - np.asarray(d['trunc_last_k'])):.3f}, "
-                f"slope {fit.slope:.1e}/token, R² {fit.r2:.3f} (Qwen2.5-14B, 2,000 tokens, step 5)"
-            )
-        else:
-            thread = f"offset ≈{THREAD_BRIEF['offset']}, slope ≈0.004, R² ≈0.001"
-        rows.append(
-            [
-                "The roll - truncate gap (last position, raw K) is a constant offset",
-                f"mean offset {offset:.3f}, slope {reg['slope']:.1e}/token (change {change:+.3f} over the range), "
-                f"R² {reg['r2']:.3f}; {long['aliasing']}",
-                thread,
-                "holds" if holds else "does not hold",
-                "holds if the fitted line changes the difference by < 25% of its mean across the sampled rolls",
-            ]
+    else:
+        thread = "K " + " < ".join(str(x) for x in THREAD_BRIEF["k_unrel_scr_roll20"])
+    return [
+        _claim(
+            "control_order",
+            "; ".join(parts) + " (unrelated / scrambled / roll 20)",
+            thread,
+            "holds" if ok else "does not hold",
+            f"holds if the bootstrap 95% intervals are ordered and disjoint for both K and V over {sweep['windows']} windows",
+            {**c["roll_20"]["k_x0"], "samples": f"windows of {sweep['context_tokens']} tokens"},
+            f"raw K cosine, roll 20 (scrambled {c['scrambled']['k_x0']['value']:.3f}, unrelated {c['unrelated']['k_x0']['value']:.3f})",
         )
-    return rows
+    ]
 
 
-def _claim_attention(attn: dict, ref: R.Reference) -> list[list[Any]]:
-    """Rows for the claim: a roll disrupts attention."""
-    rows: list[list[Any]] = []
-    if attn:
-        w, wo = attn["with_sink"].mean(-1), attn["without_sink"].mean(-1)  # [W, N]
-        iw, iwo = bootstrap_ci(w.mean(1)), bootstrap_ci(wo.mean(1))
-        d = ref.get("results_attention_results_attn_attention_results")
+def _claim_offset(long: dict, ref: R.Reference) -> list[dict]:
+    """Record for the claim: the roll - truncate offset is constant."""
+    if not long:
+        return []
+    reg = long["regression"]["difference"]
+    offset, change = long["mean_difference_roll_minus_truncate"], long["difference_change_over_range"]
+    holds = abs(change) < 0.25 * abs(offset)
+    d = ref.get("results_14b_base_roll_truncate")
+    if d:
+        fit = S.linear_fit(np.asarray(d["ns"]), np.asarray(d["roll_last_k"]) - np.asarray(d["trunc_last_k"]))
         thread = (
-            f"≈{THREAD_BRIEF['attention_cos']} at every roll (research brief)"
-            if not d
-            else f"≈{THREAD_BRIEF['attention_cos']} at every roll; reference file: layer-mean cosine "
-            + "/".join(
-                f"{np.mean(d['attention'][f'roll_{n}']['cosine_sim']):.2f}"
-                for n in ATTN_ROLLS
-                if f"roll_{n}" in d["attention"]
-            )
+            f"offset {np.mean(np.asarray(d['roll_last_k']) - np.asarray(d['trunc_last_k'])):.3f}, "
+            f"slope {fit.slope:.1e}/token, R² {fit.r2:.3f} (Qwen2.5-14B, 2,000 tokens, step 5)"
         )
-        verdict = (
-            "does not hold"
-            if iw.value >= 0.8
-            else "artefact"
-            if iwo.value >= 0.8 and iwo.value - iw.value > 0.1
-            else "holds"
+    else:
+        thread = f"offset ≈{THREAD_BRIEF['offset']}, slope ≈0.004, R² ≈0.001"
+    by_end = long.get("difference_by_window_end")
+    key = None if by_end is None else {**by_end, "samples": "window ends (a few tokens apart: correlated)"}
+    return [
+        _claim(
+            "constant_offset",
+            f"mean offset {offset:.3f}, slope {reg['slope']:.1e}/token (change {change:+.3f} over the range), "
+            f"R² {reg['r2']:.3f} over {reg.get('n', len(long['roll_amounts']))} roll amounts; {long['aliasing']}",
+            thread,
+            "holds" if holds else "does not hold",
+            "holds if the fitted line changes the difference by < 25% of its mean across the sampled rolls",
+            key,
+            f"roll − truncate raw K cosine, mean over rolls (change over the range {change:+.3f})",
         )
-        rows.append(
-            [
-                "A roll disrupts attention (low attention-row cosine at every n)",
-                f"last-query row cosine with the new sink {_iv(iw.to_json())}, without it {_iv(iwo.to_json())} "
-                f"(mean over layers, n={'/'.join(map(str, ATTN_ROLLS))}, {w.shape[0]} windows)",
-                thread,
-                verdict,
-                "does not hold if the cosine with the sink is >= 0.8; artefact if it is low but >= 0.8 and 0.1 "
-                "higher once the new sink's slot is dropped; else holds",
-            ]
+    ]
+
+
+def _claim_attention(attn: dict, ref: R.Reference) -> list[dict]:
+    """Record for the claim: a roll disrupts attention."""
+    if not attn:
+        return []
+    w, wo = attn["with_sink"].mean(-1), attn["without_sink"].mean(-1)  # [W, N]
+    iw, iwo = bootstrap_ci(w.mean(1)), bootstrap_ci(wo.mean(1))
+    d = ref.get("results_attention_results_attn_attention_results")
+    thread = (
+        f"≈{THREAD_BRIEF['attention_cos']} at every roll (research brief)"
+        if not d
+        else f"≈{THREAD_BRIEF['attention_cos']} at every roll; reference file: layer-mean cosine "
+        + "/".join(
+            f"{np.mean(d['attention'][f'roll_{n}']['cosine_sim']):.2f}"
+            for n in ATTN_ROLLS
+            if f"roll_{n}" in d["attention"]
         )
-    return rows
+    )
+    verdict = (
+        "does not hold"
+        if iw.value >= 0.8
+        else "artefact"
+        if iwo.value >= 0.8 and iwo.value - iw.value > 0.1
+        else "holds"
+    )
+    return [
+        _claim(
+            "attention_disrupted",
+            f"last-query row cosine with the new sink {_iv(iw.to_json())}, without it {_iv(iwo.to_json())} "
+            f"(mean over layers, n={'/'.join(map(str, ATTN_ROLLS))}, {w.shape[0]} windows)",
+            thread,
+            verdict,
+            "does not hold if the cosine with the sink is >= 0.8; artefact if it is low but >= 0.8 and 0.1 "
+            "higher once the new sink's slot is dropped; else holds",
+            {**iwo.to_json(), "samples": f"windows of {int(attn['tokens'])} tokens"},
+            f"attention-row cosine without the new sink (with it: {iw.value:.3f})",
+        )
+    ]
 
 
 def _attention_figure(ctx: ExperimentContext, attn: dict, name: str) -> Any:
@@ -306,18 +397,20 @@ def run(
 
     ids = R.encode_long(model, main, T * W, max_chars=T * W * 12)
     attn = attention_rows(model, token_samples(ids, T, W, seed=ctx.seed + 7), ATTN_ROLLS, ctx.progress)
+    attn["tokens"] = np.asarray(T)
     ref = R.reference()
-    rows = claims(got["roll_sweep"], got["roll_long"], got["rope_derotation"], attn, ref, model.rope)
+    records = claims(got["roll_sweep"], got["roll_long"], got["rope_derotation"], attn, ref, model.rope)
     result.tables.append(
         Table(
             "Findings",
             ["claim (thread)", f"measured on {model.name}", "thread's number", "verdict", "rule"],
-            rows,
+            claim_rows(records),
             caption="Every verdict is computed from this run's numbers with the rule shown.",
         )
     )
     result.summary = {
-        "verdicts": {r[0]: r[3] for r in rows},
+        "claims": records,
+        "verdicts": {c["claim"]: c["verdict"] for c in records if c["verdict"] != "not tested here"},
         "attention": {
             "with_sink": bootstrap_ci(attn["with_sink"].mean((1, 2))).to_json(),
             "without_sink": bootstrap_ci(attn["without_sink"].mean((1, 2))).to_json(),
@@ -342,14 +435,23 @@ def run(
 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     """Finding and headline numbers for the report, from this run's summary."""
-    verdicts = s.get("verdicts", {}) or {}
-    held = sum(1 for v in verdicts.values() if v == "holds")
-    text = f"Of the thread's {len(verdicts)} claims re-tested here, {held} hold and {len(verdicts) - held} do not (see each verdict)."
-    rows = [(claim, verdict) for claim, verdict in verdicts.items()]
+    records = s.get("claims") or [
+        {"claim": c, "outcome": OUTCOME.get(v, v)} for c, v in (s.get("verdicts") or {}).items()
+    ]
+    count = {
+        o: sum(1 for c in records if c["outcome"] == o) for o in ("holds", "does not hold", "not tested here")
+    }
+    text = (
+        f"Of the thread's {len(records)} claims, {count['holds']} hold, {count['does not hold']} do not"
+        + (f" and {count['not tested here']} were not tested here" if count["not tested here"] else "")
+        + " (each verdict with its rule below)."
+    )
+    rows = [(c["claim"], c.get("verdict", c["outcome"])) for c in records]
     return text, rows
 
 
 EXPERIMENT = Experiment(
+    seed_changes="the attention-row windows, and through roll_sweep, roll_long and rope_derotation their samples",
     describe=describe,
     name="findings",
     title="Findings: the thread's claims, checked",

@@ -16,6 +16,7 @@ import numpy as np
 from kvlab.data import PHASE1_PROMPTS, python_docs
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import sliding_windows
+from kvlab.metrics.stats import bootstrap_ci
 from kvlab.model.facts import ModelFacts, dtype_bytes, facts_from_config, load_config_file
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
@@ -23,6 +24,8 @@ from kvlab.study.report.format import format_number, iv, num
 PROJECTION_TOKENS = (100, 1_000, 4_000, 8_000, 32_000, 128_000)
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 BATCHES = (1, 8, 32)
+#: tokens of each attention-sink passage, in every profile
+SINK_TOKENS = 256
 
 
 def _mb(n: float) -> float:
@@ -97,26 +100,41 @@ def _projection_figure(ctx: ExperimentContext, facts: ModelFacts, proj: dict) ->
     return fig
 
 
-def sink_indicators(model: Any, n_tokens: int) -> dict[str, np.ndarray]:
-    """Attention mass each position receives and K/V norms per position, over a prose passage."""
-    text = python_docs().text
-    ids = model.encode(text[: n_tokens * 8])[:n_tokens]
-    fwd = model.prefill(ids, output_attentions=True, all_logits=False)
-    att = np.stack([a[0].float().numpy() for a in fwd.attentions])  # [L, H, T, T]
-    T = att.shape[-1]
-    # Mass received by key j, averaged over the queries that can see it (i >= j).
-    visible = np.arange(T, 0, -1, dtype=np.float64)
-    received = att.sum(axis=2) / visible  # [L, H, T]
-    snap = fwd.snapshot
-    k_norm = np.stack([k[0].float().norm(dim=-1).numpy() for k in snap.keys])  # [L, Hkv, T]
-    v_norm = np.stack([v[0].float().norm(dim=-1).numpy() for v in snap.values])
-    first_share = att[:, :, 1:, 0].mean(axis=-1)  # [L, H]: share of attention on position 0
+def sink_indicators(model: Any, n_tokens: int, passages: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
+    """Attention mass each position receives and K/V norms per position, averaged over ``passages``
+    prose passages of ``n_tokens`` tokens (where in the Python docs they come from follows ``seed``);
+    ``pos0_over_median`` holds each passage's ratio of the attention position 0 receives to the median
+    position's."""
+    from kvlab.data import token_samples
+    from kvlab.study.experiments._sampling import seeded_text
+
+    text = seeded_text(python_docs(), seed).text
+    ids_all = model.encode(text[: n_tokens * passages * 8])
+    rows = token_samples(ids_all, n_tokens, passages, seed=seed)
+    parts: dict[str, list[np.ndarray]] = {
+        k: [] for k in ("received", "k_norm", "v_norm", "first_token_share")
+    }
+    ratios = []
+    for ids in rows:
+        fwd = model.prefill(ids, output_attentions=True, all_logits=False)
+        att = np.stack([a[0].float().numpy() for a in fwd.attentions])  # [L, H, T, T]
+        T = att.shape[-1]
+        # Mass received by key j, averaged over the queries that can see it (i >= j).
+        visible = np.arange(T, 0, -1, dtype=np.float64)
+        received = att.sum(axis=2) / visible  # [L, H, T]
+        snap = fwd.snapshot
+        parts["received"].append(received)
+        parts["k_norm"].append(
+            np.stack([k[0].float().norm(dim=-1).numpy() for k in snap.keys])
+        )  # [L, Hkv, T]
+        parts["v_norm"].append(np.stack([v[0].float().norm(dim=-1).numpy() for v in snap.values]))
+        parts["first_token_share"].append(att[:, :, 1:, 0].mean(axis=-1))  # [L, H]: share on position 0
+        rec = received.mean(axis=(0, 1))
+        ratios.append(rec[0] / np.median(rec[1:]))
     return {
-        "received": received,
-        "k_norm": k_norm,
-        "v_norm": v_norm,
-        "first_token_share": first_share,
-        "token_ids": np.array(ids),
+        **{k: np.mean(v, axis=0) for k, v in parts.items()},
+        "pos0_over_median": np.asarray(ratios, dtype=np.float64),
+        "token_ids": np.array(rows),
     }
 
 
@@ -332,8 +350,8 @@ def _measure_prompts(ctx: ExperimentContext, handle, prompts: list[str], n_gen: 
                             "layer_idx": i,
                             "key_shape": list(k.shape),
                             "value_shape": list(v.shape),
-                            "key_dtype": str(k.dtype),
-                            "value_dtype": str(v.dtype),
+                            "key_dtype": str(k.dtype).removeprefix("torch."),
+                            "value_dtype": str(v.dtype).removeprefix("torch."),
                         }
                         for i, (k, v) in enumerate(zip(snap.keys, snap.values, strict=True))
                     ],
@@ -380,21 +398,25 @@ def _prompt_tables(rows: list, layers_meta: list, n_gen: int) -> list[Table]:
 
 def _sinks(ctx: ExperimentContext, result: ExperimentResult, handle) -> dict:
     """Attention-sink indicators on a passage of the Python docs (arrays and summary)."""
-    n_sink = min(ctx.pick(64, 256), handle.max_positions - 1)
+    # The same passage length in every profile (the ratio to the median position depends on it:
+    # 64 tokens gave 35x where 256 gave 92x); the profile changes only how many passages.
+    n_sink = min(SINK_TOKENS, handle.max_positions - 1)
     windows = [w for w in sliding_windows(handle.config) if w is not None]
     if windows and n_sink >= min(windows):  # a snapshot must hold every token: stay inside the window
         n_sink = min(windows) - 1
         result.notes.append(
             f"the sink probe uses {n_sink} tokens: the model's sliding-window layers see {min(windows)} at most"
         )
-    sinks = sink_indicators(handle, n_sink)
+    sinks = sink_indicators(handle, n_sink, passages=ctx.pick(3, 8), seed=ctx.seed)
     result.arrays.update({f"sink_{k}": v for k, v in sinks.items()})
     rec = sinks["received"].mean(axis=(0, 1))
     result.summary["sinks"] = {
         "tokens": int(rec.shape[0]),
         "attention_received_pos0": float(rec[0]),
         "attention_received_median_other": float(np.median(rec[1:])),
-        "pos0_over_median": float(rec[0] / np.median(rec[1:])),
+        "pos0_over_median": float(sinks["pos0_over_median"].mean()),
+        "pos0_over_median_interval": bootstrap_ci(sinks["pos0_over_median"], seed=ctx.seed).to_json(),
+        "passages": int(sinks["pos0_over_median"].size),
         "mean_first_token_share": float(sinks["first_token_share"].mean()),
         "k_norm_pos0_over_mean": float(
             sinks["k_norm"].mean(axis=(0, 1))[0] / sinks["k_norm"].mean(axis=(0, 1))[1:].mean()
@@ -420,12 +442,16 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         ("bytes per token", iv(s, "bytes_per_token")),
         ("query heads per KV head (GQA)", iv(s, "gqa_ratio")),
         (f"tokens until cache = weights ({dt}, batch 1)", iv(s, f"crossover_tokens.{dt}/batch1")),
-        ("attention to position 0 / median position", iv(s, "sinks.pos0_over_median")),
+        (
+            f"attention to position 0 / median position ({format_number(num(s, 'sinks.tokens'))}-token passages)",
+            iv(s, "sinks.pos0_over_median_interval"),
+        ),
     ]
     return text + ".", rows
 
 
 EXPERIMENT = Experiment(
+    seed_changes="the attention-sink passages; the architecture, shapes and bytes per token are facts of the model",
     describe=describe,
     name="inspect",
     title="Cache inspection (Phase 1)",

@@ -1,4 +1,4 @@
-"""K/V swap factorial (R8) and sink-only swaps (B4): which of K and V makes a moved cache loop?
+"""K/V swap factorial and sink-only swaps: which of K and V makes a moved cache loop?
 
 For windows of prose ``x`` (cache over ``x[:-1]``, then ``x[-1]`` is fed and the model continues):
 
@@ -27,6 +27,7 @@ from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, distinct_n, kl_divergence, longest_repeated_ngram, nll
 from kvlab.metrics.text import agreement_length
 from kvlab.ops.transfer import hybrid_kv, reposition, swap_slots
+from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 
@@ -133,7 +134,7 @@ def run(
     if not 1 <= roll < length - 8:
         raise BadInputError(f"roll must lie in [1, {length - 9}] for windows of {length} tokens, got {roll}")
     handle = ctx.handle()
-    text = python_docs()
+    text = seeded_text(python_docs(), ctx.seed)
     ids = handle.encode(text.text[: (n_win + 1) * length * 8])
     wins = token_samples(ids, length, n_win + 1, seed=ctx.seed)
     per: list[dict[str, dict]] = []
@@ -183,10 +184,7 @@ def _tables(
     tables = []
     rows = []
     for j, c in enumerate(names):
-        rows.append(
-            [c]
-            + [f"{stats[m][j].value:.3g} [{stats[m][j].low:.3g}, {stats[m][j].high:.3g}]" for m in METRICS]
-        )
+        rows.append([c] + [stats[m][j].text(".3g") for m in METRICS])
     tables.append(
         Table(
             "K/V swap conditions",
@@ -272,6 +270,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="where in the Python docs the windows are cut",
     describe=describe,
     name="kv_swap",
     title="K/V swap factorial and sink-only swaps",

@@ -49,7 +49,7 @@ def run(
     L = model.facts.num_layers
     width = ctx.count("width", width, quick=max(1, L // 3), default=max(1, L // 6))
     stride = ctx.count("stride", stride, quick=max(1, L // 3), default=max(1, L // 10), full=1)
-    episodes = build_episodes(model, ctx.count("facts", facts, quick=6, default=len(FACTS)))
+    episodes = build_episodes(model, ctx.count("facts", facts, quick=6, default=len(FACTS)), seed=ctx.seed)
     conds = layer_conditions(L, width, stride)
     exact = np.zeros((len(episodes), len(conds)))
     nll = np.zeros_like(exact)
@@ -73,7 +73,7 @@ def run(
             "Retention by transferred layers",
             ["layers", "accuracy", "95% CI", "answer NLL (nats)", "95% CI"],
             [
-                [lab, a.value, f"[{a.low:.2f}, {a.high:.2f}]", m.value, f"[{m.low:.2f}, {m.high:.2f}]"]
+                [lab, a.value, a.bracket(".2f"), m.value, m.bracket(".2f")]
                 for (lab, _), a, m in zip(conds, acc, mnll, strict=True)
             ],
             caption=f"{len(episodes)} facts; other layers hold a same-length neutral turn's K/V. Windows of {width} layers "
@@ -157,6 +157,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="which facts are asked (quick profile: 6 drawn by the seed); with every fact the same for each seed",
     describe=describe,
     name="layer_transfer",
     title="Which layers carry the fact",

@@ -1,4 +1,4 @@
-"""R3 roll vs truncate on a long context, R4 curve analysis and R6 terminal-position de-rotation.
+"""Roll vs truncate on a long context, the analysis of their curves, and terminal-position de-rotation.
 
 Roll by n (re-prefill without the first n tokens) against truncate by n (drop the last n slots) at
 every n = 1..64 (step 1: RoPE's fastest period is ~6.3 tokens) and coarser beyond, on a >= 1,500
@@ -16,6 +16,7 @@ import numpy as np
 from kvlab.data import shared_conversations
 from kvlab.metrics import spectral as S
 from kvlab.metrics.similarity import compare_caches
+from kvlab.metrics.stats import bootstrap_ci
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
@@ -237,7 +238,7 @@ def _fig_curve_analysis(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
     ax.set_title("Spectrogram of the roll curve (dotted: RoPE frequencies)")
     for a in axes.flat:
         a.grid(alpha=0.3)
-    fig.suptitle(f"{name}: curve analysis (R4)")
+    fig.suptitle(f"{name}: curve analysis")
     return ctx.figure(
         "curve_analysis",
         fig,
@@ -261,7 +262,7 @@ def _fig_terminal_derotation(ctx, data, plan, an, rope, name, conv, ref, ns, sel
         )
     ax.set_xlabel("tokens removed (n)")
     ax.set_ylabel("K cosine at the last position")
-    ax.set_title("R6: terminal-position de-rotation (each key with its own position)")
+    ax.set_title("Terminal-position de-rotation (each key with its own position)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return ctx.figure(
@@ -333,7 +334,7 @@ def _fig_thread_overlay(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
 def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None = None) -> ExperimentResult:
     result = ExperimentResult(
         name="roll_long",
-        title="Roll vs truncate on a long context (R3, R4, R6)",
+        title="Roll vs truncate on a long context",
         description=__doc__.strip().split("\n")[0],
     )
     handle = ctx.handle()
@@ -392,7 +393,7 @@ def _regression_table(an: dict) -> Table:
     """R4: linear fits of roll, truncate and their difference."""
     reg = an["regression"]
     return Table(
-        "R4: linear regression of the last-position raw K cosine (n >= 1)",
+        "Linear regression of the last-position raw K cosine (n >= 1)",
         ["curve", "slope per token", "intercept", "R²", "points"],
         [[k, v["slope"], v["intercept"], v["r2"], v["n"]] for k, v in reg.items()],
         caption=f"Mean roll - truncate difference: {an['mean_difference']:.4f}. A constant offset shows as a slope near 0 "
@@ -448,6 +449,10 @@ def _summary(data: dict, plan: Any, an: dict, rope: Any, conv: dict | None, resu
         "regression": reg,
         "mean_difference_roll_minus_truncate": an["mean_difference"],
         "difference_change_over_range": reg["difference"]["slope"] * float(ns.max() - 1),
+        # The same mean gap, one value per window end (the samples: ends a few tokens apart, so correlated)
+        "difference_by_window_end": bootstrap_ci(
+            (curves(data, "k") - curves(data, "k", "trunc"))[:, ns >= 1].mean(axis=1)
+        ).to_json(),
         "aliasing_ok": bool(an["aliasing"].ok) if rope is not None else None,
         "aliasing": an["aliasing"].message() if rope is not None else "model has no RoPE",
         "fastest_rope_period_tokens": float(min(rope.periods_tokens())) if rope is not None else None,
@@ -506,9 +511,10 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="where in the text the long context starts",
     describe=describe,
     name="roll_long",
-    title="Roll vs truncate on a long context (R3, R4, R6)",
+    title="Roll vs truncate on a long context",
     run=run,
     order=32,
     description="Step-1 roll and truncate curves on a long context, their regression, "

@@ -1,4 +1,4 @@
-"""R1 roll sweep, R2 controls and B2 sink-aware similarity, over many windows of one text.
+"""Roll sweep, controls and sink-aware similarity, over many windows of one text.
 
 For each window of ``T`` tokens: the original cache, the re-prefilled rolls (n = 1, 2, 3, 5, 10, 20
 and 10/25/50% of the window), two truncations (cache slices), a seeded scramble and an unrelated
@@ -238,7 +238,7 @@ def _position_figure(ctx: ExperimentContext, raw: dict, T: int):
         "per_position",
         fig,
         "Slot 0 of a rolled cache becomes the new attention sink and "
-        "differs most; report means with and without it (B2).",
+        "differs most; report means with and without it.",
     )
 
 
@@ -336,7 +336,7 @@ def run(
 ) -> ExperimentResult:
     result = ExperimentResult(
         name="roll_sweep",
-        title="Roll sweep and controls (R1, R2, B2)",
+        title="Roll sweep and controls",
         description=__doc__.strip().split("\n")[0],
     )
     handle = ctx.handle()
@@ -431,7 +431,7 @@ def _sink_table(summ: dict) -> Table:
         if cond in summ:
             sink_rows.append([cond] + [summ[cond][f"{m}_x{k}"]["value"] for m in ("k", "v") for k in EXCLUDE])
     return Table(
-        "B2: sink-aware means (first k aligned slots excluded)",
+        "Sink-aware means (first k aligned slots excluded)",
         ["condition"] + [f"cos {m.upper()} excl. {k}" for m in ("k", "v") for k in EXCLUDE],
         sink_rows,
     )
@@ -501,9 +501,10 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="where in the text the windows and the control windows are cut, and the scramble",
     describe=describe,
     name="roll_sweep",
-    title="Roll sweep and controls (R1, R2, B2)",
+    title="Roll sweep and controls",
     run=run,
     order=30,
     description="How similar a rolled cache stays to the original, against scrambled and "

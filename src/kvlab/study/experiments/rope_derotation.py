@@ -1,4 +1,4 @@
-"""R5 RoPE de-rotation (correct vs the thread's buggy mode) and B3, a RoPE-only predictor of raw K drift.
+"""RoPE de-rotation (correct vs the thread's buggy mode) and a RoPE-only predictor of raw K drift.
 
 A roll moves every kept token n positions to the left. De-rotating each cache's keys with *its own*
 positions removes that move and leaves only the content change; the thread de-rotated both caches
@@ -34,7 +34,7 @@ def derotation_table(data: dict, seed: int = 0) -> tuple[list[list[Any]], dict[s
         for m in ("k", "kd", "kb", "v"):
             iv = bootstrap_ci(data[f"roll_{m}_blocks"][j], seed=seed)
             entry[m] = iv.to_json()
-            row.append(f"{iv.value:.4f} [{iv.low:.4f}, {iv.high:.4f}]")
+            row.append(iv.text(".4f"))
         entry["buggy_minus_raw_max_abs"] = float(
             np.abs(data["roll_kb_mean"][j] - data["roll_k_mean"][j]).max()
         )
@@ -124,7 +124,7 @@ def _derotation_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any
         )
     ax.set_xlabel("tokens rolled off (n)")
     ax.set_ylabel("mean cosine vs original")
-    ax.set_title(f"{name}: R5 de-rotation on a {T}-token window")
+    ax.set_title(f"{name}: de-rotation on a {T}-token window")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return ctx.figure(
@@ -165,7 +165,7 @@ def _predictor_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any,
     ax.set_xscale("log")
     ax.set_xlabel("tokens rolled off (n)")
     ax.set_ylabel("raw K cosine")
-    ax.set_title("B3: raw K drift predicted from RoPE energies")
+    ax.set_title("Raw K drift predicted from RoPE energies")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     ax = axes[1]
@@ -195,7 +195,7 @@ def _layer_figure(ctx: ExperimentContext, pred: dict):
     ax.plot(np.arange(pred["r2_per_layer"].size), pred["r2_per_layer"], marker="o", ms=3)
     ax.set_xlabel("layer")
     ax.set_ylabel("R² of the RoPE-only prediction")
-    ax.set_title("B3 per layer")
+    ax.set_title("RoPE predictor per layer")
     ax.grid(alpha=0.3)
     return ctx.figure(
         "predictor_per_layer", fig, "How much of each layer's raw K drift the RoPE spectrum explains."
@@ -203,21 +203,21 @@ def _layer_figure(ctx: ExperimentContext, pred: dict):
 
 
 def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None = None) -> ExperimentResult:
-    title = "RoPE de-rotation and the RoPE predictor (R5, B3)"
+    title = "RoPE de-rotation and the RoPE predictor"
     result = ExperimentResult(name="rope_derotation", title=title, description=__doc__.strip().split("\n")[0])
     model = ctx.handle()
     if model.rope is None:
         result.status = "not_applicable"
         result.notes.append(
             f"{model.name} has no rotary position embedding (RoPE): there is nothing to de-rotate, "
-            "so R5/R6/B3 do not apply to this model."
+            "so de-rotation and the RoPE predictor do not apply to this model."
         )
         return result
     data, plan, source = long_data(ctx, text, context)
     rows, summ = derotation_table(data, ctx.seed)
     result.tables.append(
         Table(
-            f"R5: mean cosine over aligned slots of a {plan.context}-token window (mean [bootstrap 95% over {plan.blocks} blocks])",
+            f"Mean cosine over aligned slots of a {plan.context}-token window (mean [bootstrap 95% over {plan.blocks} blocks])",
             [
                 "n",
                 "raw K",
@@ -308,9 +308,10 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="where in the text the long context starts (roll_long's measurements)",
     describe=describe,
     name="rope_derotation",
-    title="RoPE de-rotation and the RoPE predictor (R5, B3)",
+    title="RoPE de-rotation and the RoPE predictor",
     run=run,
     order=34,
     reuses="roll_long",  # roll_long's long-context prefills (memoised per process)

@@ -28,6 +28,7 @@ from kvlab.data import default_long_text
 from kvlab.metrics import bootstrap_ci, kl_divergence, nll
 from kvlab.store import DiskTier, KVStore, MemoryTier, StoreUnavailableError, prefill_with_store
 from kvlab.store.blend import blend, correction_by_name
+from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 
@@ -141,7 +142,7 @@ def prefix_reuse(
     redis_url: str | None,
     block_tokens: int,
 ) -> dict[str, Any]:
-    text = default_long_text()
+    text = seeded_text(default_long_text(), ctx.seed)
     ids_all = handle.encode(text.text[: max(lengths) * 8])
     if len(ids_all) < max(lengths):
         lengths = [n for n in lengths if n <= len(ids_all)]
@@ -202,7 +203,10 @@ def nonprefix_reuse(
     answer_tokens: int,
     modes: tuple[str, ...] = MODES,
 ) -> dict[str, Any]:
-    items = [(d, qi) for qi in range(2) for d in DOCUMENTS][:n_questions]
+    from kvlab.study.experiments._sampling import seeded_order
+
+    every = [(d, qi) for qi in range(2) for d in DOCUMENTS]
+    items = [every[i] for i in seeded_order(len(every), ctx.seed)[:n_questions]]  # seed 0: as listed
     metrics = {
         m: {k: np.zeros(len(items)) for k in ("kl", "nll", "correct", "agree", "ms", "recomputed")}
         for m in modes
@@ -519,6 +523,8 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="the document whose prefixes are stored (where in the text it starts) and which questions the "
+    "non-prefix reuse asks (quick profile: 2 drawn by the seed)",
     describe=describe,
     name="store_reuse",
     title="KV store: prefix reuse across tiers and non-prefix reuse",

@@ -21,6 +21,7 @@ from kvlab.streaming.perplexity import (
     summarize,
     table_row,
 )
+from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_range
 
@@ -31,16 +32,16 @@ def source_name(source: str) -> str:
     """A short label for a text source: a file's stem (``frankenstein.txt`` -> ``frankenstein``), else
     the description before its parenthesis (``Python documentation (pydoc_data.topics, ...)`` ->
     ``Python documentation``), never cut at a dot inside the description."""
-    head = source.split(" (", 1)[0].strip()
+    head = source.split("; ", 1)[0].split(" (", 1)[0].strip()
     return Path(head).stem if " " not in head and Path(head).suffix else head
 
 
 def _texts(ctx: ExperimentContext, text_file: str | Path | None) -> list[Text]:
     if text_file is not None:
-        return [read_text_file(text_file)]
+        return [seeded_text(read_text_file(text_file), ctx.seed)]
     names = ctx.pick(quick=["frankenstein"], default=["frankenstein"], full=["frankenstein", "shakespeare"])
     books = [b for b in (shared_book(n) for n in names) if b is not None]
-    return books or [default_long_text()]
+    return [seeded_text(t, ctx.seed) for t in (books or [default_long_text()])]
 
 
 def _running_ppl(r: StreamResult) -> np.ndarray:
@@ -148,7 +149,7 @@ def run(
                 _figure(
                     ctx,
                     res,
-                    f"{handle.name}: {text.source[:40]}, window {window}",
+                    f"{handle.name}: {source_name(text.source)}, window {window}",
                     f"running_ppl_{key}",
                     window,
                 )
@@ -245,6 +246,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="where in the book the stream starts",
     describe=describe,
     name="streaming_ppl",
     title=TITLE,

@@ -35,6 +35,7 @@ from kvlab.ops.suffix import (
     rolled_ids,
 )
 from kvlab.policy import roll_amount
+from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_range, iv
 
@@ -59,7 +60,7 @@ def _greedy(handle, past, first_logits: torch.Tensor, n: int) -> list[int]:
 def _passages(
     handle, ctx: ExperimentContext, length: int, cont: int, count: int, text_file
 ) -> tuple[list, str]:
-    text = read_text_file(text_file) if text_file else default_long_text()
+    text = seeded_text(read_text_file(text_file) if text_file else default_long_text(), ctx.seed)
     ids = handle.encode(text.text[: (length + cont) * count * 12])
     if len(ids) < length + cont:
         raise BadInputError(f"{text.source} has {len(ids)} tokens, fewer than one passage of {length + cont}")
@@ -332,7 +333,7 @@ def _kl_table(stacked: dict, st: Settings, seed: int) -> Table:
             dn = _ci(stacked, "nll_rolled", i, j, seed, "mean")
             dp = _ci(stacked, "nll_reprefill", i, j, seed, "mean")
             rows.append(
-                [spec, n, s, kl.value, f"[{kl.low:.3g}, {kl.high:.3g}]", cos.value, kfr.value, kfp.value]
+                [spec, n, s, kl.value, kl.bracket(".3g"), cos.value, kfr.value, kfp.value]
                 + [dn.value, dp.value, kl.n]
             )
     return Table(
@@ -403,7 +404,7 @@ def _greedy_table(stacked: dict, st: Settings, seed: int) -> Table:
                     "longest_rep_reprefill",
                 )
             ]
-            grows.append([n, s, ag.value, f"[{ag.low:.1f}, {ag.high:.1f}]", *means, ag.n])
+            grows.append([n, s, ag.value, ag.bracket(".1f"), *means, ag.n])
     return Table(
         "Greedy continuation: agreement and degeneration",
         [
@@ -437,7 +438,7 @@ def _recompute_table(rec_rows: list[dict], st: Settings, seed: int) -> tuple[Tab
         share = k / np.mean([r["reprefill_tokens"] for r in sel])
         rrows.append(
             [how, k, float(np.median(base)), float(np.median(kl)), c.value if c else float("nan")]
-            + [f"[{c.low:.2f}, {c.high:.2f}]" if c else "", float(share)]
+            + [c.bracket(".2f") if c else "", float(share)]
             + [float(c.value / share) if c else float("nan"), len(sel)]
         )
         arrays[f"recompute_{how}_{k}_kl"] = kl
@@ -546,6 +547,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="where in the text the passages are cut",
     describe=describe,
     name="suffix_caching",
     title=TITLE,

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvlab.data import python_docs, token_samples
 from kvlab.metrics import bootstrap_ci, kl_divergence
+from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 
@@ -49,7 +50,7 @@ def run(
     n = ctx.count("pairs", pairs, quick=3, default=8, full=24)
     kept = kept_generated if kept_generated is not None else ctx.pick(quick=4, default=29)
     special = _special_token(handle)
-    text = python_docs()
+    text = seeded_text(python_docs(), ctx.seed)
     ids = handle.encode(text.text[: n * (a_tokens + b_tokens) * 10])
     wins = token_samples(ids, a_tokens + b_tokens, n, seed=ctx.seed)
     maxdiff, scale, kl_alone, top1_alone = _measure(ctx, handle, wins, a_tokens, kept, special)
@@ -180,6 +181,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="where in the Python docs the A/B pairs are cut",
     describe=describe,
     name="transfer_equivalence",
     title="Cache injection equals a concatenated prefill",

@@ -1,4 +1,4 @@
-"""Transplanting caches between models (R10) and a learned linear map between them ("C2C-lite", B6).
+"""Transplanting caches between models and a learned linear map between them ("C2C-lite").
 
 Pair: the bundled model and its fine-tuned derivative (``kvlab transfer finetune-derivative``):
 same tokenizer and cache geometry, different weights. For windows of text (context, then a
@@ -36,6 +36,7 @@ from kvlab.model.derivative import (
 )
 from kvlab.model.loading import GEMMA_ALIASES, GEMMA_INSTALL, GEMMA_NAME, gemma_installed
 from kvlab.ops.crossmodel import apply_cache_map, cache_map_grid, fit_cache_map, layer_ropes, transplant
+from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 
@@ -44,11 +45,12 @@ CONDS = ("own cache", "transplanted", "ridge-mapped")
 
 def _texts(n: int, length: int, model, seed: int) -> list[tuple[str, list[list[int]]]]:
     out = []
-    docs = python_docs()
+    docs = seeded_text(python_docs(), seed)
     out.append(
         (docs.source, token_samples(model.encode(docs.text[: 2 * n * length * 10]), length, 2 * n, seed=seed))
     )
     book = shared_book("shakespeare")
+    book = seeded_text(book, seed) if book is not None else None
     if book is not None:
         ids = model.encode(book.text[len(book.text) // 2 : len(book.text) // 2 + 2 * n * length * 10])
         out.append(
@@ -245,10 +247,7 @@ def _derivative_direction(
     met = _pair_metrics(receiver, donor, test, cont, gen, cmap, prefill)
     for j, cond in enumerate(CONDS):
         ci = {k: bootstrap_ci(v[:, j], seed=ctx.seed) for k, v in met.items()}
-        rows.append(
-            [source, f"{rname} receives", cond]
-            + [f"{ci[k].value:.3g} [{ci[k].low:.3g}, {ci[k].high:.3g}]" for k in met]
-        )
+        rows.append([source, f"{rname} receives", cond] + [ci[k].text(".3g") for k in met])
         result.summary[f"{tag}/{rname}/{cond}"] = {k: ci[k].to_json() for k in met}
     for k, v in met.items():
         result.arrays[f"{tag}_{rname}_{k}"] = v
@@ -554,6 +553,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
+    seed_changes="where in the texts the windows are cut, and the cross-model passages",
     describe=describe,
     name="transplant",
     title="Cache transplant between models and C2C-lite",

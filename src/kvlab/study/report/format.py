@@ -29,17 +29,22 @@ def format_range(values: list[float], digits: int = 3) -> str:
     )
 
 
-def format_interval(value: Any, low: float | None = None, high: float | None = None, digits: int = 3) -> str:
-    """``0.998 [0.997, 0.999]`` from (value, low, high), an ``Interval`` or its JSON dict; a plain number
-    (no interval) is written alone."""
+def format_interval(
+    value: Any, low: float | None = None, high: float | None = None, digits: int = 3, n: int | None = None
+) -> str:
+    """``0.998 [0.997, 0.999] (n = 20)`` from (value, low, high, n), an ``Interval`` or its JSON dict; a
+    value from fewer than 2 samples is ``0.5 (n = 1, no interval)``; a plain number is written alone."""
     if isinstance(value, dict) and "value" in value:
-        value, low, high = value["value"], value.get("low"), value.get("high")
+        value, low, high, n = value["value"], value.get("low"), value.get("high"), value.get("n", n)
     elif hasattr(value, "value") and hasattr(value, "low"):
-        value, low, high = value.value, value.low, value.high
+        value, low, high, n = value.value, value.low, value.high, value.n
     text = format_number(value, digits)
+    if n is not None and (n < 2 or low is None or high is None or low != low or high != high):
+        return f"{text} (n = {n}, no interval)"
     if low is None or high is None:
         return text
-    return f"{text} [{format_number(low, digits)}, {format_number(high, digits)}]"
+    bounds = f"{text} [{format_number(low, digits)}, {format_number(high, digits)}]"
+    return bounds if n is None else f"{bounds} (n = {n})"
 
 
 def dig(summary: dict, path: str) -> Any:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import html
 
-#: (term, definition). Labels R1–R13 and B1–B7 number the experiments of the research brief that
-#: started kvlab; "the thread" and "Phase 1/2" are the two seed documents whose claims the study re-tests.
+#: (term, definition). "the thread" and "Phase 1/2" are the two seed documents whose claims the study
+#: re-tests; experiments are named by what they measure (the brief's codes are not used in the report).
 GLOSSARY: tuple[tuple[str, str], ...] = (
     (
         "the thread",
@@ -17,19 +17,6 @@ GLOSSARY: tuple[tuple[str, str], ...] = (
         "Phase 1 / Phase 2",
         "the two phases of the KV-cache communication log (TinyLlama 1.1B, Nov 2025): "
         "Phase 1 inspected the cache's structure and size, Phase 2 injected one prompt's cache into another",
-    ),
-    (
-        "R1–R13",
-        "the experiments of the research brief: R1 roll sweep, R2 controls, R3 roll vs truncate on a "
-        "long context, R4 curve analysis, R5 RoPE de-rotation, R6 terminal-position de-rotation, R7 attention "
-        "and logits, R8 K/V swaps, R9 the thread's suffix caching, R10 transplants, R11 compaction, R12 Phase 1 "
-        "inspection, R13 Phase 2 injection",
-    ),
-    (
-        "B1–B7",
-        "experiments beyond the seeds: B1 sink-preserving suffix caching, B2 sink-aware similarity, "
-        "B3 predicting K cosine curves from RoPE frequencies alone, B4 sink-only K/V swaps, B5 compaction with "
-        "centring and lexical controls, B6 learned cross-model maps, B7 probes for evicted information",
     ),
     (
         "roll",
@@ -55,7 +42,18 @@ GLOSSARY: tuple[tuple[str, str], ...] = (
     ("top-1", "share of positions where two caches lead to the same most likely next token"),
     (
         "interval",
-        "a 95% bootstrap confidence interval over the samples (texts or windows), written value [low, high]",
+        "a 95% bootstrap confidence interval over the samples (texts, windows, prompts or facts), written "
+        "value [low, high] (n = number of samples); a value from one sample has no interval (n = 1, no interval)",
+    ),
+    (
+        "smoke run",
+        "a run of the quick profile: few samples, to show that every experiment runs; its numbers are "
+        "not findings and its verdicts are marked (smoke)",
+    ),
+    (
+        "seed",
+        "chooses which samples are drawn (where in the text windows and prompts come from, which facts); "
+        "seed 0 is the reference draw, and other seeds are replicates",
     ),
     (
         "provenance",
@@ -65,8 +63,9 @@ GLOSSARY: tuple[tuple[str, str], ...] = (
 
 
 def glossary_html() -> str:
+    """The glossary as HTML (the report's pages render it from their template)."""
     items = "".join(f"<dt>{html.escape(t)}</dt><dd>{html.escape(d)}</dd>" for t, d in GLOSSARY)
     return (
-        '<section id="glossary" class="glossary"><details open><summary><b>Glossary</b> — the labels this '
+        '<section id="glossary" class="glossary"><details><summary><b>Glossary</b>: the words this '
         f"report uses</summary><dl>{items}</dl></details></section>"
     )

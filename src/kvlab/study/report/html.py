@@ -1,43 +1,77 @@
-"""The HTML report: one self-contained page per experiment and an index for a whole study.
+"""The HTML report: one self-contained page per experiment and an index for a whole study, rendered
+from the Jinja2 templates in ``templates/`` (shipped as package data).
 
-Plain HTML with inline CSS, images by relative path: it opens from disk in any browser and renders
-in headless Chromium (tested). Figures come first, with their captions; numbers and notes follow.
+The study page leads with its verdicts (each claim of the thread: holds / does not hold / not tested
+here, with its key number, interval and sample count, and links to the sections that hold the
+evidence), then one line per experiment, then the sections. A quick-profile run is a smoke run:
+every page says so, and no number of it is shown as a finding. Tables are tidied before they are
+drawn: columns empty in every row are dropped, and consecutive rows that differ only in an index
+(30 identical per-layer rows) are merged into one ("0–29"). Plain HTML with inline CSS, images by
+relative path: it opens from disk in any browser and renders in headless Chromium (tested).
 """
 
 from __future__ import annotations
 
-import html
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvlab.study.experiments.base import ExperimentResult, Table
-from kvlab.study.report.glossary import glossary_html
+from kvlab.study.report.glossary import GLOSSARY
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#1d2430;background:#f6f7f9}
-header{background:#16202e;color:#fff;padding:18px 32px}header h1{margin:0;font-size:22px}
-header p{margin:4px 0 0;color:#b9c3d0;font-size:14px}
-main{max-width:1180px;margin:0 auto;padding:16px 32px 48px}
-section{background:#fff;border:1px solid #e1e5ea;border-radius:8px;margin:18px 0;padding:16px 22px}
-h2{font-size:19px;margin:4px 0 8px}h3{font-size:15px;margin:18px 0 6px}
+header{background:#16202e;color:#fff;padding:12px 32px}header h1{margin:0;font-size:21px}
+header p{margin:3px 0 0;color:#b9c3d0;font-size:13px}
+main{max-width:1180px;margin:0 auto;padding:10px 32px 48px}
+section{background:#fff;border:1px solid #e1e5ea;border-radius:8px;margin:14px 0;padding:12px 22px}
+h2{font-size:18px;margin:4px 0 8px}h3{font-size:15px;margin:18px 0 6px}
 .status{font-size:12px;padding:2px 8px;border-radius:10px;margin-left:8px;vertical-align:middle}
 .ok{background:#dff3e4;color:#17622f}.not_applicable{background:#fff1cc;color:#7a5800}.failed{background:#fde0e0;color:#8a1c1c}
+.status.smoke,.smoke-result b{background:#ffe8cc;color:#8a4b00}
+.smoke-banner{background:#fff4e0;border:1px solid #f0c27a;border-radius:8px;padding:8px 14px;font-size:14px;margin:10px 0 0}
 figure{margin:12px 0;display:inline-block;max-width:100%;vertical-align:top}
 figure img{max-width:100%;border:1px solid #e6e9ee;border-radius:4px}
 figcaption{font-size:13px;color:#4a5566;margin-top:4px;max-width:720px}
 table{border-collapse:collapse;font-size:13px;margin:6px 0 12px}
-th,td{border:1px solid #e1e5ea;padding:4px 8px;text-align:right}th{background:#f0f3f6}
-td:first-child,th:first-child{text-align:left}
+th,td{border:1px solid #e1e5ea;padding:4px 8px;text-align:right;vertical-align:top}th{background:#f0f3f6}
+td:first-child,th:first-child{text-align:left}td.text,td.claim{text-align:left}
 .notes li{font-size:13px;color:#4a5566}.desc{color:#4a5566;font-size:14px}
-nav a{margin-right:14px;font-size:14px}code{background:#f0f3f6;padding:1px 4px;border-radius:3px}
-.manifest{font-size:12px;color:#667085}
+code{background:#f0f3f6;padding:1px 4px;border-radius:3px}
+.manifest{font-size:12px;color:#667085}.small{font-size:12px;color:#667085}
 .finding{font-size:15px;background:#eef4ff;border-left:4px solid #3b6fd8;padding:8px 12px;margin:8px 0 10px}
+.finding.smoke-result{background:#fff8ee;border-left-color:#f0a040}
 .headline td:last-child{font-weight:600}.links{font-size:13px}
+.lead{font-size:15px;margin:4px 0 8px}
+.verdict-table td{font-size:13.5px}.verdict-table th,.verdict-table td,.overview th,.overview td{text-align:left}
+.verdict{font-weight:600;padding:2px 8px;border-radius:10px;white-space:nowrap}
+.v-holds{background:#dff3e4;color:#17622f}.v-not{background:#fde0e0;color:#8a1c1c}.v-untested{background:#eceff3;color:#4a5566}
 details>summary{cursor:pointer;color:#3b4a60;font-size:14px;margin:8px 0}
 .glossary dl{display:grid;grid-template-columns:max-content 1fr;gap:4px 14px;font-size:13px;margin:6px 0}
 .glossary dt{font-weight:600}.glossary dd{margin:0;color:#4a5566}
 """
+
+STATUS_TEXT = {"ok": "ok", "not_applicable": "not applicable", "failed": "failed"}
+OUTCOME_CSS = {"holds": "v-holds", "does not hold": "v-not", "not tested here": "v-untested"}
+
+
+@functools.cache
+def _env() -> Any:
+    import jinja2
+
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("kvlab.study.report", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+
+
+def render(template: str, **context: Any) -> str:
+    """Render one of the report's templates (``base``, ``experiment``, ``study``)."""
+    return _env().get_template(f"{template}.html.j2").render(css=CSS, **context)
 
 
 def _fmt(value: Any) -> str:
@@ -51,15 +85,55 @@ def _fmt(value: Any) -> str:
         return f"{value:,}"
     if value is None:
         return "–"
-    return html.escape(str(value))
+    return str(value)
 
 
-def table_html(table: Table) -> str:
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns)
-    body = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in row) + "</tr>" for row in table.rows)
-    cap = f'<p class="desc">{html.escape(table.caption)}</p>' if table.caption else ""
-    title = f"<h3>{html.escape(table.title)}</h3>" if table.title else ""
-    return f"{title}{cap}<table><tr>{head}</tr>{body}</table>"
+def _empty(cell: str) -> bool:
+    return cell.strip() in ("", "–", "—", "-")
+
+
+def _index(cell: Any) -> int | None:
+    return cell if isinstance(cell, int) and not isinstance(cell, bool) else None
+
+
+def tidy_table(table: Table) -> dict[str, Any]:
+    """The table as the template draws it: cells formatted, columns empty in every row dropped, and runs
+    of consecutive rows that differ only in an integer first cell merged into one row (``0–29``)."""
+    rows = [[_fmt(v) for v in row] for row in table.rows]
+    keep = [
+        j for j in range(len(table.columns)) if not rows or not all(_empty(r[j]) for r in rows if j < len(r))
+    ]
+    merged: list[list[str]] = []
+    runs: list[tuple[int, int]] = []  # (first index, last index) of each merged row
+    for raw, row in zip(table.rows, rows, strict=True):
+        i = _index(raw[0]) if raw else None
+        if (
+            i is not None
+            and merged
+            and runs[-1][1] == i - 1
+            and merged[-1][1:] == row[1:]
+            and _index(table.rows[0][0]) is not None
+        ):
+            runs[-1] = (runs[-1][0], i)
+            continue
+        merged.append(row)
+        runs.append((i, i) if i is not None else (-2, -2))
+    collapsed = False
+    for row, (a, b) in zip(merged, runs, strict=True):
+        if a != b:
+            row[0] = f"{a}–{b}"
+            collapsed = True
+    caption = table.caption
+    if collapsed:
+        caption = (caption + " " if caption else "") + (
+            f"Rows identical but for their {table.columns[0]} are merged ({len(table.rows)} rows shown as {len(merged)})."
+        )
+    return {
+        "title": table.title,
+        "caption": caption,
+        "columns": [table.columns[j] for j in keep],
+        "rows": [[r[j] for j in keep if j < len(r)] for r in merged],
+    }
 
 
 def _plain(value: Any) -> str:
@@ -84,53 +158,87 @@ def _summary_rows(summary: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return rows
 
 
-def section_html(result: ExperimentResult, img_prefix: str = "") -> str:
-    """One experiment: its finding and headline numbers first, then figures, tables, notes; the full
-    flattened summary is collapsed; links to the raw ``result.json`` and ``arrays.npz``."""
-    parts = [
-        f'<section id="{html.escape(result.name)}"><h2>{html.escape(result.title)}'
-        f'<span class="status {result.status}">{result.status.replace("_", " ")}</span></h2>'
-    ]
-    if result.description:
-        parts.append(f'<p class="desc">{html.escape(result.description)}</p>')
-    if result.finding:
-        parts.append(f'<p class="finding">{html.escape(result.finding)}</p>')
-    if result.headline:
-        body = "".join(
-            f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
-            for k, v in result.headline
-        )
-        parts.append(
-            f'<table class="headline"><tr><th>headline</th><th>value [95% interval]</th></tr>{body}</table>'
-        )
-    links = [f'<a href="{html.escape(img_prefix)}result.json">result.json</a>']
+def section_data(result: ExperimentResult, img_prefix: str = "") -> dict[str, Any]:
+    """What the ``section`` macro draws for one experiment."""
+    links = [(f"{img_prefix}result.json", "result.json")]
     if result.arrays:
-        links.append(f'<a href="{html.escape(img_prefix)}arrays.npz">arrays.npz</a>')
-    parts.append(f'<p class="links">Raw results: {" · ".join(links)}</p>')
-    for fig in result.figures:
-        parts.append(
-            f'<figure><img src="{html.escape(img_prefix + fig.filename)}" alt="{html.escape(fig.caption)}">'
-            f"<figcaption>{html.escape(fig.caption)}</figcaption></figure>"
-        )
-    for table in result.tables:
-        parts.append(table_html(table))
+        links.append((f"{img_prefix}arrays.npz", "arrays.npz"))
     rows = _summary_rows(result.summary)
-    if rows:
-        parts.append(
-            f"<details><summary>All numbers ({len(rows)} quantities; also in result.json)</summary>"
-            + table_html(Table("", ["quantity", "value"], [list(r) for r in rows]))
-            + "</details>"
+    return {
+        "name": result.name,
+        "title": result.title,
+        "status": result.status,
+        "status_text": STATUS_TEXT.get(result.status, result.status),
+        "description": result.description,
+        "finding": result.finding,
+        "headline": [(str(k), str(v)) for k, v in result.headline],
+        "links": links,
+        "figures": [{"src": img_prefix + f.filename, "caption": f.caption} for f in result.figures],
+        "tables": [tidy_table(t) for t in result.tables],
+        "all_numbers": tidy_table(Table("", ["quantity", "value"], [list(r) for r in rows]))
+        if rows
+        else None,
+        "notes": result.notes,
+        "data_sources": result.data_sources,
+    }
+
+
+def _key_text(key: dict | None) -> tuple[str, str]:
+    """(``value [low, high]`` with its label, ``n = k <what>``) for a claim's key number."""
+    from kvlab.study.report.format import format_interval
+
+    if not key:
+        return "—", "—"
+    value = format_interval(key)
+    n = key.get("n")
+    samples = f"n = {n} {key.get('samples', 'samples')}" if n is not None else key.get("samples", "")
+    return f"{key.get('label', '')}: {value}", samples
+
+
+def verdicts_data(results: Sequence[tuple[str, ExperimentResult]], smoke: bool) -> dict[str, Any]:
+    """The first screen: every claim of the thread with its outcome, key number, samples and evidence
+    links; claims without a result (the findings experiment did not run or failed) are not tested here."""
+    from kvlab.study.experiments.findings import CLAIMS
+
+    present = {r.name: r for _, r in results}
+    titles = {r.name: r.title for _, r in results}
+    found = present.get("findings")
+    records = (found.summary.get("claims") or []) if found is not None and found.status == "ok" else []
+    by_id = {c["id"]: c for c in records}
+    claims = []
+    for cid, claim, evidence in CLAIMS:
+        c = by_id.get(cid)
+        outcome = c["outcome"] if c else "not tested here"
+        key, samples = _key_text(c.get("key") if c else None)
+        note = ""
+        if c and c["verdict"] == "artefact":
+            note = "an artefact of how the thread measured it"
+        elif not c:
+            note = "the findings experiment did not run" if found is None else f"findings: {found.status}"
+        elif outcome == "not tested here":
+            note = c["measured"]
+        claims.append(
+            {
+                "claim": claim,
+                "outcome": outcome,
+                "css": OUTCOME_CSS[outcome],
+                "tested": outcome != "not tested here",
+                "note": note,
+                "key": key,
+                "samples": samples,
+                "evidence": [(f"#{e}", titles.get(e, e)) for e in evidence if e in present],
+            }
         )
-    if result.notes:
-        parts.append(
-            '<h3>Notes</h3><ul class="notes">'
-            + "".join(f"<li>{html.escape(n)}</li>" for n in result.notes)
-            + "</ul>"
+    count = {o: sum(1 for c in claims if c["outcome"] == o) for o in OUTCOME_CSS}
+    sentence = (
+        f"Of the thread's {len(claims)} claims, {count['holds']} hold, {count['does not hold']} do not"
+        f" and {count['not tested here']} were not tested here."
+    )
+    if smoke:
+        sentence = (
+            "Smoke verdicts (quick profile, few samples; not findings): " + sentence[0].lower() + sentence[1:]
         )
-    if result.data_sources:
-        parts.append(f'<p class="manifest">Data: {html.escape("; ".join(result.data_sources))}</p>')
-    parts.append("</section>")
-    return "".join(parts)
+    return {"claims": claims, "sentence": sentence, "rule_link": "#findings" if found is not None else ""}
 
 
 def page_html(
@@ -139,28 +247,41 @@ def page_html(
     sections: Sequence[str],
     nav: Sequence[tuple[str, str]] = (),
     manifest_line: str = "",
+    smoke: bool = False,
 ) -> str:
-    nav_html = (
-        "<nav>" + "".join(f'<a href="{html.escape(h)}">{html.escape(t)}</a>' for h, t in nav) + "</nav>"
-        if nav
-        else ""
+    """A page around ready-made HTML sections (the sweep report's)."""
+    from markupsafe import Markup
+
+    nav_html = "".join(
+        f'<a href="{h}">{t}</a> ' for h, t in ((Markup.escape(h), Markup.escape(t)) for h, t in nav)
     )
-    foot = f'<p class="manifest">{html.escape(manifest_line)}</p>' if manifest_line else ""
+    body = (f"<nav>{nav_html}</nav>" if nav else "") + "".join(sections)
     return (
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head>'
-        f"<body><header><h1>{html.escape(title)}</h1><p>{html.escape(subtitle)}</p></header>"
-        f"<main>{nav_html}{''.join(sections)}{foot}</main></body></html>"
+        _env()
+        .from_string('{% extends "base.html.j2" %}{% block content %}{{ body }}{% endblock %}')
+        .render(
+            css=CSS,
+            title=title,
+            subtitle=subtitle,
+            manifest_line=manifest_line,
+            smoke=smoke,
+            body=Markup(body),
+        )
     )
 
 
-def write_experiment_page(result: ExperimentResult, out_dir: Path, manifest_line: str = "") -> Path:
+def write_experiment_page(
+    result: ExperimentResult, out_dir: Path, manifest_line: str = "", profile: str = ""
+) -> Path:
     path = Path(out_dir) / "index.html"
     path.write_text(
-        page_html(
-            f"kvlab · {result.title}",
-            result.description or result.name,
-            [glossary_html(), section_html(result)],
+        render(
+            "experiment",
+            title=f"kvlab · {result.title}",
+            subtitle=result.description or result.name,
+            s=section_data(result),
+            smoke=profile == "quick",
+            glossary_items=GLOSSARY,
             manifest_line=manifest_line,
         )
     )
@@ -168,11 +289,38 @@ def write_experiment_page(result: ExperimentResult, out_dir: Path, manifest_line
 
 
 def write_study_index(
-    run_dir: Path, results: Sequence[tuple[str, ExperimentResult]], subtitle: str, manifest_line: str = ""
+    run_dir: Path,
+    results: Sequence[tuple[str, ExperimentResult]],
+    subtitle: str,
+    manifest_line: str = "",
+    profile: str = "",
 ) -> Path:
-    """``index.html`` of a study: every experiment's section, images from its sub-folder."""
-    sections = [glossary_html(), *(section_html(r, img_prefix=f"{sub}/") for sub, r in results)]
-    nav = [("#glossary", "Glossary"), *((f"#{r.name}", r.title) for _, r in results)]
+    """``index.html`` of a study: the verdicts, one line per experiment, then every experiment's section
+    (images from its sub-folder)."""
+    smoke = profile == "quick"
+    overview = [
+        {
+            "name": r.name,
+            "title": r.title,
+            "status": r.status,
+            "status_text": STATUS_TEXT.get(r.status, r.status),
+            "finding": r.finding
+            or (r.notes[0].splitlines()[0][:240] if r.notes and r.status != "ok" else ""),
+        }
+        for _, r in results
+    ]
     path = Path(run_dir) / "index.html"
-    path.write_text(page_html("kvlab study", subtitle, sections, nav=nav, manifest_line=manifest_line))
+    path.write_text(
+        render(
+            "study",
+            title="kvlab study" + (": smoke run" if smoke else ""),
+            subtitle=subtitle,
+            verdicts=verdicts_data(results, smoke),
+            overview=overview,
+            sections=[section_data(r, img_prefix=f"{sub}/") for sub, r in results],
+            smoke=smoke,
+            glossary_items=GLOSSARY,
+            manifest_line=manifest_line,
+        )
+    )
     return path

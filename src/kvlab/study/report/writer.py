@@ -110,12 +110,16 @@ def write_result(result: ExperimentResult, out_dir: Path, manifest_data: dict) -
     if result.arrays:
         arrays_file = "arrays.npz"
         np.savez_compressed(out_dir / arrays_file, **{k: np.asarray(v) for k, v in result.arrays.items()})
+    # A quick-profile result is a smoke run: its sentence is kept as ``smoke_result``, never as a finding.
+    smoke = manifest_data.get("profile") == "quick"
     doc = {
         "name": result.name,
         "title": result.title,
         "status": result.status,
         "description": result.description,
-        "finding": result.finding,
+        "evidence": "smoke run (quick profile): not a finding" if smoke else "finding",
+        "finding": "" if smoke else result.finding,
+        "smoke_result": result.finding if smoke else "",
         "headline": [list(row) for row in result.headline],
         "summary": result.summary,
         "tables": [t.to_json() for t in result.tables],

@@ -98,6 +98,7 @@ def run_cell(cell_json: dict, out_root: str, extra: dict | None = None) -> dict:
         "seconds": round(time.perf_counter() - started, 2),
         "summary": summary.get("summary", {}),
         "finding": summary.get("finding", ""),
+        "smoke_result": summary.get("smoke_result", ""),
         "headline": summary.get("headline", []),
         "folder": f"cells/{cell.folder_name}",
     }

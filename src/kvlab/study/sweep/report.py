@@ -1,5 +1,6 @@
 """One page for a sweep: per experiment, a cross-model table of each cell's headline numbers and a
-plot of the first headline quantity by model (with its interval), each cell linking to its folder."""
+plot of the first headline quantity that is not 0 in every cell, by model and seed (with its interval),
+each cell linking to its folder. A quick-profile sweep is marked as a smoke run."""
 
 from __future__ import annotations
 
@@ -22,6 +23,20 @@ def parse_value(text: str) -> tuple[float, float | None, float | None] | None:
         return None
     f = [float(g.replace(",", "")) if g else None for g in m.groups()]
     return f[0], f[1], f[2]
+
+
+def chart_label(labels: list[str], cells: list[dict]) -> str | None:
+    """The first headline quantity that is a number in some cell and not 0 in every cell (a chart of
+    zeros says nothing), or None."""
+    for label in labels:
+        values = []
+        for c in cells:
+            parsed = parse_value(dict((k, v) for k, v in c.get("headline", [])).get(label, ""))
+            if parsed is not None:
+                values.append(parsed[0])
+        if values and any(v != 0 for v in values):
+            return label
+    return None
 
 
 def _plot(out: Path, name: str, label: str, cells: list[dict]) -> str | None:
@@ -75,8 +90,20 @@ def write_sweep_report(out: Path, result: dict) -> Path:
             cols = [link, html.escape(text), str(c["seed"]), html.escape(c["status"])]
             cols += [html.escape(str(values.get(label, "–"))) for label in labels]
             rows.append("<tr>" + "".join(f"<td>{v}</td>" for v in cols) + "</tr>")
-        plot = _plot(out, name, labels[0], cells) if labels else None
-        fig = f'<figure><img src="{plot}" alt="{html.escape(name)}"></figure>' if plot else ""
+        label = chart_label(labels, cells)
+        plot = _plot(out, name, label, cells) if label else None
+        if plot:
+            fig = (
+                f'<figure><img src="{plot}" alt="{html.escape(name)}"><figcaption>{html.escape(label)}, by model '
+                "and seed (bars: the headline value; whiskers: its 95% interval where it has one)</figcaption></figure>"
+            )
+        else:
+            fig = (
+                '<p class="desc">No chart: no headline quantity of this experiment is a number other than 0 in '
+                "any cell.</p>"
+                if labels
+                else ""
+            )
         sections.append(
             f'<section id="{html.escape(name)}"><h2>{html.escape(name)}</h2>{fig}'
             f"<table><tr>{head}</tr>{''.join(rows)}</table></section>"
@@ -87,5 +114,8 @@ def write_sweep_report(out: Path, result: dict) -> Path:
         f"{result['seconds']} s; raw: result.json"
     )
     path = out / "index.html"
-    path.write_text(page_html("kvlab sweep", subtitle, sections, nav=[(f"#{n}", n) for n in by_exp]))
+    smoke = any(c.get("profile") == "quick" for c in result["cells"])
+    path.write_text(
+        page_html("kvlab sweep", subtitle, sections, nav=[(f"#{n}", n) for n in by_exp], smoke=smoke)
+    )
     return path
