@@ -40,6 +40,8 @@ CASES = [
     (["serve", "--dtype", "float7"], "unknown dtype 'float7'"),
     (["generate", "hi", "--device", "cuda:99"], "CUDA device(s)" if HAS_CUDA else "no CUDA"),
     (["chat", "--dtype", "int8"], "unknown dtype 'int8'"),
+    (["generate", "hi", "--capture", "fast"], "not one of auto, off, cuda-graph, compile"),
+    (["generate", "hi", "--capture", "cuda-graph", "--device", "cpu"], "needs a CUDA device"),
     (["roll", "sweep", "--dtype", "float7", "--out", "OUT"], "unknown dtype"),
     (["roll", "findings", "--device", "metal"], "unknown device"),
     (["attention", "--device", MISSING_GPU], NO_CUDA),

@@ -28,14 +28,68 @@ SinksOpt = Annotated[
     int, typer.Option("--sinks", "-s", min=0, help="Attention-sink tokens kept forever (0 = plain window).")
 ]
 ChunkOpt = Annotated[
-    int, typer.Option("--evict-chunk", min=1, help="Tokens evicted at once when the window is full.")
+    int | None,
+    typer.Option(
+        "--evict-chunk",
+        min=1,
+        help="Tokens evicted at once when the window is full (default: 64, or half the window).",
+    ),
 ]
 
 
-def _rolling(handle, window: int, sinks: int, chunk: int):
+def _capture_mode(value: str) -> str:
+    """Typer callback: ``--capture``'s choices, checked before any model loads."""
+    if value not in ("auto", "off", "cuda-graph", "compile"):
+        raise typer.BadParameter(f"{value!r} is not one of auto, off, cuda-graph, compile")
+    return value
+
+
+def _token_stream(
+    handle, ids, mode: str, window: int, sinks: int, chunk: int | None, temperature: float, seed: int, chat
+):
+    """``(tokens(max_new, stops) -> iterator of token ids, cache)``: kvlab's loop over a RollingCache
+    (``mode="off"``), or over a StaticRollingCache whose steps a RollingDecoder captures (the same rule)."""
+    if mode == "off":
+        from kvlab.streaming import stream_generate
+        from kvlab.streaming.generate import feed
+
+        cache = _rolling(handle, window, sinks, chunk)
+        first = feed(handle, cache, ids)
+
+        def rolling(max_new, stops):
+            for ev in stream_generate(
+                handle, cache, first, max_new, temperature=temperature, seed=seed, stop_ids=stops
+            ):
+                yield ev.token_id
+
+        return rolling, cache
+    from kvlab.hf.graphs import RollingDecoder
+    from kvlab.hf.static_rolling import static_rolling_cache_for
+    from kvlab.loop import Sampling, decode_loop
+
+    static = static_rolling_cache_for(
+        handle, window=window, sinks=sinks, evict_chunk=None if chunk is None else min(chunk, window)
+    )
+    dec = RollingDecoder(handle, static, mode=mode)  # type: ignore[arg-type]
+    first = dec.prefill(ids)[0]
+
+    def captured(max_new, stops):
+        sampling = Sampling(temperature=temperature, seed=seed)
+        feed_one = dec.decode_feed()
+        for step in decode_loop(
+            lambda t: feed_one(t)[0], first, max_new, sampling=sampling, stop_ids=stops, feed_last=True
+        ):
+            yield step.token(0)
+
+    return captured, static
+
+
+def _rolling(handle, window: int, sinks: int, chunk: int | None):
     from kvlab.hf.rolling_cache import rolling_cache_for
 
-    return rolling_cache_for(handle, window=window, sinks=sinks, evict_chunk=min(chunk, window))
+    return rolling_cache_for(
+        handle, window=window, sinks=sinks, evict_chunk=None if chunk is None else min(chunk, window)
+    )
 
 
 def register(app: typer.Typer) -> None:
@@ -135,7 +189,7 @@ def register(app: typer.Typer) -> None:
         ] = 200,
         window: WindowOpt = 512,
         sinks: SinksOpt = 4,
-        evict_chunk: ChunkOpt = 64,
+        evict_chunk: ChunkOpt = None,
         temperature: Annotated[
             float, typer.Option("--temperature", "-t", min=0.0, callback=finite, help="0 = greedy.")
         ] = 0.0,
@@ -147,32 +201,38 @@ def register(app: typer.Typer) -> None:
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "float32",
         seed: SeedOpt = 0,
+        capture: Annotated[
+            str,
+            typer.Option(
+                "--capture",
+                callback=_capture_mode,
+                help="Decode steps captured: auto (CUDA graphs on a GPU, none on a CPU), cuda-graph, "
+                "compile (torch.compile), off.",
+            ),
+        ] = "auto",
     ) -> None:
         """Stream tokens with constant memory: sinks + a rolling window, positions re-based as needed."""
-        from kvlab.model import load_model
-        from kvlab.streaming import stream_generate
-        from kvlab.streaming.generate import feed
+        from kvlab.model import load_model, resolve_device
 
+        mode = capture
+        if capture == "auto":
+            mode = "cuda-graph" if str(resolve_device(device)).startswith("cuda") else "off"
+        if mode == "cuda-graph" and not str(resolve_device(device)).startswith("cuda"):
+            from kvlab.errors import BadInputError
+
+            raise BadInputError("--capture cuda-graph needs a CUDA device (--device cuda)")
         handle = load_model(model, device=device, dtype=dtype)
-        cache = _rolling(handle, window, sinks, evict_chunk)
-        first = feed(handle, cache, handle.encode(prompt, chat=chat))
+        ids = handle.encode(prompt, chat=chat)
+        tokens, cache = _token_stream(handle, ids, mode, window, sinks, evict_chunk, temperature, seed, chat)
         t0, n = time.perf_counter(), 0
         stops = handle.eos_ids() if chat else set()
         pending: list[int] = []
         try:
-            for ev in stream_generate(
-                handle,
-                cache,
-                first,
-                max_new_tokens or None,
-                temperature=temperature,
-                seed=seed,
-                stop_ids=stops,
-            ):
+            for token in tokens(max_new_tokens or None, stops):
                 n += 1
-                if ev.token_id in stops:
+                if token in stops:
                     break
-                pending.append(ev.token_id)
+                pending.append(token)
                 text = handle.decode(pending)
                 if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character
                     sys.stdout.write(text)
@@ -192,7 +252,7 @@ def register(app: typer.Typer) -> None:
     def chat_cmd(
         window: WindowOpt = 1024,
         sinks: SinksOpt = 4,
-        evict_chunk: ChunkOpt = 64,
+        evict_chunk: ChunkOpt = None,
         max_new_tokens: Annotated[
             int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest reply.")
         ] = 256,
