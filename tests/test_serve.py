@@ -273,7 +273,7 @@ def test_echo_scores_a_prompt_and_its_continuation_scores_only_the_new_tokens(se
         assert len(lp.top_logprobs[i]) == 2
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == first
     # the same prompt extended: its session continues; the new tokens are scored (the first from the
-    # logits the previous request ended with), the cached ones are null
+    # logits the previous request ended with), the cached ones carry the scores the session stored
     longer = first + " sleeps in the sun all afternoon."
     r2 = c.completions.create(
         model=MODEL, prompt=longer, max_tokens=0, echo=True, logprobs=0, extra_body=salt
@@ -282,10 +282,17 @@ def test_echo_scores_a_prompt_and_its_continuation_scores_only_the_new_tokens(se
     ids2 = smollm.encode(longer)
     assert ids2[: len(ids)] == ids and info["source"] == "session" and info["cached_tokens"] == len(ids)
     got = r2.choices[0].logprobs.token_logprobs
-    assert got[: len(ids)] == [None] * len(ids)
+    assert got[: len(ids)] == lp.token_logprobs and got[0] is None
+    assert r2.choices[0].logprobs.top_logprobs[1] == {}  # logprobs=0: no alternatives, stored or not
     rows2 = _log_softmax_rows(smollm, ids2)
     for i in range(len(ids), len(ids2)):
         assert abs(got[i] - float(rows2[i - 1, ids2[i]])) <= LOGPROB_TOL, i
+    # more alternatives than the session stored: it is not continued, every token is computed again
+    r3 = c.completions.create(
+        model=MODEL, prompt=longer + " Then", max_tokens=0, echo=True, logprobs=3, extra_body=salt
+    )
+    assert r3.model_extra["kvlab"]["source"] == "none" and r3.model_extra["kvlab"]["cached_tokens"] == 0
+    assert all(len(t) == 3 for t in r3.choices[0].logprobs.top_logprobs[1:])
 
 
 def test_logprob_options_are_checked(server):
@@ -296,6 +303,382 @@ def test_logprob_options_are_checked(server):
     msgs = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     status, _, doc = server.post("/v1/chat/completions", {**msgs, "top_logprobs": 2})
     assert status == 400 and doc["error"]["param"] == "top_logprobs"
+
+
+def _template_ids(smollm, messages):
+    ids = smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+# -- completions as lm-evaluation-harness and the openai client send them ---------------------------------
+def test_completions_take_batches_of_texts_and_of_token_ids(server, smollm):
+    c = server.client()
+    texts = ["The capital of France is", "One, two, three, four,"]
+    alone = [
+        c.completions.create(model=MODEL, prompt=t, max_tokens=6, temperature=0).choices[0].text
+        for t in texts
+    ]
+    both = c.completions.create(model=MODEL, prompt=texts, max_tokens=6, temperature=0)
+    assert [ch.index for ch in both.choices] == [0, 1]
+    assert [ch.text for ch in both.choices] == alone  # each prompt its own choice, as if sent alone
+    ids = [smollm.encode(t) for t in texts]
+    assert both.usage.prompt_tokens == sum(map(len, ids))
+    assert both.model_extra["kvlab"]["prompts"] == 2  # and each choice has its own kvlab object
+    assert all(len(ch.model_extra["kvlab"]["completion_ids"]) == 6 for ch in both.choices)
+    # token ids are used as given: the text's ids give the text's reply
+    by_ids = c.completions.create(model=MODEL, prompt=ids[1], max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == alone[1] and by_ids.usage.prompt_tokens == len(ids[1])
+    # lm-eval's log-likelihood request: token-id prompts, echo, logprobs=1, max_tokens=1 (one generated
+    # token, whose entry lm-eval drops: every other entry is the prompt's, scored by the model itself)
+    scored = c.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=1,
+        echo=True,
+        logprobs=1,
+        temperature=0,
+        seed=1234,
+        extra_body={"cache_salt": "batch-scoring"},
+    )
+    for i, ch in enumerate(scored.choices):
+        lp = ch.logprobs
+        assert (
+            ch.index == i and ch.text.startswith(texts[i]) and ch.text == texts[i] + "".join(lp.tokens[-1:])
+        )
+        assert len(lp.token_logprobs) == len(ids[i]) + 1 and lp.token_logprobs[0] is None
+        rows = _log_softmax_rows(smollm, ids[i])
+        for k in range(1, len(ids[i])):
+            assert abs(lp.token_logprobs[k] - float(rows[k - 1, ids[i][k]])) <= LOGPROB_TOL, (i, k)
+            assert len(lp.top_logprobs[k]) == 1
+        # the generated token is the greedy one: its value is the best alternative's
+        assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+        assert abs(lp.token_logprobs[-1] - float(rows[-1].max())) <= LOGPROB_TOL
+    # refused, naming what: an id outside the vocabulary, more prompts than the queue holds, a stream of several
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=[ids[0], [1, 49152]], max_tokens=1)
+    assert e.value.param == "prompt[1]" and "49152" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=1)
+    assert e.value.param == "prompt" and "--max-queue" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=1, stream=True)
+    assert e.value.param == "stream"
+
+
+def test_a_scored_prompt_whose_next_token_ends_the_reply_still_lists_that_token(server, smollm):
+    """lm-eval reads every entry but the last as the prompt's: the generated token must be listed even
+    when it is the end-of-reply token (which chat logprobs leave out)."""
+    c = server.client()
+    messages = [{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}]
+    reply = chat(c, messages, n=32)
+    gen = reply.model_extra["kvlab"]["completion_ids"]
+    eos = smollm.tokenizer.eos_token_id
+    assert reply.choices[0].finish_reason == "stop" and gen[-1] == eos, gen
+    ids = _template_ids(smollm, messages) + gen[:-1]
+    r = c.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=1,
+        echo=True,
+        logprobs=1,
+        temperature=0,
+        extra_body={"cache_salt": "eos-scoring"},
+    )
+    ch = r.choices[0]
+    assert ch.finish_reason == "stop" and r.model_extra["kvlab"]["completion_ids"] == [eos]
+    assert len(ch.logprobs.token_logprobs) == len(ids) + 1 and r.usage.completion_tokens == 1
+    assert ch.logprobs.tokens[-1] == smollm.tokenizer.decode([eos]) and ch.text == smollm.decode(ids)
+    assert ch.logprobs.token_logprobs[-1] == max(ch.logprobs.top_logprobs[-1].values())
+    # streamed, the end token's entry comes with the last chunk of text
+    streamed = []
+    for chunk in c.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, logprobs=1, temperature=0, stream=True
+    ):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.tokens
+    assert streamed == [smollm.tokenizer.decode([eos])]
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_unsupported_features_get_a_400_naming_them_and_neutral_values_pass(server):
+    c = server.client()
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    refused = [  # (what a client sends, the parameter the error names)
+        ({"tools": [TOOL]}, "tools"),  # LangChain's bind_tools
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [TOOL["function"]]}, "functions"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format",
+        ),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"logit_bias": {"198": 10}}, "logit_bias"),
+        ({"n": 2}, "n"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"extra_body": {"top_k": 5}}, "top_k"),  # another server's extension: unknown here
+        ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+        (
+            {"stream": True, "stream_options": {"include_usage": True, "continuous": True}},
+            "stream_options.continuous",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi", "name": "alice"}]},
+            "messages[0].name",
+        ),
+        (
+            {"messages": [*msgs, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}, *msgs]},
+            "messages[1].tool_calls",
+        ),
+    ]
+    for ask, param in refused:
+        kw = {"messages": msgs, **ask}
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, max_tokens=2, **kw)
+        assert e.value.param == param, (ask, e.value.param, e.value.message)
+        assert e.value.code == "unsupported_parameter" or param == "n", ask
+        assert param.split(".")[0].split("[")[0] in e.value.message, ask
+    # several at once: all named
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            tools=[TOOL],
+            tool_choice="auto",
+            parallel_tool_calls=False,
+            presence_penalty=1.0,
+            extra_body={"foo": 1},
+        )
+    named = ("tools", "tool_choice", "parallel_tool_calls", "presence_penalty", "foo: unknown field")
+    assert all(name in e.value.message for name in named), e.value.message
+    for ask, param in [
+        ({"best_of": 3}, "best_of"),
+        ({"suffix": " end."}, "suffix"),
+        ({"logit_bias": {"1": -100}}, "logit_bias"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **ask)
+        assert e.value.param == param
+    # echo is a completions field, not a chat one
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, extra_body={"echo": True})
+    assert e.value.param == "echo"
+    # neutral values (what clients send by default, or send back) and labels are accepted
+    ok = c.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Be brief.", "name": None},
+            {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello.", "tool_calls": None, "refusal": None},
+            {"role": "user", "content": "Bye!"},
+        ],
+        max_tokens=2,
+        temperature=0,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logit_bias={},
+        response_format={"type": "text"},
+        tool_choice="none",
+        n=1,
+        seed=3,
+        user="someone",
+        metadata={"run": "a"},
+        store=False,
+        service_tier="auto",
+        prompt_cache_key="k",
+        stream=False,
+        extra_body={"tools": None, "functions": None},
+    )
+    assert ok.choices[0].message.content is not None
+    done = c.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=2, best_of=1, suffix=None, presence_penalty=0, user="x"
+    )
+    assert done.choices[0].text is not None
+
+
+def test_gauges_read_the_state_at_scrape_time(server):
+    # a reply has just finished: nothing is waiting or being served (set at events, this read 1)
+    chat(server.client(), [{"role": "user", "content": "Say hi."}], n=2)
+    assert server.metric("kvlab_active_requests") == 0 and server.metric("kvlab_queue_depth") == 0
+    stream = chat(server.client(), [{"role": "user", "content": "Tell me a long story."}], n=40, stream=True)
+    next(iter(stream))
+    assert server.metric("kvlab_active_requests") == 1  # read while it decodes
+    stream.close()
+    deadline = time.monotonic() + 30
+    while server.metric("kvlab_active_requests") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("kvlab_active_requests") == 0
+    page = server.get("/")[2].decode()
+    assert server.metric("kvlab_idle_sessions") == page.count("<td>idle</td>") > 0
+
+
+def test_the_status_page_shows_a_sessions_sinks_and_pinned_system_prompt(server):
+    system = "You are a terse assistant. You answer every question in at most five words."
+    r = chat(
+        server.client(), [{"role": "system", "content": system}, {"role": "user", "content": "Why?"}], n=4
+    )
+    info = r.model_extra["kvlab"]
+    pinned = info["pinned_tokens"]
+    assert pinned > SINKS
+    page = server.get("/")[2].decode()
+    row = next(line for line in page.split("<tr>") if info["session"] in line)
+    kept = info["kept_tokens"]
+    title = f"{SINKS} sinks, {pinned} pinned (the sinks and {pinned - SINKS} more), {kept - pinned} in the window of {WINDOW}"
+    assert title in row, row
+    assert f"<td class=n>{SINKS}</td><td class=n>{pinned}</td><td class=n>{kept}</td>" in row
+    # a plain completion pins nothing
+    done = server.client().completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2)
+    info = done.model_extra["kvlab"]
+    row = next(line for line in server.get("/")[2].decode().split("<tr>") if info["session"] in line)
+    assert f"{SINKS} sinks, 0 pinned, {info['kept_tokens'] - SINKS} in the window of {WINDOW}" in row
+
+
+# -- lm-evaluation-harness ---------------------------------------------------------------------------------
+LM_EVAL_DOCS = [  # a tiny multiple-choice task: every choice is one log-likelihood request
+    {"question": "The capital of France is", "choices": [" Paris", " London", " Rome"], "answer": 0},
+    {"question": "Two plus two equals", "choices": [" four", " five", " twenty-two"], "answer": 0},
+    {"question": "The opposite of hot is", "choices": [" cold", " warm"], "answer": 0},
+    {
+        "question": "Water freezes at zero degrees",
+        "choices": [" Celsius", " Fahrenheit", " Kelvin"],
+        "answer": 0,
+    },
+]
+LM_EVAL_TASK = """task: kvlab_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+
+
+def _own_score(smollm, context: str, continuation: str) -> tuple[float, bool, int]:
+    """kvlab's own log-likelihood of ``continuation`` after ``context`` (one forward of the whole text):
+    the sum of its tokens' log-probabilities, whether each is the greedy token, how many tokens."""
+    ctx = smollm.encode(context)
+    whole = smollm.encode(context + continuation)
+    assert whole[: len(ctx)] == ctx  # the continuation's tokens are the tail, as lm-eval splits them
+    rows = torch.log_softmax(smollm.forward(whole).logits.float(), -1)
+    span = range(len(ctx), len(whole))
+    total = sum(float(rows[i - 1, whole[i]]) for i in span)
+    greedy = all(int(rows[i - 1].argmax()) == whole[i] for i in span)
+    return total, greedy, len(span)
+
+
+def test_lm_eval_local_completions_scores_a_task_as_kvlab_does(server, smollm, tmp_path, monkeypatch):
+    """The real ``lm_eval --model local-completions`` (offline: its tokenizer is the bundled model's local
+    folder) runs a small log-likelihood task against the server; every score it logs equals kvlab's own
+    scoring of the same request within the fp32 tolerance of two forward passes."""
+    from kvlab.metrics.tolerance import forward_tolerance
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_DOCS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "kvlab_tiny_mc.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    model_args = ",".join(
+        [
+            f"base_url=http://127.0.0.1:{server.port}/v1/completions",
+            f"model={MODEL}",
+            f"tokenizer={smollm.tokenizer.name_or_path}",  # the local folder kvlab.load_model made
+            "tokenizer_backend=huggingface",
+            "tokenized_requests=True",  # token-id prompts, [[ids], [ids]]
+            "max_retries=1",
+        ]
+    )
+    env = {
+        **os.environ,
+        "OPENAI_API_KEY": KEY_A,  # lm-eval sends it as the bearer key
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions",
+            "--model_args",
+            model_args,
+            "--batch_size",
+            "2",  # two prompts per request (the test server queues at most 2)
+            "--tasks",
+            "kvlab_tiny_mc",
+            "--include_path",
+            str(tasks),
+            "--output_path",
+            str(tmp_path / "out"),
+            "--log_samples",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (samples,) = (tmp_path / "out").rglob("samples_kvlab_tiny_mc_*.jsonl")
+    logged = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert sorted(s["doc_id"] for s in logged) == list(range(len(LM_EVAL_DOCS)))
+    scale = float(smollm.forward(smollm.encode("The capital of France is Paris")).logits.abs().max())
+    per_token = 2 * forward_tolerance(torch.float32, num_layers=smollm.config.num_hidden_layers, scale=scale)
+    worst = 0.0
+    for s in logged:
+        doc = LM_EVAL_DOCS[s["doc_id"]]
+        assert len(s["resps"]) == len(doc["choices"])
+        for choice, resp in zip(doc["choices"], s["resps"], strict=True):
+            (lm_score, lm_greedy) = resp[0]
+            own, greedy, n = _own_score(smollm, doc["question"], choice)
+            worst = max(worst, abs(float(lm_score) - own))
+            assert abs(float(lm_score) - own) <= per_token * n, (doc["question"], choice, lm_score, own)
+            assert (lm_greedy == "True") == greedy, (doc["question"], choice)
+        best = max(range(len(doc["choices"])), key=lambda i: float(s["resps"][i][0][0]))
+        assert s["acc"] == float(best == doc["answer"])
+    # the same requests through lm-eval's API with text prompts (tokenized_requests=False: ["text", ...])
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY_A)
+    lm = get_model("local-completions")(
+        base_url=f"http://127.0.0.1:{server.port}/v1/completions",
+        model=MODEL,
+        tokenizer=smollm.tokenizer.name_or_path,
+        tokenizer_backend="huggingface",
+        tokenized_requests=False,
+        batch_size=2,
+        max_retries=1,
+    )
+    pairs = [(d["question"], c) for d in LM_EVAL_DOCS for c in d["choices"]]
+    got = lm.loglikelihood(
+        [Instance("loglikelihood", {}, pair, idx=i) for i, pair in enumerate(pairs)], disable_tqdm=True
+    )
+    for (context, continuation), (score, greedy) in zip(pairs, got, strict=True):
+        own, own_greedy, n = _own_score(smollm, context, continuation)
+        worst = max(worst, abs(score - own))
+        assert abs(score - own) <= per_token * n and greedy == own_greedy, (context, continuation)
+    print(f"lm-eval vs kvlab: largest difference {worst:.2e} (tolerance {per_token:.2e} per token)")
 
 
 def test_a_conversation_three_times_the_window_rolls_and_keeps_answering(server):
@@ -379,7 +762,16 @@ HOSTILE = [
     bad("system prompt too long to pin", 400, messages=said(("system", "rule " * 200), ("user", "hi"))),
     ("prompt beyond the limit", TEXT, {"model": MODEL, "prompt": "word " * 3000}, KEY_A, None, 400),
     ("empty prompt", TEXT, {"model": MODEL, "prompt": ""}, KEY_A, None, 400),
-    ("prompt a list of numbers", TEXT, {"model": MODEL, "prompt": [1, 2]}, KEY_A, None, 422),
+    ("prompt of numbers and text", TEXT, {"model": MODEL, "prompt": [1, "a"]}, KEY_A, None, 422),
+    ("prompt of floats", TEXT, {"model": MODEL, "prompt": [1.0, 2.0]}, KEY_A, None, 422),
+    ("token id beyond the vocabulary", TEXT, {"model": MODEL, "prompt": [1, 10**9]}, KEY_A, None, 400),
+    ("negative token id", TEXT, {"model": MODEL, "prompt": [[5], [-1]]}, KEY_A, None, 400),
+    ("an empty prompt in a batch", TEXT, {"model": MODEL, "prompt": ["hi", " "]}, KEY_A, None, 400),
+    ("no token ids", TEXT, {"model": MODEL, "prompt": [[]]}, KEY_A, None, 400),
+    bad("tools", 400, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    bad("an unknown field", 400, frobnicate=True),
+    bad("a JSON reply format", 400, response_format={"type": "json_object"}),
+    bad("a presence penalty", 400, presence_penalty=0.5),
     bad("unknown route", 404, path="/v1/embeddings"),
 ]
 

@@ -14,13 +14,13 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from kvlab.errors import KvlabError
 from kvlab.loop import Sampling
@@ -56,9 +56,13 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
-# -- request bodies (unknown fields are ignored, as OpenAI-compatible servers do) ----------------------
+# -- request bodies ------------------------------------------------------------------------------------
+# Every field of a body is either read (a field of these models), harmless (_METADATA: labels that change
+# nothing kvlab computes), accepted only at its neutral value (_NEUTRAL), or refused with a 400 that names
+# it (unknown fields too): a client asking for tools, a response format or penalties gets an error, never
+# a plain reply that silently ignored what it asked for.
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -73,11 +77,13 @@ class _Common(BaseModel):
 
 
 class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[_Part]
 
@@ -92,10 +98,110 @@ class ChatBody(_Common):
 
 
 class CompletionBody(_Common):
-    prompt: str
+    # a text, several texts, token ids, or several lists of token ids (one choice per prompt)
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+
+def _none_or(*neutral: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or any(v == n and type(v) is type(n) for n in neutral)
+
+
+_TOOLS = "tool calling is not supported"
+# field -> (is this value neutral?, what kvlab lacks); null is always neutral
+_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_none_or([]), _TOOLS),
+    "tool_choice": (_none_or("none"), _TOOLS),
+    "parallel_tool_calls": (_none_or(), _TOOLS),
+    "functions": (_none_or([]), _TOOLS),
+    "function_call": (_none_or("none"), _TOOLS),
+    "response_format": (_none_or({"type": "text"}), "only plain text replies ({'type': 'text'})"),
+    "presence_penalty": (_none_or(0, 0.0), "penalties are not supported (only 0)"),
+    "frequency_penalty": (_none_or(0, 0.0), "penalties are not supported (only 0)"),
+    "logit_bias": (_none_or({}), "logit_bias is not supported (only {})"),
+    "best_of": (_none_or(1), "only best_of=1"),
+    "suffix": (_none_or(""), "suffix (insertion) is not supported"),
+    "modalities": (_none_or(["text"]), "only text output"),
+    "audio": (_none_or(), "only text output"),
+    "prediction": (_none_or(), "predicted outputs are not supported"),
+    "reasoning_effort": (_none_or(), "this model does not reason"),
+    "verbosity": (_none_or(), "verbosity is not supported"),
+    "web_search_options": (_none_or(), "web search is not supported"),
+    "moderation": (_none_or(), "moderation is not supported"),
+    "store": (_none_or(False), "completions are not stored (only store=false)"),
+    "service_tier": (_none_or("auto", "default"), "one service tier (auto)"),
+}
+# labels for the caller's own bookkeeping: accepted, and they change nothing kvlab computes
+_METADATA = frozenset(
+    {
+        "user",
+        "metadata",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+    }
+)
+_ONLY = {"best_of": "text", "suffix": "text"}  # fields of one endpoint only
+# fields of a message that are accepted at their neutral value (an assistant message sent back as received)
+_MESSAGE_NEUTRAL = {
+    "tool_calls": (_none_or([]), _TOOLS),
+    "function_call": (_none_or(), _TOOLS),
+    "refusal": (_none_or(), "refusals are not supported"),
+    "annotations": (_none_or([]), "annotations are not supported"),
+    "audio": (_none_or(), "only text"),
+}
+_STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
+
+
+def _unsupported(doc: dict, cls: type[_Common], kind: str) -> dict:
+    """``doc`` without its neutral and metadata fields; a 400 naming every unsupported or unknown one."""
+    known = set(cls.model_fields)
+    problems: list[tuple[str, str]] = []
+    kept: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key in known:
+            kept[key] = value
+        elif key in _METADATA:
+            continue
+        elif key in _NEUTRAL and _ONLY.get(key, kind) == kind:
+            neutral, why = _NEUTRAL[key]
+            if not neutral(value):
+                shown = f"={json.dumps(value)[:40]}" if isinstance(value, int | float | str) else ""
+                problems.append((key, f"{key}{shown}: {why}"))
+        else:
+            problems.append((key, f"{key}: unknown field"))
+    if isinstance(doc.get("messages"), list):
+        for i, m in enumerate(doc["messages"]):
+            if not isinstance(m, dict):
+                continue
+            for key in [k for k in m if k not in ("role", "content")]:
+                where = f"messages[{i}].{key}"
+                neutral, why = _MESSAGE_NEUTRAL.get(key, (_none_or(), "unknown field"))
+                if neutral(m[key]):
+                    continue
+                if key == "name":
+                    why = "named participants are not supported"
+                problems.append((where, f"{where}: {why}"))
+        if not problems:
+            kept["messages"] = [
+                {k: v for k, v in m.items() if k in ("role", "content")} if isinstance(m, dict) else m
+                for m in doc["messages"]
+            ]
+    options = doc.get("stream_options")
+    if isinstance(options, dict):
+        for key in [k for k in options if k not in _STREAM_OPTIONS]:
+            problems.append((f"stream_options.{key}", f"stream_options.{key}: unknown option"))
+    if problems:
+        raise ApiError(
+            400,
+            "unsupported by this server: " + "; ".join(why for _, why in problems),
+            param=problems[0][0],
+            code="unsupported_parameter",
+        )
+    return kept
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -146,6 +252,7 @@ def create_app(
             raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(doc, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        doc = _unsupported(doc, cls, "chat" if cls is ChatBody else "text")
         try:
             body = cls.model_validate(doc)
         except ValidationError as exc:
@@ -163,12 +270,13 @@ def create_app(
             raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_value")
         return body
 
-    def prepare(body: Any, salt: str, ids: list[int], pinned: int, emit) -> EngineRequest:
+    def prepare(body: Any, salt: str, prompt: _Prompt, emit) -> EngineRequest:
+        ids, pinned = prompt.ids, prompt.pinned
         if len(ids) > limits.max_prompt_tokens:
             raise ApiError(
                 400,
-                f"the prompt has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}",
-                param="messages",
+                f"{prompt.name} has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}",
+                param=prompt.param,
                 code="context_length_exceeded",
             )
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -198,7 +306,10 @@ def create_app(
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stops) > 4 or any(not s for s in stops):
             raise ApiError(400, "stop: up to 4 non-empty strings", param="stop", code="invalid_value")
-        check_request_fits(ids, pinned, engine.settings)
+        try:
+            check_request_fits(ids, pinned, engine.settings)
+        except KvlabError as exc:
+            raise ApiError(400, str(exc), param=prompt.param) from None
         salt = salt + ("|" + body.cache_salt if body.cache_salt else "")
         return EngineRequest(
             ids=ids,
@@ -210,6 +321,7 @@ def create_app(
             stop_ids=frozenset(engine.handle.eos_ids()),
             stop_strings=stops,
             logprobs=logprobs,
+            logprob_stop=isinstance(body, CompletionBody),
             score_prompt=echo and logprobs is not None,
         )
 
@@ -218,13 +330,29 @@ def create_app(
         try:
             salt = tenant(request)
             body = await body_of(request, ChatBody if kind == "chat" else CompletionBody)
-            ids, pinned = _encode(engine, body, kind)
+            prompts = _encode_chat(engine, body) if kind == "chat" else _encode_prompts(engine, body)
+            most = max(1, engine.settings.max_queue)
+            if len(prompts) > most:
+                raise ApiError(
+                    400,
+                    f"{len(prompts)} prompts in one request; this server queues at most {most} (--max-queue)",
+                    param="prompt",
+                    code="invalid_value",
+                )
+            if len(prompts) > 1 and body.stream:
+                raise ApiError(
+                    400,
+                    "stream is supported with one prompt only; send the prompts one per request",
+                    param="stream",
+                    code="unsupported_value",
+                )
             loop = asyncio.get_running_loop()
-            events: asyncio.Queue = asyncio.Queue()
-            req = prepare(
-                body, salt, ids, pinned, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
-            )
-            engine.submit(req)
+            queues: list[asyncio.Queue] = [asyncio.Queue() for _ in prompts]
+            reqs = [
+                prepare(body, salt, prompt, lambda ev, q=q: loop.call_soon_threadsafe(q.put_nowait, ev))
+                for prompt, q in zip(prompts, queues, strict=True)
+            ]
+            engine.submit_many(reqs)
         except ApiError as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()
             return _error(exc)
@@ -238,24 +366,32 @@ def create_app(
             metrics.requests.labels(endpoint, "400").inc()
             return _error(ApiError(400, str(exc)))
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        meta = {"id": rid, "created": int(time.time()), "model": model_id, "prompt_tokens": len(ids)}
+        meta = {
+            "id": rid,
+            "created": int(time.time()),
+            "model": model_id,
+            "prompt_tokens": len(prompts[0].ids),
+        }
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             metrics.requests.labels(endpoint, "200").inc()
             return StreamingResponse(
-                _sse(events, req, kind, meta, include_usage, engine.handle.tokenizer),
+                _sse(queues[0], reqs[0], kind, meta, include_usage, engine.handle.tokenizer),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            text, finish, info = await _collect(events, req)
+            done = await _collect_all(queues, reqs)
         except ApiError as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()
             return _error(exc)
         metrics.requests.labels(endpoint, "200").inc()
-        if kind == "text" and body.echo:
-            meta["echo"] = (body.prompt, ids)
-        return JSONResponse(_final(kind, meta, text, finish, info, engine.handle.tokenizer))
+        echo = kind == "text" and body.echo
+        results = [
+            _Result(text, finish, info, prompt.ids, prompt.text if echo else None)
+            for prompt, (text, finish, info) in zip(prompts, done, strict=True)
+        ]
+        return JSONResponse(_final(kind, meta, results, engine.handle.tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -317,13 +453,51 @@ def create_app(
     return app
 
 
-def _encode(engine: Engine, body: Any, kind: str) -> tuple[list[int], int]:
-    """Token ids of the request and how many leading tokens (the system prompt) are pinned."""
+@dataclass(frozen=True)
+class _Prompt:
+    """One prompt of a request: its token ids, how many lead tokens are pinned, its text (for ``echo``)."""
+
+    ids: list[int]
+    pinned: int
+    text: str
+    name: str  # how errors name it: "the prompt", "prompt[2]"
+    param: str
+
+
+def _encode_prompts(engine: Engine, body: CompletionBody) -> list[_Prompt]:
+    """The prompts of a completion: a text, a list of texts, token ids or a list of token-id lists.
+
+    Token ids are used as given (checked against the vocabulary); texts are encoded as
+    ``ModelHandle.encode`` does (no special tokens added)."""
+    given = body.prompt
+    several = isinstance(given, list) and bool(given) and not isinstance(given[0], int)
+    items: list[Any] = list(given) if several else [given]
+    vocab = int(engine.handle.config.vocab_size)
+    prompts = []
+    for i, item in enumerate(items):
+        name, param = (f"prompt[{i}]", f"prompt[{i}]") if several else ("the prompt", "prompt")
+        if isinstance(item, str):
+            if not item.strip():
+                raise ApiError(400, f"{name} is empty", param=param, code="invalid_value")
+            prompts.append(_Prompt(engine.handle.encode(item), 0, item, name, param))
+            continue
+        if not item:
+            raise ApiError(400, f"{name} is empty", param=param, code="invalid_value")
+        bad = [t for t in item if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(
+                400,
+                f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                param=param,
+                code="invalid_value",
+            )
+        prompts.append(_Prompt(list(item), 0, engine.handle.decode(item), name, param))
+    return prompts
+
+
+def _encode_chat(engine: Engine, body: ChatBody) -> list[_Prompt]:
+    """The conversation's token ids and how many leading tokens (the system prompt) are pinned."""
     tok = engine.handle.tokenizer
-    if kind == "text":
-        if not body.prompt.strip():
-            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        return engine.handle.encode(body.prompt), 0
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
     ]
@@ -349,7 +523,7 @@ def _encode(engine: Engine, body: Any, kind: str) -> tuple[list[int], int]:
         if a != b:
             break
         pinned += 1
-    return ids, pinned
+    return [_Prompt(ids, pinned, "", "the conversation", "messages")]
 
 
 def _template(tok: Any, messages: list[dict]) -> list[int]:
@@ -363,6 +537,18 @@ def _engine_error(exc: Exception) -> ApiError:
     if isinstance(exc, KvlabError):
         return ApiError(400, str(exc))
     return ApiError(500, "internal error (logged on the server)", type_="server_error")
+
+
+async def _collect_all(queues: list[asyncio.Queue], reqs: list[EngineRequest]) -> list[tuple[str, str, dict]]:
+    """Every prompt's (text, finish reason, info); the first failure fails the request (and cancels the rest)."""
+    tasks = [asyncio.ensure_future(_collect(q, r)) for q, r in zip(queues, reqs, strict=True)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()  # a no-op once done
+        for r in reqs:
+            r.cancelled.set()
 
 
 async def _collect(events: asyncio.Queue, req: EngineRequest) -> tuple[str, str, dict]:
@@ -380,13 +566,13 @@ async def _collect(events: asyncio.Queue, req: EngineRequest) -> tuple[str, str,
         req.cancelled.set()  # a no-op once done; stops the work if the client went away
 
 
-def _usage(meta: dict, info: dict) -> dict:
-    done = info.get("completion_tokens", 0)
+def _usage(prompt_tokens: int, infos: list[dict]) -> dict:
+    done = sum(info.get("completion_tokens", 0) for info in infos)
     return {
-        "prompt_tokens": meta["prompt_tokens"],
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": done,
-        "total_tokens": meta["prompt_tokens"] + done,
-        "prompt_tokens_details": {"cached_tokens": info.get("cached_tokens", 0)},
+        "total_tokens": prompt_tokens + done,
+        "prompt_tokens_details": {"cached_tokens": sum(info.get("cached_tokens", 0) for info in infos)},
     }
 
 
@@ -430,40 +616,54 @@ def _public(info: dict) -> dict:
     return {k: v for k, v in info.items() if not k.startswith("_")}
 
 
-def _final(kind: str, meta: dict, text: str, finish: str, info: dict, tok: Any) -> dict:
+@dataclass(frozen=True)
+class _Result:
+    """One prompt's reply: its text, finish reason, the engine's info, and its ids and text (for ``echo``)."""
+
+    text: str
+    finish: str
+    info: dict
+    ids: list[int]
+    echo: str | None  # the prompt's text when it is echoed
+
+
+def _final(kind: str, meta: dict, results: list[_Result], tok: Any) -> dict:
     head = {"id": meta["id"], "created": meta["created"], "model": meta["model"]}
-    generated = info.get("_logprobs")
+    usage = _usage(sum(len(r.ids) for r in results), [r.info for r in results])
     if kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish,
-            "logprobs": _chat_logprobs(tok, generated),
-        }
+        (r,) = results
+        message = {"role": "assistant", "content": r.text}
+        logprobs = _chat_logprobs(tok, r.info.get("_logprobs"))
+        choice = {"index": 0, "message": message, "finish_reason": r.finish, "logprobs": logprobs}
         return {
             **head,
             "object": "chat.completion",
             "choices": [choice],
-            "usage": _usage(meta, info),
-            "kvlab": _public(info),
+            "usage": usage,
+            "kvlab": _public(r.info),
         }
-    logprobs = None
-    if "echo" in meta:
-        prompt, ids = meta["echo"]
-        text = prompt + text
-        if generated is not None:
-            scored = info.get("_prompt_logprobs") or [None] * len(ids)
-            logprobs = _text_logprobs(tok, [*zip(ids, scored, strict=True), *((e[0], e) for e in generated)])
-    elif generated is not None:
-        logprobs = _text_logprobs(tok, [(e[0], e) for e in generated])
-    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
-    return {
-        **head,
-        "object": "text_completion",
-        "choices": [choice],
-        "usage": _usage(meta, info),
-        "kvlab": _public(info),
-    }
+    choices = []
+    for i, r in enumerate(results):
+        generated = r.info.get("_logprobs")
+        text, text_logprobs = r.text, None
+        if r.echo is not None:
+            text = r.echo + r.text
+            if generated is not None:
+                scored = r.info.get("_prompt_logprobs") or [None] * len(r.ids)
+                entries = [*zip(r.ids, scored, strict=True), *((e[0], e) for e in generated)]
+                text_logprobs = _text_logprobs(tok, entries)
+        elif generated is not None:
+            text_logprobs = _text_logprobs(tok, [(e[0], e) for e in generated])
+        choice = {"index": i, "text": text, "finish_reason": r.finish, "logprobs": text_logprobs}
+        if len(results) > 1:
+            choice["kvlab"] = _public(r.info)
+        choices.append(choice)
+    if len(results) == 1:
+        kvlab = _public(results[0].info)
+    else:  # each choice carries its own; the response sums them
+        summed = ("cached_tokens", "computed_tokens", "completion_tokens", "rolls")
+        kvlab = {"prompts": len(results), **{k: sum(r.info.get(k, 0) for r in results) for k in summed}}
+    return {**head, "object": "text_completion", "choices": choices, "usage": usage, "kvlab": kvlab}
 
 
 async def _sse(
@@ -499,7 +699,14 @@ async def _sse(
                 if include_usage:
                     yield (
                         "data: "
-                        + json.dumps({**head, "object": obj, "choices": [], "usage": _usage(meta, ev[2])})
+                        + json.dumps(
+                            {
+                                **head,
+                                "object": obj,
+                                "choices": [],
+                                "usage": _usage(meta["prompt_tokens"], [ev[2]]),
+                            }
+                        )
                         + "\n\n"
                     )
                 yield "data: [DONE]\n\n"

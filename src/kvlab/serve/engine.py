@@ -73,18 +73,27 @@ class Session:
     ids: list[int]
     cache: RollingCache
     pinned: int
+    sinks: int = 0  # the attention sinks asked for (--sinks); the cache keeps max(sinks, pinned) first slots
     requests: int = 0
     reused_tokens: int = 0
     computed_tokens: int = 0
     last_used: float = field(default_factory=time.time)
     # [vocab] logits after the last id: they score the first token of the next request that continues
     last_logits: torch.Tensor | None = None
+    # each id's log-probability where a request computed it (scoring or logprobs), else None; parallel to ids
+    scores: list[LogProb | None] = field(default_factory=list)
+
+    def scored(self, top: int) -> bool:
+        """Whether every token but the first has a stored score with at least ``top`` alternatives."""
+        return all(e is not None and len(e[2]) >= top for e in self.scores[1:])
 
     def layout(self) -> dict[str, int]:
+        """The cache's slots: ``sinks`` (the attention sinks), ``pinned`` (the system prompt's tokens, which
+        start with the sinks when it is longer), the ``window`` it keeps and how many slots it ``kept``."""
         c = self.cache
         return {
-            "sinks": min(c.sinks, c.kept),
-            "pinned": self.pinned,
+            "sinks": min(self.sinks, c.kept),
+            "pinned": min(self.pinned, c.kept),
             "window": c.window,
             "kept": c.kept,
             "seen": c.tokens_seen,
@@ -118,7 +127,10 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     logprobs: int | None = None  # report each generated token's log-probability and this many alternatives
-    score_prompt: bool = False  # also each prompt token's (those this request computes; not via the store)
+    logprob_stop: bool = False  # that of a stop token too (legacy completions list it; chat does not)
+    # also each prompt token's (all but the first: computed here, or stored by the session continued; never
+    # from the store, which keeps no scores)
+    score_prompt: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -137,6 +149,7 @@ class _Row:
     finish: str | None = None
     logprobs: list[LogProb] = field(default_factory=list)  # per generated token (when asked)
     unsent: list[LogProb] = field(default_factory=list)  # those not yet attached to an emitted chunk
+    entry: LogProb | None = None  # the last picked token's (when reported)
     last_step: float = field(default_factory=time.perf_counter)
 
 
@@ -154,11 +167,12 @@ class Engine:
         self._sessions_lock = threading.Lock()
         self._pending: collections.deque[Request] = collections.deque()
         self._active: list[_Row] = []
+        self._admitted = 0  # taken from the queue, not yet decoding (being prefilled)
         self._cv = threading.Condition()
         self._stopping = False
         self.store_warnings = 0
         if metrics is not None:
-            metrics.device(self.device_info())
+            metrics.watch(self)
         self._thread = threading.Thread(target=self._work, name="kvlab-engine", daemon=True)
         self._thread.start()
 
@@ -169,20 +183,25 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         """Queue ``req``; raises :class:`QueueFullError` when ``max_queue`` requests already wait."""
+        self.submit_many([req])
+
+    def submit_many(self, reqs: list[Request]) -> None:
+        """Queue every request of ``reqs`` (a batched completion's prompts) or none: raises
+        :class:`QueueFullError` when the queue has no room for all of them."""
         with self._cv:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
-            if len(self._pending) >= self.settings.max_queue:
+            if len(self._pending) + len(reqs) > self.settings.max_queue:
                 raise QueueFullError(f"{len(self._pending)} requests are already waiting; retry shortly")
-            self._pending.append(req)
+            self._pending.extend(reqs)
             self._cv.notify()
-        self._gauge()
 
     def queue_depth(self) -> int:
         return len(self._pending)
 
     def active(self) -> int:
-        return len(self._active)
+        """Requests being served: prefilling (admitted) or decoding."""
+        return len(self._active) + self._admitted
 
     def device_description(self) -> str:
         """Where the model runs, in words: ``cuda:0 (NVIDIA H100 80GB HBM3), bfloat16`` or ``cpu, float32``."""
@@ -252,9 +271,10 @@ class Engine:
                 admit: list[Request] = []
                 while self._pending and len(self._active) + len(admit) < self.settings.max_batch:
                     admit.append(self._pending.popleft())
-            self._gauge()
+                self._admitted = len(admit)
             for req in admit:
                 if req.cancelled.is_set():
+                    self._admitted -= 1
                     continue
                 try:
                     row = self._start(req)
@@ -267,6 +287,8 @@ class Engine:
                     if not isinstance(exc, KvlabError):
                         log.exception("prefill failed")
                     req.emit(("error", exc))
+                finally:
+                    self._admitted -= 1
             if self._active:
                 try:
                     self._step()
@@ -280,18 +302,22 @@ class Engine:
     def _start(self, req: Request) -> _Row:
         """Find the longest cached prefix, compute the rest, return the row ready to pick its first token."""
         t0 = time.perf_counter()
-        session = self._take_session(req.ids, req.salt)
+        top = req.logprobs or 0
+        session = self._take_session(req.ids, req.salt, top if req.score_prompt else None)
         tiers: dict[str, int] = {}
         rolls_before = 0
         scores: list[LogProb | None] = []
         if session is not None:
             source, cached = "session", len(session.ids)
             rolls_before = session.cache.rolls
-            if req.score_prompt:
+            if req.score_prompt:  # the cached tokens' stored scores, the new ones computed
                 logits, fresh = self._feed_scored(session.cache, req.ids[cached:], session.last_logits, req)
-                scores = [*(None for _ in range(cached)), *fresh]
+                stored = [None if e is None else (e[0], e[1], e[2][:top]) for e in session.scores]
+                scores = [*stored, *fresh]
+                session.scores = [*session.scores, *fresh]
             else:
                 logits = feed(self.handle, session.cache, req.ids[cached:])
+                session.scores = [*session.scores, *(None for _ in req.ids[cached:])]
         else:
             cache = rolling_cache_for(
                 self.handle,
@@ -299,12 +325,14 @@ class Engine:
                 sinks=max(self.settings.sinks, req.pinned),
                 evict_chunk=self.settings.evict_chunk,
             )
-            session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, req.pinned)
+            session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, req.pinned, self.settings.sinks)
             if req.score_prompt:  # every token computed here, so every token but the first is scored
                 logits, scores = self._feed_scored(cache, req.ids, None, req)
                 source, cached = "none", 0
+                session.scores = list(scores)
             else:
                 logits, source, cached, tiers = self._prefill_new(cache, req)
+                session.scores = [None] * len(req.ids)
         session.ids = list(req.ids)
         session.requests += 1
         session.reused_tokens += cached
@@ -393,10 +421,11 @@ class Engine:
                 continue
             tok = int(row.req.sampling.pick(row.logits, row.generator)[0])
             row.out.append(tok)
-            if row.req.logprobs is not None and tok not in row.req.stop_ids:
-                entry = _logprob(torch.log_softmax(row.logits[0].float(), -1), tok, row.req.logprobs)
-                row.logprobs.append(entry)
-                row.unsent.append(entry)
+            row.entry = None
+            if row.req.logprobs is not None and (tok not in row.req.stop_ids or row.req.logprob_stop):
+                row.entry = _logprob(torch.log_softmax(row.logits[0].float(), -1), tok, row.req.logprobs)
+                row.logprobs.append(row.entry)
+                row.unsent.append(row.entry)
             if tok in row.req.stop_ids:
                 row.finish = "stop"
             else:
@@ -414,6 +443,7 @@ class Engine:
             for i, row in enumerate(fed):
                 row.logits = logits[i : i + 1]
                 row.session.ids.append(row.out[-1])
+                row.session.scores.append(row.entry)
                 row.info["rolls"] += row.session.cache.rolls - rolls[i]
                 if self.metrics is not None and row.session.cache.rolls > rolls[i]:
                     self.metrics.rolled(row.session.cache.rolls - rolls[i])
@@ -443,6 +473,9 @@ class Engine:
             if len(text) > len(row.text) and text.startswith(row.text):  # the held-back tail
                 row.req.emit(("token", None, text[len(row.text) :], row.unsent))
                 row.text, row.unsent = text, []
+            elif row.unsent:  # a stop token's log-probability (no text of its own)
+                row.req.emit(("token", None, "", row.unsent))
+                row.unsent = []
             row.info["completion_tokens"] = len(row.out)
             row.info["completion_ids"] = list(row.out)
             row.info["kept_tokens"] = row.session.cache.kept
@@ -454,8 +487,10 @@ class Engine:
         self._return_session(row.session)
 
     # -- sessions --------------------------------------------------------------------------------------
-    def _take_session(self, ids: list[int], salt: str) -> Session | None:
-        """Remove and return the idle session of ``salt`` whose ids are the longest proper prefix of ``ids``."""
+    def _take_session(self, ids: list[int], salt: str, scored: int | None = None) -> Session | None:
+        """Remove and return the idle session of ``salt`` whose ids are the longest proper prefix of ``ids``
+        (with ``scored``: only a session whose tokens all have stored scores with that many alternatives,
+        so that a scoring request reports every token but the first)."""
         best = None
         with self._sessions_lock:
             for s in self.sessions.values():
@@ -465,6 +500,7 @@ class Engine:
                     and n < len(ids)
                     and (best is None or n > len(best.ids))
                     and ids[:n] == s.ids
+                    and (scored is None or s.scored(scored))
                 ):
                     best = s
             if best is not None:
@@ -477,13 +513,9 @@ class Engine:
             self.sessions[session.id] = session
             while len(self.sessions) > self.settings.max_sessions:
                 self.sessions.popitem(last=False)
-        self._gauge()
 
-    def _gauge(self) -> None:
-        if self.metrics is not None:
-            self.metrics.gauges(
-                queue=len(self._pending), active=len(self._active), sessions=len(self.sessions)
-            )
+    def idle_sessions(self) -> int:
+        return len(self.sessions)
 
 
 def _reuse(s: Session) -> dict[str, Any]:
