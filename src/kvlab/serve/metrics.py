@@ -1,4 +1,9 @@
-"""The server's Prometheus metrics (``GET /metrics``), one registry per app so tests can run several."""
+"""The server's Prometheus metrics (``GET /metrics``), one registry per app so tests can run several.
+
+Counters and histograms are updated as things happen; the gauges (queue, requests being served, idle
+sessions) are read from the engine when ``/metrics`` is scraped, so a scrape shows the state at that
+moment (an idle server reads 0 requests being served).
+"""
 
 from __future__ import annotations
 
@@ -38,7 +43,9 @@ class Metrics:
         )
         self.generated = Counter("kvlab_generated_tokens", "Tokens generated", registry=r)
         self.queue = Gauge("kvlab_queue_depth", "Requests waiting for a decode slot", registry=r)
-        self.active = Gauge("kvlab_active_requests", "Requests being decoded", registry=r)
+        self.active = Gauge(
+            "kvlab_active_requests", "Requests being served (prefilling or decoding)", registry=r
+        )
         self.sessions = Gauge("kvlab_idle_sessions", "Idle conversations kept for reuse", registry=r)
         self.device_info = Gauge(
             "kvlab_device_info", "Where the model runs (always 1)", ["device", "gpu", "dtype"], registry=r
@@ -60,12 +67,13 @@ class Metrics:
     def rolled(self, n: int) -> None:
         self.rolls.inc(n)
 
-    def gauges(self, *, queue: int, active: int, sessions: int) -> None:
-        self.queue.set(queue)
-        self.active.set(active)
-        self.sessions.set(sessions)
-
-    def device(self, info: dict[str, Any]) -> None:
+    def watch(self, engine: Any) -> None:
+        """Read the gauges from ``engine`` (its ``queue_depth()``, ``active()``, ``idle_sessions()``) at
+        each scrape, and record where its model runs."""
+        self.queue.set_function(engine.queue_depth)
+        self.active.set_function(engine.active)
+        self.sessions.set_function(engine.idle_sessions)
+        info = engine.device_info()
         self.device_info.labels(info["device"], info.get("gpu", ""), info["dtype"]).set(1)
 
     def render(self) -> bytes:

@@ -21,15 +21,33 @@ th{font-weight:600;background:#f6f8fa} td.n{text-align:right;font-variant-numeri
 """
 
 
+def describe_layout(layout: dict[str, Any]) -> str:
+    """A session's cache in words: its attention sinks, its pinned system prompt, its window.
+
+    The system prompt starts at the first slot, so when it is longer than the sinks its first tokens
+    *are* the sinks: "4 sinks, 24 pinned (the sinks and 20 more), 60 in the window of 96".
+    """
+    sinks, pinned, kept = layout["sinks"], layout["pinned"], layout["kept"]
+    window = max(0, kept - max(sinks, pinned))
+    if pinned > sinks:
+        where = f" (the sinks and {pinned - sinks} more)" if sinks else ""
+    elif pinned:
+        where = " (within the sinks)"
+    else:
+        where = ""
+    return f"{sinks} sinks, {pinned} pinned{where}, {window} in the window of {layout['window']}"
+
+
 def _bar(layout: dict[str, Any]) -> str:
-    """sinks | pinned system prompt | window, scaled to the cache's capacity."""
-    cap = max(1, layout["window"] + max(layout["sinks"], layout["pinned"]))
-    sinks = min(layout["sinks"], layout["kept"])
-    pinned = max(0, min(layout["pinned"], layout["kept"]) - sinks)
-    window = max(0, layout["kept"] - sinks - pinned)
-    parts = [("s", sinks), ("p", pinned), ("w", window), ("free", max(0, cap - sinks - pinned - window))]
+    """sinks | pinned system prompt beyond the sinks | window, scaled to the cache's capacity."""
+    sinks, kept = layout["sinks"], layout["kept"]
+    head = max(sinks, layout["pinned"])  # the first slots, never evicted
+    cap = max(1, layout["window"] + head, kept)
+    pinned = head - sinks
+    window = max(0, kept - head)
+    parts = [("s", sinks), ("p", pinned), ("w", window), ("free", max(0, cap - head - window))]
     spans = "".join(f'<span class="{c}" style="width:{100 * n / cap:.2f}%"></span>' for c, n in parts if n)
-    title = f"{sinks} sinks, {pinned} pinned, {window} window of {layout['window']}"
+    title = describe_layout(layout)
     return f'<div class="bar" title="{escape(title)}" role="img" aria-label="{escape(title)}">{spans}</div>'
 
 
@@ -37,11 +55,11 @@ def status_page(model: str, status: dict[str, Any], store: dict[str, Any]) -> st
     rows = (
         "".join(
             f"<tr><td><code>{escape(s['session'])}</code></td><td>{escape(s['state'])}</td><td>{_bar(s)}</td>"
-            f"<td class=n>{s['kept']}</td><td class=n>{s['seen']}</td><td class=n>{s['rolls']}</td>"
+            f"<td class=n>{s['sinks']}</td><td class=n>{s['pinned']}</td><td class=n>{s['kept']}</td><td class=n>{s['seen']}</td><td class=n>{s['rolls']}</td>"
             f"<td class=n>{s['requests']}</td><td class=n>{100 * s['reuse_ratio']:.0f}%</td></tr>"
             for s in status["sessions"]
         )
-        or '<tr><td colspan=8 class="muted">no sessions yet</td></tr>'
+        or '<tr><td colspan=10 class="muted">no sessions yet</td></tr>'
     )
     tiers = store.get("tiers", {})
     tier_rows = (
@@ -68,7 +86,7 @@ def status_page(model: str, status: dict[str, Any], store: dict[str, Any]) -> st
 · batch up to {st["max_batch"]} · queue {status["queue"]}/{st["max_queue"]} · decoding {status["decoding"]}</p>
 <h2>Sessions</h2>
 <p class="key muted">cache layout:<span class="s"></span>sinks<span class="p"></span>pinned system prompt<span class="w"></span>window<span class="free"></span>free</p>
-<table><thead><tr><th>session</th><th>state</th><th>cache</th><th>kept</th><th>seen</th><th>rolls</th><th>requests</th><th>reused</th></tr></thead>
+<table><thead><tr><th>session</th><th>state</th><th>cache</th><th>sinks</th><th>pinned</th><th>kept</th><th>seen</th><th>rolls</th><th>requests</th><th>reused</th></tr></thead>
 <tbody>{rows}</tbody></table>
 <h2>Store</h2><p class="muted">{escape(str(store.get("describe", "none")))}
 {f" · {store['warnings']} store failures served without it" if store.get("warnings") else ""}</p>
