@@ -175,6 +175,18 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack((codes & 15, codes >> 4), dim=-1).int()
 
 
+def _twins(h, ids, codec: str, mode: str):
+    """An eager decoder and one in ``mode`` on equal caches (window 40, 4 sinks, chunks of 8), both
+    prefilled with the first 20 tokens of ``ids``: ``(eager, its cache, captured, its cache)``."""
+    pair = []
+    for m in ("eager", mode):
+        cache = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=codec, group=8)
+        dec = RollingDecoder(h, cache, mode=m)
+        dec.prefill(ids[:20])
+        pair += [dec, cache]
+    return tuple(pair)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", ["none", "int4"])
 def test_compiled_fullgraph_step_equals_eager(codec, tiny_model, one_torch_thread):
@@ -187,12 +199,7 @@ def test_compiled_fullgraph_step_equals_eager(codec, tiny_model, one_torch_threa
 
     h = _model(None, "cpu", tiny_model, max_positions=4096)
     ids = _ids(120)
-    ref = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=codec, group=8)
-    eager = RollingDecoder(h, ref, mode="eager")
-    eager.prefill(ids[:20])
-    cache = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=codec, group=8)
-    dec = RollingDecoder(h, cache, mode="compile")
-    dec.prefill(ids[:20])
+    eager, ref, dec, cache = _twins(h, ids, codec, "compile")
     torch._dynamo.utils.counters.clear()
     worst = 0.0
     for t in range(20, 120):
@@ -216,12 +223,7 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
         """Captured 1-token and chunk feeds replay what the eager step computes, rolls included."""
         h = _model(None, "cuda", tiny_model, max_positions=4096)
         ids = _ids(150).cuda()
-        ref = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=codec, group=8)
-        eager = RollingDecoder(h, ref, mode="eager")
-        eager.prefill(ids[:20])
-        cache = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=codec, group=8)
-        dec = RollingDecoder(h, cache, mode="cuda-graph")
-        dec.prefill(ids[:20])
+        eager, ref, dec, cache = _twins(h, ids, codec, "cuda-graph")
         t, sizes = 20, set()
         while t < 150:
             n = min(8 if t % 3 == 0 else 1, 150 - t)
