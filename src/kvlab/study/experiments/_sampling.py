@@ -33,7 +33,7 @@ def seeded_text(text: Text, seed: int) -> Text:
     if not starts:
         return text
     at = random.Random(f"kvlab-text-{seed}").choice(starts)
-    rotated = text.text[at:].rstrip() + "\n\n" + text.text[:at].lstrip()
+    rotated = text.text[at:].strip() + "\n\n" + text.text[:at].strip()
     share = at / max(len(text.text), 1)
     return Text(text=rotated, source=f"{text.source}; seed {seed} starts {share:.0%} into it")
 

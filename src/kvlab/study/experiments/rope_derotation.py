@@ -233,7 +233,7 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
     pred = predictor(data, model.rope)
     result.tables.append(
         Table(
-            "B3: R² of the RoPE-only predictor",
+            "R² of the RoPE-only predictor",
             ["curve", "R²"],
             [
                 ["mean over slots, RoPE only", pred["r2_mean"]],
