@@ -1,4 +1,5 @@
-"""``kvlab attention`` (R7: attention rows and next-token logits under a roll) and ``kvlab compaction`` (R11 + B5)."""
+"""``kvlab attention`` (attention rows and next-token logits under a roll) and ``kvlab compaction``
+(full vs compacted conversations, with lexical controls)."""
 
 from __future__ import annotations
 

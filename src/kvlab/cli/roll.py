@@ -1,7 +1,8 @@
 """``kvlab roll ...``: the rolling-window study, one experiment per subcommand.
 
-``kvlab roll sweep`` (R1/R2/B2), ``kvlab roll long`` (R3/R4/R6), ``kvlab roll derotation`` (R5/B3),
-``kvlab roll findings`` (the claims table; runs the others first when their results are absent).
+``kvlab roll sweep`` (roll amounts, controls, positions), ``kvlab roll long`` (roll vs truncate over
+long contexts), ``kvlab roll derotation`` (correct vs buggy RoPE de-rotation), ``kvlab roll findings``
+(the claims table; runs the others first when their results are absent).
 """
 
 from __future__ import annotations
