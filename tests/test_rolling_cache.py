@@ -398,7 +398,7 @@ def test_gradients_through_several_steps(window, tiny_model):
             x = emb(ids[None, a:b]).detach().requires_grad_(True)
             xs.append(x)
             with choosing() if choosing is not None else contextlib.nullcontext():
-                out = h.model(inputs_embeds=x, use_cache=True, past_key_values=cache)
+                out = h.model(inputs_embeds=x, use_cache=True, **{cache_argument(h.model): cache})
         (g,) = torch.autograd.grad(out.logits[0, -1].float().pow(2).mean(), [xs[0]])
         return g
 
