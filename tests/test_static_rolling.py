@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.graphs import RollingDecoder
 from kvlab.hf.rolling_cache import RollingCache
-from kvlab.hf.static_rolling import _decode4, _encode4, static_rolling_cache_for
+from kvlab.hf.static_rolling import EMPTY, _decode4, _encode4, static_rolling_cache_for
 from kvlab.model.random import tiny_random_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -118,6 +118,12 @@ def test_refusals(tiny_model):
     h.run(_ids(5), other)
     with pytest.raises(BadInputError, match="same sinks"):
         static_rolling_cache_for(h, window=20, sinks=2, evict_chunk=4).load(other)
+    rebasing = RollingCache(h.config, h.rope, window=20, sinks=2, evict_chunk=4, rebase="always")
+    h.run(_ids(5), rebasing)
+    fresh = static_rolling_cache_for(h, window=20, sinks=2, evict_chunk=4)
+    with pytest.raises(BadInputError, match="same rule"):
+        fresh.load(rebasing)
+    assert fresh.tokens_seen == 0 and bool((fresh.slot_pos == EMPTY).all())  # refused before writing
     with pytest.raises(BadInputError, match="int4 group"):
         static_rolling_cache_for(h, window=100, codec="int4", group=5)
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
@@ -166,8 +172,8 @@ def test_int4_cache_holds_the_quantized_keys_and_a_third_of_the_bytes(device, ti
     per_slot_fp = 2 * 16 * 4  # keys + values, head_dim 16, fp32
     per_slot_q4 = 2 * (16 // 2 + 2 * 2 * (16 // 8))  # codes + fp16 scale and minimum per group of 8
     slots = fp.capacity * 2 * 2  # layers x kv heads
-    sinks = 2 * 2 * 4 * per_slot_fp  # layers x kv heads x sinks: the stored originals
-    assert fp.nbytes() == slots * per_slot_fp + sinks + fp.capacity * 8
+    sinks = 2 * 2 * 4 * per_slot_fp  # layers x kv heads x sinks: the stored originals (int4: K and V)
+    assert fp.nbytes() == slots * per_slot_fp + sinks // 2 + fp.capacity * 8
     assert q4.nbytes() == slots * per_slot_q4 + sinks + q4.capacity * 8
 
 

@@ -45,7 +45,7 @@ def _capture_mode(value: str) -> str:
 
 
 def _token_stream(
-    handle, ids, mode: str, window: int, sinks: int, chunk: int | None, temperature: float, seed: int, chat
+    handle, ids, mode: str, window: int, sinks: int, chunk: int | None, temperature: float, seed: int
 ):
     """``(tokens(max_new, stops) -> iterator of token ids, cache)``: kvlab's loop over a RollingCache
     (``mode="off"``), or over a StaticRollingCache whose steps a RollingDecoder captures (the same rule)."""
@@ -223,7 +223,7 @@ def register(app: typer.Typer) -> None:
             raise BadInputError("--capture cuda-graph needs a CUDA device (--device cuda)")
         handle = load_model(model, device=device, dtype=dtype)
         ids = handle.encode(prompt, chat=chat)
-        tokens, cache = _token_stream(handle, ids, mode, window, sinks, evict_chunk, temperature, seed, chat)
+        tokens, cache = _token_stream(handle, ids, mode, window, sinks, evict_chunk, temperature, seed)
         t0, n = time.perf_counter(), 0
         stops = handle.eos_ids() if chat else set()
         pending: list[int] = []

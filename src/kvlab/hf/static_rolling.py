@@ -162,7 +162,7 @@ class StaticRollingLayer(CacheLayerMixin):
         """Store the sinks (slots ``[0, s)``, written at positions ``first ..``) as their originals at ``0 ..``."""
         k, v = self.read_slots(torch.arange(self.owner.sinks, device=self.owner.device))
         self.sink_keys = k if self.rope is None or first == 0 else rotate_by(k, -first, self.rope)
-        self.sink_values = v
+        self.sink_values = v if self.owner.codec == "int4" else None  # plain values are never re-written
 
     def rotate_stored(self, delta: int) -> None:
         """Rotate every stored key by ``delta`` positions in place (a re-base; ``int4`` keys are re-encoded,
@@ -380,22 +380,37 @@ class StaticRollingCache(Cache):
                 f"load() needs the same sinks, window and chunk: {cache.describe()} vs sinks={self.sinks}, "
                 f"window={self.window}, chunk={self.evict_chunk}"
             )
+        if cache.rule != self.rule:  # same RoPE, maximum and re-base mode too: positions mean the same
+            raise BadInputError(
+                f"load() needs the same rule (RoPE, maximum position, re-base): {cache.describe()}"
+            )
         if getattr(cache, "rows", None) is not None or not cache.tokens_seen:
             raise BadInputError("load() takes a RollingCache that has been fed one unpadded batch")
+        theirs_all: list[Any] = cache.layers
+        if len(theirs_all) != len(self.layers):
+            raise BadInputError(f"load() got {len(theirs_all)} layers for {len(self.layers)}")
+        for mine, theirs in zip(self.layers, theirs_all, strict=True):  # checked before anything is written
+            want = (
+                mine.read()[0].shape
+                if self.codec == "none"
+                else (*mine.k_codes.shape[:-1], 2 * mine.k_codes.shape[-1])
+            )
+            got = theirs.keys.shape
+            if (got[0], got[1], got[-1]) != (want[0], want[1], want[-1]):
+                raise BadInputError(
+                    f"load() got keys [{got[0]}, {got[1]}, .., {got[-1]}] for a cache of [{want[0]}, {want[1]}, .., {want[-1]}]"
+                )
         kept, s = cache.kept, min(self.sinks, cache.kept)
         start = cache.next_position - kept
         dev = self.device
         window_slots = torch.arange(s, self.capacity, device=dev)[: kept - s]
         index = torch.cat([torch.arange(s, device=dev), window_slots])
-        theirs_all: list[Any] = cache.layers
         for mine, theirs in zip(self.layers, theirs_all, strict=True):
             k, v = theirs.visible()
-            if k.shape[0] != self.batch:
-                raise BadInputError(f"load() got {k.shape[0]} rows for a batch of {self.batch}")
             mine._write(index, k.to(dev), v.to(dev))
             if theirs.sink_keys is not None and s == self.sinks:
                 mine.sink_keys = theirs.sink_keys.to(dev, self.dtype).clone()
-                mine.sink_values = v[:, :, :s].to(dev, self.dtype).clone()
+                mine.sink_values = v[:, :, :s].to(dev, self.dtype).clone() if self.codec == "int4" else None
         self.slot_pos.fill_(EMPTY)
         self.slot_pos.index_copy_(0, index, torch.arange(start, start + kept, device=dev))
         self.next_position, self.slots, self.sinks_held = cache.next_position, kept, s
