@@ -6,15 +6,23 @@ kernels here are plain C (no torch headers, so a build takes well under a second
 source version and machine into kvlab's cache folder (``$KVLAB_CACHE_DIR/kernels``), and written
 there atomically (a half-written library is never loaded). Without a working compiler,
 :func:`load` returns None and callers keep their tensor-op path: slower, same results.
+
+Loading a shared library runs its code, and the library's name is predictable, so a file planted at
+that name must never be loaded (issue 27). The folder is private (created 0700; one owned by another
+user, or open to others, is refused), and a library is loaded only if it is a regular file we own,
+writable by nobody else, whose SHA-256 equals the one recorded when this user built it. Anything else
+there is discarded and rebuilt.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import hmac
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -72,11 +80,14 @@ def _build(name: str) -> Path:
     digest = hashlib.sha256(
         b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), cc.encode(), _machine_key().encode()])
     ).hexdigest()[:16]
-    out_dir = cache_dir() / "kernels"
+    out_dir = _private_dir(cache_dir() / "kernels")
     target = out_dir / f"{name}-{digest}.so"
-    if target.exists():
+    record = out_dir / f"{name}-{digest}.sha256"
+    if _trusted(target, record):
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (target, record):  # planted, corrupt or unrecorded: never loaded, replaced by our build
+        if os.path.lexists(stale):
+            os.unlink(stale)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}-", suffix=".so")
     os.close(fd)
     try:
@@ -85,8 +96,63 @@ def _build(name: str) -> Path:
         )
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[:2000]}")
+        os.chmod(tmp, 0o700)
+        _write_atomic(record, _sha256(Path(tmp)).encode(), out_dir)
         os.replace(tmp, target)  # atomic: another process sees the old state or the whole library
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    if not _trusted(target, record):  # another process replaced it between our writes: build again later
+        raise RuntimeError(f"{target} changed while it was being built; not loading it")
     return target
+
+
+def _private_dir(path: Path) -> Path:
+    """``path`` as a folder only this user can write (created 0700); refused if another user owns it or
+    others may write to it (someone else could then plant a library there)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"{path} is not a folder (a link?); not building kernels there")
+    if st.st_uid != os.geteuid():
+        raise RuntimeError(f"{path} belongs to another user; not loading kernels from it")
+    if st.st_mode & 0o022:
+        raise RuntimeError(
+            f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+            "not loading kernels from it (chmod 700 it)"
+        )
+    return path
+
+
+def _trusted(target: Path, record: Path) -> bool:
+    """Whether ``target`` is our own library, unchanged since we built it."""
+    try:
+        st = os.lstat(target)
+        rec = os.lstat(record)
+    except FileNotFoundError:
+        return False
+    for s in (st, rec):
+        if not stat.S_ISREG(s.st_mode) or s.st_uid != os.geteuid() or s.st_mode & 0o022:
+            return False
+    if rec.st_size != 64:
+        return False
+    return hmac.compare_digest(record.read_bytes(), _sha256(target).encode())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes, folder: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".rec-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,102 @@
+"""A library planted where kvlab builds its C kernel is never loaded (issue 27).
+
+The kernel's file name is predictable (source, flags, compiler and CPU hashed), so anyone who can write
+to the cache folder could place a library there; loading it would run its code. Each test plants a
+library whose constructor leaves a marker file, then asks for the kernel: the marker must never appear.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+import kvlab.compress.quant.attention as qa
+from kvlab import kernels
+
+PLANT = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen("MARKER", "w");
+    if (f) { fputs("ran", f); fclose(f); }
+}
+"""
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    monkeypatch.setattr(kernels, "_ERRORS", {})
+    return tmp_path
+
+
+def _plant(tmp_path, at):
+    marker = tmp_path / "marker"
+    src = tmp_path / "plant.c"
+    src.write_text(PLANT.replace("MARKER", str(marker)))
+    subprocess.run([kernels._compiler(), "-shared", "-fPIC", str(src), "-o", str(at)], check=True)
+    return marker
+
+
+def _target(fresh):
+    """Where kvlab will look for the kernel: build once, note the name, remove it and its record."""
+    built = kernels._build(qa.KERNEL)
+    built.unlink()
+    built.with_suffix(".sha256").unlink()
+    return built
+
+
+def test_a_library_planted_at_the_kernels_name_is_rebuilt_not_loaded(fresh):
+    target = _target(fresh)
+    marker = _plant(fresh, target)
+    planted = target.read_bytes()
+    lib = kernels.load(qa.KERNEL)
+    assert not marker.exists()  # the planted constructor never ran
+    assert lib is not None and hasattr(lib, "kvq_scores")  # our kernel, rebuilt in its place
+    assert target.read_bytes() != planted
+
+
+def test_a_planted_library_with_a_forged_record_is_rebuilt(fresh):
+    target = _target(fresh)
+    marker = _plant(fresh, target)
+    # a record that does not match (the attacker cannot know our build's hash without building it)
+    target.with_suffix(".sha256").write_text("0" * 64)
+    assert kernels.load(qa.KERNEL) is not None
+    assert not marker.exists()
+
+
+def test_a_symlink_at_the_kernels_name_is_never_followed(fresh):
+    target = _target(fresh)
+    elsewhere = fresh / "evil.so"
+    marker = _plant(fresh, elsewhere)
+    os.symlink(elsewhere, target)
+    assert kernels.load(qa.KERNEL) is not None
+    assert not marker.exists()
+    assert not target.is_symlink()
+
+
+def test_a_folder_others_can_write_is_refused(fresh):
+    folder = fresh / "cache" / "kernels"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    assert kernels.load(qa.KERNEL) is None
+    assert "writable by others" in (kernels.why_not(qa.KERNEL) or "")
+    assert not list(folder.iterdir())  # nothing built there either
+
+
+def test_a_folder_owned_by_another_user_is_refused(fresh, monkeypatch):
+    folder = fresh / "cache" / "kernels"
+    folder.mkdir(parents=True, mode=0o700)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(folder).st_uid + 1)  # we are someone else
+    assert kernels.load(qa.KERNEL) is None
+    assert "another user" in (kernels.why_not(qa.KERNEL) or "")
+
+
+def test_the_kernel_folder_is_created_private(fresh):
+    assert kernels.load(qa.KERNEL) is not None
+    folder = fresh / "cache" / "kernels"
+    assert folder.stat().st_mode & 0o077 == 0
+    for f in folder.iterdir():
+        assert f.stat().st_mode & 0o022 == 0
