@@ -24,6 +24,7 @@ import torch
 
 MODEL = "smollm2-135m"
 KEY_A, KEY_B = "tenant-a-key-123", "tenant-b-key-456"
+ADMIN = "admin-key-789"  # opens / and /metrics (tenants' keys do not)
 WINDOW, SINKS, CHUNK = 96, 4, 16
 
 
@@ -36,13 +37,18 @@ def _free_port() -> int:
 class Server:
     """``kvlab serve`` in a subprocess; ``stop()`` (or ``kill()``) ends it."""
 
-    def __init__(self, tmp: Path, *args: str, keys: tuple[str, ...] = (KEY_A, KEY_B)) -> None:
+    def __init__(
+        self, tmp: Path, *args: str, keys: tuple[str, ...] = (KEY_A, KEY_B), admin: str | None = ADMIN
+    ) -> None:
         self.port = _free_port()
+        self.admin = admin
         self.log = tmp / f"serve-{self.port}.log"
         cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(self.port), "--window", str(WINDOW)]
         cmd += ["--sinks", str(SINKS), "--evict-chunk", str(CHUNK), *args]
         for k in keys:
             cmd += ["--api-key", k]
+        if admin:
+            cmd += ["--admin-key", admin]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -73,8 +79,8 @@ class Server:
         finally:
             conn.close()
 
-    def get(self, path: str):
-        return self.request("GET", path)
+    def get(self, path: str, key: str | None = None):
+        return self.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else None)
 
     def post(self, path: str, doc, key: str | None = KEY_A, raw: bytes | None = None):
         headers = {"Content-Type": "application/json"}
@@ -86,7 +92,7 @@ class Server:
         return status, hdrs, json.loads(data) if data else None
 
     def metric(self, name: str) -> float:
-        text = self.get("/metrics")[2].decode()
+        text = self.get("/metrics", self.admin)[2].decode()
         return sum(
             float(line.split()[-1])
             for line in text.splitlines()
@@ -519,7 +525,7 @@ def test_gauges_read_the_state_at_scrape_time(server):
     while server.metric("kvlab_active_requests") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.metric("kvlab_active_requests") == 0
-    page = server.get("/")[2].decode()
+    page = server.get("/", ADMIN)[2].decode()
     assert server.metric("kvlab_idle_sessions") == page.count("<td>idle</td>") > 0
 
 
@@ -531,7 +537,7 @@ def test_the_status_page_shows_a_sessions_sinks_and_pinned_system_prompt(server)
     info = r.model_extra["kvlab"]
     pinned = info["pinned_tokens"]
     assert pinned > SINKS
-    page = server.get("/")[2].decode()
+    page = server.get("/", ADMIN)[2].decode()
     row = next(line for line in page.split("<tr>") if info["session"] in line)
     kept = info["kept_tokens"]
     title = f"{SINKS} sinks, {pinned} pinned (the sinks and {pinned - SINKS} more), {kept - pinned} in the window of {WINDOW}"
@@ -540,7 +546,7 @@ def test_the_status_page_shows_a_sessions_sinks_and_pinned_system_prompt(server)
     # a plain completion pins nothing
     done = server.client().completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2)
     info = done.model_extra["kvlab"]
-    row = next(line for line in server.get("/")[2].decode().split("<tr>") if info["session"] in line)
+    row = next(line for line in server.get("/", ADMIN)[2].decode().split("<tr>") if info["session"] in line)
     assert f"{SINKS} sinks, 0 pinned, {info['kept_tokens'] - SINKS} in the window of {WINDOW}" in row
 
 
@@ -773,6 +779,12 @@ HOSTILE = [
     bad("a JSON reply format", 400, response_format={"type": "json_object"}),
     bad("a presence penalty", 400, presence_penalty=0.5),
     bad("unknown route", 404, path="/v1/embeddings"),
+    # issue 27: bodies that once got a 500 (more in tests/test_serve_hostile_http.py)
+    bad("30,000-deep JSON", 400, raw=b'{"model": "x", "messages": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"),
+    bad("a 5,000-digit integer", 400, raw=b'{"model": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
+    bad("seed 2^64", 422, seed=2**64),
+    bad("a lone surrogate in a message", 400, messages=said(("user", "a \ud800 b"))),
+    ("a lone surrogate in a prompt", TEXT, {"model": MODEL, "prompt": "a \udc00"}, KEY_A, None, 400),
 ]
 
 
@@ -907,7 +919,7 @@ def test_a_client_that_disconnects_cancels_its_work(server):
 # -- observability -----------------------------------------------------------------------------------------------
 def test_metrics_and_status_page(server, tmp_path):
     chat(server.client(), [{"role": "user", "content": "Say hello."}], n=4)
-    text = server.get("/metrics")[2].decode()
+    text = server.get("/metrics", ADMIN)[2].decode()
     for name in (
         "kvlab_ttft_seconds_bucket",
         "kvlab_token_latency_seconds_bucket",
@@ -923,14 +935,16 @@ def test_metrics_and_status_page(server, tmp_path):
     here = resolve_device("auto")  # the server's default --device: where it runs, on /health, / and /metrics
     assert f'kvlab_device_info{{device="{here}",dtype="float32",' in text
     assert json.loads(server.get("/health")[2])["device"]["device"] == here
-    status, headers, page = server.get("/")
+    status, headers, page = server.get("/", ADMIN)
     assert status == 200 and "text/html" in headers["content-type"]
     html = page.decode()
     assert "Sessions" in html and 'class="bar"' in html and "disk" in html
     assert f"on <b>{here}" in html and "in float32" in html
     from tests.test_report_render import _browser, _chromium
 
-    dom = _browser(_chromium(), tmp_path / "profile", "--dump-dom", f"http://127.0.0.1:{server.port}/")
+    # a browser opens the page with the admin key as its Basic password (it asks for it on the 401)
+    page_url = f"http://admin:{ADMIN}@127.0.0.1:{server.port}/"
+    dom = _browser(_chromium(), tmp_path / "profile", "--dump-dom", page_url)
     assert dom.returncode == 0, dom.stderr[-800:]
     assert (
         "kvlab serve" in dom.stdout
@@ -943,7 +957,7 @@ def test_metrics_and_status_page(server, tmp_path):
         tmp_path / "profile2",
         f"--screenshot={shot}",
         "--window-size=1100,800",
-        f"http://127.0.0.1:{server.port}/",
+        page_url,
     )
     assert done.returncode == 0 and shot.stat().st_size > 5000
 

@@ -40,6 +40,13 @@ def register(app: typer.Typer) -> None:
                 help="Accepted Bearer key (repeatable; also $KVLAB_API_KEYS, comma-separated). Each key is its own tenant: no cache is shared across keys.",
             ),
         ] = None,
+        admin_key: Annotated[
+            str | None,
+            typer.Option(
+                "--admin-key",
+                help="Key that opens the status page (/) and /metrics (also $KVLAB_ADMIN_KEY). With API keys or an admin key they need Authorization: Bearer ADMIN_KEY; tenants' keys do not open them.",
+            ),
+        ] = None,
         max_batch: Annotated[
             int, typer.Option("--max-batch", min=1, help="Requests decoded together in one forward.")
         ] = 4,
@@ -88,6 +95,11 @@ def register(app: typer.Typer) -> None:
         keys = tuple(api_key or ()) + tuple(k for k in os.environ.get("KVLAB_API_KEYS", "").split(",") if k)
         if any(len(k) < 8 or any(c.isspace() for c in k) for k in keys):
             raise BadInputError("API keys need at least 8 characters and no spaces")
+        admin = admin_key or os.environ.get("KVLAB_ADMIN_KEY") or None
+        if admin is not None and (len(admin) < 8 or any(c.isspace() for c in admin)):
+            raise BadInputError("the admin key needs at least 8 characters and no spaces")
+        if admin is not None and admin in keys:
+            raise BadInputError("the admin key must differ from every API key")
         _check_can_listen(host, port)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         settings = EngineSettings(
@@ -106,6 +118,7 @@ def register(app: typer.Typer) -> None:
             engine,
             model_id=model,
             api_keys=keys,
+            admin_key=admin,
             limits=Limits(
                 max_body_bytes=max_body, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens
             ),

@@ -8,11 +8,17 @@ never a dead worker. See ``docs/serving.md`` for the request flow and the securi
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import gc
 import hashlib
 import hmac
 import json
 import logging
+import math
+import re
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -21,6 +27,8 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from kvlab.errors import KvlabError
 from kvlab.loop import Sampling
@@ -48,6 +56,14 @@ class Limits:
     retry_after_s: int = 1
 
 
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1] (negative seeds are mapped onto the rest)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# a temperature below this samples as greedy (as vLLM does): dividing the logits by 1e-310 gives inf - inf
+GREEDY_BELOW = 1e-5
+MAX_DEPTH = 32  # nesting levels in a body; an OpenAI request needs 5 (messages, parts)
+MAX_STOP_CHARS = 256  # per stop string: each is matched against the reply's tail at every token
+
+
 class ApiError(Exception):
     def __init__(
         self, status: int, message: str, *, type_: str = "invalid_request_error", param=None, code=None
@@ -68,7 +84,7 @@ class _Common(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
@@ -204,20 +220,91 @@ def _unsupported(doc: dict, cls: type[_Common], kind: str) -> dict:
     return kept
 
 
-def _error(exc: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.code)} if exc.status == 429 and isinstance(exc.code, int) else None
+def _error(exc: ApiError, headers: dict[str, str] | None = None) -> Response:
+    if exc.status == 429 and isinstance(exc.code, int):
+        headers = {**(headers or {}), "Retry-After": str(exc.code)}
     body = {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
-    return JSONResponse(body, status_code=exc.status, headers=headers)
+    # ASCII JSON: a message that quotes the request can never fail to encode
+    return Response(json.dumps(body), status_code=exc.status, headers=headers, media_type="application/json")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:24]} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request's JSON object, or a 400 before anything else reads it: not JSON (or NaN, Infinity, a
+    number beyond a float's range, an integer over Python's 4,300 digits), nested deeper than
+    ``MAX_DEPTH``, a string (or key) with a lone surrogate (not text: no tokenizer or UTF-8 encoder
+    takes it), or not an object."""
+    try:
+        doc = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+    except RecursionError:  # the C parser refuses at about 1,000 levels
+        raise ApiError(400, f"the body nests deeper than {MAX_DEPTH} levels", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a too-long integer, the two above
+        why = str(exc)
+        if "integer string conversion" in why:
+            why = "an integer has more digits than this server reads (4300)"
+        raise ApiError(400, f"the body is not valid JSON: {why[:200]}", code="invalid_json") from None
+    if not isinstance(doc, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:  # iterative: a deep document must not recurse here either
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, v in items:
+            if type(key) is str and _SURROGATE.search(key):
+                raise ApiError(400, "a key of the body is not valid Unicode text", code="invalid_json")
+            if type(v) is str:
+                if _SURROGATE.search(v):
+                    raise ApiError(
+                        400,
+                        "the body holds a lone surrogate (\\ud800-\\udfff without its pair): not text",
+                        code="invalid_text",
+                    )
+            elif type(v) is dict or type(v) is list:
+                stack.append((v, depth + 1))
+    return doc
 
 
 def create_app(
-    engine: Engine, *, model_id: str, api_keys: tuple[str, ...] = (), limits: Limits = Limits()
+    engine: Engine,
+    *,
+    model_id: str,
+    api_keys: tuple[str, ...] = (),
+    admin_key: str | None = None,
+    limits: Limits = Limits(),
 ) -> FastAPI:
-    """The ASGI app around ``engine`` (which must already be running)."""
+    """The ASGI app around ``engine`` (which must already be running).
+
+    ``admin_key`` opens the status page and ``/metrics``; a server with API keys or an admin key closes
+    them to everybody else (tenants' keys included); one with neither leaves them open (local use).
+
+    It also freezes the objects that exist by then (the model, its tokenizer: some 400,000) out of
+    Python's cyclic garbage collector, which otherwise walks them all at each full collection: a pause of
+    0.5-0.8 s, holding the GIL, whenever a large body's objects trigger one."""
+    if admin_key is not None and admin_key in api_keys:
+        raise KvlabError("the admin key must differ from every API key")
+    gc.freeze()
     metrics: Metrics = engine.metrics or Metrics()
     engine.metrics = metrics
     app = FastAPI(title="kvlab serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Errors)
     keys = tuple(k.encode() for k in api_keys)
+    admin = admin_key.encode() if admin_key else None
+    admin_only = bool(keys) or admin is not None
     started = time.time()
 
     def tenant(request: Request) -> str:
@@ -235,24 +322,43 @@ def create_app(
             )
         return hashlib.sha256(b"kvlab-tenant|" + given).hexdigest()[:32]
 
+    def is_admin(request: Request) -> bool:
+        """Whether the caller may see every tenant's activity: it sent the admin key (``Bearer KEY``, or
+        Basic with the key as password, which browsers ask for), or the server has no keys at all."""
+        if not admin_only:
+            return True
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        secret = given.strip().encode("latin-1")
+        if scheme.lower() == "basic":
+            try:
+                secret = base64.b64decode(secret, validate=True).partition(b":")[2]
+            except (binascii.Error, ValueError):
+                secret = b""
+        elif scheme.lower() != "bearer":
+            secret = b""
+        return admin is not None and hmac.compare_digest(secret, admin)
+
+    def admin_refused() -> Response:
+        why = "send Authorization: Bearer ADMIN_KEY" if admin else "start the server with --admin-key"
+        return _error(
+            ApiError(401, f"this page needs the admin key ({why})", code="invalid_admin_key"),
+            {"WWW-Authenticate": 'Basic realm="kvlab serve admin", charset="UTF-8"'},
+        )
+
     async def body_of(request: Request, cls: type[_Common]) -> Any:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
             raise ApiError(413, f"request body over {limits.max_body_bytes} bytes", code="request_too_large")
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limits.max_body_bytes:
+        parts = []
+        size = 0
+        async for chunk in request.stream():  # ClientDisconnect when the client leaves mid-body
+            parts.append(chunk)
+            size += len(chunk)
+            if size > limits.max_body_bytes:
                 raise ApiError(
                     413, f"request body over {limits.max_body_bytes} bytes", code="request_too_large"
                 )
-        try:
-            doc = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(doc, dict):
-            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-        doc = _unsupported(doc, cls, "chat" if cls is ChatBody else "text")
+        doc = _unsupported(parse_body(b"".join(parts)), cls, "chat" if cls is ChatBody else "text")
         try:
             body = cls.model_validate(doc)
         except ValidationError as exc:
@@ -304,17 +410,23 @@ def create_app(
                 400, f"max_tokens is at most {limits.max_tokens}", param="max_tokens", code="invalid_value"
             )
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ApiError(400, "stop: up to 4 non-empty strings", param="stop", code="invalid_value")
+        if len(stops) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ApiError(
+                400,
+                f"stop: up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters",
+                param="stop",
+                code="invalid_value",
+            )
         try:
             check_request_fits(ids, pinned, engine.settings)
         except KvlabError as exc:
             raise ApiError(400, str(exc), param=prompt.param) from None
         salt = salt + ("|" + body.cache_salt if body.cache_salt else "")
+        temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
         return EngineRequest(
             ids=ids,
             max_new_tokens=max_new,
-            sampling=Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed or 0),
+            sampling=Sampling(temperature=temperature, top_p=body.top_p, seed=body.seed or 0),
             emit=emit,
             salt=salt,
             pinned=pinned,
@@ -330,15 +442,12 @@ def create_app(
         try:
             salt = tenant(request)
             body = await body_of(request, ChatBody if kind == "chat" else CompletionBody)
-            prompts = _encode_chat(engine, body) if kind == "chat" else _encode_prompts(engine, body)
             most = max(1, engine.settings.max_queue)
-            if len(prompts) > most:
-                raise ApiError(
-                    400,
-                    f"{len(prompts)} prompts in one request; this server queues at most {most} (--max-queue)",
-                    param="prompt",
-                    code="invalid_value",
-                )
+            # templating and tokenizing a 1 MiB body takes 1-2 s: off the event loop, which keeps answering
+            if kind == "chat":
+                prompts = await run_in_threadpool(_encode_chat, engine, body)
+            else:
+                prompts = await run_in_threadpool(_encode_prompts, engine, body, most)
             if len(prompts) > 1 and body.stream:
                 raise ApiError(
                     400,
@@ -356,6 +465,9 @@ def create_app(
         except ApiError as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()
             return _error(exc)
+        except ClientDisconnect:  # gone while sending its body: nobody reads a reply
+            metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
         except QueueFullError as exc:
             metrics.requests.labels(endpoint, "429").inc()
             return _error(ApiError(429, str(exc), type_="rate_limit_error", code=limits.retry_after_s))
@@ -380,8 +492,24 @@ def create_app(
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
+        # wait for every prompt's reply, or for the client to leave: then every prompt is cancelled (one
+        # decoding leaves the batch before the next step; one still queued is dropped unprefilled)
+        collect = asyncio.ensure_future(_collect_all(queues, reqs))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            done = await _collect_all(queues, reqs)
+            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            left = not collect.done()
+            if left:  # the client left (or this handler is being cancelled)
+                for r in reqs:
+                    r.cancelled.set()
+                collect.cancel()
+        if left:
+            metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        try:
+            done = collect.result()
         except ApiError as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()
             return _error(exc)
@@ -428,11 +556,15 @@ def create_app(
         )
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        if not is_admin(request):
+            return admin_refused()
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/", response_class=HTMLResponse)
-    async def status() -> HTMLResponse:
+    async def status(request: Request) -> Response:
+        if not is_admin(request):
+            return admin_refused()
         return HTMLResponse(status_page(model_id, engine.status(), engine.store_stats()))
 
     @app.exception_handler(404)
@@ -445,12 +577,52 @@ def create_app(
             ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
         )
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error")
-        return _error(ApiError(500, "internal error (logged on the server)", type_="server_error"))
-
     return app
+
+
+class _Errors:
+    """ASGI middleware: an exception a route lets through is a JSON 500, logged here once (Starlette's
+    own handler re-raises it, and uvicorn would log the traceback a second time). The same failure
+    (exception type and line) is logged with its traceback at most once a minute, then counted."""
+
+    every_s = 60.0
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.last: dict[str, float] = {}
+        self.quiet: dict[str, int] = {}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            self.log(exc, f"{scope.get('method')} {scope.get('path')}")
+            if not started:
+                error = ApiError(500, "internal error (logged on the server)", type_="server_error")
+                await _error(error)(scope, receive, send)
+
+    def log(self, exc: Exception, where: str) -> None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        at = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        kind = f"{type(exc).__name__} at {at}"
+        now = time.monotonic()
+        if now - self.last.get(kind, -math.inf) < self.every_s:
+            self.quiet[kind] = self.quiet.get(kind, 0) + 1
+            return
+        self.last[kind] = now
+        more = self.quiet.pop(kind, 0)
+        also = f" ({more} more like it since it was last logged)" if more else ""
+        log.error("unexpected error in %s: %s%s", where, kind, also, exc_info=exc)
 
 
 @dataclass(frozen=True)
@@ -464,14 +636,22 @@ class _Prompt:
     param: str
 
 
-def _encode_prompts(engine: Engine, body: CompletionBody) -> list[_Prompt]:
-    """The prompts of a completion: a text, a list of texts, token ids or a list of token-id lists.
+def _encode_prompts(engine: Engine, body: CompletionBody, most: int) -> list[_Prompt]:
+    """The prompts of a completion: a text, a list of texts, token ids or a list of token-id lists
+    (at most ``most`` of them, counted before any is encoded).
 
     Token ids are used as given (checked against the vocabulary); texts are encoded as
     ``ModelHandle.encode`` does (no special tokens added)."""
     given = body.prompt
     several = isinstance(given, list) and bool(given) and not isinstance(given[0], int)
     items: list[Any] = list(given) if several else [given]
+    if len(items) > most:
+        raise ApiError(
+            400,
+            f"{len(items)} prompts in one request; this server queues at most {most} (--max-queue)",
+            param="prompt",
+            code="invalid_value",
+        )
     vocab = int(engine.handle.config.vocab_size)
     prompts = []
     for i, item in enumerate(items):
@@ -485,9 +665,10 @@ def _encode_prompts(engine: Engine, body: CompletionBody) -> list[_Prompt]:
             raise ApiError(400, f"{name} is empty", param=param, code="invalid_value")
         bad = [t for t in item if not 0 <= t < vocab]
         if bad:
+            shown = ", ".join(str(t) if abs(t) < 10**12 else f"{str(t)[:12]}..." for t in bad[:5])
             raise ApiError(
                 400,
-                f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                f"{name} has token ids outside the vocabulary [0, {vocab}): [{shown}]",
                 param=param,
                 code="invalid_value",
             )
@@ -537,6 +718,16 @@ def _engine_error(exc: Exception) -> ApiError:
     if isinstance(exc, KvlabError):
         return ApiError(400, str(exc))
     return ApiError(500, "internal error (logged on the server)", type_="server_error")
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone. Called after the body is read, so the next ASGI message is the
+    disconnect (Starlette's StreamingResponse watches for it the same way)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.1)  # nothing else should come; never spin on it
 
 
 async def _collect_all(queues: list[asyncio.Queue], reqs: list[EngineRequest]) -> list[tuple[str, str, dict]]:

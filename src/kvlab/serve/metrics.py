@@ -3,6 +3,10 @@
 Counters and histograms are updated as things happen; the gauges (queue, requests being served, idle
 sessions) are read from the engine when ``/metrics`` is scraped, so a scrape shows the state at that
 moment (an idle server reads 0 requests being served).
+
+No label names a tenant, but the totals are everybody's traffic: a server with keys serves
+``/metrics`` only for the admin key. ``kvlab_requests_total`` counts a request whose client left
+before its reply as status 499.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The status page at ``/``: live sessions with their cache layout, store tiers with hit rates.
 
 Plain HTML and inline CSS (no build step, no script); it reloads itself every 2 seconds. It shows
-counts and layouts only, never a token of anybody's conversation.
+counts and layouts only, never a token of anybody's conversation; still, it lists every tenant's
+sessions, so a server with keys serves it only for the admin key (``kvlab serve --admin-key``).
 """
 
 from __future__ import annotations
