@@ -304,6 +304,30 @@ def test_without_any_key_the_admin_pages_stay_open_and_an_admin_key_alone_closes
         s.stop()
 
 
+def test_bad_admin_keys_fail_in_one_line_and_a_good_one_is_never_logged(server):
+    import os
+    import subprocess
+    import sys
+
+    def run(*args, **env):
+        return subprocess.run(
+            [sys.executable, "-m", "kvlab", "serve", "--port", "1", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+        )
+
+    for args, env, words in (
+        ([], {"KVLAB_ADMIN_KEY": "short"}, "at least 8 characters"),
+        (["--api-key", KEY_A, "--admin-key", KEY_A], {}, "must differ"),
+    ):
+        done = run(*args, **env)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and words in lines[0], (args, done.stderr[-800:])
+    assert ADMIN not in server.log.read_text()
+
+
 def test_an_unexpected_error_is_one_json_500_and_one_log_record(caplog):
     """The catch-all (no route fails on purpose: an ASGI app that raises stands in for a bug)."""
     import asyncio
