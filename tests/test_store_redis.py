@@ -1,15 +1,23 @@
-"""The Redis tier against a real redis-server: shared between processes, corruption, unreachable server.
+"""The Redis tier against a real redis-server: shared between processes, corruption, unreachable server,
+and what a hostile or unlucky Redis does (issue 27, item 3): a key of the wrong type, a full server
+(``maxmemory`` with ``noeviction``) and a paused one (SIGSTOP) each cost no lookup and no put, only
+misses and skipped writes, and at most the configured timeout per call.
 
 Uses ``$KVLAB_TEST_REDIS_URL`` when set (CI); otherwise starts ``redis-server`` on a free local port
-if the binary exists, and otherwise SKIPS every test here with the reason.
+if the binary exists, and otherwise SKIPS every test here with the reason. The full and paused servers
+are always private ``redis-server`` processes started here (a shared server is never paused or filled).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import socket
+import subprocess
 import time
 import uuid
 
@@ -17,6 +25,7 @@ import pytest
 import torch
 
 from kvlab.store import KVStore, MemoryTier, StoreUnavailableError, open_store, prefill_with_store
+from kvlab.store.redis_tier import RedisTier
 
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'kvlab[redis]')")
 
@@ -119,9 +128,11 @@ def test_garbage_in_a_child_index_is_a_counted_miss_not_a_crash(redis_url, prefi
     client.hset(index, "y" * 64, json.dumps({"not": "a list"}))
     client.hset(index, b"\xff" * 64, json.dumps([1, 2]))
     client.hset(index, "z" * 64, json.dumps([1, "two"]))
+    client.hset(index, "a" * 64, "[" * 100_000 + "]" * 100_000)  # deep enough for a RecursionError
+    client.hset(index, "b" * 64, "[" * 40 + "1" + "]" * 40)  # parses, but nests past the bound of 32
     reader = _store(redis_url, prefix)
     m = reader.lookup(ids, reader.namespace(tiny))  # walks the broken index for the 4-token tail
-    assert m.cached_tokens == 16 and reader.tiers[1].counters.corrupt == 4
+    assert m.cached_tokens == 16 and reader.tiers[1].counters.corrupt == 6
     assert torch.equal(m.snapshot.keys[0], tiny.prefill(ids[:16]).snapshot.keys[0])
 
 
@@ -129,3 +140,164 @@ def test_a_redis_db_index_out_of_range_is_a_clear_error(redis_url):
     base = redis_url.rsplit("/", 1)[0]
     with pytest.raises(StoreUnavailableError, match="DB index is out of range"):
         open_store(f"{base}/99999")
+
+
+# -- a hostile or unlucky Redis ---------------------------------------------------------------------
+TIMEOUT_S = 0.3  # the tier's connect and read timeout in these tests
+BOUND_S = 3 * TIMEOUT_S  # what one call may cost, with headroom for a loaded machine
+
+
+def _tier(url: str, prefix: str = "kvlab", **kw) -> RedisTier:
+    return RedisTier(url, prefix=prefix, timeout_s=TIMEOUT_S, connect_timeout_s=TIMEOUT_S, **kw)
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A private redis-server on a free 127.0.0.1 port (this test may fill or pause it): (url, process)."""
+    binary = shutil.which("redis-server") or next(
+        (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.access(p, os.X_OK)), None
+    )
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    for _attempt in range(3):  # another process may take the free port between bind and start
+        port = _free_port()
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+            + ["--logfile", str(tmp_path / "redis.log"), "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(url, socket_timeout=2)
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        else:
+            proc.kill()
+            proc.wait(timeout=10)
+            continue
+        client.close()
+        break
+    else:
+        pytest.fail(f"{binary} did not start (see {tmp_path / 'redis.log'})")
+    try:
+        yield url, proc
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)  # in case a failing test left it paused
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _timed(fn, *args, **kw):
+    started = time.perf_counter()
+    out = fn(*args, **kw)
+    return out, time.perf_counter() - started
+
+
+def test_keys_of_the_wrong_type_are_misses_and_skipped_writes(redis_url, prefix, tiny, caplog):
+    """WRONGTYPE used to escape every lookup of that prefix (a persistent 500 in the server)."""
+    ids = _ids(20)
+    snap = tiny.prefill(ids).snapshot
+    rep = _store(redis_url, prefix).put(snap)  # blocks of 8, 8 and a 4-token tail
+    client = redis.Redis.from_url(redis_url)
+    client.delete(f"{prefix}:b:{rep.hashes[1]}")
+    client.hset(f"{prefix}:b:{rep.hashes[1]}", "not", "a block")  # a block's key holds a hash
+    client.set(f"{prefix}:c:{rep.hashes[1]}", b"not an index")  # the tail's index holds a string
+    reader = KVStore([MemoryTier(), _tier(redis_url, prefix)], block_tokens=8)
+    with caplog.at_level(logging.WARNING, logger="kvlab.store"):
+        m, took = _timed(reader.lookup, ids, reader.namespace(tiny))
+    assert m.cached_tokens == 8 and took < BOUND_S  # block 0, and nothing from the wrong keys
+    assert torch.equal(m.snapshot.keys[0], snap.keys[0][:, :, :8])
+    assert reader.tiers[1].counters.corrupt == 2 and "Traceback" not in caplog.text
+    # both were dropped, so the next put stores the real block and the lookup after it hits again
+    assert client.type(f"{prefix}:b:{rep.hashes[1]}") == b"none"
+    assert client.type(f"{prefix}:c:{rep.hashes[1]}") == b"none"
+    assert reader.put(snap).blocks_written == 1
+    assert _store(redis_url, prefix).lookup(ids, reader.namespace(tiny)).cached_tokens == 16
+    # a write into an index of the wrong type is a skipped write, not an exception
+    other = _ids(40)[20:]
+    root = reader.namespace(tiny).root
+    client.set(f"{prefix}:c:{root}", b"not an index")
+    out, took = _timed(reader.put, tiny.prefill(other).snapshot)
+    assert out.blocks_skipped == 1 and took < BOUND_S and reader.tiers[1].counters.skipped == 1
+    pre = prefill_with_store(tiny, reader, other)  # the engine's path: no exception escapes
+    assert pre.snapshot.seq_len == len(other)
+
+
+def test_a_full_redis_costs_no_request(own_redis, tiny, caplog):
+    """``maxmemory`` reached with the default ``noeviction`` policy: every write is refused with OOM."""
+    url, _ = own_redis
+    client = redis.Redis.from_url(url)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", "1")  # below what an empty server uses: every write is OOM
+    ids = _ids(20)
+    snap = tiny.prefill(ids).snapshot
+    st = KVStore([MemoryTier(), _tier(url)], block_tokens=8)
+    with caplog.at_level(logging.WARNING, logger="kvlab.store"):
+        rep, took = _timed(st.put, snap)
+        assert rep.blocks_skipped == 3 and rep.blocks_written == 0 and took < 3 * BOUND_S
+        fresh = KVStore([MemoryTier(), _tier(url)], block_tokens=8)
+        pre, _ = _timed(prefill_with_store, tiny, fresh, ids)  # what the server does for a new prompt
+        assert pre.stored is not None and pre.stored.blocks_skipped == 3 and pre.cached_tokens == 0
+        for _ in range(5):
+            assert fresh.put(snap).blocks_skipped == 3
+    tier = fresh.tiers[1]
+    assert tier.counters.skipped == 18 and tier.counters.errors == 18
+    oom = [r for r in caplog.records if "OutOfMemoryError" in r.getMessage()]
+    assert len(oom) == 2 and not any(r.exc_info for r in caplog.records)  # one line per store, no traceback
+    client.config_set("maxmemory", "0")  # room again: the next put stores
+    assert fresh.put(snap).blocks_written == 3
+    again = KVStore([MemoryTier(), _tier(url)], block_tokens=8)
+    assert again.lookup(ids, again.namespace(tiny)).cached_tokens == 20
+
+
+def test_a_paused_redis_costs_at_most_the_timeout(own_redis, tiny):
+    """SIGSTOP: the server accepts connections and never answers (it used to cost 52 s per request)."""
+    url, proc = own_redis
+    ids = _ids(20)
+    snap = tiny.prefill(ids).snapshot
+    KVStore([MemoryTier(), _tier(url)], block_tokens=8).put(snap)
+    backoff = 1.5
+    st = KVStore([MemoryTier(), _tier(url, backoff_s=backoff)], block_tokens=8)
+    raw = _tier(url, backoff_s=0.001)  # no back-off to speak of: every call meets the paused server
+    ns = st.namespace(tiny)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        took = {}
+        m, took["first lookup"] = _timed(st.lookup, ids, ns)
+        assert m.cached_tokens == 0 and st.tiers[1].backing_off
+        for i in range(3):  # backing off: the next ones do not wait at all
+            m, took[f"lookup {i}"] = _timed(st.lookup, ids, ns)
+            assert m.cached_tokens == 0
+        rep, took["put"] = _timed(st.put, tiny.prefill(_ids(40)[20:]).snapshot)
+        assert rep.blocks_skipped == 3
+        pre, took["prefill_with_store"] = _timed(prefill_with_store, tiny, st, ids)
+        assert pre.stored is not None and pre.stored.blocks_skipped == 3
+        assert st.tiers[1].counters.errors == 1  # one timeout; the back-off spared every other call
+        for op, args in (
+            ("contains", (ns.root, "a" * 64)),
+            ("get", (ns.root, "a" * 64)),
+            ("children", (ns.root,)),
+            ("put", (st.tiers[0].find(pre.stored.hashes[0]),)),
+        ):
+            time.sleep(0.01)  # past the 1 ms back-off
+            _, took[f"tier {op}"] = _timed(getattr(raw, op), *args)
+        assert raw.counters.errors == 4 and raw.counters.skipped == 1
+        _, took["open"] = _timed(pytest.raises, StoreUnavailableError, _tier, url)
+        slow = {k: round(v, 2) for k, v in took.items() if v >= BOUND_S}
+        assert not slow, f"over {BOUND_S} s with a {TIMEOUT_S} s timeout: {slow}"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + backoff + 5
+    while st.tiers[1].backing_off and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # back: the same store object reads Redis again once its back-off is over
+    assert st.lookup(ids, ns).cached_tokens == 20

@@ -350,15 +350,23 @@ def _read_header(fd: int, path: Path) -> tuple[dict, dict, int]:
             if not 2 <= n <= min(_MAX_HEADER, size - 8):
                 raise _Bad(f"its header length {n} does not fit a {size}-byte file")
             text = f.read(n)
-        header = json.loads(
-            text.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates
+        header = loads_bounded(
+            text.decode("utf-8"),
+            max_bytes=_MAX_HEADER,
+            parse_constant=_reject_constant,
+            object_pairs_hook=_no_duplicates,
         )
         if not isinstance(header, dict):
             raise _Bad("its header is not a JSON object")
         extra = header.get("__metadata__")
         if not isinstance(extra, dict) or set(extra) != {"kvlab"} or not isinstance(extra["kvlab"], str):
             raise _Bad("its header has no kvlab metadata")
-        meta = json.loads(extra["kvlab"], parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        meta = loads_bounded(
+            extra["kvlab"],
+            max_bytes=_MAX_HEADER,
+            parse_constant=_reject_constant,
+            object_pairs_hook=_no_duplicates,
+        )
     except _Bad as exc:
         raise SnapshotFileError(f"{path} is not a kvlab snapshot file ({exc})") from None
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -366,6 +374,37 @@ def _read_header(fd: int, path: Path) -> tuple[dict, dict, int]:
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
     _check_layout(entries, size - 8 - n, path)
     return meta, entries, 8 + n
+
+
+MAX_JSON_DEPTH = 32  # kvlab's own headers nest 6 levels at most (a per-layer RoPE spec inside a record)
+
+
+def loads_bounded(
+    text: str | bytes, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH, **kwargs: Any
+) -> Any:
+    """``json.loads`` for JSON read from files or servers that may be hostile (headers, index entries).
+
+    At most ``max_bytes`` long and nested at most ``max_depth`` levels (``{}`` is one); anything else,
+    including a nesting deep enough to hit Python's recursion limit, raises ``ValueError`` (which
+    ``json.JSONDecodeError`` and ``UnicodeDecodeError`` are too), so a ``RecursionError`` never escapes.
+    ``kwargs`` go to ``json.loads``.
+    """
+    if len(text) > max_bytes:
+        raise ValueError(f"{len(text):,} bytes of JSON, over the {max_bytes:,} allowed here")
+    try:
+        doc = json.loads(text, **kwargs)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:  # iterative: a depth check must not recurse either
+        node, depth = stack.pop()
+        kids = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if kids is None:
+            continue
+        if depth > max_depth:
+            raise ValueError(f"JSON nested deeper than {max_depth} levels")
+        stack.extend((k, depth + 1) for k in kids if isinstance(k, dict | list))
+    return doc
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
@@ -492,18 +531,20 @@ def _check_model(meta: dict, entries: dict, model: Any, path: Path) -> None:
             f"{path} was made by model {meta.get('model_name') or '?'} ({meta['fingerprint'][:12]}), "
             f"not by {model.name} ({model.fingerprint[:12]})"
         )
-    k0 = entries["k.0"]
-    mine = (meta["num_layers"], k0["shape"][1], k0["shape"][3], k0["dtype"])
+    k0, v0 = entries["k.0"], entries["v.0"]
+    # _check_tensors made every layer's K and V agree with these (and V's heads with K's)
+    mine = (meta["num_layers"], k0["shape"][1], k0["shape"][3], v0["shape"][3], k0["dtype"])
     theirs = (
         facts.num_layers,
         facts.num_kv_heads,
         facts.head_dim,
+        getattr(facts, "value_head_dim", None) or facts.head_dim,  # kvlab's models: V's head size is K's
         _DTYPE_NAMES.get(str(model.dtype)[6:], "?"),
     )
     if mine != theirs:
         raise SnapshotFileError(
-            f"{path} claims model {model.name} but its geometry (layers, kv heads, head_dim, dtype) {mine} "
-            f"differs from the model's {theirs}"
+            f"{path} claims model {model.name} but its geometry (layers, kv heads, K head size, V head size, "
+            f"dtype) {mine} differs from the model's {theirs}"
         )
     rope = model.rope
     if (rope.to_json() if rope else None) != meta.get("rope"):

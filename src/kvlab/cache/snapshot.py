@@ -48,7 +48,8 @@ class KVSnapshot:
 
     Attributes:
         keys: one tensor per layer, ``[batch, kv_heads, T, head_dim]``, post-RoPE.
-        values: same shapes as ``keys``.
+        values: ``[batch, kv_heads, T, value_head_dim]``, one shape for all layers; ``value_head_dim`` is
+            ``head_dim`` for every model kvlab loads (the file format and the checks keep them apart).
         token_ids: ``[batch, T]`` int64, the token cached at each slot.
         positions: ``[T]`` int64, the RoPE position each slot's key was rotated to.
         (K/V live on the model's device; ids and positions are metadata kvlab reads on the host, so
@@ -82,10 +83,11 @@ class KVSnapshot:
         shape = tuple(self.keys[0].shape)
         if len(shape) != 4:
             raise BadInputError(f"cached keys must be [batch, kv_heads, seq, head_dim], got shape {shape}")
+        v_shape = tuple(self.values[0].shape)
         for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-            if tuple(k.shape) != shape or tuple(v.shape[:3]) != shape[:3]:
+            if tuple(k.shape) != shape or tuple(v.shape) != v_shape or v_shape[:3] != shape[:3]:
                 raise IncompatibleCacheError(
-                    f"layer {i} has K {tuple(k.shape)} / V {tuple(v.shape)}, layer 0 has K {shape}; "
+                    f"layer {i} has K {tuple(k.shape)} / V {tuple(v.shape)}, layer 0 has K {shape} / V {v_shape}; "
                     "kvlab snapshots need one geometry for all layers"
                 )
         per_layer = getattr(self.rope, "layers", None)
@@ -125,6 +127,11 @@ class KVSnapshot:
     @property
     def head_dim(self) -> int:
         return self.keys[0].shape[3]
+
+    @property
+    def value_head_dim(self) -> int:
+        """The head size of the cached values (``head_dim`` for every model kvlab loads)."""
+        return self.values[0].shape[3]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -260,8 +267,8 @@ class KVSnapshot:
             raise IncompatibleCacheError(
                 f"{what}: the caches come from different models ({self.fingerprint[:12]} vs {other.fingerprint[:12]})"
             )
-        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-        theirs = (other.num_layers, other.num_kv_heads, other.head_dim, other.dtype)
+        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.value_head_dim, self.dtype)
+        theirs = (other.num_layers, other.num_kv_heads, other.head_dim, other.value_head_dim, other.dtype)
         if mine != theirs:
             raise IncompatibleCacheError(f"{what}: cache geometry {mine} differs from {theirs}")
 

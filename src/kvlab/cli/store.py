@@ -168,11 +168,18 @@ def register(app: typer.Typer) -> None:
                 "tokens": len(ids),
                 "blocks_written": rep.blocks_written,
                 "blocks_present": rep.blocks_present,
+                "blocks_skipped": rep.blocks_skipped,
                 "bytes_written": rep.bytes_written,
                 "last_block": rep.hashes[-1],
             },
             json_out,
         )
+        if rep.blocks_skipped:  # Redis down, paused or full: what was written is intact, the rest is not
+            sys.stderr.write(
+                f"kvlab store put: {rep.blocks_skipped} block(s) could not be stored (a tier failed; "
+                "see the warning above)\n"
+            )
+            raise typer.Exit(1)
 
     @store_app.command("get")
     def get_cmd(
@@ -254,9 +261,26 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check every stored block: checksum, hash chain, namespace, geometry and dtype.
 
-        Exit codes: 0 all good (or every finding repaired with --repair), 1 findings, 2 bad input."""
+        Anything else where a block belongs (a folder, FIFO, device, symbolic link, an oversized or
+        malformed file) is reported without being read. Exit codes: 0 all good (or every finding
+        repaired with --repair), 1 findings, 2 bad input."""
         report = _open(store, redis, create=False).verify(repair=repair)
-        _emit(report, json_out)
+        if json_out:
+            _emit(report, True)
+        else:  # one line per tier, one line per finding
+            for tier, r in report.items():
+                console.print(
+                    f"{tier}: {r['ok']:,} good block(s), {len(r['corrupt']):,} bad, "
+                    f"{len(r['temp_files']):,} leftover temp file(s)",
+                    markup=False,
+                    highlight=False,
+                )
+                for c in r["corrupt"]:
+                    where = str(c.get("path") or c.get("key"))
+                    why = " ".join(str(c["reason"]).split())
+                    console.print(f"  bad {where}: {why}", markup=False, highlight=False, soft_wrap=True)
+                for t in r["temp_files"]:
+                    console.print(f"  temp {t}", markup=False, highlight=False, soft_wrap=True)
         bad = sum(len(r["corrupt"]) for r in report.values())
         if bad and not repair:
             sys.stderr.write(

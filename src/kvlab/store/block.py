@@ -28,6 +28,7 @@ import torch
 import xxhash
 from safetensors.torch import save
 
+from kvlab.cache.io import loads_bounded
 from kvlab.store.errors import CorruptBlockError, UnsupportedBlockError
 
 BLOCK_FORMAT = "kvlab.block"
@@ -38,6 +39,10 @@ READ_VERSIONS = (1, 2)
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+#: A block's safetensors header is its token ids, its namespace record and two tensor entries: tens of
+#: KiB for thousands of tokens. A header longer than this, or nested deeper than the JSON bound of
+#: :func:`kvlab.cache.io.loads_bounded`, is not a block's (refused before it is parsed).
+MAX_HEADER_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,10 +173,10 @@ def read_block_meta(buffer: bytes | memoryview) -> tuple[dict, dict, int]:
     view = memoryview(buffer)
     try:
         n = int.from_bytes(view[:8], "little")
-        if len(view) < 8 or n <= 0 or 8 + n > len(view):
+        if len(view) < 8 or n <= 0 or n > MAX_HEADER_BYTES or 8 + n > len(view):
             raise ValueError("bad header length")
-        header = json.loads(bytes(view[8 : 8 + n]))
-        meta = json.loads(header["__metadata__"]["kvlab_block"])
+        header = loads_bounded(bytes(view[8 : 8 + n]), max_bytes=MAX_HEADER_BYTES)
+        meta = loads_bounded(header["__metadata__"]["kvlab_block"], max_bytes=MAX_HEADER_BYTES)
         if not isinstance(meta, dict):
             raise TypeError("metadata is not an object")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
@@ -244,6 +249,9 @@ def parse_block_header(buffer: bytes | memoryview, total_size: int) -> BlockHead
                 raise ValueError(f"{name} has {end - begin} bytes for shape {shape}")
             specs[name] = TensorSpec(dtype, shape, begin, end)
         k, v = specs["k"], specs["v"]
+        (a0, a1), (b0, b1) = sorted([(k.begin, k.end), (v.begin, v.end)])
+        if (a0, a1, b1) != (0, b0, data_bytes):  # the declared size is the file's: no gap, no tail
+            raise ValueError(f"its tensors declare {a1 - a0 + b1 - b0} bytes, the block holds {data_bytes}")
         ids = tuple(map(int, meta["token_ids"]))
         hdr = BlockHeader(
             hash=str(meta["hash"]),

@@ -11,16 +11,26 @@ Layout: ``<root>/kvlab-store.json`` (marks the folder as a store), ``<root>/bloc
 rename of a complete, fsync'ed temporary file, so readers in any process see a whole block or none;
 every read checks the block's checksum and that it is the block asked for; a file's mtime is its last
 use, and eviction removes the least recently used files until the folder is under its cap.
+
+Every file in the folder is treated as hostile: a block file is opened with ``O_NOFOLLOW`` (a symbolic
+link is refused: kvlab never makes one, and ``/dev/zero`` behind one never ends) and ``O_NONBLOCK`` (a
+FIFO cannot block the open), then ``fstat`` must say it is a regular file (no FIFO, device, socket or
+folder); its header is read with a bounded size and JSON depth, and the tensor bytes it declares must be
+exactly the rest of the file before any of them are read. Anything else is a corrupt block: reported,
+quarantined and a miss. A file that cannot be read (permissions, I/O errors) is a counted miss, logged
+at most every 30 s, never an exception out of a lookup.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
 import mmap
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,17 +42,17 @@ import torch
 from kvlab.cache.io import atomic_write_bytes
 from kvlab.errors import BadInputError
 from kvlab.store.block import (
+    MAX_HEADER_BYTES,
     Block,
     BlockHeader,
     decode_block,
     encode_block,
     new_checksum,
     parse_block_header,
-    read_block_meta,
 )
 from kvlab.store.errors import CorruptBlockError, StoreError, StoreWriteError
 from kvlab.store.keys import block_problem
-from kvlab.store.tier import TierCounters
+from kvlab.store.tier import RateLimitedLog, TierCounters
 
 log = logging.getLogger("kvlab.store")
 
@@ -58,6 +68,87 @@ _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 _GROUP_BYTES = 512 * 1024  # read_into reads and hashes this much at a time (fits in L2)
 DECLINED = "declined"  # read_into: the caller's ``dest`` refused the block (nothing read, nothing counted)
+# How every block file is opened: never through a symbolic link, never blocking (a FIFO), never inherited.
+_OPEN_FLAGS = (
+    os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+)
+_LINK_ERRNOS = {errno.ELOOP, errno.EMLINK, errno.ENXIO}  # O_NOFOLLOW on a link (Linux, BSD); a socket
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words (for refusals)."""
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+class NotABlockFile(CorruptBlockError):
+    """Something that can never be a block sits where a block file belongs (a folder, FIFO, device, link)."""
+
+
+def open_block_file(path: str | Path) -> tuple[int, os.stat_result]:
+    """An fd of the block file at ``path`` and its ``fstat``, opened so that no file can hang or redirect it.
+
+    Raises FileNotFoundError (nothing there), :class:`NotABlockFile` (a symbolic link, folder, FIFO,
+    device or socket: refused without reading a byte) or OSError (a file that cannot be read).
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno in _LINK_ERRNOS:
+            try:
+                kind = file_kind(os.lstat(path).st_mode)
+            except OSError:
+                kind = "not a regular file"
+            raise NotABlockFile(f"{kind}, not a block file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotABlockFile(f"{file_kind(st.st_mode)}, not a block file")
+    return fd, st
+
+
+def read_header_at(fd: int, size: int) -> BlockHeader:
+    """The checked header of the open block file ``fd`` of ``size`` bytes (only its header is read).
+
+    Its declared tensor bytes must be exactly the rest of the file, so nothing beyond what the header
+    says is ever read after it.
+    """
+    head = os.pread(fd, _HEAD_BYTES, 0)
+    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+    if n > MAX_HEADER_BYTES:
+        raise CorruptBlockError(f"its header claims {n:,} bytes, over the {MAX_HEADER_BYTES:,} a block has")
+    need = 8 + n
+    if len(head) < need <= size:
+        head += os.pread(fd, need - len(head), len(head))
+    return parse_block_header(head, size)
+
+
+def read_exactly(fd: int, into: memoryview, offset: int = 0) -> bool:
+    """Fill ``into`` from ``fd`` at ``offset``; False if the file ends first."""
+    got = 0
+    while got < len(into):
+        n = os.preadv(fd, [into[got:]], offset + got)
+        if not n:
+            return False
+        got += n
+    return True
 
 
 class ReadBuffer:
@@ -74,12 +165,17 @@ class ReadBuffer:
 
 @dataclass(frozen=True)
 class RawRead:
-    """The bytes of one block file as read (``data`` None and no ``error``: the file does not exist)."""
+    """The bytes of one block file as read (``data`` None and no ``error``: the file does not exist).
+
+    ``error`` says why the file is not a block (it is quarantined), ``unreadable`` why it could not be
+    read at all (permissions, I/O; it is left in place and counted as an error).
+    """
 
     path: Path
     data: Any
     error: str | None
     seconds: float
+    unreadable: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +185,11 @@ class DiskEntry:
     path: Path
     nbytes: int
     mtime: float
+    kind: str = "a regular file"  # what lstat says it is; only regular files are ever read
+
+    @property
+    def regular(self) -> bool:
+        return self.kind == "a regular file"
 
 
 class DiskTier:
@@ -106,6 +207,7 @@ class DiskTier:
         self.max_bytes = int(max_bytes)
         self.low_water = low_water
         self.counters = TierCounters()
+        self._log = RateLimitedLog(log)
         self._open(create)
         self._approx_bytes: int | None = None
 
@@ -133,7 +235,25 @@ class DiskTier:
 
     # -- reads -------------------------------------------------------------------------------------
     def contains(self, parent: str, block_hash: str) -> bool:
-        return self._path(parent, block_hash).is_file()
+        """Whether a block file is there (not read). Something else at its name (a folder, a FIFO, a link)
+        is reported and quarantined, so the block can be written again; an unreadable folder is a no."""
+        path = self._path(parent, block_hash)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self._unreadable(path, exc)
+            return False
+        if stat.S_ISREG(mode):
+            return True
+        self._quarantine(path, f"{file_kind(mode)}, not a block file")
+        return False
+
+    def _unreadable(self, path: Path, exc: OSError | str) -> None:
+        self.counters.errors += 1
+        why = exc if isinstance(exc, str) else (exc.strerror or str(exc))
+        self._log.warn("unreadable", f"kvlab store: cannot read {path} ({why}); treated as a miss")
 
     def get(self, parent: str, block_hash: str, scratch: ReadBuffer | None = None) -> Block | None:
         """The block or None (missing or corrupt).
@@ -153,9 +273,9 @@ class DiskTier:
         if not hasattr(os, "posix_fadvise"):
             return
         try:
-            fd = os.open(self._path(parent, block_hash), os.O_RDONLY)
-        except OSError:
-            return
+            fd, _ = open_block_file(self._path(parent, block_hash))
+        except (OSError, CorruptBlockError):
+            return  # the read that follows reports it
         try:
             if _NOWAIT:
                 size = os.fstat(fd).st_size
@@ -175,31 +295,45 @@ class DiskTier:
         path = self._path(parent, block_hash)
         started = time.perf_counter()
         data: Any = None
-        error = None
+        error = unreadable = None
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    error = "empty block file"
-                elif scratch is None:
+            fd, st = open_block_file(path)
+        except FileNotFoundError:
+            return RawRead(path, None, None, time.perf_counter() - started)
+        except CorruptBlockError as exc:
+            return RawRead(path, None, str(exc), time.perf_counter() - started)
+        except OSError as exc:
+            return RawRead(path, None, None, time.perf_counter() - started, exc.strerror or str(exc))
+        try:
+            size = st.st_size
+            if size == 0:
+                error = "empty block file"
+            elif size > self.max_bytes:
+                unreadable = f"{size:,} bytes, over this tier's cap of {self.max_bytes:,}; not read"
+            else:
+                read_header_at(fd, size)  # the declared size is the file's, before the tensors are read
+                if scratch is None:
                     # MAP_POPULATE maps every page up front: one kernel call instead of a fault per 4 KiB page.
-                    data = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+                    data = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
                 else:
                     data = scratch.view(size)
-                    got = 0
-                    while got < size:
-                        n = f.readinto(data[got:])
-                        if not n:
-                            error = "the file shrank while it was read"
-                            break
-                        got += n
-        except FileNotFoundError:
-            data = None
-        return RawRead(path, data, error, time.perf_counter() - started)
+                    if not read_exactly(fd, data):
+                        data, error = None, "the file shrank while it was read"
+        except CorruptBlockError as exc:
+            data, error = None, str(exc)
+        except OSError as exc:
+            data, unreadable = None, exc.strerror or str(exc)
+        finally:
+            os.close(fd)
+        return RawRead(path, data, error, time.perf_counter() - started, unreadable)
 
     def finish_read(self, raw: RawRead, parent: str | None, block_hash: str) -> Block | None:
         """Verify what :meth:`read_raw` read; a corrupt block is quarantined and, like a missing one, a miss."""
         started = time.perf_counter()
+        if raw.unreadable is not None:
+            self._unreadable(raw.path, raw.unreadable)
+            self.counters.misses += 1
+            return None
         if raw.data is None and raw.error is None:
             self.counters.misses += 1
             return None
@@ -240,19 +374,26 @@ class DiskTier:
         path = self._path(parent, block_hash)
         started = time.perf_counter()
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd, st = open_block_file(path)
         except FileNotFoundError:
+            self.counters.misses += 1
+            return None
+        except CorruptBlockError as exc:
+            self._quarantine(path, str(exc))
+            self.counters.misses += 1
+            return None
+        except OSError as exc:
+            self._unreadable(path, exc)
             self.counters.misses += 1
             return None
         try:
             try:
-                st = os.fstat(fd)
                 size = st.st_size
-                head = os.pread(fd, _HEAD_BYTES, 0)
-                need = 8 + int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
-                if len(head) < need <= size:
-                    head += os.pread(fd, need - len(head), len(head))
-                hdr = parse_block_header(head, size)
+                if size > self.max_bytes:
+                    self._unreadable(path, f"{size:,} bytes, over this tier's cap of {self.max_bytes:,}")
+                    self.counters.misses += 1
+                    return None
+                hdr = read_header_at(fd, size)
                 if hdr.hash != block_hash:
                     raise CorruptBlockError(f"block file holds {hdr.hash[:12]}, expected {block_hash[:12]}")
                 if hdr.parent != parent:
@@ -268,6 +409,11 @@ class DiskTier:
                     raise CorruptBlockError(f"block {block_hash[:12]} failed its {hdr.algorithm} checksum")
             except CorruptBlockError as exc:
                 self._quarantine(path, str(exc))
+                self.counters.misses += 1
+                return None
+            except OSError as exc:
+                # an I/O error mid-read: the destination holds garbage, the caller drops it (None)
+                self._unreadable(path, exc)
                 self.counters.misses += 1
                 return None
             if time.time() - st.st_mtime >= TOUCH_SECONDS:  # mtime = last use (LRU order for eviction)
@@ -290,17 +436,42 @@ class DiskTier:
             names = os.listdir(folder)
         except FileNotFoundError:
             return out
+        except OSError as exc:  # a file or an unreadable folder where the parent's folder belongs
+            self._unreadable(folder, exc)
+            return out
         for name in names:
             if not name.endswith(SUFFIX) or name.startswith("."):
                 continue
-            try:
-                with open(folder / name, "rb") as f:
-                    n = int.from_bytes(f.read(8), "little")
-                    meta, _, _ = read_block_meta(n.to_bytes(8, "little") + f.read(min(max(n, 0), 50_000_000)))
-                out[name[: -len(SUFFIX)]] = tuple(int(t) for t in meta["token_ids"])
-            except (OSError, CorruptBlockError, KeyError, ValueError, TypeError):
-                continue  # unreadable: it will be caught (and quarantined) if it is ever read
+            header = self.read_header(folder / name, quarantine=True)
+            if isinstance(header, BlockHeader):
+                out[name[: -len(SUFFIX)]] = header.token_ids
         return out
+
+    def read_header(self, path: Path, *, quarantine: bool = False) -> BlockHeader | str | None:
+        """The checked header of the block file at ``path`` (tensors not read): the header, why it is not
+        a block (quarantined with ``quarantine``), or None if nothing is there (or it is unreadable)."""
+        try:
+            fd, st = open_block_file(path)
+        except FileNotFoundError:
+            return None
+        except CorruptBlockError as exc:
+            if quarantine:
+                self._quarantine(path, str(exc))
+            return str(exc)
+        except OSError as exc:
+            self._unreadable(path, exc)
+            return None
+        try:
+            return read_header_at(fd, st.st_size)
+        except CorruptBlockError as exc:
+            if quarantine:
+                self._quarantine(path, str(exc))
+            return str(exc)
+        except OSError as exc:
+            self._unreadable(path, exc)
+            return None
+        finally:
+            os.close(fd)
 
     def find(self, block_hash: str) -> Block | None:
         for entry in self.entries():
@@ -309,32 +480,56 @@ class DiskTier:
         return None
 
     def entries(self) -> Iterator[DiskEntry]:
-        """Every block file (temporary files of unfinished writes are skipped)."""
+        """Everything named like a block file (temporary files of unfinished writes are skipped), as ``lstat``
+        sees it: an entry that is not a regular file (``entry.regular`` False) is never read, never
+        counted in the tier's size, and is reported by :meth:`verify`. Folders that cannot be listed are
+        skipped (and logged)."""
         blocks = self.root / "blocks"
-        if not blocks.is_dir():
+        try:
+            parents = list(os.scandir(blocks))
+        except FileNotFoundError:
             return
-        for parent_dir in os.scandir(blocks):
-            if not parent_dir.is_dir():
+        except OSError as exc:
+            self._unreadable(blocks, exc)
+            return
+        for parent_dir in parents:
+            try:
+                if not parent_dir.is_dir(follow_symlinks=False):
+                    continue
+                children = list(os.scandir(parent_dir.path))
+            except OSError as exc:
+                self._unreadable(Path(parent_dir.path), exc)
                 continue
-            for e in os.scandir(parent_dir.path):
+            for e in children:
                 if e.name.endswith(SUFFIX) and not e.name.startswith("."):
                     try:
-                        st = e.stat()
+                        st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
+                    except OSError as exc:
+                        self._unreadable(Path(e.path), exc)
+                        continue
                     yield DiskEntry(
-                        parent_dir.name, e.name[: -len(SUFFIX)], Path(e.path), st.st_size, st.st_mtime
+                        parent_dir.name,
+                        e.name[: -len(SUFFIX)],
+                        Path(e.path),
+                        st.st_size if stat.S_ISREG(st.st_mode) else 0,
+                        st.st_mtime,
+                        file_kind(st.st_mode),
                     )
 
     def temp_files(self) -> list[Path]:
         blocks = self.root / "blocks"
-        return sorted(blocks.glob("*/.*.tmp")) if blocks.is_dir() else []
+        try:
+            return sorted(blocks.glob("*/.*.tmp")) if blocks.is_dir() else []
+        except OSError:
+            return []
 
     # -- writes ------------------------------------------------------------------------------------
     def put(self, block: Block) -> list[Block]:
         """Write the block (atomically) unless present; evicts LRU files beyond the cap."""
         path = self._path(block.parent, block.hash)
-        if path.is_file():
+        if self.contains(block.parent, block.hash):  # (something else at its name is moved away first)
             return []
         data = encode_block(block)
         if len(data) > self.max_bytes:
@@ -349,17 +544,21 @@ class DiskTier:
                 "free disk space or lower the disk tier's cap (blocks already stored are intact)"
             ) from None
         self.counters.puts += 1
-        if self._approx_bytes is None:
-            self._approx_bytes = self.usage()[1]
-        else:
-            self._approx_bytes += len(data)
-        if self._approx_bytes > self.max_bytes:
-            self.evict_to(int(self.max_bytes * self.low_water))
+        try:
+            if self._approx_bytes is None:
+                self._approx_bytes = self.usage()[1]
+            else:
+                self._approx_bytes += len(data)
+            if self._approx_bytes > self.max_bytes:
+                self.evict_to(int(self.max_bytes * self.low_water))
+        except OSError as exc:  # the block is written; eviction tries again on the next put
+            self._unreadable(self.root, exc)
+            self._approx_bytes = None
         return []
 
     def evict_to(self, target_bytes: int) -> int:
         """Delete least recently used block files until the tier holds at most ``target_bytes``."""
-        entries = sorted(self.entries(), key=lambda e: e.mtime)
+        entries = sorted((e for e in self.entries() if e.regular), key=lambda e: e.mtime)
         total = sum(e.nbytes for e in entries)
         removed = 0
         for e in entries:
@@ -371,6 +570,9 @@ class DiskTier:
                 self.counters.evictions += 1
             except FileNotFoundError:
                 pass  # another process evicted it first
+            except OSError as exc:
+                self._unreadable(e.path, exc)
+                continue
             total -= e.nbytes
         self._approx_bytes = total
         return removed
@@ -378,9 +580,19 @@ class DiskTier:
     def delete(self, block_hash: str) -> bool:
         for e in self.entries():
             if e.hash == block_hash:
-                e.path.unlink(missing_ok=True)
+                if not e.regular:
+                    self._quarantine(e.path, f"{e.kind}, not a block file")
+                    return True
+                try:
+                    e.path.unlink(missing_ok=True)
+                except OSError as exc:
+                    raise StoreError(f"cannot delete {e.path}: {exc.strerror or exc}") from None
                 return True
         return False
+
+    def discard(self, parent: str, block_hash: str, reason: str) -> None:
+        """Quarantine a block that is not what its name says (reported)."""
+        self._quarantine(self._path(parent, block_hash), reason)
 
     def _quarantine(self, path: Path, reason: str) -> None:
         self.counters.corrupt += 1
@@ -398,8 +610,9 @@ class DiskTier:
     def usage(self) -> tuple[int, int]:
         n = total = 0
         for e in self.entries():
-            n += 1
-            total += e.nbytes
+            if e.regular:
+                n += 1
+                total += e.nbytes
         return n, total
 
     def verify(self, *, repair: bool = False) -> dict:
@@ -407,8 +620,7 @@ class DiskTier:
         ok, corrupt = 0, []
         for e in list(self.entries()):
             try:
-                with open(e.path, "rb") as f:
-                    block = decode_block(f.read(), expect_hash=e.hash)
+                block = self._verify_one(e)
                 if block.parent != e.parent:
                     raise CorruptBlockError("filed under the wrong parent")
                 problem = block_problem(block)
@@ -421,7 +633,27 @@ class DiskTier:
                 corrupt.append({"path": str(e.path), "reason": str(exc)})
                 if repair:
                     self._quarantine(e.path, str(exc))
+            except OSError as exc:  # left in place: it may be readable another time
+                corrupt.append({"path": str(e.path), "reason": f"cannot be read: {exc.strerror or exc}"})
         return {"ok": ok, "corrupt": corrupt, "temp_files": [str(p) for p in self.temp_files()]}
+
+    def _verify_one(self, entry: DiskEntry) -> Block:
+        """The block in ``entry``'s file, fully checked; refused before reading if it is not a regular file,
+        its header is not a block's, or its declared size is not the file's."""
+        fd, st = open_block_file(entry.path)
+        try:
+            size = st.st_size
+            if size > self.max_bytes:
+                raise CorruptBlockError(
+                    f"{size:,} bytes, over this tier's cap of {self.max_bytes:,}; not read"
+                )
+            read_header_at(fd, size)
+            data = bytearray(size)
+            if not read_exactly(fd, memoryview(data)):
+                raise CorruptBlockError("the file shrank while it was read")
+        finally:
+            os.close(fd)
+        return decode_block(data, expect_hash=entry.hash)
 
     def gc(self, *, max_bytes: int | None = None, stale_seconds: float = STALE_TEMP_SECONDS) -> dict:
         """Remove leftovers of killed writes (older than ``stale_seconds``), evict to the cap, drop empty folders."""
@@ -429,15 +661,20 @@ class DiskTier:
         temps = 0
         for p in self.temp_files():
             try:
-                if now - p.stat().st_mtime >= stale_seconds:
+                st = p.lstat()
+                if not stat.S_ISREG(st.st_mode):
+                    continue  # kvlab's temp files are regular files; anything else is not ours to remove
+                if now - st.st_mtime >= stale_seconds:
                     p.unlink()
                     temps += 1
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                self._unreadable(p, exc)
         evicted = self.evict_to(self.max_bytes if max_bytes is None else max_bytes)
         blocks = self.root / "blocks"
-        if blocks.is_dir():
-            for d in blocks.iterdir():
+        with contextlib.suppress(OSError):
+            for d in list(blocks.iterdir()) if blocks.is_dir() else []:
                 with contextlib.suppress(OSError):
                     d.rmdir()  # only succeeds when empty
         return {"temp_files_removed": temps, "evicted": evicted}

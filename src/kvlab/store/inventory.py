@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from kvlab.store.block import read_block_meta
-from kvlab.store.errors import CorruptBlockError
+from kvlab.store.block import BlockHeader
 from kvlab.store.store import KVStore
 
 
@@ -25,21 +24,15 @@ def list_blocks(store: KVStore) -> list[dict]:
                 )
         elif tier.name == "disk":
             for e in tier.entries():
-                try:
-                    with open(e.path, "rb") as f:
-                        n = int.from_bytes(f.read(8), "little")
-                        meta, _, _ = read_block_meta(
-                            n.to_bytes(8, "little") + f.read(min(max(n, 0), 50_000_000))
-                        )
-                except (OSError, CorruptBlockError):
-                    meta = {"start": -1, "token_ids": []}
+                # never opens a FIFO or follows a link; a file that is not a block is listed as start -1
+                header = tier.read_header(e.path) if e.regular else None
                 rows.append(
                     {
                         "tier": "disk",
                         "hash": e.hash,
                         "parent": e.parent,
-                        "start": meta.get("start", -1),
-                        "tokens": len(meta.get("token_ids", [])),
+                        "start": header.start if isinstance(header, BlockHeader) else -1,
+                        "tokens": header.num_tokens if isinstance(header, BlockHeader) else 0,
                         "bytes": e.nbytes,
                     }
                 )

@@ -42,7 +42,8 @@ class Namespace:
     quantization: str | None = None
     salt: str | None = None
     model_name: str = ""
-    #: (layers, KV heads, head dim) of every cached K and V; None only for namespaces built by hand.
+    #: (layers, KV heads, head dim) of every cached K and V (V's head size is K's, as in every model
+    #: kvlab loads); None only for namespaces built by hand.
     geometry: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -152,18 +153,52 @@ def block_problem(block: Any) -> str | None:
         return "its namespace record does not hash to its namespace"
     k, v = block.keys, block.values
     if ns.geometry is not None and (
-        (k.shape[0], k.shape[1], k.shape[3]) != ns.geometry or (v.shape[0], v.shape[1]) != ns.geometry[:2]
+        (k.shape[0], k.shape[1], k.shape[3]) != ns.geometry
+        or (v.shape[0], v.shape[1], v.shape[3]) != ns.geometry
     ):
-        return f"its K/V shape {tuple(k.shape)} is not its namespace's geometry {ns.geometry}"
+        return (
+            f"its K {tuple(k.shape)} / V {tuple(v.shape)} do not have its namespace's geometry "
+            f"{ns.geometry} (layers, KV heads, head size)"
+        )
     if _dtype_name(k.dtype) != ns.dtype or _dtype_name(v.dtype) != ns.dtype:
         return f"its dtype {_dtype_name(k.dtype)} is not its namespace's {ns.dtype}"
     return None
 
 
 def snapshot_geometry(snapshot: Any) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a snapshot's cache."""
+    """(layers, KV heads, head dim) of a snapshot's cache (of its keys; see :func:`geometry_problem`)."""
     k = snapshot.keys[0]
     return (len(snapshot.keys), int(k.shape[1]), int(k.shape[3]))
+
+
+def geometry_problem(snapshot: Any, geometry: tuple[int, int, int] | None, dtype: str) -> str | None:
+    """Why ``snapshot``'s K and V cannot be blocks of a namespace of ``geometry`` and ``dtype``, or None.
+
+    Every layer's K and V must be ``[batch, heads, T, head]`` with the namespace's layers, KV heads and
+    head size (V's head size included: a cache whose values are narrower than its keys would pass a
+    check of the keys alone and fail inside the model), and both must have its dtype.
+    """
+    keys, values = snapshot.keys, snapshot.values
+    k0, v0 = keys[0], values[0]
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        if (
+            k.dim() != 4
+            or v.dim() != 4
+            or tuple(k.shape) != tuple(k0.shape)
+            or tuple(v.shape) != tuple(v0.shape)
+        ):
+            return f"layer {i} has K {tuple(k.shape)} / V {tuple(v.shape)}, unlike layer 0"
+        if _dtype_name(k.dtype) != dtype or _dtype_name(v.dtype) != dtype:
+            return f"layer {i} has K {_dtype_name(k.dtype)} / V {_dtype_name(v.dtype)}, not {dtype}"
+    if tuple(v0.shape[:3]) != tuple(k0.shape[:3]):
+        return f"V {tuple(v0.shape)} does not match K {tuple(k0.shape)}"
+    if geometry is not None:
+        got = (len(keys), int(k0.shape[1]), int(k0.shape[3]))
+        if got != geometry:
+            return f"geometry {got} (layers, KV heads, K head size) is not {geometry}"
+        if int(v0.shape[3]) != geometry[2]:
+            return f"V head size {int(v0.shape[3])} is not the K head size {geometry[2]}"
+    return None
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:

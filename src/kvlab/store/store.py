@@ -7,10 +7,17 @@ of the last matched block sharing the longest run of the remaining tokens (so a 
 inside a block, or is shorter than one, still hits). A block found in a slower tier is promoted to
 the faster ones; a block evicted from a tier is demoted to the next one if that tier lacks it.
 One :class:`KVStore` object is not thread-safe; processes share a store through disk and Redis.
+
+A tier that fails never fails a lookup: an unreadable, hostile or corrupt block is a miss (reported),
+and a block whose K/V do not have its namespace's geometry (layers, KV heads, K *and* V head size) or
+dtype is never returned. A put refuses a snapshot of another geometry than its namespace's; a write
+that Redis cannot take is skipped and counted (``PutReport.blocks_skipped``); a disk that cannot be
+written raises :class:`~kvlab.store.errors.StoreWriteError`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -25,12 +32,14 @@ from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError
 from kvlab.metrics.text import agreement_length
 from kvlab.model.handle import as_handle
 from kvlab.store.block import Block, BlockHeader
-from kvlab.store.disk import ReadBuffer
-from kvlab.store.errors import BlockNotFoundError, CorruptBlockError
-from kvlab.store.keys import DEFAULT_BLOCK_TOKENS, Namespace, block_hash, snapshot_geometry
+from kvlab.store.disk import DECLINED, ReadBuffer
+from kvlab.store.errors import BlockNotFoundError, CorruptBlockError, StoreError
+from kvlab.store.keys import DEFAULT_BLOCK_TOKENS, Namespace, block_hash, geometry_problem, snapshot_geometry
 from kvlab.store.keys import block_hash as _hash_of
 from kvlab.store.memory import MemoryTier
-from kvlab.store.tier import Tier
+from kvlab.store.tier import RateLimitedLog, Tier
+
+log = logging.getLogger("kvlab.store")
 
 
 @dataclass(frozen=True)
@@ -52,10 +61,14 @@ class Match:
 
 @dataclass(frozen=True)
 class PutReport:
+    """What a put did: blocks written to the store's durable tier (or memory, for a memory-only store),
+    blocks already there, and blocks a durable tier could not take (Redis down, paused or full)."""
+
     blocks_written: int
     blocks_present: int
     bytes_written: int
     hashes: tuple[str, ...]
+    blocks_skipped: int = 0
 
 
 def scheme_ok(url: str) -> bool:
@@ -66,13 +79,16 @@ def check_snapshot_matches_model(snapshot: KVSnapshot, model: Any) -> None:
     """Refuse a snapshot that ``model`` could not have produced: fingerprint, geometry, dtype, RoPE."""
     facts = model.facts
     want = (facts.num_layers, facts.num_kv_heads, facts.head_dim)
+    v_want = getattr(facts, "value_head_dim", None) or facts.head_dim  # kvlab's models: V's head size is K's
     problems = []
     if snapshot.fingerprint != model.fingerprint:
         problems.append("model fingerprint")
     if snapshot_geometry(snapshot) != want:
         problems.append(f"geometry {snapshot_geometry(snapshot)} (the model's is {want})")
-    if snapshot.dtype != model.dtype:
-        problems.append(f"dtype {snapshot.dtype} (the model's is {model.dtype})")
+    if snapshot.value_head_dim != v_want:
+        problems.append(f"V head size {snapshot.value_head_dim} (the model's is {v_want})")
+    if snapshot.dtype != model.dtype or snapshot.values[0].dtype != model.dtype:
+        problems.append(f"dtype {snapshot.dtype}/{snapshot.values[0].dtype} (the model's is {model.dtype})")
     if snapshot.rope != model.rope:
         problems.append("RoPE spec")
     if problems:
@@ -100,6 +116,8 @@ class KVStore:
         self.promote = promote
         self.lookups = self.hit_tokens = self.miss_tokens = 0
         self.malformed = 0  # crafted or damaged chains/indexes met (each answered as a miss or an error)
+        self.misfit_blocks = 0  # blocks refused by a lookup: not their namespace's geometry or dtype
+        self._log = RateLimitedLog(log)
 
     # -- namespaces --------------------------------------------------------------------------------
     def namespace(self, model: Any, *, salt: str | None = None, quantization: str | None = None) -> Namespace:
@@ -136,14 +154,11 @@ class KVStore:
                 "re-prefill a rolled or shifted cache first"
             )
         ns = namespace or self.namespace(snapshot, salt=salt, quantization=quantization)
-        if (
-            ns.fingerprint != snapshot.fingerprint
-            or ns.dtype != str(snapshot.dtype).replace("torch.", "")
-            or ns.rope != snapshot.rope
-            or (ns.geometry is not None and ns.geometry != snapshot_geometry(snapshot))
-        ):
+        misfit = geometry_problem(snapshot, ns.geometry, ns.dtype)
+        if ns.fingerprint != snapshot.fingerprint or ns.rope != snapshot.rope or misfit:
             raise IncompatibleCacheError(
                 "the namespace names another model, geometry, dtype or RoPE than the snapshot"
+                + (f" ({misfit})" if misfit else "")
             )
         if ns.quantization is None and not snapshot.is_prefill:
             # The exact namespace promises "what a prefill of these tokens by this model gives".
@@ -159,8 +174,9 @@ class KVStore:
             )
         ids = snapshot.token_list()
         parent, info, n = ns.root, ns.info(), self.block_tokens
-        written = present = nbytes = 0
+        written = present = skipped = nbytes = 0
         hashes = []
+        durable = [i for i, t in enumerate(self.tiers) if t.persistent] or [0]
         for start in range(0, len(ids), n):
             chunk = ids[start : start + n]
             h = block_hash(parent, chunk)
@@ -185,20 +201,33 @@ class KVStore:
                     .contiguous(),
                     namespace_info=info,
                 )
+                failed = set()
                 for i in missing:
+                    before = self.tiers[i].counters.skipped
                     self._insert(i, block)
+                    if self.tiers[i].counters.skipped > before:  # the tier could not take it (Redis)
+                        failed.add(i)
+                stored = [i for i in missing if i not in failed]
+            else:
+                stored, failed = [], set()
             # "written" counts what reached the store's durable tier (or memory, for a memory-only
             # store): a re-put from a new process fills its empty memory tier but writes nothing.
-            durable = [i for i, t in enumerate(self.tiers) if t.persistent] or [0]
-            if any(i in missing for i in durable):
+            if any(i in stored for i in durable):
                 written += 1
                 nbytes += block.nbytes
+            elif any(i in failed for i in durable):
+                skipped += 1
             else:
                 present += 1
             if len(chunk) < n:
                 break
             parent = h
-        return PutReport(written, present, nbytes, tuple(hashes))
+        if skipped:
+            self._log.warn(
+                "put-skipped",
+                f"kvlab store: {skipped} block(s) of this cache could not be stored (a tier failed; see above)",
+            )
+        return PutReport(written, present, nbytes, tuple(hashes), skipped)
 
     def _insert(self, index: int, block: Block) -> None:
         """Put into tier ``index``; demote whatever it evicts to the next tier that lacks it."""
@@ -289,25 +318,40 @@ class KVStore:
         served: dict[str, int] = {}
         at = 0
 
-        def fits(k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-            if namespace.geometry is not None:
-                layers, heads, dim = namespace.geometry
-                if tuple(k_shape[:2]) + tuple(k_shape[3:]) != (layers, heads, dim) or tuple(v_shape[:2]) != (
-                    layers,
-                    heads,
+        misfit: list[str] = []  # why the last block offered did not fit (then the lookup stops there)
+
+        def fits(
+            k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype, v_dtype: torch.dtype
+        ) -> bool:
+            """Whether a block's K/V have the namespace's full geometry (layers, KV heads, K and V head
+            sizes) and dtype, and those of the blocks before it; records why not."""
+            misfit.clear()
+            k_geo = (k_shape[0], k_shape[1], k_shape[3]) if len(k_shape) == 4 else tuple(k_shape)
+            v_geo = (v_shape[0], v_shape[1], v_shape[3]) if len(v_shape) == 4 else tuple(v_shape)
+            if namespace.geometry is not None and (
+                k_geo != namespace.geometry or v_geo != namespace.geometry
+            ):
+                misfit.append(
+                    f"K {tuple(k_shape)} / V {tuple(v_shape)}, not the geometry {namespace.geometry}"
+                )
+            elif str(dtype).replace("torch.", "") != namespace.dtype or v_dtype != dtype:
+                misfit.append(f"dtype {dtype}/{v_dtype}, not {namespace.dtype}")
+            elif len(k_shape) != 4 or len(v_shape) != 4:
+                misfit.append(
+                    f"K {tuple(k_shape)} / V {tuple(v_shape)} are not [layers, heads, tokens, head]"
+                )
+            else:
+                if not out:
+                    out.append(_alloc((k_shape[0], k_shape[1], total, k_shape[3]), dtype))
+                    out.append(_alloc((v_shape[0], v_shape[1], total, v_shape[3]), dtype))
+                keys, values = out
+                if (
+                    k_geo != (keys.shape[0], keys.shape[1], keys.shape[3])
+                    or v_geo != (values.shape[0], values.shape[1], values.shape[3])
+                    or dtype != keys.dtype
                 ):
-                    return False
-            if str(dtype).replace("torch.", "") != namespace.dtype:
-                return False
-            if not out:
-                out.append(_alloc((k_shape[0], k_shape[1], total, k_shape[3]), dtype))
-                out.append(_alloc((v_shape[0], v_shape[1], total, v_shape[3]), dtype))
-            keys, values = out
-            return (
-                tuple(k_shape[:2]) + tuple(k_shape[3:]) == keys.shape[:2] + keys.shape[3:]
-                and tuple(v_shape[:2]) + tuple(v_shape[3:]) == values.shape[:2] + values.shape[3:]
-                and dtype == keys.dtype
-            )
+                    misfit.append(f"K {tuple(k_shape)} / V {tuple(v_shape)} differ from the blocks before it")
+            return not misfit
 
         # Ask tiers that can (disk: posix_fadvise WILLNEED) to start reading a few blocks ahead, so the
         # device read of block j+1.. overlaps the checksum and copy of block j. No threads involved.
@@ -325,18 +369,23 @@ class KVStore:
 
                 def dest(hdr: BlockHeader, at: int = at, take: int = take, want: tuple = want) -> Any:
                     # None declines: a block of which only part is used (num_tokens > take) takes the
-                    # general path, which copies that part; a mismatching block fails there too.
+                    # general path, which copies that part; a mismatching block fails there too. A
+                    # block of another geometry is declined before a byte of its tensors is read.
                     if (
                         hdr.namespace != namespace.root
                         or hdr.start != at
                         or hdr.num_tokens != take
                         or hdr.token_ids != want
-                        or not fits(hdr.k.shape, hdr.v.shape, hdr.k.dtype)
+                        or not fits(hdr.k.shape, hdr.v.shape, hdr.k.dtype, hdr.v.dtype)
                     ):
                         return None
                     return out[0][:, :, at : at + take], out[1][:, :, at : at + take]
 
+                misfit.clear()
                 direct = tier.read_into(parent, h, dest)
+                if direct == DECLINED and misfit:
+                    self._misfit(tier, parent, h, misfit[0], namespace)
+                    break
                 if isinstance(direct, BlockHeader) and self.promote and where > 0:
                     block = Block(
                         direct.hash,
@@ -356,9 +405,12 @@ class KVStore:
                     or block.namespace != namespace.root
                     or block.start != at
                     or block.token_ids[:take] != want
-                    or not fits(tuple(block.keys.shape), tuple(block.values.shape), block.keys.dtype)
-                    or block.values.dtype != block.keys.dtype
                 ):
+                    break
+                if not fits(
+                    tuple(block.keys.shape), tuple(block.values.shape), block.keys.dtype, block.values.dtype
+                ):
+                    self._misfit(tier, parent, h, misfit[0], namespace)
                     break
                 out[0][:, :, at : at + take].copy_(block.keys[:, :, :take])
                 out[1][:, :, at : at + take].copy_(block.values[:, :, :take])
@@ -386,6 +438,19 @@ class KVStore:
         )
         return snapshot, used, served
 
+    def _misfit(self, tier: Tier, parent: str, h: str, why: str, namespace: Namespace) -> None:
+        """A block that passed its checksum but does not have its namespace's geometry or dtype: never
+        served, reported, and (the namespace's root hashes its geometry, so the block cannot belong to
+        its chain) removed from its tier so the next put can store the real one."""
+        self.misfit_blocks += 1
+        discard = getattr(tier, "discard", None)
+        if namespace.geometry is not None and discard is not None:
+            discard(parent, h, f"it has {why}")
+        else:
+            self._log.warn(
+                f"misfit:{tier.name}", f"kvlab store: {tier.name} block {h[:12]} has {why}; not served"
+            )
+
     def _prefetch(self, step: tuple[int, str, str, int]) -> None:
         tier = self.tiers[step[0]]
         if hasattr(tier, "prefetch"):
@@ -400,9 +465,14 @@ class KVStore:
         return None, where
 
     def _promote(self, found_at: int, block: Block) -> None:
+        """Copy a block found in a slower tier into the faster ones; a promotion that fails (a full
+        disk) is only logged: the lookup already has the block."""
         for j, faster in enumerate(self.tiers[:found_at]):
             faster.counters.promotions_in += 1
-            self._insert(j, block)
+            try:
+                self._insert(j, block)
+            except StoreError as exc:
+                self._log.warn(f"promote:{faster.name}", f"kvlab store: could not promote a block ({exc})")
 
     # -- inspection --------------------------------------------------------------------------------
     def find_block(self, block_hash: str) -> Block:
@@ -438,16 +508,26 @@ class KVStore:
             self.malformed += 1
             raise CorruptBlockError(f"block {block_hash[:16]}: unreadable namespace record ({exc})") from None
         at = 0
+        first_k, first_v = chain[0].keys.shape, chain[0].values.shape
         for b in chain:  # every link must be what its hash says, in the namespace it claims
             if (
-                b.namespace != ns.root
+                b.keys.dim() != 4
+                or b.values.dim() != 4
+                or (b.keys.shape[0], b.keys.shape[1], b.keys.shape[3]) != (first_k[0], first_k[1], first_k[3])
+                or (b.values.shape[0], b.values.shape[1], b.values.shape[3])
+                != (first_v[0], first_v[1], first_v[3])
+                or b.namespace != ns.root
                 or b.start != at
                 or _hash_of(b.parent, b.token_ids) != b.hash
                 or (
                     ns.geometry is not None
-                    and (b.keys.shape[0], b.keys.shape[1], b.keys.shape[3]) != ns.geometry
+                    and (
+                        (b.keys.shape[0], b.keys.shape[1], b.keys.shape[3]) != ns.geometry
+                        or (b.values.shape[0], b.values.shape[1], b.values.shape[3]) != ns.geometry
+                    )
                 )
                 or str(b.keys.dtype).replace("torch.", "") != ns.dtype
+                or b.values.dtype != b.keys.dtype
             ):
                 self.malformed += 1
                 raise CorruptBlockError(f"block {b.hash[:16]} does not fit the chain of {block_hash[:16]}")
@@ -555,11 +635,15 @@ def open_store(
     create: bool = True,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     write_through: bool = True,
+    redis_timeout_s: float | None = None,
+    redis_backoff_s: float | None = None,
 ) -> KVStore:
     """A store from a spec: a folder (memory + disk), ``redis://host:port/db`` (memory + Redis), or ``memory``.
 
     ``redis_url`` adds a Redis tier behind the disk tier. ``create=False`` refuses a folder that is not
-    already a store (for read-only commands).
+    already a store (for read-only commands). ``redis_timeout_s`` bounds every Redis call (connect and
+    each read; default ``$KVLAB_REDIS_TIMEOUT_S`` or 1 s) and ``redis_backoff_s`` is how long a Redis
+    that timed out or dropped the connection is skipped (default ``$KVLAB_REDIS_BACKOFF_S`` or 5 s).
     """
     import re
 
@@ -575,17 +659,32 @@ def open_store(
             )
     if redis_url is not None and not scheme_ok(redis_url):
         raise BadInputError(f"--redis must be a redis://, rediss:// or unix:// URL, got {redis_url!r}")
+    redis_kw: dict[str, Any] = {}
+    for key, value, env in (
+        ("timeout", redis_timeout_s, "KVLAB_REDIS_TIMEOUT_S"),
+        ("backoff", redis_backoff_s, "KVLAB_REDIS_BACKOFF_S"),
+    ):
+        if value is None and os.environ.get(env):
+            try:
+                value = float(os.environ[env])
+            except ValueError:
+                raise BadInputError(f"{env} must be a number of seconds, got {os.environ[env]!r}") from None
+        if value is not None:
+            if key == "timeout":
+                redis_kw["timeout_s"] = redis_kw["connect_timeout_s"] = value
+            else:
+                redis_kw["backoff_s"] = value
     tiers: list[Tier] = [MemoryTier(memory_bytes)]
     if spec_s in ("memory", ":memory:"):
         pass
     elif spec_s is not None and spec_s.startswith(("redis://", "rediss://", "unix://")):
         from kvlab.store.redis_tier import RedisTier
 
-        tiers.append(RedisTier(spec_s))
+        tiers.append(RedisTier(spec_s, **redis_kw))
     else:
         tiers.append(DiskTier(default_store_path() if spec is None else spec, disk_bytes, create=create))
     if redis_url:
         from kvlab.store.redis_tier import RedisTier
 
-        tiers.append(RedisTier(redis_url))
+        tiers.append(RedisTier(redis_url, **redis_kw))
     return KVStore(tiers, block_tokens=block_tokens, write_through=write_through)

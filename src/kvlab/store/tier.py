@@ -4,11 +4,14 @@ A tier maps ``(parent hash, block hash)`` to a :class:`~kvlab.store.block.Block`
 None on a miss (including a corrupt or unreachable entry, which is counted and reported, never
 returned); ``put`` returns the blocks it evicted so the store can demote them; ``children(parent)``
 lists the blocks stored under a parent with their token ids, which is how a partially matching last
-block is found.
+block is found. A tier that cannot make a write it was asked for (Redis down, paused or full) counts it
+in ``skipped`` instead of raising, so the store can report it.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -24,6 +27,7 @@ class TierCounters:
     rejected: int = 0
     corrupt: int = 0
     errors: int = 0
+    skipped: int = 0
     promotions_in: int = 0
     demotions_in: int = 0
     bytes_loaded: int = 0
@@ -31,6 +35,31 @@ class TierCounters:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+class RateLimitedLog:
+    """Warnings that may recur on every call (a tier that keeps failing): one line per kind per
+    ``every_s`` seconds, the next one saying how many were held back; never a traceback."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 30.0):
+        self.logger = logger
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str) -> bool:
+        """Log ``message`` unless a warning of ``kind`` was logged less than ``every_s`` ago; True if logged."""
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.every_s:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return False
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        if held:
+            message += f" ({held} more like it in the last {now - last:.0f} s)" if last is not None else ""
+        self.logger.warning("%s", message)
+        return True
 
 
 class Tier(Protocol):
