@@ -74,6 +74,46 @@ def register(app: typer.Typer) -> None:
             int, typer.Option("--max-tokens", min=1, help="Largest max_tokens a request may ask for.")
         ] = 2048,
         max_body: Annotated[int, typer.Option("--max-body-bytes", min=1024)] = 1 << 20,
+        header_timeout: Annotated[
+            float,
+            typer.Option(
+                "--header-timeout",
+                min=0.1,
+                max=3600,
+                help="Seconds a request's head (request line and headers) may take to arrive; then 408 and closed.",
+            ),
+        ] = 10.0,
+        body_timeout: Annotated[
+            float,
+            typer.Option(
+                "--body-timeout", min=0.1, max=3600, help="Seconds a request's body may take after its head."
+            ),
+        ] = 30.0,
+        idle_timeout: Annotated[
+            float,
+            typer.Option(
+                "--idle-timeout",
+                min=0.1,
+                max=3600,
+                help="Seconds a connection may wait between requests (or before its first) before it is closed.",
+            ),
+        ] = 5.0,
+        max_connections: Annotated[
+            int | None,
+            typer.Option(
+                "--max-connections",
+                min=1,
+                help="Open connections at most (default: min(1024, what the open-file limit allows)). At the cap the oldest connection without a complete request is closed.",
+            ),
+        ] = None,
+        max_per_client: Annotated[
+            int,
+            typer.Option(
+                "--max-connections-per-client",
+                min=1,
+                help="Open connections per client address (behind a proxy, raise it to --max-connections).",
+            ),
+        ] = 64,
     ) -> None:
         """Serve the model over the OpenAI API (chat, completions, streaming) with rolling, shared caches.
 
@@ -82,12 +122,18 @@ def register(app: typer.Typer) -> None:
         every request of a tenant and by every server on the same store. Status page at /, Prometheus
         metrics at /metrics. See docs/serving.md.
         """
-        import logging
-
         import uvicorn
 
         from kvlab.model import load_model
         from kvlab.serve.app import Limits, create_app
+        from kvlab.serve.connections import (
+            ConnectionGuard,
+            ConnectionLimits,
+            GuardedServer,
+            protocol_class,
+            resolve_max_connections,
+            setup_logging,
+        )
         from kvlab.serve.engine import Engine, EngineSettings, check_settings
         from kvlab.serve.metrics import Metrics
         from kvlab.store import open_store
@@ -101,7 +147,14 @@ def register(app: typer.Typer) -> None:
         if admin is not None and admin in keys:
             raise BadInputError("the admin key must differ from every API key")
         _check_can_listen(host, port)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        conn_limits = ConnectionLimits(
+            header_timeout=header_timeout,
+            body_timeout=body_timeout,
+            idle_timeout=idle_timeout,
+            max_connections=resolve_max_connections(max_connections),
+            max_per_client=max_per_client,
+        )
+        setup_logging()
         settings = EngineSettings(
             window=window,
             sinks=sinks,
@@ -123,11 +176,27 @@ def register(app: typer.Typer) -> None:
                 max_body_bytes=max_body, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens
             ),
         )
-        config = uvicorn.Config(app_, host=host, port=port, log_level="warning", access_log=False)
-        server = uvicorn.Server(config)
+        guard = ConnectionGuard(conn_limits)
+        config = uvicorn.Config(
+            app_,
+            host=host,
+            port=port,
+            http=protocol_class(guard),
+            timeout_keep_alive=max(1, round(idle_timeout)),  # unused: the protocol's idle deadline rules
+            log_config=None,  # uvicorn's loggers propagate to setup_logging's rate-limited handler
+            log_level="warning",
+            access_log=False,
+        )
+        server = GuardedServer(config, guard)
         typer.echo(
             f"kvlab serve: {model} on http://{host}:{port}/v1 ({kv_store.describe()}, window {window} + {sinks} sinks, "
             f"{engine.device_description()})",
+            err=True,
+        )
+        typer.echo(
+            f"kvlab serve: connections: at most {conn_limits.max_connections} "
+            f"({conn_limits.max_per_client} per client); head {header_timeout:g} s, body {body_timeout:g} s, "
+            f"idle {idle_timeout:g} s",
             err=True,
         )
         try:
