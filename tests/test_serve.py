@@ -1071,10 +1071,18 @@ def test_redis_killed_mid_run_degrades_to_memory_and_recovers(tmp_path):
         assert again.model_extra["kvlab"]["store_tiers"].get("memory", 0) >= 1
         assert "Redis" in s.log.read_text()
         redis_proc = _redis_server(port, tmp_path)
-        ask("After:")  # Redis back: this prompt's blocks reach it again
         import redis
 
-        assert len(redis.Redis(port=port).keys("*")) > 0
+        # Redis back: after the store's back-off (5 s by default, so a dead or paused Redis is not
+        # waited on for every block) new prompts' blocks reach it again
+        back = time.monotonic()
+        for i in range(30):
+            ask(f"After {i}:")
+            if redis.Redis(port=port).keys("*"):
+                break
+            time.sleep(0.5)
+        assert redis.Redis(port=port).keys("*"), "Redis never received blocks again"
+        assert time.monotonic() - back < 5 + 10  # the back-off, with headroom for the prompts themselves
     finally:
         s.stop()
         redis_proc.kill()
