@@ -9,8 +9,10 @@ Project Gutenberg books and the UltraChat conversations in ``../shared/data`` ar
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,14 +61,110 @@ def python_docs(min_chars: int = 0) -> Text:
     return Text(text=text, source="Python documentation (pydoc_data.topics, shipped with CPython)")
 
 
-def read_text_file(path: str | Path) -> Text:
-    path = Path(path)
-    if not path.is_file():
-        raise BadInputError(f"no text file at {path}")
+#: The largest text file kvlab reads: 64 MiB (about 16 million tokens, far more than any command uses).
+#: ``KVLAB_MAX_TEXT_BYTES`` sets another limit (a number of bytes).
+MAX_TEXT_BYTES = 64 * 2**20
+
+
+def max_text_bytes() -> int:
+    """The text-file limit in bytes: ``$KVLAB_MAX_TEXT_BYTES`` when set, else :data:`MAX_TEXT_BYTES`."""
+    env = os.environ.get("KVLAB_MAX_TEXT_BYTES", "").strip()
+    if not env:
+        return MAX_TEXT_BYTES
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise BadInputError(f"{path} is not UTF-8 text") from None
+        limit = int(env)
+    except ValueError:
+        raise BadInputError(f"KVLAB_MAX_TEXT_BYTES must be a number of bytes, got {env!r}") from None
+    if limit < 1:
+        raise BadInputError(f"KVLAB_MAX_TEXT_BYTES must be >= 1, got {limit}")
+    return limit
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
+def read_file_bytes(path: str | Path, *, limit: int | None = None, what: str = "text file") -> bytes:
+    """The bytes of a file a user named, read with a size limit; one BadInputError line otherwise.
+
+    Refused before reading anything: a missing path, a folder, and anything that is not a regular file
+    (a FIFO would block the read, ``/dev/zero`` never ends); a file over ``limit`` bytes (default
+    :func:`max_text_bytes`; a 12 GB file is refused from its size, not read). The file is opened
+    non-blocking and checked again once open, so a path swapped for a FIFO meanwhile cannot hang, and
+    at most ``limit + 1`` bytes are ever read (a file that grows past the limit is refused too).
+    """
+    path = Path(path)
+    hint = " (KVLAB_MAX_TEXT_BYTES sets another)" if limit is None else ""
+    limit = max_text_bytes() if limit is None else limit
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise BadInputError(f"{path} is not a file (nothing is there)") from None
+    except OSError as exc:
+        raise BadInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    _check_regular(path, info, limit, what, hint)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise BadInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        _check_regular(path, os.fstat(fd), limit, what, hint)
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as exc:
+        raise BadInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise BadInputError(f"{path} grew past the {_size(limit)} limit for a {what} while it was read")
+    return b"".join(chunks)
+
+
+def _check_regular(path: Path, info: os.stat_result, limit: int, what: str, hint: str = "") -> None:
+    if stat.S_ISDIR(info.st_mode):
+        raise BadInputError(f"{path} is not a file (it is a folder); give a {what}")
+    if not stat.S_ISREG(info.st_mode):
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(info.st_mode)
+            else "a device"
+            if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
+            else "a socket"
+            if stat.S_ISSOCK(info.st_mode)
+            else "something other than a regular file"
+        )
+        raise BadInputError(f"{path} is not a file (it is {kind}); give a {what}")
+    if info.st_size > limit:
+        raise BadInputError(
+            f"{path} is {_size(info.st_size)}, over the {_size(limit)} limit for a {what}{hint}"
+        )
+
+
+def read_user_text(path: str | Path, *, limit: int | None = None, what: str = "text file") -> str:
+    """A user's UTF-8 file as text, read through :func:`read_file_bytes` (regular file, size limit):
+    one BadInputError line for anything else, including bytes that are not UTF-8 and a file holding
+    only whitespace."""
+    data = read_file_bytes(path, limit=limit, what=what)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadInputError(f"{path} is not UTF-8 text (byte {exc.start})") from None
+    if not text.strip():
+        raise BadInputError(f"{path} is empty")
+    return text
+
+
+def read_text_file(path: str | Path) -> Text:
+    """A text file for an experiment (``--text``, a sweep's ``texts``, ``kvlab store put -T``): read by
+    :func:`read_user_text` (a regular UTF-8 file under the size limit); a Project Gutenberg book keeps
+    only its body."""
+    path = Path(path)
+    text = read_user_text(path)
     # Project Gutenberg books: keep the body between the START and END markers.
     start = re.search(r"\*\*\* ?START OF.*?\*\*\*", text)
     end = re.search(r"\*\*\* ?END OF", text)

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import experiment_command, text_file
+from kvlab.cli.common import MAX_COUNT, experiment_command, json_list_file, text_file
 
 
 def register(app: typer.Typer) -> None:
@@ -16,16 +16,22 @@ def register(app: typer.Typer) -> None:
     def attention_cmd(
         roll: Annotated[
             list[int] | None,
-            typer.Option("--roll", "-r", min=1, help="Roll sizes n (repeatable; default 1 5 20)."),
+            typer.Option(
+                "--roll", "-r", min=1, max=MAX_COUNT, help="Roll sizes n (repeatable; default 1 5 20)."
+            ),
         ] = None,
         windows: Annotated[
             int | None,
             typer.Option(
-                "--samples", min=1, help="Text samples (windows) to average over (default: by profile)."
+                "--samples",
+                min=2,
+                max=MAX_COUNT,
+                help="Text samples (windows) to average over, >= 2 (default: by profile).",
             ),
         ] = None,
         window_tokens: Annotated[
-            int | None, typer.Option("--context", "-c", min=2, help="Tokens per sample.")
+            int | None,
+            typer.Option("--context", "-c", min=8, max=MAX_COUNT, help="Tokens per sample (>= 8)."),
         ] = None,
         text: Annotated[
             Path | None,
@@ -43,11 +49,15 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(
                 "--conversations",
+                callback=json_list_file,
                 help="JSON list of {full, compacted, summary} conversations (default: the shared set).",
             ),
         ] = None,
         limit: Annotated[
-            int | None, typer.Option("--limit", min=3, help="Use only the N shortest conversations (>= 3).")
+            int | None,
+            typer.Option(
+                "--limit", min=3, max=MAX_COUNT, help="Use only the N shortest conversations (>= 3)."
+            ),
         ] = None,
     ) -> None:
         """Full vs compacted conversation caches: centroids and the shared tail, with lexical controls."""

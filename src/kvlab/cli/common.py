@@ -19,15 +19,42 @@ from kvlab.errors import BadInputError
 from kvlab.study.experiments import Experiment, ExperimentContext, ExperimentResult
 from kvlab.study.report.writer import run_dir, to_jsonable
 
+
+def model_spec(value: str | None) -> str | None:
+    """Typer callback: a model spec is not empty (an empty one would be found only once loading)."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("an empty model name; use smollm2-135m, a local folder, or a cached HF id")
+    return value
+
+
 ModelOpt = Annotated[
-    str, typer.Option("--model", "-m", help="smollm2-135m (bundled), a local folder, or a cached HF id.")
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        callback=model_spec,
+        help="smollm2-135m (bundled), a local folder, or a cached HF id.",
+    ),
 ]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Folder for run directories.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 QuickOpt = Annotated[bool, typer.Option("--quick", help="Smoke-test profile (a few minutes at most).")]
 FullOpt = Annotated[bool, typer.Option("--full", help="Thorough profile (slower; says how long).")]
+#: The largest count any option takes (tokens, samples, steps, windows ...): a million, past anything
+#: a run here can use; a larger one is a typo, refused before any work.
+MAX_COUNT = 1_000_000
+#: Seeds are 0 .. 2**32 - 1: what numpy's, torch's and Python's generators all take.
+MAX_SEED = 2**32 - 1
+#: The most worker processes ``--workers`` starts.
+MAX_WORKERS = 256
 SeedOpt = Annotated[
-    int, typer.Option("--seed", help="Seed for choosing text samples, permutations and bootstrap intervals.")
+    int,
+    typer.Option(
+        "--seed",
+        min=0,
+        max=MAX_SEED,
+        help="Seed for choosing text samples, permutations and bootstrap intervals (0 to 2**32 - 1).",
+    ),
 ]
 
 
@@ -94,20 +121,39 @@ FourBitOpt = Annotated[
 # --roll/-r tokens rolled off, --sinks/-s, --max-new-tokens/-n, --samples text samples, --seed,
 # --out/-o, --json, and on every command that loads a model --device and --dtype.
 def text_file(value: Path | None) -> Path | None:
-    """Typer callback: an existing, readable UTF-8 text file (checked before any work starts)."""
+    """Typer callback: a readable UTF-8 text file (checked before any work starts): a regular file (not
+    a folder, FIFO or device) under the text-size limit (``kvlab.data.MAX_TEXT_BYTES``), not empty."""
     if value is None:
         return None
-    if not value.is_file():
-        raise typer.BadParameter(f"{value} is not a file")
+    from kvlab.data import read_user_text
+
     try:
-        data = value.read_bytes()
-        data.decode("utf-8")
-    except OSError as exc:
-        raise typer.BadParameter(f"cannot read {value}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise typer.BadParameter(f"{value} is not UTF-8 text (byte {exc.start})") from None
-    if not data.strip():
-        raise typer.BadParameter(f"{value} is empty")
+        read_user_text(value)
+    except BadInputError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def json_list_file(value: Path | None) -> Path | None:
+    """Typer callback: a JSON file holding a list of objects (``--conversations``), read with the
+    text-size limit and checked before any work: not a file, not JSON, nested too deep or not a list
+    of objects is one line."""
+    if value is None:
+        return None
+    from kvlab.data import read_user_text
+
+    try:
+        doc = json.loads(read_user_text(value, what="JSON file"))
+    except BadInputError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"{value} is not JSON ({exc})") from None
+    except RecursionError:
+        raise typer.BadParameter(f"{value} is nested too deeply to be read as JSON") from None
+    if not isinstance(doc, list) or not all(isinstance(c, dict) for c in doc):
+        raise typer.BadParameter(
+            f"{value} must hold a JSON list of {{'full': ..., 'compacted': ..., 'summary': ...}} objects"
+        )
     return value
 
 
@@ -119,6 +165,14 @@ def finite(value):
     for v in value if isinstance(value, list | tuple) else [value]:
         if v is not None and not math.isfinite(v):
             raise typer.BadParameter(f"{v} is not a finite number")
+    return value
+
+
+def nonempty_texts(value):
+    """Typer callback: prompts (one or a list) are not empty or whitespace only."""
+    for v in value if isinstance(value, list | tuple) else [value]:
+        if v is not None and not v.strip():
+            raise typer.BadParameter("an empty prompt; give some text")
     return value
 
 
@@ -137,21 +191,62 @@ def roll_specs(value: list[str] | None) -> list[str] | None:
     return value
 
 
-def check_output_dir(out: Path) -> None:
-    """Refuse an --out that cannot hold run folders, before any work: an existing file, or a place where
-    no folder can be created. Creates nothing."""
-    import os
+def _nearest_existing(path: Path) -> Path:
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    return probe
 
+
+def _probe_writable(folder: Path) -> str | None:
+    """Why no file can be created in the existing ``folder`` (None when one can): a temporary folder is
+    made and removed at once, since permission bits say nothing on /proc or a read-only mount."""
+    import os
+    import tempfile
+
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"no permission to write in {folder}"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvlab-probe-", dir=folder))
+    except OSError as exc:
+        return f"{folder}: {exc.strerror or exc}"
+    return None
+
+
+def check_output_dir(out: Path, option: str = "--out") -> None:
+    """Refuse an --out that cannot hold run folders, before any work: an existing file, or a place where
+    no folder can be created (checked by making and removing a temporary folder in the nearest existing
+    parent). Leaves nothing behind."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise BadInputError(f"--out {out} is a file, not a folder")
-    probe = out
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise BadInputError(f"--out {out}: cannot create folders under {probe}")
+        what = "a file, not a folder" if out.is_file() else "not a folder"
+        raise BadInputError(f"{option} {out} is {what}")
+    why = _probe_writable(_nearest_existing(out))
+    if why:
+        raise BadInputError(f"{option} {out}: cannot create folders there ({why})")
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Refuse a file destination that cannot be written, before any work: a folder, something that is
+    not a regular file, or a place where the file (and its missing parent folders) cannot be created.
+    Leaves nothing behind."""
+    path = Path(path)
+    if path.is_dir():
+        raise BadInputError(f"{option} {path} is a folder; give a file name")
+    if path.exists() or path.is_symlink():
+        import stat
+
+        try:
+            mode = path.stat().st_mode
+        except OSError as exc:
+            raise BadInputError(f"{option} {path}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(mode):
+            raise BadInputError(f"{option} {path} exists and is not a regular file")
+    why = _probe_writable(_nearest_existing(path.parent))
+    if why:
+        raise BadInputError(f"{option} {path}: cannot write there ({why})")
 
 
 TextOpt = Annotated[
@@ -162,10 +257,16 @@ TextOpt = Annotated[
 ]
 SamplesOpt = Annotated[
     int | None,
-    typer.Option("--samples", min=1, help="Text samples (windows) to average over (default: by profile)."),
+    typer.Option(
+        "--samples",
+        min=1,
+        max=MAX_COUNT,
+        help="Text samples (windows) to average over (default: by profile).",
+    ),
 ]
 ContextOpt = Annotated[
-    int | None, typer.Option("--context", "-c", min=2, help="Tokens per sample (default: by profile).")
+    int | None,
+    typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Tokens per sample (default: by profile)."),
 ]
 
 console = Console()

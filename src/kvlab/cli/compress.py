@@ -8,16 +8,65 @@ from typing import Annotated
 import typer
 
 from kvlab.cli.common import (
+    MAX_COUNT,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
     ModelOpt,
     SeedOpt,
+    check_output_file,
     console,
     experiment_command,
     finite,
     text_file,
 )
+
+
+def _keeps(value: list[float] | None) -> list[float] | None:
+    """Typer callback: kept fractions are finite and in (0, 1] (keeping nothing is no policy)."""
+    for v in finite(value) or []:
+        if not 0.0 < v <= 1.0:
+            raise typer.BadParameter(f"{v:g} is not a kept fraction in (0, 1]")
+    return value
+
+
+def _bits(value: list[int] | None) -> list[int] | None:
+    """Typer callback: bit widths the quantizers pack (checked before any model loads)."""
+    if value:
+        from kvlab.compress.quant.scalar import SUPPORTED_BITS
+
+        for b in value:
+            if b not in SUPPORTED_BITS:
+                raise typer.BadParameter(
+                    f"unsupported bit width {b}; choose one of {', '.join(map(str, SUPPORTED_BITS))}"
+                )
+    return value
+
+
+def _methods(value: list[str] | None) -> list[str] | None:
+    """Typer callback: quantizer names the compression experiment knows, checked before any model loads."""
+    if value:
+        from kvlab.study.experiments.compression import QUANT_METHODS
+
+        unknown = [m for m in value if m not in QUANT_METHODS]
+        if unknown:
+            raise typer.BadParameter(
+                f"unknown quantizer(s) {', '.join(map(repr, unknown))}; known: {', '.join(QUANT_METHODS)}"
+            )
+    return value
+
+
+def _policies(value: list[str] | None) -> list[str] | None:
+    """Typer callback: eviction policy names the compression experiment knows."""
+    if value:
+        from kvlab.study.experiments.compression import POLICY_NAMES
+
+        unknown = [p for p in value if p not in POLICY_NAMES]
+        if unknown:
+            raise typer.BadParameter(
+                f"unknown policy(ies) {', '.join(map(repr, unknown))}; known: {', '.join(POLICY_NAMES)}"
+            )
+    return value
 
 
 def register(app: typer.Typer) -> None:
@@ -35,29 +84,33 @@ def register(app: typer.Typer) -> None:
         ] = None,
         bits: Annotated[
             list[int] | None,
-            typer.Option("--bits", min=1, max=16, help="Bit widths (repeatable): 8, 4, 3, 2."),
+            typer.Option(
+                "--bits", min=1, max=16, callback=_bits, help="Bit widths (repeatable): 8, 4, 3, 2."
+            ),
         ] = None,
         keep: Annotated[
             list[float] | None,
             typer.Option(
                 "--keep",
-                min=0.0,
-                max=1.0,
-                callback=finite,
+                callback=_keeps,
                 help="Kept fractions (repeatable), in (0, 1].",
             ),
         ] = None,
         method: Annotated[
-            list[str] | None, typer.Option("--method", help="Quantizers (repeatable), e.g. rotation+sinks.")
+            list[str] | None,
+            typer.Option("--method", callback=_methods, help="Quantizers (repeatable), e.g. rotation+sinks."),
         ] = None,
         policy: Annotated[
-            list[str] | None, typer.Option("--policy", help="Eviction policies (repeatable), e.g. snapkv.")
+            list[str] | None,
+            typer.Option("--policy", callback=_policies, help="Eviction policies (repeatable), e.g. snapkv."),
         ] = None,
         windows: Annotated[
-            int | None, typer.Option("--samples", min=1, help="Text samples (windows) to average over.")
+            int | None,
+            typer.Option("--samples", min=1, max=MAX_COUNT, help="Text samples (windows) to average over."),
         ] = None,
         context: Annotated[
-            int | None, typer.Option("--context", "-c", min=2, help="Context tokens per sample.")
+            int | None,
+            typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Context tokens per sample."),
         ] = None,
     ) -> dict:
         """Quantize and evict the KV cache, and measure distortion, perplexity, needle retrieval, bytes and time."""
@@ -74,15 +127,21 @@ def register(app: typer.Typer) -> None:
     @app.command("train-evictor")
     def train_evictor_cmd(
         windows: Annotated[
-            int, typer.Option("--samples", min=4, help="Training samples (the last quarter is held out).")
+            int,
+            typer.Option(
+                "--samples", min=4, max=MAX_COUNT, help="Training samples (the last quarter is held out)."
+            ),
         ] = 24,
         context: Annotated[
-            int, typer.Option("--context", "-c", min=2, help="Context tokens per sample.")
+            int, typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Context tokens per sample.")
         ] = 512,
         future: Annotated[
-            int, typer.Option("--future", min=1, help="Future queries whose attention is the target.")
+            int,
+            typer.Option(
+                "--future", min=1, max=MAX_COUNT, help="Future queries whose attention is the target."
+            ),
         ] = 64,
-        steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 1500,
+        steps: Annotated[int, typer.Option("--steps", min=1, max=MAX_COUNT, help="Optimizer steps.")] = 1500,
         text: Annotated[
             Path | None,
             typer.Option(
@@ -107,11 +166,13 @@ def register(app: typer.Typer) -> None:
         """Train the learned eviction policy (a tiny MLP) on the model's own attention; a few minutes on CPU."""
         import json
 
-        from kvlab.compress.evict.learned import save_weights, train_evictor
+        from kvlab.compress.evict.learned import DEFAULT_WEIGHTS, save_weights, train_evictor
         from kvlab.data import python_docs, read_text_file, token_samples
         from kvlab.model import load_model
         from kvlab.study.experiments.compression import TRAIN_CHARS
 
+        # the destination is checked before the model loads, not after minutes of training
+        check_output_file(weights if weights is not None else DEFAULT_WEIGHTS, "--weights")
         handle = load_model(model, device=device, dtype=dtype)
         src = read_text_file(text).text if text else python_docs().text[:TRAIN_CHARS]
         ids = handle.encode(src)

@@ -15,6 +15,7 @@ from kvlab.cli.common import (
     OutOpt,
     QuickOpt,
     dtype_value,
+    nonempty_texts,
     run_and_report,
 )
 from kvlab.errors import BadInputError
@@ -22,29 +23,51 @@ from kvlab.errors import BadInputError
 CACHE_ONLY_DTYPES = ("int8", "float8")  # sizes a cache can be projected in, not dtypes a model loads in
 
 
-def _dtype(value: str) -> str:
-    """``--dtype``: a model dtype, or (for ``--config`` projections) a cache-only dtype like int8."""
+def _dtype(value: str | None) -> str | None:
+    """``--dtype``: a model dtype, or (for ``--config`` projections) a cache-only dtype like int8; an
+    empty one is refused (leaving the option out is how to take the default)."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise typer.BadParameter("an empty dtype; choose float32, bfloat16 or float16 (or leave --dtype out)")
     return value if value in CACHE_ONLY_DTYPES else str(dtype_value(value))
+
+
+def _config(value: Path | None) -> Path | None:
+    """``--config``: a config.json kvlab can describe, read and checked before anything is created (a
+    missing or non-regular file, a size beyond reason, a model that keeps no KV cache)."""
+    if value is None:
+        return None
+    from kvlab.errors import KvlabError
+    from kvlab.model.facts import load_config_file
+
+    try:
+        load_config_file(value)
+    except KvlabError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
 
 
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
     def inspect_cmd(
         config: Annotated[
-            Path | None, typer.Option("--config", help="A config.json: project without weights.")
+            Path | None,
+            typer.Option("--config", callback=_config, help="A config.json: project without weights."),
         ] = None,
         prompt: Annotated[
-            list[str] | None, typer.Option("--prompt", "-p", help="Prompt(s) to cache (repeatable).")
+            list[str] | None,
+            typer.Option("--prompt", "-p", callback=nonempty_texts, help="Prompt(s) to cache (repeatable)."),
         ] = None,
         dtype: Annotated[
-            str,
+            str | None,
             typer.Option(
                 "--dtype",
                 callback=_dtype,
                 help="Model dtype, and the cache dtype for bytes/token: float32 (default), bfloat16, "
                 "float16; with --config also int8 or float8 (default there: the config's).",
             ),
-        ] = "",
+        ] = None,
         model: ModelOpt = "smollm2-135m",
         device: DeviceOpt = "auto",
         load_in_4bit: FourBitOpt = False,

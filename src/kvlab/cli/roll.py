@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import experiment_command, text_file
+from kvlab.cli.common import MAX_COUNT, experiment_command, text_file
 
 TextOpt = Annotated[
     Path | None,
@@ -25,7 +25,10 @@ TextOpt = Annotated[
     ),
 ]
 ContextOpt = Annotated[
-    int | None, typer.Option("--context", "-c", min=2, help="Window length in tokens (default: by profile).")
+    int | None,
+    typer.Option(
+        "--context", "-c", min=2, max=MAX_COUNT, help="Window length in tokens (default: by profile)."
+    ),
 ]
 
 SUBCOMMANDS = {

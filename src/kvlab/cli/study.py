@@ -9,6 +9,7 @@ import typer
 from rich.table import Table as RichTable
 
 from kvlab.cli.common import (
+    MAX_WORKERS,
     DeviceOpt,
     DtypeOpt,
     FullOpt,
@@ -40,6 +41,7 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--workers",
                 min=1,
+                max=MAX_WORKERS,
                 help="Experiments run at once, each in its own process with its own model copy "
                 "(default: one per core, at most 4, and 1 on CUDA; 1 runs them one after another in this process).",
             ),

@@ -10,28 +10,34 @@ from typing import Annotated
 import typer
 
 from kvlab.cli.common import (
+    MAX_COUNT,
     DeviceOpt,
     DtypeOpt,
     ModelOpt,
     SeedOpt,
     experiment_command,
     finite,
+    nonempty_texts,
     roll_specs,
 )
 from kvlab.cli.common import text_file as text_file_check
 from kvlab.errors import BadInputError
 
 WindowOpt = Annotated[
-    int, typer.Option("--window", "-w", min=1, help="Recent tokens kept (after the sinks).")
+    int, typer.Option("--window", "-w", min=1, max=MAX_COUNT, help="Recent tokens kept (after the sinks).")
 ]
 SinksOpt = Annotated[
-    int, typer.Option("--sinks", "-s", min=0, help="Attention-sink tokens kept forever (0 = plain window).")
+    int,
+    typer.Option(
+        "--sinks", "-s", min=0, max=MAX_COUNT, help="Attention-sink tokens kept forever (0 = plain window)."
+    ),
 ]
 ChunkOpt = Annotated[
     int | None,
     typer.Option(
         "--evict-chunk",
         min=1,
+        max=MAX_COUNT,
         help="Tokens evicted at once when the window is full (default: 64, or half the window).",
     ),
 ]
@@ -42,6 +48,54 @@ def _capture_mode(value: str) -> str:
     if value not in ("auto", "off", "cuda-graph", "compile"):
         raise typer.BadParameter(f"{value!r} is not one of auto, off, cuda-graph, compile")
     return value
+
+
+def _stream_sinks(value: list[int] | None) -> list[int] | None:
+    """Typer callback: ``stream-ppl --sinks`` values among the measured ones (1, 2, 4, 8)."""
+    for v in value or []:
+        if v not in (1, 2, 4, 8):
+            raise typer.BadParameter(f"{v} is not among the measured sink counts 1, 2, 4, 8")
+    return value
+
+
+def _check_rolling(model: str, window: int, sinks: int, system: str | None = None) -> None:
+    """What a rolling cache of ``sinks`` + ``window`` on ``model`` cannot honour, refused before the
+    weights load (the model's config and tokenizer suffice): sinks not fewer than the window, a cache
+    reaching the model's maximum position, and (``kvlab chat --system``) a system prompt of half the
+    window or more, the rule ``kvlab serve`` applies to its pinned system prompts."""
+    if sinks >= window:
+        raise BadInputError(
+            f"--sinks ({sinks}) must be fewer than --window ({window}); e.g. --sinks 4 --window 256"
+        )
+    from kvlab.model.facts import load_config_file
+    from kvlab.model.loading import resolve_model_dir
+
+    path, _ = resolve_model_dir(model)
+    if (path / "config.json").is_file():
+        config = load_config_file(path / "config.json")
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        max_pos = int(getattr(text, "max_position_embeddings", 0) or 0)
+        if max_pos and sinks + window >= max_pos:
+            raise BadInputError(
+                f"sinks + window ({sinks + window}) must stay below the model's maximum position "
+                f"({max_pos}); choose a smaller --window"
+            )
+    if system:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):
+            return  # the model load says what is missing
+        if not getattr(tokenizer, "chat_template", None):
+            return
+        prefix = tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
+        pinned = len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+        if pinned >= window // 2:
+            raise BadInputError(
+                f"the system prompt takes {pinned} tokens; it must stay below half the window "
+                f"({window // 2}) so the conversation has room; pass a larger --window"
+            )
 
 
 def _token_stream(
@@ -105,22 +159,37 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         window: Annotated[
-            list[int] | None, typer.Option("--window", "-w", min=1, help="Cache window size(s) (repeatable).")
+            list[int] | None,
+            typer.Option("--window", "-w", min=1, max=MAX_COUNT, help="Cache window size(s) (repeatable)."),
         ] = None,
         sinks: Annotated[
             list[int] | None,
-            typer.Option("--sinks", "-s", min=0, help="Sink counts among 1,2,4,8 (repeatable)."),
+            typer.Option(
+                "--sinks", "-s", callback=_stream_sinks, help="Sink counts among 1,2,4,8 (repeatable)."
+            ),
         ] = None,
         tokens: Annotated[
-            int | None, typer.Option("--tokens", min=2, help="Tokens of the text to stream.")
+            int | None,
+            typer.Option(
+                "--tokens",
+                min=2,
+                max=MAX_COUNT,
+                help=f"Tokens of the text to stream (at most {MAX_COUNT:,}).",
+            ),
         ] = None,
         samples: Annotated[
-            int | None, typer.Option("--recompute-samples", min=1, help="Random targets re-computed exactly.")
+            int | None,
+            typer.Option(
+                "--recompute-samples", min=1, max=MAX_COUNT, help="Random targets re-computed exactly."
+            ),
         ] = None,
         stride: Annotated[
             int | None,
             typer.Option(
-                "--stride", min=1, help="Re-compute every STRIDE-th target instead of random samples."
+                "--stride",
+                min=1,
+                max=MAX_COUNT,
+                help="Re-compute every STRIDE-th target instead of random samples.",
             ),
         ] = None,
         loop: Annotated[
@@ -154,10 +223,12 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         windows: Annotated[
-            int | None, typer.Option("--samples", min=1, help="Text samples (windows), >= 20 by default.")
+            int | None,
+            typer.Option("--samples", min=1, max=MAX_COUNT, help="Text samples (windows), >= 20 by default."),
         ] = None,
         context: Annotated[
-            int | None, typer.Option("--context", "-c", min=2, help="Tokens per sample before the roll.")
+            int | None,
+            typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Tokens per sample before the roll."),
         ] = None,
         drop: Annotated[
             list[str] | None,
@@ -169,7 +240,8 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         sinks: Annotated[
-            list[int] | None, typer.Option("--sinks", "-s", min=0, help="Sink counts (repeatable).")
+            list[int] | None,
+            typer.Option("--sinks", "-s", min=0, max=MAX_COUNT, help="Sink counts (repeatable)."),
         ] = None,
     ) -> dict:
         """Suffix caching: roll a cached context with/without sinks vs re-prefill and full context."""
@@ -183,9 +255,12 @@ def register(app: typer.Typer) -> None:
 
     @app.command("generate")
     def generate_cmd(
-        prompt: Annotated[str, typer.Argument(help="Prompt text.")],
+        prompt: Annotated[str, typer.Argument(callback=nonempty_texts, help="Prompt text.")],
         max_new_tokens: Annotated[
-            int, typer.Option("--max-new-tokens", "-n", min=0, help="Tokens to generate (0 = until Ctrl-C).")
+            int,
+            typer.Option(
+                "--max-new-tokens", "-n", min=0, max=MAX_COUNT, help="Tokens to generate (0 = until Ctrl-C)."
+            ),
         ] = 200,
         window: WindowOpt = 512,
         sinks: SinksOpt = 4,
@@ -221,6 +296,7 @@ def register(app: typer.Typer) -> None:
             from kvlab.errors import BadInputError
 
             raise BadInputError("--capture cuda-graph needs a CUDA device (--device cuda)")
+        _check_rolling(model, window, sinks)
         handle = load_model(model, device=device, dtype=dtype)
         ids = handle.encode(prompt, chat=chat)
         tokens, cache = _token_stream(handle, ids, mode, window, sinks, evict_chunk, temperature, seed)
@@ -254,7 +330,7 @@ def register(app: typer.Typer) -> None:
         sinks: SinksOpt = 4,
         evict_chunk: ChunkOpt = None,
         max_new_tokens: Annotated[
-            int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest reply.")
+            int, typer.Option("--max-new-tokens", "-n", min=1, max=MAX_COUNT, help="Longest reply.")
         ] = 256,
         system: Annotated[
             str, typer.Option("--system", help="System prompt (kept as the sinks' neighbourhood).")
@@ -268,6 +344,7 @@ def register(app: typer.Typer) -> None:
         from kvlab.streaming import stream_generate
         from kvlab.streaming.generate import feed
 
+        _check_rolling(model, window, sinks, system)
         handle = load_model(model, device=device, dtype=dtype)
         if handle.tokenizer is None or not getattr(handle.tokenizer, "chat_template", None):
             from kvlab.errors import UnsupportedModelError

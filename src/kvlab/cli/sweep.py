@@ -9,7 +9,31 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import DEVICE_HELP, DTYPE_HELP, JsonOpt, console, device_name_value, dtype_value
+from kvlab.cli.common import (
+    DEVICE_HELP,
+    DTYPE_HELP,
+    MAX_WORKERS,
+    JsonOpt,
+    check_output_dir,
+    console,
+    device_name_value,
+    dtype_value,
+)
+
+
+def _ray_address(value: str | None) -> str | None:
+    """Typer callback: ``--ray``'s form (host:port, ray://host:port, auto, local), checked at parse time;
+    whether anything answers there is checked, within seconds, before the sweep starts."""
+    if value is None:
+        return None
+    from kvlab.errors import KvlabError
+    from kvlab.study.sweep.ray_backend import parse_ray_address
+
+    try:
+        parse_ray_address(value)
+    except KvlabError as exc:
+        raise typer.BadParameter(str(exc).removeprefix(f"--ray {value!r}: ")) from None
+    return value
 
 
 def register(app: typer.Typer) -> None:
@@ -19,7 +43,11 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the sweep.")] = Path("runs/sweep"),
         ray: Annotated[
             str | None,
-            typer.Option("--ray", help="Run on a Ray cluster: its address (host:port), or 'auto'."),
+            typer.Option(
+                "--ray",
+                callback=_ray_address,
+                help="Run on a Ray cluster: its address (host:port, ray://host:port), or 'auto'.",
+            ),
         ] = None,
         resume: Annotated[
             bool, typer.Option("--resume", help="Finish a sweep: skip cells already done.")
@@ -27,7 +55,10 @@ def register(app: typer.Typer) -> None:
         workers: Annotated[
             int | None,
             typer.Option(
-                "--workers", min=1, help="Local worker processes (default: one per core; 1 on CUDA)."
+                "--workers",
+                min=1,
+                max=MAX_WORKERS,
+                help="Local worker processes (default: one per core; 1 on CUDA).",
             ),
         ] = None,
         device: Annotated[
@@ -51,6 +82,8 @@ def register(app: typer.Typer) -> None:
 
         log = (lambda msg: None) if json_out else (lambda msg: print(msg, file=sys.stderr))
         import contextlib
+
+        check_output_dir(out)  # before the grid's models load or any cell runs
 
         # Ray's driver prints worker deaths and logs to stdout: keep stdout for the --json document
         with contextlib.redirect_stdout(sys.stderr):

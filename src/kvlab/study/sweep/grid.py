@@ -9,16 +9,30 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvlab.errors import BadInputError
+from kvlab.errors import BadInputError, KvlabError
 
 PROFILES = ("quick", "default", "full")
 GRID_KEYS = ("models", "texts", "experiments", "seeds", "profile", "device", "dtype", "gpus_per_actor")
 TEXT_OPTIONS = ("text_file", "text")  # how experiments name their text-file option
+#: A grid file is a few lines; one over 1 MiB is not a grid.
+MAX_GRID_BYTES = 2**20
+#: Seeds are 0 .. 2**32 - 1, what numpy's, torch's and Python's generators all take (as ``--seed``).
+MAX_SEED = 2**32 - 1
+#: The largest integer an experiment option takes (as the command line's counts).
+MAX_COUNT = 1_000_000
+#: The most cells one grid expands into.
+MAX_CELLS = 10_000
+#: Integer options for which 0 means something (no sinks, no kept or generated tokens, no timing);
+#: every other integer option counts something and is at least 1.
+ZERO_ALLOWED = frozenset({"sinks", "kept_generated", "generate_tokens", "timing_steps"})
 
 
 @dataclass(frozen=True)
@@ -98,17 +112,19 @@ def _text_option(experiment) -> str | None:
 
 def load_grid(path: str | Path) -> Grid:
     """Parse and validate ``path``; cells are listed without keys (keys need the models' fingerprints)."""
+    from kvlab.data import read_user_text
     from kvlab.study.experiments import registry
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise BadInputError(f"no grid file at {path}")
+    source = read_user_text(path, limit=MAX_GRID_BYTES, what="grid file (TOML)")
     try:
-        doc = tomllib.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise BadInputError(f"{path} is not UTF-8 text") from None
+        doc = tomllib.loads(source)
     except tomllib.TOMLDecodeError as exc:
         raise BadInputError(f"{path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise BadInputError(f"{path} is not a grid: its TOML is nested too deeply") from None
     unknown = set(doc) - set(GRID_KEYS)
     if unknown:
         raise BadInputError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
@@ -125,16 +141,20 @@ def load_grid(path: str | Path) -> Grid:
     text_paths = []
     for t in texts:
         p = (path.parent / t) if not Path(t).is_absolute() else Path(t)
-        if not p.is_file():
+        if not p.exists():
             raise BadInputError(f"{path}: text file {t} does not exist")
         try:
-            p.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            raise BadInputError(f"{path}: text file {t} is not UTF-8") from None
+            read_user_text(p)  # a regular UTF-8 file under the text-size limit
+        except BadInputError as exc:
+            raise BadInputError(f"{path}: texts: {exc}") from None
         text_paths.append(str(p.resolve()))
     seeds = doc.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(type(s) is int and s >= 0 for s in seeds):
-        raise BadInputError(f"{path}: 'seeds' must be a non-empty list of integers >= 0")
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(type(s) is int and 0 <= s <= MAX_SEED for s in seeds)
+    ):
+        raise BadInputError(f"{path}: 'seeds' must be a non-empty list of integers from 0 to 2**32 - 1")
     profile = doc.get("profile", "quick")
     if profile not in PROFILES:
         raise BadInputError(f"{path}: 'profile' must be one of {', '.join(PROFILES)}")
@@ -160,10 +180,25 @@ def load_grid(path: str | Path) -> Grid:
         bad = [k for k in options if k not in params or k == "ctx"]
         if bad:
             raise BadInputError(f"{path}: experiment {e['name']} has no option(s) {', '.join(bad)}")
+        _check_options(f"{path}: experiment {e['name']}", known[e["name"]].run, options)
         parsed.append((e["name"], dict(options)))
     for m in models:
-        if m.startswith("tiny:") and not Path(m.removeprefix("tiny:")).is_file():
-            raise BadInputError(f"{path}: tiny model config {m.removeprefix('tiny:')} does not exist")
+        if m.startswith("tiny:"):
+            config = m.removeprefix("tiny:")
+            if not Path(config).exists():
+                raise BadInputError(f"{path}: tiny model config {config} does not exist")
+            from kvlab.model.facts import load_config_file
+
+            try:
+                load_config_file(config)
+            except KvlabError as exc:
+                raise BadInputError(f"{path}: tiny model: {exc}") from None
+    per_model = len(parsed) * max(1, len(text_paths)) * len(seeds)
+    if len(models) * per_model > MAX_CELLS:
+        raise BadInputError(
+            f"{path}: the grid expands into {len(models) * per_model:,} cells, more than {MAX_CELLS:,}; "
+            "split it into smaller sweeps"
+        )
     cells = []
     for model in models:
         for name, options in parsed:
@@ -186,6 +221,100 @@ def load_grid(path: str | Path) -> Grid:
         dtype=dtype,
         gpus_per_actor=gpus,
     )
+
+
+def _check_options(where: str, run: Any, options: dict[str, Any]) -> None:
+    """Each option's value against the experiment's signature, before any cell runs or anything is
+    written: its type (an integer, a number, a list of ...), integers from 1 (0 where it means something,
+    :data:`ZERO_ALLOWED`) to :data:`MAX_COUNT`, numbers finite and >= 0, text and config files readable."""
+    try:
+        hints = typing.get_type_hints(run)
+    except Exception:  # an experiment whose annotations cannot be resolved: nothing to check against
+        return
+    for name, value in options.items():
+        hint = hints.get(name)
+        if hint is not None and not _conforms(value, hint, name):
+            raise BadInputError(f"{where}: option {name} = {_short(value)} must be {_describe(hint, name)}")
+        if name in (*TEXT_OPTIONS, "config", "conversations") and isinstance(value, str):
+            _check_file_option(where, name, value)
+
+
+def _check_file_option(where: str, name: str, value: str) -> None:
+    """A file an option names (a text, a model config, a conversations JSON), read as the experiment
+    will read it: a regular file under the size limit, of the right kind."""
+    from kvlab.data import read_user_text
+    from kvlab.model.facts import load_config_file
+
+    try:
+        if name == "config":
+            load_config_file(value)
+        elif name == "conversations":
+            doc = json.loads(read_user_text(value, what="JSON file"))
+            if not isinstance(doc, list) or not all(isinstance(c, dict) for c in doc):
+                raise BadInputError(f"{value} must hold a JSON list of objects")
+        else:
+            read_user_text(value)
+    except KvlabError as exc:
+        raise BadInputError(f"{where}: option {name}: {exc}") from None
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
+        raise BadInputError(f"{where}: option {name}: {value} is not JSON") from None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _arms(hint: Any) -> tuple[Any, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return tuple(a for a in typing.get_args(hint) if a is not type(None))
+    return (hint,)
+
+
+def _conforms(value: Any, hint: Any, name: str) -> bool:
+    """Whether a TOML value fits ``hint`` (and kvlab's ranges for counts and numbers)."""
+    for arm in _arms(hint):
+        origin = typing.get_origin(arm)
+        if arm is bool:
+            ok = type(value) is bool
+        elif arm is int:
+            ok = type(value) is int and (0 if name in ZERO_ALLOWED else 1) <= value <= MAX_COUNT
+        elif arm is float:
+            ok = type(value) in (int, float) and math.isfinite(value) and value >= 0
+        elif arm in (str, Path):
+            ok = isinstance(value, str) and bool(value.strip())
+        elif origin in (list, tuple):
+            args = typing.get_args(arm)
+            item = args[0] if args else Any
+            ok = isinstance(value, list) and bool(value) and all(_conforms(v, item, name) for v in value)
+        elif arm is dict or origin is dict:
+            ok = isinstance(value, dict) and all(type(v) in (str, int, float, bool) for v in value.values())
+        else:
+            ok = True
+        if ok:
+            return True
+    return False
+
+
+def _describe(hint: Any, name: str) -> str:
+    parts = []
+    for arm in _arms(hint):
+        origin = typing.get_origin(arm)
+        if arm is bool:
+            parts.append("true or false")
+        elif arm is int:
+            parts.append(f"an integer from {0 if name in ZERO_ALLOWED else 1} to {MAX_COUNT:,}")
+        elif arm is float:
+            parts.append("a finite number >= 0")
+        elif arm in (str, Path):
+            parts.append("a non-empty string")
+        elif origin in (list, tuple):
+            args = typing.get_args(arm)
+            inner = _describe(args[0], name) if args else "values"
+            parts.append(f"a non-empty list, each {inner}")
+        elif arm is dict or origin is dict:
+            parts.append("a table of plain values")
+    return " or ".join(dict.fromkeys(parts)) or "a value of the right type"
 
 
 def _placement(path: Path, doc: dict) -> tuple[str, str, float | None]:

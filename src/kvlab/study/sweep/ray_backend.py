@@ -10,7 +10,10 @@ many as the cluster has room for, across nodes, and gives each its own GPU (it s
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +22,58 @@ from kvlab.study.sweep.grid import Cell
 
 MAX_RESTARTS = 3
 MAX_TASK_RETRIES = 3
+#: Seconds the driver waits for a Ray address to answer before giving up (Ray's own connect retries
+#: for minutes on an address where nothing listens).
+CONNECT_TIMEOUT_S = 5.0
+
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$"
+)
+
+
+def parse_ray_address(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a Ray address (``host:port``, ``ray://host:port``, ``[ipv6]:port``), or None for
+    ``auto`` and ``local`` (Ray finds or starts the cluster itself); a BadInputError for anything else:
+    no port, a port outside 1-65535, or a host that is no IP address or hostname (``256.0.0.1``)."""
+    text = address.strip()
+    if text in ("auto", "local"):
+        return None
+    form = "a Ray address is host:port, ray://host:port, auto or local"
+    rest = text.removeprefix("ray://")
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([^:\[\]/\s]+):(\d{1,5})", rest)
+    if not match:
+        raise BadInputError(f"--ray {address!r}: {form}")
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if not 1 <= port <= 65535:
+        raise BadInputError(f"--ray {address!r}: port {port} is not in 1-65535")
+    if match.group(1) is not None or re.fullmatch(r"[\d.]+", host):
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise BadInputError(f"--ray {address!r}: {host} is not an IP address") from None
+    elif not _HOSTNAME.match(host):
+        raise BadInputError(f"--ray {address!r}: {host!r} is not a host name")
+    return host, port
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse, within ``timeout`` seconds, a Ray address where nothing accepts a connection (Ray itself
+    would retry for minutes). ``auto`` and ``local`` are left to Ray."""
+    where = parse_ray_address(address)
+    if where is None:
+        return
+    host, port = where
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except TimeoutError:
+        raise BadInputError(
+            f"cannot connect to the Ray cluster at {address!r}: no answer within {timeout:g} s"
+        ) from None
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise BadInputError(f"cannot connect to the Ray cluster at {address!r}: {reason}") from None
 
 
 def actor_options(gpus_per_actor: float) -> dict[str, Any]:
@@ -51,6 +106,7 @@ class RayCluster:
     """A connection to a Ray cluster (``address``, ``auto`` or ``local``), closed by :meth:`close`."""
 
     def __init__(self, address: str) -> None:
+        check_reachable(address)  # a malformed or silent address is one line within seconds
         try:
             import ray
         except ImportError:

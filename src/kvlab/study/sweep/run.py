@@ -67,7 +67,12 @@ def run_sweep(
         cells = [
             c.placed(cell_key(c, fingerprints[c.model], device, dtype), device, dtype) for c in grid.cells
         ]
-        (out / "cells").mkdir(parents=True, exist_ok=True)
+        try:
+            (out / "cells").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BadInputError(
+                f"--out {out}: cannot create the sweep folder ({exc.strerror or exc})"
+            ) from None
         todo = [c for c in cells if not is_done(out / "cells" / c.folder_name, c.key)]
         log(
             f"{len(cells)} cells on {device} in {dtype}, {len(cells) - len(todo)} already done, {len(todo)} to run"
