@@ -118,6 +118,20 @@ def test_streaming_experiment_smoke(smollm, tmp_path):
 
 
 @pytest.mark.real_model
+def test_asking_for_more_tokens_than_the_text_has_is_refused_not_shortened(smollm, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("A short text about lighthouses and the sea. " * 20)
+    ctx = ExperimentContext(
+        out_dir=tmp_path / "sp",
+        profile="quick",
+        options={"tokens": 5000, "windows": [32], "text_file": str(short)},
+    )
+    ctx.model_handle = smollm
+    with pytest.raises(BadInputError, match="--tokens 5000 asks for more"):
+        run_experiment(get_experiment("streaming_ppl"), ctx)
+
+
+@pytest.mark.real_model
 @pytest.mark.slow
 def test_suffix_experiment_smoke(smollm, tmp_path):
     ctx = ExperimentContext(

@@ -133,6 +133,10 @@ def run(
     rows: list[dict] = []
     for text in _texts(ctx, text_file):
         ids = handle.encode(text.text[: n_tokens * 8])[:n_tokens]
+        if tokens is not None and len(ids) < n_tokens:  # asked for explicitly: never score fewer silently
+            raise BadInputError(
+                f"{text.source} has {len(ids)} tokens; --tokens {n_tokens} asks for more (give a longer text)"
+            )
         result.data_sources.append(f"{text.source}: first {len(ids)} tokens")
         for window in windows:
             if len(ids) <= window + feed + 1:
