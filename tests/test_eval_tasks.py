@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from kvlab.data import python_docs
@@ -11,25 +13,16 @@ from kvlab.eval.tasks import TASKS, Trial, encoder, make_trial, task
 
 
 class WordTokenizer:
-    """A deterministic stand-in tokenizer: one id per whitespace-separated word (ids stable per word)."""
+    """A deterministic stand-in tokenizer: one id per whitespace-separated word (a hash of the word, so
+    the same on every run); decoding gives ``w<id>`` per token."""
 
     eos_token_id = 0
 
-    def __init__(self) -> None:
-        self.vocab: dict[str, int] = {}
-        self.words: dict[int, str] = {}
-
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = []
-        for w in text.split():
-            if w not in self.vocab:
-                self.vocab[w] = 1 + len(self.vocab) % 500
-                self.words[self.vocab[w]] = w
-            ids.append(self.vocab[w])
-        return ids
+        return [1 + zlib.crc32(w.encode()) % 499 for w in text.split()]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return " ".join(self.words.get(int(i), "?") for i in ids)
+        return " ".join(f"w{int(i)}" for i in ids)
 
 
 HAYSTACK = python_docs().text

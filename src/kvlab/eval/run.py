@@ -24,6 +24,7 @@ the same tokens.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,7 +72,9 @@ def known_specs() -> str:
     from kvlab.compress.quant.methods import QUANTIZERS
     from kvlab.compress.quant.scalar import SUPPORTED_BITS
 
-    policies = ", ".join([*POLICIES, *ALIASES])
+    policies = ", ".join(
+        [*(p for p in POLICIES if p not in ALIASES), *(f"{a} (= {b})" for a, b in ALIASES.items())]
+    )
     bits = "/".join(map(str, SUPPORTED_BITS))
     return (
         f"full; <policy>:<fraction removed in [0, 1)> with policy one of {policies} (e.g. snapkv:0.5); "
@@ -144,7 +147,12 @@ def _layers(spec: CacheSpec, source: Any) -> tuple[tuple[torch.Tensor, ...], tup
     if spec.kind == "evict":
         ev = evict(source, make_policy(spec.method), keep=1.0 - spec.ratio)
         return ev.keys, ev.values, ev.nbytes
-    qs = quantize_snapshot(snap, make_quantizer(spec.method, spec.bits))
+    quantizer = make_quantizer(spec.method, spec.bits)
+    if snap.head_dim % quantizer.group_size:  # a small head: the largest group size that divides it
+        quantizer = make_quantizer(
+            spec.method, spec.bits, group_size=math.gcd(quantizer.group_size, snap.head_dim)
+        )
+    qs = quantize_snapshot(snap, quantizer)
     dec = qs.decompress()
     return dec.keys, dec.values, qs.nbytes
 
@@ -267,8 +275,6 @@ def run_suite(
 
 def _interval(values: Sequence[float], seed: int) -> dict | None:
     """The mean with its bootstrap interval (JSON), or None when no value is finite."""
-    import math
-
     from kvlab.metrics.stats import bootstrap_ci
 
     if not any(math.isfinite(v) for v in values):

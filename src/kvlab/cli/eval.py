@@ -1,0 +1,213 @@
+"""``kvlab eval ruler``: RULER-style long-context tasks under cache policies, scored, with KL to the full cache."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvlab.cli.common import (
+    MAX_COUNT,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelOpt,
+    SeedOpt,
+    check_output_dir,
+    console,
+    text_file,
+)
+from kvlab.errors import BadInputError
+
+#: the most tokens one trial may ask for (far past what kvlab's CPU runs reach; a larger one is a typo)
+MAX_LENGTH = 1 << 20
+
+
+def _specs(value: list[str] | None) -> list[str] | None:
+    """Typer callback: every ``--cache`` spec parses (one line naming the known forms otherwise)."""
+    if value:
+        from kvlab.eval.run import parse_cache_specs
+
+        try:
+            parse_cache_specs(value)
+        except BadInputError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def _lengths(value: str) -> str:
+    """Typer callback: a comma-separated list of prompt lengths in tokens."""
+    from kvlab.eval.tasks import MIN_LENGTH
+
+    items = [v.strip() for v in value.split(",")]
+    if not all(v.isdigit() for v in items):
+        raise typer.BadParameter(f"{value!r} is not a comma-separated list of token counts (e.g. 1024,2048)")
+    for n in map(int, items):
+        if not MIN_LENGTH <= n <= MAX_LENGTH:
+            raise typer.BadParameter(f"a length of {n} tokens is outside [{MIN_LENGTH}, {MAX_LENGTH}]")
+    if len(set(items)) != len(items):
+        raise typer.BadParameter(f"{value!r} repeats a length")
+    return value
+
+
+def _tasks(value: str | None) -> str | None:
+    """Typer callback: a comma-separated list of registered task names."""
+    if value is None:
+        return None
+    from kvlab.eval.tasks import TASKS
+
+    items = [v.strip() for v in value.split(",")]
+    unknown = [v for v in items if v not in TASKS]
+    if unknown or not items:
+        raise typer.BadParameter(
+            f"unknown task(s) {', '.join(map(repr, unknown))}; choose from {', '.join(TASKS)}"
+        )
+    if len(set(items)) != len(items):
+        raise typer.BadParameter(f"{value!r} repeats a task")
+    return value
+
+
+def _fmt(interval: dict | None, digits: str = ".2f") -> str:
+    if interval is None:
+        return "-"
+    if interval["low"] is None:
+        return f"{interval['value']:{digits}}"
+    return f"{interval['value']:{digits}} [{interval['low']:{digits}}, {interval['high']:{digits}}]"
+
+
+def table_lines(summary: list[dict]) -> list[str]:
+    """The summary as a Markdown table: accuracy, KL and top-1 with 95% bootstrap intervals."""
+    lines = [
+        "| task | length | cache | n | accuracy [95% CI] | KL nats [95% CI] | top-1 [95% CI] | s |",
+        "|---|---:|---|---:|---|---|---|---:|",
+    ]
+    for s in sorted(summary, key=lambda s: (s["task"], s["length"])):
+        lines.append(
+            f"| {s['task']} | {s['length']} | {s['cache']} | {s['trials']} | {_fmt(s['accuracy'])} | "
+            f"{_fmt(s['kld'], '.3g')} | {_fmt(s['top1'])} | {s['seconds']:.1f} |"
+        )
+    return lines
+
+
+def register(app: typer.Typer) -> None:
+    sub = typer.Typer(
+        help="Score cache policies on long-context tasks (RULER-style), with KL to the full cache."
+    )
+    app.add_typer(sub, name="eval")
+
+    @sub.command("ruler")
+    def ruler(
+        cache: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--cache",
+                callback=_specs,
+                help="Cache policy (repeatable): full, <policy>:<fraction removed> (snapkv:0.5, h2o:0.5, "
+                "tova:0.5, keynorm:0.5, window:0.5), int4, int2, <quantizer>:int<bits> (kivi:int2).",
+            ),
+        ] = None,
+        lengths: Annotated[
+            str,
+            typer.Option("--lengths", callback=_lengths, help="Prompt lengths in tokens, comma-separated."),
+        ] = "1024",
+        tasks: Annotated[
+            str | None,
+            typer.Option(
+                "--tasks",
+                callback=_tasks,
+                help="Tasks, comma-separated (default: all): niah_single, niah_multikey, niah_multivalue, vt, cwe, qa.",
+            ),
+        ] = None,
+        trials: Annotated[
+            int, typer.Option("--trials", min=1, max=MAX_COUNT, help="Trials per task and length.")
+        ] = 5,
+        haystack: Annotated[
+            Path | None,
+            typer.Option(
+                "--haystack",
+                callback=text_file,
+                help="A UTF-8 text file to hide the facts in (default: Frankenstein if ../shared is present, "
+                "else the Python docs).",
+            ),
+        ] = None,
+        max_new_tokens: Annotated[
+            int | None,
+            typer.Option(
+                "--max-new-tokens", "-n", min=1, max=4096, help="Answer tokens (default: each task's own)."
+            ),
+        ] = None,
+        out: Annotated[
+            Path | None,
+            typer.Option("--out", "-o", help="Folder for ruler.json (raw rows, summary with intervals)."),
+        ] = None,
+        model: ModelOpt = "smollm2-135m",
+        device: DeviceOpt = "auto",
+        dtype: DtypeOpt = "float32",
+        seed: SeedOpt = 0,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Run RULER-style trials under each cache policy: accuracy, KL and top-1 agreement to the full cache."""
+        from kvlab.eval.run import parse_cache_specs, run_suite, summarize
+        from kvlab.eval.tasks import TASKS
+
+        specs = parse_cache_specs(cache or ["full"])
+        task_names = [t.strip() for t in tasks.split(",")] if tasks else list(TASKS)
+        length_list = [int(v) for v in lengths.split(",")]
+        if out is not None:
+            check_output_dir(out)
+        from kvlab import load_model
+        from kvlab.data import read_text_file
+
+        haystack_text = read_text_file(haystack).text if haystack is not None else None
+        handle = load_model(model, device=device, dtype=dtype)
+        t0 = time.perf_counter()
+        total = len(task_names) * len(length_list) * trials
+        with typer.progressbar(length=total, label="ruler", file=sys.stderr, hidden=json_out) as bar:
+            rows = run_suite(
+                handle,
+                specs,
+                tasks=task_names,
+                lengths=length_list,
+                trials=trials,
+                seed=seed,
+                haystack_text=haystack_text,
+                max_new_tokens=max_new_tokens,
+                progress=lambda done, n: bar.update(1),
+            )
+        wall = time.perf_counter() - t0
+        summary = summarize(rows, seed=seed)
+        doc = {
+            "settings": {
+                "model": model,
+                "device": str(handle.device),
+                "dtype": dtype,
+                "caches": [s.to_json() for s in specs],
+                "tasks": task_names,
+                "lengths": length_list,
+                "trials": trials,
+                "seed": seed,
+                "haystack": str(haystack) if haystack is not None else "default",
+                "max_new_tokens": max_new_tokens,
+            },
+            "wall_seconds": wall,
+            "summary": summary,
+            "rows": rows,
+        }
+        if out is not None:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            path = Path(out) / "ruler.json"
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(doc, indent=2) + "\n")
+            tmp.replace(path)
+        if json_out:
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+            return
+        for line in table_lines(summary):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"{len(rows)} rows in {wall:.1f} s" + (f"; wrote {Path(out) / 'ruler.json'}" if out else "")
+        )
