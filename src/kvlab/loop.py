@@ -13,6 +13,7 @@ per step costs about what one row does on a CPU.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,12 @@ class Sampling:
     """How a token is picked from logits: greedy (``temperature=0``) or sampled with nucleus ``top_p``.
 
     Sampling is seeded: the same ``seed`` gives the same tokens (one ``torch.Generator`` per loop).
+    Every finite temperature ``> 0`` is valid, however small: probabilities are computed in float64 from
+    ``(logits - max) / temperature``, which is ``<= 0`` and never overflows to ``+inf`` (``logits /
+    1e-310`` would, and ``softmax`` of it is NaN). Where ``gap / temperature`` passes float64's range
+    it becomes ``-inf`` and that token's probability exactly 0, which is the ``temperature -> 0`` limit:
+    below about ``1e-300`` (and for any temperature far below the logits' gaps, e.g. ``1e-6``) a pick is
+    the argmax, the tied best tokens shared at random.
     """
 
     temperature: float = 0.0
@@ -36,8 +43,8 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise BadInputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise BadInputError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise BadInputError(f"top_p must lie in (0, 1], got {self.top_p}")
 
@@ -49,7 +56,10 @@ class Sampling:
         """``[B]`` token ids from ``[B, vocab]`` logits."""
         if self.greedy:
             return logits.argmax(-1)
-        probs = torch.softmax(logits.double().cpu() / self.temperature, dim=-1)
+        scaled = logits.double().cpu()
+        # shifted by each row's max first: every entry <= 0, the best exactly 0, so no temperature overflows
+        scaled = (scaled - scaled.max(dim=-1, keepdim=True).values) / self.temperature
+        probs = torch.softmax(scaled, dim=-1)
         if self.top_p < 1:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least the top token)

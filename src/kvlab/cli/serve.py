@@ -61,6 +61,14 @@ def register(app: typer.Typer) -> None:
                 help="Idle conversations kept for reuse (each holds a window's cache; least recently used dropped).",
             ),
         ] = 64,
+        prefill_chunk: Annotated[
+            int,
+            typer.Option(
+                "--prefill-chunk",
+                min=1,
+                help="Prompt tokens computed between two decode steps: a long prompt delays the others' next token by this much prefill at most.",
+            ),
+        ] = 256,
         store_memory_mb: Annotated[
             int,
             typer.Option(
@@ -162,6 +170,7 @@ def register(app: typer.Typer) -> None:
             max_batch=max_batch,
             max_queue=max_queue,
             max_sessions=max_sessions,
+            prefill_chunk=prefill_chunk,
         )
         handle = load_model(model, device=device, dtype=dtype)
         check_settings(handle, settings)  # before the store creates a folder

@@ -1,9 +1,11 @@
 """The serving engine: conversations that never re-prefill, decoded together in one batched forward.
 
-One worker thread owns the model. Requests wait in a bounded queue; between decode steps the worker
-admits waiting requests (up to ``max_batch`` at once), prefills what is new in each, then runs one
-batched forward per step over every live request (:func:`kvlab.hf.batch.step_rolling_rows`), so
-requests join and leave between steps (continuous batching).
+One worker thread owns the model. Requests wait in a bounded queue; the worker loops: it admits waiting
+requests (up to ``max_batch`` prefilling or decoding at once), computes up to ``prefill_chunk`` prompt
+tokens of the requests being prefilled, then runs one batched forward over every decoding request
+(:func:`kvlab.hf.batch.step_rolling_rows`), so requests join and leave between steps (continuous
+batching) and a long prompt delays the others' next token by one prefill budget at most (chunked
+prefill). A row that fails fails alone: its pick, its text or its part of the forward.
 
 Where a prompt's cache comes from, in order:
 
@@ -18,6 +20,8 @@ Where a prompt's cache comes from, in order:
 
 Prompts and replies beyond the window **roll** (attention sinks + window, exact RoPE re-rotation)
 instead of failing. The system prompt is pinned: it is part of the cache's sinks, never evicted.
+A prompt computed in pieces ends in the cache it would have in one go: each forward of the unchunked
+path is split with the cache's roll held between its pieces (:func:`kvlab.hf.batch.hold_roll`).
 """
 
 from __future__ import annotations
@@ -34,14 +38,13 @@ from typing import Any
 
 import torch
 
+from kvlab.cache import KVSnapshot
 from kvlab.errors import BadInputError, KvlabError
-from kvlab.hf.batch import step_rolling_rows
+from kvlab.hf.batch import hold_roll, step_rolling_rows_isolated
 from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
 from kvlab.loop import Sampling
 from kvlab.store.errors import StoreError
-from kvlab.store.reuse import prefill_with_store
 from kvlab.store.store import KVStore
-from kvlab.streaming.generate import feed
 
 log = logging.getLogger("kvlab.serve")
 
@@ -59,9 +62,10 @@ class EngineSettings:
     window: int = 1024
     sinks: int = 4
     evict_chunk: int = 64
-    max_batch: int = 4  # requests decoded together
+    max_batch: int = 4  # requests served at once (prefilling or decoding)
     max_queue: int = 16  # requests waiting beyond those decoding
     max_sessions: int = 64  # idle conversations kept for reuse (least recently used dropped)
+    prefill_chunk: int = 256  # prompt tokens computed per worker iteration, between two decode steps
 
 
 @dataclass
@@ -153,6 +157,66 @@ class _Row:
     last_step: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class _Head:
+    """A new conversation's first ``sinks + window`` tokens with a store: the longest stored prefix,
+    extended a piece at a time as a snapshot (what :func:`~kvlab.store.reuse.prefill_with_store` does in
+    one forward), then stored and seeded into the rolling cache."""
+
+    ids: list[int]
+    at: int  # tokens of ``ids`` held by ``snapshot`` (the stored prefix's to start with)
+    snapshot: KVSnapshot | None
+    tiers: dict[str, int] = field(default_factory=dict)  # the stored prefix's blocks per tier
+
+
+@dataclass
+class _Prefill:
+    """A request being prefilled: its prompt computed a piece at a time, between decode steps.
+
+    ``forwards`` are the forwards the unchunked path would run (each at most the cache's headroom, or
+    256 tokens when scoring); each is fed in pieces of at most the iteration's prefill budget with the
+    cache's roll held between pieces (:func:`~kvlab.hf.batch.hold_roll`), so the cache ends as the
+    unchunked path leaves it, whatever the pieces were.
+    """
+
+    req: Request
+    session: Session
+    taken: bool  # the session was an idle one: kept if cancelled before anything was fed
+    source: str
+    cached: int
+    rolls_before: int
+    t0: float
+    forwards: collections.deque[list[int]]
+    head: _Head | None = None  # the store's part, computed before ``forwards``
+    tiers: dict[str, int] = field(default_factory=dict)
+    at: int = 0  # tokens of ``forwards[0]`` fed
+    fed: int = 0
+    total: int = 0
+    logits: torch.Tensor | None = None  # [vocab] after the last token fed
+    prev: torch.Tensor | None = None  # scoring: the log-probabilities that score the next token
+    scores: list[LogProb | None] = field(default_factory=list)  # scoring: the new tokens'
+
+    @property
+    def remaining(self) -> int:
+        return self.total - self.fed
+
+
+def _pieces(ids: list[int], size: int) -> list[list[int]]:
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+def _emit(req: Request, event: tuple) -> None:
+    """Emit ``event`` to ``req`` on a failure path, where its listener may be gone (this must not raise)."""
+    try:
+        req.emit(event)
+    except Exception:
+        log.warning("could not deliver a %s event", event[0], exc_info=True)
+
+
+# tokens per forward when a prompt is scored: every position's logits are kept ([chunk, vocab] at a time)
+SCORE_CHUNK = 256
+
+
 class Engine:
     """Owns the model, the sessions and the store; serves :class:`Request` s from one worker thread."""
 
@@ -166,8 +230,9 @@ class Engine:
         self.sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._sessions_lock = threading.Lock()
         self._pending: collections.deque[Request] = collections.deque()
-        self._active: list[_Row] = []
-        self._admitted = 0  # taken from the queue, not yet decoding (being prefilled)
+        self._prefilling: list[_Prefill] = []  # admitted, their prompts being computed
+        self._active: list[_Row] = []  # decoding
+        self._admitted = 0  # taken from the queue, not yet prefilling
         self._cv = threading.Condition()
         self._stopping = False
         self.store_warnings = 0
@@ -201,7 +266,11 @@ class Engine:
 
     def active(self) -> int:
         """Requests being served: prefilling (admitted) or decoding."""
-        return len(self._active) + self._admitted
+        return len(self._active) + len(self._prefilling) + self._admitted
+
+    def prefilling(self) -> int:
+        """Requests whose prompts are being computed (admitted, not yet decoding)."""
+        return len(self._prefilling) + self._admitted
 
     def device_description(self) -> str:
         """Where the model runs, in words: ``cuda:0 (NVIDIA H100 80GB HBM3), bfloat16`` or ``cpu, float32``."""
@@ -219,9 +288,21 @@ class Engine:
         }
 
     def status(self) -> dict[str, Any]:
-        """Live and idle sessions with their cache layouts (for the status page and ``/health``)."""
-        rows = list(self._active)
+        """Live and idle sessions with their cache layouts (for the status page and ``/health``): rows being
+        prefilled (with ``prefilled`` of ``prompt_tokens`` computed so far) and decoded, then idle ones."""
+        prefilling, rows = list(self._prefilling), list(self._active)
         live = [
+            {
+                "session": p.session.id,
+                "state": "prefilling",
+                **p.session.layout(),
+                **_reuse(p.session),
+                "prefilled": p.fed,
+                "prompt_tokens": p.total,
+            }
+            for p in prefilling
+        ]
+        live += [
             {"session": r.session.id, "state": "decoding", **r.session.layout(), **_reuse(r.session)}
             for r in rows
         ]
@@ -230,6 +311,7 @@ class Engine:
         idle = [{"session": s.id, "state": "idle", **s.layout(), **_reuse(s)} for s in sessions]
         return {
             "queue": self.queue_depth(),
+            "prefilling": len(prefilling),
             "decoding": len(rows),
             "sessions": live + idle,
             "settings": dataclasses.asdict(self.settings),
@@ -258,66 +340,78 @@ class Engine:
 
     # -- the worker ----------------------------------------------------------------------------------
     def _work(self) -> None:
+        """One iteration: admit waiting requests, compute up to ``prefill_chunk`` prompt tokens, then one
+        decode step for every decoding row. A long prompt thus delays the others' next token by one
+        budget of prefill at most, and a request cancelled while prefilling stops between pieces."""
         torch.set_grad_enabled(False)
         while True:
             with self._cv:
-                while not self._pending and not self._active and not self._stopping:
+                while not self._pending and not self._prefilling and not self._active and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
-                    for req in self._pending:
-                        req.emit(("error", ShuttingDownError("the server is shutting down")))
+                    gone = ShuttingDownError("the server is shutting down")
+                    for req in [
+                        *self._pending,
+                        *(p.req for p in self._prefilling),
+                        *(r.req for r in self._active),
+                    ]:
+                        _emit(req, ("error", gone))
                     self._pending.clear()
+                    self._prefilling, self._active = [], []
                     return
                 admit: list[Request] = []
-                while self._pending and len(self._active) + len(admit) < self.settings.max_batch:
+                busy = len(self._active) + len(self._prefilling)
+                while self._pending and busy + len(admit) < self.settings.max_batch:
                     admit.append(self._pending.popleft())
                 self._admitted = len(admit)
             for req in admit:
-                if req.cancelled.is_set():
-                    self._admitted -= 1
-                    continue
                 try:
-                    row = self._start(req)
-                    if req.max_new_tokens == 0:  # scoring a prompt: nothing to generate
-                        row.finish = "length"
-                        self._finish(row)
-                    else:
-                        self._active.append(row)
+                    if not req.cancelled.is_set():
+                        self._prefilling.append(self._admit(req))
                 except Exception as exc:  # a bad request must never kill the worker
-                    if not isinstance(exc, KvlabError):
-                        log.exception("prefill failed")
-                    req.emit(("error", exc))
+                    self._fail(req, exc, "prefill")
                 finally:
                     self._admitted -= 1
+            if self._prefilling:
+                self._prefill_some()
             if self._active:
                 try:
                     self._step()
-                except Exception as exc:
-                    # the step's rows fail; their sessions are not returned (a cache may hold half a step)
+                except Exception as exc:  # a fault outside any one row: the rows fail, the worker lives
                     log.exception("decode step failed")
-                    for row in self._active:
-                        row.req.emit(("error", exc))
+                    for row in self._active:  # sessions not returned (a cache may hold half a step)
+                        _emit(row.req, ("error", exc))
                     self._active = []
 
-    def _start(self, req: Request) -> _Row:
-        """Find the longest cached prefix, compute the rest, return the row ready to pick its first token."""
+    def _fail(self, req: Request, exc: Exception, where: str) -> None:
+        """``req`` fails alone: its error is emitted; its session, which may hold half a step, is dropped."""
+        if not isinstance(exc, KvlabError):
+            log.error("a request failed in its %s", where, exc_info=exc)
+        _emit(req, ("error", exc))
+
+    # -- prefill ---------------------------------------------------------------------------------------
+    def _admit(self, req: Request) -> _Prefill:
+        """Find the longest cached prefix and plan the forwards that compute the rest (nothing runs yet but
+        the store's lookup)."""
         t0 = time.perf_counter()
         top = req.logprobs or 0
         session = self._take_session(req.ids, req.salt, top if req.score_prompt else None)
-        tiers: dict[str, int] = {}
-        rolls_before = 0
-        scores: list[LogProb | None] = []
         if session is not None:
-            source, cached = "session", len(session.ids)
-            rolls_before = session.cache.rolls
-            if req.score_prompt:  # the cached tokens' stored scores, the new ones computed
-                logits, fresh = self._feed_scored(session.cache, req.ids[cached:], session.last_logits, req)
-                stored = [None if e is None else (e[0], e[1], e[2][:top]) for e in session.scores]
-                scores = [*stored, *fresh]
-                session.scores = [*session.scores, *fresh]
-            else:
-                logits = feed(self.handle, session.cache, req.ids[cached:])
-                session.scores = [*session.scores, *(None for _ in req.ids[cached:])]
+            cached = len(session.ids)
+            new = req.ids[cached:]
+            size = min(session.cache.headroom, SCORE_CHUNK) if req.score_prompt else session.cache.headroom
+            p = _Prefill(
+                req,
+                session,
+                True,
+                "session",
+                cached,
+                session.cache.rolls,
+                t0,
+                collections.deque(_pieces(new, size)),
+            )
+            if req.score_prompt and session.last_logits is not None:  # scores the first new token
+                p.prev = torch.log_softmax(session.last_logits.float(), -1)
         else:
             cache = rolling_cache_for(
                 self.handle,
@@ -326,25 +420,141 @@ class Engine:
                 evict_chunk=self.settings.evict_chunk,
             )
             session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, req.pinned, self.settings.sinks)
-            if req.score_prompt:  # every token computed here, so every token but the first is scored
-                logits, scores = self._feed_scored(cache, req.ids, None, req)
-                source, cached = "none", 0
-                session.scores = list(scores)
+            p = _Prefill(req, session, False, "none", 0, 0, t0, collections.deque())
+            if req.score_prompt:  # every token computed here (never from the store, which keeps no scores)
+                p.forwards.extend(_pieces(req.ids, min(cache.headroom, SCORE_CHUNK)))
             else:
-                logits, source, cached, tiers = self._prefill_new(cache, req)
-                session.scores = [None] * len(req.ids)
+                head, rest = req.ids[: self.capacity], req.ids[self.capacity :]
+                p.head = self._lookup(head, req.salt)
+                if p.head is not None:
+                    p.cached, p.source = p.head.at, ("store" if p.head.at else "none")
+                    p.tiers = p.head.tiers
+                else:
+                    p.forwards.extend(_pieces(head, cache.headroom))
+                p.forwards.extend(_pieces(rest, cache.headroom))
+        p.total = sum(len(f) for f in p.forwards) + (len(p.head.ids) - p.head.at if p.head else 0)
+        return p
+
+    def _lookup(self, head: list[int], salt: str) -> _Head | None:
+        """The longest stored prefix of ``head`` (all but its last token at most: one is always computed,
+        for its logits); None without a store or when the store fails (the head is then computed)."""
+        if self.store is None:
+            return None
+        try:
+            ns = self.store.namespace(self.handle, salt=salt or None)
+            match = self.store.lookup(head, ns, max_tokens=len(head) - 1, device=self.handle.device)
+        except StoreError as exc:
+            self.store_warnings += 1
+            log.warning("kvlab serve: the store failed (%s); computing this prompt without it", exc)
+            return None
+        at = match.cached_tokens if match.snapshot is not None else 0
+        return _Head(list(head), at, match.snapshot, dict(match.tier_blocks))
+
+    def _prefill_some(self) -> None:
+        """Spend this iteration's budget of prompt tokens: shortest remaining prompt first (a short prompt is
+        not held behind a long one; the long one takes what the short ones leave)."""
+        budget = self.settings.prefill_chunk
+        for p in sorted(self._prefilling, key=lambda p: p.remaining):
+            try:
+                while budget > 0 and p.remaining > 0 and not p.req.cancelled.is_set():
+                    budget -= self._piece(p, budget)
+            except Exception as exc:
+                self._prefilling.remove(p)
+                self._fail(p.req, exc, "prefill")
+                continue
+            if p.req.cancelled.is_set():
+                self._prefilling.remove(p)
+                if p.taken and p.fed == 0:  # untouched: the idle session it was goes back
+                    self._return_session(p.session)
+                continue  # else dropped: its cache may end in the middle of a held roll
+            if p.remaining == 0:
+                self._prefilling.remove(p)
+                try:
+                    self._prefilled(p)
+                except Exception as exc:
+                    self._fail(p.req, exc, "prefill")
+            if budget <= 0:
+                break
+
+    def _piece(self, p: _Prefill, budget: int) -> int:
+        """Compute the next piece of ``p``'s prompt, at most ``budget`` tokens; returns how many."""
+        head = p.head
+        if head is not None and head.at < len(head.ids):
+            piece = head.ids[head.at : head.at + budget]
+            fwd = (
+                self.handle.extend(head.snapshot, piece, all_logits=False)
+                if head.snapshot is not None
+                else self.handle.prefill(piece, all_logits=False)
+            )
+            head.snapshot, head.at = fwd.snapshot, head.at + len(piece)
+            p.logits, p.fed = fwd.logits[-1].float(), p.fed + len(piece)
+            if head.at == len(head.ids):
+                self._seed_head(p.session.cache, head.snapshot, p.req.salt)
+            return len(piece)
+        forward = p.forwards[0]
+        piece = forward[p.at : p.at + budget]
+        cache = p.session.cache
+        ids = torch.tensor([piece], dtype=torch.long, device=self.handle.device)
+        logits = self.handle.run(ids, cache, logits_to_keep=0 if p.req.score_prompt else 1).logits[0].float()
+        p.at += len(piece)
+        if p.at < len(forward):
+            hold_roll(cache)  # the rest of this forward sees what this piece saw
+        else:
+            p.forwards.popleft()
+            p.at = 0
+        if p.req.score_prompt:
+            log_probs = torch.log_softmax(logits, -1)
+            top = p.req.logprobs or 0
+            for j, tok in enumerate(piece):
+                src = p.prev if j == 0 else log_probs[j - 1]
+                p.scores.append(None if src is None else _logprob(src, tok, top))
+            p.prev = log_probs[-1]
+        p.logits, p.fed = logits[-1], p.fed + len(piece)
+        return len(piece)
+
+    def _seed_head(self, cache: RollingCache, snapshot: KVSnapshot, salt: str) -> None:
+        """The computed head into the rolling cache, and its blocks into the store (a store that fails to
+        write must not cost the request: it is only not shared this time)."""
+        device = self.handle.device  # a prefix read from the store may arrive on the CPU
+        cache.seed(
+            [(k.to(device), v.to(device)) for k, v in zip(snapshot.keys, snapshot.values, strict=True)]
+        )
+        assert self.store is not None
+        try:
+            self.store.put(snapshot, salt=salt or None, model=self.handle)
+        except StoreError as exc:
+            self.store_warnings += 1
+            log.warning("kvlab serve: could not store this prompt's blocks (%s); serving it anyway", exc)
+
+    def _prefilled(self, p: _Prefill) -> None:
+        """``p``'s prompt is computed: record it in its session, report it, start decoding (or finish a
+        scoring request, which generates nothing)."""
+        req, session = p.req, p.session
+        top = req.logprobs or 0
+        new = len(req.ids) - p.cached
+        scores: list[LogProb | None] = []
+        if req.score_prompt:  # the cached tokens' stored scores, the new ones computed
+            stored = (
+                [None if e is None else (e[0], e[1], e[2][:top]) for e in session.scores] if p.taken else []
+            )
+            scores = [*stored, *p.scores]
+            session.scores = [*session.scores, *p.scores] if p.taken else list(p.scores)
+        else:
+            session.scores = (
+                [*session.scores, *(None for _ in range(new))] if p.taken else [None] * len(req.ids)
+            )
         session.ids = list(req.ids)
         session.requests += 1
-        session.reused_tokens += cached
-        session.computed_tokens += len(req.ids) - cached
+        session.reused_tokens += p.cached
+        session.computed_tokens += new
         info = {
             "session": session.id,
-            "source": source,
-            "cached_tokens": cached,
-            "computed_tokens": len(req.ids) - cached,
-            "rolls": session.cache.rolls - rolls_before,
-            "prefill_ms": round((time.perf_counter() - t0) * 1000, 2),
-            "store_tiers": tiers,
+            "source": p.source,
+            "cached_tokens": p.cached,
+            "computed_tokens": new,
+            "rolls": session.cache.rolls - p.rolls_before,
+            "prefill_ms": round((time.perf_counter() - p.t0) * 1000, 2),
+            "store_tiers": p.tiers,
         }
         if self.metrics is not None:
             self.metrics.prefilled(info)
@@ -352,108 +562,86 @@ class Engine:
             info["_prompt_logprobs"] = scores
         # a CPU generator wherever the model runs: Sampling.pick draws from probabilities on the CPU
         gen = None if req.sampling.greedy else torch.Generator().manual_seed(req.sampling.seed)
-        req.emit(("start", info))
-        return _Row(req, session, logits[None], gen, info)
+        assert p.logits is not None
+        row = _Row(req, session, p.logits[None], gen, info)
+        if req.max_new_tokens == 0:  # scoring a prompt: nothing to generate
+            req.emit(("start", info))
+            row.finish = "length"
+            self._finish(row)
+            return
+        self._active.append(row)  # counted as decoding before its first event reaches anyone
+        try:
+            req.emit(("start", info))
+        except Exception:
+            self._active.remove(row)
+            raise
 
-    def _prefill_new(self, cache: RollingCache, req: Request) -> tuple[torch.Tensor, str, int, dict]:
-        """A new conversation: its head from the store where it can, the rest computed."""
-        head = req.ids[: self.capacity]
-        logits, cached, tiers = self._prefill_head(cache, head, req.salt)
-        if len(req.ids) > len(head):
-            logits = feed(self.handle, cache, req.ids[len(head) :])
-        return logits, ("store" if cached else "none"), cached, tiers
-
-    def _feed_scored(
-        self, cache: RollingCache, ids: list[int], before: torch.Tensor | None, req: Request
-    ) -> tuple[torch.Tensor, list[LogProb | None]]:
-        """Feed ``ids`` keeping every position's logits: each token's log-probability given what precedes
-        it in the cache (the first from ``before``, the logits that ended the cache, where known)."""
-        top = req.logprobs or 0
-        scores: list[LogProb | None] = []
-        prev = None if before is None else torch.log_softmax(before.float(), -1)
-        logits = torch.empty(0, device=self.handle.device)
-        chunk = min(cache.headroom, 256)  # [chunk, vocab] logits at a time
-        for start in range(0, len(ids), chunk):
-            piece = ids[start : start + chunk]
-            fed = torch.tensor([piece], dtype=torch.long, device=self.handle.device)
-            logits = self.handle.run(fed, cache).logits[0].float()
-            log_probs = torch.log_softmax(logits, -1)
-            for j, tok in enumerate(piece):
-                src = prev if j == 0 else log_probs[j - 1]
-                scores.append(None if src is None else _logprob(src, tok, top))
-            prev = log_probs[-1]
-        return logits[-1], scores
-
-    def _prefill_head(
-        self, cache: RollingCache, head: list[int], salt: str
-    ) -> tuple[torch.Tensor, int, dict]:
-        """The first ``sinks + window`` tokens: from the store where it has them (then stored), else computed."""
-        if self.store is not None:
-            # a tier that fails to read is a miss (the store logs it); one that fails to write must
-            # not cost the request: the cache is already computed, it just is not shared this time
-            try:
-                pre = prefill_with_store(self.handle, self.store, head, salt=salt or None, store_prompt=False)
-            except StoreError as exc:
-                self.store_warnings += 1
-                log.warning("kvlab serve: the store failed (%s); computing this prompt without it", exc)
-                return feed(self.handle, cache, head), 0, {}
-            device = self.handle.device  # a prefix read from the store may arrive on the CPU
-            cache.seed(
-                [
-                    (k.to(device), v.to(device))
-                    for k, v in zip(pre.snapshot.keys, pre.snapshot.values, strict=True)
-                ]
-            )
-            try:
-                self.store.put(pre.snapshot, salt=salt or None, model=self.handle)
-            except StoreError as exc:
-                self.store_warnings += 1
-                log.warning("kvlab serve: could not store this prompt's blocks (%s); serving it anyway", exc)
-            return pre.last_logits, pre.cached_tokens, dict(pre.match.tier_blocks)
-        return feed(self.handle, cache, head), 0, {}
-
+    # -- decode ----------------------------------------------------------------------------------------
     def _step(self) -> None:
-        """Pick one token per row, report it, feed every row's token in one batched forward."""
+        """Pick one token per row, report it, feed every row's token in one batched forward.
+
+        A row that fails (its pick, log-probability or text, or its part of the forward) fails alone:
+        its error is emitted and its session dropped, the other rows go on (the batched forward is undone
+        and its rows run one by one when it raises: :func:`~kvlab.hf.batch.step_rolling_rows_isolated`).
+        """
         now = time.perf_counter()
+        failed: dict[int, Exception] = {}
         for row in self._active:
             if row.req.cancelled.is_set():
                 row.finish = "cancelled"
                 continue
-            tok = int(row.req.sampling.pick(row.logits, row.generator)[0])
-            row.out.append(tok)
-            row.entry = None
-            if row.req.logprobs is not None and (tok not in row.req.stop_ids or row.req.logprob_stop):
-                row.entry = _logprob(torch.log_softmax(row.logits[0].float(), -1), tok, row.req.logprobs)
-                row.logprobs.append(row.entry)
-                row.unsent.append(row.entry)
-            if tok in row.req.stop_ids:
-                row.finish = "stop"
-            else:
-                self._emit_text(row)
-                if row.finish is None and len(row.out) >= row.req.max_new_tokens:
-                    row.finish = "length"
-            if self.metrics is not None:
-                first = len(row.out) == 1
-                self.metrics.token(now - (row.req.submitted if first else row.last_step), first=first)
-            row.last_step = now
-        fed = [r for r in self._active if r.finish != "cancelled"]
+            try:
+                self._pick(row, now)
+            except Exception as exc:
+                failed[id(row)] = exc
+        fed = [r for r in self._active if r.finish != "cancelled" and id(r) not in failed]
         if fed:
             rolls = [r.session.cache.rolls for r in fed]
-            logits = step_rolling_rows(self.handle, [r.session.cache for r in fed], [r.out[-1] for r in fed])
-            for i, row in enumerate(fed):
-                row.logits = logits[i : i + 1]
+            results = step_rolling_rows_isolated(
+                self.handle, [r.session.cache for r in fed], [r.out[-1] for r in fed]
+            )
+            for i, (row, res) in enumerate(zip(fed, results, strict=True)):
+                if isinstance(res, Exception):
+                    failed[id(row)] = res
+                    continue
+                row.logits = res[None]
                 row.session.ids.append(row.out[-1])
                 row.session.scores.append(row.entry)
                 row.info["rolls"] += row.session.cache.rolls - rolls[i]
                 if self.metrics is not None and row.session.cache.rolls > rolls[i]:
                     self.metrics.rolled(row.session.cache.rolls - rolls[i])
-        still = []
-        for row in self._active:
-            if row.finish is None:
-                still.append(row)
+        ended = [r for r in self._active if r.finish is not None or id(r) in failed]
+        # no longer counted as served when their last event arrives (a gauge read right after must say so)
+        self._active = [r for r in self._active if r.finish is None and id(r) not in failed]
+        for row in ended:
+            error = failed.get(id(row))
+            if error is not None:
+                self._fail(row.req, error, "decode step")
                 continue
-            self._finish(row)
-        self._active = still
+            try:
+                self._finish(row)
+            except Exception as exc:
+                self._fail(row.req, exc, "reply")
+
+    def _pick(self, row: _Row, now: float) -> None:
+        """Pick ``row``'s next token from its logits and report it."""
+        tok = int(row.req.sampling.pick(row.logits, row.generator)[0])
+        row.out.append(tok)
+        row.entry = None
+        if row.req.logprobs is not None and (tok not in row.req.stop_ids or row.req.logprob_stop):
+            row.entry = _logprob(torch.log_softmax(row.logits[0].float(), -1), tok, row.req.logprobs)
+            row.logprobs.append(row.entry)
+            row.unsent.append(row.entry)
+        if tok in row.req.stop_ids:
+            row.finish = "stop"
+        else:
+            self._emit_text(row)
+            if row.finish is None and len(row.out) >= row.req.max_new_tokens:
+                row.finish = "length"
+        if self.metrics is not None:
+            first = len(row.out) == 1
+            self.metrics.token(now - (row.req.submitted if first else row.last_step), first=first)
+        row.last_step = now
 
     def _emit_text(self, row: _Row) -> None:
         """Emit the new text of ``row`` (held back while it may be a partial character or stop string)."""
@@ -467,14 +655,17 @@ class Engine:
             row.text, row.unsent = ready, []
 
     def _finish(self, row: _Row) -> None:
+        """Return ``row``'s session to the idle pool, then report the end of its reply: whoever reads the
+        gauges or the status page once the reply has arrived sees the session idle, never missing."""
+        events: list[tuple] = []
         if row.finish != "cancelled":
             reply = self.handle.decode([t for t in row.out if t not in row.req.stop_ids])
             text, _ = _cut_at_stop(reply, row.req.stop_strings)
             if len(text) > len(row.text) and text.startswith(row.text):  # the held-back tail
-                row.req.emit(("token", None, text[len(row.text) :], row.unsent))
+                events.append(("token", None, text[len(row.text) :], row.unsent))
                 row.text, row.unsent = text, []
             elif row.unsent:  # a stop token's log-probability (no text of its own)
-                row.req.emit(("token", None, "", row.unsent))
+                events.append(("token", None, "", row.unsent))
                 row.unsent = []
             row.info["completion_tokens"] = len(row.out)
             row.info["completion_ids"] = list(row.out)
@@ -482,9 +673,11 @@ class Engine:
             row.info["pinned_tokens"] = row.session.pinned
             if row.req.logprobs is not None:
                 row.info["_logprobs"] = row.logprobs
-            row.req.emit(("done", row.finish, row.info, row.text))
+            events.append(("done", row.finish, row.info, row.text))
         row.session.last_logits = row.logits[0]
         self._return_session(row.session)
+        for event in events:
+            row.req.emit(event)
 
     # -- sessions --------------------------------------------------------------------------------------
     def _take_session(self, ids: list[int], salt: str, scored: int | None = None) -> Session | None:
@@ -546,6 +739,8 @@ def check_settings(handle: Any, settings: EngineSettings) -> None:
     """Refuse settings this model cannot be served with, before anything is created."""
     if settings.max_batch < 1 or settings.max_queue < 0 or settings.max_sessions < 1:
         raise BadInputError("need max_batch >= 1, max_queue >= 0 and max_sessions >= 1")
+    if settings.prefill_chunk < 1:
+        raise BadInputError(f"--prefill-chunk must be >= 1, got {settings.prefill_chunk}")
     # builds nothing but the rule (buffers are allocated on first use): raises for a bad window or model
     rolling_cache_for(handle, window=settings.window, sinks=settings.sinks, evict_chunk=settings.evict_chunk)
 
