@@ -117,7 +117,7 @@ LAYERS = [
     {"compress"},
     {"hf"},
     {"model"},
-    {"ops", "streaming"},
+    {"ops", "streaming", "eval"},
     {"store"},
     {"study", "serve"},
     {"cli"},

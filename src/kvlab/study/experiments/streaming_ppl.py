@@ -36,6 +36,16 @@ def source_name(source: str) -> str:
     return Path(head).stem if " " not in head and Path(head).suffix else head
 
 
+def _first_tokens(handle, text, n: int, *, exact: bool) -> list[int]:
+    """The text's first ``n`` token ids; ``exact`` (asked for explicitly): fewer is refused, never scored silently."""
+    ids = handle.encode(text.text[: n * 8])[:n]
+    if exact and len(ids) < n:
+        raise BadInputError(
+            f"{text.source} has {len(ids)} tokens; --tokens {n} asks for more (give a longer text)"
+        )
+    return ids
+
+
 def _texts(ctx: ExperimentContext, text_file: str | Path | None) -> list[Text]:
     if text_file is not None:
         return [seeded_text(read_text_file(text_file), ctx.seed)]
@@ -132,11 +142,7 @@ def run(
             raise BadInputError(f"sinks must be among 1, 2, 4, 8 (got {name[5:]})")
     rows: list[dict] = []
     for text in _texts(ctx, text_file):
-        ids = handle.encode(text.text[: n_tokens * 8])[:n_tokens]
-        if tokens is not None and len(ids) < n_tokens:  # asked for explicitly: never score fewer silently
-            raise BadInputError(
-                f"{text.source} has {len(ids)} tokens; --tokens {n_tokens} asks for more (give a longer text)"
-            )
+        ids = _first_tokens(handle, text, n_tokens, exact=tokens is not None)
         result.data_sources.append(f"{text.source}: first {len(ids)} tokens")
         for window in windows:
             if len(ids) <= window + feed + 1:
