@@ -5,11 +5,25 @@ over a mix: conversations continued turn after turn (their sessions reused, long
 single chats, completions, streams dropped after two chunks, two tenants, and malformed or
 unauthorised requests. Counted: every status. Sampled: the server's resident memory every 5 s.
 
-Pass: no 5xx other than the deliberate 503 (none expected here), every bad request a 4xx JSON error,
-and resident memory after warm-up growing by at most 10% (warm-up fills the session table and the
-store's memory tier, bounded by ``--max-sessions`` and ``--store-memory-mb``).
+With ``--faults`` (the default; issue 27) the world is also hostile while the clients run:
 
-Run: python3 benchmarks/serve_soak.py [--minutes 10] [--warmup 2]   (writes benchmarks/results/serve_soak.md)
+- a tenant asks for ``temperature: 1e-310`` (which once failed every row of the batch);
+- non-streaming requests of 300 tokens whose client leaves after 1.5 s (they must stop decoding);
+- long prompts (~3,000 tokens) beside the others' streams (prefill is chunked between decode steps);
+- the HTTP bodies that once gave a 500: 100,000-deep JSON, a 5,000-digit integer, ``seed`` 2^64, a
+  lone surrogate;
+- 60 idle and 20 slowloris connections held open, re-opened as the server closes them, while a
+  probe times ``/health`` every 2 s;
+- the store is a real ``redis-server`` that, in turn, is paused (SIGSTOP) for 5 s, full
+  (``maxmemory`` with ``noeviction``) for 20 s, and has its keys turned into lists (WRONGTYPE).
+
+Pass: no 5xx other than the deliberate 503 (none expected here), every bad request a 4xx JSON error,
+``/health`` always answering within 2 s, and resident memory after warm-up growing by at most 10%
+(warm-up fills the session table and the store's memory tier, bounded by ``--max-sessions`` and
+``--store-memory-mb``).
+
+Run: python3 benchmarks/serve_soak.py [--minutes 10] [--warmup 2] [--no-faults]
+(writes benchmarks/results/serve_soak.md)
 """
 
 from __future__ import annotations
@@ -17,7 +31,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import random
+import shutil
+import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -32,6 +51,7 @@ from _common import write_results  # noqa: E402
 from serve import LOGS, free_port, passages, start, stop  # noqa: E402
 
 KEYS = ("soak-tenant-a-key", "soak-tenant-b-key")
+ADMIN_KEY = "soak-admin-key"
 MODEL = "smollm2-135m"
 
 
@@ -89,6 +109,16 @@ HOSTILE = [
     ),
     (json.dumps({"model": MODEL, "messages": [], "max_tokens": 4}).encode(), KEYS[1]),
 ]
+
+_HI = [{"role": "user", "content": "hi"}]
+# the bodies that once gave a 500 (issue 27): each must now be a 4xx JSON error
+HOSTILE_FAULTS = [
+    (b'{"model": "' + MODEL.encode() + b'", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", KEYS[0]),
+    (b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "x"}], "max_tokens": '
+     + b"9" * 5000 + b"}", KEYS[0]),
+    (json.dumps({"model": MODEL, "messages": _HI, "max_tokens": 2, "seed": 2**64}).encode(), KEYS[1]),
+    (b'{"model": "' + MODEL.encode() + b'", "prompt": "a \\ud800 b", "max_tokens": 2}', KEYS[1]),
+]  # fmt: skip
 
 
 def client_loop(i: int, port: int, deadline: float, tally: Tally, book: list[str], seed: int) -> None:
@@ -168,6 +198,158 @@ def client_loop(i: int, port: int, deadline: float, tally: Tally, book: list[str
             tally.add(kind, "connection", str(e))
 
 
+def fault_loop(port: int, deadline: float, tally: Tally, book: list[str], seed: int) -> None:
+    """Requests that once hurt other tenants: a poisoned temperature, dropped non-streaming requests,
+    long prompts, and the bodies that used to give a 500."""
+    rng = random.Random(seed)
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEYS[1], max_retries=0, timeout=300)
+    long_prompt = " ".join(book[:16])  # about 3,000 tokens
+    while time.monotonic() < deadline:
+        roll = rng.random()
+        kind = "?"
+        try:
+            if roll < 0.3:
+                kind = "temperature 1e-310"
+                c.chat.completions.create(model=MODEL, messages=_HI, max_tokens=8, temperature=1e-310)
+                tally.add(kind, 200)
+            elif roll < 0.55:
+                kind = "dropped non-stream"
+                try:
+                    c.with_options(timeout=1.5).chat.completions.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": "Write a very long story."}],
+                        max_tokens=300,
+                    )
+                    tally.add(kind, 200)
+                except openai.APITimeoutError:
+                    tally.add(kind, "client left")
+            elif roll < 0.7:
+                kind = "long prompt"
+                c.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": long_prompt}], max_tokens=4
+                )
+                tally.add(kind, 200)
+            else:
+                kind = "hostile (was 500)"
+                body, k = rng.choice(HOSTILE_FAULTS)
+                path = "/v1/completions" if b'"prompt"' in body[:80] else "/v1/chat/completions"
+                status, text = raw(port, body, k, path)
+                ok_json = text.startswith("{") and "error" in json.loads(text)
+                tally.add("hostile", status if ok_json else f"{status} (not a JSON error)", text)
+        except openai.APIStatusError as e:
+            tally.add(kind, e.status_code, str(e))
+            if e.status_code == 429:
+                time.sleep(rng.uniform(0.2, 1.0))
+        except openai.APIConnectionError as e:
+            tally.add(kind, "connection", str(e))
+        time.sleep(rng.uniform(0.5, 2.0))
+
+
+def connection_loop(port: int, deadline: float, tally: Tally, idle: int = 60, slow: int = 20) -> None:
+    """Hold ``idle`` silent and ``slow`` trickling (one header byte a second) connections open,
+    re-opening each one the server closes; count the closes."""
+    conns: list[tuple[socket.socket, bool, int]] = []
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 4000
+
+    def opened(slow_one: bool) -> tuple[socket.socket, bool, int] | None:
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+            s.setblocking(False)
+            return (s, slow_one, 0)
+        except OSError:
+            return None
+
+    while time.monotonic() < deadline:
+        while len(conns) < idle + slow:
+            c = opened(sum(1 for _, sl, _ in conns if sl) < slow)
+            if c is None:
+                break
+            conns.append(c)
+        kept = []
+        for s, slow_one, sent in conns:
+            try:
+                if slow_one:
+                    s.send(head[sent % len(head) : sent % len(head) + 1])
+                    sent += 1
+                if s.recv(4096) == b"":  # closed by the server
+                    s.close()
+                    tally.add("idle/slow connection", "closed by the server")
+                    continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                s.close()
+                tally.add("idle/slow connection", "closed by the server")
+                continue
+            kept.append((s, slow_one, sent))
+        conns = kept
+        time.sleep(1)
+    for s, _, _ in conns:
+        s.close()
+
+
+def health_probe(port: int, deadline: float, worst: list[float], tally: Tally) -> None:
+    while time.monotonic() < deadline:
+        t = time.perf_counter()
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).read()
+            worst.append(time.perf_counter() - t)
+        except Exception as e:  # a /health that does not answer is the failure this measures
+            worst.append(float("inf"))
+            tally.add("health", "no answer", str(e))
+        time.sleep(2)
+
+
+def redis_faults(redis_proc: subprocess.Popen, port: int, deadline: float, log: list[str]) -> None:
+    """Every 40 s, one of: pause the Redis for 5 s; fill it (maxmemory, noeviction) for 20 s; turn
+    its keys into lists (every later read of them: WRONGTYPE)."""
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+    turn = 0
+    time.sleep(30)
+    while time.monotonic() < deadline - 30:
+        kind = ("pause", "full", "wrongtype")[turn % 3]
+        turn += 1
+        t = time.monotonic() - log_t0[0]
+        if kind == "pause":
+            os.kill(redis_proc.pid, signal.SIGSTOP)
+            time.sleep(5)
+            os.kill(redis_proc.pid, signal.SIGCONT)
+        elif kind == "full":
+            used = int(r.info("memory")["used_memory"])
+            r.config_set("maxmemory-policy", "noeviction")
+            r.config_set("maxmemory", str(used))
+            time.sleep(20)
+            r.config_set("maxmemory", "0")
+        else:
+            keys = list(r.scan_iter(count=500))[:200]
+            for key in keys:
+                r.delete(key)
+                r.rpush(key, "not a block")
+        log.append(f"{t / 60:.1f} min {kind}")
+        time.sleep(40)
+
+
+log_t0 = [0.0]
+
+
+def start_redis(port: int, workdir: Path) -> subprocess.Popen:
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "",
+         "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    for _ in range(150):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=10)
@@ -178,25 +360,46 @@ def main() -> None:
     ap.add_argument("--max-queue", type=int, default=4)
     ap.add_argument("--max-sessions", type=int, default=16)
     ap.add_argument("--store-memory-mb", type=int, default=256)
+    ap.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     LOGS.mkdir(exist_ok=True)
     book = passages(40, 180, skip=80)
     port = free_port()
+    redis_proc = None
+    store: list[str] = []
+    if args.faults:
+        redis_port = free_port()
+        (LOGS / "soak-redis").mkdir(exist_ok=True)
+        redis_proc = start_redis(redis_port, LOGS / "soak-redis")
+        store = ["--store", f"redis://127.0.0.1:{redis_port}/0"]
     cmd = [
         sys.executable, "-m", "kvlab", "serve", "--port", str(port), "--window", str(args.window),
         "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
         "--max-sessions", str(args.max_sessions), "--store-memory-mb", str(args.store_memory_mb),
-        "--api-key", KEYS[0], "--api-key", KEYS[1],
+        "--api-key", KEYS[0], "--api-key", KEYS[1], "--admin-key", ADMIN_KEY, *store,
     ]  # fmt: skip
     server = start(cmd, port, LOGS / "serve-soak.log", key=KEYS[0])
     tally = Tally()
     samples: list[tuple[float, float]] = []
+    health: list[float] = []
+    redis_log: list[str] = []
     t0 = time.monotonic()
+    log_t0[0] = t0
     deadline = t0 + args.minutes * 60
     threads = [
         threading.Thread(target=client_loop, args=(i, port, deadline, tally, book, i), daemon=True)
         for i in range(args.clients)
     ]
+    if args.faults:
+        assert redis_proc is not None
+        threads += [
+            threading.Thread(target=fault_loop, args=(port, deadline, tally, book, 99), daemon=True),
+            threading.Thread(target=connection_loop, args=(port, deadline, tally), daemon=True),
+            threading.Thread(target=health_probe, args=(port, deadline, health, tally), daemon=True),
+            threading.Thread(
+                target=redis_faults, args=(redis_proc, redis_port, deadline, redis_log), daemon=True
+            ),
+        ]
     try:
         for t in threads:
             t.start()
@@ -206,9 +409,15 @@ def main() -> None:
         for t in threads:
             t.join(timeout=330)
         alive = server.poll() is None
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+        req.add_header("Authorization", f"Bearer {ADMIN_KEY}")
+        metrics = urllib.request.urlopen(req, timeout=30).read().decode()
     finally:
         stop(server)
+        if redis_proc is not None:
+            os.kill(redis_proc.pid, signal.SIGCONT)
+            stop(redis_proc)
+    log_mb = (LOGS / "serve-soak.log").stat().st_size / 2**20
     after = [m for t, m in samples if t >= args.warmup]
     base = after[0]
     growth = (max(after) - base) / base
@@ -219,13 +428,29 @@ def main() -> None:
     )
     rows = "\n".join(f"| {k} | {n} |" for k, n in sorted(tally.counts.items()))
     curve = " · ".join(f"{t:.1f} min {m:.0f}" for t, m in samples[:: max(1, len(samples) // 12)])
-    verdict = "pass" if five == 0 and not tally.bad and growth <= 0.10 and alive else "FAIL"
+    worst_health = max(health) if health else float("nan")
+    health_ok = not health or worst_health <= 2.0
+    verdict = "pass" if five == 0 and not tally.bad and growth <= 0.10 and alive and health_ok else "FAIL"
+    fault_lines = (
+        f"""- Faults: Redis {", ".join(redis_log) or "none injected"}; `/health` probed {len(health)} times,
+  slowest **{worst_health * 1000:.0f} ms** (bar: 2 s); server log {log_mb:.2f} MB.
+"""
+        if args.faults
+        else ""
+    )
+    fault_desc = (
+        "; with the faults of issue 27 (a Redis store paused, full and WRONGTYPE in turn; 1e-310 "
+        "temperatures; 300-token requests abandoned after 1.5 s; ~3,000-token prompts; the bodies that "
+        "once gave a 500; 60 idle and 20 slowloris connections)"
+        if args.faults
+        else ""
+    )
     body = f"""kvlab serve on 127.0.0.1 with the bundled SmolLM2 (window {args.window} + 4 sinks, batch {args.max_batch},
 queue {args.max_queue}, {args.max_sessions} idle sessions kept, a {args.store_memory_mb} MiB memory store, two API
 keys); {args.clients} client threads for
 {args.minutes:g} minutes, each looping over: conversations continued turn after turn (30% of turns a
 ~180-token book passage, so they roll), single chats with seeded sampling, completions with a stop
-string, streams dropped after two chunks, and malformed or unauthorised requests.
+string, streams dropped after two chunks, and malformed or unauthorised requests{fault_desc}.
 
 | request -> status | count |
 |---|---|
@@ -235,7 +460,7 @@ string, streams dropped after two chunks, and malformed or unauthorised requests
 - Rolls counted by the server (`kvlab_rolls_total`): {rolls}. Server alive at the end: {alive}.
 - Resident memory (MB) over time: {curve}.
 - After {args.warmup:g} min of warm-up: {base:.0f} MB; highest later {max(after):.0f} MB: **growth {growth * 100:+.1f}%** (bar: 10%).
-
+{fault_lines}
 **Verdict: {verdict}.** Server log: `benchmarks/out/serve-soak.log`.
 """
     write_results("serve_soak", "Serving under load: 10 minutes at the queue limit", body)
