@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from kvlab.errors import BadInputError
-from kvlab.hf.batch import UndoPoint, hold_roll
 from kvlab.hf.rolling_cache import RollingLayer, rolling_cache_for
 from kvlab.loop import GREEDY, Sampling
 from kvlab.serve import engine as engine_mod
@@ -213,16 +212,16 @@ def test_an_undone_step_leaves_the_cache_exactly_as_it_was(tiny_model, family):
     feed(h, b, prompt)
     tokens = _ids(150, 8)
     for i, tok in enumerate(tokens):
-        undo = UndoPoint(a)
+        undo = a.checkpoint()
         feed(h, a, [(tok + 1) % 500])
-        undo.restore()
-        undo = UndoPoint(a)
+        undo()
+        undo = a.checkpoint()
         layer = a.layers[len(a.layers) - 1]
         layer.update = _raise  # type: ignore[method-assign]
         with pytest.raises(RuntimeError):
             feed(h, a, [(tok + 2) % 500])
         del layer.update
-        undo.restore()
+        undo()
         assert torch.equal(feed(h, a, [tok]), feed(h, b, [tok])), i
     assert a.rolls >= 5 and a.rebases >= 1
     assert (a.rolls, a.rebases, a.next_position, a.kept) == (b.rolls, b.rebases, b.next_position, b.kept)
@@ -331,7 +330,7 @@ def test_pieces_with_the_roll_held_equal_one_forward(tiny_model, family):
             h.run(piece, loose, logits_to_keep=1)
             at += n
             if at < len(forward):
-                hold_roll(held)
+                held.hold_roll()
     assert whole.rolls >= 5 and whole.rebases >= 1
     assert (got - want).abs().max() <= forward_tol(h, want)
     assert (held.rolls, held.rebases, held.next_position, held.kept) == (

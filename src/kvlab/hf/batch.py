@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.rolling_cache import RollingCache, RollingLayer, RollPlan, SlidingRollingLayer
+from kvlab.hf.rolling_cache import RollingCache, RollingLayer
 
 log = logging.getLogger(__name__)
 
@@ -333,50 +333,6 @@ def end_padded_rows(state: Any, out: Any, failed: bool) -> None:
 # -- the server's safety nets: a prompt fed in pieces, a failed step undone ------------------------------
 
 
-def hold_roll(cache: RollingCache) -> None:
-    """Cancel the roll the last forward on ``cache`` planned, so that the next forward continues it.
-
-    A prompt fed in pieces with the roll held after every piece but the last equals the prompt fed in one
-    forward (up to the summation order of the matmuls): every piece sees every token before it, as one
-    forward's causal mask would let it, and the last piece plans the roll from the total. Without it, a
-    cache past its window would evict between pieces, so what a token attends to would depend on how the
-    prompt was cut. The pieces of one such forward must not exceed :attr:`RollingCache.headroom` together.
-    """
-    layers: list[RollingLayer] = list(cache.layers)  # type: ignore[arg-type]
-    for layer in layers:
-        layer.plan = RollPlan()
-
-
-class UndoPoint:
-    """A rolling cache's state before a decode step, to put it back if the step fails part-way.
-
-    A step that applies no roll writes only past each layer's held slots, so the layers' own attributes
-    (counts, the plan, the buffer views) are all there is to restore; a step that applies a roll (or a
-    sliding layer's trim, or a re-base) moves or rotates held slots, so those are copied too (once per
-    eviction chunk of the row).
-    """
-
-    def __init__(self, cache: RollingCache) -> None:
-        self._layers: list[tuple[Any, dict[str, Any], tuple[torch.Tensor, torch.Tensor] | None]] = []
-        layers: list[RollingLayer] = list(cache.layers)  # type: ignore[arg-type]
-        for layer in layers:
-            moves = layer.plan.pending or (
-                isinstance(layer, SlidingRollingLayer) and layer._held_next() < layer.held
-            )
-            held = None
-            if moves and layer.keys is not None and layer.values is not None:
-                held = (layer.keys.clone(), layer.values.clone())
-            self._layers.append((layer, dict(vars(layer)), held))
-
-    def restore(self) -> None:
-        for layer, state, held in self._layers:
-            vars(layer).clear()
-            vars(layer).update(state)
-            if held is not None:  # the views of the buffers as they were: their slots back in place
-                layer.keys.copy_(held[0])
-                layer.values.copy_(held[1])
-
-
 @torch.no_grad()
 def step_rolling_rows_isolated(
     handle: Any, caches: Sequence[RollingCache], tokens: Sequence[int]
@@ -385,7 +341,7 @@ def step_rolling_rows_isolated(
     exception it raised (its cache may then hold part of the step: discard it).
 
     The rows run in one batched forward; if that raises, every cache is put back as it was before the
-    step (:class:`UndoPoint`) and each row runs on its own, so only the rows that fail alone fail. A model
+    step (:meth:`RollingCache.checkpoint`) and each row runs on its own, so only the rows that fail alone fail. A model
     the batched step cannot run (:class:`~kvlab.errors.UnsupportedModelError`) fails every row, as it would
     at every step. While steps succeed this costs a copy of the layers' attributes per row.
     """
@@ -394,7 +350,7 @@ def step_rolling_rows_isolated(
             return [step_rolling_rows(handle, caches, tokens)[0]]
         except Exception as exc:
             return [exc]
-    undo = [UndoPoint(c) for c in caches]
+    undo = [c.checkpoint() for c in caches]
     try:
         logits = step_rolling_rows(handle, caches, tokens)
         return [logits[i] for i in range(len(caches))]
@@ -404,8 +360,8 @@ def step_rolling_rows_isolated(
         log.warning(
             "a batched decode step failed; running its %d rows one by one", len(caches), exc_info=True
         )
-    for u in undo:
-        u.restore()
+    for restore in undo:
+        restore()
     out: list[torch.Tensor | Exception] = []
     for cache, token in zip(caches, tokens, strict=True):
         try:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -575,6 +575,48 @@ class RollingCache(Cache):
         return self.rows
 
     # -- inspection ----------------------------------------------------------------------------------
+    def hold_roll(self) -> None:
+        """Cancel the roll the last forward planned, so that the next forward continues it (in place).
+
+        A prompt fed in pieces with the roll held after every piece but the last equals the prompt fed in
+        one forward (up to the summation order of the matmuls): every piece sees every token before it, as
+        one forward's causal mask would let it, and the last piece plans the roll from the total. Without
+        it, a cache past its window would evict between pieces, so what a token attends to would depend on
+        how the prompt was cut. The pieces of one such forward must not exceed :attr:`headroom` together.
+        """
+        for layer in self._rolling_layers():
+            layer.plan = RollPlan()
+
+    def checkpoint(self) -> Callable[[], None]:
+        """The cache's state now, as a function that puts it back (in place) if a step fails part-way.
+
+        A step that applies no roll writes only past each layer's held slots, so the layers' own
+        attributes (counts, the plan, the buffer views) are all there is to restore; a step that applies a
+        roll (or a sliding layer's trim, or a re-base) moves or rotates held slots, so those are copied too
+        (once per eviction chunk)."""
+        saved = []
+        for layer in self._rolling_layers():
+            moves = layer.plan.pending or (
+                isinstance(layer, SlidingRollingLayer) and layer._held_next() < layer.held
+            )
+            held = None
+            if moves and layer.keys is not None and layer.values is not None:
+                held = (layer.keys.clone(), layer.values.clone())
+            saved.append((layer, dict(vars(layer)), held))
+
+        def restore() -> None:
+            for layer, state, kv in saved:
+                vars(layer).clear()
+                vars(layer).update(state)
+                if kv is not None:  # the views of the buffers as they were: their slots back in place
+                    layer.keys.copy_(kv[0])
+                    layer.values.copy_(kv[1])
+
+        return restore
+
+    def _rolling_layers(self) -> list[RollingLayer]:
+        return list(self.layers)  # type: ignore[arg-type]
+
     def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(keys, values)]`` per layer as the next forward will see them (pending roll applied).
 

@@ -21,7 +21,7 @@ Where a prompt's cache comes from, in order:
 Prompts and replies beyond the window **roll** (attention sinks + window, exact RoPE re-rotation)
 instead of failing. The system prompt is pinned: it is part of the cache's sinks, never evicted.
 A prompt computed in pieces ends in the cache it would have in one go: each forward of the unchunked
-path is split with the cache's roll held between its pieces (:func:`kvlab.hf.batch.hold_roll`).
+path is split with the cache's roll held between its pieces (:meth:`kvlab.hf.RollingCache.hold_roll`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 
 from kvlab.cache import KVSnapshot
 from kvlab.errors import BadInputError, KvlabError
-from kvlab.hf.batch import hold_roll, step_rolling_rows_isolated
+from kvlab.hf.batch import step_rolling_rows_isolated
 from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
 from kvlab.loop import Sampling
 from kvlab.store.errors import StoreError
@@ -175,7 +175,7 @@ class _Prefill:
 
     ``forwards`` are the forwards the unchunked path would run (each at most the cache's headroom, or
     256 tokens when scoring); each is fed in pieces of at most the iteration's prefill budget with the
-    cache's roll held between pieces (:func:`~kvlab.hf.batch.hold_roll`), so the cache ends as the
+    cache's roll held between pieces (:meth:`~kvlab.hf.RollingCache.hold_roll`), so the cache ends as the
     unchunked path leaves it, whatever the pieces were.
     """
 
@@ -498,7 +498,7 @@ class Engine:
         logits = self.handle.run(ids, cache, logits_to_keep=0 if p.req.score_prompt else 1).logits[0].float()
         p.at += len(piece)
         if p.at < len(forward):
-            hold_roll(cache)  # the rest of this forward sees what this piece saw
+            cache.hold_roll()  # the rest of this forward sees what this piece saw
         else:
             p.forwards.popleft()
             p.at = 0
