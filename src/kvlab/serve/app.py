@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import gc
 import hashlib
 import hmac
 import json
@@ -290,14 +289,9 @@ def create_app(
     """The ASGI app around ``engine`` (which must already be running).
 
     ``admin_key`` opens the status page and ``/metrics``; a server with API keys or an admin key closes
-    them to everybody else (tenants' keys included); one with neither leaves them open (local use).
-
-    It also freezes the objects that exist by then (the model, its tokenizer: some 400,000) out of
-    Python's cyclic garbage collector, which otherwise walks them all at each full collection: a pause of
-    0.5-0.8 s, holding the GIL, whenever a large body's objects trigger one."""
+    them to everybody else (tenants' keys included); one with neither leaves them open (local use)."""
     if admin_key is not None and admin_key in api_keys:
         raise KvlabError("the admin key must differ from every API key")
-    gc.freeze()
     metrics: Metrics = engine.metrics or Metrics()
     engine.metrics = metrics
     app = FastAPI(title="kvlab serve", docs_url=None, redoc_url=None, openapi_url=None)
