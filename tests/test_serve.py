@@ -1089,6 +1089,51 @@ def test_redis_killed_mid_run_degrades_to_memory_and_recovers(tmp_path):
         redis_proc.wait()
 
 
+def test_a_redis_of_the_wrong_type_full_or_paused_costs_no_request(tmp_path, monkeypatch):
+    """Issue 27: WRONGTYPE keys, a full Redis (noeviction) and a paused one (SIGSTOP) are each a miss or a
+    skipped write, bounded by the store's timeout, never a failed request."""
+    import redis
+
+    monkeypatch.setenv("KVLAB_REDIS_TIMEOUT_S", "0.5")
+    port = _free_port()
+    redis_proc = _redis_server(port, tmp_path)
+    r = redis.Redis(port=port)
+    s = Server(tmp_path, "--store", f"redis://127.0.0.1:{port}/0")
+    try:
+        ask = lambda text: chat(s.client(), [{"role": "user", "content": text + " Some context. " * 16}], n=4)  # noqa: E731
+        t = time.monotonic()
+        assert ask("First:").choices[0].message.content
+        normal = time.monotonic() - t
+        assert r.keys("*")
+        for key in r.keys("*"):  # every block and index key now of another type: WRONGTYPE on each read
+            r.delete(key)
+            r.rpush(key, "not a block")
+        again = ask("First:")  # the same prompt, a new conversation: a store lookup, now a miss
+        assert again.choices[0].message.content and again.model_extra["kvlab"]["source"] in ("none", "store")
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", str(int(r.info("memory")["used_memory"])))
+        assert ask("Full:").choices[0].message.content  # its blocks cannot be written: served anyway
+        r.config_set("maxmemory", "0")
+        os.kill(redis_proc.pid, signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            assert ask("Paused:").choices[0].message.content
+            paused = time.monotonic() - t
+        finally:
+            os.kill(redis_proc.pid, signal.SIGCONT)
+        # one timeout (0.5 s) at most, then Redis is skipped for the back-off: headroom for a loaded machine
+        assert paused < normal + 3 * 0.5 + 5, (paused, normal)
+        text = s.get("/metrics", s.admin)[2].decode()
+        served = [line for line in text.splitlines() if line.startswith("kvlab_requests_total{")]
+        assert served and not [line for line in served if 'status="5' in line], served
+        log = s.log.read_text()
+        assert "Traceback" not in log and "Redis" in log
+    finally:
+        s.stop()
+        redis_proc.kill()
+        redis_proc.wait()
+
+
 def test_bad_command_lines_fail_in_one_line_before_anything_is_created(tmp_path):
     def run(*args):
         return subprocess.run(
