@@ -191,7 +191,6 @@ def register(app: typer.Typer) -> None:
         # them out of the cyclic collector, which otherwise walks them all at each full collection (a
         # 0.5-0.8 s pause holding the GIL whenever a large request body's objects trigger one).
         gc.freeze()
-        _return_freed_memory()
         guard = ConnectionGuard(conn_limits)
         config = uvicorn.Config(
             app_,
@@ -232,27 +231,3 @@ def _check_can_listen(host: str, port: int) -> None:
             s.bind(infos[0][4])
     except OSError as exc:
         raise BadInputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
-def _return_freed_memory() -> None:
-    """Keep a long-running server's resident memory flat (glibc only; elsewhere nothing changes).
-
-    glibc serves an allocation above its mmap threshold from a fresh mapping and returns it on free, but
-    it raises that threshold to the size of any such block freed: after the first rolls, the multi-MB
-    tensors of prefill pieces and step checkpoints come from the heap arenas, where fragmentation keeps
-    them resident. A fixed 1 MiB threshold and two arenas (instead of 8 per core, one per worker thread)
-    keep freed tensors going back to the system."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
-        return
-    m_mmap_threshold, m_arena_max = -3, -8
-    mallopt(m_mmap_threshold, 1 << 20)
-    mallopt(m_arena_max, 2)
