@@ -527,6 +527,10 @@ def test_gauges_read_the_state_at_scrape_time(server):
     assert server.metric("kvlab_active_requests") == 0
     page = server.get("/", ADMIN)[2].decode()
     assert server.metric("kvlab_idle_sessions") == page.count("<td>idle</td>") > 0
+    # what the bounded structures hold, for a soak to tell them from a leak
+    chat(server.client(), [{"role": "user", "content": "Count the words: " + "word " * 150}], n=1)
+    assert server.metric("kvlab_idle_session_bytes") > 0
+    assert 0 < server.metric("kvlab_store_memory_bytes") <= 2 * 2**30
 
 
 def test_the_status_page_shows_a_sessions_sinks_and_pinned_system_prompt(server):

@@ -710,6 +710,18 @@ class Engine:
     def idle_sessions(self) -> int:
         return len(self.sessions)
 
+    def session_bytes(self) -> int:
+        """Bytes the idle sessions' caches hold (bounded by ``max_sessions``)."""
+        with self._sessions_lock:
+            caches = [s.cache for s in self.sessions.values()]
+        return sum(c.nbytes() for c in caches)
+
+    def store_memory_bytes(self) -> int:
+        """K/V bytes the store's memory tier holds (bounded by its cap); 0 without one."""
+        if self.store is None:
+            return 0
+        return sum(getattr(t, "held_bytes", 0) for t in self.store.tiers if t.name == "memory")
+
 
 def _reuse(s: Session) -> dict[str, Any]:
     total = s.reused_tokens + s.computed_tokens

@@ -51,6 +51,12 @@ class Metrics:
             "kvlab_active_requests", "Requests being served (prefilling or decoding)", registry=r
         )
         self.sessions = Gauge("kvlab_idle_sessions", "Idle conversations kept for reuse", registry=r)
+        self.session_bytes = Gauge(
+            "kvlab_idle_session_bytes", "Bytes the idle conversations' caches hold", registry=r
+        )
+        self.store_memory_bytes = Gauge(
+            "kvlab_store_memory_bytes", "K/V bytes the store's memory tier holds", registry=r
+        )
         self.device_info = Gauge(
             "kvlab_device_info", "Where the model runs (always 1)", ["device", "gpu", "dtype"], registry=r
         )
@@ -77,6 +83,8 @@ class Metrics:
         self.queue.set_function(engine.queue_depth)
         self.active.set_function(engine.active)
         self.sessions.set_function(engine.idle_sessions)
+        self.session_bytes.set_function(engine.session_bytes)
+        self.store_memory_bytes.set_function(engine.store_memory_bytes)
         info = engine.device_info()
         self.device_info.labels(info["device"], info.get("gpu", ""), info["dtype"]).set(1)
 

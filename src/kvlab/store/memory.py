@@ -37,6 +37,11 @@ class MemoryTier:
         self.counters = TierCounters()
 
     # -- reads -------------------------------------------------------------------------------------
+    @property
+    def held_bytes(self) -> int:
+        """K/V bytes the tier holds now (at most ``max_bytes``)."""
+        return self._bytes
+
     def contains(self, parent: str, block_hash: str) -> bool:
         return block_hash in self._probation or block_hash in self._protected
 
