@@ -16,6 +16,7 @@ ORDER = [
     "serve",
     "serve_fidelity",
     "serve_soak",
+    "prefill_interleave",
     "transfer",
     "hybrid_models",
     "gpu",
