@@ -137,10 +137,9 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    """A real Redis: $KVLAB_TEST_REDIS_URL, or a private redis-server started here on a free 127.0.0.1 port
-    with its own temp dir (no RDB/AOF files, nothing written beside the checkout), stopped at session end."""
+def start_redis_server(workdir):
+    """A private redis-server on a free 127.0.0.1 port with ``workdir`` as its folder (no RDB/AOF files):
+    ``(url, process)``; skips where redis-server is not installed, fails where it cannot start."""
     import shutil
     import socket
     import subprocess
@@ -148,10 +147,6 @@ def redis_url(tmp_path_factory):
 
     import redis
 
-    url = os.environ.get("KVLAB_TEST_REDIS_URL")
-    if url:
-        yield url
-        return
     binary = shutil.which("redis-server") or next(
         (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.access(p, os.X_OK)), None
     )
@@ -160,7 +155,6 @@ def redis_url(tmp_path_factory):
             "no Redis: KVLAB_TEST_REDIS_URL is unset and redis-server is not installed "
             "(apt-get install -y redis-server, or run scripts/install-test-deps.sh)"
         )
-    workdir = tmp_path_factory.mktemp("redis")
     failures = []
     for _attempt in range(3):  # another process may take the free port between bind and start
         with socket.socket() as s:
@@ -191,16 +185,32 @@ def redis_url(tmp_path_factory):
             failures.append(f"port {port}: {why}" + (f" ({err[-1]})" if err else ""))
             continue
         client.close()
-        break
-    else:
-        # an installed redis-server that cannot start is a failure, not a skip
-        pytest.fail(f"{binary} did not start: " + "; ".join(failures))
+        return url, proc
+    # an installed redis-server that cannot start is a failure, not a skip
+    pytest.fail(f"{binary} did not start: " + "; ".join(failures))
+
+
+def stop_process(proc) -> None:
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real Redis: $KVLAB_TEST_REDIS_URL, or a private redis-server started here on a free 127.0.0.1 port
+    with its own temp dir (no RDB/AOF files, nothing written beside the checkout), stopped at session end."""
+    url = os.environ.get("KVLAB_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    url, proc = start_redis_server(tmp_path_factory.mktemp("redis"))
     try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)

@@ -14,10 +14,8 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import time
 import uuid
 
@@ -26,6 +24,7 @@ import torch
 
 from kvlab.store import KVStore, MemoryTier, StoreUnavailableError, open_store, prefill_with_store
 from kvlab.store.redis_tier import RedisTier
+from tests.conftest import start_redis_server, stop_process
 
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'kvlab[redis]')")
 
@@ -154,46 +153,12 @@ def _tier(url: str, prefix: str = "kvlab", **kw) -> RedisTier:
 @pytest.fixture
 def own_redis(tmp_path):
     """A private redis-server on a free 127.0.0.1 port (this test may fill or pause it): (url, process)."""
-    binary = shutil.which("redis-server") or next(
-        (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.access(p, os.X_OK)), None
-    )
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-    for _attempt in range(3):  # another process may take the free port between bind and start
-        port = _free_port()
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
-            + ["--logfile", str(tmp_path / "redis.log"), "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-        )
-        url = f"redis://127.0.0.1:{port}/0"
-        client = redis.Redis.from_url(url, socket_timeout=2)
-        deadline = time.monotonic() + 15
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        else:
-            proc.kill()
-            proc.wait(timeout=10)
-            continue
-        client.close()
-        break
-    else:
-        pytest.fail(f"{binary} did not start (see {tmp_path / 'redis.log'})")
+    url, proc = start_redis_server(tmp_path)
     try:
         yield url, proc
     finally:
         os.kill(proc.pid, signal.SIGCONT)  # in case a failing test left it paused
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
 
 
 def _timed(fn, *args, **kw):
