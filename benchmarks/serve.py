@@ -23,6 +23,7 @@ import argparse
 import functools
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -155,6 +156,23 @@ def client_for(port: int) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=900)
 
 
+def start_redis(port: int, workdir: Path) -> subprocess.Popen:
+    """A private redis-server on ``port`` (127.0.0.1, no RDB/AOF files), once it accepts connections."""
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "",
+         "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    for _ in range(150):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
 def stop(*procs: subprocess.Popen) -> None:
     for p in procs:
         p.terminate()
@@ -251,26 +269,8 @@ def replica_section(folder: str, reps: int) -> list[str]:
 
     rport, pa, pb = free_port(), free_port(), free_port()
     work = tempfile.mkdtemp(prefix="kvlab-bench-redis-")
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    redis = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(rport),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            work,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
+    redis = start_redis(rport, Path(work))
     url = f"redis://127.0.0.1:{rport}/0"
-    time.sleep(1.0)
     a = kvlab_server(pa, "replica-a", "--store", url, "--window", "1024")
     b = kvlab_server(pb, "replica-b", "--store", url, "--window", "1024")
     ca, cb = client_for(pa), client_for(pb)

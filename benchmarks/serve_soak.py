@@ -34,7 +34,6 @@ import collections
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -49,7 +48,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_results  # noqa: E402
-from serve import LOGS, free_port, passages, start, stop  # noqa: E402
+from serve import LOGS, free_port, passages, start, start_redis, stop  # noqa: E402
 
 KEYS = ("soak-tenant-a-key", "soak-tenant-b-key")
 ADMIN_KEY = "soak-admin-key"
@@ -343,22 +342,6 @@ def redis_faults(redis_proc: subprocess.Popen, port: int, deadline: float, log: 
 
 
 log_t0 = [0.0]
-
-
-def start_redis(port: int, workdir: Path) -> subprocess.Popen:
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "",
-         "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    for _ in range(150):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
 
 
 def main() -> None:
