@@ -264,7 +264,6 @@ def long_section(kc, tc, folder: str, max_turns: int, passage_tokens: int) -> tu
 
 def replica_section(folder: str, reps: int) -> list[str]:
     """Two kvlab servers on one Redis: a prefix computed by A is a hit on B."""
-    import shutil
     import tempfile
 
     rport, pa, pb = free_port(), free_port(), free_port()
