@@ -55,6 +55,11 @@ class TokenCode:
     def decode(self) -> torch.Tensor:
         return self.q.dequantize()
 
+    def gather(self, index: torch.Tensor, *more: TokenCode) -> TokenCode:
+        """The tokens ``index [B, H, n]`` of this code followed by ``more`` (along tokens), exactly:
+        per-token codes, scales and zero points are copied, never re-quantized."""
+        return TokenCode(self.q.gather(index, *(c.q for c in more)))
+
 
 @dataclass(frozen=True, eq=False)
 class ChannelCode:

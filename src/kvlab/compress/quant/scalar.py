@@ -93,6 +93,52 @@ class QuantizedTensor:
             out = torch.addcmul(self.zero.float()[..., None], raw.float(), scale)
         return out.reshape(self.shape).to(self.dtype)
 
+    def codes(self) -> torch.Tensor:
+        """The unpacked ``uint8`` codes, shaped like the tensor."""
+        return unpack_bits(self.packed, self.bits, math.prod(self.shape)).view(self.shape)
+
+    def gather(self, index: torch.Tensor, *more: QuantizedTensor) -> QuantizedTensor:
+        """Rows of axis -2 picked by ``index`` (shape ``self.shape[:-2] + (n,)``, e.g. ``[B, H, n]`` of a
+        ``[B, H, T, D]`` tensor grouped along ``D``), from this tensor followed by ``more`` along that axis.
+
+        Exact: the codes, scales and zero points of the picked rows are copied (groups run along the
+        last axis, so a row carries its own), nothing is re-quantized; the result equals quantizing the
+        picked rows directly.
+        """
+        parts = (self, *more)
+        if len(self.shape) < 2 or any(
+            p.bits != self.bits
+            or p.group_size != self.group_size
+            or p.grid != self.grid
+            or p.symmetric != self.symmetric
+            or p.dtype != self.dtype
+            or p.shape[:-2] != self.shape[:-2]
+            or p.shape[-1] != self.shape[-1]
+            for p in parts
+        ):
+            raise BadInputError("gather needs codes of one layout with at least two axes (rows along axis -2)")
+        if tuple(index.shape[:-1]) != tuple(self.shape[:-2]):
+            raise BadInputError(f"a gather index for codes of shape {self.shape} must be {self.shape[:-2]} + (n,)")
+
+        def pick(ts: list[torch.Tensor]) -> torch.Tensor:
+            t = torch.cat(ts, dim=-2) if len(ts) > 1 else ts[0]
+            i = index.to(t.device, torch.long)[..., None].expand(*index.shape, t.shape[-1])
+            return t.gather(-2, i)
+
+        codes = pick([p.codes() for p in parts])
+        scale = pick([p.scale for p in parts])
+        zero = None if self.zero is None else pick([p.zero for p in parts])  # type: ignore[misc]
+        return QuantizedTensor(
+            packed=pack_bits(codes, self.bits),
+            scale=scale,
+            zero=zero,
+            bits=self.bits,
+            shape=tuple(codes.shape),
+            group_size=self.group_size,
+            dtype=self.dtype,
+            grid=self.grid,
+        )
+
 
 def _groups(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """``x [..., N]`` as float32 groups ``[..., N / group_size, group_size]``, after checking the request."""
