@@ -227,7 +227,7 @@ CASES = [
     (["train-evictor", "--model", ""], "empty model name"),
     (["train-evictor", "--seed", "1099511627776"], "--seed"),
     # -- eval ruler (issue 31) ----------------------------------------------------------------------------
-    (["eval", "ruler", "--cache", "bogus"], "unknown cache spec 'bogus'"),
+    (["eval", "ruler", "--cache", "bogus"], "cache spec 'bogus': unknown item 'bogus'"),
     (["eval", "ruler", "--cache", "h2o:2"], "must lie in [0, 1)"),
     (["eval", "ruler", "--cache", "h2o:abc"], "is not a fraction"),
     (["eval", "ruler", "--cache", "int9"], "unsupported bit width 9"),

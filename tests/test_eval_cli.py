@@ -20,19 +20,41 @@ def tiny(tiny_llama_2x64):
 
 
 def test_cache_specs_parse_in_one_place():
-    assert parse_cache_spec("full") == CacheSpec("full", "full")
+    assert parse_cache_spec("full") == CacheSpec("full")
     s = parse_cache_spec("SnapKV:0.25")
     assert (s.kind, s.method, s.ratio) == ("evict", "snapkv", 0.25) and s.to_json()["keep"] == 0.75
+    assert s.spec == "snapkv:0.25" and s.policy.spec == "snapkv,keep=0.75"  # the label is what was written
     assert parse_cache_spec("keynorm:0.5").method == "knorm"
     assert parse_cache_spec("window:0.5").method == "streaming_llm"
     q = parse_cache_spec("int4")
     assert (q.kind, q.method, q.bits) == ("quant", "pertoken", 4)
     assert parse_cache_spec("kivi:int2").method == "kivi"
+    assert parse_cache_spec("sinks=4,window=64,codec=fp8").kind == "window"
     for bad in ("bogus", "snapkv", "snapkv:x", "snapkv:1.0", "h2o:-0.1", "int5", "nope:int4", ""):
-        with pytest.raises(BadInputError, match="known|fraction"):
+        with pytest.raises(BadInputError, match="known|fraction|budget|bit width|not a number|must lie"):
             parse_cache_spec(bad)
+    with pytest.raises(BadInputError, match="every= keeps a budget while decoding"):
+        parse_cache_spec("h2o,keep=0.5,every=32")
+    with pytest.raises(BadInputError, match="different per head"):
+        parse_cache_spec("h2o,keep=0.5,codec=rotation4")
     with pytest.raises(BadInputError, match="twice"):
         parse_cache_specs(["full", "full"])
+    with pytest.raises(BadInputError, match="twice"):  # the same policy under two spellings
+        parse_cache_specs(["snapkv:0.5", "snapkv,keep=0.5"])
+
+
+def test_composed_specs_run_offline(tiny):
+    """A window layout, a codec over a window, and eviction + a per-token codec: each runs and holds less."""
+    specs = parse_cache_specs(
+        ["full", "sinks=4,window=64", "sinks=4,window=64,codec=int4", "h2o,keep=0.5,codec=fp8"]
+    )
+    trial = make_trial("niah_single", tiny, 200, 1, HAYSTACK)
+    full, win, wq, hq = run_trial(tiny, trial, specs, max_new_tokens=3)
+    assert win["kept_slots"] == wq["kept_slots"] == 68 and hq["kept_slots"] == round(
+        0.5 * full["context_tokens"]
+    )
+    assert wq["kv_bytes"] < win["kv_bytes"] < full["kv_bytes"] and hq["kv_bytes"] < full["kv_bytes"] / 2
+    assert win["kld"] > 0 and wq["kld"] > 0 and hq["kld"] > 0
 
 
 def test_the_loop_on_a_tiny_model(tiny):

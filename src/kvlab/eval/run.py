@@ -32,105 +32,99 @@ from typing import Any
 
 import torch
 
+from kvlab.compress.spec import FULL, CachePolicy, FullLayout, ScoredLayout, known, parse
 from kvlab.errors import BadInputError
-
-#: aliases accepted in cache specs: ``keynorm`` is kvlab's ``knorm``; ``window`` means sinks + recent
-#: window (StreamingLLM), as the issue names it
-ALIASES = {"keynorm": "knorm", "window": "streaming_llm"}
-#: the quantizer ``int<b>`` alone names
-DEFAULT_QUANTIZER = "pertoken"
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """One cache policy, parsed from its spec string (see :func:`parse_cache_spec`)."""
+    """One cache policy of a run: ``spec`` as the user wrote it (lower-cased: the column label) and the
+    :class:`~kvlab.compress.spec.CachePolicy` it names (parsed by :func:`kvlab.compress.spec.parse`)."""
 
     spec: str
-    kind: str  # full, evict or quant
-    method: str = ""  # eviction policy or quantizer name
-    ratio: float = 0.0  # eviction: the fraction of the context removed
-    bits: int = 16
+    policy: CachePolicy = FULL
+
+    @property
+    def kind(self) -> str:
+        return self.policy.kind
+
+    @property
+    def method(self) -> str:
+        """The score (eviction) or codec kind (quantization); empty for the full cache."""
+        lay = self.policy.layout
+        return lay.score if isinstance(lay, ScoredLayout) else (self.policy.codec or "")
+
+    @property
+    def ratio(self) -> float:
+        """The fraction of the context removed (eviction with ``keep``), else 0."""
+        lay = self.policy.layout
+        return round(1.0 - lay.keep, 12) if isinstance(lay, ScoredLayout) and lay.keep is not None else 0.0
+
+    @property
+    def bits(self) -> int:
+        return self.policy.bits or 16
 
     @property
     def needs_queries(self) -> bool:
-        from kvlab.compress.evict import make_policy
-
-        return self.kind == "evict" and make_policy(self.method).needs_queries
+        lay = self.policy.layout
+        return isinstance(lay, ScoredLayout) and lay.policy().needs_queries
 
     def to_json(self) -> dict:
-        out: dict[str, Any] = {"spec": self.spec, "kind": self.kind}
-        if self.kind == "evict":
-            out.update(policy=self.method, compression_ratio=self.ratio, keep=1.0 - self.ratio)
-        elif self.kind == "quant":
-            out.update(quantizer=self.method, bits=self.bits)
-        return out
+        return {**self.policy.to_json(), "spec": self.spec, "policy_spec": self.policy.spec}
 
 
 def known_specs() -> str:
     """What a cache spec may be, in one line (for errors and help)."""
-    from kvlab.compress.evict import POLICIES
-    from kvlab.compress.quant.methods import QUANTIZERS
-    from kvlab.compress.quant.scalar import SUPPORTED_BITS
-
-    policies = ", ".join(
-        [*(p for p in POLICIES if p not in ALIASES), *(f"{a} (= {b})" for a, b in ALIASES.items())]
-    )
-    bits = "/".join(map(str, SUPPORTED_BITS))
-    return (
-        f"full; <policy>:<fraction removed in [0, 1)> with policy one of {policies} (e.g. snapkv:0.5); "
-        f"int<bits> ({DEFAULT_QUANTIZER}) or <quantizer>:int<bits> with quantizer one of "
-        f"{', '.join([*QUANTIZERS, 'rotation+qjl'])} and bits {bits} (e.g. int4, kivi:int2)"
-    )
+    return known()
 
 
 def parse_cache_spec(spec: str) -> CacheSpec:
-    """The one reader of cache specs: ``full``, ``snapkv:0.5``, ``window:0.25``, ``int4``, ``kivi:int2``.
-
-    A bad spec raises :class:`~kvlab.errors.BadInputError` naming the known forms. Nothing is loaded.
-    """
-    from kvlab.compress.evict import POLICIES, make_policy
-    from kvlab.compress.quant.methods import make_quantizer
-
-    text = spec.strip().lower()
-    bad = f"unknown cache spec '{spec}'; known: {known_specs()}"
-    if text == "full":
-        return CacheSpec(text, "full")
-    head, sep, tail = text.partition(":")
-    quant_method, quant_bits = (DEFAULT_QUANTIZER, head) if not sep else (head, tail)
-    if quant_bits.startswith("int") and quant_bits[3:].isdigit():
-        try:
-            make_quantizer(quant_method, int(quant_bits[3:]))
-        except BadInputError as exc:
-            raise BadInputError(f"cache spec '{spec}': {exc}; known: {known_specs()}") from None
-        return CacheSpec(text, "quant", quant_method, bits=int(quant_bits[3:]))
-    if not sep:
-        raise BadInputError(bad)
-    name = ALIASES.get(head, head)
-    if name not in POLICIES:
-        raise BadInputError(bad)
-    try:
-        ratio = float(tail)
-    except ValueError:
+    """A cache spec for a run (:func:`kvlab.compress.spec.parse`), checked for what an offline run
+    can do: ``every=`` acts while decoding, and the context is compressed once here."""
+    policy = parse(spec)
+    lay = policy.layout
+    if isinstance(lay, ScoredLayout) and lay.every:
         raise BadInputError(
-            f"cache spec '{spec}': '{tail}' is not a fraction; known: {known_specs()}"
-        ) from None
-    if not 0.0 <= ratio < 1.0:
-        raise BadInputError(f"cache spec '{spec}': the fraction removed must lie in [0, 1), got {tail}")
-    make_policy(name)  # a policy that cannot be built without options fails here
-    return CacheSpec(text, "evict", name, ratio=ratio)
+            f"cache spec '{spec}': every= keeps a budget while decoding; the eval compresses the context "
+            "once (drop every=)"
+        )
+    if isinstance(lay, ScoredLayout) and policy.codec is not None:
+        q = policy.quantizer()
+        if q.token_multiple() > 1 or q.uses_positions:
+            raise BadInputError(
+                f"cache spec '{spec}': the {policy.codec} codec reads slots along tokens or their "
+                "positions, which a scored eviction makes different per head; use int<bits> or fp8 with it"
+            )
+    return CacheSpec(spec.strip().lower(), policy)
 
 
 def parse_cache_specs(specs: Sequence[str]) -> list[CacheSpec]:
-    """Several specs, each parsed once; a repeated one is refused (it would be a duplicate column)."""
+    """Several specs, each parsed once; the same policy twice is refused (it would be a duplicate column)."""
     parsed = [parse_cache_spec(s) for s in specs]
+    if not parsed:
+        raise BadInputError(f"give at least one cache spec; known: {known()}")
     seen: set[str] = set()
     for p in parsed:
-        if p.spec in seen:
+        if p.policy.spec in seen:
             raise BadInputError(f"cache spec '{p.spec}' is given twice")
-        seen.add(p.spec)
-    if not parsed:
-        raise BadInputError(f"give at least one cache spec; known: {known_specs()}")
+        seen.add(p.policy.spec)
     return parsed
+
+
+def _encoded(policy: CachePolicy, keys, values, positions, rope) -> tuple[tuple, tuple, int]:
+    """Per-layer K/V through the policy's codec (encoded and decoded back, as the cache attends over
+    them) and the bytes held; positions ``[B, H, n]`` are only read by codecs that need them."""
+    from kvlab.rope.spec import rope_for_layer
+
+    q = policy.quantizer(keys[0].shape[-1])
+    ks, vs, nbytes = [], [], 0
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        seg = q.encode(k, v, positions[i][0, 0], rope_for_layer(rope, i))
+        dk, dv = seg.decode()
+        ks.append(dk.to(k.dtype))
+        vs.append(dv.to(v.dtype))
+        nbytes += seg.nbytes
+    return tuple(ks), tuple(vs), nbytes
 
 
 def _layers(spec: CacheSpec, source: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int]:
@@ -138,23 +132,29 @@ def _layers(spec: CacheSpec, source: Any) -> tuple[tuple[torch.Tensor, ...], tup
 
     ``source`` is an :class:`~kvlab.compress.evict.Observation` or a :class:`~kvlab.cache.KVSnapshot`.
     """
-    from kvlab.compress.evict import Observation, evict, make_policy
-    from kvlab.compress.quant import make_quantizer, quantize_snapshot
+    from kvlab.compress.evict import Observation, StreamingLLM, evict
+    from kvlab.compress.quant import quantize_snapshot
 
     snap = source.snapshot if isinstance(source, Observation) else source
-    if spec.kind == "full":
-        return snap.keys, snap.values, snap.nbytes
-    if spec.kind == "evict":
-        ev = evict(source, make_policy(spec.method), keep=1.0 - spec.ratio)
-        return ev.keys, ev.values, ev.nbytes
-    quantizer = make_quantizer(spec.method, spec.bits)
-    if snap.head_dim % quantizer.group_size:  # a small head: the largest group size that divides it
-        quantizer = make_quantizer(
-            spec.method, spec.bits, group_size=math.gcd(quantizer.group_size, snap.head_dim)
+    policy, lay = spec.policy, spec.policy.layout
+    if isinstance(lay, FullLayout):
+        if policy.codec is None:
+            return snap.keys, snap.values, snap.nbytes
+        qs = quantize_snapshot(snap, policy.quantizer(snap.head_dim))
+        dec = qs.decompress()
+        return dec.keys, dec.values, qs.nbytes
+    if isinstance(lay, ScoredLayout):
+        budget = {"keep": lay.keep} if lay.keep is not None else {"n_keep": min(lay.budget, snap.seq_len)}
+        ev = evict(source, lay.policy(), **budget)
+    else:  # sinks + window: the newest slots and the sinks, at their original positions
+        ev = evict(
+            source,
+            StreamingLLM(sinks=lay.sinks, window=lay.window),
+            n_keep=min(snap.seq_len, lay.sinks + lay.window),
         )
-    qs = quantize_snapshot(snap, quantizer)
-    dec = qs.decompress()
-    return dec.keys, dec.values, qs.nbytes
+    if policy.codec is None:
+        return ev.keys, ev.values, ev.nbytes
+    return _encoded(policy, ev.keys, ev.values, ev.positions, snap.rope)
 
 
 def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
@@ -191,7 +191,7 @@ def run_trial(
     prefill_s = time.perf_counter() - t0
     start = len(ctx)
     stop = handle.eos_ids()
-    full = CacheSpec("full", "full")
+    full = CacheSpec("full")
     reference: dict[str, Any] = {}
     rows = []
     for spec in [full, *(s for s in specs if s.kind != "full")]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -167,9 +167,18 @@ def _per_channel(x: torch.Tensor, bits: int, group: int, symmetric: bool) -> Cha
     return ChannelCode(quantize(x.transpose(-1, -2).contiguous(), bits, group, symmetric=symmetric))
 
 
+#: every codec (quantizer class) by its ``kind``, filled as classes are defined (see
+#: :meth:`Quantizer.__init_subclass__`); ``codecs/`` adds more, one file each
+QUANTIZERS: dict[str, type[Quantizer]] = {}
+
+
 @dataclass(frozen=True)
 class Quantizer:
-    """Base: ``bits`` per element, ``group_size`` elements per scale, full-precision ``sinks`` and ``window``."""
+    """Base: ``bits`` per element, ``group_size`` elements per scale, full-precision ``sinks`` and ``window``.
+
+    A subclass with its own ``kind`` registers itself (the cache-spec parser, the command line and the
+    study read :data:`QUANTIZERS`); ``fixed_bits`` names a codec whose width is part of its kind (fp8).
+    """
 
     bits: int = 4
     group_size: int = 64
@@ -178,6 +187,17 @@ class Quantizer:
     symmetric: bool = False
 
     kind = "base"
+    fixed_bits: ClassVar[int | None] = None
+    uses_positions: ClassVar[bool] = False  # encode/decode read the slots' RoPE positions
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if isinstance(kind, str):
+            other = QUANTIZERS.get(kind)
+            if other is not None and other.__qualname__ != cls.__qualname__:
+                raise TypeError(f"two codecs are named '{kind}': {other.__module__} and {cls.__module__}")
+            QUANTIZERS[kind] = cls
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
@@ -245,6 +265,7 @@ class PreRopeQuantizer(Quantizer):
 
     group_size: int = 32
     kind = "prerope"
+    uses_positions = True
 
     def token_multiple(self) -> int:
         return self.group_size
@@ -297,6 +318,7 @@ class RotatedQuantizer(Quantizer):
     min_center: int = 16
     seed: int = 0
     kind = "rotation"
+    uses_positions = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -378,23 +400,29 @@ def split_plan(length: int, sinks: int, window: int, multiple: int) -> tuple[int
     return start, start + ((window_start - start) // multiple) * multiple
 
 
-QUANTIZERS = {
-    "pertoken": PerTokenQuantizer,
-    "kivi": KIVIQuantizer,
-    "prerope": PreRopeQuantizer,
-    "rotation": RotatedQuantizer,
-}
+def quantizer_names() -> list[str]:
+    """Every name :func:`make_quantizer` takes: the registered kinds and ``rotation+qjl``."""
+    import kvlab.compress.quant.codecs  # noqa: F401  (registers the codecs in codecs/)
+
+    return [*QUANTIZERS, "rotation+qjl"]
 
 
-def make_quantizer(method: str, bits: int, **options) -> Quantizer:
-    """``make_quantizer("rotation", 4, sinks=4)``; methods: pertoken, kivi, prerope, rotation, rotation+qjl."""
+def make_quantizer(method: str, bits: int | None = None, **options) -> Quantizer:
+    """``make_quantizer("rotation", 4, sinks=4)``; methods: :func:`quantizer_names` (pertoken, kivi,
+    prerope, rotation, rotation+qjl, and each codec in ``codecs/``, e.g. fp8)."""
+    names = quantizer_names()
     if method == "rotation+qjl":
         method, options = "rotation", {**options, "sketch": True}
     if method not in QUANTIZERS:
-        raise BadInputError(
-            f"unknown quantizer '{method}'; choose one of {', '.join([*QUANTIZERS, 'rotation+qjl'])}"
-        )
-    return QUANTIZERS[method](bits=bits, **options)
+        raise BadInputError(f"unknown quantizer '{method}'; choose one of {', '.join(names)}")
+    cls = QUANTIZERS[method]
+    if cls.fixed_bits is not None:
+        if bits not in (None, cls.fixed_bits):
+            raise BadInputError(f"quantizer '{method}' has {cls.fixed_bits} bits, got {bits}")
+        bits = cls.fixed_bits
+    if bits is None:
+        raise BadInputError(f"quantizer '{method}' needs a bit width")
+    return cls(bits=bits, **options)
 
 
 def bits_per_element(nbytes: int, numel: int) -> float:
