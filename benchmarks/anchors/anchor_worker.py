@@ -1,9 +1,25 @@
-"""Runs kvpress presses and transformers' QuantizedCache (quanto) on the windows kvlab measured.
+"""Runs kvpress presses and transformers' QuantizedCache (quanto) on the token ids kvlab measured.
 
 Executed by ``benchmarks/anchors/run_anchors.py`` inside its own virtual environment (kvpress 0.5.5 pins
-``transformers<5.3``); it never imports kvlab. Input: a JSON job (model folder, token windows, needle
-trials, budgets); output: one JSON document of rows (bytes, per-window perplexity, needle hits, decode ms).
-Token ids come from kvlab, so both sides see identical inputs (no second tokenizer involved).
+``transformers<5.3``); it never imports kvlab. Token ids come from kvlab, so both sides see identical
+inputs (no second tokenizer involved). Two job kinds:
+
+* ``compression`` (the default, ``benchmarks/compression.py``): a JSON job (model folder, token windows,
+  needle trials, budgets); output: one JSON document of rows (bytes, per-window perplexity, needle hits,
+  decode ms).
+* ``ruler`` (``benchmarks/eval_ruler.py``): RULER-style trials (context ids, question ids, the full
+  cache's answer ids), inline in the job or streamed from a JSONL file kvlab appends to while it runs
+  (ended by ``{"end": true}``). Per trial the context is prefilled ONCE with every press hooked in (see
+  :func:`shared_press_prefill`: each press's own ``forward_hook`` compresses its own cache from the same
+  layer inputs, which is what ``with press(model)`` does, without one prefill per press; the first trial
+  is checked against one standalone ``with press(model)`` prefill per setup). Then the question runs
+  uncompressed at the positions after the context (kvpress's convention): greedy answer ids (returned for
+  kvlab to decode and score), and one teacher-forced pass over question + the full cache's answer (minus
+  its last token) gives KL(P_full || P_press) per token, computed here with the float64 formula of
+  ``kvlab.metrics.divergence.token_kl``, against this worker's own uncompressed ("full") cache on the same
+  tokens; the full cache's top-1 agreement with kvlab's full-cache argmax (and, where kvlab saved them,
+  KL to kvlab's full logits) checks that both sides run the same model. Output: JSONL, one line per
+  (trial, setup), appended as they finish, after a ``meta`` line (versions).
 """
 
 from __future__ import annotations
@@ -127,6 +143,8 @@ def main(job_path: str, out_path: str) -> None:
     transformers.utils.logging.disable_progress_bar()
     with open(job_path) as f:
         job = json.load(f)
+    if job.get("kind", "compression") == "ruler":
+        return ruler_main(job, out_path)
     torch.set_num_threads(int(job.get("threads", 1)))
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(job["model_dir"])
@@ -202,6 +220,284 @@ def _dump(out_path: str, rows: list[dict], total: int) -> None:
     with open(out_path + ".tmp", "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(out_path + ".tmp", out_path)
+
+
+# -- job kind "ruler": RULER-style trials on kvlab's ids ---------------------------------------------------
+
+
+def token_kl(full: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(P_full || P_other) in nats, float64: the formula of ``kvlab.metrics.divergence.token_kl``."""
+    lp = torch.log_softmax(full.to(torch.float64), dim=-1)
+    lq = torch.log_softmax(other.to(torch.float64), dim=-1)
+    p = lp.exp()
+    terms = torch.where(p > 0, p * (lp - lq), torch.zeros((), dtype=torch.float64))
+    return terms.sum(-1).clamp_min(0.0)
+
+
+def _mean(x: torch.Tensor) -> float | None:
+    return float(x.mean()) if x.numel() else None
+
+
+def divergence(full: torch.Tensor, other: torch.Tensor) -> dict:
+    """Mean KL (inf if any token is inf: counted apart, as kvlab does) and top-1 over all rows."""
+    kl = token_kl(full, other)
+    finite = kl[torch.isfinite(kl)]
+    return {
+        "kl": float(finite.mean())
+        if finite.numel() == kl.numel() and kl.numel()
+        else (float("inf") if kl.numel() else None),
+        "top1": _mean((full.argmax(-1) == other.argmax(-1)).double()),
+        "n": int(kl.numel()),
+    }
+
+
+def iter_ruler_trials(job: dict, poll_s: float = 0.5, idle_timeout_s: float = 7200.0):
+    """The job's trials: inline (``trials``) or streamed from ``trials_file`` until an ``{"end": true}`` line."""
+    if "trials" in job:
+        yield from job["trials"]
+        return
+    path, pos, buf, idle = job["trials_file"], 0, "", 0.0
+    while True:
+        try:
+            with open(path) as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+        except FileNotFoundError:
+            chunk = ""
+        buf += chunk
+        lines = buf.split("\n")
+        buf = lines.pop()  # an unfinished last line waits for its newline
+        for line in lines:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if rec.get("end"):
+                return
+            yield rec
+        if chunk:
+            idle = 0.0
+        else:
+            time.sleep(poll_s)
+            idle += poll_s
+            if idle > idle_timeout_s:
+                raise TimeoutError(f"no new trial in {path} for {idle_timeout_s:.0f} s")
+
+
+def ruler_setups(job: dict) -> list[dict]:
+    setups = [{"name": "full", "press": None, "ratio": 0.0}]
+    for press in job["presses"]:
+        for ratio in job["ratios"]:
+            setups.append({"name": f"{press}:{ratio:g}", "press": press, "ratio": float(ratio)})
+    return setups
+
+
+def _attention_layers(model):
+    lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    return lm, [layer.self_attn for layer in lm.layers]
+
+
+@torch.no_grad()
+def shared_press_prefill(model, context: list[int], setups: list[dict], presses: dict) -> tuple[dict, dict]:
+    """One prefill of ``context``; every press compresses its own copy of each layer's cache.
+
+    A kvpress press compresses layer l's cache in a forward hook on layer l's attention, after that
+    layer attended over the full context; the hidden states passed on are the uncompressed forward's, so
+    every press sees the same hook inputs whether it runs alone or beside others. Here one hook per
+    layer copies the layer's full K/V into each press's own ``DynamicCache`` and calls that press's own
+    ``forward_hook`` with that cache as ``past_key_values`` (exactly what ``with press(model)`` runs).
+    Returns ``({setup name: cache}, {setup name: error})``; ``full`` is the uncompressed cache.
+    """
+    from transformers import DynamicCache
+
+    lm, attns = _attention_layers(model)
+    full = DynamicCache(config=model.config)
+    caches = {"full": full}
+    errors: dict[str, str] = {}
+    for s in setups:
+        if s["press"] is not None:
+            caches[s["name"]] = DynamicCache(config=model.config)
+
+    def hook(module, args, kwargs, output):
+        idx = module.layer_idx
+        keys, values = full.layers[idx].keys, full.layers[idx].values
+        for s in setups:
+            name = s["name"]
+            if s["press"] is None or name in errors:
+                continue
+            cache = caches[name]
+            layer = cache.layers[idx]
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values  # the press replaces them with its compressed copy
+            try:
+                presses[name].forward_hook(module, args, {**kwargs, "past_key_values": cache}, output)
+            except Exception as exc:  # one failing press must not cost the others their rows
+                errors[name] = f"{type(exc).__name__}: {exc}"
+        return output
+
+    hooks = []
+    try:
+        for attn in attns:
+            attn.rotary_emb = lm.rotary_emb  # as BasePress.__call__ does
+            hooks.append(attn.register_forward_hook(hook, with_kwargs=True))
+        model.model(input_ids=torch.tensor([context]), past_key_values=full)
+    finally:
+        for h in hooks:
+            h.remove()
+    for name in errors:
+        caches.pop(name, None)
+    return caches, errors
+
+
+@torch.no_grad()
+def standalone_press_prefill(model, context: list[int], press):
+    """kvpress's own way: ``with press(model):`` around the context forward (the check of the shared one)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with press(model):
+        model.model(input_ids=torch.tensor([context]), past_key_values=cache)
+    return cache
+
+
+@torch.no_grad()
+def greedy_until(model, cache, prompt: list[int], start: int, n: int, stop: set[int]) -> list[int]:
+    """Greedy ids after ``prompt`` (positions from ``start``), at most ``n``, ending at a stop id (kept)."""
+    ids, pos, out = torch.tensor([prompt]), start, []
+    for _ in range(n):
+        position_ids = torch.arange(pos, pos + ids.shape[1])[None]
+        logits = model(
+            input_ids=ids, past_key_values=cache, position_ids=position_ids, logits_to_keep=1
+        ).logits
+        pos += ids.shape[1]
+        out.append(int(logits[0, -1].argmax()))
+        if out[-1] in stop:
+            break
+        ids = torch.tensor([[out[-1]]])
+    return out
+
+
+@torch.no_grad()
+def forced_logits(model, cache, tokens: list[int], start: int) -> torch.Tensor:
+    pos = torch.arange(start, start + len(tokens))[None]
+    return model(input_ids=torch.tensor([tokens]), past_key_values=cache, position_ids=pos).logits[0].float()
+
+
+def _cache_len(cache) -> int:
+    return int(cache.layers[0].keys.shape[-2])
+
+
+def _cache_bytes(cache) -> int:
+    return sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in cache.layers)
+
+
+def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool) -> list[dict]:
+    """Every setup on one trial: answer ids, kept slots, KL / top-1 to this worker's full cache."""
+    import copy
+
+    presses = {s["name"]: make_press(s["press"], s["ratio"]) for s in setups if s["press"] is not None}
+    for p in presses.values():
+        p.post_init_from_model(model)
+    ctx, question, answer = trial["context"], trial["question"], trial["answer"]
+    forced = question + answer[:-1]
+    start, stop = len(ctx), set(job["stop_ids"])
+    t0 = time.perf_counter()
+    caches, errors = shared_press_prefill(model, ctx, setups, presses)
+    prefill_s = time.perf_counter() - t0
+    head = {k: trial[k] for k in ("key", "task", "length", "trial", "seed")}
+    rows, ref = [], None
+    for s in setups:
+        row = {**head, "setup": s["name"], "press": s["press"], "ratio": s["ratio"], "prefill_s": prefill_s}
+        if s["name"] in errors:
+            row["error"] = errors[s["name"]]
+            rows.append(row)
+            continue
+        try:
+            cache = caches[s["name"]]
+            if verify and s["press"] is not None:  # the shared prefill equals kvpress's own, setup by setup
+                alone = standalone_press_prefill(model, ctx, make_press(s["press"], s["ratio"]))
+                row["check_max_abs_diff_vs_standalone"] = max(
+                    max(float((a.keys - b.keys).abs().max()), float((a.values - b.values).abs().max()))
+                    if a.keys.shape == b.keys.shape
+                    else float("inf")
+                    for a, b in zip(cache.layers, alone.layers, strict=True)
+                )
+                del alone
+            t1 = time.perf_counter()  # the check above is not part of the setup's time
+            row["kept_slots"] = _cache_len(cache)
+            row["kv_bytes"] = _cache_bytes(cache)
+            forced_cache = copy.deepcopy(cache)
+            row["answer_ids"] = greedy_until(
+                model, cache, question, start, int(trial["max_new_tokens"]), stop
+            )
+            logits = forced_logits(model, forced_cache, forced, start)
+            del forced_cache
+            if s["press"] is None:
+                ref = logits
+                kv_argmax = trial.get("kvlab_full_argmax")
+                if kv_argmax is not None:
+                    row["top1_vs_kvlab_full"] = float(
+                        (logits.argmax(-1) == torch.tensor(kv_argmax)).double().mean()
+                    )
+                if trial.get("kvlab_full_logits"):
+                    theirs = torch.load(trial["kvlab_full_logits"])
+                    row["kl_kvlab_full_vs_this_full"] = divergence(theirs, logits)["kl"]
+            div = divergence(ref, logits)
+            rows_answer = slice(len(question) - 1, None)
+            div_a = divergence(ref[rows_answer], logits[rows_answer])
+            row.update(
+                kld=div["kl"],
+                top1=div["top1"],
+                compared_tokens=div["n"],
+                kld_answer=div_a["kl"],
+                top1_answer=div_a["top1"],
+                seconds=time.perf_counter() - t1,
+            )
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        if "error" in row:
+            print(f"{head['key']} {s['name']}: FAILED {row['error']}", file=sys.stderr, flush=True)
+        rows.append(row)
+    return rows
+
+
+def ruler_main(job: dict, out_path: str) -> None:
+    import kvpress
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(int(job.get("threads", 1)))
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+    setups = ruler_setups(job)
+    meta = {
+        "meta": True,
+        "versions": {
+            "kvpress": getattr(kvpress, "__version__", "0.5.5"),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },
+        "threads": torch.get_num_threads(),
+        "setups": [s["name"] for s in setups],
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+    }
+    with open(out_path, "w") as f:
+        f.write(json.dumps(meta) + "\n")
+    t0, n = time.perf_counter(), 0
+    for trial in iter_ruler_trials(job):
+        verify = n == 0 and job.get("verify_first", True)
+        rows = ruler_trial(model, job, trial, setups, verify)
+        with open(out_path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        n += 1
+        print(
+            f"trial {trial['key']} done ({n} in {time.perf_counter() - t0:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    with open(out_path, "a") as f:
+        f.write(json.dumps({"done": True, "trials": n, "seconds": time.perf_counter() - t0}) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,961 @@
+"""Benchmark: kvlab's RULER-style eval, kvlab's cache policies side by side with kvpress presses on the same ids.
+
+One command, one run. kvlab's side is :func:`kvlab.eval.run.run_suite` (seeded trials from
+:func:`kvlab.eval.tasks.make_trial` on the bundled SmolLM2-135M-Instruct; each trial prefilled once and
+every policy reusing that prefill). While it runs, the ids it actually ran (context, question and the
+full cache's greedy answer, read from the calls run_suite makes, not re-derived) are appended trial by
+trial to a JSONL job that the anchor worker (``benchmarks/anchors/anchor_worker.py``, job kind
+``ruler``, kvpress 0.5.5 / transformers 5.2.0 in their own venv, one torch thread) consumes concurrently:
+it prefills each context once with every press hooked in, asks the question uncompressed, returns greedy
+answer ids and KL / top-1 against its own full cache on question + the full answer (teacher-forced, the
+float64 formula of ``kvlab.metrics.divergence.token_kl``, computed in the worker). The answers are decoded
+and scored here with kvlab's tokenizer and :func:`kvlab.eval.score.score`, and everything is summarised
+with :func:`kvlab.eval.run.summarize` (bootstrap intervals from :func:`kvlab.metrics.stats.bootstrap_ci`).
+
+Writes ``benchmarks/results/eval_ruler.md`` and ``benchmarks/results/eval_ruler.png``; raw rows under
+``benchmarks/out/eval_ruler/``.
+
+    python3 benchmarks/eval_ruler.py --trials 2                  # smoke run, all tasks at 1024
+    python3 benchmarks/eval_ruler.py --trials 200 --lengths 1024,4096   # the issue's full run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+OUT = HERE / "out" / "eval_ruler"
+RESULTS = HERE / "results" / "eval_ruler.md"
+FIGURE = HERE / "results" / "eval_ruler.png"
+POLICIES = ("window", "h2o", "snapkv", "tova", "knorm", "learned")
+CODECS = ("int4", "int2")
+PRESSES = ("snapkv", "knorm", "tova", "streaming_llm", "expected_attention")
+#: kvlab policy -> the kvpress press that implements the same idea (one colour in the figure)
+FAMILY = {
+    "streaming_llm": "sinks+window",
+    "snapkv": "SnapKV",
+    "knorm": "key-norm",
+    "tova": "TOVA",
+    "h2o": "H2O",
+    "learned": "learned",
+    "expected_attention": "ExpectedAttention",
+}
+
+
+# -- kvlab's side: run_suite, recording the ids it runs ---------------------------------------------------
+
+
+def _ids(tokens: Any) -> list[int]:
+    if isinstance(tokens, torch.Tensor):
+        return [int(t) for t in tokens.reshape(-1).tolist()]
+    return [int(t) for t in tokens]
+
+
+@contextlib.contextmanager
+def recording_ids(handle: Any):
+    """Record, per trial, the ids run_suite actually runs (kvlab's eval API does not return them).
+
+    Wraps the functions :func:`kvlab.eval.run.run_trial` / ``run_suite`` look up at call time:
+    ``make_trial`` (a new trial starts), ``observe`` / ``handle.prefill`` (the context ids prefilled),
+    ``greedy_on_layers`` (its first call per trial is the full cache: question ids, start position, the
+    answer ids) and ``logits_on_layers`` (its first call: the teacher-forced ids and the full logits).
+    Yields a dict whose ``"current"`` is the trial being run.
+    """
+    import importlib
+
+    # the modules themselves (``kvlab.compress.evict`` is also the name of a function in kvlab.compress)
+    evict_mod = importlib.import_module("kvlab.compress.evict")
+    tasks_mod = importlib.import_module("kvlab.eval.tasks")
+    cc = importlib.import_module("kvlab.hf.compressed_cache")
+
+    state: dict[str, Any] = {"current": None}
+    orig_make, orig_observe = tasks_mod.make_trial, evict_mod.observe
+    orig_greedy, orig_logits = cc.greedy_on_layers, cc.logits_on_layers
+    orig_prefill = handle.prefill
+
+    def make_trial(*args, **kwargs):
+        trial = orig_make(*args, **kwargs)
+        state["current"] = {"trial": trial}
+        return trial
+
+    def note_context(tokens: Any) -> None:
+        cur = state["current"]
+        if cur is not None and "context" not in cur:
+            cur["context"] = _ids(tokens)
+
+    def observe(h, tokens, *args, **kwargs):
+        note_context(tokens)
+        return orig_observe(h, tokens, *args, **kwargs)
+
+    def prefill(tokens, *args, **kwargs):
+        note_context(tokens)
+        return orig_prefill(tokens, *args, **kwargs)
+
+    def greedy_on_layers(h, keys, values, prompt, start_position, max_new_tokens):
+        out = orig_greedy(h, keys, values, prompt, start_position, max_new_tokens)
+        cur = state["current"]
+        if cur is not None and "answer" not in cur:
+            cur.update(
+                question=_ids(prompt),
+                start=int(start_position),
+                answer=_ids(out),
+                max_new_tokens=int(max_new_tokens),
+            )
+        return out
+
+    def logits_on_layers(h, keys, values, tokens, start_position):
+        out = orig_logits(h, keys, values, tokens, start_position)
+        cur = state["current"]
+        if cur is not None and "forced" not in cur:
+            cur.update(forced=_ids(tokens), full_logits=out.detach().float().cpu())
+        return out
+
+    tasks_mod.make_trial, evict_mod.observe = make_trial, observe
+    cc.greedy_on_layers, cc.logits_on_layers = greedy_on_layers, logits_on_layers
+    handle.prefill = prefill
+    try:
+        yield state
+    finally:
+        tasks_mod.make_trial, evict_mod.observe = orig_make, orig_observe
+        cc.greedy_on_layers, cc.logits_on_layers = orig_greedy, orig_logits
+        with contextlib.suppress(AttributeError):
+            del handle.prefill  # the instance attribute; the class method shows through again
+
+
+def trial_record(cur: dict, index: int, logits_path: Path | None = None) -> dict:
+    """One job line (what the worker needs) plus what the merge needs (answers, rule), checked for consistency."""
+    trial = cur["trial"]
+    missing = [k for k in ("context", "question", "answer", "forced") if k not in cur]
+    if missing:
+        raise RuntimeError(f"run_suite ran {trial.task} without the calls recorded: {missing} missing")
+    if cur["start"] != len(cur["context"]):
+        raise RuntimeError("the question did not start right after the context")
+    if cur["forced"] != cur["question"] + cur["answer"][:-1]:
+        raise RuntimeError("the teacher-forced ids are not question + the full answer minus its last token")
+    rec = {
+        "key": f"{trial.task}/{trial.length}/{index}",
+        "task": trial.task,
+        "length": trial.length,
+        "trial": index,
+        "seed": trial.seed,
+        "context": cur["context"],
+        "question": cur["question"],
+        "answer": cur["answer"],
+        "max_new_tokens": cur["max_new_tokens"],
+        "kvlab_full_argmax": [int(i) for i in cur["full_logits"].argmax(-1).tolist()],
+        "answers": list(trial.answers),
+        "rule": trial.rule,
+    }
+    if logits_path is not None:
+        torch.save(cur["full_logits"], logits_path)
+        rec["kvlab_full_logits"] = str(logits_path)
+    return rec
+
+
+#: what the job lines leave out (kvlab-only: the worker never scores)
+_KVLAB_ONLY = ("answers", "rule")
+
+
+def run_kvlab(
+    handle: Any,
+    specs: Sequence[Any],
+    *,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    trials: int,
+    seed: int,
+    trials_file: Path,
+    haystack_text: str | None = None,
+    max_new_tokens: int | None = None,
+    logits_dir: Path | None = None,
+    progress: Any = None,
+) -> tuple[list[dict], list[dict]]:
+    """run_suite's rows, and one record per trial (appended to ``trials_file`` as each trial finishes).
+
+    ``logits_dir``: where the full cache's logits of each (task, length)'s first trial are saved for the
+    worker's cross-check (KL between the two sides' full caches).
+    """
+    from kvlab.eval.run import run_suite
+
+    records: list[dict] = []
+    counters: dict[tuple[str, int], int] = {}
+    trials_file.parent.mkdir(parents=True, exist_ok=True)
+    trials_file.write_text("")
+    with recording_ids(handle) as state:
+
+        def on_trial(done: int, total: int) -> None:
+            cur = state["current"]
+            trial = cur["trial"]
+            index = counters.get((trial.task, trial.length), 0)
+            counters[(trial.task, trial.length)] = index + 1
+            path = None
+            if logits_dir is not None and index == 0:
+                logits_dir.mkdir(parents=True, exist_ok=True)
+                path = logits_dir / f"{trial.task}-{trial.length}-full-logits.pt"
+            rec = trial_record(cur, index, path)
+            records.append(rec)
+            with open(trials_file, "a") as f:
+                f.write(json.dumps({k: v for k, v in rec.items() if k not in _KVLAB_ONLY}) + "\n")
+            state["current"] = None
+            if progress is not None:
+                progress(done, total)
+
+        rows = run_suite(
+            handle,
+            specs,
+            tasks=tasks,
+            lengths=lengths,
+            trials=trials,
+            seed=seed,
+            haystack_text=haystack_text,
+            max_new_tokens=max_new_tokens,
+            progress=on_trial,
+        )
+    # the recorded full answer is the one run_suite scored
+    stop = handle.eos_ids()
+    by_key = {(r["task"], r["length"], r["trial"]): r for r in records}
+    for row in rows:
+        if row["kind"] == "full":
+            rec = by_key[(row["task"], row["length"], row["trial"])]
+            if handle.decode(until_stop(rec["answer"], stop)) != row["output"]:
+                raise RuntimeError(f"recorded full answer differs from run_suite's for {rec['key']}")
+    for row in rows:
+        row["side"] = "kvlab"
+    return rows, records
+
+
+def end_job(trials_file: Path) -> None:
+    with open(trials_file, "a") as f:
+        f.write(json.dumps({"end": True}) + "\n")
+
+
+def until_stop(tokens: Sequence[int], stop: set[int]) -> list[int]:
+    """The answer up to (not including) its first stop id, as kvlab's run_trial cuts it."""
+    out = []
+    for t in tokens:
+        if int(t) in stop:
+            break
+        out.append(int(t))
+    return out
+
+
+# -- merging the worker's rows: decoded and scored in kvlab's process ----------------------------------
+
+
+def merge(handle: Any, records: Sequence[dict], worker_rows: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+    """The worker's rows as kvlab-style rows (``side: kvpress``), answers decoded with kvlab's tokenizer and
+    scored with :func:`kvlab.eval.score.score`; and the rows that failed (with their error)."""
+    from kvlab.eval.score import score
+
+    by_key = {r["key"]: r for r in records}
+    stop = handle.eos_ids()
+    rows, failed = [], []
+    for w in worker_rows:
+        if w.get("meta") or w.get("done"):
+            continue
+        if "error" in w:
+            failed.append(w)
+            continue
+        rec = by_key[w["key"]]
+        text = handle.decode(until_stop(w["answer_ids"], stop))
+        full = w["press"] is None
+        rows.append(
+            {
+                "side": "kvpress",
+                "spec": f"kvpress {w['setup']}",
+                "kind": "full" if full else "evict",
+                "policy": w["press"],
+                "compression_ratio": w["ratio"],
+                "task": w["task"],
+                "length": w["length"],
+                "trial": w["trial"],
+                "seed": w["seed"],
+                "kept_slots": w["kept_slots"],
+                "kv_bytes": w["kv_bytes"],
+                "output": text,
+                "answers": rec["answers"],
+                "rule": rec["rule"],
+                "score": score(text, rec["answers"], rec["rule"]),
+                "kld": w["kld"],
+                "top1": w["top1"],
+                "kld_answer": w["kld_answer"],
+                "top1_answer": w["top1_answer"],
+                "compared_tokens": w["compared_tokens"],
+                "prefill_s": w["prefill_s"],
+                "seconds": w["seconds"],
+                **{k: w[k] for k in w if k.startswith(("check_", "top1_vs_", "kl_kvlab"))},
+            }
+        )
+    return rows, failed
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line the worker was writing when it stopped
+                break
+    return out
+
+
+# -- reporting -----------------------------------------------------------------------------------------
+
+
+def _fmt(iv: dict | None, digits: str = ".2f") -> str:
+    if iv is None:
+        return "—"
+    if iv["low"] is None or (isinstance(iv["low"], float) and math.isnan(iv["low"])):
+        return f"{iv['value']:{digits}}"
+    return f"{iv['value']:{digits}} [{iv['low']:{digits}}, {iv['high']:{digits}}]"
+
+
+def _cache_key(row: dict) -> tuple[str, str, float]:
+    """(side, name, ratio) for ordering and plotting: name is the policy / press / codec / ``full``."""
+    side = row.get("side", "kvlab")
+    if row["kind"] == "full":
+        return side, "full", 0.0
+    if row["kind"] == "quant":
+        return side, row["spec"], float("nan")
+    return side, row["policy"], float(row["compression_ratio"])
+
+
+def summary_rows(rows: Sequence[dict], seed: int) -> list[dict]:
+    """kvlab's summarize (per task, cache, length), with each group's side / name / ratio attached."""
+    from kvlab.eval.run import summarize
+
+    first: dict[tuple, dict] = {}
+    for r in rows:
+        first.setdefault((r["task"], r["spec"], r["length"]), r)
+    out = []
+    for s in summarize(rows, seed=seed):
+        side, name, ratio = _cache_key(first[(s["task"], s["cache"], s["length"])])
+        out.append({**s, "side": side, "name": name, "ratio": ratio})
+    return out
+
+
+def _order(s: dict) -> tuple:
+    ratio = -1.0 if s["name"] == "full" else (2.0 if math.isnan(s["ratio"]) else s["ratio"])
+    return (s.get("task", ""), s["length"], ratio, s["side"] != "kvlab", s["name"])
+
+
+def table_lines(summary: Sequence[dict]) -> list[str]:
+    lines = [
+        "| task | length | ratio | side | cache | n | accuracy [95% CI] | KL nats [95% CI] | top-1 [95% CI] |",
+        "|---|---:|---:|---|---|---:|---|---|---|",
+    ]
+    for s in sorted(summary, key=_order):
+        ratio = "—" if math.isnan(s["ratio"]) else f"{s['ratio']:g}"
+        inf = f" ({s['kld_infinite']} inf)" if s.get("kld_infinite") else ""
+        lines.append(
+            f"| {s['task']} | {s['length']} | {ratio} | {s['side']} | {s['name']} | {s['trials']} | "
+            f"{_fmt(s['accuracy'])} | {_fmt(s['kld'], '.3g')}{inf} | {_fmt(s['top1'])} |"
+        )
+    return lines
+
+
+def pooled(rows: Sequence[dict], seed: int) -> list[dict]:
+    """Accuracy / KL / top-1 per (side, cache, length) pooled over tasks (one sample per task trial)."""
+    from kvlab.metrics.stats import bootstrap_ci
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        side, name, ratio = _cache_key(r)
+        groups.setdefault((side, name, ratio if not math.isnan(ratio) else -9.0, r["length"]), []).append(r)
+    out = []
+    for (side, name, ratio, length), rs in groups.items():
+
+        def iv(key: str, rs=rs) -> dict | None:
+            vals = [r[key] for r in rs if r[key] is not None and math.isfinite(r[key])]
+            return bootstrap_ci(vals, seed=seed).to_json() if vals else None
+
+        out.append(
+            {
+                "side": side,
+                "name": name,
+                "ratio": float("nan") if ratio == -9.0 else ratio,
+                "length": length,
+                "trials": len(rs),
+                "accuracy": iv("score"),
+                "kld": iv("kld"),
+                "top1": iv("top1"),
+            }
+        )
+    return out
+
+
+def pooled_lines(pool: Sequence[dict]) -> list[str]:
+    lines = [
+        "| length | ratio | side | cache | n | accuracy [95% CI] | KL nats [95% CI] | top-1 [95% CI] |",
+        "|---:|---:|---|---|---:|---|---|---|",
+    ]
+    for s in sorted(pool, key=lambda s: (s["length"], *_order(s)[2:])):
+        ratio = "—" if math.isnan(s["ratio"]) else f"{s['ratio']:g}"
+        lines.append(
+            f"| {s['length']} | {ratio} | {s['side']} | {s['name']} | {s['trials']} | {_fmt(s['accuracy'])} | "
+            f"{_fmt(s['kld'], '.3g')} | {_fmt(s['top1'])} |"
+        )
+    return lines
+
+
+def figure(pool: Sequence[dict], path: Path, title: str) -> None:
+    """Accuracy (pooled over tasks) vs ratio per policy: kvlab solid, kvpress dashed, one panel per length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({s["length"] for s in pool})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(7.5 * len(lengths), 5.2), squeeze=False)
+    colours = {fam: f"C{i}" for i, fam in enumerate(FAMILY.values())}
+    for ax, length in zip(axes[0], lengths, strict=True):
+        at = [s for s in pool if s["length"] == length and s["accuracy"] is not None]
+        curves: dict[tuple[str, str], list[dict]] = {}
+        for s in at:
+            if s["name"] == "full" or math.isnan(s["ratio"]):
+                continue
+            curves.setdefault((s["side"], s["name"]), []).append(s)
+        for (side, name), pts in sorted(curves.items()):
+            pts.sort(key=lambda s: s["ratio"])
+            x = [p["ratio"] for p in pts]
+            y = [p["accuracy"]["value"] for p in pts]
+            lo = [
+                p["accuracy"]["value"]
+                - (p["accuracy"]["low"] if _ok(p["accuracy"]["low"]) else p["accuracy"]["value"])
+                for p in pts
+            ]
+            hi = [
+                (p["accuracy"]["high"] if _ok(p["accuracy"]["high"]) else p["accuracy"]["value"])
+                - p["accuracy"]["value"]
+                for p in pts
+            ]
+            fam = FAMILY.get(name, name)
+            ax.errorbar(
+                [v + (0.006 if side == "kvpress" else -0.006) for v in x],
+                y,
+                yerr=[lo, hi],
+                color=colours.get(fam),
+                linestyle="-" if side == "kvlab" else "--",
+                marker="o" if side == "kvlab" else "s",
+                capsize=3,
+                linewidth=1.6,
+                label=f"{side} {fam}",
+            )
+        for s in at:
+            if s["name"] == "full":
+                ax.axhline(
+                    s["accuracy"]["value"],
+                    color="black",
+                    linestyle="-" if s["side"] == "kvlab" else "--",
+                    linewidth=1.0,
+                    label=f"{s['side']} full cache",
+                )
+            elif math.isnan(s["ratio"]):
+                ax.axhline(
+                    s["accuracy"]["value"],
+                    color="grey",
+                    linestyle=":" if "2" in s["name"] else "-.",
+                    linewidth=1.2,
+                    label=f"kvlab {s['name']} (no eviction)",
+                )
+        n = max((s["trials"] for s in at), default=0)
+        ax.set_title(f"{length} tokens ({n} task-trials per point)")
+        ax.set_xlabel("compression ratio (fraction of the context removed)")
+        ax.set_ylabel("accuracy, all tasks pooled (95% bootstrap CI)")
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _ok(v: Any) -> bool:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+# -- the run -------------------------------------------------------------------------------------------
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from kvlab.eval.tasks import TASKS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trials", type=int, default=2, help="trials per task and length")
+    ap.add_argument("--lengths", default="1024", help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="tasks, comma-separated")
+    ap.add_argument("--ratios", default="0.25,0.5,0.75", help="fractions of the context removed")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="kvlab eviction policies")
+    ap.add_argument(
+        "--codecs", default=",".join(CODECS), help="kvlab quantizer specs (int4, int2, kivi:int2 ...)"
+    )
+    ap.add_argument("--presses", default=",".join(PRESSES), help="kvpress presses (worker names)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--haystack", type=Path, help="a text file to hide the facts in (default: kvlab's)")
+    ap.add_argument("--max-new-tokens", type=int, help="answer budget (default: each task's own)")
+    ap.add_argument("--no-kvpress", action="store_true", help="kvlab's side only")
+    ap.add_argument(
+        "--kvpress-timeout", type=float, default=90, help="minutes to wait for the worker after kvlab"
+    )
+    ap.add_argument("--out-dir", type=Path, default=OUT)
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--figure", type=Path, default=FIGURE)
+    ap.add_argument("--no-verify", action="store_true", help="skip the worker's check of its shared prefill")
+    ap.add_argument("--report-only", action="store_true", help="re-merge and re-report the run in --out-dir")
+    ap.add_argument(
+        "--timing-runs",
+        type=Path,
+        nargs="*",
+        help="result.json of other runs whose per-trial time feeds the estimate",
+    )
+    args = ap.parse_args(argv)
+    args.length_list = [int(v) for v in _csv(args.lengths)]
+    args.task_list = _csv(args.tasks)
+    args.ratio_list = [float(v) for v in _csv(args.ratios)]
+    unknown = [t for t in args.task_list if t not in TASKS]
+    if unknown:
+        ap.error(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
+    return args
+
+
+def cache_specs(args: argparse.Namespace) -> list[Any]:
+    from kvlab.eval.run import parse_cache_specs
+
+    evictions = [f"{p}:{r:g}" for p in _csv(args.policies) for r in args.ratio_list]
+    return parse_cache_specs(["full", *evictions, *_csv(args.codecs)])
+
+
+def worker_job(args: argparse.Namespace, handle: Any, trials_file: Path) -> dict:
+    from kvlab.model.loading import bundled_model_dir
+
+    return {
+        "kind": "ruler",
+        "model_dir": str(bundled_model_dir()),
+        "presses": _csv(args.presses),
+        "ratios": args.ratio_list,
+        "stop_ids": sorted(int(i) for i in handle.eos_ids()),
+        "trials_file": str(trials_file),
+        "threads": 1,
+        "verify_first": not args.no_verify,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    from kvlab import load_model
+    from kvlab.data import default_long_text, read_text_file
+
+    started = time.time()
+    load_before = os.getloadavg()
+    specs = cache_specs(args)
+    source = read_text_file(args.haystack) if args.haystack else default_long_text()
+    handle = load_model("smollm2-135m", device="cpu", dtype="float32")
+    out = args.out_dir
+    if args.report_only:  # merge what an earlier run of the same arguments left in --out-dir
+        saved = json.loads((out / "kvlab.json").read_text())
+        job = json.loads((out / "job.json").read_text())
+        if (
+            saved.get("argv") is not None
+        ):  # the run's own arguments; the report's outputs and timings from now
+            run_args = parse_args(saved["argv"])
+            run_args.results, run_args.figure = args.results, args.figure
+            run_args.timing_runs, run_args.out_dir = args.timing_runs, args.out_dir
+            args, specs = run_args, cache_specs(run_args)
+        args._handle = handle
+        return finish(
+            args,
+            specs,
+            job,
+            source,
+            out,
+            saved["rows"],
+            saved["records"],
+            saved["kvlab_seconds"],
+            saved["started"],
+            saved["load_before"],
+            "",
+            saved.get("argv", argv),
+            wall=saved.get("wall"),
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    trials_file, job_path = out / "trials.jsonl", out / "job.json"
+    worker_out, worker_log = out / "kvpress.jsonl", out / "kvpress.log"
+    trials_file.write_text("")
+    worker_out.unlink(missing_ok=True)
+    proc, failure = None, ""
+    job = worker_job(args, handle, trials_file)
+    job_path.write_text(json.dumps(job, indent=1))
+    if args.no_kvpress:
+        failure = "kvpress skipped (--no-kvpress)"
+    else:
+        sys.path.insert(0, str(HERE / "anchors"))
+        from run_anchors import start
+
+        try:
+            proc = start(job_path, worker_out, worker_log)
+        except (RuntimeError, subprocess.CalledProcessError, OSError) as exc:
+            failure = f"kvpress worker failed to start: {exc}"
+    t_kv = time.time()
+
+    def progress(done: int, n: int) -> None:
+        el = time.time() - t_kv
+        print(f"kvlab: trial {done}/{n} ({el:.0f} s, {el / done:.1f} s/trial)", file=sys.stderr, flush=True)
+
+    try:
+        kv_rows, records = run_kvlab(
+            handle,
+            specs,
+            tasks=args.task_list,
+            lengths=args.length_list,
+            trials=args.trials,
+            seed=args.seed,
+            trials_file=trials_file,
+            haystack_text=source.text,
+            max_new_tokens=args.max_new_tokens,
+            logits_dir=out / "logits",
+            progress=progress,
+        )
+    except BaseException:
+        end_job(trials_file)
+        if proc is not None:
+            proc.kill()
+        raise
+    end_job(trials_file)
+    kv_s = time.time() - t_kv
+    (out / "kvlab.json").write_text(  # kvlab's part on its own, for --report-only
+        json.dumps(
+            {
+                "rows": kv_rows,
+                "records": records,
+                "kvlab_seconds": kv_s,
+                "started": started,
+                "load_before": load_before,
+                "argv": list(sys.argv[1:] if argv is None else argv),
+            }
+        )
+        + "\n"
+    )
+    if proc is not None:
+        try:
+            rc = proc.wait(timeout=args.kvpress_timeout * 60)
+            if rc:
+                failure = f"kvpress worker exited with code {rc} (log: {worker_log})"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            failure = f"kvpress worker stopped after the {args.kvpress_timeout:.0f}-minute timeout"
+    args._handle = handle
+    finish(args, specs, job, source, out, kv_rows, records, kv_s, started, load_before, failure, argv)
+
+
+def finish(
+    args, specs, job, source, out, kv_rows, records, kv_s, started, load_before, failure, argv, wall=None
+) -> None:
+    """Merge the worker's rows, summarise, write result.json, the report and the figure."""
+    worker_out = out / "kvpress.jsonl"
+    worker_rows = read_jsonl(worker_out)
+    meta = next((w for w in worker_rows if w.get("meta")), None)
+    done = next((w for w in worker_rows if w.get("done")), None)
+    handle = args._handle
+    kp_rows, failed = merge(handle, records, worker_rows)
+    if wall is None:
+        wall = time.time() - started
+        saved = out / "kvlab.json"
+        doc0 = json.loads(saved.read_text())
+        saved.write_text(json.dumps({**doc0, "wall": wall}) + "\n")
+    if done is None and not failure and not args.no_kvpress:
+        failure = "the kvpress worker did not finish (its rows so far are merged)"
+    rows = kv_rows + kp_rows
+    summary = summary_rows(rows, args.seed)
+    pool = pooled(rows, args.seed)
+    doc = {
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")
+        },
+        "specs": [s.to_json() for s in specs],
+        "job": job,
+        "worker_meta": meta,
+        "worker_done": done,
+        "worker_failed_rows": failed,
+        "failure": failure,
+        "wall_seconds": wall,
+        "kvlab_seconds": kv_s,
+        "n_trials": len(records),
+        # wall seconds per trial (the slower side; both run concurrently), only when one length ran
+        "per_trial_by_length": (
+            {str(args.length_list[0]): max(kv_s, done["seconds"] if done else 0.0) / len(records)}
+            if len(args.length_list) == 1 and records and (done or args.no_kvpress)
+            else {}
+        ),
+        "summary": summary,
+        "pooled": pool,
+        "rows": rows,
+    }
+    (out / "result.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    write_report(args, doc, records, source, load_before, argv)
+
+
+def paired_lines(rows: Sequence[dict], seed: int) -> list[str]:
+    """kvlab policy vs the kvpress press of the same family at the same ratio, paired on the same trials."""
+    from kvlab.metrics.stats import bootstrap_ci
+
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        if r["kind"] != "evict":
+            continue
+        by.setdefault((r["side"], r["policy"], float(r["compression_ratio"])), {})[
+            (r["task"], r["length"], r["trial"])
+        ] = r
+    lines = [
+        "| family | ratio | trials | accuracy kvlab − kvpress [95% CI] | same answer | mean KL kvlab / kvpress | mean abs(ΔKL) |",
+        "|---|---:|---:|---|---:|---|---:|",
+    ]
+    for (side, policy, ratio), kv in sorted(by.items(), key=lambda kv: (FAMILY.get(kv[0][1], ""), kv[0][2])):
+        if side != "kvlab":
+            continue
+        press = next((p for p in PRESSES if FAMILY.get(p) == FAMILY.get(policy)), None)
+        kp = by.get(("kvpress", press, ratio), {})
+        keys = sorted(set(kv) & set(kp))
+        if not keys:
+            continue
+        diff = [kv[k]["score"] - kp[k]["score"] for k in keys]
+        iv = bootstrap_ci(diff, seed=seed).to_json()
+        same = sum(kv[k]["output"] == kp[k]["output"] for k in keys)
+        fin = [k for k in keys if math.isfinite(kv[k]["kld"]) and math.isfinite(kp[k]["kld"])]
+        mk = sum(kv[k]["kld"] for k in fin) / max(len(fin), 1)
+        mp = sum(kp[k]["kld"] for k in fin) / max(len(fin), 1)
+        dk = sum(abs(kv[k]["kld"] - kp[k]["kld"]) for k in fin) / max(len(fin), 1)
+        lines.append(
+            f"| {FAMILY.get(policy, policy)} | {ratio:g} | {len(keys)} | {_fmt(iv, '+.2f')} | {same}/{len(keys)} | "
+            f"{mk:.3g} / {mp:.3g} | {dk:.2g} |"
+        )
+    return lines
+
+
+def trial_seconds(rows: Sequence[dict]) -> dict[tuple[str, str, int], float]:
+    """Median seconds one trial costs each side, per (side, task, length): its prefill plus every cache's
+    answer and teacher-forced pass (from the rows' own timers; the median keeps the worker's first,
+    checked, trial out)."""
+    import statistics
+
+    per: dict[tuple, dict[int, float]] = {}
+    for r in rows:
+        key = (r["side"], r["task"], int(r["length"]))
+        trials = per.setdefault(key, {})
+        trials[r["trial"]] = trials.get(r["trial"], r["prefill_s"]) + r["seconds"]
+    return {k: statistics.median(v.values()) for k, v in per.items()}
+
+
+def estimate_lines(
+    rows: Sequence[dict], args: Any, others: Sequence[dict], lengths=(1024, 4096)
+) -> list[str]:
+    """The full run's time (200 trials x tasks x lengths, the two sides concurrent: the slower one per trial).
+
+    A length this run did not reach takes its per-trial time from ``others`` (result.json of other runs,
+    e.g. one trial at 4096), scaled task by task: a task not measured there costs its time here times the
+    measured tasks' mean ratio between the two lengths, side by side.
+    """
+    times = trial_seconds(rows)
+    for doc in others:
+        for k, v in trial_seconds(doc["rows"]).items():
+            times.setdefault(k, v)
+    base = min(int(r["length"]) for r in rows) if rows else None
+    if base is None:
+        return []
+    sides = ("kvlab", "kvpress") if any(r["side"] == "kvpress" for r in rows) else ("kvlab",)
+    lines, total = [], 0.0
+    for length in lengths:
+        per_task, scaled = [], False
+        for task in args.task_list:
+            walls = []
+            for side in sides:
+                t = times.get((side, task, length))
+                if t is None:
+                    ratios = [
+                        times[(side, k[1], length)] / times[(side, k[1], base)]
+                        for k in times
+                        if k[0] == side and k[2] == length and (side, k[1], base) in times
+                    ]
+                    if not ratios or (side, task, base) not in times:
+                        walls = None
+                        break
+                    t, scaled = times[(side, task, base)] * sum(ratios) / len(ratios), True
+                walls.append(t)
+            if walls is None:
+                per_task = None
+                break
+            per_task.append(max(walls))
+        if per_task is None:
+            lines.append(f"  - {length} tokens: no timing measured (run one trial there with --timing-runs)")
+            continue
+        sec = 200 * sum(per_task)
+        total += sec
+        lines.append(
+            f"  - {length} tokens: {sec / 3600:.1f} h ({sum(per_task) / len(per_task):.0f} s per trial, mean over tasks"
+            + (", scaled from the tasks timed at this length" if scaled else "")
+            + ")"
+        )
+    return [
+        f"- estimated full run, 200 trials x {len(args.task_list)} tasks per length on this machine under this run's "
+        f"load (median seconds per trial of each side per task from the rows' timers; the two sides overlap, so "
+        f"the slower one counts): {total / 3600:.1f} h in all"
+        + (
+            f" (timings of other runs: {', '.join(str(p) for p in args.timing_runs)})"
+            if args.timing_runs
+            else ""
+        ),
+        *lines,
+    ]
+
+
+def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_before, argv) -> None:
+    rows, summary, pool = doc["rows"], doc["summary"], doc["pooled"]
+    meta, done = doc["worker_meta"], doc["worker_done"]
+    kv_rows = [r for r in rows if r["side"] == "kvlab"]
+    kp_rows = [r for r in rows if r["side"] == "kvpress"]
+    kp_full = [r for r in kp_rows if r["kind"] == "full"]
+    checks = [
+        r.get("check_max_abs_diff_vs_standalone") for r in kp_rows if "check_max_abs_diff_vs_standalone" in r
+    ]
+    n_trials = len(records)
+    kv_s, wall = doc["kvlab_seconds"], doc["wall_seconds"]
+    worker_s = done["seconds"] if done else None
+    per_trial = max(kv_s, worker_s or 0.0) / max(n_trials, 1)
+    # prompt lengths actually reached (context + question ids), per requested length
+    reached = {}
+    for rec in records:
+        reached.setdefault(rec["length"], []).append(len(rec["context"]) + len(rec["question"]))
+    cmd = "python3 " + " ".join(
+        [
+            str(Path(sys.argv[0]).resolve().relative_to(ROOT))
+            if argv is None
+            else "benchmarks/eval_ruler.py",
+            *(sys.argv[1:] if argv is None else argv),
+        ]
+    )
+    title = (
+        f"SmolLM2-135M-Instruct, {n_trials} trials ({args.trials} per task x {len(args.task_list)} tasks x "
+        f"{len(args.length_list)} lengths), seed {args.seed}; kvlab solid, kvpress dashed"
+    )
+    figure(pool, args.figure, title)
+    est_lines = []
+    if n_trials and done:
+        est_lines.append(
+            f"- time per trial in this run: kvlab {kv_s / n_trials:.1f} s, kvpress worker {worker_s / n_trials:.1f} s "
+            f"(concurrent, one thread each, on a box other jobs were also using); wall per trial {per_trial:.1f} s."
+        )
+    est = estimate_lines(rows, args, [json.loads(Path(p).read_text()) for p in args.timing_runs or []])
+    est_lines += est
+    md = [
+        "# RULER-style eval: kvlab's cache policies side by side with kvpress on identical token ids",
+        "",
+        f"- command: `{cmd}`",
+        f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}; wall time {wall / 60:.1f} min "
+        f"(kvlab part {kv_s / 60:.1f} min; kvpress worker {worker_s / 60 if worker_s else float('nan'):.1f} min, "
+        "running concurrently in its own process)",
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs (load average "
+        f"{load_before[0]:.2f} at the start), no GPU, one torch thread per side; kvlab torch {torch.__version__}; "
+        f"kvpress side: {json.dumps(meta['versions']) if meta else '—'}",
+        f"- model: SmolLM2-135M-Instruct (bundled), float32, CPU; haystack: {source.source}",
+        f"- trials: **{args.trials} per task** x tasks {', '.join(args.task_list)} x lengths "
+        f"{', '.join(map(str, args.length_list))} = {n_trials} trials (seeds `trial_seed({args.seed}, i)`); prompt "
+        "tokens reached (context + question): "
+        + "; ".join(f"{k}: {min(v)}–{max(v)}" for k, v in sorted(reached.items())),
+        f"- kvlab: `kvlab.eval.run.run_suite` with caches {', '.join(s['spec'] for s in doc['specs'])} "
+        "(one prefill per trial, every policy reuses it); KL / top-1 against kvlab's full cache.",
+        f"- kvpress: presses {', '.join(args.presses.split(','))} at ratios {args.ratios} on the same ids "
+        "(context, question, the full cache's answer for teacher forcing: written by this script from the calls "
+        "run_suite made), question never compressed (press hooks on the context forward only); one prefill per trial "
+        "with every press's own `forward_hook` on its own cache"
+        + (
+            f" (checked on the first trial against one standalone `with press(model)` prefill per press: max |ΔK|,|ΔV| "
+            f"= {max(checks):.3g})"
+            if checks
+            else ""
+        )
+        + "; answers decoded with kvlab's tokenizer and scored with `kvlab.eval.score.score` in kvlab's process; KL "
+        "(float64, `token_kl`'s formula) and top-1 computed in the worker against the worker's own full cache on the "
+        "same teacher-forced tokens.",
+    ]
+    if kp_full:
+        agree = [r["top1_vs_kvlab_full"] for r in kp_full if "top1_vs_kvlab_full" in r]
+        kls = [r["kl_kvlab_full_vs_this_full"] for r in kp_full if "kl_kvlab_full_vs_this_full" in r]
+        same = sum(
+            1
+            for r in kp_full
+            for k in kv_rows
+            if k["kind"] == "full"
+            and (k["task"], k["trial"], k["length"]) == (r["task"], r["trial"], r["length"])
+            and k["output"] == r["output"]
+        )
+        md.append(
+            f"- both sides' full caches: same decoded answer in {same}/{len(kp_full)} trials; kvpress-side full argmax = "
+            f"kvlab full argmax on {100 * sum(agree) / max(len(agree), 1):.2f}% of teacher-forced tokens"
+            + (
+                f"; KL(kvlab full ‖ kvpress-side full) on the {len(kls)} trials whose logits kvlab saved: at most "
+                f"{max(kls):.2g} nats"
+                if kls
+                else ""
+            )
+        )
+    if doc["failure"]:
+        md.append(f"- NOTE: {doc['failure']}")
+    if doc["worker_failed_rows"]:
+        errs = sorted({f"{w['setup']}: {w['error'][:120]}" for w in doc["worker_failed_rows"]})
+        md.append(f"- NOTE: {len(doc['worker_failed_rows'])} kvpress rows failed: " + "; ".join(errs))
+    md += [
+        *est_lines,
+        "",
+        "![accuracy vs ratio](eval_ruler.png)",
+        "",
+        "Accuracy pooled over tasks (the figure's points):",
+        "",
+        *pooled_lines(pool),
+        "",
+        "Same family, paired on the same trials (kvlab policy vs the kvpress press that implements the same idea; "
+        "identical decoded answers and KL mean the same slots were kept):",
+        "",
+        *paired_lines(rows, args.seed),
+        "",
+        "Per task (accuracy with 95% bootstrap interval over trials; KL in nats per token over question + answer):",
+        "",
+        *table_lines(summary),
+        "",
+        f"Raw rows: `{args.out_dir.relative_to(ROOT) if args.out_dir.is_relative_to(ROOT) else args.out_dir}/result.json` "
+        "(job: `job.json` + `trials.jsonl`; worker output `kvpress.jsonl`, log `kvpress.log`).",
+    ]
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

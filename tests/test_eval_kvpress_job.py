@@ -1,0 +1,128 @@
+"""benchmarks/eval_ruler.py: the kvpress job carries exactly the ids kvlab ran, and the merge scores with kvlab's scorer.
+
+A tiny random Llama with a word tokenizer (no kvpress, no real model): run_suite runs through the
+benchmark's recorder, the job lines are compared with ids derived independently (the seeded trial,
+encoded; the full cache's greedy answer recomputed), and hand-made worker rows are merged.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab.eval.run import parse_cache_specs, trial_seed
+from kvlab.eval.tasks import encoder, make_trial
+from tests.test_eval_tasks import HAYSTACK, WordTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import eval_ruler  # noqa: E402
+
+
+class AnswerTokenizer(WordTokenizer):
+    """WordTokenizer whose ids >= 600 (outside the model's vocabulary) decode to chosen strings."""
+
+    def __init__(self) -> None:
+        self.words: dict[int, str] = {}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(self.words.get(int(i), f"w{int(i)}") for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_2x64):
+    from kvlab.model.handle import ModelHandle
+
+    return ModelHandle(tiny_llama_2x64.model, AnswerTokenizer(), name="tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ruler")
+    specs = parse_cache_specs(["full", "snapkv:0.5", "window:0.25", "int4"])
+    rows, records = eval_ruler.run_kvlab(
+        tiny,
+        specs,
+        tasks=["niah_single", "vt"],
+        lengths=[200],
+        trials=2,
+        seed=3,
+        trials_file=out / "trials.jsonl",
+        haystack_text=HAYSTACK,
+        max_new_tokens=5,
+    )
+    eval_ruler.end_job(out / "trials.jsonl")
+    return rows, records, out / "trials.jsonl"
+
+
+def test_the_job_carries_the_ids_kvlab_ran(tiny, run):
+    from kvlab.hf.compressed_cache import greedy_on_layers
+
+    rows, records, path = run
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[-1] == {"end": True}
+    jobs = lines[:-1]
+    assert len(jobs) == len(records) == 4
+    assert not any("answers" in j or "rule" in j for j in jobs)  # scoring stays in kvlab's process
+    encode = encoder(tiny)
+    for job in jobs:
+        trial = make_trial(job["task"], tiny, 200, trial_seed(3, job["trial"]), HAYSTACK)
+        assert job["seed"] == trial.seed
+        assert job["context"] == encode(trial.context)
+        assert job["question"] == encode(trial.question)
+        snap = tiny.prefill(job["context"], all_logits=False).snapshot
+        answer = greedy_on_layers(tiny, snap.keys, snap.values, job["question"], len(job["context"]), 5)
+        assert job["answer"] == answer and job["max_new_tokens"] == 5
+        assert len(job["kvlab_full_argmax"]) == len(job["question"]) + len(answer) - 1
+    # every kvlab row belongs to a recorded trial, and the recorder left the handle as it was
+    assert {(r["task"], r["trial"]) for r in rows} == {(j["task"], j["trial"]) for j in jobs}
+    assert "prefill" not in vars(tiny)
+
+
+def test_the_merge_scores_with_kvlabs_scorer(tiny, run):
+    _, records, _ = run
+    rec = next(r for r in records if r["task"] == "niah_single")
+    tiny.tokenizer.words.update({600: f"is {rec['answers'][0]}.", 601: "is 0000000."})
+    eos = min(tiny.eos_ids())
+
+    def worker_row(setup, press, ratio, ids):
+        return {
+            "key": rec["key"],
+            "task": rec["task"],
+            "length": rec["length"],
+            "trial": rec["trial"],
+            "seed": rec["seed"],
+            "setup": setup,
+            "press": press,
+            "ratio": ratio,
+            "answer_ids": ids,
+            "kept_slots": 10,
+            "kv_bytes": 100,
+            "kld": 0.5,
+            "top1": 0.9,
+            "kld_answer": 0.4,
+            "top1_answer": 0.8,
+            "compared_tokens": 7,
+            "prefill_s": 0.1,
+            "seconds": 0.2,
+        }
+
+    merged, failed = eval_ruler.merge(
+        tiny,
+        records,
+        [
+            {"meta": True},
+            worker_row("full", None, 0.0, [600, eos, 601]),  # right, then the stop id: cut there
+            worker_row("snapkv:0.5", "snapkv", 0.5, [601]),  # wrong
+            {**worker_row("knorm:0.5", "knorm", 0.5, []), "error": "boom"},
+            {"done": True},
+        ],
+    )
+    assert [r["score"] for r in merged] == [1.0, 0.0]
+    assert merged[0]["output"] == f"is {rec['answers'][0]}." and merged[0]["kind"] == "full"
+    assert merged[1]["spec"] == "kvpress snapkv:0.5" and merged[1]["compression_ratio"] == 0.5
+    assert [w["setup"] for w in failed] == ["knorm:0.5"]
+    summary = eval_ruler.summary_rows(merged, seed=0)
+    assert {s["name"] for s in summary} == {"full", "snapkv"}
