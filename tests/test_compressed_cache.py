@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -101,9 +102,10 @@ def test_evicting_cache_matches_snapshot_eviction_and_keeps_positions(tiny):
 
 
 def test_bad_configurations_are_refused(tiny):
-    with pytest.raises(BadInputError, match="not both"):
+    # a policy combines with per-token codes only (tests/test_compressed_every.py): KIVI's are per channel
+    with pytest.raises(BadInputError, match="pertoken"):
         CompressedCache(
-            tiny.config, quantizer=PerTokenQuantizer(bits=4, group_size=16), policy=StreamingLLM(), keep=0.5
+            tiny.config, quantizer=KIVIQuantizer(bits=2, group_size=16), policy=StreamingLLM(), keep=0.5
         )
     with pytest.raises(BadInputError, match="model="):
         CompressedCache(tiny.config, policy=SnapKV(), keep=0.5)
@@ -180,6 +182,17 @@ def test_experiment_smoke(smollm, tmp_path):
     )
     for fig in ("pareto.png", "per_layer_distortion.png", "arrays.npz"):
         assert (tmp_path / fig).is_file()
+    # KL to the full cache and top-1 agreement of the continuation logits: columns, summary, raw arrays
+    for table in result.tables[:2]:
+        assert {"KL to full (nats)", "top-1 agreement"} <= set(table.columns), table.title
+    assert configs["full precision"]["kl_to_full"]["value"] == 0
+    assert configs["full precision"]["top1_to_full"]["value"] == 1
+    arrays = np.load(tmp_path / "arrays.npz")
+    for name, entry in configs.items():
+        kl, top1 = entry["kl_to_full"]["value"], entry["top1_to_full"]["value"]
+        assert np.isfinite(kl) and kl >= 0 and 0 <= top1 <= 1, name
+        assert arrays[f"{name}/kl_to_full"].shape == arrays[f"{name}/top1_to_full"].shape == (1,)
+    assert configs["pertoken int4"]["kl_to_full"]["value"] > 0
 
 
 @pytest.mark.real_model

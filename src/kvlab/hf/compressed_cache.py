@@ -4,12 +4,20 @@
 segments (any :class:`~kvlab.compress.quant.Quantizer`) and a full-precision recent tail; each
 ``update`` returns the decoded history plus the new tokens, so attention runs on what the cache
 really holds. ``CompressedCache(config, policy=..., keep=0.5, model=model)`` lets the prefill attend
-to everything, then keeps ``keep`` of the slots per layer and head (queries are captured by a
-read-only hook on each ``q_proj``, removed as soon as the prefill is done).
+to everything, then keeps ``keep`` of the slots per layer and head (or ``budget=`` slots); with
+``every=N`` it then keeps that budget while decoding: whenever a layer holds ``budget + N`` slots
+(after the step that brought it there has attended to them all) it scores everything it holds and
+evicts back to the budget (kvpress's DecodingPress). Attention-scored policies see the queries of
+the tokens fed since the last eviction, captured by a read-only hook on each ``q_proj`` (removed
+after the prefill's eviction, or by :meth:`CompressedCache.close` with ``every``). With a per-token
+quantizer as well, eviction runs on full-precision (decoded) K/V and the survivors stay encoded:
+kept tokens' codes are gathered (:meth:`~kvlab.compress.quant.methods.TokenCode.gather`), never
+re-quantized, and a token is encoded once, when it leaves the full-precision tail.
 
 Bookkeeping invariant: ``get_seq_length()`` is the number of tokens *seen* (so default position ids
 continue at the original positions: evicted caches keep their positions), while the attention mask
-and query offset use the number of slots *held*.
+and query offset use the number of slots *held*. An evicting layer records each held slot's
+position per head (``positions [B, Hkv, held]``): different heads keep different tokens.
 """
 
 from __future__ import annotations
@@ -123,13 +131,26 @@ class CompressionRule:
     rope: Rope | None = None
     scaling: float = 1.0
     packed_path: str = "auto"  # kvlab.compress.quant.attention.packed_path: kernel, torch or auto
+    budget: int | None = None  # slots kept per layer and head (instead of the fraction keep)
+    every: int | None = None  # evict back to the budget whenever budget + every slots are held
+
+    def budget_for(self, prefill: int) -> int:
+        """The slots an evicting layer keeps after a prefill of ``prefill`` tokens (and while decoding)."""
+        if self.budget is not None and self.budget > prefill:
+            raise BadInputError(
+                f"budget={self.budget} slots is more than the prompt's {prefill} tokens: use a budget "
+                f"of at most {prefill} (or keep=, a fraction of the prompt)"
+            )
+        return budget_slots(prefill, self.keep, self.budget)
 
 
 class CompressedLayer(DynamicLayer):
     """One layer: ``sink_keys`` + packed ``segments`` + full-precision tail (``self.keys``/``self.values``).
 
     The layer owns its state and follows the shared :class:`CompressionRule`; with an attention-based
-    eviction policy it also owns the hook that captures its queries (removed once it has evicted).
+    eviction policy it also owns the hook that captures its queries (removed once it has evicted,
+    unless it keeps evicting while decoding, ``every``). An evicting layer also holds ``positions``
+    ``[B, Hkv, held]`` (host), each held slot's original position, and ``budget``, its slot budget.
     """
 
     def __init__(self, rule: CompressionRule, index: int):
@@ -142,7 +163,13 @@ class CompressedLayer(DynamicLayer):
         self.sink_values: torch.Tensor | None = None
         self.segments: list[Segment] = []
         self.tail_positions = torch.zeros(0, dtype=torch.long, device="cpu")  # positions: host bookkeeping
-        self.pending_queries: torch.Tensor | None = None
+        self.pending_queries: torch.Tensor | None = None  # the latest q_proj output, not yet consumed
+        self.recent_queries: list[torch.Tensor] = []  # q_proj outputs since the last eviction (every=)
+        self.positions: torch.Tensor | None = None  # [B, Hkv, held] original positions (evicting layers)
+        self.budget: int | None = None
+        self.fresh = 0  # tokens fed since the last eviction
+        self.evictions = 0
+        self.most_held = 0  # the most slots an attention of this layer has read (held + the new tokens)
         self.evicted = False
         self._plan: Any = None  # kvlab.compress.quant.attention.SegmentPlan of self.segments, or None
         self._plan_of: tuple[int, int] = (-1, 0)
@@ -152,7 +179,7 @@ class CompressedLayer(DynamicLayer):
     def held(self) -> int:
         if not self.is_initialized:
             return 0
-        n = self.keys.shape[-2] + sum(s.length for s in self.segments)
+        n = (self.keys.shape[-2] if self.keys.dim() > 1 else 0) + sum(s.length for s in self.segments)
         return n + (self.sink_keys.shape[-2] if self.sink_keys is not None else 0)
 
     @property
@@ -190,16 +217,27 @@ class CompressedLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.rule.policy is not None and rows_at_different_positions(args, kwargs):
-            raise BadInputError(PADDED_BATCH % f"CompressedCache with eviction ({self.rule.policy.name})")
+        rule = self.rule
+        if rule.policy is not None and rows_at_different_positions(args, kwargs):
+            raise BadInputError(PADDED_BATCH % f"CompressedCache with eviction ({rule.policy.name})")
+        n_new = key_states.shape[-2]
+        if rule.policy is not None and not self.evicted:
+            self.budget = rule.budget_for(self.seen + n_new)  # refused before anything changes
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n_new = key_states.shape[-2]
         positions = torch.arange(self.seen, self.seen + n_new, device="cpu")  # moved where they rotate
         self.seen += n_new
-        rule = self.rule
-        if rule.policy is not None and not self.evicted:
-            return self._evict(key_states, value_states, positions)
+        self.most_held = max(self.most_held, self.held + n_new)
+        if rule.policy is not None:
+            if not self.evicted or (
+                rule.every is not None and self.held + n_new >= int(self.budget) + rule.every
+            ):
+                return self._evict(key_states, value_states, positions)
+            b, h = key_states.shape[:2]
+            self.positions = torch.cat((self.positions, positions.expand(b, h, n_new)), dim=-1)
+            self.fresh += n_new
+            if rule.every is not None:
+                self._take_queries(n_new)
         step = _STEPS.current(rule)
         if step is not None and n_new == 1 and key_states.shape[0] == 1 and self.segments:
             plan = self.segment_plan()
@@ -253,28 +291,123 @@ class CompressedLayer(DynamicLayer):
             tail_k, tail_v, tail_pos = tail_k[:, :, stop:], tail_v[:, :, stop:], tail_pos[stop:]
         self.keys, self.values, self.tail_positions = tail_k.clone(), tail_v.clone(), tail_pos
 
+    # -- eviction --------------------------------------------------------------------------------
+    def _queries(self, m: int, positions: torch.Tensor, head_dim: int) -> torch.Tensor | None:
+        """Post-RoPE queries ``[B, Hq, <=m, D]`` of the last ``m`` tokens fed (``positions [m]``), or None."""
+        parts = [*self.recent_queries, *([self.pending_queries] if self.pending_queries is not None else [])]
+        if not parts:
+            return None
+        raw = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])[:, -m:]
+        b, t, _ = raw.shape
+        queries = raw.view(b, t, -1, head_dim).transpose(1, 2).float()
+        if self.rope is not None:
+            queries = apply_rope(queries, positions[m - t :], self.rope).float()
+        return queries
+
     def _evict(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Attend over everything held plus the new tokens (returned), then keep ``budget`` slots per head."""
         rule = self.rule
-        queries = None
-        if self.pending_queries is not None:
-            raw = self.pending_queries
-            b, t, _ = raw.shape
-            queries = raw.view(b, t, -1, k.shape[-1]).transpose(1, 2).float()
-            if self.rope is not None:
-                queries = apply_rope(queries, positions, self.rope).float()
-        view = LayerView(self.index, rule.num_layers, k, v, positions, queries, rule.scaling)
-        n = budget_slots(k.shape[-2], rule.keep)
-        idx = keep_indices(rule.policy.score(view), n, rule.policy.sinks, rule.policy.window)
-        gather = idx[..., None].expand(-1, -1, -1, k.shape[-1])
-        self.keys, self.values = k.gather(2, gather), v.gather(2, gather)
-        self.evicted, self.pending_queries = True, None
-        self.remove_hook()
-        return k, v
+        b, h, n_new, d = k.shape
+        new_pos = positions.expand(b, h, n_new)
+        if self.evicted:
+            prior_k, prior_v = self.decoded()
+            all_k, all_v = torch.cat((prior_k, k), dim=-2), torch.cat((prior_v, v), dim=-2)
+            all_pos = torch.cat((self.positions, new_pos), dim=-1)
+        else:
+            all_k, all_v, all_pos = k, v, new_pos
+        t, m = all_k.shape[-2], self.fresh + n_new
+        queries = self._queries(m, torch.arange(self.seen - m, self.seen), d)
+        slots = None
+        if queries is not None and queries.shape[2] != t:
+            slots = torch.arange(t - queries.shape[2], t, device=all_k.device)
+        view = LayerView(
+            self.index, rule.num_layers, all_k, all_v, all_pos.to(all_k.device), queries, rule.scaling, slots
+        )
+        idx = keep_indices(rule.policy.score(view), int(self.budget), rule.policy.sinks, rule.policy.window)
+        if rule.quantizer is None:
+            self.keys, self.values = _gather(all_k, idx), _gather(all_v, idx)
+        else:
+            self._keep_encoded(all_k, all_v, idx)
+        self.positions = all_pos.gather(-1, idx.cpu())
+        self.pending_queries, self.recent_queries, self.fresh = None, [], 0
+        self.evicted = True
+        self.evictions += 1
+        if rule.every is None:
+            self.remove_hook()
+        return all_k, all_v
+
+    def _keep_encoded(self, all_k: torch.Tensor, all_v: torch.Tensor, idx: torch.Tensor) -> None:
+        """Keep slots ``idx [B, H, n]`` of ``sinks | segments | tail`` (held order, ``all_k`` decoded) as
+        ``sinks | one segment | tail``: kept codes are gathered, never re-quantized; kept tail tokens are
+        encoded (once) where the new code region needs them, the rest stay in the full-precision tail.
+
+        Per head the number of kept codes differs, so the new code region is as long as the most any
+        head kept (the other heads encode their first kept tail tokens to fill it), and at least all but
+        the quantizer's ``window`` last slots: the region is rebuilt as one segment anyway, so the tail
+        is encoded now rather than ``DECODE_BLOCK`` at a time (as :meth:`_store` does between evictions).
+        """
+        q = self.rule.quantizer
+        n = idx.shape[-1]
+        s_old = self.sink_keys.shape[-2] if self.sink_keys is not None else 0
+        code_hi = s_old + sum(seg.length for seg in self.segments)  # held slots [s_old, code_hi) are codes
+        s = min(q.sinks, n)  # the first s slots are tokens 0..s-1 in every head (the policy keeps them)
+        rest = idx[..., s:]  # sorted: kept codes first, then kept tail tokens
+        r = rest.shape[-1]
+        kept_codes = (rest < code_hi).sum(-1)  # [B, H]
+        fill = int(kept_codes.max()) if r else 0
+        fill = max(fill, r - q.window)  # one merged segment anyway: encode all but the window now
+        keys = values = None
+        if fill:
+            ranks = torch.arange(fill, device=idx.device)
+            from_code = ranks < kept_codes[..., None]  # [B, H, fill]
+            # tail tokens to encode: each head's first (fill - kept_codes) kept tail tokens, padded with
+            # zero rows to the widest head (pads are never stored; no token is encoded twice)
+            width = fill - int(kept_codes.min())
+            parts_k = [seg.keys for seg in self.segments]
+            parts_v = [seg.values for seg in self.segments]
+            if width:
+                j = torch.arange(width, device=idx.device)
+                src = rest.gather(-1, (kept_codes[..., None] + j).clamp_max(r - 1))
+                real = (j < (fill - kept_codes)[..., None])[..., None].to(all_k.device)
+                fk = torch.where(
+                    real, _gather(all_k, src), torch.zeros((), dtype=all_k.dtype, device=all_k.device)
+                )
+                fv = torch.where(
+                    real, _gather(all_v, src), torch.zeros((), dtype=all_v.dtype, device=all_v.device)
+                )
+                fresh = q.encode(fk, fv, torch.zeros(0, dtype=torch.long), self.rope)
+                parts_k.append(fresh.keys)
+                parts_v.append(fresh.values)
+            n_codes = code_hi - s_old
+            where = torch.where(
+                from_code,
+                rest[..., :fill] - s_old,
+                n_codes + ranks - kept_codes[..., None],
+            )
+            keys = parts_k[0].gather(where, *parts_k[1:])
+            values = parts_v[0].gather(where, *parts_v[1:])
+        tail = rest[..., fill:]
+        self.sink_keys = all_k[:, :, :s].clone() if s else None
+        self.sink_values = all_v[:, :, :s].clone() if s else None
+        self.segments = [Segment(keys, values, fill)] if keys is not None and values is not None else []
+        self.keys, self.values = _gather(all_k, tail), _gather(all_v, tail)
+        # the tail's positions differ per head; position-free codecs ignore them (head 0's, for shape)
+        self.tail_positions = torch.zeros(tail.shape[-1], dtype=torch.long)
+        self._plan, self._plan_of = None, (-1, 0)
 
     def capture_queries(self, _module: Any, _inputs: Any, output: torch.Tensor) -> None:
-        """Forward hook on this layer's ``q_proj``: keep the prefill's queries until the layer evicts."""
-        if not self.evicted:
+        """Forward hook on this layer's ``q_proj``: the latest call's queries, until the layer evicts its
+        prefill (for good without ``every``). ``update`` takes them into ``recent_queries`` (so a forward
+        of the model on another cache in between overwrites them and is never counted)."""
+        if not self.evicted or self.rule.every is not None:
             self.pending_queries = output.detach()
+
+    def _take_queries(self, n_new: int) -> None:
+        """After a step that did not evict: keep its queries (at most ``every - 1`` rows are kept, the
+        tokens fed since the last eviction)."""
+        if self.pending_queries is not None:
+            self.recent_queries.append(self.pending_queries[:, -n_new:])
+            self.pending_queries = None
 
     def remove_hook(self) -> None:
         if self.query_hook is not None:
@@ -282,13 +415,30 @@ class CompressedLayer(DynamicLayer):
             self.query_hook = None
 
 
+def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, D]`` at slots ``idx [B, H, n]``: ``[B, H, n, D]``."""
+    return x.gather(2, idx.to(x.device)[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+
 class CompressedCache(Cache):
-    """A transformers cache that quantizes (``quantizer``) or evicts (``policy`` + ``keep``) as it fills.
+    """A transformers cache that quantizes (``quantizer``), evicts (``policy`` + ``keep`` or ``budget``),
+    or both, as it fills.
 
     Pass it as ``cache=`` (``past_key_values=`` before transformers 5.24) to ``model(...)`` or ``model.generate(...)``. Attention-based
     policies need ``model`` (for the query hooks). With ``model`` the cache is bound to it, so a
     left-padded batch runs row by row (each row evicts or quantizes its own tokens, as alone); without
     it an evicting cache refuses a padded batch. ``nbytes`` is what the cache holds for K/V now.
+
+    Eviction: the prefill attends to everything, then each layer keeps ``budget`` slots per KV head
+    (``budget=`` slots, or ``keep=`` a fraction of the prompt); without ``every`` later tokens are
+    appended. ``every=N`` keeps that budget while decoding: a layer holding ``budget + N`` slots (the
+    step that brought it there has attended to them all) scores everything it holds, attention-based
+    policies with the queries of the tokens fed since the last eviction, and evicts back to
+    ``budget``, so a long generation holds at most ``budget + N`` slots per layer. Call :meth:`close`
+    when done with an ``every`` cache of an attention-based policy (it removes the query hooks).
+    ``quantizer=`` with ``policy=`` needs a per-token, position-free codec (``pertoken``, with no
+    more full-precision ``sinks`` than the policy keeps): eviction runs on full precision, the kept
+    tokens stay encoded (their codes gathered, never re-quantized).
 
     A bound quantizing cache decodes one-token steps on its packed codes: ``packed_path="auto"`` reads
     them with the C kernel on the CPU and with torch ops on other devices (``"kernel"`` / ``"torch"``
@@ -303,15 +453,14 @@ class CompressedCache(Cache):
         quantizer: Quantizer | None = None,
         policy: Policy | None = None,
         keep: float | None = None,
+        budget: int | None = None,
+        every: int | None = None,
         model: Any = None,
         rope: Rope | None = None,
         packed_path: str = "auto",
         _row_of: CompressedCache | None = None,
     ):
-        if quantizer is not None and policy is not None:
-            raise BadInputError("choose a quantizer or an eviction policy for one CompressedCache, not both")
-        if policy is not None:
-            budget_slots(1000, keep)  # validates the fraction
+        _check_eviction(quantizer, policy, keep, budget, every)
         from kvlab.compress.quant.attention import PATHS
 
         if packed_path not in PATHS:
@@ -326,7 +475,13 @@ class CompressedCache(Cache):
         if quantizer is not None:
             for i in range(int(text.num_hidden_layers)):
                 quantizer.check(head_dim, rope_for_layer(self.rope, i))
-        self.quantizer, self.policy, self.keep = quantizer, policy, keep
+        self.quantizer, self.policy, self.keep, self.budget, self.every = (
+            quantizer,
+            policy,
+            keep,
+            budget,
+            every,
+        )
         scaling = head_dim**-0.5
         mods = None
         if _row_of is not None:  # one row of a padded batch: its queries come from the caller's cache
@@ -340,7 +495,9 @@ class CompressedCache(Cache):
             mods = attention_modules(model)
             scaling = float(getattr(mods[0], "scaling", scaling))
         n_layers = int(text.num_hidden_layers)
-        self.rule = CompressionRule(n_layers, quantizer, policy, keep, self.rope, scaling, packed_path)
+        self.rule = CompressionRule(
+            n_layers, quantizer, policy, keep, self.rope, scaling, packed_path, budget, every
+        )
         super().__init__(layers=[CompressedLayer(self.rule, i) for i in range(n_layers)])
         for layer, mod in zip(self.layers, mods or (), strict=False):
             layer.query_hook = mod.q_proj.register_forward_hook(layer.capture_queries)
@@ -357,12 +514,20 @@ class CompressedCache(Cache):
         own queries, or quantizes its own tokens, exactly as alone. In place; rows in :attr:`rows`."""
         if self.rows is not None or self.layers[0].seen:
             raise BadInputError("start_rows() needs an empty CompressedCache")
+        if self.every is not None and self.policy is not None and self.policy.needs_queries:
+            raise BadInputError(
+                f"a padded batch cannot run on a CompressedCache with every= and an attention-scored policy "
+                f"({self.policy.name}): its rows would need their decode-time queries; batch prompts of equal "
+                "length, or use a policy that scores keys only (knorm, window, streaming_llm)"
+            )
         self.rows = [
             CompressedCache(
                 self._config,
                 quantizer=self.quantizer,
                 policy=self.policy,
                 keep=self.keep,
+                budget=self.budget,
+                every=self.every,
                 rope=self.rope,
                 packed_path=self.rule.packed_path,
                 _row_of=self,
@@ -415,7 +580,8 @@ class CompressedCache(Cache):
         return finish
 
     def close(self) -> None:
-        """Remove the query hooks (done automatically as each layer evicts its prefill)."""
+        """Remove the query hooks (done automatically as each layer evicts its prefill, unless ``every``
+        keeps them for the evictions while decoding: then call this when done with the cache)."""
         for layer in self.layers:
             layer.remove_hook()
 
@@ -429,6 +595,52 @@ class CompressedCache(Cache):
     @property
     def held(self) -> int:
         return self.layers[0].held
+
+
+def _check_eviction(
+    quantizer: Quantizer | None,
+    policy: Policy | None,
+    keep: float | None,
+    budget: int | None,
+    every: int | None,
+) -> None:
+    """Refuse a combination the cache cannot honour, in one line, before anything is built."""
+    if policy is None:
+        if keep is not None or budget is not None or every is not None:
+            raise BadInputError("keep=, budget= and every= need an eviction policy (policy=...)")
+        return
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise BadInputError(f"budget must be a whole number of slots >= 1, got {budget!r}")
+        if keep is not None:
+            raise BadInputError(
+                "give one budget: keep= (a fraction of the prompt) or budget= (slots), not both"
+            )
+        if budget < policy.sinks:
+            raise BadInputError(
+                f"budget={budget} is smaller than the {policy.sinks} sinks policy '{policy.name}' keeps"
+            )
+    else:
+        budget_slots(1000, keep)  # validates the fraction (and that one was given)
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise BadInputError(f"every must be a whole number of tokens >= 1, got {every!r}")
+    if quantizer is None:
+        return
+    if quantizer.kind != "pertoken":
+        why = (
+            "its keys are coded per channel across tokens, so single tokens cannot be dropped"
+            if quantizer.token_multiple() > 1
+            else "its codes depend on the tokens' positions or on a per-segment mean"
+        )
+        raise BadInputError(
+            f"an eviction policy combines with a per-token, position-free quantizer only (pertoken); "
+            f"{quantizer.name}: {why}"
+        )
+    if quantizer.sinks > policy.sinks:
+        raise BadInputError(
+            f"the quantizer keeps {quantizer.sinks} full-precision sinks but policy '{policy.name}' may evict "
+            f"them: give the policy sinks >= {quantizer.sinks} (or the quantizer fewer)"
+        )
 
 
 def dynamic_cache_from_layers(

@@ -24,10 +24,14 @@ from kvlab.errors import BadInputError
 
 @dataclass(eq=False)
 class LayerView:
-    """One layer of a prefilled context.
+    """One layer of a prefilled context (or of a live cache about to evict).
 
-    ``keys``/``values`` ``[B, Hkv, T, D]``; ``positions [T]``; ``queries [B, Hq, T, D]`` post-RoPE (the
+    ``keys``/``values`` ``[B, Hkv, T, D]``; ``positions`` ``[T]``, or ``[B, Hkv, T]`` when each head
+    holds other tokens (a cache that has evicted before); ``queries [B, Hq, n, D]`` post-RoPE (the
     context's own queries, or None when only the cache is known); ``scaling`` the softmax scale.
+    ``query_slots [n]``: the slot each query sits at (it sees slots ``0..slot``, the causal mask); None
+    means the queries are the context's own, one per slot (``n == T``). A live cache that evicts while
+    decoding carries only the queries fed since its last eviction, at the last ``n`` slots.
     """
 
     layer: int
@@ -37,6 +41,7 @@ class LayerView:
     positions: torch.Tensor
     queries: torch.Tensor | None = None
     scaling: float = 1.0
+    query_slots: torch.Tensor | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -51,28 +56,34 @@ class LayerView:
             )
         return self.queries
 
+    def slots_of_queries(self) -> torch.Tensor:
+        """``[n]`` the slot of each query (``0..T-1`` when the queries are the context's own)."""
+        q = self.require_queries("this policy")
+        if self.query_slots is not None:
+            return self.query_slots.to(q.device)
+        return torch.arange(q.shape[2], device=q.device)
+
     def recent_attention(self, n: int) -> torch.Tensor:
         """Attention of the last ``n`` queries, averaged over them and over each KV head's query group: ``[B, Hkv, T]``."""
         key = ("recent", n)
         if key not in self._memo:
             q = self.require_queries("this policy")
-            t = self.seq_len
-            n = min(n, t)
-            slots = torch.arange(t - n, t, device=q.device)
-            a = attention_weights(q[:, :, t - n :], self.keys, self.scaling, slots)
+            n = min(n, q.shape[2])
+            slots = self.slots_of_queries()[q.shape[2] - n :]
+            a = attention_weights(q[:, :, q.shape[2] - n :], self.keys, self.scaling, slots)
             self._memo[key] = _group_mean(a.mean(dim=2), self.keys.shape[1])
         return self._memo[key]
 
     @cached_property
     def received(self) -> torch.Tensor:
-        """Attention each slot received from every context query, ``[B, Hkv, T]`` (sum over queries, group mean)."""
+        """Attention each slot received from every query the view carries, ``[B, Hkv, T]`` (sum over queries, group mean)."""
         q = self.require_queries("this policy")
-        t = self.seq_len
-        total = torch.zeros(q.shape[0], q.shape[1], t, device=q.device)
-        for s in range(0, t, 256):
-            e = min(s + 256, t)
-            slots = torch.arange(s, e, device=q.device)
-            total += attention_weights(q[:, :, s:e], self.keys, self.scaling, slots).sum(dim=2)
+        slots_all = self.slots_of_queries()
+        n = q.shape[2]
+        total = torch.zeros(q.shape[0], q.shape[1], self.seq_len, device=q.device)
+        for s in range(0, n, 256):
+            e = min(s + 256, n)
+            total += attention_weights(q[:, :, s:e], self.keys, self.scaling, slots_all[s:e]).sum(dim=2)
         return _group_mean(total, self.keys.shape[1])
 
 

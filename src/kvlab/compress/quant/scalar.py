@@ -116,9 +116,13 @@ class QuantizedTensor:
             or p.shape[-1] != self.shape[-1]
             for p in parts
         ):
-            raise BadInputError("gather needs codes of one layout with at least two axes (rows along axis -2)")
+            raise BadInputError(
+                "gather needs codes of one layout with at least two axes (rows along axis -2)"
+            )
         if tuple(index.shape[:-1]) != tuple(self.shape[:-2]):
-            raise BadInputError(f"a gather index for codes of shape {self.shape} must be {self.shape[:-2]} + (n,)")
+            raise BadInputError(
+                f"a gather index for codes of shape {self.shape} must be {self.shape[:-2]} + (n,)"
+            )
 
         def pick(ts: list[torch.Tensor]) -> torch.Tensor:
             t = torch.cat(ts, dim=-2) if len(ts) > 1 else ts[0]
