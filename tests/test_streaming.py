@@ -88,6 +88,55 @@ def test_stride_subsample_and_paired_summary(stream):
         assert len(table_row(r)) == len(TABLE_COLUMNS)
 
 
+def _hand_kl(full: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """Per row, sum_v p_v (log p_v - log q_v) in float64 numpy."""
+
+    def log_softmax(x):
+        x = x.astype(np.float64) - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lp, lq = log_softmax(full), log_softmax(other)
+    return (np.exp(lp) * (lp - lq)).sum(-1)
+
+
+def test_divergence_to_the_full_context(stream):
+    """With ``full`` among the methods, every method's per-target KL to the full context and top-1
+    agreement come from its own forwards: the full context against itself is 0 and 1, a rolling method's
+    values match a hand computation on its logits, the masked path matches the cache loop."""
+    h, ids = stream
+    res = streaming_perplexity(
+        h, ids, window=32, feed=8, methods=["window", "sinks1", "full", "recompute"], recompute_stride=24
+    )
+    assert list(res) == ["window", "sinks1", "full", "recompute"]  # the caller's order, full ran first
+    assert np.all(res["full"].kl == 0) and np.all(res["full"].top1 == 1)
+    for r in res.values():
+        assert r.kl.shape == r.top1.shape == r.targets.shape and r.logits is None
+        assert np.all(np.isfinite(r.kl)) and np.all(r.kl >= 0) and set(np.unique(r.top1)) <= {0.0, 1.0}
+    ref = h.prefill(ids).logits[:-1]  # query i predicts token i + 1
+    for method, path in (("sinks1", "masked"), ("sinks1", "loop"), ("window", "loop")):
+        own = stream_nll(h, ids, method, window=32, feed=8, path=path, reference=ref, keep_logits=True)
+        assert own.extra["path"] == path
+        hand = _hand_kl(ref.numpy(), own.logits.numpy())
+        assert np.allclose(own.kl, hand, rtol=1e-9, atol=1e-12), (method, path)
+        assert np.array_equal(own.top1, (ref.argmax(-1) == own.logits.argmax(-1)).numpy().astype(float))
+        assert np.allclose(own.kl, res[method].kl, atol=1e-5)  # masked or loop, the same values
+    assert np.all(res["sinks1"].kl[:32] < 1e-6) and res["sinks1"].kl[40:].mean() > 1e-3  # eviction shows
+    rec = res["recompute"]
+    for t, kl in zip(rec.targets, rec.kl, strict=True):  # each target from a fresh window prefill
+        own = h.prefill(ids[t - 32 : t]).logits[-1:]
+        assert kl == pytest.approx(float(_hand_kl(ref[t - 1 : t].numpy(), own.numpy())[0]), rel=1e-4)
+    rows = {r["method"]: r for r in summarize(res, "random", 32)}
+    assert rows["full"]["kl_to_full"]["value"] == 0 and rows["full"]["top1_to_full"]["value"] == 1
+    assert rows["sinks1"]["kl_to_full"]["value"] == pytest.approx(res["sinks1"].kl[31:].mean())
+    # without the full context there is nothing to compare with
+    alone = streaming_perplexity(
+        h, ids, window=32, feed=8, methods=["sinks1", "recompute"], recompute_stride=24
+    )
+    assert alone["sinks1"].kl is None and "kl_to_full" not in summarize(alone, "random", 32)[0]
+    with pytest.raises(BadInputError, match="reference logits"):
+        stream_nll(h, ids, "sinks1", window=32, reference=ref[:-1])
+
+
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_streaming_experiment_smoke(smollm, tmp_path):
@@ -106,6 +155,18 @@ def test_streaming_experiment_smoke(smollm, tmp_path):
     assert doc["tables"]
     assert (tmp_path / "sp" / "ppl_by_method.png").is_file()
     assert (tmp_path / "sp" / "arrays.npz").is_file()
+    # KL to the full context and top-1 agreement, per method, with intervals; full against itself 0 and 1
+    table = result.tables[0]
+    assert {"KL to full (nats)", "top-1 agreement"} <= set(table.columns)
+    by_method = {r["method"]: r for r in result.summary["rows"]}
+    assert by_method["full"]["kl_to_full"]["value"] == 0 and by_method["full"]["top1_to_full"]["value"] == 1
+    for r in result.summary["rows"]:
+        assert np.isfinite(r["kl_to_full"]["value"]) and r["kl_to_full"]["value"] >= 0, r["method"]
+        assert 0 <= r["top1_to_full"]["value"] <= 1
+    assert by_method["sinks4"]["kl_to_full"]["value"] > 0
+    arrays = np.load(tmp_path / "sp" / "arrays.npz")
+    kl = arrays["Python documentation_w32_sinks4_kl_to_full"]
+    assert kl.shape == arrays["Python documentation_w32_sinks4_targets"].shape and np.all(kl >= 0)
     # --loop feeds the cache itself: the same numbers (masked path within rounding), said in the table
     ref = ExperimentContext(out_dir=tmp_path / "loop", profile="quick", options={**ctx.options, "loop": True})
     ref.model_handle = smollm
@@ -145,6 +206,19 @@ def test_suffix_experiment_smoke(smollm, tmp_path):
     assert arrays["kl_to_reprefill"].shape == (2, 2, 2)
     ratios = result.summary["median_kl_ratio_no_sink_over_sinks"]
     assert all(np.isfinite(v) for v in ratios.values())
+    # the rolled cache and the re-prefill against the full context, over every continuation token
+    for key in ("kl_to_full_rolled", "top1_to_full_rolled", "kl_to_full_reprefill", "top1_to_full_reprefill"):
+        x = arrays[key]
+        assert x.shape == (2, 2, 2) and np.all(np.isfinite(x)) and np.all(x >= 0), key
+    assert np.all(arrays["top1_to_full_rolled"] <= 1)
+    assert np.all(arrays["kl_to_full_full"] == 0) and np.all(arrays["top1_to_full_full"] == 1)
+    table = next(t for t in result.tables if "KL to full (nats)" in t.columns)
+    assert "top-1 agreement" in table.columns and table.rows[0][3] == "full context"
+    kl_full = result.summary["kl_to_full"]
+    assert kl_full["full"]["kl"]["value"] == 0 and kl_full["full"]["top1"]["value"] == 1
+    cells = [v for k, v in kl_full.items() if k != "full"]
+    assert len(cells) == 4 and all(c["rolled"]["kl"]["n"] == 2 for c in cells)
+    assert all(c["verdict"] in ("rolled closer", "re-prefill closer", "undecided") for c in cells)
 
 
 @pytest.mark.real_model

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvlab.compress.evict.observe import expand_kv
+from kvlab.metrics.divergence import Divergence, compare_logits
 from kvlab.metrics.logits import nll
 
 
@@ -112,6 +113,16 @@ def distortion(
 def continuation_nll(logits: torch.Tensor, continuation: list[int]) -> np.ndarray:
     """NLL (nats) of ``continuation[1:]`` given ``logits [n, vocab]`` of the continuation tokens."""
     return nll(logits[:-1], torch.as_tensor(continuation[1:], device=logits.device)).cpu().numpy()
+
+
+def continuation_quality(
+    logits: torch.Tensor, continuation: list[int], full_logits: torch.Tensor
+) -> tuple[np.ndarray, Divergence]:
+    """:func:`continuation_nll` of ``logits`` and how far they are from ``full_logits`` (the same
+    continuation teacher-forced on the uncompressed context, ``[n, vocab]``): mean per-token
+    ``KL(full || compressed)`` in nats (float64) and top-1 agreement over all ``n`` rows
+    (:func:`kvlab.metrics.divergence.compare_logits`)."""
+    return continuation_nll(logits, continuation), compare_logits(full_logits, logits)
 
 
 def time_decode_ms(handle: Any, cache: Any, first_token: int, start_position: int, steps: int) -> float:

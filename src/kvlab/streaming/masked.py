@@ -64,11 +64,14 @@ def masked_rolling_nll(
     evict_chunk: int,
     block: int = 256,
     on_progress: Callable[[int], None] | None = None,
+    on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> np.ndarray:
     """Per-token NLL ``[n - 1]`` of ``ids [n]`` (targets ``1 .. n-1``) under a rolling cache of ``sinks`` +
     ``window`` fed ``feed`` tokens at a time, evicting ``evict_chunk`` at once: what
     :func:`kvlab.streaming.stream_nll` computes token loop by token loop, in about ``n / block`` forwards.
-    ``handle``: a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM."""
+    ``handle``: a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM. ``on_logits(rows,
+    logits)`` sees each block's logits ``[len(rows), vocab]`` for the queries ``rows`` (query ``i``
+    predicts token ``i + 1``)."""
     handle = as_handle(handle)
     # the schedule (ids, slots, what each query sees) is host bookkeeping; forward_masked moves what it feeds
     ids = torch.as_tensor(ids, dtype=torch.long, device="cpu").reshape(-1)
@@ -102,6 +105,8 @@ def masked_rolling_nll(
         )
         keys, values, logits = forward_masked(handle, live, ids[q], q, visible)
         out.append(nll(logits, ids[b0 + 1 : b1 + 1]))
+        if on_logits:
+            on_logits(q, logits)
         added = _snapshot(handle, keys, values, ids[q], q)
         live = added if live is None else concat(live, added)
         slot_stream, slot_copy = torch.cat((slot_stream, q)), torch.cat((slot_copy, torch.zeros_like(q)))

@@ -14,6 +14,10 @@ Methods (``name -> what``):
   ``sinks{s}``    ``s`` sink tokens + the window (StreamingLLM);
   ``recompute``   sliding window with re-computation: each target re-prefilled from its ``window``
                   previous tokens (exact, slow; run on a subsample of targets).
+
+Where ``full`` runs, :func:`streaming_perplexity` also keeps its logits and every other method is
+scored against them as it runs (no extra forward): per target, ``KL(full || method)`` in nats
+(float64, :func:`kvlab.metrics.divergence.token_kl`) and top-1 agreement (``StreamResult.kl``, ``.top1``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kvlab.errors import BadInputError
 from kvlab.hf.cache import sliding_windows
 from kvlab.hf.masked import accepts_mask_per_layer_type
 from kvlab.hf.rolling_cache import RollingCache
+from kvlab.metrics.divergence import token_kl, top1_agreement
 from kvlab.metrics.logits import nll
 from kvlab.model.handle import as_handle
 from kvlab.streaming.masked import evicted_before, masked_rolling_nll
@@ -61,7 +66,11 @@ def method_names() -> list[str]:
 
 @dataclass
 class StreamResult:
-    """Per-token NLL of one method: ``nll[i]`` is the NLL of token ``targets[i]`` (an index into the ids)."""
+    """Per-token NLL of one method: ``nll[i]`` is the NLL of token ``targets[i]`` (an index into the ids).
+
+    With a reference (the ``full`` method's logits), ``kl[i]`` is ``KL(full || this method)`` in nats of
+    the distribution over token ``targets[i]`` and ``top1[i]`` 1.0 where both argmaxes agree; ``logits``
+    holds this method's own logits ``[n, vocab]`` only when asked for (``keep_logits``)."""
 
     method: str
     targets: np.ndarray  # [n] int indices into the token stream
@@ -69,6 +78,9 @@ class StreamResult:
     seconds: float
     tokens_processed: int
     extra: dict = field(default_factory=dict)
+    kl: np.ndarray | None = None  # [n] nats (float64), against the reference
+    top1: np.ndarray | None = None  # [n] 1.0 / 0.0
+    logits: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def ppl(self) -> float:
@@ -83,6 +95,38 @@ class StreamResult:
         return float(np.exp(self.nll[[pos[int(t)] for t in targets]].mean()))
 
 
+class _LogitsTap:
+    """Sees each forward's logits ``[k, vocab]`` for query rows ``rows`` (query ``i`` predicts token
+    ``i + 1``): keeps them (``keep``) and/or scores them against ``reference [n - 1, vocab]`` (the full
+    method's logits for the same queries): per-token KL in float64 and top-1 agreement, ``block`` rows
+    at a time (float64 copies of a large vocabulary stay small)."""
+
+    block: int = 64
+
+    def __init__(self, reference: torch.Tensor | None, keep: bool):
+        self.reference, self.keep = reference, keep
+        self.kept: list[torch.Tensor] = []
+        self.kl: list[torch.Tensor] = []
+        self.top1: list[torch.Tensor] = []
+
+    def __call__(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
+        if self.keep:
+            self.kept.append(logits.float())
+        if self.reference is not None:
+            rows = torch.as_tensor(rows, device=self.reference.device)
+            for i in range(0, rows.shape[0], self.block):
+                a, b = self.reference[rows[i : i + self.block]], logits[i : i + self.block]
+                self.kl.append(token_kl(a, b).cpu())
+                self.top1.append(top1_agreement(a, b).cpu())
+
+    def fill(self, result: StreamResult) -> StreamResult:
+        if self.keep:
+            result.logits = torch.cat(self.kept)
+        if self.reference is not None:
+            result.kl, result.top1 = torch.cat(self.kl).numpy(), torch.cat(self.top1).numpy()
+        return result
+
+
 def _rolling_nll(
     handle,
     ids: torch.Tensor,
@@ -91,6 +135,7 @@ def _rolling_nll(
     feed: int,
     evict_chunk: int,
     on_chunk: Callable[[int], None] | None,
+    on_logits: _LogitsTap | None = None,
 ) -> tuple[np.ndarray, dict]:
     cache = RollingCache(
         handle.config,
@@ -108,6 +153,8 @@ def _rolling_nll(
         max_pos = max(max_pos, cache.next_position + chunk.shape[1] - 1)
         logits = handle.run(chunk, cache).logits[0].float()
         out.append(nll(logits, ids[0, start + 1 : start + 1 + chunk.shape[1]]))
+        if on_logits:
+            on_logits(torch.arange(start, start + chunk.shape[1]), logits)
         if on_chunk:
             on_chunk(chunk.shape[1])
     return torch.cat(out).cpu().numpy(), {
@@ -117,7 +164,7 @@ def _rolling_nll(
     }
 
 
-def _full_nll(handle, ids: torch.Tensor, feed: int, on_chunk) -> np.ndarray:
+def _full_nll(handle, ids: torch.Tensor, feed: int, on_chunk, on_logits=None) -> np.ndarray:
     from kvlab.hf.cache import new_hf_cache
 
     cache = new_hf_cache(handle.config)
@@ -127,13 +174,15 @@ def _full_nll(handle, ids: torch.Tensor, feed: int, on_chunk) -> np.ndarray:
         chunk = ids[:, start : min(start + step, ids.shape[1] - 1)]
         logits = handle.run(chunk, cache).logits[0].float()
         out.append(nll(logits, ids[0, start + 1 : start + 1 + chunk.shape[1]]))
+        if on_logits:
+            on_logits(torch.arange(start, start + chunk.shape[1]), logits)
         if on_chunk:
             on_chunk(chunk.shape[1])
     return torch.cat(out).cpu().numpy()
 
 
 def _recompute_nll(
-    handle, ids: torch.Tensor, window: int, targets: np.ndarray, batch: int, on_chunk
+    handle, ids: torch.Tensor, window: int, targets: np.ndarray, batch: int, on_chunk, on_logits=None
 ) -> np.ndarray:
     """Each target ``t`` predicted from a fresh prefill of ``ids[t - window : t]`` (batched)."""
     out = []
@@ -142,6 +191,8 @@ def _recompute_nll(
         x = torch.stack([ids[0, t - window : t] for t in ts])
         logits = handle.run(x, logits_to_keep=1).logits[:, -1].float()
         out.append(nll(logits, ids[0, torch.as_tensor(ts, device=ids.device)]))
+        if on_logits:
+            on_logits(torch.as_tensor(ts) - 1, logits)
         if on_chunk:
             on_chunk(len(ts) * window)
     return torch.cat(out).cpu().numpy()
@@ -173,8 +224,14 @@ def stream_nll(
     recompute_batch: int = 8,
     path: str = "auto",
     on_progress: Callable[[int], None] | None = None,
+    reference: torch.Tensor | None = None,
+    keep_logits: bool = False,
 ) -> StreamResult:
     """Per-token NLL of ``method`` over ``token_ids`` (targets 1..N-1, or ``recompute_targets``).
+
+    ``reference`` ``[N - 1, vocab]``: the ``full`` method's logits (``keep_logits=True`` keeps them in
+    ``StreamResult.logits``); with it, each target's KL to the reference and top-1 agreement are computed
+    from the logits this method's forwards produce anyway (``StreamResult.kl``, ``.top1``).
 
     ``path`` (rolling methods): ``"masked"`` (a few masked forwards), ``"loop"`` (feed a RollingCache,
     the reference) or ``"auto"`` (masked where it is exact: a shift-exact RoPE, no sliding-window
@@ -193,12 +250,15 @@ def stream_nll(
         raise BadInputError("the text needs at least 2 tokens")
     if feed < 1:
         raise BadInputError(f"feed must be >= 1, got {feed}")
+    if reference is not None and (reference.ndim != 2 or reference.shape[0] != n - 1):
+        raise BadInputError(f"reference logits must be [{n - 1}, vocab], got {tuple(reference.shape)}")
+    tap = _LogitsTap(reference, keep_logits) if reference is not None or keep_logits else None
     t0 = time.perf_counter()
     extra: dict = {}
     if m.kind == "full":
         if n > handle.max_positions:
             raise BadInputError(f"full context needs {n} positions, the model has {handle.max_positions}")
-        values, targets, processed = _full_nll(handle, ids, feed, on_progress), np.arange(1, n), n - 1
+        values, targets, processed = _full_nll(handle, ids, feed, on_progress, tap), np.arange(1, n), n - 1
     elif m.kind == "recompute":
         targets = np.asarray(
             recompute_targets if recompute_targets is not None else np.arange(window, n), dtype=np.int64
@@ -206,7 +266,7 @@ def stream_nll(
         if targets.size == 0 or int(targets.min()) < window or int(targets.max()) >= n:
             raise BadInputError(f"recompute targets must lie in [{window}, {n}) (a full window before each)")
         values, processed = (
-            _recompute_nll(handle, ids, window, targets, recompute_batch, on_progress),
+            _recompute_nll(handle, ids, window, targets, recompute_batch, on_progress, tap),
             targets.size * window,
         )
     else:
@@ -225,16 +285,18 @@ def stream_nll(
                 feed=feed,
                 evict_chunk=chunk,
                 on_progress=on_progress,
+                on_logits=tap,
             )
             dropped = evicted_before(n - 1, sinks=m.sinks, window=window, feed=feed, evict_chunk=chunk)
             extra = {"path": "masked", "rolls": int(np.unique(dropped[dropped > 0]).size)}
         else:
-            values, extra = _rolling_nll(handle, ids, window, m, feed, chunk, on_progress)
+            values, extra = _rolling_nll(handle, ids, window, m, feed, chunk, on_progress, tap)
             extra["path"] = "loop"
         targets, processed = np.arange(1, n), n - 1
-    return StreamResult(
+    result = StreamResult(
         method, targets, values.astype(np.float64), time.perf_counter() - t0, processed, extra
     )
+    return tap.fill(result) if tap else result
 
 
 def streaming_perplexity(
@@ -249,12 +311,15 @@ def streaming_perplexity(
     seed: int = 0,
     path: str = "auto",
     on_progress: Callable[[int], None] | None = None,
+    divergence: bool = True,
 ) -> dict[str, StreamResult]:
     """Every method over the same stream; ``recompute`` on a subsample of targets >= window.
 
     The subsample is every ``recompute_stride``-th target from ``window`` on when a stride is given (a
     fixed, reproducible set: the benchmark's choice), else ``recompute_samples`` random targets.
     Every method scores all targets it can, so :meth:`StreamResult.ppl_on` compares identical targets.
+    With ``divergence`` and ``full`` among the methods, ``full`` runs first and its logits are every
+    method's reference (``StreamResult.kl``/``.top1``; ``full``'s own: KL to itself, 0, and top-1 1).
     """
     handle = as_handle(handle)
     methods = (
@@ -268,8 +333,9 @@ def streaming_perplexity(
             f"the text has {n} tokens; streaming at window {window} needs more than {window + 1}"
         )
     sub = subsample_targets(n, window, samples=recompute_samples, stride=recompute_stride, seed=seed)
-    return {
-        name: stream_nll(
+    reference, out = None, {}
+    for name in sorted(methods, key=lambda m: m != "full"):  # full first: the others' reference
+        out[name] = stream_nll(
             handle,
             token_ids,
             name,
@@ -278,9 +344,15 @@ def streaming_perplexity(
             recompute_targets=sub,
             path=path,
             on_progress=on_progress,
+            reference=reference,
+            keep_logits=divergence and name == "full",
         )
-        for name in methods
-    }
+        if out[name].logits is not None:
+            reference, out[name].logits = out[name].logits, None
+            own = _LogitsTap(reference, keep=False)
+            own(torch.arange(n - 1), reference)  # the full context against itself: KL 0, top-1 1
+            own.fill(out[name])
+    return {name: out[name] for name in methods}
 
 
 def subsample_targets(
@@ -314,10 +386,29 @@ TABLE_COLUMNS = [
 ]
 
 
+def _divergence_cells(r: StreamResult, window: int, seed: int) -> dict:
+    """Mean KL to the full context (nats) and top-1 agreement over the targets from ``window`` on (where
+    a rolling cache may have evicted), with bootstrap 95% intervals over those targets; {} without a
+    reference."""
+    from kvlab.metrics import bootstrap_ci
+
+    if r.kl is None or r.top1 is None:
+        return {}
+    past = r.targets >= window
+    if not past.any():
+        return {}
+    return {
+        "kl_to_full": bootstrap_ci(r.kl[past], "mean", seed=seed).to_json(),
+        "top1_to_full": bootstrap_ci(r.top1[past], "mean", seed=seed).to_json(),
+    }
+
+
 def summarize(results: dict[str, StreamResult], source: str, window: int, seed: int = 0) -> list[dict]:
     """One row per method: perplexity on all targets and on the re-computation subsample, and the
     paired ratio to re-computation on that subsample (exp of the mean NLL difference) with bootstrap
-    95% intervals. Needs a ``"recompute"`` result."""
+    95% intervals; where the methods carry a reference (:func:`streaming_perplexity` with ``full``),
+    ``kl_to_full`` and ``top1_to_full`` (interval dicts, over the targets from ``window`` on). Needs a
+    ``"recompute"`` result."""
     from kvlab.metrics import bootstrap_ci
 
     if "recompute" not in results:
@@ -346,6 +437,7 @@ def summarize(results: dict[str, StreamResult], source: str, window: int, seed: 
                 "targets": int(r.targets.size),
                 "subsample": int(sub.size),
                 **dict(r.extra),
+                **_divergence_cells(r, window, seed),
             }
         )
     return rows

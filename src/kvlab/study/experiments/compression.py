@@ -2,8 +2,9 @@
 
 For every quantizer x bit width and every eviction policy x kept fraction: q·k distortion, attention
 KL and attention-output error per layer (reference = the continuation's own queries), perplexity of
-the continuation teacher-forced on the compressed context, needle retrieval with the context
-compressed before the question, bytes really held, and decode time per token.
+the continuation teacher-forced on the compressed context, the KL divergence and top-1 agreement of
+those continuation logits to the full cache's (same forwards, no extra prefill), needle retrieval with
+the context compressed before the question, bytes really held, and decode time per token.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import torch
 from kvlab.compress.evict import Observation, evict, make_policy, observe
 from kvlab.compress.evict.learned import DEFAULT_WEIGHTS
 from kvlab.compress.evict.select import budget_slots
-from kvlab.compress.measure import continuation_nll, distortion, reference, time_decode_ms
+from kvlab.compress.measure import continuation_quality, distortion, reference, time_decode_ms
 from kvlab.compress.quant import make_quantizer, quantize_snapshot
 from kvlab.compress.quant.scalar import check_bits
 from kvlab.data import Text, default_long_text, python_docs, read_text_file, token_samples
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
+from kvlab.metrics.divergence import divergence_summary
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
@@ -148,13 +150,13 @@ def run(
         ("evict", p, float(k), "repack") for p in policies if p in REPACK_POLICIES for k in keeps if k == 0.5
     ]
     names = [_label(c) for c in configs]
-    nll, layer_stats, nbytes, full_bytes = _measure(ctx, handle, wins, configs, names, n_ctx)
+    quality, layer_stats, nbytes, full_bytes = _measure(ctx, handle, wins, configs, names, n_ctx)
     needle = _needle(ctx, handle, src, configs, names, needle_lengths, needle_depths, needle_configs, result)
     timing = (
         _timing(ctx, handle, wins[0][:n_ctx], methods, policies, timing_steps) if timing_steps != 0 else {}
     )
     return _report(
-        ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, handle
+        ctx, result, configs, names, quality, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, handle
     )
 
 
@@ -184,8 +186,10 @@ def _choices(ctx: ExperimentContext, result: ExperimentResult, bits, keeps, meth
 
 
 def _measure(ctx: ExperimentContext, handle, wins: list, configs: list, names: list[str], n_ctx: int):
-    """Continuation NLL, bytes held and per-layer distortion of every configuration on every window."""
+    """Continuation NLL, divergence to the full cache's continuation logits (``configs[0]`` is the full
+    cache), bytes held and per-layer distortion of every configuration on every window."""
     nll: dict[str, list] = {n: [] for n in names}
+    div: dict[str, list] = {n: [] for n in names}
     layer_stats = {
         n: {k: [] for k in ("qk_rel_error", "qk_corr", "attn_kl", "out_rel_error", "kept_mass")}
         for n in names
@@ -201,16 +205,20 @@ def _measure(ctx: ExperimentContext, handle, wins: list, configs: list, names: l
             cont = w[n_ctx:]
             ref = reference(future_q, snap.keys, snap.values, obs.scaling)
             full_bytes.append(snap.nbytes)
+            full_logits = None
             for cfg, name in zip(configs, names, strict=True):
                 keys, values, held, slots, logits = _under(handle, cfg, cobs, cont)
-                nll[name].append(continuation_nll(logits, cont))
+                full_logits = logits if cfg[0] == "full" else full_logits
+                token_nll, to_full = continuation_quality(logits, cont, full_logits)
+                nll[name].append(token_nll)
+                div[name].append(to_full)
                 nbytes[name].append(held)
                 if cfg[3] == "keep":
                     d = distortion(future_q, snap.keys, snap.values, keys, values, obs.scaling, slots, ref)
                     for k in layer_stats[name]:
                         layer_stats[name][k].append(getattr(d, k))
                 advance(1)
-    return nll, layer_stats, nbytes, full_bytes
+    return (nll, div), layer_stats, nbytes, full_bytes
 
 
 def _under(handle, cfg: tuple[str, str, float, str], cobs, cont: list[int]):
@@ -313,10 +321,12 @@ def _ci_pct(increase: np.ndarray) -> tuple[float, float, float]:
     return ci.value, ci.low, ci.high
 
 
-def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, model):
+def _report(
+    ctx, result, configs, names, quality, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, model
+):
     """Summary, tables and figures from the measured arrays (measure -> records -> tables and figures)."""
     summary, rows_q, rows_e, points = _records(
-        result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, n_ctx, model
+        result, configs, names, quality, layer_stats, nbytes, full_bytes, needle, n_ctx, model
     )
     result.tables.extend(_tables(rows_q, rows_e, summary["full_bytes_per_token"]))
     if timing:
@@ -327,6 +337,7 @@ def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, n
             k.removesuffix(" packed"): v for k, v in timing.items() if k.endswith(" packed")
         }
     _acceptance(summary)
+    result.notes.extend(_kl_notes(summary["acceptance"]))
     result.summary.update(summary)
     result.figures.append(_pareto_figure(ctx, points, model, summary["windows"]))
     result.figures.append(_layer_figure(ctx, configs, names, layer_stats))
@@ -340,8 +351,9 @@ def _report(ctx, result, configs, names, nll, layer_stats, nbytes, full_bytes, n
     return result
 
 
-def _records(result, configs, names, nll, layer_stats, nbytes, full_bytes, needle, n_ctx, model):
+def _records(result, configs, names, quality, layer_stats, nbytes, full_bytes, needle, n_ctx, model):
     """One summary entry and one table row per configuration (raw arrays go to ``result.arrays``)."""
+    nll, div = quality
     base_ppl = np.array([np.exp(x.mean()) for x in nll["full precision"]])
     fp_bpt = float(np.mean(full_bytes)) / n_ctx
     rows_q, rows_e, points = [], [], []
@@ -360,6 +372,7 @@ def _records(result, configs, names, nll, layer_stats, nbytes, full_bytes, needl
         bpt = float(np.mean(nbytes[name])) / n_ctx
         ls = {k: np.array(val) for k, val in layer_stats[name].items() if val}
         nd = float(needle[name].mean()) if name in needle else None
+        ds = divergence_summary(div[name])  # one sample per window
         entry = {
             "kind": cfg[0],
             "method": cfg[1],
@@ -371,11 +384,15 @@ def _records(result, configs, names, nll, layer_stats, nbytes, full_bytes, needl
             "ppl_increase_ci": [lo, hi],
             "needle_accuracy": nd,
             "needle_relative": (nd / base_needle) if nd is not None and base_needle else None,
+            "kl_to_full": ds.kl.to_json(),
+            "top1_to_full": ds.top1.to_json(),
         }
         for k, arr in ls.items():
             entry[k] = float(arr.mean())
             result.arrays[f"{name}/{k}"] = arr  # [windows, layers]
         result.arrays[f"{name}/nll"] = np.stack(nll[name])  # [windows, continuation - 1]
+        result.arrays[f"{name}/kl_to_full"] = np.array([d.kl for d in div[name]])  # [windows]
+        result.arrays[f"{name}/top1_to_full"] = np.array([d.top1 for d in div[name]])
         summary["configs"][name] = entry
         elems_per_token = 2 * model.facts.num_layers * model.facts.num_kv_heads * model.facts.head_dim
         row = [
@@ -384,6 +401,8 @@ def _records(result, configs, names, nll, layer_stats, nbytes, full_bytes, needl
             round(8 * bpt / elems_per_token, 2) if cfg[0] != "evict" else None,
             float(ppl.mean()),
             f"{v:+.2f}% [{lo:+.2f}, {hi:+.2f}]",
+            iv(entry, "kl_to_full"),
+            iv(entry, "top1_to_full"),
             entry.get("out_rel_error"),
             entry.get("attn_kl") if cfg[0] != "evict" else entry.get("kept_mass"),
             entry.get("qk_corr") if cfg[0] != "evict" else None,
@@ -393,6 +412,13 @@ def _records(result, configs, names, nll, layer_stats, nbytes, full_bytes, needl
         if cfg[0] != "full":
             points.append((cfg, bpt, v, lo, hi))
     return summary, rows_q, rows_e, points
+
+
+KL_CAPTION = (
+    "KL to full: mean per-token KL(full cache || this cache) in nats of the continuation's next-token "
+    "distributions, teacher-forced; top-1: share of those tokens whose argmax matches the full cache's "
+    "(95% bootstrap intervals, one sample per window)."
+)
 
 
 def _tables(rows_q: list, rows_e: list, fp_bpt: float) -> list[Table]:
@@ -407,6 +433,8 @@ def _tables(rows_q: list, rows_e: list, fp_bpt: float) -> list[Table]:
                 "bits/element",
                 "perplexity",
                 "Δ perplexity [95% CI]",
+                "KL to full (nats)",
+                "top-1 agreement",
                 "attn-output rel. error",
                 "attention KL (nats)",
                 "q·k correlation",
@@ -414,7 +442,8 @@ def _tables(rows_q: list, rows_e: list, fp_bpt: float) -> list[Table]:
             ],
             rows_q,
             caption=f"Bytes/token count packed codes, fp16 scales/zero points and full-precision slots "
-            f"(fp32 cache: {fp_bpt:.0f}). Errors use the continuation's queries, averaged over layers.",
+            f"(fp32 cache: {fp_bpt:.0f}). Errors use the continuation's queries, averaged over layers. "
+            + KL_CAPTION,
         )
     )
     tables.append(
@@ -426,6 +455,8 @@ def _tables(rows_q: list, rows_e: list, fp_bpt: float) -> list[Table]:
                 "bits/element",
                 "perplexity",
                 "Δ perplexity [95% CI]",
+                "KL to full (nats)",
+                "top-1 agreement",
                 "attn-output rel. error",
                 "attention mass kept",
                 "q·k correlation",
@@ -433,7 +464,8 @@ def _tables(rows_q: list, rows_e: list, fp_bpt: float) -> list[Table]:
             ],
             rows_e,
             caption="Per layer and KV head, the kept slots keep their original RoPE positions ('repack': "
-            "re-rotated to 0..n-1, and the next query follows them); bytes/token per original token.",
+            "re-rotated to 0..n-1, and the next query follows them); bytes/token per original token. "
+            + KL_CAPTION,
         )
     )
     return tables
@@ -564,15 +596,29 @@ def _acceptance(summary: dict) -> None:
             acc[f"rotation{sink}_vs_pertoken{sink}_int4_out_error_ratio"] = (
                 a["out_rel_error"] / b["out_rel_error"]
             )
-    two = {k: v["ppl_increase_pct"] for k, v in c.items() if v["kind"] == "quant" and v["budget"] == 2.0}
-    if two:
-        acc["best_2bit"] = min(two, key=two.get)
-        acc["best_2bit_ppl_increase_pct"] = min(two.values())
-    half = {k: v["ppl_increase_pct"] for k, v in c.items() if v["kind"] == "evict" and v["budget"] == 0.5}
-    if half:
-        acc["best_evict_50"] = min(half, key=half.get)
-        acc["best_evict_50_ppl_increase_pct"] = min(half.values())
+    for key, kind, budget in (("best_2bit", "quant", 2.0), ("best_evict_50", "evict", 0.5)):
+        sel = {k: v for k, v in c.items() if v["kind"] == kind and v["budget"] == budget}
+        if sel:
+            ppl = {k: v["ppl_increase_pct"] for k, v in sel.items()}
+            kl = {k: v["kl_to_full"]["value"] for k, v in sel.items()}
+            acc[key] = min(ppl, key=ppl.get)
+            acc[f"{key}_ppl_increase_pct"] = min(ppl.values())
+            acc[f"{key}_by_kl"] = min(kl, key=kl.get)  # the same ranking judged in KL to the full cache
+            acc[f"{key}_kl"] = min(kl.values())
     summary["acceptance"] = acc
+
+
+def _kl_notes(acc: dict) -> list[str]:
+    """Whether KL to the full cache picks the same winner as perplexity (it can disagree)."""
+    out = []
+    for key, what in (("best_2bit", "2-bit quantizer"), ("best_evict_50", "policy keeping 50%")):
+        if key in acc:
+            same = acc[key] == acc[f"{key}_by_kl"]
+            out.append(
+                f"Best {what}: {acc[key]} by perplexity, {acc[f'{key}_by_kl']} by KL to the full cache "
+                f"({format_number(acc[f'{key}_kl'])} nats) — " + ("the same." if same else "they disagree.")
+            )
+    return out
 
 
 def _signed(x: float | None) -> str:
@@ -592,6 +638,8 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     for name in (b2, e50):
         if name:
             rows.append((f"{name}: perplexity change %", iv(s, f"configs.{name}.ppl_increase_pct")))
+            rows.append((f"{name}: KL to full (nats)", iv(s, f"configs.{name}.kl_to_full")))
+            rows.append((f"{name}: top-1 agreement", iv(s, f"configs.{name}.top1_to_full")))
             rows.append((f"{name}: bytes per token", iv(s, f"configs.{name}.bytes_per_token")))
     return text, rows
 

@@ -2,7 +2,8 @@
 
 The StreamingLLM table on this model: every method reads the same token stream; the exact sliding
 window with re-computation runs on a random subsample of targets and every other method is also
-scored on that subsample, so the ratios compare identical targets.
+scored on that subsample, so the ratios compare identical targets. Where the full context fits, every
+method's per-token distributions are also compared with the full context's (KL and top-1 agreement).
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ from kvlab.streaming.perplexity import (
 )
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_interval, format_range
+from kvlab.study.report.format import format_interval, format_range, iv
+
+# the divergence columns, placed after the paired ratio's interval
+KL_COLUMNS = ["KL to full (nats)", "top-1 agreement"]
+COLUMNS = TABLE_COLUMNS[:8] + KL_COLUMNS + TABLE_COLUMNS[8:]
 
 TITLE = "Streaming perplexity (attention sinks)"
 
@@ -154,6 +159,9 @@ def run(
             for name, r in res.items():
                 result.arrays[f"{key}_{name}_nll"] = r.nll.astype(np.float32)
                 result.arrays[f"{key}_{name}_targets"] = r.targets
+                if r.kl is not None:  # per target: KL(full || method) in nats, top-1 agreement
+                    result.arrays[f"{key}_{name}_kl_to_full"] = r.kl
+                    result.arrays[f"{key}_{name}_top1_to_full"] = r.top1.astype(np.float32)
             rows += summarize(res, source_name(text.source), window, seed=ctx.seed)
             result.figures.append(
                 _figure(
@@ -164,21 +172,8 @@ def run(
                     window,
                 )
             )
-    result.tables.append(
-        Table(
-            "Perplexity per method",
-            TABLE_COLUMNS,
-            [table_row(r) for r in rows],
-            caption=f"Rolling methods feed {feed} tokens per forward and evict in chunks of {feed}; "
-            + (
-                f"re-computation scores every {recompute_stride}th target from the window on"
-                if recompute_stride
-                else f"re-computation scores {n_sub} random targets per run"
-            )
-            + " (each from a fresh prefill of its window); every method is also scored on those targets. "
-            "'x re-computation' is exp(mean paired NLL difference) on those targets.",
-        )
-    )
+    result.tables.append(_table(rows, feed, n_sub, recompute_stride))
+    result.notes.extend(_kl_notes(rows))
     result.figures.append(_bars(ctx, rows, "ppl_by_method"))
     summary: dict = {
         "rows": rows,
@@ -197,6 +192,48 @@ def run(
         "rounding: RoPE sees only relative positions. What hurts is losing the first tokens."
     )
     return result
+
+
+def _table(rows: list[dict], feed: int, n_sub: int, recompute_stride) -> Table:
+    """The perplexity table, with the KL / top-1 columns after the paired ratio."""
+    cells = [(c := table_row(r))[:8] + [iv(r, "kl_to_full"), iv(r, "top1_to_full")] + c[8:] for r in rows]
+    return Table(
+        "Perplexity per method",
+        COLUMNS,
+        cells,
+        caption=f"Rolling methods feed {feed} tokens per forward and evict in chunks of {feed}; "
+        + (
+            f"re-computation scores every {recompute_stride}th target from the window on"
+            if recompute_stride
+            else f"re-computation scores {n_sub} random targets per run"
+        )
+        + " (each from a fresh prefill of its window); every method is also scored on those targets. "
+        "'x re-computation' is exp(mean paired NLL difference) on those targets. 'KL to full': mean "
+        "per-token KL(full context || method) in nats (float64) over the targets from the window on "
+        "(re-computation: its subsample), 'top-1 agreement' the share whose argmax matches the full "
+        "context's; 95% bootstrap intervals over those targets; '–' where the full context does not fit.",
+    )
+
+
+def _kl_notes(rows: list[dict]) -> list[str]:
+    """Per text and window: which rolling method stays closest to the full context in KL."""
+    out = []
+    for key in dict.fromkeys((r["source"], r["window"]) for r in rows):
+        kl = {
+            r["method"]: r["kl_to_full"]["value"]
+            for r in rows
+            if (r["source"], r["window"]) == key and "kl_to_full" in r and r["method"] != "full"
+        }
+        if kl:
+            best = min(kl, key=kl.get)
+            others = [
+                f"{METHODS[m].label} {kl[m]:.3g}" for m in ("window", "sinks4") if m in kl and m != best
+            ]
+            out.append(
+                f"{key[0]}, W={key[1]}: closest to the full context in KL is {METHODS[best].label} "
+                f"({kl[best]:.3g} nats)" + (f"; {', '.join(others)}." if others else ".")
+            )
+    return out
 
 
 def _stream(
@@ -243,6 +280,14 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
             format_interval(r["ratio_to_recompute"], r.get("ratio_low"), r.get("ratio_high")),
         )
         for r in rows_in
+    ]
+    rows += [
+        (
+            f"{r['source']}, W={r['window']}, {METHODS[r['method']].label}: KL to full (nats)",
+            iv(r, "kl_to_full"),
+        )
+        for r in rows_in
+        if "kl_to_full" in r
     ]
     sinks = [r["ratio_to_recompute"] for r in rows_in if r["method"] == "sinks4"]
     window = [r["ratio_to_recompute"] for r in rows_in if r["method"] == "window"]

@@ -3,9 +3,11 @@
 For each passage (the thread-style prompt and >= 20 windows of book text) the context is prefilled,
 rolled by ``n`` tokens with ``s`` sinks kept, and compared with the exact re-prefill of the rolled
 text and with the full context (never rolled): first-token KL and logit cosine, teacher-forced NLL
-of the true continuation, greedy agreement and degeneration. Selective recompute (first ``k`` slots,
-or the ``k`` slots a 2-layer probe flags) reports how much of the gap to re-prefill it closes per
-recomputed token.
+of the true continuation, greedy agreement and degeneration. The rolled cache and the re-prefill are
+also compared with the full context over every continuation token (mean per-token KL, top-1 agreement)
+from the same forwards: the claim "suffix caching is closer to the model's past than re-prefill",
+judged in KL. Selective recompute (first ``k`` slots, or the ``k`` slots a 2-layer probe flags)
+reports how much of the gap to re-prefill it closes per recomputed token.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvlab.metrics import (
     longest_repeated_ngram,
     nll,
 )
+from kvlab.metrics.divergence import compare_logits
 from kvlab.ops.suffix import (
     recompute_first,
     recompute_most_deviant,
@@ -50,6 +53,25 @@ THREAD_PROMPT = (
 )
 
 DROPS: tuple[int | str, ...] = (1, 5, 20, 100, "25%", "50%")
+# per passage, ``[drops, sinks]`` each; ``*_to_full_*``: mean over the continuation's tokens
+METRICS = (
+    "kl_to_reprefill",
+    "cos_to_reprefill",
+    "kl_full_to_rolled",
+    "kl_full_to_reprefill",
+    "kl_to_full_rolled",
+    "top1_to_full_rolled",
+    "kl_to_full_reprefill",
+    "top1_to_full_reprefill",
+    "nll_rolled",
+    "nll_reprefill",
+    "nll_full",
+    "agree",
+    "distinct2_rolled",
+    "distinct2_reprefill",
+    "longest_rep_rolled",
+    "longest_rep_reprefill",
+)
 SINKS: tuple[int, ...] = (0, 1, 2, 4, 8)
 
 
@@ -120,24 +142,9 @@ def evaluate_passage(
     targets = torch.tensor(cont, device="cpu")  # nll moves targets to the logits
     snap = handle.prefill(context, all_logits=False).snapshot
     full_logits = handle.extend(snap, feed).logits  # never rolled: the full-context model
-    shape = (len(drops), len(sinks))
-    out = {
-        k: np.full(shape, np.nan)
-        for k in (
-            "kl_to_reprefill",
-            "cos_to_reprefill",
-            "kl_full_to_rolled",
-            "kl_full_to_reprefill",
-            "nll_rolled",
-            "nll_reprefill",
-            "nll_full",
-            "agree",
-            "distinct2_rolled",
-            "distinct2_reprefill",
-            "longest_rep_rolled",
-            "longest_rep_reprefill",
-        )
-    }
+    out: dict[str, Any] = {k: np.full((len(drops), len(sinks)), np.nan) for k in METRICS}
+    own = compare_logits(full_logits, full_logits)  # the full context against itself: 0 and 1
+    out["kl_to_full_full"], out["top1_to_full_full"] = np.array(own.kl), np.array(own.top1)
     rec_rows = []
     for i, n in enumerate(drops):
         for j, s in enumerate(sinks):
@@ -151,6 +158,9 @@ def evaluate_passage(
             out["cos_to_reprefill"][i, j] = float(logit_cosine(ref_logits[0], rolled_logits[0]))
             out["kl_full_to_rolled"][i, j] = float(kl_divergence(full_logits[0], rolled_logits[0]))
             out["kl_full_to_reprefill"][i, j] = float(kl_divergence(full_logits[0], ref_logits[0]))
+            for cache, lg in (("rolled", rolled_logits), ("reprefill", ref_logits)):
+                d = compare_logits(full_logits, lg)  # every continuation token, KL in float64
+                out[f"kl_to_full_{cache}"][i, j], out[f"top1_to_full_{cache}"][i, j] = d.kl, d.top1
             out["nll_rolled"][i, j] = float(nll(rolled_logits, targets).mean())
             out["nll_reprefill"][i, j] = float(nll(ref_logits, targets).mean())
             out["nll_full"][i, j] = float(nll(full_logits, targets).mean())
@@ -292,8 +302,11 @@ def run(
     result.arrays["thread_prompt_kl_to_reprefill"] = thread["kl_to_reprefill"]
     result.arrays["thread_prompt_drops"] = np.array(thread["drops"])
     result.tables.append(_kl_table(stacked, st, ctx.seed))
+    full_table, summary_kl = _full_table(stacked, st, ctx.seed)
+    result.tables.append(full_table)
     summary: dict[str, Any] = {"windows": len(passages), "context_tokens": st.ctx_len, "source": source}
-    summary.update(_acceptance(stacked, st))
+    summary.update(_acceptance(stacked, st), kl_to_full=summary_kl)
+    result.notes.append(_kl_note(summary_kl))
     result.tables.append(_greedy_table(stacked, st, ctx.seed))
     rec_table, rrows, rec_arrays = _recompute_table(rec_rows, st, ctx.seed)
     result.tables.append(rec_table)
@@ -355,6 +368,64 @@ def _kl_table(stacked: dict, st: Settings, seed: int) -> Table:
         caption=f"First-token KL in nats (reference first). NLL: teacher-forced mean NLL of the true {st.cont_len}-token "
         "continuation. 'full' is the never-rolled context: KL full->rolled < KL full->re-prefill means the "
         "suffix cache is closer to the model's computational past than a re-prefill is.",
+    )
+
+
+def _iv(x: np.ndarray, seed: int):
+    """Mean with a bootstrap interval over windows (JSON), or None where nothing was measured."""
+    x = x[np.isfinite(x)]
+    return bootstrap_ci(x, "mean", seed=seed).to_json() if x.size else None
+
+
+def _verdict(diff: dict | None) -> str:
+    """From the paired KL difference rolled - re-prefill (its interval): which is closer to the full context."""
+    if diff is None or diff.get("low") is None:
+        return "undecided (fewer than 2 windows)"
+    if diff["high"] < 0:
+        return "rolled closer"
+    return "re-prefill closer" if diff["low"] > 0 else "undecided"
+
+
+def _full_table(stacked: dict, st: Settings, seed: int) -> tuple[Table, dict]:
+    """The full context, the rolled cache and the re-prefill, each against the full context over every
+    continuation token; the summary per cell, with a verdict on the paired difference."""
+    own = {m: _iv(stacked[f"{m}_to_full_full"], seed) for m in ("kl", "top1")}
+    rows = [["–", "–", "–", "full context", iv(own, "kl"), iv(own, "top1"), own["kl"]["n"]]]
+    summary: dict[str, Any] = {"full": own}
+    for i, (spec, n) in enumerate(zip(st.drop_specs, st.drop_n, strict=True)):
+        for j, s in enumerate(st.sink_list):
+            cell = {
+                c: {m: _iv(stacked[f"{m}_to_full_{c}"][:, i, j], seed) for m in ("kl", "top1")}
+                for c in ("rolled", "reprefill")
+            }
+            if cell["rolled"]["kl"] is None:
+                continue
+            diff = _iv(stacked["kl_to_full_rolled"][:, i, j] - stacked["kl_to_full_reprefill"][:, i, j], seed)
+            summary[f"n{n}_sinks{s}"] = {**cell, "rolled_minus_reprefill": diff, "verdict": _verdict(diff)}
+            for c, label in (
+                ("rolled", f"rolled, {s} sinks"),
+                ("reprefill", "re-prefill of the rolled text"),
+            ):
+                rows.append([spec, n, s, label, iv(cell[c], "kl"), iv(cell[c], "top1"), cell[c]["kl"]["n"]])
+    table = Table(
+        "Rolled cache and re-prefill against the full context, every continuation token",
+        ["drop", "n", "sinks", "cache", "KL to full (nats)", "top-1 agreement", "windows"],
+        rows,
+        caption=f"Per window, the mean over the {st.cont_len} continuation tokens (teacher-forced) of "
+        "KL(full context || cache) in nats (float64) and of top-1 agreement with the full context; means "
+        "over windows with 95% bootstrap intervals (one sample per window). The full context against "
+        "itself is 0 and 1 by construction.",
+    )
+    return table, summary
+
+
+def _kl_note(summary_kl: dict) -> str:
+    """The suffix-caching claim judged in KL: per cell, which is closer to the full context."""
+    cells = {k: v for k, v in summary_kl.items() if k != "full"}
+    verdicts = "; ".join(f"{k}: {v['verdict']}" for k, v in cells.items())
+    return (
+        "Is the rolled cache closer to the full context than a re-prefill, in KL over every continuation "
+        f"token (paired difference, 95% interval over windows)? {verdicts or 'no cells measured'}."
     )
 
 
@@ -535,6 +606,14 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     rows += [
         (f"share of windows where the rolled cache is closer to the full context ({k})", iv(shares, k))
         for k in shares
+    ]
+    rows += [
+        (
+            f"KL to full ({k}): rolled / re-prefill",
+            f"{iv(v, 'rolled.kl')} / {iv(v, 'reprefill.kl')}: {v['verdict']}",
+        )
+        for k, v in (s.get("kl_to_full", {}) or {}).items()
+        if k != "full"
     ]
     vals = [float(v) for v in ratios.values() if isinstance(v, int | float)]
     text = (
