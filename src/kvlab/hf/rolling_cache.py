@@ -425,6 +425,11 @@ class RollingCache(Cache):
             ``window - evict_chunk + 1`` to ``window`` tokens.
         max_position: largest RoPE position allowed + 1 (default: the config's maximum).
         rebase: ``"auto"`` | ``"always"`` | ``"never"`` (see the module docstring).
+        codec: a :class:`~kvlab.compress.quant.Quantizer`: the window is stored as its packed codes
+            (:mod:`kvlab.hf.coded_rolling`; its ``window`` is the full-precision tail); the eviction chunk
+            is rounded up to whole blocks of codes. Full-attention models only.
+        packed_path: how a bound cache's one-token steps read the codes (``"auto"``, ``"kernel"``,
+            ``"torch"``: :func:`kvlab.compress.quant.attention.packed_path`).
     """
 
     def __init__(
@@ -437,9 +442,17 @@ class RollingCache(Cache):
         evict_chunk: int | None = None,
         max_position: int | None = None,
         rebase: Rebase = "auto",
+        codec: Any = None,
+        packed_path: str = "auto",
     ) -> None:
         evict_chunk = default_chunk(window) if evict_chunk is None else evict_chunk
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if codec is not None:
+            from kvlab.hf.coded_rolling import check_codec
+
+            evict_chunk = check_codec(
+                text, rope, codec, window=window, chunk=evict_chunk, packed_path=packed_path
+            )
         n_layers = int(text.num_hidden_layers)
         max_pos = int(max_position or getattr(text, "max_position_embeddings", 0) or 0)
         _validate(
@@ -454,6 +467,8 @@ class RollingCache(Cache):
         self.rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase)
         self._config = text
         self.rows: list[RollingCache] | None = None  # per-row caches once a padded batch arrived (bind)
+        self.codec, self.packed_path = codec, packed_path
+        self.packed_steps = 0  # one-token steps whose attention read the codes (bound, coded caches)
         # a sliding layer the rolling window covers stores only what it can reach (hybrid models)
         layers: list[RollingLayer] = [
             SlidingRollingLayer(self.rule, i, w)
@@ -461,6 +476,10 @@ class RollingCache(Cache):
             else RollingLayer(self.rule, i)
             for i, w in enumerate(sliding_windows(text))
         ]
+        if codec is not None:
+            from kvlab.hf.coded_rolling import CodedRollingLayer
+
+            layers = [CodedRollingLayer(self.rule, i, codec, packed_path) for i in range(n_layers)]
         super().__init__(layers=layers)
 
     # -- settings and state (every layer holds the same counts; layer 0 answers) ----------------------
@@ -569,10 +588,21 @@ class RollingCache(Cache):
                 evict_chunk=r.evict_chunk,
                 max_position=r.max_position or None,
                 rebase=r.rebase,
+                codec=self.codec,
+                packed_path=self.packed_path,
             )
             for _ in range(n)
         ]
         return self.rows
+
+    def begin_step(self, model: Any, kwargs: dict) -> Callable[[Any], None] | None:
+        """Called by the bound model's pre-hook: a one-token step on a coded cache attends over the packed
+        codes (:mod:`kvlab.hf.coded_rolling`). Returns what closes the step, or None (reference path)."""
+        if self.codec is None or self.rows is not None:
+            return None
+        from kvlab.hf.coded_rolling import begin_packed_step
+
+        return begin_packed_step(self, model, kwargs)
 
     # -- inspection ----------------------------------------------------------------------------------
     def hold_roll(self) -> None:
@@ -626,6 +656,8 @@ class RollingCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes the cache holds: every layer's key and value buffers (with their spare room) and sinks."""
+        if self.codec is not None:
+            return sum(layer.nbytes for layer in self.layers)  # type: ignore[attr-defined]
         return sum(
             t.numel() * t.element_size()
             for layer in self.layers
@@ -635,7 +667,8 @@ class RollingCache(Cache):
 
     def describe(self) -> str:
         return (
-            f"RollingCache(sinks={self.sinks}, window={self.window}, chunk={self.evict_chunk}, rebase={self.rebase_mode}: "
+            f"RollingCache(sinks={self.sinks}, window={self.window}, chunk={self.evict_chunk}, rebase={self.rebase_mode}"
+            f"{', codec=' + self.codec.name if self.codec is not None else ''}: "
             f"{self.kept} kept, positions {self.next_position - self.kept}..{self.next_position - 1}, "
             f"{self.tokens_seen} seen, {self.rolls} rolls, {self.rebases} re-bases)"
         )
@@ -695,7 +728,16 @@ def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tupl
             return None  # positions the caller chose: not ours to replace
     ctx = cache.choosing_positions()
     ctx.__enter__()
-    stack[-1] = lambda _out: ctx.__exit__(None, None, None)
+    finish_step = cache.begin_step(model, kwargs)  # a coded window: decode on its packed codes
+
+    def finish(out: Any) -> None:
+        try:
+            if finish_step is not None:
+                finish_step(out)
+        finally:
+            ctx.__exit__(None, None, None)
+
+    stack[-1] = finish
     return args, {**kwargs, "position_ids": None}
 
 
@@ -747,6 +789,7 @@ def rolling_cache_for(
     evict_chunk: int | None = None,
     rebase: Rebase = "auto",
     max_position: int | None = None,
+    codec: Any = None,
 ) -> RollingCache:
     """A :class:`RollingCache` for a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM
     (its config, RoPE and maximum position), bound to the model (:meth:`RollingCache.bind`) so that
@@ -772,6 +815,7 @@ def rolling_cache_for(
         evict_chunk=evict_chunk,
         max_position=max_position or max_pos,
         rebase=rebase,
+        codec=codec,
     )
     cache.bind(model)
     return cache

@@ -137,6 +137,10 @@ class SegmentPlan:
     path: str = "kernel"  # "kernel" (the C kernel) or "torch" (torch ops on the packed codes)
     n: Any = None  # kernel path: ctypes int64 arrays of lengths and starts
     pos0: Any = None
+    # codes stored ``frame`` positions ahead of the keys they stand for (a rolling layer's re-bases,
+    # kvlab.hf.coded_rolling): the query meets them turned by +frame, an exact RoPE shift
+    frame: int = 0
+    frame_rope: RopeSpec | None = None
 
 
 def _levels(q: QuantizedTensor) -> torch.Tensor:
@@ -328,7 +332,11 @@ def decode_attention(
     the plan's path (the C kernel, or torch ops on the packed codes): the same math either way."""
     h, d = plan.heads, plan.dim
     g = q.shape[0] // h
-    qg = q.float().reshape(h, g, d).contiguous()
+    q_fp = qg = q.float().reshape(h, g, d).contiguous()
+    if plan.frame and plan.frame_rope is not None:
+        from kvlab.rope.fast import rotate_by
+
+        qg = rotate_by(qg, plan.frame, plan.frame_rope).contiguous()
     # R q per kv head (the codes live in the rotated frame); plain codes read the query as it is
     qrot = qg if plan.rot is None else torch.matmul(qg, plan.rot.transpose(-1, -2)).contiguous()
     m = fp_keys.shape[-2]
@@ -341,7 +349,7 @@ def decode_attention(
         terms = _mean_terms(qg, plan.keys.means, plan.rope)
         (_kernel_token_scores if kernel else _torch_token_scores)(plan, qrot, terms, logits)
     if m:
-        logits[..., plan.total :] = torch.matmul(qg, fp_keys.float().transpose(-1, -2))
+        logits[..., plan.total :] = torch.matmul(q_fp, fp_keys.float().transpose(-1, -2))
     w = torch.softmax(logits * scaling, dim=-1)
     acc, wmean = (_kernel_values if kernel else _torch_values)(plan, w)
     out = acc if plan.rot is None else torch.matmul(acc, plan.rot)  # R^T y as rows: y @ R

@@ -1,0 +1,275 @@
+"""Sinks + a rolling window over a quantized history: a :class:`RollingLayer` whose window is stored as codes.
+
+The counts, decisions and positions are the rolling cache's own (:class:`~kvlab.hf.rolling_cache.RollRule`:
+the same ``base``, ``slots``, plan, rolls and re-bases in every layer); only the storage differs:
+
+* the sinks stay in full precision, re-rotated from their stored originals as in every rolling layer;
+* the window's older slots are packed codes (any :class:`~kvlab.compress.quant.Quantizer`), encoded
+  ``block`` slots at a time, oldest first, once the newest ``tail`` slots (the codec's full-precision
+  window) are full; a roll drops whole blocks (the eviction chunk is a multiple of the block), so no
+  slot is ever quantized twice and nothing is re-encoded;
+* the newest slots wait in a full-precision tail.
+
+Invariant: codes are stored at their slots' *original* positions (a roll does not move a window key's
+position; a re-base by ``r`` rotates every kept key by ``-r``): the layer keeps ``frame``, the total of
+its re-bases, and a key's true rotation is its decoded code rotated by ``-frame`` (an exact RoPE shift,
+applied to the decoded keys on the reference path, or as the query rotated by ``+frame`` on the
+packed-code path, :func:`kvlab.compress.quant.attention.decode_attention`). Nothing is rotated in place:
+each update builds new tensors and lists, so a checkpoint of the layer's attributes restores it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from kvlab.compress.quant.methods import Quantizer, Segment
+from kvlab.errors import BadInputError
+from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
+from kvlab.hf.rolling_cache import RollingLayer, RollPlan, RollRule
+from kvlab.rope.fast import rotate_by
+
+DECODE_BLOCK = 32  # slots encoded together: one segment per generated token would slow every step
+
+
+def block_for(codec: Quantizer) -> int:
+    """Slots per encoded block: 32, rounded up to the codec's token groups (KIVI's keys)."""
+    m = codec.token_multiple()
+    return m * math.ceil(DECODE_BLOCK / m)
+
+
+class CodedRollingLayer(RollingLayer):
+    """``[sinks | codes | full-precision tail]`` of one layer, following the shared :class:`RollRule`."""
+
+    def __init__(self, rule: RollRule, layer: int, codec: Quantizer, packed_path: str = "auto") -> None:
+        super().__init__(rule, layer)
+        self.packed_path = packed_path
+        self.layer_index = layer
+        self.codec, self.block = codec, block_for(codec)
+        self.tail_slots = int(codec.window)  # newest slots kept in full precision
+        self.segments: list[Segment] = []  # each `block` slots, oldest first, at original positions
+        self.tail_start = 0  # original position of the tail's first slot
+        self.frame = 0  # total re-base: true rotation = code's rotation - frame
+        self.sink_values: torch.Tensor | None = None
+        self.sink_live: torch.Tensor | None = None  # sink keys rotated to the current base
+        self.tail_k: torch.Tensor | None = None
+        self.tail_v: torch.Tensor | None = None
+        self._plan_key: tuple[int, int, int] = (-1, 0, 0)
+        self._seg_plan: Any = None
+
+    # -- sizes ---------------------------------------------------------------------------------------
+    @property
+    def coded(self) -> int:
+        return self.block * len(self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        ts = (self.sink_keys, self.sink_values, self.tail_k, self.tail_v)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None) + sum(
+            s.nbytes for s in self.segments
+        )
+
+    # -- the update ----------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n_new = key_states.shape[-2]
+        if rows_at_different_positions(args, kwargs):
+            raise BadInputError(PADDED_BATCH % "RollingCache")
+        self._check_room(n_new)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.tail_k, self.tail_v = key_states[:, :, :0], value_states[:, :, :0]
+        self._apply(self.plan)
+        k, v = self._take_sinks(key_states, value_states)
+        self.tail_k = torch.cat((self.tail_k, k), dim=-2)
+        self.tail_v = torch.cat((self.tail_v, v), dim=-2)
+        out = self._attend(key_states, value_states)
+        self._encode_ready()
+        self.keys, self.values = self.tail_k, self.tail_v
+        self._advance(n_new)
+        return out
+
+    def _take_sinks(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream's first ``sinks`` tokens become the sinks (originals at positions 0..); the rest."""
+        have = 0 if self.sink_keys is None else self.sink_keys.shape[-2]
+        take = min(max(self.rule.policy.sinks - have, 0), k.shape[-2])
+        if take:
+            sk, sv = k[:, :, :take].clone(), v[:, :, :take].clone()
+            self.sink_keys = sk if self.sink_keys is None else torch.cat((self.sink_keys, sk), dim=-2)
+            self.sink_values = sv if self.sink_values is None else torch.cat((self.sink_values, sv), dim=-2)
+            self.sink_live = self.sink_keys if self.base == 0 else self.sinks_at(self.base)
+            self.tail_start += take
+        return k[:, :, take:], v[:, :, take:]
+
+    def _apply(self, plan: RollPlan) -> None:
+        """Drop ``plan.drop`` window slots (whole blocks of codes first, then the tail's oldest) and re-base."""
+        if not plan.pending:
+            return
+        drop = plan.drop
+        whole = min(drop // self.block, len(self.segments))
+        if drop and drop < self.coded and drop % self.block:
+            raise RuntimeError(f"a roll of {drop} slots would split a block of {self.block} codes")
+        if whole:
+            self.segments = self.segments[whole:]
+        rest = drop - whole * self.block
+        if rest:
+            self.tail_start += rest
+            self.tail_k, self.tail_v = self.tail_k[:, :, rest:], self.tail_v[:, :, rest:]
+        if plan.rebase:
+            self.frame += plan.rebase
+            if self.rope is not None:
+                self.tail_k = rotate_by(self.tail_k, -plan.rebase, self.rope)
+        if self.sink_keys is not None:
+            self.sink_live = self.sinks_at(self.base + plan.drop - plan.rebase)
+
+    def _encode_ready(self) -> None:
+        """Encode the tail's oldest whole blocks beyond its full-precision ``tail_slots``."""
+        n = (self.tail_k.shape[-2] - self.tail_slots) // self.block
+        if n <= 0:
+            return
+        new = []
+        for i in range(n):
+            k = self.tail_k[:, :, i * self.block : (i + 1) * self.block]
+            v = self.tail_v[:, :, i * self.block : (i + 1) * self.block]
+            start = self.tail_start + i * self.block
+            if self.frame and self.rope is not None:
+                k = rotate_by(k, self.frame, self.rope)  # back to the slots' original positions
+            positions = torch.arange(start, start + self.block, device="cpu")
+            new.append(self.codec.encode(k, v, positions, self.rope))
+        self.segments = [*self.segments, *new]
+        cut = n * self.block
+        self.tail_start += cut
+        self.tail_k, self.tail_v = self.tail_k[:, :, cut:], self.tail_v[:, :, cut:]
+
+    def decoded_codes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The coded slots decoded and rotated to their true positions, ``[B, H, coded, D]``."""
+        if not self.segments:
+            return None
+        parts = [s.decode() for s in self.segments]
+        k = torch.cat([p[0] for p in parts], dim=-2).to(self.dtype)
+        v = torch.cat([p[1] for p in parts], dim=-2).to(self.dtype)
+        if self.frame and self.rope is not None:
+            k = rotate_by(k, -self.frame, self.rope)
+        return k, v
+
+    def _attend(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """What this forward's attention reads: the packed codes (a bound one-token step) or the decoded slots."""
+        from kvlab.hf.compressed_cache import _STEPS
+
+        step = _STEPS.current(self.rule)
+        sinks_k = [self.sink_live] if self.sink_live is not None else []
+        sinks_v = [self.sink_values] if self.sink_values is not None else []
+        if step is not None and key_states.shape[-2] == 1 and key_states.shape[0] == 1 and self.segments:
+            plan = self.segment_plan()
+            if plan is not None:
+                fp_k = torch.cat([*sinks_k, self.tail_k], dim=-2)[0]
+                fp_v = torch.cat([*sinks_v, self.tail_v], dim=-2)[0]
+                step.views[self.index] = (plan, fp_k, fp_v)
+                return key_states, value_states
+        codes = self.decoded_codes()
+        ks = [*sinks_k, *([codes[0]] if codes else []), self.tail_k]
+        vs = [*sinks_v, *([codes[1]] if codes else []), self.tail_v]
+        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+
+    def segment_plan(self) -> Any:
+        """The codes as the packed-code attention reads them, with the query turned by ``+frame``."""
+        key = (len(self.segments), id(self.segments[0]), self.frame)
+        if self._plan_key != key:
+            from kvlab.compress.quant.attention import segment_plan
+
+            plan = segment_plan(self.segments, path=self.packed_path)
+            if plan is not None and self.frame and self.rope is not None:
+                plan = dataclasses.replace(plan, frame=self.frame, frame_rope=self.rope)
+            self._seg_plan, self._plan_key = plan, key
+        return self._seg_plan
+
+    @property
+    def index(self) -> int:
+        return self.layer_index
+
+    # -- inspection ----------------------------------------------------------------------------------
+    def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` as the next forward will see them (pending roll applied), decoded; new tensors."""
+        saved = dict(vars(self))
+        try:
+            self._apply(self.plan)
+            codes = self.decoded_codes()
+            ks = [t for t in (self.sink_live, codes[0] if codes else None, self.tail_k) if t is not None]
+            vs = [t for t in (self.sink_values, codes[1] if codes else None, self.tail_v) if t is not None]
+            return torch.cat(ks, dim=-2).clone(), torch.cat(vs, dim=-2).clone()
+        finally:
+            vars(self).clear()
+            vars(self).update(saved)
+
+    def reset(self) -> None:
+        super().reset()
+        self.segments, self.tail_start, self.frame = [], 0, 0
+        self.sink_values = self.sink_live = self.tail_k = self.tail_v = None
+
+
+def check_codec(text: Any, rope: Any, codec: Quantizer, *, window: int, chunk: int, packed_path: str) -> int:
+    """Refuse a codec the rolling window cannot hold (before anything is built); returns the eviction
+    chunk rounded up to whole blocks of codes."""
+    from kvlab.compress.quant.attention import PATHS
+    from kvlab.errors import UnsupportedModelError
+    from kvlab.hf.cache import sliding_windows
+
+    if not isinstance(codec, Quantizer):
+        raise BadInputError(f"codec must be a kvlab Quantizer, got {type(codec).__name__}")
+    if packed_path not in PATHS:
+        raise BadInputError(f"packed_path must be one of {', '.join(PATHS)}, got {packed_path!r}")
+    if any(w is not None for w in sliding_windows(text)):
+        raise UnsupportedModelError(
+            "a rolling window over codes supports full-attention models only (this one has sliding-window layers)"
+        )
+    if codec.sinks:
+        raise BadInputError("a rolling window keeps its own sinks in full precision: give the codec sinks=0")
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    for i in range(int(text.num_hidden_layers)):
+        codec.check(head_dim, rope.for_layer(i) if rope is not None else None)
+    block = block_for(codec)
+    chunk = block * math.ceil(max(1, int(chunk)) / block)
+    need = chunk + block + int(codec.window)
+    if window < need:
+        raise BadInputError(
+            f"a window of {window} over {codec.name} codes holds none: it needs at least the eviction chunk "
+            f"({chunk}) + one block of codes ({block}) + the full-precision tail ({codec.window}) = {need} slots"
+        )
+    return chunk
+
+
+def begin_packed_step(cache: Any, model: Any, kwargs: dict) -> Any:
+    """Open a one-token step whose attention reads each coded layer's packed codes (the same attention
+    function as :class:`~kvlab.hf.compressed_cache.CompressedCache`); returns what closes it, or None."""
+    from kvlab.compress.quant.attention import packed_path
+    from kvlab.errors import UnsupportedModelError
+    from kvlab.hf.compressed_cache import _STEPS, QUANT_ATTENTION, _attends_plainly, _Step
+
+    x = kwargs.get("input_ids")
+    x = x if isinstance(x, torch.Tensor) else kwargs.get("inputs_embeds")
+    if (
+        not isinstance(x, torch.Tensor)
+        or tuple(x.shape[:2]) != (1, 1)
+        or getattr(model, "dtype", None) != torch.float32
+        or not _attends_plainly(model)
+        or packed_path(x.device, cache.packed_path) is None
+    ):
+        return None
+    before = model.config._attn_implementation
+    step = _Step(cache.rule)
+    model.set_attn_implementation(QUANT_ATTENTION)
+    _STEPS.stack.append(step)
+
+    def finish(out: Any) -> None:
+        _STEPS.stack.remove(step)
+        model.set_attn_implementation(before)
+        cache.packed_steps += step.consumed > 0
+        if out is not None and step.views:
+            raise UnsupportedModelError(
+                "the model did not attend through transformers' attention interface in every layer, so its "
+                "output ignores the coded window (re-run without binding the cache to the model)"
+            )
+
+    return finish
