@@ -122,6 +122,70 @@ def test_the_torch_path_equals_the_kernel(case):
     assert_forward_close(torch_ops, kernel, None, what=f"torch path vs C kernel ({case})", tol=tol)
 
 
+MANY = {
+    "pertoken int4, head_dim 16": (PerTokenQuantizer(bits=4, group_size=16), 16),
+    "int4 proj-centred, half RoPE": (RotatedQuantizer(bits=4, sinks=0), 64),
+}
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("n_segments", [1, 2, 9, 10, 13, 20])
+@pytest.mark.parametrize("case", list(MANY))
+def test_many_segments_equal_float64_attention(case, n_segments, path):
+    """A plan of up to 20 segments (a bound cache holds one per 32 generated tokens) attends as float64
+    SDPA over the dequantized segments: no segment-count or length limit in the plan or the kernel.
+
+    The bound is the computation's worst-case float32 rounding (no headroom): a logit takes at most
+    ``3 D + 4`` rounded steps (rotating the query, the dot with the codes, the groups' scales and zeros,
+    the mean term over ``D / 2`` frequencies), so it is off by at most ``eps (3 D + 4) max_t |q|.|k_t|``
+    (absolute values, times the scaling); the softmax turns a logit error
+    ``delta`` into weights off by at most ``2 delta`` in sum; and the output sums ``T`` weighted values one
+    after another (each decoded with a few more roundings), off by at most ``eps (T + 4) max|v|``."""
+    quantizer, d = MANY[case]
+    heads, fp = 2, 6
+    segs = _segments(quantizer, _rope(d), heads=heads, d=d, lengths=(32,) * n_segments, seed=n_segments)
+    plan = qa.segment_plan(segs, path=path)
+    assert plan is not None, kernels.why_not(qa.KERNEL)
+    assert plan.lengths == (32,) * n_segments and plan.total == 32 * n_segments
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2 * heads, d, generator=gen) * 0.5  # weights spread over every segment
+    fp_k, fp_v = torch.randn(heads, fp, d, generator=gen), torch.randn(heads, fp, d, generator=gen)
+    got = qa.decode_attention(plan, q, fp_k, fp_v, d**-0.5)
+    ref, _ = _reference(segs, q, fp_k, fp_v, d**-0.5)
+    k = torch.cat([s.decode()[0][0] for s in segs] + [fp_k], dim=-2).double()
+    v = torch.cat([s.decode()[1][0] for s in segs] + [fp_v], dim=-2).double()
+    qk_abs = float((q.double().abs().reshape(heads, -1, d) @ k.abs().transpose(-1, -2)).max()) * d**-0.5
+    v_max, slots, eps = float(v.abs().max()), k.shape[-2], torch.finfo(torch.float32).eps
+    tol = eps * (2 * (3 * d + 4) * qk_abs + slots + 4) * v_max
+    assert_forward_close(got, ref.float(), None, what=f"{n_segments} segments ({case}, {path})", tol=tol)
+    # a plan that lost one segment (a count or length limit) is far outside that bound
+    if n_segments > 1:
+        lost = qa.decode_attention(qa.segment_plan(segs[:-1], path=path), q, fp_k, fp_v, d**-0.5)
+        assert float((lost.double() - ref).abs().max()) > 2 * tol
+
+
+def test_a_rounding_level_input_difference_can_move_a_code_by_a_whole_step():
+    """Why a bound cache is checked against its own decoded history, never against a second cache fed the
+    same tokens: quantization is discontinuous. Keys two float32 ulps apart (what the packed step and
+    SDPA leave in the next layer's K/V) straddle a rounding boundary and decode a whole quantization step
+    apart. (500 tokens through a 2-layer llama, bound vs unbound cache: layer 1's K/V inputs differ by
+    8e-7, so in its 10th segment one group's fp16 scale moves one ulp and a code one step, 0.117, with the
+    C kernel (a group's fp16 zero point one ulp, 1e-3, with torch ops); the logits then differ by 2e-4
+    (1e-5), while every step of the bound cache equals attention over its own decoded history within
+    2e-6.)"""
+    quantizer = PerTokenQuantizer(bits=4, group_size=16)
+    x = torch.linspace(0.0, 1.5, 16).reshape(1, 1, 1, 16)  # zero point 0, scale fp16(0.1) rounded up
+    scale = float(quantizer.encode(x, x, torch.arange(1), None).keys.q.scale)
+    boundary = torch.tensor(8.5 * scale, dtype=torch.float32)
+    lo, hi = x.clone(), x.clone()
+    lo[..., 5] = torch.nextafter(boundary, torch.tensor(0.0))
+    hi[..., 5] = torch.nextafter(boundary, torch.tensor(1.0))
+    a = quantizer.encode(lo, lo, torch.arange(1), None).keys.decode()
+    b = quantizer.encode(hi, hi, torch.arange(1), None).keys.decode()
+    assert float((hi - lo).abs().max()) < 2e-7
+    assert float((b - a).abs().max()) == pytest.approx(scale, rel=1e-3)
+
+
 def test_the_kernel_only_ever_sees_host_memory():
     """Every pointer handed to the C kernel is checked at the ctypes boundary: a tensor on another
     device (meta here; CUDA on a GPU machine) is refused, never read as a host address; and the auto
@@ -221,6 +285,31 @@ def test_bound_cache_decodes_on_packed_codes_and_equals_its_decoded_history(
         ({"kernel", "torch"} - {path}).pop(): 0,
     }
     assert len(cache.layers[0].segments) >= 3  # the generated tokens were encoded in blocks on the way
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_bound_cache_over_many_segments_equals_its_own_decoded_history(tiny_model, monkeypatch, path):
+    """A segment every 4 generated tokens (instead of 32): 20 steps past 16 segments per layer, each
+    step's logits equal attention over what this same cache held before it, decoded. (Compared with a
+    second, unbound cache instead, the two drift apart once rounding-level differences in a layer's K/V
+    flip one code: see test_a_rounding_level_input_difference_can_move_a_code_by_a_whole_step.)"""
+    import kvlab.hf.compressed_cache as cc
+
+    monkeypatch.setattr(cc, "DECODE_BLOCK", 4)
+    h = tiny_model("llama")
+    ids = torch.randint(0, h.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(6))
+    cache = CompressedCache(h.config, quantizer=BOUND["pertoken"], model=h.model, packed_path=path)
+    with torch.no_grad():
+        h.run(ids[:, :40], cache)
+        for p in range(40, 120):
+            held = [layer.decoded() for layer in cache.layers]
+            ref = logits_on_layers(
+                h, tuple(k for k, _ in held), tuple(v for _, v in held), [int(ids[0, p])], p
+            )
+            got = h.run(ids[:, p : p + 1], cache).logits[0]
+            assert_forward_close(got, ref, h, what=f"logits of the packed-code step at position {p}")
+    assert cache.packed_steps_by_path[path] == 80
+    assert all(len(layer.segments) == 21 for layer in cache.layers)  # the prompt's, then one per 4 tokens
 
 
 def test_generate_with_a_bound_quantizing_cache_uses_packed_codes(smollm, monkeypatch):
