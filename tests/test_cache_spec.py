@@ -127,3 +127,39 @@ def test_canonical_strings_round_trip(sinks, window, score, keep, every, codec):
     for text in (f"sinks={sinks},window={window}{c}", f"{score},keep={keep!r},every={every}{c}"):
         p = parse(text)
         assert isinstance(p, CachePolicy) and parse(p.spec) == p
+
+
+def test_the_study_reads_the_registries():
+    """A codec or an eviction policy added in one file is measured by the compression experiment."""
+    from kvlab.study.experiments.compression import POLICY_NAMES, QUANT_METHODS
+
+    assert set(POLICIES) == set(POLICY_NAMES) and "random_sinks" in POLICY_NAMES
+    for name in quantizer_names():
+        assert QUANT_METHODS[name] == (name, {}) and QUANT_METHODS[f"{name}+sinks"] == (name, {"sinks": 4})
+
+
+def test_a_one_file_codec_and_policy_run_in_the_study(smollm, tmp_path):
+    from kvlab.study.experiments import ExperimentContext, get_experiment
+    from kvlab.study.runner import run_experiment
+
+    ctx = ExperimentContext(
+        out_dir=tmp_path,
+        profile="quick",
+        options=dict(
+            context_tokens=96,
+            continuation_tokens=16,
+            windows=1,
+            bits=[4],
+            keeps=[0.5],
+            methods=["fp8"],
+            policies=["random_sinks"],
+            needle_lengths=[96],
+            needle_depths=[0.5],
+            needle_configs=["random_sinks 50%"],
+            timing_steps=0,
+        ),
+    )
+    ctx.model_handle = smollm
+    configs = run_experiment(get_experiment("compression"), ctx).summary["configs"]
+    assert {"full precision", "fp8", "random_sinks 50%"} <= set(configs)
+    assert configs["fp8"]["bytes_per_token"] < 0.6 * configs["full precision"]["bytes_per_token"]

@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlab.compress.evict import Observation, evict, make_policy, observe
+from kvlab.compress.evict import POLICIES, Observation, evict, make_policy, observe
 from kvlab.compress.evict.learned import DEFAULT_WEIGHTS
 from kvlab.compress.evict.select import budget_slots
 from kvlab.compress.measure import continuation_quality, distortion, reference, time_decode_ms
 from kvlab.compress.quant import make_quantizer, quantize_snapshot
+from kvlab.compress.quant.methods import QUANTIZERS, quantizer_names
 from kvlab.compress.quant.scalar import check_bits
 from kvlab.data import Text, default_long_text, python_docs, read_text_file, token_samples
 from kvlab.errors import BadInputError
@@ -29,18 +30,20 @@ from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 
-# label -> (method, options); "+sinks" variants keep the first 4 slots in full precision.
-QUANT_METHODS: dict[str, tuple[str, dict]] = {
-    "pertoken": ("pertoken", {}),
-    "pertoken+sinks": ("pertoken", {"sinks": 4}),
-    "kivi": ("kivi", {}),
-    "kivi+sinks": ("kivi", {"sinks": 4}),
-    "prerope+sinks": ("prerope", {"sinks": 4}),
-    "rotation": ("rotation", {}),
-    "rotation+sinks": ("rotation", {"sinks": 4}),
-    "rotation+qjl+sinks": ("rotation+qjl", {"sinks": 4}),
-}
-POLICY_NAMES = ("window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "random", "learned")
+
+def _quant_methods() -> dict[str, tuple[str, dict]]:
+    """label -> (codec, options): every registered codec (:data:`~kvlab.compress.quant.methods.QUANTIZERS`,
+    plus ``rotation+qjl``), alone and as ``+sinks`` (the first 4 slots kept in full precision)."""
+    out: dict[str, tuple[str, dict]] = {}
+    for name in quantizer_names():
+        out[name] = (name, {})
+        out[f"{name}+sinks"] = (name, {"sinks": 4})
+    return out
+
+
+#: read from the registries, so a codec or an eviction policy added in one file is measured here too
+QUANT_METHODS: dict[str, tuple[str, dict]] = _quant_methods()
+POLICY_NAMES = tuple(POLICIES)
 REPACK_POLICIES = ("streaming_llm", "snapkv", "learned")
 BITS = (8, 4, 3, 2)
 KEEPS = (0.75, 0.5, 0.25, 0.1)
@@ -144,7 +147,7 @@ def run(
         f"{src.source}: {n_win} windows of {n_ctx} context + {n_cont} continuation tokens"
     )
     configs: list[tuple[str, str, float, str]] = [("full", "none", 0.0, "keep")]
-    configs += [("quant", m, float(b), "keep") for m in methods for b in bits]
+    configs += [("quant", m, float(b), "keep") for m in methods for b in _widths(m, bits)]
     configs += [("evict", p, float(k), "keep") for p in policies for k in keeps]
     configs += [
         ("evict", p, float(k), "repack") for p in policies if p in REPACK_POLICIES for k in keeps if k == 0.5
@@ -158,6 +161,12 @@ def run(
     return _report(
         ctx, result, configs, names, quality, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, handle
     )
+
+
+def _widths(method: str, bits) -> list[int]:
+    """The bit widths a codec is measured at: the profile's, or its own where the width is its kind (fp8)."""
+    fixed = getattr(QUANTIZERS.get(QUANT_METHODS[method][0]), "fixed_bits", None)
+    return [fixed] if fixed is not None else list(bits)
 
 
 def _choices(ctx: ExperimentContext, result: ExperimentResult, bits, keeps, methods, policies):
@@ -244,7 +253,8 @@ def _label(cfg: tuple[str, str, float, str]) -> str:
     if kind == "full":
         return "full precision"
     if kind == "quant":
-        return f"{method} int{int(budget)}"
+        fixed = getattr(QUANTIZERS.get(QUANT_METHODS[method][0]), "fixed_bits", None)
+        return method if fixed is not None else f"{method} int{int(budget)}"
     return f"{method} {int(round(budget * 100))}%" + (" repack" if mode == "repack" else "")
 
 
