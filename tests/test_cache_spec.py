@@ -163,3 +163,37 @@ def test_a_one_file_codec_and_policy_run_in_the_study(smollm, tmp_path):
     configs = run_experiment(get_experiment("compression"), ctx).summary["configs"]
     assert {"full precision", "fp8", "random_sinks 50%"} <= set(configs)
     assert configs["fp8"]["bytes_per_token"] < 0.6 * configs["full precision"]["bytes_per_token"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind"),
+    [
+        ("full", "DynamicCache"),
+        ("codec=int4", "CompressedCache"),
+        ("sinks=4,window=64", "RollingCache"),
+        ("sinks=4,window=96,chunk=32,codec=fp8,tail=16", "RollingCache"),
+        ("h2o,keep=0.5,every=8", "CompressedCache"),
+        ("snapkv,budget=24,codec=int4", "CompressedCache"),
+    ],
+)
+def test_cache_for_builds_the_live_cache_a_spec_names(tiny_llama_2x64, spec, kind):
+    """One constructor for every spec: the cache runs a prompt and 40 steps and holds what it says."""
+    from kvlab.hf.policy_cache import cache_for, held_bytes
+
+    h = tiny_llama_2x64
+    p = parse(spec)
+    cache = cache_for(p, h)
+    assert type(cache).__name__ == kind
+    ids = torch.randint(0, 512, (1, 88), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h.run(ids[:, :48], cache)
+        for i in range(48, 88):
+            h.run(ids[:, i : i + 1], cache)
+    per_slot = 2 * 2 * 2 * 16 * h.dtype.itemsize  # K and V, 2 layers, 2 heads x 16
+    if p.exact:
+        assert held_bytes(cache) == 88 * per_slot
+    elif p.codec is not None or isinstance(p.layout, ScoredLayout):
+        assert held_bytes(cache) < 88 * per_slot
+    # a full-precision RollingCache counts its spare room too (buffers sized for window + 2 chunks)
+    if isinstance(p.layout, SinksWindowLayout):
+        assert cache.kept <= p.layout.sinks + p.layout.window and (p.codec is None) == (cache.codec is None)
