@@ -36,7 +36,10 @@ from kvlab.errors import BadInputError
 ALIASES = {"keynorm": "knorm"}
 DEFAULT_SINKS = 4  # a sinks + window layout without ``sinks=`` keeps StreamingLLM's four
 MAX_INT = 2**31 - 1  # slot counts past this are typos, not caches
-KEYS = ("sinks", "window", "keep", "ratio", "budget", "every", "chunk", "codec", "tail")
+KEYS = ("sinks", "window", "keep", "ratio", "budget", "every", "chunk", "codec", "tail", "heads", "layers")
+#: how a scored layout shares its budget: across the KV heads of a layer and across layers
+HEAD_SHARES = ("uniform", "ada")  # ada: AdaKV's top slots over all heads of a layer together
+LAYER_SHARES = ("uniform", "pyramid")  # pyramid: PyramidKV's budgets falling linearly with depth
 
 
 # -- layouts: which slots stay ------------------------------------------------------------------
@@ -96,6 +99,8 @@ class ScoredLayout(Layout):
     every: int = 0
     sinks: int | None = None
     window: int | None = None
+    heads: str = "uniform"
+    layers: str = "uniform"
     name: ClassVar[str] = "scored"
 
     def policy(self) -> Any:
@@ -160,6 +165,7 @@ class CachePolicy:
             parts.append(lay.score)
             parts.append(f"keep={lay.keep!r}" if lay.keep is not None else f"budget={lay.budget}")
             parts += [f"{k}={getattr(lay, k)}" for k in ("sinks", "window") if getattr(lay, k) is not None]
+            parts += [f"{k}={getattr(lay, k)}" for k in ("heads", "layers") if getattr(lay, k) != "uniform"]
             parts += [f"every={lay.every}"] if lay.every else []
         elif self.codec_sinks:
             parts.append(f"sinks={self.codec_sinks}")
@@ -191,7 +197,7 @@ class CachePolicy:
         if isinstance(lay, SinksWindowLayout):
             out.update(sinks=lay.sinks, window=lay.window)
         if isinstance(lay, ScoredLayout):
-            out.update(policy=lay.score, every=lay.every)
+            out.update(policy=lay.score, every=lay.every, heads=lay.heads, layers=lay.layers)
             if lay.keep is not None:
                 out.update(keep=lay.keep, compression_ratio=round(1.0 - lay.keep, 12))
             else:
@@ -230,7 +236,8 @@ def known() -> str:
     names = [k if c.fixed_bits is not None else f"{k}<bits>" for k, c in codecs.items()]
     scores = [*_scores(), *(f"{a} (= {b})" for a, b in ALIASES.items())]
     return (
-        f"full; sinks=N,window=N[,chunk=N]; <score>,keep=F|ratio=F|budget=N[,every=N][,sinks=N][,window=N] "
+        f"full; sinks=N,window=N[,chunk=N]; <score>,keep=F|ratio=F|budget=N[,every=N][,sinks=N][,window=N]"
+        f"[,heads={'|'.join(HEAD_SHARES)}][,layers={'|'.join(LAYER_SHARES)}] "
         f"with score one of {', '.join(scores)}; add codec=<codec>[,tail=N] with codec one of "
         f"{', '.join(names)} (bits {'/'.join(map(str, SUPPORTED_BITS))}; int<bits> = pertoken), "
         "e.g. sinks=4,window=2048,codec=kivi4 or h2o,keep=0.25,every=256; short forms int4, kivi:int2, snapkv:0.5"
@@ -331,6 +338,8 @@ def _build(spec: str, score: str | None, opts: dict[str, str]) -> CachePolicy:
 
     layout: Layout
     codec_sinks = 0
+    if score is None:
+        refuse(("heads", "layers"), "share a score's budget: add a score (e.g. h2o,keep=0.5,heads=ada)")
     if score is not None:
         refuse(("chunk",), "applies to sinks + window only")
         budgets = [k for k in ("keep", "ratio", "budget") if k in opts]
@@ -349,8 +358,22 @@ def _build(spec: str, score: str | None, opts: dict[str, str]) -> CachePolicy:
             raise BadInputError(f"cache spec '{spec}': keep must be a fraction in (0, 1], got {opts['keep']}")
         if "budget" in ints and ints["budget"] < 1:
             raise BadInputError(f"cache spec '{spec}': budget must be >= 1 slot")
+        shares = {}
+        for key, allowed in (("heads", HEAD_SHARES), ("layers", LAYER_SHARES)):
+            if key in opts:
+                if opts[key] not in allowed:
+                    raise BadInputError(
+                        f"cache spec '{spec}': {key}= is one of {', '.join(allowed)}, got {opts[key]}"
+                    )
+                shares[key] = opts[key]
         layout = ScoredLayout(
-            score, keep, ints.get("budget"), ints.get("every", 0), ints.get("sinks"), ints.get("window")
+            score,
+            keep,
+            ints.get("budget"),
+            ints.get("every", 0),
+            ints.get("sinks"),
+            ints.get("window"),
+            **shares,
         )
         try:
             layout.policy()

@@ -83,6 +83,8 @@ def parse_cache_spec(spec: str) -> CacheSpec:
     can do: ``every=`` acts while decoding, and the context is compressed once here."""
     policy = parse(spec)
     lay = policy.layout
+    if isinstance(lay, ScoredLayout) and (lay.heads, lay.layers) != ("uniform", "uniform"):
+        raise BadInputError(f"cache spec '{spec}': shared budgets (heads=, layers=) are not in the eval yet")
     if isinstance(lay, ScoredLayout) and lay.every:
         raise BadInputError(
             f"cache spec '{spec}': every= keeps a budget while decoding; the eval compresses the context "
