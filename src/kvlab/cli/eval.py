@@ -28,12 +28,25 @@ MAX_LENGTH = 1 << 20
 
 
 def _specs(value: list[str] | None) -> list[str] | None:
-    """Typer callback: every ``--cache`` spec parses (one line naming the known forms otherwise)."""
+    """Typer callback: every ``--cache`` spec parses (one line naming the known forms otherwise); a
+    score without a budget (``snapkv``) waits for ``--ratios`` (checked once both are read)."""
     if value:
-        from kvlab.eval.run import parse_cache_specs
+        from kvlab.eval.run import bare_score, parse_cache_specs
 
         try:
-            parse_cache_specs(value)
+            parse_cache_specs([s for s in value if bare_score(s) is None] or ["full"])
+        except BadInputError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def _ratios(value: str | None) -> str | None:
+    """Typer callback: fractions removed, comma-separated, each in [0, 1)."""
+    if value is not None:
+        from kvlab.eval.run import parse_ratios
+
+        try:
+            parse_ratios(value)
         except BadInputError as exc:
             raise typer.BadParameter(str(exc)) from None
     return value
@@ -107,7 +120,17 @@ def register(app: typer.Typer) -> None:
                 "--cache",
                 callback=_specs,
                 help="Cache policy (repeatable): full, <policy>:<fraction removed> (snapkv:0.5, h2o:0.5, "
-                "tova:0.5, keynorm:0.5, window:0.5), int4, int2, <quantizer>:int<bits> (kivi:int2).",
+                "tova:0.5, keynorm:0.5, window:0.5), int4, int2, <quantizer>:int<bits> (kivi:int2); "
+                "a policy without a ratio (snapkv, h2o) runs at each of --ratios.",
+            ),
+        ] = None,
+        ratios: Annotated[
+            str | None,
+            typer.Option(
+                "--ratios",
+                callback=_ratios,
+                help="Fractions removed, comma-separated (0.25,0.5,0.75): each --cache policy named "
+                "without a ratio runs at each; codecs and complete specs run once.",
             ),
         ] = None,
         lengths: Annotated[
@@ -151,10 +174,11 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Run RULER-style trials under each cache policy: accuracy, KL and top-1 agreement to the full cache."""
-        from kvlab.eval.run import parse_cache_specs, run_suite, summarize
+        from kvlab.eval.run import expand_specs, parse_cache_specs, parse_ratios, run_suite, summarize
         from kvlab.eval.tasks import TASKS
 
-        specs = parse_cache_specs(cache or ["full"])
+        ratio_list = parse_ratios(ratios) if ratios is not None else None
+        specs = parse_cache_specs(expand_specs(cache or ["full"], ratio_list))
         task_names = [t.strip() for t in tasks.split(",")] if tasks else list(TASKS)
         length_list = [int(v) for v in lengths.split(",")]
         if out is not None:
@@ -186,6 +210,7 @@ def register(app: typer.Typer) -> None:
                 "device": str(handle.device),
                 "dtype": dtype,
                 "caches": [s.to_json() for s in specs],
+                "ratios": ratio_list,
                 "tasks": task_names,
                 "lengths": length_list,
                 "trials": trials,

@@ -83,8 +83,10 @@ def parse_cache_spec(spec: str) -> CacheSpec:
     can do: ``every=`` acts while decoding, and the context is compressed once here."""
     policy = parse(spec)
     lay = policy.layout
-    if isinstance(lay, ScoredLayout) and (lay.heads, lay.layers) != ("uniform", "uniform"):
-        raise BadInputError(f"cache spec '{spec}': shared budgets (heads=, layers=) are not in the eval yet")
+    if _shared(policy) and (lay.budget is not None or policy.codec is not None):
+        raise BadInputError(
+            f"cache spec '{spec}': shared budgets (heads=, layers=) run in the eval with keep= and no codec"
+        )
     if isinstance(lay, ScoredLayout) and lay.every:
         raise BadInputError(
             f"cache spec '{spec}': every= keeps a budget while decoding; the eval compresses the context "
@@ -100,6 +102,22 @@ def parse_cache_spec(spec: str) -> CacheSpec:
     return CacheSpec(spec.strip().lower(), policy)
 
 
+def _shared(policy: CachePolicy) -> bool:
+    """A scored layout whose budget is shared across KV heads (``heads=ada``) or layers (``layers=pyramid``):
+    the eval holds it as a :class:`~kvlab.compress.evict.budgets.RaggedCache` and runs it through
+    :mod:`kvlab.hf.ragged`."""
+    lay = policy.layout
+    return isinstance(lay, ScoredLayout) and (lay.heads, lay.layers) != ("uniform", "uniform")
+
+
+def _ragged(spec: CacheSpec, source: Any) -> Any:
+    """The ragged cache of a shared-budget spec after the context."""
+    from kvlab.compress.evict.budgets import evict_ragged
+
+    lay = spec.policy.layout
+    return evict_ragged(source, lay.policy(), keep=lay.keep, heads=lay.heads, layers=lay.layers)
+
+
 def parse_cache_specs(specs: Sequence[str]) -> list[CacheSpec]:
     """Several specs, each parsed once; the same policy twice is refused (it would be a duplicate column)."""
     parsed = [parse_cache_spec(s) for s in specs]
@@ -111,6 +129,71 @@ def parse_cache_specs(specs: Sequence[str]) -> list[CacheSpec]:
             raise BadInputError(f"cache spec '{p.spec}' is given twice")
         seen.add(p.policy.spec)
     return parsed
+
+
+def parse_ratios(text: str) -> list[float]:
+    """``--ratios 0.25,0.5,0.75``: fractions removed, each in [0, 1), none repeated, in the order given."""
+    items = [v.strip() for v in str(text).split(",")]
+    try:
+        ratios = [float(v) for v in items]
+    except ValueError:
+        raise BadInputError(
+            f"ratios {text!r} is not a comma-separated list of fractions (e.g. 0.25,0.5)"
+        ) from None
+    for r in ratios:
+        if not 0.0 <= r < 1.0:  # also refuses nan
+            raise BadInputError(f"ratio {r:g} (the fraction removed) must lie in [0, 1)")
+    if len(set(ratios)) != len(ratios):
+        raise BadInputError(f"ratios {text!r} repeat a ratio")
+    return ratios
+
+
+def bare_score(text: str) -> str | None:
+    """The spec written as key=value items when it names a score and no budget (``snapkv``,
+    ``h2o,sinks=4``; ``window`` is sinks + window), else None: it is complete (or not a score)."""
+    t = text.strip().lower().replace(" ", "")
+    t = "streaming_llm" if t == "window" else t
+    if ":" in t or any(item.partition("=")[0] in ("keep", "ratio", "budget") for item in t.split(",")):
+        return None
+    try:
+        parse(t)
+        return None  # complete as written: full, a codec, sinks + window
+    except BadInputError:
+        pass
+    try:
+        probe = parse(f"{t},ratio=0.5")
+    except BadInputError:
+        return None  # not a score's spec: let the one reader say what is wrong with it
+    return t if isinstance(probe.layout, ScoredLayout) else None
+
+
+def expand_specs(texts: Sequence[str], ratios: Sequence[float] | None) -> list[str]:
+    """Each spec naming a score without a budget, once per ratio (the fraction removed): ``snapkv`` ->
+    ``snapkv:0.25``, ``snapkv:0.5``...; ``h2o,sinks=4`` -> ``h2o,sinks=4,ratio=0.25``... Full specs and
+    codecs pass unchanged. Without ratios the specs pass unchanged (a bare score is then refused by the
+    reader: "give one budget"); ratios with nothing to expand are refused (they would be ignored)."""
+    if not ratios:
+        for text in texts:
+            if bare_score(text) is not None:
+                raise BadInputError(
+                    f"cache spec '{text}': give one budget ({text.strip()}:0.5, keep=F, ratio=F or "
+                    "budget=N) or --ratios 0.25,0.5,0.75"
+                )
+        return list(texts)
+    out, expanded = [], False
+    for text in texts:
+        base = bare_score(text)
+        if base is None:
+            out.append(text)
+            continue
+        expanded, label = True, text.strip().lower().replace(" ", "")  # "window" stays "window:R"
+        out += [f"{base},ratio={r:g}" if "," in base else f"{label}:{r:g}" for r in ratios]
+    if not expanded:
+        raise BadInputError(
+            "--ratios expands a cache spec naming a score without a budget (e.g. --cache snapkv "
+            "--cache h2o); none was given"
+        )
+    return out
 
 
 def _encoded(policy: CachePolicy, keys, values, positions, rope) -> tuple[tuple, tuple, int]:
@@ -198,12 +281,31 @@ def run_trial(
     rows = []
     for spec in [full, *(s for s in specs if s.kind != "full")]:
         t1 = time.perf_counter()
-        keys, values, nbytes = _layers(spec, source)
-        tokens = greedy_on_layers(handle, keys, values, question, start, n_new)
-        if spec.kind == "full":
-            reference["answer"] = tokens
-        forced = question + reference["answer"][:-1]
-        logits = logits_on_layers(handle, keys, values, forced, start)
+        extra: dict[str, Any] = {}
+        if _shared(spec.policy):  # per-head / per-layer budgets: a ragged cache, its own forward
+            from kvlab.hf.ragged import ragged_greedy, ragged_logits
+
+            rc = _ragged(spec, source)
+            nbytes, counts = rc.nbytes, rc.counts
+            kept = round(rc.kept_slots / sum(len(c) for c in counts))
+            extra = {
+                "kv_bytes_padded": int(rc.padded_nbytes),
+                "kv_bytes_masked": int(rc.masked_nbytes),
+                "kept_per_layer": [sum(c) for c in counts],
+                "kept_per_head_min": min(min(c) for c in counts),
+                "kept_per_head_max": max(max(c) for c in counts),
+            }
+            tokens = ragged_greedy(handle, rc, question, start, n_new)
+            forced = question + reference["answer"][:-1]
+            logits = ragged_logits(handle, rc, forced, start)
+        else:
+            keys, values, nbytes = _layers(spec, source)
+            kept = int(keys[0].shape[-2])
+            tokens = greedy_on_layers(handle, keys, values, question, start, n_new)
+            if spec.kind == "full":
+                reference["answer"] = tokens
+            forced = question + reference["answer"][:-1]
+            logits = logits_on_layers(handle, keys, values, forced, start)
         if spec.kind == "full":
             reference["logits"] = logits
         div = compare_logits(reference["logits"], logits)
@@ -218,8 +320,9 @@ def run_trial(
             "seed": trial.seed,
             "context_tokens": len(ctx),
             "question_tokens": len(question),
-            "kept_slots": int(keys[0].shape[-2]),
+            "kept_slots": kept,
             "kv_bytes": int(nbytes),
+            **extra,
             "output": text,
             "answers": list(trial.answers),
             "rule": trial.rule,
