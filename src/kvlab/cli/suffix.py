@@ -58,6 +58,31 @@ def _stream_sinks(value: list[int] | None) -> list[int] | None:
     return value
 
 
+def _cache_spec(value: str | None) -> str | None:
+    """Typer callback: ``--cache SPEC`` parses (one line naming the known forms otherwise)."""
+    if value is not None:
+        _cache_specs([value])
+    return value
+
+
+def _cache_specs(value: list[str] | None) -> list[str] | None:
+    """Typer callback: every ``--cache SPEC`` parses, none twice (one line naming the known forms otherwise)."""
+    if value:
+        from kvlab.compress.spec import parse_many
+
+        try:
+            parse_many(value)
+        except BadInputError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+CacheHelp = (
+    "A cache policy spec, e.g. sinks=4,window=2048,codec=kivi4 or h2o,keep=0.5,every=256 "
+    "(layout x codec; see docs/rolling-cache.md)"
+)
+
+
 def _check_rolling(model: str, window: int, sinks: int, system: str | None = None) -> None:
     """What a rolling cache of ``sinks`` + ``window`` on ``model`` cannot honour, refused before the
     weights load (the model's config and tokenizer suffice): sinks not fewer than the window, a cache
@@ -146,6 +171,106 @@ def _rolling(handle, window: int, sinks: int, chunk: int | None):
     )
 
 
+def _write_tokens(handle, tokens, stops, *, stream: bool) -> tuple[int, str]:
+    """Consume ``tokens`` up to a stop (Ctrl-C ends it too): ``(steps, text)``, the text written to
+    stdout as it comes (whole UTF-8 characters) when ``stream``."""
+    n, pending, done = 0, [], []
+    try:
+        for token in tokens:
+            n += 1
+            if token in stops:
+                break
+            pending.append(token)
+            text = handle.decode(pending)
+            if stream and not text.endswith("\ufffd"):  # wait for a complete UTF-8 character
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                done += pending
+                pending = []
+    except KeyboardInterrupt:
+        pass
+    if stream:
+        sys.stdout.write(handle.decode(pending) + "\n")
+    return n, handle.decode(done + pending)
+
+
+def _generate_policy(ctx: typer.Context, spec: str | None, model: str, capture: str):
+    """``--cache SPEC`` as a CachePolicy (None without it), refused before the weights load where
+    ``--sinks/--window/--evict-chunk`` or a captured decode is asked for too, or its window does not fit."""
+    if spec is None:
+        return None
+    from kvlab.compress.spec import SinksWindowLayout, parse
+
+    sources = {o: ctx.get_parameter_source(o) for o in ("sinks", "window", "evict_chunk")}
+    given = [f"--{o.replace('_', '-')}" for o, src in sources.items() if src and src.name != "DEFAULT"]
+    if given:
+        raise BadInputError(
+            f"--cache names the whole cache policy; drop {', '.join(given)} (e.g. --cache sinks=4,window=512)"
+        )
+    if capture in ("cuda-graph", "compile"):
+        raise BadInputError(
+            f"--capture {capture} runs the plain --sinks/--window cache; drop it with --cache"
+        )
+    policy = parse(spec)
+    if isinstance(policy.layout, SinksWindowLayout):
+        _check_rolling(model, policy.layout.window, policy.layout.sinks)
+    return policy
+
+
+def _generate_with_policy(
+    policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, device, dtype, seed
+) -> None:
+    """``kvlab generate --cache SPEC``: the live cache :func:`~kvlab.hf.policy_cache.cache_for` builds,
+    streamed (a RollingCache) or run through kvlab's decode loop (any other); says the policy and the
+    K/V bytes held at the end and at most."""
+    from kvlab.hf.policy_cache import cache_for
+    from kvlab.model import load_model
+    from kvlab.streaming.generate import HeldBytes, policy_generate
+
+    handle = load_model(model, device=device, dtype=dtype)
+    ids = handle.encode(prompt, chat=chat)
+    cache, held = cache_for(policy, handle), HeldBytes()
+    stops = handle.eos_ids() if chat else set()
+    t0 = time.perf_counter()
+    tokens = policy_generate(
+        handle,
+        cache,
+        ids,
+        max_new_tokens or None,
+        temperature=temperature,
+        seed=seed,
+        stop_ids=stops,
+        held=held,
+    )
+    n, text = _write_tokens(handle, tokens, stops, stream=not json_out)
+    dt = time.perf_counter() - t0
+    if json_out:
+        import json
+
+        doc = {"text": text, "tokens": n, "prompt_tokens": len(ids), "seconds": dt}
+        sys.stdout.write(json.dumps({**doc, "policy": policy.to_json(), **held.to_json()}) + "\n")
+    if stats:
+        sys.stderr.write(
+            f"[{n} tokens in {dt:.1f} s, {n / max(dt, 1e-9):.1f} tokens/s; cache {policy.spec} "
+            f"({type(cache).__name__}): {held.now / 2**20:.2f} MiB held, {held.peak / 2**20:.2f} MiB at most]\n"
+        )
+
+
+def _experiment_takes_caches() -> None:
+    """``stream-ppl --cache`` needs the ``streaming_ppl`` experiment to take ``caches=`` (the specs it
+    passes to :func:`kvlab.streaming.perplexity.streaming_perplexity` as methods); refused in one line
+    where it does not yet."""
+    import inspect
+
+    from kvlab.study.experiments import get_experiment
+
+    if "caches" not in inspect.signature(get_experiment("streaming_ppl").run).parameters:
+        raise BadInputError(
+            "stream-ppl --cache is not wired into the streaming_ppl experiment yet (it takes no caches=); "
+            "use kvlab.streaming.perplexity.streaming_perplexity(methods=[SPEC, ...])"
+        )
+
+
 def register(app: typer.Typer) -> None:
     @experiment_command(app, "stream-ppl", "streaming_ppl")
     def stream_ppl_cmd(
@@ -199,9 +324,20 @@ def register(app: typer.Typer) -> None:
                 help="Feed a real RollingCache token chunk by chunk (the reference) instead of the masked forwards.",
             ),
         ] = False,
+        cache: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--cache",
+                callback=_cache_specs,
+                help=CacheHelp + " (repeatable), scored next to the other methods.",
+            ),
+        ] = None,
     ) -> dict:
         """Perplexity over a text per cache policy: full, window, sinks + window, sliding window re-computed."""
+        if cache:
+            _experiment_takes_caches()
         return {
+            **({"caches": cache} if cache else {}),
             "text_file": text_file,
             "windows": window or None,
             "sinks": sinks or None,
@@ -255,6 +391,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("generate")
     def generate_cmd(
+        ctx: typer.Context,
         prompt: Annotated[str, typer.Argument(callback=nonempty_texts, help="Prompt text.")],
         max_new_tokens: Annotated[
             int,
@@ -265,12 +402,28 @@ def register(app: typer.Typer) -> None:
         window: WindowOpt = 512,
         sinks: SinksOpt = 4,
         evict_chunk: ChunkOpt = None,
+        cache_spec: Annotated[
+            str | None,
+            typer.Option(
+                "--cache",
+                callback=_cache_spec,
+                help=CacheHelp + "; replaces --sinks/--window/--evict-chunk.",
+            ),
+        ] = None,
         temperature: Annotated[
             float, typer.Option("--temperature", "-t", min=0.0, callback=finite, help="0 = greedy.")
         ] = 0.0,
         chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the chat template.")] = False,
         stats: Annotated[
             bool, typer.Option("--stats", help="Print tokens/s, rolls and memory to stderr at the end.")
+        ] = False,
+        json_out: Annotated[
+            bool,
+            typer.Option(
+                "--json",
+                help="Print one JSON document at the end (text, tokens, seconds, the cache policy and "
+                "the bytes it held) instead of streaming the text.",
+            ),
         ] = False,
         model: ModelOpt = "smollm2-135m",
         device: DeviceOpt = "auto",
@@ -286,9 +439,14 @@ def register(app: typer.Typer) -> None:
             ),
         ] = "auto",
     ) -> None:
-        """Stream tokens with constant memory: sinks + a rolling window, positions re-based as needed."""
+        """Stream tokens with constant memory: sinks + a rolling window (or any --cache policy)."""
         from kvlab.model import load_model, resolve_device
 
+        policy = _generate_policy(ctx, cache_spec, model, capture)
+        if policy is not None:
+            return _generate_with_policy(
+                policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, device, dtype, seed
+            )
         mode = capture
         if capture == "auto":
             mode = "cuda-graph" if str(resolve_device(device)).startswith("cuda") else "off"
@@ -300,23 +458,14 @@ def register(app: typer.Typer) -> None:
         handle = load_model(model, device=device, dtype=dtype)
         ids = handle.encode(prompt, chat=chat)
         tokens, cache = _token_stream(handle, ids, mode, window, sinks, evict_chunk, temperature, seed)
-        t0, n = time.perf_counter(), 0
+        t0 = time.perf_counter()
         stops = handle.eos_ids() if chat else set()
-        pending: list[int] = []
-        try:
-            for token in tokens(max_new_tokens or None, stops):
-                n += 1
-                if token in stops:
-                    break
-                pending.append(token)
-                text = handle.decode(pending)
-                if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character
-                    sys.stdout.write(text)
-                    sys.stdout.flush()
-                    pending = []
-        except KeyboardInterrupt:
-            pass
-        sys.stdout.write(handle.decode(pending) + "\n")
+        n, text = _write_tokens(handle, tokens(max_new_tokens or None, stops), stops, stream=not json_out)
+        if json_out:
+            import json
+
+            doc = {"text": text, "tokens": n, "seconds": time.perf_counter() - t0, "cache": cache.describe()}
+            sys.stdout.write(json.dumps({**doc, "held_bytes": cache.nbytes()}) + "\n")
         if stats:
             dt = time.perf_counter() - t0
             sys.stderr.write(

@@ -82,3 +82,69 @@ def stream_generate(
             rebased=cache.rebases > before["rebases"],
             seconds=step.seconds,
         )
+
+
+@dataclass
+class HeldBytes:
+    """K/V bytes a live cache holds: ``now`` (after the last step) and ``peak`` (the most after any step)."""
+
+    now: int = 0
+    peak: int = 0
+
+    def see(self, cache) -> None:
+        from kvlab.hf.policy_cache import held_bytes
+
+        self.now = held_bytes(cache)
+        self.peak = max(self.peak, self.now)
+
+    def to_json(self) -> dict:
+        return {"held_bytes": self.now, "peak_held_bytes": self.peak}
+
+
+@torch.no_grad()
+def policy_generate(
+    handle,
+    cache,
+    token_ids: Sequence[int],
+    max_new_tokens: int | None = None,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] = (),
+    held: HeldBytes | None = None,
+) -> Iterator[int]:
+    """Token ids generated after ``token_ids`` over any live cache :func:`kvlab.hf.policy_cache.cache_for`
+    makes (``held`` sees the cache after the prompt and after every step).
+
+    A :class:`RollingCache` (sinks + window, with or without a codec) streams as :func:`stream_generate`
+    does (fed in pieces of its headroom; the cache re-bases); any other cache (a scored layout keeping its
+    budget ``every=`` N tokens, a codec over every slot, the full cache) takes the prompt in one forward
+    and then one token per step through :func:`kvlab.loop.decode_loop`."""
+    handle = as_handle(handle)
+    held = held if held is not None else HeldBytes()
+    if isinstance(cache, RollingCache):
+        first = feed(handle, cache, token_ids)
+        held.see(cache)
+        events = stream_generate(
+            handle, cache, first, max_new_tokens, temperature=temperature, seed=seed, stop_ids=stop_ids
+        )
+        for ev in events:
+            held.see(cache)
+            yield ev.token_id
+        return
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=handle.device)[None]
+    if ids.shape[1] == 0:
+        raise BadInputError("nothing to feed: give at least one token")
+    first = handle.run(ids, cache, logits_to_keep=1).logits[0, -1].float()
+    held.see(cache)
+
+    def feed_one(tokens: torch.Tensor) -> torch.Tensor:
+        logits = handle.run(tokens.to(handle.device)[None], cache, logits_to_keep=1).logits[0, -1].float()
+        held.see(cache)
+        return logits
+
+    sampling = Sampling(temperature=temperature, seed=seed)
+    for step in decode_loop(
+        feed_one, first, max_new_tokens, sampling=sampling, stop_ids=stop_ids, feed_last=True
+    ):
+        yield step.token(0)

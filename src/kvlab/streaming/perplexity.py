@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,8 +45,9 @@ class StreamMethod:
     name: str
     sinks: int = 0
     rebase: str = "auto"
-    kind: str = "rolling"  # "rolling" | "full" | "recompute"
+    kind: str = "rolling"  # "rolling" | "full" | "recompute" | "policy" (a --cache spec)
     label: str = ""
+    policy: Any = None  # the CachePolicy of a "policy" method
 
 
 METHODS: dict[str, StreamMethod] = {
@@ -62,6 +64,19 @@ METHODS: dict[str, StreamMethod] = {
 
 def method_names() -> list[str]:
     return list(METHODS)
+
+
+def policy_method(spec: str) -> str:
+    """The streaming method scoring cache policy ``spec`` (:func:`kvlab.compress.spec.parse`), registered
+    in :data:`METHODS` under its canonical spec (the name to pass to :func:`stream_nll`). Sinks + a window
+    in full precision is scored by the masked single pass where that is exact (the rolling methods' path);
+    a codec or a scored layout by feeding the live cache :func:`kvlab.hf.policy_cache.cache_for` builds."""
+    from kvlab.compress.spec import parse
+
+    policy = parse(spec)
+    if policy.spec not in METHODS or METHODS[policy.spec].kind == "policy":
+        METHODS[policy.spec] = StreamMethod(policy.spec, kind="policy", label=policy.spec, policy=policy)
+    return policy.spec
 
 
 @dataclass
@@ -146,22 +161,65 @@ def _rolling_nll(
         max_position=handle.max_positions,
         rebase=method.rebase,
     )
-    out = []
-    max_pos = 0
+    return _cache_loop_nll(handle, ids, cache, feed, on_chunk, on_logits)
+
+
+def _canonical(method: str) -> str:
+    """A method's name, a cache spec (anything not a method with ``=``, ``,`` or ``:``, or ``int<bits>``)
+    registered and named by its canonical spec."""
+    if method not in METHODS and (any(c in method for c in "=,:") or method.startswith("int")):
+        return policy_method(method)
+    return method
+
+
+def _cache_loop_nll(
+    handle, ids: torch.Tensor, cache, feed: int, on_chunk, on_logits=None
+) -> tuple[np.ndarray, dict]:
+    """Feed ``ids`` ``feed`` tokens per forward through a live ``cache`` (a RollingCache, coded or not,
+    or any cache :func:`kvlab.hf.policy_cache.cache_for` makes), scoring each next token; extra: the
+    rolls, re-bases and largest position of a rolling cache, the K/V bytes held at the end and at most."""
+    from kvlab.hf.policy_cache import held_bytes
+
+    out, max_pos, peak = [], 0, 0
+    rolling = isinstance(cache, RollingCache)
     for start in range(0, ids.shape[1] - 1, feed):
         chunk = ids[:, start : min(start + feed, ids.shape[1] - 1)]
-        max_pos = max(max_pos, cache.next_position + chunk.shape[1] - 1)
+        if rolling:
+            max_pos = max(max_pos, cache.next_position + chunk.shape[1] - 1)
         logits = handle.run(chunk, cache).logits[0].float()
         out.append(nll(logits, ids[0, start + 1 : start + 1 + chunk.shape[1]]))
+        peak = max(peak, held_bytes(cache))
         if on_logits:
             on_logits(torch.arange(start, start + chunk.shape[1]), logits)
         if on_chunk:
             on_chunk(chunk.shape[1])
-    return torch.cat(out).cpu().numpy(), {
-        "rolls": cache.rolls,
-        "rebases": cache.rebases,
-        "max_position": max_pos,
-    }
+    extra = {"rolls": cache.rolls, "rebases": cache.rebases, "max_position": max_pos} if rolling else {}
+    return torch.cat(out).cpu().numpy(), {**extra, "held_bytes": held_bytes(cache), "peak_held_bytes": peak}
+
+
+def _policy_nll(handle, ids: torch.Tensor, method: StreamMethod, feed: int, path: str, on_chunk, tap):
+    """A ``--cache`` spec's NLL: sinks + window in full precision by the masked pass where exact (as the
+    ``sinks{s}`` methods), anything else (a codec, a scored layout, full) through its live cache; a
+    rolling layout without ``chunk=`` evicts ``feed`` at a time, as the other rolling methods do."""
+    from kvlab.compress.spec import SinksWindowLayout
+    from kvlab.hf.policy_cache import cache_for
+
+    policy, n = method.policy, ids.shape[1]
+    lay = policy.layout
+    if isinstance(lay, SinksWindowLayout):
+        lay = replace(lay, chunk=lay.chunk or feed)
+        policy = replace(policy, layout=lay)
+        if policy.codec is None and path != "loop" and (path == "masked" or _masked_is_exact(handle, n)):
+            values = masked_rolling_nll(
+                handle, ids[0], sinks=lay.sinks, window=lay.window, feed=feed, evict_chunk=lay.chunk,
+                on_progress=on_chunk, on_logits=tap,
+            )  # fmt: skip
+            dropped = evicted_before(
+                n - 1, sinks=lay.sinks, window=lay.window, feed=feed, evict_chunk=lay.chunk
+            )
+            return values, {"path": "masked", "rolls": int(np.unique(dropped[dropped > 0]).size)}
+    values, extra = _cache_loop_nll(handle, ids, cache_for(policy, handle), feed, on_chunk, tap)
+    return values, {**extra, "path": "loop", "policy": policy.to_json()}
 
 
 def _full_nll(handle, ids: torch.Tensor, feed: int, on_chunk, on_logits=None) -> np.ndarray:
@@ -239,6 +297,7 @@ def stream_nll(
     ``handle``: a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM.
     """
     handle = as_handle(handle)
+    method = _canonical(method)
     if method not in METHODS:
         raise BadInputError(f"unknown streaming method '{method}'; choose from {', '.join(METHODS)}")
     if path not in ("auto", "masked", "loop"):
@@ -259,6 +318,9 @@ def stream_nll(
         if n > handle.max_positions:
             raise BadInputError(f"full context needs {n} positions, the model has {handle.max_positions}")
         values, targets, processed = _full_nll(handle, ids, feed, on_progress, tap), np.arange(1, n), n - 1
+    elif m.kind == "policy":
+        values, extra = _policy_nll(handle, ids, m, feed, path, on_progress, tap)
+        targets, processed = np.arange(1, n), n - 1
     elif m.kind == "recompute":
         targets = np.asarray(
             recompute_targets if recompute_targets is not None else np.arange(window, n), dtype=np.int64
@@ -323,7 +385,7 @@ def streaming_perplexity(
     """
     handle = as_handle(handle)
     methods = (
-        list(methods)
+        [_canonical(m) for m in methods]
         if methods
         else [m for m in METHODS if m != "full" or len(token_ids) <= handle.max_positions]
     )
@@ -438,9 +500,49 @@ def summarize(results: dict[str, StreamResult], source: str, window: int, seed: 
                 "subsample": int(sub.size),
                 **dict(r.extra),
                 **_divergence_cells(r, window, seed),
+                **_ratio_to_fp_window(results, name, window, seed),
             }
         )
     return rows
+
+
+def _fp_window_of(results: dict[str, StreamResult], name: str, window: int) -> str | None:
+    """The full-precision sinks + window of the same sinks and window as cache spec ``name`` among
+    ``results`` (itself a spec, or ``sinks{s}`` at the run's ``window``); None if there is none."""
+    from kvlab.compress.spec import SinksWindowLayout
+
+    m = METHODS.get(results[name].method)
+    if m is None or m.kind != "policy" or m.policy.codec is None:
+        return None
+    lay = m.policy.layout
+    if not isinstance(lay, SinksWindowLayout):
+        return None
+    for other, r in results.items():
+        o = METHODS.get(r.method)
+        if o is not None and o.kind == "policy" and o.policy.codec is None and o.policy.layout == lay:
+            return other
+    legacy = f"sinks{lay.sinks}"
+    return legacy if legacy in results and lay.window == window and not lay.chunk else None
+
+
+def _ratio_to_fp_window(results: dict[str, StreamResult], name: str, window: int, seed: int) -> dict:
+    """For a coded sinks + window spec: exp(mean paired NLL difference) to the full-precision sinks +
+    window of the same layout in the run, over every target both scored, with a bootstrap 95% interval."""
+    from kvlab.metrics import bootstrap_ci
+
+    ref = _fp_window_of(results, name, window)
+    if ref is None:
+        return {}
+    a, b = results[name], results[ref]
+    common, ia, ib = np.intersect1d(a.targets, b.targets, return_indices=True)
+    diff = bootstrap_ci(a.nll[ia] - b.nll[ib], "mean", seed=seed)
+    return {
+        "fp_window_method": ref,
+        "ratio_to_fp_window": float(np.exp(diff.value)),
+        "ratio_to_fp_window_low": float(np.exp(diff.low)),
+        "ratio_to_fp_window_high": float(np.exp(diff.high)),
+        "paired_targets": int(common.size),
+    }
 
 
 def table_row(row: dict) -> list:
