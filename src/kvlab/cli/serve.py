@@ -28,11 +28,27 @@ def register(app: typer.Typer) -> None:
                 help="Prefix store shared by requests and replicas: a folder, redis://host:port/db, or 'memory' (default).",
             ),
         ] = None,
-        window: Annotated[int, typer.Option(min=1, help="Recent tokens each conversation keeps.")] = 1024,
-        sinks: Annotated[int, typer.Option(min=0, help="Attention-sink tokens kept before the window.")] = 4,
+        window: Annotated[
+            int | None, typer.Option(min=1, help="Recent tokens each conversation keeps (default 1024).")
+        ] = None,
+        sinks: Annotated[
+            int | None, typer.Option(min=0, help="Attention-sink tokens kept before the window (default 4).")
+        ] = None,
         evict_chunk: Annotated[
-            int, typer.Option("--evict-chunk", min=1, help="Tokens evicted at once when a window overflows.")
-        ] = 64,
+            int | None,
+            typer.Option(
+                "--evict-chunk", min=1, help="Tokens evicted at once when a window overflows (default 64)."
+            ),
+        ] = None,
+        cache: Annotated[
+            str | None,
+            typer.Option(
+                "--cache",
+                help="Cache policy of every conversation, instead of --window/--sinks/--evict-chunk: a sinks + "
+                "window layout, in full precision or over a codec, e.g. sinks=4,window=2048,codec=kivi4 "
+                "(sinks=N,window=N[,chunk=N][,codec=C[,tail=N]]). See docs/serving.md.",
+            ),
+        ] = None,
         api_key: Annotated[
             list[str] | None,
             typer.Option(
@@ -144,10 +160,25 @@ def register(app: typer.Typer) -> None:
             resolve_max_connections,
             setup_logging,
         )
-        from kvlab.serve.engine import Engine, EngineSettings, check_settings
+        from kvlab.serve.engine import Engine, EngineSettings, check_settings, serve_policy
         from kvlab.serve.metrics import Metrics
         from kvlab.store import open_store
 
+        if cache is not None:
+            given = [
+                o
+                for o, v in (("--window", window), ("--sinks", sinks), ("--evict-chunk", evict_chunk))
+                if v is not None
+            ]
+            if given:
+                raise BadInputError(
+                    f"--cache sets the window, sinks and chunk itself; drop {', '.join(given)} "
+                    "(or write them into the spec: sinks=N,window=N,chunk=N)"
+                )
+            serve_policy(cache)  # one line naming what serve runs, before the model loads
+        window = 1024 if window is None else window
+        sinks = 4 if sinks is None else sinks
+        evict_chunk = 64 if evict_chunk is None else evict_chunk
         keys = tuple(api_key or ()) + tuple(k for k in os.environ.get("KVLAB_API_KEYS", "").split(",") if k)
         if any(len(k) < 8 or any(c.isspace() for c in k) for k in keys):
             raise BadInputError("API keys need at least 8 characters and no spaces")
@@ -173,6 +204,7 @@ def register(app: typer.Typer) -> None:
             max_queue=max_queue,
             max_sessions=max_sessions,
             prefill_chunk=prefill_chunk,
+            cache=cache,
         )
         handle = load_model(model, device=device, dtype=dtype)
         check_settings(handle, settings)  # before the store creates a folder
@@ -203,8 +235,13 @@ def register(app: typer.Typer) -> None:
             access_log=False,
         )
         server = GuardedServer(config, guard)
+        held = (
+            f"window {window} + {sinks} sinks"
+            if cache is None
+            else f"cache {settings.policy.spec}: {settings.policy.describe()}"
+        )
         typer.echo(
-            f"kvlab serve: {model} on http://{host}:{port}/v1 ({kv_store.describe()}, window {window} + {sinks} sinks, "
+            f"kvlab serve: {model} on http://{host}:{port}/v1 ({kv_store.describe()}, {held}, "
             f"{engine.device_description()})",
             err=True,
         )

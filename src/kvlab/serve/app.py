@@ -294,6 +294,7 @@ def create_app(
         raise KvlabError("the admin key must differ from every API key")
     metrics: Metrics = engine.metrics or Metrics()
     engine.metrics = metrics
+    _cache_policy_gauge(metrics, engine)
     app = FastAPI(title="kvlab serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Errors)
     keys = tuple(k.encode() for k in api_keys)
@@ -795,6 +796,26 @@ def _text_logprobs(tok: Any, entries: list, offset: int = 0) -> dict:
             None if entry is None else {_token_text(tok, a): alp for a, alp in entry[2]}
         )
     return out
+
+
+def _cache_policy_gauge(metrics: Metrics, engine: Engine) -> None:
+    """``kvlab_cache_policy_info{spec, layout, codec, exact} 1``: the policy every conversation's cache
+    follows (once per registry; ``kvlab_idle_session_bytes`` says what those caches hold)."""
+    if getattr(metrics, "cache_policy", None) is not None:
+        return
+    from prometheus_client import Gauge
+
+    policy = getattr(engine, "policy", None)
+    if policy is None:
+        return
+    gauge = Gauge(
+        "kvlab_cache_policy_info",
+        "The cache policy every conversation follows (always 1)",
+        ["spec", "layout", "codec", "exact"],
+        registry=metrics.registry,
+    )
+    gauge.labels(policy.spec, policy.layout.name, policy.codec_name or "", str(policy.exact).lower()).set(1)
+    metrics.cache_policy = gauge  # type: ignore[attr-defined]
 
 
 def _public(info: dict) -> dict:

@@ -19,7 +19,9 @@ Where a prompt's cache comes from, in order:
 3. **Nothing**: the prompt is computed.
 
 Prompts and replies beyond the window **roll** (attention sinks + window, exact RoPE re-rotation)
-instead of failing. The system prompt is pinned: it is part of the cache's sinks, never evicted.
+instead of failing. With a cache spec (``EngineSettings.cache``, ``kvlab serve --cache``: a sinks + window
+layout of :mod:`kvlab.compress.spec`, e.g. ``sinks=4,window=2048,codec=kivi4``) every session's window is
+stored as that codec's packed codes (:mod:`kvlab.hf.coded_rolling`). The system prompt is pinned: it is part of the cache's sinks, never evicted.
 A prompt computed in pieces ends in the cache it would have in one go: each forward of the unchunked
 path is split with the cache's roll held between its pieces (:meth:`kvlab.hf.RollingCache.hold_roll`).
 """
@@ -39,9 +41,11 @@ from typing import Any
 import torch
 
 from kvlab.cache import KVSnapshot
+from kvlab.compress.spec import CachePolicy, SinksWindowLayout
+from kvlab.compress.spec import parse as parse_cache_spec
 from kvlab.errors import BadInputError, KvlabError
 from kvlab.hf.batch import step_rolling_rows_isolated
-from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
+from kvlab.hf.rolling_cache import RollingCache, default_chunk, rolling_cache_for
 from kvlab.loop import Sampling
 from kvlab.store.errors import StoreError
 from kvlab.store.store import KVStore
@@ -66,6 +70,60 @@ class EngineSettings:
     max_queue: int = 16  # requests waiting beyond those decoding
     max_sessions: int = 64  # idle conversations kept for reuse (least recently used dropped)
     prefill_chunk: int = 256  # prompt tokens computed per worker iteration, between two decode steps
+    # a cache spec (kvlab.compress.spec): a sinks + window layout, with or without a codec; when given it
+    # sets window, sinks and evict_chunk (its chunk=, else the rolling cache's default for the window)
+    cache: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache is not None:
+            policy = serve_policy(self.cache)
+            lay = policy.layout
+            assert isinstance(lay, SinksWindowLayout)
+            object.__setattr__(self, "cache", policy.spec)  # canonical: the same policy, the same string
+            object.__setattr__(self, "window", lay.window)
+            object.__setattr__(self, "sinks", lay.sinks)
+            object.__setattr__(self, "evict_chunk", lay.chunk or default_chunk(lay.window))
+
+    @property
+    def policy(self) -> CachePolicy:
+        """The cache policy every session follows (without a spec: full-precision sinks + window)."""
+        if self.cache is not None:
+            return parse_cache_spec(self.cache)
+        return CachePolicy(SinksWindowLayout(self.sinks, self.window, self.evict_chunk))
+
+
+#: what ``kvlab serve --cache`` runs, in words (for the one-line refusal of any other layout)
+SERVE_CACHES = (
+    "kvlab serve runs sinks + window caches, in full precision or over a codec: "
+    "sinks=N,window=N[,chunk=N][,codec=C[,tail=N]], e.g. sinks=4,window=2048,codec=kivi4"
+)
+
+
+def serve_policy(spec: str) -> CachePolicy:
+    """``spec`` parsed (:func:`kvlab.compress.spec.parse`) and checked to be one the server runs: a sinks +
+    window layout, with or without a codec. Anything else is one :class:`BadInputError` line."""
+    policy = parse_cache_spec(spec)
+    if not isinstance(policy.layout, SinksWindowLayout):
+        raise BadInputError(f"--cache '{spec}' keeps {policy.describe()}; {SERVE_CACHES}")
+    return policy
+
+
+def head_dim(handle: Any) -> int:
+    """The model's attention head size (what a codec's groups must divide)."""
+    cfg = handle.config
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+
+def new_cache(handle: Any, settings: EngineSettings, sinks: int | None = None) -> RollingCache:
+    """A session's empty cache under ``settings`` (its policy's codec, if any), bound to the model."""
+    return rolling_cache_for(
+        handle,
+        window=settings.window,
+        sinks=settings.sinks if sinks is None else sinks,
+        evict_chunk=settings.evict_chunk,
+        codec=settings.policy.quantizer(head_dim(handle)),
+    )
 
 
 @dataclass
@@ -236,6 +294,9 @@ class Engine:
         self._cv = threading.Condition()
         self._stopping = False
         self.store_warnings = 0
+        self.policy = settings.policy
+        # what each response's kvlab field says the cache held: the policy, and whether it is exact
+        self.cache_info = {**self.policy.to_json(), "exact": self.policy.exact}
         if metrics is not None:
             metrics.watch(self)
         self._thread = threading.Thread(target=self._work, name="kvlab-engine", daemon=True)
@@ -413,12 +474,7 @@ class Engine:
             if req.score_prompt and session.last_logits is not None:  # scores the first new token
                 p.prev = torch.log_softmax(session.last_logits.float(), -1)
         else:
-            cache = rolling_cache_for(
-                self.handle,
-                window=self.settings.window,
-                sinks=max(self.settings.sinks, req.pinned),
-                evict_chunk=self.settings.evict_chunk,
-            )
+            cache = new_cache(self.handle, self.settings, sinks=max(self.settings.sinks, req.pinned))
             session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, req.pinned, self.settings.sinks)
             p = _Prefill(req, session, False, "none", 0, 0, t0, collections.deque())
             if req.score_prompt:  # every token computed here (never from the store, which keeps no scores)
@@ -514,7 +570,14 @@ class Engine:
 
     def _seed_head(self, cache: RollingCache, snapshot: KVSnapshot, salt: str) -> None:
         """The computed head into the rolling cache, and its blocks into the store (a store that fails to
-        write must not cost the request: it is only not shared this time)."""
+        write must not cost the request: it is only not shared this time).
+
+        The store holds only full-precision prompt K/V, the same under every cache policy: the head (at most
+        ``sinks + window`` tokens, so nothing was evicted) was computed by ``handle.prefill``/``extend`` from
+        an exact stored prefix, with no policy's cache in the forward; the policy's codec applies only here,
+        when the head is seeded into the session's cache (which encodes it). So the store's namespace need
+        not name the policy: a stored prefix is never another policy's output.
+        """
         device = self.handle.device  # a prefix read from the store may arrive on the CPU
         cache.seed(
             [(k.to(device), v.to(device)) for k, v in zip(snapshot.keys, snapshot.values, strict=True)]
@@ -555,6 +618,7 @@ class Engine:
             "rolls": session.cache.rolls - p.rolls_before,
             "prefill_ms": round((time.perf_counter() - p.t0) * 1000, 2),
             "store_tiers": p.tiers,
+            "cache": dict(self.cache_info),
         }
         if self.metrics is not None:
             self.metrics.prefilled(info)
@@ -671,6 +735,7 @@ class Engine:
             row.info["completion_ids"] = list(row.out)
             row.info["kept_tokens"] = row.session.cache.kept
             row.info["pinned_tokens"] = row.session.pinned
+            row.info["cache_bytes"] = row.session.cache.nbytes()  # what the conversation's cache holds now
             if row.req.logprobs is not None:
                 row.info["_logprobs"] = row.logprobs
             events.append(("done", row.finish, row.info, row.text))
@@ -754,7 +819,7 @@ def check_settings(handle: Any, settings: EngineSettings) -> None:
     if settings.prefill_chunk < 1:
         raise BadInputError(f"--prefill-chunk must be >= 1, got {settings.prefill_chunk}")
     # builds nothing but the rule (buffers are allocated on first use): raises for a bad window or model
-    rolling_cache_for(handle, window=settings.window, sinks=settings.sinks, evict_chunk=settings.evict_chunk)
+    new_cache(handle, settings)
 
 
 def check_request_fits(ids: list[int], pinned: int, settings: EngineSettings) -> None:
