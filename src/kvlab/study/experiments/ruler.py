@@ -1,0 +1,490 @@
+"""RULER-style accuracy and KL to the full cache, per eviction policy and ratio and per codec.
+
+Every trial of :mod:`kvlab.eval` (needles, variable tracking, common words, QA; the question never
+compressed) runs under the full cache and every policy at every ratio (the fraction of the context
+removed) and every codec, on the same tokens: accuracy with bootstrap intervals over trials, the mean
+per-token KL(full || cache) and top-1 agreement, and the K/V bytes per context token. The section
+checks three claims that can come out false: "H2O is best at 50%", "int4 costs almost nothing" and
+"scores fall steadily with the ratio".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlab.metrics.stats import bootstrap_ci
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.report.format import format_interval, format_number
+
+TITLE = "RULER-style accuracy vs compression ratio, and KL to the full cache"
+#: KL below this (nats per token, mean over question + answer) is "almost nothing" (llama.cpp's q4_0: 0.009)
+INT4_KL_NEAR_ZERO = 0.01
+CLAIM_RATIO = 0.5
+
+
+def settings(ctx: ExperimentContext, opts: dict[str, Any]) -> dict[str, Any]:
+    """The run's tasks, lengths, trials, policies (scores), ratios and codecs: the profile's, or as given."""
+    from kvlab.eval.run import parse_ratios
+
+    all_tasks = ["niah_single", "niah_multikey", "vt", "cwe", "qa"]
+    s = {
+        "tasks": opts.get("tasks") or ctx.pick(["niah_single"], all_tasks, all_tasks),
+        "lengths": opts.get("lengths") or ctx.pick([256], [1024], [1024, 4096]),
+        "trials": ctx.count("trials", opts.get("trials"), quick=2, default=30, full=200),
+        "policies": opts.get("policies")
+        or ctx.pick(["h2o", "snapkv"], ["streaming_llm", "h2o", "snapkv", "tova", "knorm"]),
+        "ratios": opts.get("ratios") or ctx.pick([CLAIM_RATIO], [0.25, 0.5, 0.75]),
+        "codecs": opts.get("codecs") or ctx.pick(["int4"], ["int4", "kivi2"]),
+        "max_new_tokens": opts.get("max_new_tokens") or ctx.pick(12, None),
+    }
+    if isinstance(s["ratios"], str):
+        s["ratios"] = parse_ratios(s["ratios"])
+    for key in ("tasks", "policies", "codecs"):
+        if isinstance(s[key], str):
+            s[key] = [v.strip() for v in s[key].split(",") if v.strip()]
+    if isinstance(s["lengths"], str | int):
+        s["lengths"] = [int(v) for v in str(s["lengths"]).split(",")]
+    return s
+
+
+def _specs(s: dict[str, Any]) -> list[Any]:
+    """``full`` + every policy at every ratio + every codec, parsed by the eval's one reader."""
+    from kvlab.eval.run import expand_specs, parse_cache_specs
+
+    return parse_cache_specs(["full", *expand_specs(s["policies"], s["ratios"]), *s["codecs"]])
+
+
+def _mean_iv(values: list[float], seed: int) -> dict | None:
+    finite = [v for v in values if np.isfinite(v)]
+    return bootstrap_ci(finite, seed=seed).to_json() if finite else None
+
+
+def points(rows: list[dict], specs: list[Any], seed: int) -> list[dict]:
+    """One point per (task, length, cache) and per (all tasks, length, cache): accuracy, KL, top-1 with
+    intervals over trials, bytes per context token, and the cache's kind, method and ratio."""
+    meta = {s.spec: s for s in specs}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["task"], r["length"], r["spec"]), []).append(r)
+        groups.setdefault(("all", r["length"], r["spec"]), []).append(r)
+    out = []
+    for (task, length, spec), rs in groups.items():
+        m = meta[spec]
+        out.append(
+            {
+                "task": task,
+                "length": length,
+                "cache": spec,
+                "kind": m.kind,
+                "method": m.method or "full",
+                "ratio": m.ratio,
+                "trials": len(rs),
+                "accuracy": _mean_iv([r["score"] for r in rs], seed),
+                "kld": _mean_iv([r["kld"] for r in rs], seed),
+                "kld_infinite": sum(1 for r in rs if r["kld"] == float("inf")),
+                "top1": _mean_iv([r["top1"] for r in rs], seed),
+                "bytes_per_token": float(np.mean([r["kv_bytes"] / r["context_tokens"] for r in rs])),
+                "kept_fraction": float(np.mean([r["kept_slots"] / r["context_tokens"] for r in rs])),
+            }
+        )
+    return out
+
+
+def _v(p: dict | None, key: str) -> float:
+    return float("nan") if p is None or p.get(key) is None else float(p[key]["value"])
+
+
+def _tables(pts: list[dict], s: dict[str, Any]) -> list[Table]:
+    """One table per task (and one pooled over tasks): every cache at every length."""
+    cols = ["length", "cache", "ratio", "n", "accuracy [95% CI]", "KL nats [95% CI]", "top-1 [95% CI]"]
+    cols += ["bytes / token", "kept"]
+    out = []
+    for task in [*s["tasks"], "all"]:
+        sel = sorted((p for p in pts if p["task"] == task), key=lambda p: (p["length"], _order(p)))
+        rows = [
+            [
+                p["length"],
+                p["cache"],
+                f"{p['ratio']:g}" if p["kind"] == "evict" else "–",
+                p["trials"],
+                format_interval(p["accuracy"], digits=2) if p["accuracy"] else "–",
+                format_interval(p["kld"], digits=3) if p["kld"] else "–",
+                format_interval(p["top1"], digits=3) if p["top1"] else "–",
+                format_number(p["bytes_per_token"], 4),
+                f"{p['kept_fraction']:.2f}",
+            ]
+            for p in sel
+        ]
+        title = "All tasks pooled" if task == "all" else f"Task {task}"
+        out.append(
+            Table(
+                title,
+                cols,
+                rows,
+                caption="Accuracy: exact-match score per trial (RULER's rules), mean with a 95% bootstrap "
+                "interval over trials; KL: mean per-token KL(full || cache) in nats over the question and "
+                "the full cache's answer (teacher-forced); top-1: share of those tokens whose argmax "
+                "matches the full cache's; ratio: fraction of the context removed; bytes / token: K/V "
+                "bytes held per context token; kept: share of context slots held.",
+            )
+        )
+    return out
+
+
+def _order(p: dict) -> tuple:
+    return ({"full": 0, "evict": 1, "window": 1, "quant": 2}.get(p["kind"], 3), p["method"], p["ratio"])
+
+
+def _curves(pts: list[dict], method: str, task: str, length: int) -> list[dict]:
+    """A policy's points over its ratios (sorted), with the full cache as ratio 0."""
+    sel = [p for p in pts if (p["task"], p["length"]) == (task, length)]
+    full = [dict(p, ratio=0.0) for p in sel if p["kind"] == "full"]
+    return full + sorted(
+        (p for p in sel if p["method"] == method and p["kind"] == "evict"), key=lambda p: p["ratio"]
+    )
+
+
+def _accuracy_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any]):
+    import matplotlib.pyplot as plt
+
+    tasks, lengths = [*s["tasks"], "all"], s["lengths"]
+    fig, axes = plt.subplots(
+        len(lengths), len(tasks), figsize=(2.6 * len(tasks) + 1, 2.6 * len(lengths)), squeeze=False
+    )
+    for i, length in enumerate(lengths):
+        for j, task in enumerate(tasks):
+            ax = axes[i][j]
+            for method in s["policies"]:
+                method = _method_of(method)
+                c = _curves(pts, method, task, length)
+                if len(c) < 2:
+                    continue
+                x = np.array([p["ratio"] for p in c])
+                y = np.array([_v(p, "accuracy") for p in c])
+                (line,) = ax.plot(x, y, "o-", ms=3, lw=1.2, label=method)
+                lo = [
+                    p["accuracy"]["low"] if p["accuracy"]["low"] is not None else y[k]
+                    for k, p in enumerate(c)
+                ]
+                hi = [
+                    p["accuracy"]["high"] if p["accuracy"]["high"] is not None else y[k]
+                    for k, p in enumerate(c)
+                ]
+                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+            ax.set_ylim(-0.05, 1.05)
+            ax.set_title(f"{'all tasks' if task == 'all' else task}, {length} tok", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("fraction removed", fontsize=7)
+            if j == 0:
+                ax.set_ylabel("accuracy", fontsize=8)
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.suptitle(f"{ctx.handle().name}: accuracy vs compression ratio ({s['trials']} trials per point)")
+    return ctx.figure(
+        "accuracy_vs_ratio",
+        fig,
+        "Accuracy per eviction policy against the fraction of the context removed (ratio 0: the full "
+        "cache), with 95% bootstrap bands over trials; every policy answers the same trials.",
+    )
+
+
+def _method_of(policy: str) -> str:
+    """The score a policy name stands for (``keynorm`` -> ``knorm``, ``window`` -> ``streaming_llm``)."""
+    from kvlab.eval.run import parse_cache_spec
+
+    return parse_cache_spec(f"{policy}:0.5").method if ":" not in policy and "," not in policy else policy
+
+
+def _kl_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any]):
+    import matplotlib.pyplot as plt
+
+    lengths = s["lengths"]
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 3.8), squeeze=False)
+    for ax, length in zip(axes[0], lengths, strict=True):
+        sel = [p for p in pts if p["task"] == "all" and p["length"] == length]
+        for group in dict.fromkeys((p["kind"], p["method"]) for p in sel if p["kind"] != "full"):
+            g = sorted(
+                (p for p in sel if (p["kind"], p["method"]) == group), key=lambda p: -p["bytes_per_token"]
+            )
+            x = np.array([p["bytes_per_token"] for p in g])
+            y = np.array([max(_v(p, "kld"), 1e-6) for p in g])
+            lo = np.array([max(p["kld"]["low"] or y[k], 1e-6) if p["kld"] else y[k] for k, p in enumerate(g)])
+            hi = np.array([p["kld"]["high"] or y[k] if p["kld"] else y[k] for k, p in enumerate(g)])
+            label = g[0]["cache"] if group[0] == "quant" else group[1]
+            ax.errorbar(
+                x,
+                y,
+                yerr=[np.maximum(y - lo, 0), np.maximum(hi - y, 0)],
+                fmt="s--" if group[0] == "quant" else "o-",
+                ms=4,
+                capsize=2,
+                lw=1,
+                label=label,
+            )
+        for p in sel:
+            if p["kind"] == "full":
+                ax.axvline(p["bytes_per_token"], color="grey", ls=":", lw=1, label="full cache")
+        ax.axhline(INT4_KL_NEAR_ZERO, color="k", ls="--", lw=0.6, label=f"{INT4_KL_NEAR_ZERO} nats")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("K/V bytes per context token")
+        ax.set_ylabel("KL(full || cache), nats/token")
+        ax.set_title(f"{length} tokens, all tasks", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6)
+    return ctx.figure(
+        "kl_vs_bytes",
+        fig,
+        "Mean per-token KL divergence to the full cache against the K/V bytes held per context token "
+        "(pooled over tasks; eviction policies over their ratios, codecs as squares; 95% intervals).",
+    )
+
+
+# -- the claims ---------------------------------------------------------------------------------
+def _pooled(rows: list[dict], spec: str, key: str, seed: int) -> dict | None:
+    """One cache's mean of ``key`` over every task, length and trial, with its bootstrap interval."""
+    return _mean_iv([r[key] for r in rows if r["spec"] == spec], seed)
+
+
+def _separate(a: dict | None, b: dict | None) -> bool:
+    """True when the two intervals do not overlap."""
+    if not a or not b or None in (a.get("low"), a.get("high"), b.get("low"), b.get("high")):
+        return False
+    return a["low"] > b["high"] or b["low"] > a["high"]
+
+
+def _record(cid: str, claim: str, verdict: str, measured: str, rule: str, key: dict | None = None) -> dict:
+    """A claim's record, in the shape of :mod:`findings`' (holds / does not hold / not tested here)."""
+    return {
+        "id": cid,
+        "claim": claim,
+        "verdict": verdict,
+        "outcome": verdict,
+        "measured": measured,
+        "rule": rule,
+        "key": key,
+    }
+
+
+def claim_h2o(rows: list[dict], specs: list[Any], seed: int, by: str) -> dict:
+    """ "H2O is best at 50%" by accuracy (``by="score"``, higher is better) or KL (``by="kld"``, lower)."""
+    what = "accuracy" if by == "score" else "KL"
+    cid, claim = f"h2o_best_{what.lower()}", f"H2O is best at {CLAIM_RATIO:.0%} (by {what})"
+    rule = (
+        f"the highest mean {what} of the eviction policies at ratio {CLAIM_RATIO} (lowest for KL), pooled over "
+        "tasks, lengths and trials; 'separated' when its 95% interval does not overlap the runner-up's"
+    )
+    at = {s.method: s.spec for s in specs if s.kind == "evict" and abs(s.ratio - CLAIM_RATIO) < 1e-9}
+    if "h2o" not in at or len(at) < 2:
+        return _record(cid, claim, "not tested here", "needs h2o and another policy at 0.5", rule)
+    ivs = {m: _pooled(rows, spec, by, seed) for m, spec in at.items()}
+    sign = 1.0 if by == "score" else -1.0
+    ranked = sorted(ivs, key=lambda m: -sign * _val(ivs[m]))
+    best = ranked[0]
+    tied = [m for m in ranked if _val(ivs[m]) == _val(ivs[best])]
+    other = ranked[1] if best == "h2o" else best
+    if best != "h2o" and "h2o" in tied:
+        best, other = "h2o", next(m for m in ranked if m != "h2o")
+    separated = _separate(ivs["h2o"], ivs[other])
+    holds = best == "h2o" and len(tied) == 1
+    measured = (
+        f"h2o {format_interval(ivs['h2o'])} vs {other} {format_interval(ivs[other])}"
+        + (
+            f" (tied with {', '.join(m for m in tied if m != 'h2o')})"
+            if len(tied) > 1 and "h2o" in tied
+            else ""
+        )
+        + ("; intervals separate" if separated else "; intervals overlap")
+    )
+    rec = _record(
+        cid,
+        claim,
+        "holds" if holds else "does not hold",
+        measured,
+        rule,
+        {**(ivs["h2o"] or {}), "samples": "trials"},
+    )
+    rec.update(best=ranked[0], runner_up=other, separated=separated, by_policy=ivs)
+    return rec
+
+
+def claim_int4(rows: list[dict], specs: list[Any], seed: int) -> dict:
+    """ "int4 costs almost nothing": mean KL < 0.01 nats and accuracy inside the full cache's interval."""
+    claim = "int4 costs almost nothing"
+    rule = (
+        f"int4's mean per-token KL to the full cache < {INT4_KL_NEAR_ZERO} nats and its mean accuracy inside "
+        "the full cache's 95% interval, pooled over tasks, lengths and trials"
+    )
+    spec = next((s.spec for s in specs if s.kind == "quant" and s.policy.spec == "codec=pertoken4"), None)
+    if spec is None:
+        return _record("int4_free", claim, "not tested here", "int4 was not run", rule)
+    kl, acc = _pooled(rows, spec, "kld", seed), _pooled(rows, spec, "score", seed)
+    full = _pooled(rows, "full", "score", seed)
+    lo = full["low"] if full["low"] is not None else full["value"]
+    hi = full["high"] if full["high"] is not None else full["value"]
+    kl_ok, acc_ok = _val(kl) < INT4_KL_NEAR_ZERO, lo - 1e-12 <= _val(acc) <= hi + 1e-12
+    measured = (
+        f"KL {format_interval(kl)} nats ({'<' if kl_ok else '>='} {INT4_KL_NEAR_ZERO}); accuracy "
+        f"{format_interval(acc)} vs full {format_interval(full)} ({'inside' if acc_ok else 'outside'} its interval)"
+    )
+    rec = _record(
+        "int4_free",
+        claim,
+        "holds" if kl_ok and acc_ok else "does not hold",
+        measured,
+        rule,
+        {**(kl or {}), "samples": "trials"},
+    )
+    rec.update(kld=kl, accuracy=acc, full_accuracy=full, kl_ok=kl_ok, accuracy_ok=acc_ok)
+    return rec
+
+
+def claim_monotone(pts: list[dict], s: dict[str, Any]) -> dict:
+    """ "Scores fall steadily with the ratio": each policy's pooled accuracy never rises with the ratio
+    (the full cache as ratio 0), at every length; curves per task are counted too."""
+    claim = "Scores fall steadily with the ratio"
+    rule = (
+        "per policy and length, the mean accuracy pooled over tasks is non-increasing from the full cache "
+        "(ratio 0) through every ratio; per-task curves that rise somewhere are counted"
+    )
+    methods = [_method_of(p) for p in s["policies"]]
+    rising, per_task_rising, n_curves = [], [], 0
+    for length in s["lengths"]:
+        for task in [*s["tasks"], "all"]:
+            for m in methods:
+                y = [_v(p, "accuracy") for p in _curves(pts, m, task, length)]
+                if len(y) < 2:
+                    continue
+                steady = all(b <= a + 1e-12 for a, b in zip(y, y[1:], strict=False))
+                if task == "all":
+                    n_curves += 1
+                    rising += [] if steady else [f"{m} at {length}"]
+                elif not steady:
+                    per_task_rising.append(f"{m} on {task} at {length}")
+    if n_curves == 0:
+        return _record("monotone", claim, "not tested here", "no eviction policy was run", rule)
+    measured = (
+        f"{n_curves - len(rising)} of {n_curves} pooled curves fall steadily"
+        + (f"; rising: {', '.join(rising)}" if rising else "")
+        + f"; per task, {len(per_task_rising)} curve(s) rise somewhere"
+    )
+    rec = _record("monotone", claim, "does not hold" if rising else "holds", measured, rule)
+    rec.update(rising=rising, per_task_rising=per_task_rising, curves=n_curves)
+    return rec
+
+
+def _val(interval: dict | None) -> float:
+    return float("nan") if interval is None else float(interval["value"])
+
+
+def _arrays(rows: list[dict]) -> dict[str, np.ndarray]:
+    """The raw per-trial table, one array per column (one row per trial and cache)."""
+    cols = {"cache": "spec", "task": "task", "length": "length", "trial": "trial", "score": "score"}
+    cols.update(kld="kld", top1="top1", kld_answer="kld_answer", kv_bytes="kv_bytes")
+    cols.update(context_tokens="context_tokens", kept_slots="kept_slots")
+    out = {name: np.array([r[key] for r in rows]) for name, key in cols.items()}
+    out["cache"], out["task"] = out["cache"].astype(str), out["task"].astype(str)
+    return out
+
+
+def _haystack(ctx: ExperimentContext, text_file: str | Path | None, result: ExperimentResult) -> str | None:
+    if text_file is None:
+        result.data_sources.append("haystack: kvlab's default long text (kvlab.eval.tasks)")
+        return None
+    from kvlab.data import read_text_file
+
+    text = read_text_file(text_file)
+    result.data_sources.append(f"haystack: {text.source}")
+    return text.text
+
+
+def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: Any) -> ExperimentResult:
+    from kvlab.errors import BadInputError
+    from kvlab.eval.run import run_suite
+
+    unknown = set(opts) - {"tasks", "lengths", "trials", "policies", "ratios", "codecs", "max_new_tokens"}
+    if unknown:
+        raise BadInputError(f"ruler: unknown option(s) {', '.join(sorted(unknown))}")
+    result = ExperimentResult(name="ruler", title=TITLE, description=__doc__.strip().split("\n")[0])
+    s = settings(ctx, opts)
+    specs = _specs(s)
+    haystack = _haystack(ctx, text_file, result)
+    handle = ctx.handle()
+    total = len(s["tasks"]) * len(s["lengths"]) * s["trials"]
+    with ctx.progress.task(f"ruler: {len(specs)} caches", total=total) as advance:
+        rows = run_suite(
+            handle,
+            specs,
+            tasks=s["tasks"],
+            lengths=s["lengths"],
+            trials=s["trials"],
+            seed=ctx.seed,
+            haystack_text=haystack,
+            max_new_tokens=s["max_new_tokens"],
+            progress=lambda done, n: advance(1),
+        )
+    pts = points(rows, specs, ctx.seed)
+    claims = [
+        claim_h2o(rows, specs, ctx.seed, "score"),
+        claim_h2o(rows, specs, ctx.seed, "kld"),
+        claim_int4(rows, specs, ctx.seed),
+        claim_monotone(pts, s),
+    ]
+    result.tables += [_verdict_table(claims), *_tables(pts, s)]
+    result.figures += [_accuracy_figure(ctx, pts, s), _kl_figure(ctx, pts, s)]
+    result.arrays.update(_arrays(rows))
+    result.notes += [f"{c['claim']}: {c['verdict']} — {c['measured']}." for c in claims]
+    if s["max_new_tokens"]:
+        result.notes.append(f"answers are cut at {s['max_new_tokens']} new tokens (this profile's budget)")
+    result.summary.update(
+        settings={**s, "caches": [sp.spec for sp in specs], "seed": ctx.seed, "model": handle.name},
+        points=pts,
+        claims=claims,
+        verdicts={c["id"]: c["verdict"] for c in claims},
+    )
+    return result
+
+
+def _verdict_table(claims: list[dict]) -> Table:
+    return Table(
+        "Claims checked",
+        ["claim", "verdict", "measured", "rule"],
+        [[c["claim"], c["verdict"], c["measured"], c["rule"]] for c in claims],
+        caption="Each claim's verdict from this run's numbers, by the rule in its row (intervals: 95% "
+        "bootstrap over trials).",
+    )
+
+
+def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Finding and headline numbers for the report, from this run's summary."""
+    claims = s.get("claims", [])
+    pooled = [p for p in s.get("points", []) if p["task"] == "all"]
+    rows = [
+        (f"{p['cache']} at {p['length']} tokens: accuracy (all tasks)", format_interval(p["accuracy"]))
+        for p in sorted(pooled, key=lambda p: (p["length"], _order(p)))
+        if p["accuracy"] is not None and (p["kind"] != "evict" or abs(p["ratio"] - CLAIM_RATIO) < 1e-9)
+    ]
+    held = [c["claim"] for c in claims if c["verdict"] == "holds"]
+    failed = [c["claim"] for c in claims if c["verdict"] == "does not hold"]
+    text = (
+        f"On RULER-style tasks, of {len(claims)} claims {len(held)} hold"
+        + (f" ({'; '.join(held)})" if held else "")
+        + f" and {len(failed)} do not"
+        + (f" ({'; '.join(failed)})" if failed else "")
+        + "."
+    )
+    return text, rows
+
+
+EXPERIMENT = Experiment(
+    name="ruler",
+    title=TITLE,
+    run=run,
+    order=48,
+    describe=describe,
+    description="RULER-style long-context tasks under eviction policies at several ratios and codecs: "
+    "accuracy with intervals, KL and top-1 to the full cache, bytes per token; verdicts on three claims.",
+    seed_changes="which trials are generated (needle keys and values, depths, haystack stretches)",
+)

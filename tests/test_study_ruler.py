@@ -1,0 +1,171 @@
+"""The ``ruler`` study experiment: tables, figures, raw arrays and verdicts on a tiny random model; the
+claims' rules on hand-made rows (each can come out false); a bundled-model smoke."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvlab.eval.run import parse_cache_specs
+from kvlab.study.experiments import ExperimentContext, get_experiment
+from kvlab.study.experiments import ruler as R
+from kvlab.study.runner import run_experiment
+from tests.test_eval_tasks import WordTokenizer
+
+SMALL = {
+    "tasks": ["niah_single", "vt"],
+    "lengths": [160],
+    "trials": 2,
+    "policies": ["h2o", "snapkv", "window"],
+    "ratios": [0.25, 0.5],
+    "codecs": ["int4", "kivi2"],
+    "max_new_tokens": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_2x64):
+    from kvlab.model.handle import ModelHandle
+
+    return ModelHandle(tiny_llama_2x64.model, WordTokenizer(), name="tiny-llama")
+
+
+def _check_interval(iv, lo=0.0, hi=1.0):
+    assert iv is not None and lo <= iv["value"] <= hi
+    assert iv["low"] is None or iv["low"] <= iv["value"] <= iv["high"]
+
+
+def test_the_experiment_on_a_tiny_model(tiny, tmp_path):
+    ctx = ExperimentContext(out_dir=tmp_path / "ruler", profile="quick", options=SMALL)
+    ctx.model_handle = tiny
+    result = run_experiment(get_experiment("ruler"), ctx)
+    assert result.status == "ok", result.notes
+    s = result.summary
+    caches = s["settings"]["caches"]
+    assert caches == [
+        "full", "h2o:0.25", "h2o:0.5", "snapkv:0.25", "snapkv:0.5", "window:0.25", "window:0.5", "int4", "kivi2"
+    ]  # fmt: skip
+    # a table of verdicts, one per task, one pooled; every cache at the length in each task's table
+    assert [t.title for t in result.tables] == [
+        "Claims checked",
+        "Task niah_single",
+        "Task vt",
+        "All tasks pooled",
+    ]
+    assert all(len(t.rows) == len(caches) for t in result.tables[1:])
+    for p in s["points"]:
+        assert p["trials"] == (4 if p["task"] == "all" else 2)
+        _check_interval(p["accuracy"])
+        _check_interval(p["top1"])
+        _check_interval(p["kld"], 0.0, np.inf)
+        assert p["bytes_per_token"] > 0 and 0 < p["kept_fraction"] <= 1
+        if p["cache"] == "full":
+            assert p["kld"]["value"] == 0 and p["top1"]["value"] == 1 and p["kept_fraction"] == 1
+        else:
+            assert p["kld"]["value"] > 0
+    by = {(p["task"], p["cache"]): p for p in s["points"]}
+    assert by["all", "h2o:0.5"]["bytes_per_token"] < by["all", "h2o:0.25"]["bytes_per_token"]
+    assert by["all", "int4"]["bytes_per_token"] < by["all", "full"]["bytes_per_token"]
+    # verdicts: every claim has a verdict from the three outcomes, a measured line and a rule
+    assert set(s["verdicts"]) == {"h2o_best_accuracy", "h2o_best_kl", "int4_free", "monotone"}
+    for c in s["claims"]:
+        assert c["verdict"] in ("holds", "does not hold") and c["measured"] and c["rule"]
+    kl_claim = next(c for c in s["claims"] if c["id"] == "h2o_best_kl")
+    assert set(kl_claim["by_policy"]) == {"h2o", "snapkv", "streaming_llm"} and isinstance(
+        kl_claim["separated"], bool
+    )
+    # files: two figures, the raw per-trial arrays, result.json
+    out = tmp_path / "ruler"
+    assert (out / "accuracy_vs_ratio.png").is_file() and (out / "kl_vs_bytes.png").is_file()
+    arrays = np.load(out / "arrays.npz")
+    n = 2 * 2 * len(caches)
+    assert all(arrays[k].shape == (n,) for k in ("cache", "task", "score", "kld", "top1", "kv_bytes"))
+    assert set(arrays["cache"]) == set(caches) and np.all((arrays["score"] >= 0) & (arrays["score"] <= 1))
+    doc = json.loads((out / "result.json").read_text())
+    assert doc["summary"]["verdicts"] == s["verdicts"] and doc["tables"]
+    assert any(n.startswith("int4 costs almost nothing: ") for n in result.notes)
+
+
+def _rows(values: dict[str, list[tuple[float, float]]]) -> list[dict]:
+    """Hand-made rows: per cache, a list of (score, kld) per trial."""
+    return [
+        {"spec": spec, "score": sc, "kld": kl, "task": "t", "length": 100, "trial": i}
+        for spec, vals in values.items()
+        for i, (sc, kl) in enumerate(vals)
+    ]
+
+
+def test_h2o_claim_can_hold_and_fail():
+    specs = parse_cache_specs(["full", "h2o:0.5", "snapkv:0.5", "h2o:0.25"])
+    good, bad = [(1.0, 0.1)] * 10, [(0.0, 0.9)] * 10
+    rows = _rows({"full": [(1.0, 0.0)] * 10, "h2o:0.5": good, "snapkv:0.5": bad, "h2o:0.25": bad})
+    acc, kl = R.claim_h2o(rows, specs, 0, "score"), R.claim_h2o(rows, specs, 0, "kld")
+    assert acc["verdict"] == kl["verdict"] == "holds" and acc["separated"] and kl["separated"]
+    rows = _rows({"full": [(1.0, 0.0)] * 10, "h2o:0.5": bad, "snapkv:0.5": good})
+    acc = R.claim_h2o(rows, specs, 0, "score")
+    assert acc["verdict"] == "does not hold" and acc["best"] == "snapkv" and acc["separated"]
+    mixed = [(1.0, 0.5), (0.0, 0.5)] * 5
+    rows = _rows({"full": [(1.0, 0.0)] * 10, "h2o:0.5": mixed, "snapkv:0.5": mixed})
+    tie = R.claim_h2o(rows, specs, 0, "score")
+    assert tie["verdict"] == "does not hold" and not tie["separated"] and "tied" in tie["measured"]
+    alone = R.claim_h2o(rows, parse_cache_specs(["full", "h2o:0.5"]), 0, "score")
+    assert alone["verdict"] == "not tested here"
+
+
+def test_int4_claim_can_hold_and_fail():
+    specs = parse_cache_specs(["full", "int4"])
+    full = [(1.0, 0.0), (0.0, 0.0)] * 10
+    ok = R.claim_int4(_rows({"full": full, "int4": [(1.0, 0.002), (0.0, 0.004)] * 10}), specs, 0)
+    assert ok["verdict"] == "holds" and ok["kl_ok"] and ok["accuracy_ok"]
+    far = R.claim_int4(_rows({"full": full, "int4": [(1.0, 0.05), (0.0, 0.05)] * 10}), specs, 0)
+    assert far["verdict"] == "does not hold" and not far["kl_ok"] and far["accuracy_ok"]
+    wrong = R.claim_int4(_rows({"full": full, "int4": [(0.0, 0.001)] * 20}), specs, 0)
+    assert wrong["verdict"] == "does not hold" and wrong["kl_ok"] and not wrong["accuracy_ok"]
+    assert R.claim_int4(_rows({"full": full}), parse_cache_specs(["full"]), 0)["verdict"] == "not tested here"
+
+
+def test_monotone_claim_can_hold_and_fail():
+    specs = parse_cache_specs(["full", "h2o:0.25", "h2o:0.5", "snapkv:0.25", "snapkv:0.5"])
+    s = {"tasks": ["t"], "lengths": [100], "policies": ["h2o", "snapkv"], "ratios": [0.25, 0.5]}
+    falling = {"full": [(1.0, 0)] * 4, "h2o:0.25": [(0.75, 0.1)] * 4, "h2o:0.5": [(0.5, 0.2)] * 4}
+    falling.update({"snapkv:0.25": [(1.0, 0.1)] * 4, "snapkv:0.5": [(0.25, 0.2)] * 4})
+    pts = R.points(_full_rows(falling), specs, 0)
+    assert R.claim_monotone(pts, s)["verdict"] == "holds"
+    rising = {**falling, "snapkv:0.25": [(0.0, 0.1)] * 4}  # 1.0 -> 0.0 -> 0.25: rises at 0.5
+    rec = R.claim_monotone(R.points(_full_rows(rising), specs, 0), s)
+    assert rec["verdict"] == "does not hold" and rec["rising"] == ["snapkv at 100"]
+    assert rec["per_task_rising"] == ["snapkv on t at 100"]
+
+
+def _full_rows(values):
+    """Hand-made rows with every field :func:`ruler.points` reads."""
+    return [dict(r, top1=1.0, kv_bytes=100, context_tokens=10, kept_slots=10) for r in _rows(values)]
+
+
+def test_bad_options_are_refused(tiny, tmp_path):
+    from kvlab.errors import BadInputError
+
+    ctx = ExperimentContext(out_dir=tmp_path / "r", profile="quick", options={"ratioz": [0.5]})
+    ctx.model_handle = tiny
+    with pytest.raises(BadInputError, match="unknown option"):
+        run_experiment(get_experiment("ruler"), ctx)
+    ctx.options = {**SMALL, "ratios": "0.5,1.5"}
+    with pytest.raises(BadInputError, match=r"\[0, 1\)"):
+        run_experiment(get_experiment("ruler"), ctx)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_bundled_model_smoke(smollm, tmp_path):
+    """SmolLM2-135M, one needle task at 160 tokens, 2 trials, h2o and snapkv at 0.5 and int4."""
+    opts = {"tasks": ["niah_single"], "lengths": [160], "trials": 2, "max_new_tokens": 10}
+    ctx = ExperimentContext(out_dir=tmp_path / "ruler", profile="quick", options=opts)
+    ctx.model_handle = smollm
+    result = run_experiment(get_experiment("ruler"), ctx)
+    assert result.status == "ok"
+    assert result.summary["settings"]["caches"] == ["full", "h2o:0.5", "snapkv:0.5", "int4"]
+    pts = {p["cache"]: p for p in result.summary["points"] if p["task"] == "all"}
+    assert pts["int4"]["kld"]["value"] < pts["h2o:0.5"]["kld"]["value"]
+    print("\n", *result.notes, sep="\n")
