@@ -40,8 +40,8 @@ def settings(ctx: ExperimentContext, opts: dict[str, Any]) -> dict[str, Any]:
         "codecs": opts.get("codecs") or ctx.pick(["int4"], ["int4", "kivi2"]),
         "max_new_tokens": opts.get("max_new_tokens") or ctx.pick(12, None),
     }
-    if isinstance(s["ratios"], str):
-        s["ratios"] = parse_ratios(s["ratios"])
+    ratios = s["ratios"]
+    s["ratios"] = parse_ratios(ratios if isinstance(ratios, str) else ",".join(map(str, ratios)))
     for key in ("tasks", "policies", "codecs"):
         if isinstance(s[key], str):
             s[key] = [v.strip() for v in s[key].split(",") if v.strip()]
@@ -157,8 +157,7 @@ def _accuracy_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any])
     for i, length in enumerate(lengths):
         for j, task in enumerate(tasks):
             ax = axes[i][j]
-            for method in s["policies"]:
-                method = _method_of(method)
+            for method in map(_method_of, s["policies"]):
                 c = _curves(pts, method, task, length)
                 if len(c) < 2:
                     continue
@@ -191,10 +190,12 @@ def _accuracy_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any])
 
 
 def _method_of(policy: str) -> str:
-    """The score a policy name stands for (``keynorm`` -> ``knorm``, ``window`` -> ``streaming_llm``)."""
-    from kvlab.eval.run import parse_cache_spec
+    """The score a policy name stands for (``keynorm`` -> ``knorm``, ``window`` -> ``streaming_llm``,
+    ``h2o,sinks=4`` -> ``h2o``)."""
+    from kvlab.eval.run import bare_score, parse_cache_spec
 
-    return parse_cache_spec(f"{policy}:0.5").method if ":" not in policy and "," not in policy else policy
+    base = bare_score(policy)
+    return parse_cache_spec(f"{base},ratio=0.5").method if base else policy.strip().lower()
 
 
 def _kl_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any]):
