@@ -102,7 +102,7 @@ def _tables(pts: list[dict], s: dict[str, Any]) -> list[Table]:
     cols = ["length", "cache", "ratio", "n", "accuracy [95% CI]", "KL nats [95% CI]", "top-1 [95% CI]"]
     cols += ["bytes / token", "kept"]
     out = []
-    for task in [*s["tasks"], "all"]:
+    for task in _panels(s):
         sel = sorted((p for p in pts if p["task"] == task), key=lambda p: (p["length"], _order(p)))
         rows = [
             [
@@ -134,6 +134,11 @@ def _tables(pts: list[dict], s: dict[str, Any]) -> list[Table]:
     return out
 
 
+def _panels(s: dict[str, Any]) -> list[str]:
+    """The tasks shown one by one, and "all" (pooled) when there are several."""
+    return [*s["tasks"], "all"] if len(s["tasks"]) > 1 else list(s["tasks"])
+
+
 def _order(p: dict) -> tuple:
     return ({"full": 0, "evict": 1, "window": 1, "quant": 2}.get(p["kind"], 3), p["method"], p["ratio"])
 
@@ -150,7 +155,7 @@ def _curves(pts: list[dict], method: str, task: str, length: int) -> list[dict]:
 def _accuracy_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any]):
     import matplotlib.pyplot as plt
 
-    tasks, lengths = [*s["tasks"], "all"], s["lengths"]
+    tasks, lengths = _panels(s), s["lengths"]
     fig, axes = plt.subplots(
         len(lengths), len(tasks), figsize=(2.6 * len(tasks) + 1, 2.6 * len(lengths)), squeeze=False
     )
@@ -274,8 +279,9 @@ def claim_h2o(rows: list[dict], specs: list[Any], seed: int, by: str) -> dict:
     what = "accuracy" if by == "score" else "KL"
     cid, claim = f"h2o_best_{what.lower()}", f"H2O is best at {CLAIM_RATIO:.0%} (by {what})"
     rule = (
-        f"the highest mean {what} of the eviction policies at ratio {CLAIM_RATIO} (lowest for KL), pooled over "
-        "tasks, lengths and trials; 'separated' when its 95% interval does not overlap the runner-up's"
+        f"H2O's mean {what} strictly the best ({'highest' if by == 'score' else 'lowest'}) of the eviction "
+        f"policies at ratio {CLAIM_RATIO}, pooled over tasks, lengths and trials; 'intervals separate' when "
+        "its 95% interval and the runner-up's (or the winner's) do not overlap"
     )
     at = {s.method: s.spec for s in specs if s.kind == "evict" and abs(s.ratio - CLAIM_RATIO) < 1e-9}
     if "h2o" not in at or len(at) < 2:
@@ -462,10 +468,16 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     """Finding and headline numbers for the report, from this run's summary."""
     claims = s.get("claims", [])
     pooled = [p for p in s.get("points", []) if p["task"] == "all"]
-    rows = [
-        (f"{p['cache']} at {p['length']} tokens: accuracy (all tasks)", format_interval(p["accuracy"]))
+    shown = [
+        p
         for p in sorted(pooled, key=lambda p: (p["length"], _order(p)))
         if p["accuracy"] is not None and (p["kind"] != "evict" or abs(p["ratio"] - CLAIM_RATIO) < 1e-9)
+    ]
+    rows = [(f"{p['cache']}, {p['length']} tokens: accuracy", format_interval(p["accuracy"])) for p in shown]
+    rows += [
+        (f"{p['cache']}, {p['length']} tokens: KL to full (nats/token)", format_interval(p["kld"]))
+        for p in shown
+        if p["kind"] != "full" and p["kld"] is not None
     ]
     held = [c["claim"] for c in claims if c["verdict"] == "holds"]
     failed = [c["claim"] for c in claims if c["verdict"] == "does not hold"]
