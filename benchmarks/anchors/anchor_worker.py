@@ -64,8 +64,11 @@ def make_press(name: str, ratio: float):
         "snapkv": kvpress.SnapKVPress,
         "knorm": kvpress.KnormPress,
         "streaming_llm": kvpress.StreamingLLMPress,
-    }[name]
-    return cls(compression_ratio=ratio)
+        "pyramidkv": kvpress.PyramidKVPress,
+    }
+    if name == "adakv_snapkv":  # per-head budgets (AdaKV) over SnapKV's scores; masks, frees nothing
+        return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio))
+    return cls[name](compression_ratio=ratio)
 
 
 def make_cache(model, setup: dict):
@@ -298,7 +301,9 @@ def _attention_layers(model):
 
 
 @torch.no_grad()
-def shared_press_prefill(model, context: list[int], setups: list[dict], presses: dict) -> tuple[dict, dict]:
+def shared_press_prefill(
+    model, context: list[int], setups: list[dict], presses: dict, masks: dict | None = None
+) -> tuple[dict, dict]:
     """One prefill of ``context``; every press compresses its own copy of each layer's cache.
 
     A kvpress press compresses layer l's cache in a forward hook on layer l's attention, after that
@@ -306,7 +311,10 @@ def shared_press_prefill(model, context: list[int], setups: list[dict], presses:
     every press sees the same hook inputs whether it runs alone or beside others. Here one hook per
     layer copies the layer's full K/V into each press's own ``DynamicCache`` and calls that press's own
     ``forward_hook`` with that cache as ``past_key_values`` (exactly what ``with press(model)`` runs).
-    Returns ``({setup name: cache}, {setup name: error})``; ``full`` is the uncompressed cache.
+    Returns ``({setup name: cache}, {setup name: error})``; ``full`` is the uncompressed cache. A press that
+    masks keys instead of dropping them (AdaKV) leaves ``module.masked_key_indices`` for kvpress's attention
+    patch: it is moved into ``masks[setup name][layer]`` (the module is cleared, so the next press and the
+    other setups' decoding do not see it); :func:`masked_keys` puts it back for that setup's decoding.
     """
     from transformers import DynamicCache
 
@@ -332,6 +340,11 @@ def shared_press_prefill(model, context: list[int], setups: list[dict], presses:
             layer.keys, layer.values = keys, values  # the press replaces them with its compressed copy
             try:
                 presses[name].forward_hook(module, args, {**kwargs, "past_key_values": cache}, output)
+                mk = getattr(module, "masked_key_indices", None)
+                if mk is not None:
+                    module.masked_key_indices = None
+                    if masks is not None:
+                        masks.setdefault(name, {})[idx] = mk
             except Exception as exc:  # one failing press must not cost the others their rows
                 errors[name] = f"{type(exc).__name__}: {exc}"
         return output
@@ -350,6 +363,26 @@ def shared_press_prefill(model, context: list[int], setups: list[dict], presses:
     return caches, errors
 
 
+class masked_keys:
+    """While decoding one setup: each attention module's ``masked_key_indices`` set to that setup's (None for
+    a setup that masks nothing), cleared on exit."""
+
+    def __init__(self, model, layer_masks: dict | None):
+        self.attns, self.masks = _attention_layers(model)[1], layer_masks or {}
+
+    def __enter__(self):
+        for i, attn in enumerate(self.attns):
+            attn.masked_key_indices = self.masks.get(i)
+
+    def __exit__(self, *exc):
+        for attn in self.attns:
+            attn.masked_key_indices = None
+
+
+def masked_count(layer_masks: dict | None) -> int:
+    return sum(int(m[0].numel()) for m in (layer_masks or {}).values())
+
+
 @torch.no_grad()
 def standalone_press_prefill(model, context: list[int], press):
     """kvpress's own way: ``with press(model):`` around the context forward (the check of the shared one)."""
@@ -361,10 +394,33 @@ def standalone_press_prefill(model, context: list[int], press):
     return cache
 
 
+def _ragged_layers(cache) -> bool:
+    """Layers of different lengths (PyramidKV): transformers builds one mask from layer 0's length, which
+    fits no other layer for a multi-token input, so such a cache is fed one token at a time (no mask)."""
+    return len({int(layer.keys.shape[-2]) for layer in cache.layers}) > 1
+
+
+@torch.no_grad()
+def _one_by_one(model, cache, tokens: list[int], start: int) -> torch.Tensor:
+    rows = []
+    for i, t in enumerate(tokens):
+        rows.append(
+            model(
+                input_ids=torch.tensor([[t]]), past_key_values=cache, position_ids=torch.tensor([[start + i]])
+            )
+            .logits[0, -1]
+            .float()
+        )
+    return torch.stack(rows)
+
+
 @torch.no_grad()
 def greedy_until(model, cache, prompt: list[int], start: int, n: int, stop: set[int]) -> list[int]:
     """Greedy ids after ``prompt`` (positions from ``start``), at most ``n``, ending at a stop id (kept)."""
     ids, pos, out = torch.tensor([prompt]), start, []
+    if _ragged_layers(cache) and len(prompt) > 1:
+        _one_by_one(model, cache, prompt[:-1], start)
+        ids, pos = torch.tensor([prompt[-1:]]), start + len(prompt) - 1
     for _ in range(n):
         position_ids = torch.arange(pos, pos + ids.shape[1])[None]
         logits = model(
@@ -380,6 +436,8 @@ def greedy_until(model, cache, prompt: list[int], start: int, n: int, stop: set[
 
 @torch.no_grad()
 def forced_logits(model, cache, tokens: list[int], start: int) -> torch.Tensor:
+    if _ragged_layers(cache):
+        return _one_by_one(model, cache, tokens, start)
     pos = torch.arange(start, start + len(tokens))[None]
     return model(input_ids=torch.tensor([tokens]), past_key_values=cache, position_ids=pos).logits[0].float()
 
@@ -403,7 +461,8 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
     forced = question + answer[:-1]
     start, stop = len(ctx), set(job["stop_ids"])
     t0 = time.perf_counter()
-    caches, errors = shared_press_prefill(model, ctx, setups, presses)
+    masks: dict = {}
+    caches, errors = shared_press_prefill(model, ctx, setups, presses, masks)
     prefill_s = time.perf_counter() - t0
     head = {k: trial[k] for k in ("key", "task", "length", "trial", "seed")}
     rows, ref = [], None
@@ -417,6 +476,18 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
             cache = caches[s["name"]]
             if verify and s["press"] is not None:  # the shared prefill equals kvpress's own, setup by setup
                 alone = standalone_press_prefill(model, ctx, make_press(s["press"], s["ratio"]))
+                alone_masks = {}
+                for i, attn in enumerate(_attention_layers(model)[1]):
+                    if getattr(attn, "masked_key_indices", None) is not None:
+                        alone_masks[i] = attn.masked_key_indices
+                        attn.masked_key_indices = None
+                ours = masks.get(s["name"], {})
+                if alone_masks.keys() != ours.keys() or any(
+                    set(zip(*(t.tolist() for t in alone_masks[i]), strict=True))
+                    != set(zip(*(t.tolist() for t in ours[i]), strict=True))
+                    for i in ours
+                ):
+                    row["check_masked_keys_differ"] = True
                 row["check_max_abs_diff_vs_standalone"] = max(
                     max(float((a.keys - b.keys).abs().max()), float((a.values - b.values).abs().max()))
                     if a.keys.shape == b.keys.shape
@@ -426,12 +497,22 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
                 del alone
             t1 = time.perf_counter()  # the check above is not part of the setup's time
             row["kept_slots"] = _cache_len(cache)
-            row["kv_bytes"] = _cache_bytes(cache)
+            row["kv_bytes"] = _cache_bytes(cache)  # what it holds (a masking press holds the masked keys too)
+            if s["name"] in masks:
+                n_masked = masked_count(masks[s["name"]])
+                slots = sum(
+                    int(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2])
+                    for layer in cache.layers
+                )
+                per_slot = row["kv_bytes"] / max(1, slots)
+                row["masked_slots"] = n_masked
+                row["kv_bytes_unmasked"] = int(row["kv_bytes"] - n_masked * per_slot)
             forced_cache = copy.deepcopy(cache)
-            row["answer_ids"] = greedy_until(
-                model, cache, question, start, int(trial["max_new_tokens"]), stop
-            )
-            logits = forced_logits(model, forced_cache, forced, start)
+            with masked_keys(model, masks.get(s["name"])):
+                row["answer_ids"] = greedy_until(
+                    model, cache, question, start, int(trial["max_new_tokens"]), stop
+                )
+                logits = forced_logits(model, forced_cache, forced, start)
             del forced_cache
             if s["press"] is None:
                 ref = logits
