@@ -103,3 +103,21 @@ def test_bad_cache_options_are_one_line_exit_2(argv, fragment, capsys):
     code = main(argv)
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and fragment in err[0], err
+
+
+def test_stream_ppl_cache_on_the_bundled_model(capsys, tmp_path):
+    """``kvlab stream-ppl --cache``: an fp8 window (a codec added in one file) is scored next to the
+    methods, paired with the full-precision window of the same layout."""
+    from kvlab.cli import main
+
+    argv = ["stream-ppl", "--quick", "--window", "64", "--sinks", "4", "--tokens", "150", "--recompute-samples", "2",
+            "--cache", "sinks=4,window=64,chunk=32,codec=fp8", "--cache", "sinks=4,window=64,chunk=32",
+            "--json", "--out", str(tmp_path), "--device", "cpu"]  # fmt: skip
+    assert main(argv) in (0, None)
+    out = capsys.readouterr().out
+    doc = json.loads(out[out.index("{") :])
+    rows = {r["method"]: r for r in doc["summary"]["rows"]}
+    r = rows["sinks=4,window=64,chunk=32,codec=fp8"]
+    assert r["fp_window_method"] == "sinks=4,window=64,chunk=32"
+    assert r["ratio_to_fp_window_low"] <= r["ratio_to_fp_window"] <= r["ratio_to_fp_window_high"]
+    assert 0.95 < r["ratio_to_fp_window"] < 1.05  # fp8 costs little

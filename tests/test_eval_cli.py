@@ -50,9 +50,9 @@ def test_composed_specs_run_offline(tiny):
     )
     trial = make_trial("niah_single", tiny, 200, 1, HAYSTACK)
     full, win, wq, hq = run_trial(tiny, trial, specs, max_new_tokens=3)
-    assert win["kept_slots"] == wq["kept_slots"] == 68 and hq["kept_slots"] == round(
-        0.5 * full["context_tokens"]
-    )
+    # a rolling window drops whole chunks (32 here): 4 sinks + 33..64 newest slots, as the live cache holds
+    assert win["kept_slots"] == wq["kept_slots"] and 4 + 33 <= win["kept_slots"] <= 68
+    assert hq["kept_slots"] == round(0.5 * full["context_tokens"])
     assert wq["kv_bytes"] < win["kv_bytes"] < full["kv_bytes"] and hq["kv_bytes"] < full["kv_bytes"] / 2
     assert win["kld"] > 0 and wq["kld"] > 0 and hq["kld"] > 0
 

@@ -256,21 +256,6 @@ def _generate_with_policy(
         )
 
 
-def _experiment_takes_caches() -> None:
-    """``stream-ppl --cache`` needs the ``streaming_ppl`` experiment to take ``caches=`` (the specs it
-    passes to :func:`kvlab.streaming.perplexity.streaming_perplexity` as methods); refused in one line
-    where it does not yet."""
-    import inspect
-
-    from kvlab.study.experiments import get_experiment
-
-    if "caches" not in inspect.signature(get_experiment("streaming_ppl").run).parameters:
-        raise BadInputError(
-            "stream-ppl --cache is not wired into the streaming_ppl experiment yet (it takes no caches=); "
-            "use kvlab.streaming.perplexity.streaming_perplexity(methods=[SPEC, ...])"
-        )
-
-
 def register(app: typer.Typer) -> None:
     @experiment_command(app, "stream-ppl", "streaming_ppl")
     def stream_ppl_cmd(
@@ -334,8 +319,6 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> dict:
         """Perplexity over a text per cache policy: full, window, sinks + window, sliding window re-computed."""
-        if cache:
-            _experiment_takes_caches()
         return {
             **({"caches": cache} if cache else {}),
             "text_file": text_file,

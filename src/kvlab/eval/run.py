@@ -212,12 +212,32 @@ def _encoded(policy: CachePolicy, keys, values, positions, rope) -> tuple[tuple,
     return tuple(ks), tuple(vs), nbytes
 
 
-def _layers(spec: CacheSpec, source: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int]:
+def _rolled(policy: CachePolicy, snap: Any, handle: Any) -> tuple[tuple, tuple, int]:
+    """Sinks + window (over codes or not): the context's K/V fed to the live cache's own layers (no model
+    forward: the prompt attends to itself in full precision in the live cache too), so what the question
+    sees is exactly what :func:`kvlab.hf.policy_cache.cache_for` would hold after the context: the sinks
+    re-positioned before the window, whole eviction chunks dropped, codes where the cache keeps codes."""
+    from kvlab.hf.policy_cache import cache_for
+
+    cache = cache_for(policy, handle)
+    for layer, k, v in zip(cache.layers, snap.keys, snap.values, strict=True):
+        layer.update(k, v)
+    kept = cache.kept_layers()
+    if policy.codec is not None:
+        nbytes = sum(layer.visible_nbytes() for layer in cache.layers)
+    else:
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kept)
+    return tuple(k for k, _ in kept), tuple(v for _, v in kept), nbytes
+
+
+def _layers(
+    spec: CacheSpec, source: Any, handle: Any = None
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int]:
     """The per-layer K/V the cache of ``spec`` holds after the context, and its K/V bytes.
 
     ``source`` is an :class:`~kvlab.compress.evict.Observation` or a :class:`~kvlab.cache.KVSnapshot`.
     """
-    from kvlab.compress.evict import Observation, StreamingLLM, evict
+    from kvlab.compress.evict import Observation, evict
     from kvlab.compress.quant import quantize_snapshot
 
     snap = source.snapshot if isinstance(source, Observation) else source
@@ -231,12 +251,8 @@ def _layers(spec: CacheSpec, source: Any) -> tuple[tuple[torch.Tensor, ...], tup
     if isinstance(lay, ScoredLayout):
         budget = {"keep": lay.keep} if lay.keep is not None else {"n_keep": min(lay.budget, snap.seq_len)}
         ev = evict(source, lay.policy(), **budget)
-    else:  # sinks + window: the newest slots and the sinks, at their original positions
-        ev = evict(
-            source,
-            StreamingLLM(sinks=lay.sinks, window=lay.window),
-            n_keep=min(snap.seq_len, lay.sinks + lay.window),
-        )
+    else:
+        return _rolled(policy, snap, handle)
     if policy.codec is None:
         return ev.keys, ev.values, ev.nbytes
     return _encoded(policy, ev.keys, ev.values, ev.positions, snap.rope)
@@ -299,7 +315,7 @@ def run_trial(
             forced = question + reference["answer"][:-1]
             logits = ragged_logits(handle, rc, forced, start)
         else:
-            keys, values, nbytes = _layers(spec, source)
+            keys, values, nbytes = _layers(spec, source, handle)
             kept = int(keys[0].shape[-2])
             tokens = greedy_on_layers(handle, keys, values, question, start, n_new)
             if spec.kind == "full":

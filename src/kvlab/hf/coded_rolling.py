@@ -8,7 +8,10 @@ the same ``base``, ``slots``, plan, rolls and re-bases in every layer); only the
   ``block`` slots at a time, oldest first, once the newest ``tail`` slots (the codec's full-precision
   window) are full; a roll drops whole blocks (the eviction chunk is a multiple of the block), so no
   slot is ever quantized twice and nothing is re-encoded;
-* the newest slots wait in a full-precision tail.
+* the newest slots wait in a full-precision tail; like a roll, encoding is decided at the end of an
+  update and applied at the start of the next, so a prompt fed in pieces with the roll held
+  (:meth:`RollingCache.hold_roll`, which also holds the codes) sees its earlier pieces in full
+  precision, as one forward would.
 
 Invariant: codes are stored at their slots' *original* positions (a roll does not move a window key's
 position; a re-base by ``r`` rotates every kept key by ``-r``): the layer keeps ``frame``, the total of
@@ -57,6 +60,7 @@ class CodedRollingLayer(RollingLayer):
         self.sink_live: torch.Tensor | None = None  # sink keys rotated to the current base
         self.tail_k: torch.Tensor | None = None
         self.tail_v: torch.Tensor | None = None
+        self.encode_pending = False  # the tail's ready blocks are encoded at the next update
         self._plan_key: tuple[int, int, int] = (-1, 0, 0)
         self._seg_plan: Any = None
 
@@ -67,7 +71,8 @@ class CodedRollingLayer(RollingLayer):
 
     @property
     def nbytes(self) -> int:
-        ts = (self.sink_keys, self.sink_values, self.tail_k, self.tail_v)
+        live = self.sink_live if self.sink_live is not self.sink_keys else None  # re-rotated copy
+        ts = (self.sink_keys, live, self.sink_values, self.tail_k, self.tail_v)
         return sum(t.numel() * t.element_size() for t in ts if t is not None) + sum(
             s.nbytes for s in self.segments
         )
@@ -81,15 +86,27 @@ class CodedRollingLayer(RollingLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.tail_k, self.tail_v = key_states[:, :, :0], value_states[:, :, :0]
-        self._apply(self.plan)
+        self._prepare()
         k, v = self._take_sinks(key_states, value_states)
         self.tail_k = torch.cat((self.tail_k, k), dim=-2)
         self.tail_v = torch.cat((self.tail_v, v), dim=-2)
         out = self._attend(key_states, value_states)
-        self._encode_ready()
+        self.encode_pending = True  # like a roll: decided now, applied at the start of the next update
         self.keys, self.values = self.tail_k, self.tail_v
         self._advance(n_new)
         return out
+
+    def _prepare(self) -> None:
+        """What the last update left pending: encode the tail's ready blocks, then apply the roll."""
+        if self.encode_pending:
+            self._encode_ready()
+            self.encode_pending = False
+        self._apply(self.plan)
+
+    def hold_codes(self) -> None:
+        """Keep the tail in full precision through the next forward (a prompt fed in pieces, with
+        :meth:`RollingCache.hold_roll`): every piece then sees the earlier ones as one forward would."""
+        self.encode_pending = False
 
     def _take_sinks(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream's first ``sinks`` tokens become the sinks (originals at positions 0..); the rest."""
@@ -194,7 +211,7 @@ class CodedRollingLayer(RollingLayer):
         """``(keys, values)`` as the next forward will see them (pending roll applied), decoded; new tensors."""
         saved = dict(vars(self))
         try:
-            self._apply(self.plan)
+            self._prepare()
             codes = self.decoded_codes()
             ks = [t for t in (self.sink_live, codes[0] if codes else None, self.tail_k) if t is not None]
             vs = [t for t in (self.sink_values, codes[1] if codes else None, self.tail_v) if t is not None]
@@ -203,9 +220,19 @@ class CodedRollingLayer(RollingLayer):
             vars(self).clear()
             vars(self).update(saved)
 
+    def visible_nbytes(self) -> int:
+        """Bytes held once the pending roll is applied (what the next forward's cache holds)."""
+        saved = dict(vars(self))
+        try:
+            self._prepare()
+            return self.nbytes
+        finally:
+            vars(self).clear()
+            vars(self).update(saved)
+
     def reset(self) -> None:
         super().reset()
-        self.segments, self.tail_start, self.frame = [], 0, 0
+        self.segments, self.tail_start, self.frame, self.encode_pending = [], 0, 0, False
         self.sink_values = self.sink_live = self.tail_k = self.tail_v = None
 
 

@@ -616,6 +616,9 @@ class RollingCache(Cache):
         """
         for layer in self._rolling_layers():
             layer.plan = RollPlan()
+            hold = getattr(layer, "hold_codes", None)  # a coded window keeps its tail in fp too
+            if hold is not None:
+                hold()
 
     def checkpoint(self) -> Callable[[], None]:
         """The cache's state now, as a function that puts it back (in place) if a step fails part-way.

@@ -134,6 +134,7 @@ def run(
     recompute_samples: int | None = None,
     recompute_stride: int | None = None,
     loop: bool = False,
+    caches: list[str] | None = None,
 ) -> ExperimentResult:
     result = ExperimentResult(name="streaming_ppl", title=TITLE, description=__doc__.strip().split("\n")[0])
     handle = ctx.handle()
@@ -152,7 +153,18 @@ def run(
         for window in windows:
             if len(ids) <= window + feed + 1:
                 raise BadInputError(f"{text.source} has {len(ids)} tokens, too few for window {window}")
-            res = _stream(ctx, handle, ids, text, window, sink_methods, feed, n_sub, recompute_stride, loop)
+            res = _stream(
+                ctx,
+                handle,
+                ids,
+                text,
+                window,
+                [*sink_methods, *(caches or [])],
+                feed,
+                n_sub,
+                recompute_stride,
+                loop,
+            )
             sub = res["recompute"].targets
             key = f"{source_name(text.source)}_w{window}"
             result.arrays[f"{key}_subsample_targets"] = sub
