@@ -392,6 +392,7 @@ EXPECTED_SECONDS = {
     "compaction": 83, "caching_numerics": 73, "compression": 72, "context_retention": 61,
     "streaming_ppl": 57, "kv_swap": 43, "layer_transfer": 34, "transfer_equivalence": 27,
     "store_reuse": 20, "findings": 14, "inspect": 4, "rope_derotation": 1,
+    "ruler": 240,  # estimated from its quick run (not yet timed by benchmarks/study_timing.py)
 }  # fmt: skip
 
 
