@@ -12,6 +12,7 @@ ORDER = [
     "rolling",
     "compression",
     "compressed_decode",
+    "eval_ruler",
     "store",
     "serve",
     "serve_fidelity",
