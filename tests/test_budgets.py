@@ -115,7 +115,7 @@ def test_ragged_cache_holds_fewer_bytes_than_padded_and_masked(obs):
     assert any(len(set(c)) > 1 for c in counts)
     assert rc.nbytes < rc.padded_nbytes < rc.masked_nbytes
     per_slot = 2 * 16 * 4  # K and V, head dim 16, float32
-    assert rc.nbytes == rc.kept_slots * per_slot
+    assert rc.nbytes == rc.held_slots * per_slot
     assert rc.masked_nbytes == 2 * 2 * 96 * per_slot
     uniform = evict(obs, H2O(), keep=0.5)
     assert rc.nbytes == uniform.nbytes  # same budget, same memory: the heads share it

@@ -67,6 +67,7 @@ def test_what_a_policy_holds():
         ("codec=zip4", "unknown codec 'zip4'"),
         ("codec=fp4", "unknown codec"),
         ("tail=3", "add codec="),
+        ("sinks=4,window=64,codec=kivi4", "holds none: it needs the eviction chunk \\(32\\)"),
         ("h2o,keep=0.5,chunk=3", "sinks \\+ window only"),
         ("window=10,every=3", "only apply to a score"),
         ("window=10,window=12", "given twice"),
@@ -124,6 +125,7 @@ def test_fp8_error_bound_and_bytes():
 )
 def test_canonical_strings_round_trip(sinks, window, score, keep, every, codec):
     c = f",codec={codec}" if codec else ""
+    window += 200 if codec else 0  # a window over codes holds its chunk, a block and the codec's tail
     for text in (f"sinks={sinks},window={window}{c}", f"{score},keep={keep!r},every={every}{c}"):
         p = parse(text)
         assert isinstance(p, CachePolicy) and parse(p.spec) == p

@@ -387,6 +387,8 @@ def _build(spec: str, score: str | None, opts: dict[str, str]) -> CachePolicy:
         if ints["window"] < 1:
             raise BadInputError(f"cache spec '{spec}': window must be >= 1")
         layout = SinksWindowLayout(ints.get("sinks", DEFAULT_SINKS), ints["window"], ints.get("chunk", 0))
+        if codec is not None:
+            _check_coded_window(spec, layout, CachePolicy(layout, codec, bits, ints.get("tail")).quantizer())
     else:
         refuse(("keep", "ratio", "budget", "every"), "only apply to a score (e.g. h2o,keep=0.5)")
         refuse(("chunk",), "applies to sinks + window only (add window=N)")
@@ -394,6 +396,24 @@ def _build(spec: str, score: str | None, opts: dict[str, str]) -> CachePolicy:
             raise BadInputError(f"cache spec '{spec}': sinks= alone keeps everything; add window=N or codec=")
         layout, codec_sinks = FullLayout(), ints.get("sinks", 0)
     return CachePolicy(layout, codec, bits, ints.get("tail"), codec_sinks)
+
+
+def _check_coded_window(spec: str, lay: SinksWindowLayout, codec: Any) -> None:
+    """A window over codes must hold at least one block of codes besides its chunk and full-precision tail
+    (checked again, for the model's head size, when the cache is built)."""
+    import math
+
+    from kvlab.policy.window import default_chunk
+
+    block = codec.rolling_block()
+    chunk = block * math.ceil((lay.chunk or default_chunk(lay.window)) / block)
+    need = chunk + block + int(codec.window)
+    if lay.window < need:
+        raise BadInputError(
+            f"cache spec '{spec}': a window of {lay.window} over {codec.name} codes holds none: it needs the "
+            f"eviction chunk ({chunk}) + one block of codes ({block}) + the full-precision tail ({codec.window}) "
+            f"= {need} slots (a larger window, chunk=, or tail=)"
+        )
 
 
 def parse_many(specs: list[str] | tuple[str, ...]) -> list[CachePolicy]:

@@ -303,7 +303,7 @@ def run_trial(
 
             rc = _ragged(spec, source)
             nbytes, counts = rc.nbytes, rc.counts
-            kept = round(rc.kept_slots / sum(len(c) for c in counts))
+            kept = round(rc.held_slots / sum(len(c) for c in counts))
             extra = {
                 "kv_bytes_padded": int(rc.padded_nbytes),
                 "kv_bytes_masked": int(rc.masked_nbytes),

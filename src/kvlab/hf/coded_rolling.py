@@ -35,14 +35,6 @@ from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
 from kvlab.hf.rolling_cache import RollingLayer, RollPlan, RollRule
 from kvlab.rope.fast import rotate_by
 
-DECODE_BLOCK = 32  # slots encoded together: one segment per generated token would slow every step
-
-
-def block_for(codec: Quantizer) -> int:
-    """Slots per encoded block: 32, rounded up to the codec's token groups (KIVI's keys)."""
-    m = codec.token_multiple()
-    return m * math.ceil(DECODE_BLOCK / m)
-
 
 class CodedRollingLayer(RollingLayer):
     """``[sinks | codes | full-precision tail]`` of one layer, following the shared :class:`RollRule`."""
@@ -51,7 +43,7 @@ class CodedRollingLayer(RollingLayer):
         super().__init__(rule, layer)
         self.packed_path = packed_path
         self.layer_index = layer
-        self.codec, self.block = codec, block_for(codec)
+        self.codec, self.block = codec, codec.rolling_block()
         self.tail_slots = int(codec.window)  # newest slots kept in full precision
         self.segments: list[Segment] = []  # each `block` slots, oldest first, at original positions
         self.tail_start = 0  # original position of the tail's first slot
@@ -256,7 +248,7 @@ def check_codec(text: Any, rope: Any, codec: Quantizer, *, window: int, chunk: i
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     for i in range(int(text.num_hidden_layers)):
         codec.check(head_dim, rope.for_layer(i) if rope is not None else None)
-    block = block_for(codec)
+    block = codec.rolling_block()
     chunk = block * math.ceil(max(1, int(chunk)) / block)
     need = chunk + block + int(codec.window)
     if window < need:

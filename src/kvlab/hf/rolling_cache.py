@@ -53,7 +53,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
-from kvlab.policy.window import SinksWindow
+from kvlab.policy.window import SinksWindow, default_chunk
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, rope_spec_from_model
 
@@ -62,6 +62,7 @@ Rebase = Literal["auto", "always", "never"]
 
 __all__ = [
     "RollRule",
+    "default_chunk",
     "RollingCache",
     "RollingLayer",
     "RollPlan",
@@ -749,12 +750,6 @@ def _restore_positions(_model: Any, _args: tuple, _kwargs: dict, out: Any) -> No
     finish = stack.pop() if stack else None
     if finish is not None:
         finish(out)
-
-
-def default_chunk(window: int) -> int:
-    """Tokens evicted at once by default: 64 (a roll every 64 tokens amortizes its cost), at most half the
-    window so that a small window still keeps half its tokens after a roll."""
-    return max(1, min(64, int(window) // 2))
 
 
 def _validate(text: Any, rope: Rope | None, *, window, sinks, evict_chunk, max_pos, rebase) -> None:

@@ -97,6 +97,12 @@ class SinksWindow:
         )
 
 
+def default_chunk(window: int) -> int:
+    """Tokens a full window evicts at once by default: 64 (a roll every 64 tokens amortizes its cost), at
+    most half the window so that a small window still keeps half its tokens after a roll."""
+    return max(1, min(64, int(window) // 2))
+
+
 def roll_amount(spec: int | float | str, seq_len: int, *, sinks: int = 0) -> int:
     """Tokens a roll drops: ``20`` or ``"20"`` -> 20; ``0.25`` or ``"25%"`` -> that share of ``seq_len``.
 

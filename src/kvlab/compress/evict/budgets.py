@@ -174,13 +174,13 @@ class RaggedCache:
         return [[int(k.shape[-2]) for k in layer] for layer in self.keys]
 
     @property
-    def kept_slots(self) -> int:
+    def held_slots(self) -> int:
         return sum(sum(c) for c in self.counts)
 
     @property
     def kept_fraction(self) -> float:
         heads = sum(len(c) for c in self.counts)
-        return self.kept_slots / (heads * self.source_len)
+        return self.held_slots / (heads * self.source_len)
 
     @property
     def nbytes(self) -> int:

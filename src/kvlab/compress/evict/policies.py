@@ -175,13 +175,15 @@ class SnapKV(Policy):
 
 @dataclass(frozen=True)
 class TOVA(Policy):
-    """Attention of the last query only (Oren et al. 2024)."""
+    """Attention of the last query, averaged over every head of the layer (Oren et al. 2024, as the
+    official code and kvpress's TOVAPress do): one score per slot, so every KV head keeps the same slots."""
 
     name = "tova"
     needs_queries = True
 
     def score(self, view: LayerView) -> torch.Tensor:
-        return view.recent_attention(1)
+        a = view.recent_attention(1)  # [B, Hkv, T]: the group mean; equal groups, so their mean is all heads'
+        return a.mean(dim=1, keepdim=True).expand_as(a)
 
 
 @dataclass(frozen=True)

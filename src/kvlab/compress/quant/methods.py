@@ -215,6 +215,12 @@ class Quantizer:
         """Quantized spans must hold a multiple of this many slots (per-channel groups run along tokens)."""
         return 1
 
+    def rolling_block(self) -> int:
+        """Slots a rolling window encodes together (:mod:`kvlab.hf.coded_rolling`): 32, rounded up to
+        whole token groups; one segment per generated token would slow every step."""
+        m = self.token_multiple()
+        return m * math.ceil(32 / m)
+
     def check(self, head_dim: int, rope: RopeSpec | None) -> None:
         """Raise a clear error if this quantizer cannot encode a cache of this geometry."""
         check_group(head_dim, self.group_size)

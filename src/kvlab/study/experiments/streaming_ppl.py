@@ -143,9 +143,9 @@ def run(
     feed = ctx.count("feed", feed, quick=16, default=16, full=16)
     n_sub = ctx.count("recompute_samples", recompute_samples, quick=12, default=40, full=200)
     sink_methods = [f"sinks{s}" for s in (sinks or [1, 2, 4, 8])]
-    for name in sink_methods:
-        if name not in METHODS:
-            raise BadInputError(f"sinks must be among 1, 2, 4, 8 (got {name[5:]})")
+    if unknown := [n[5:] for n in sink_methods if n not in METHODS]:
+        raise BadInputError(f"sinks must be among 1, 2, 4, 8 (got {', '.join(unknown)})")
+    methods = [*sink_methods, *(caches or [])]  # cache specs are scored as methods too
     rows: list[dict] = []
     for text in _texts(ctx, text_file):
         ids = _first_tokens(handle, text, n_tokens, exact=tokens is not None)
@@ -153,18 +153,7 @@ def run(
         for window in windows:
             if len(ids) <= window + feed + 1:
                 raise BadInputError(f"{text.source} has {len(ids)} tokens, too few for window {window}")
-            res = _stream(
-                ctx,
-                handle,
-                ids,
-                text,
-                window,
-                [*sink_methods, *(caches or [])],
-                feed,
-                n_sub,
-                recompute_stride,
-                loop,
-            )
+            res = _stream(ctx, handle, ids, text, window, methods, feed, n_sub, recompute_stride, loop)
             sub = res["recompute"].targets
             key = f"{source_name(text.source)}_w{window}"
             result.arrays[f"{key}_subsample_targets"] = sub
