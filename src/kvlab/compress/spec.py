@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvlab.errors import BadInputError
+
+if TYPE_CHECKING:
+    from kvlab.compress.quant.methods import Quantizer
 
 #: aliases of score names in specs: ``keynorm`` is kvlab's ``knorm``
 ALIASES = {"keynorm": "knorm"}
@@ -215,7 +218,7 @@ FULL = CachePolicy()
 
 
 # -- reading specs ------------------------------------------------------------------------------
-def _codecs() -> dict[str, type]:
+def _codecs() -> dict[str, type[Quantizer]]:
     from kvlab.compress.quant.methods import QUANTIZERS, quantizer_names
 
     quantizer_names()  # imports codecs/

@@ -83,7 +83,11 @@ def parse_cache_spec(spec: str) -> CacheSpec:
     can do: ``every=`` acts while decoding, and the context is compressed once here."""
     policy = parse(spec)
     lay = policy.layout
-    if _shared(policy) and (lay.budget is not None or policy.codec is not None):
+    if (
+        isinstance(lay, ScoredLayout)
+        and _shared(policy)
+        and (lay.budget is not None or policy.codec is not None)
+    ):
         raise BadInputError(
             f"cache spec '{spec}': shared budgets (heads=, layers=) run in the eval with keep= and no codec"
         )
@@ -115,6 +119,7 @@ def _ragged(spec: CacheSpec, source: Any) -> Any:
     from kvlab.compress.evict.budgets import evict_ragged
 
     lay = spec.policy.layout
+    assert isinstance(lay, ScoredLayout)  # _shared() specs are scored
     return evict_ragged(source, lay.policy(), keep=lay.keep, heads=lay.heads, layers=lay.layers)
 
 
@@ -249,7 +254,11 @@ def _layers(
         dec = qs.decompress()
         return dec.keys, dec.values, qs.nbytes
     if isinstance(lay, ScoredLayout):
-        budget = {"keep": lay.keep} if lay.keep is not None else {"n_keep": min(lay.budget, snap.seq_len)}
+        budget = (
+            {"keep": lay.keep}
+            if lay.keep is not None
+            else {"n_keep": min(int(lay.budget or 1), snap.seq_len)}
+        )
         ev = evict(source, lay.policy(), **budget)
     else:
         return _rolled(policy, snap, handle)

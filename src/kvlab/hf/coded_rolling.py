@@ -50,8 +50,8 @@ class CodedRollingLayer(RollingLayer):
         self.frame = 0  # total re-base: true rotation = code's rotation - frame
         self.sink_values: torch.Tensor | None = None
         self.sink_live: torch.Tensor | None = None  # sink keys rotated to the current base
-        self.tail_k: torch.Tensor | None = None
-        self.tail_v: torch.Tensor | None = None
+        self.tail_k: torch.Tensor = torch.empty(0)  # replaced by the first update (its dtype and device)
+        self.tail_v: torch.Tensor = torch.empty(0)
         self.encode_pending = False  # the tail's ready blocks are encoded at the next update
         self._plan_key: tuple[int, int, int] = (-1, 0, 0)
         self._seg_plan: Any = None
@@ -225,7 +225,8 @@ class CodedRollingLayer(RollingLayer):
     def reset(self) -> None:
         super().reset()
         self.segments, self.tail_start, self.frame, self.encode_pending = [], 0, 0, False
-        self.sink_values = self.sink_live = self.tail_k = self.tail_v = None
+        self.sink_values = self.sink_live = None
+        self.tail_k, self.tail_v = torch.empty(0), torch.empty(0)
 
 
 def check_codec(text: Any, rope: Any, codec: Quantizer, *, window: int, chunk: int, packed_path: str) -> int:

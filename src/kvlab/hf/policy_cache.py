@@ -52,7 +52,7 @@ def cache_for(policy: CachePolicy | str, handle: Any, *, packed_path: str = "aut
         if codec is not None:
             cache.packed_path = packed_path
             for layer in cache.layers:
-                layer.packed_path = packed_path
+                setattr(layer, "packed_path", packed_path)  # noqa: B010  (CodedRollingLayer's)
         return cache
     from kvlab.hf.compressed_cache import CompressedCache
 

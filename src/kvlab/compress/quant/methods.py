@@ -37,7 +37,8 @@ from kvlab.rope.spec import RopeSpec
 
 
 class Code(Protocol):
-    nbytes: int
+    @property
+    def nbytes(self) -> int: ...
 
     def decode(self) -> torch.Tensor: ...
 
