@@ -17,6 +17,7 @@ ORDER = [
     "serve",
     "serve_fidelity",
     "serve_soak",
+    "small_batch_linear",
     "prefill_interleave",
     "transfer",
     "hybrid_models",

@@ -24,14 +24,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -150,54 +146,9 @@ def _causal_rows_attention(
 AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
 
 
-class _SmallBatchLinear(TorchFunctionMode):
-    """``F.linear`` on a few rows as ``(W @ x.T).T``: on some BLAS builds (this machine's MKL) a
-    ``[rows, in] x [in, out]`` product with 2-8 rows takes 1.5-5x longer than its transpose (the
-    49,152-word output layer: 12.6 ms against 2.6 ms at 4 rows). Used only when :func:`_linear_pays`
-    measured it on this machine."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            rows = x.numel() // x.shape[-1]
-            if 2 <= rows <= 8 and w.dim() == 2:
-                y = (w @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], w.shape[0])
-                return y if bias is None else y + bias
-        return func(*args, **kwargs)
-
-
-_LINEAR_PAYS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def _linear_pays(model: Any) -> bool:
-    """Measured once per model: is the transposed product at least 1.2x faster on its output layer?"""
-    if model not in _LINEAR_PAYS:
-        w = model.get_output_embeddings().weight
-        x = torch.randn(4, 1, w.shape[1], dtype=w.dtype, device=w.device)
-
-        def best(fn) -> float:
-            fn()
-            times = []
-            for _ in range(3):
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            return min(times)
-
-        with torch.no_grad():
-            plain = best(lambda: F.linear(x, w))
-            with _SmallBatchLinear():
-                swapped = best(lambda: F.linear(x, w))
-        _LINEAR_PAYS[model] = plain > 1.2 * swapped
-    return _LINEAR_PAYS[model]
-
-
 @contextlib.contextmanager
 def _rows_step(model: Any, rows: _RowsCache) -> Iterator[None]:
     before = model.config._attn_implementation
-    fast_linear = _linear_pays(model)
     with contextlib.ExitStack() as stack:
         for cache in rows.caches:  # each row's query sits at next_position: a re-base may follow
             choosing = getattr(cache, "choosing_positions", None)
@@ -206,8 +157,7 @@ def _rows_step(model: Any, rows: _RowsCache) -> Iterator[None]:
         model.set_attn_implementation(ROWS_ATTENTION)
         _ACTIVE.rows.append(rows)
         try:
-            with _SmallBatchLinear() if fast_linear else contextlib.nullcontext():
-                yield
+            yield
         finally:
             _ACTIVE.rows.pop()
             model.set_attn_implementation(before)
