@@ -92,13 +92,14 @@ def main() -> None:
     runs = [_generate(handle, coded, prompt, args.tokens)]
     if not args.skip_fp_generate:
         runs.append(_generate(handle, fp, prompt, args.tokens))
+    print(json.dumps({"runs": runs}), flush=True)  # kept even if the perplexity part fails
     text = default_long_text()
     ids = torch.tensor([handle.tokenizer.encode(text.text)[: args.window + args.ppl_tokens + 1]])
     t0 = time.perf_counter()
     nll_c, nll_f = _nll(handle, coded, ids, args.window), _nll(handle, fp, ids, args.window)
     ppl_s = time.perf_counter() - t0
     diff = bootstrap_ci(list(nll_c - nll_f), seed=0)
-    ratio = {k: math.exp(v) for k, v in (("mean", diff.mean), ("low", diff.low), ("high", diff.high))}
+    ratio = {k: math.exp(v) for k, v in (("mean", diff.value), ("low", diff.low), ("high", diff.high))}
     rows = "\n".join(
         f"| `{r['spec']}` | {r['new_tokens']:,} | {r['ms_per_token']:.1f} | {r['max_bytes'] / 2**20:.2f} MiB | "
         f"{r['bytes_at'].get(str(args.tokens // 10), 0) / 2**20:.2f} → {r['bytes_at'].get(str(args.tokens - 1), 0) / 2**20:.2f} MiB | "
