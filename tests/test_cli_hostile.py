@@ -229,7 +229,7 @@ CASES = [
     # -- eval ruler (issue 31) ----------------------------------------------------------------------------
     (["eval", "ruler", "--cache", "bogus"], "cache spec 'bogus': unknown item 'bogus'"),
     (["eval", "ruler", "--cache", "h2o:2"], "must lie in [0, 1)"),
-    (["eval", "ruler", "--cache", "h2o:abc"], "is not a fraction"),
+    (["eval", "ruler", "--cache", "h2o:abc"], "ratio=abc is not a number"),
     (["eval", "ruler", "--cache", "int9"], "unsupported bit width 9"),
     (["eval", "ruler", "--cache"], "requires an argument"),
     (["eval", "ruler", "--lengths", "abc"], "comma-separated list"),

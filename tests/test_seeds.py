@@ -50,6 +50,7 @@ ON_BUNDLED = {
     },
     "transplant": {},
     "caching_numerics": {"steps": 3, "dtypes": ["float64", "float32"]},
+    "ruler": {},  # its quick profile: one needle task at 256 tokens, 2 trials
 }
 # Its ten shared conversations are the whole set: only its lexical control is drawn by the seed, and
 # without ../shared it does not run at all (not applicable).

@@ -50,8 +50,9 @@ class CodedRollingLayer(RollingLayer):
         self.frame = 0  # total re-base: true rotation = code's rotation - frame
         self.sink_values: torch.Tensor | None = None
         self.sink_live: torch.Tensor | None = None  # sink keys rotated to the current base
-        self.tail_k: torch.Tensor = torch.empty(0)  # replaced by the first update (its dtype and device)
-        self.tail_v: torch.Tensor = torch.empty(0)
+        # placeholders, replaced by the first update's (its dtype and device)
+        self.tail_k: torch.Tensor = torch.empty(0, device="cpu")
+        self.tail_v: torch.Tensor = torch.empty(0, device="cpu")
         self.encode_pending = False  # the tail's ready blocks are encoded at the next update
         self._plan_key: tuple[int, int, int] = (-1, 0, 0)
         self._seg_plan: Any = None
@@ -226,7 +227,7 @@ class CodedRollingLayer(RollingLayer):
         super().reset()
         self.segments, self.tail_start, self.frame, self.encode_pending = [], 0, 0, False
         self.sink_values = self.sink_live = None
-        self.tail_k, self.tail_v = torch.empty(0), torch.empty(0)
+        self.tail_k, self.tail_v = torch.empty(0, device="cpu"), torch.empty(0, device="cpu")
 
 
 def check_codec(text: Any, rope: Any, codec: Quantizer, *, window: int, chunk: int, packed_path: str) -> int:

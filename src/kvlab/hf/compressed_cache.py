@@ -316,7 +316,7 @@ class CompressedLayer(DynamicLayer):
         else:
             all_k, all_v, all_pos = k, v, new_pos
         t, m = all_k.shape[-2], self.fresh + n_new
-        queries = self._queries(m, torch.arange(self.seen - m, self.seen), d)
+        queries = self._queries(m, torch.arange(self.seen - m, self.seen, device="cpu"), d)
         slots = None
         if queries is not None and queries.shape[2] != t:
             slots = torch.arange(t - queries.shape[2], t, device=all_k.device)
@@ -375,7 +375,7 @@ class CompressedLayer(DynamicLayer):
                 fv = torch.where(
                     real, _gather(all_v, src), torch.zeros((), dtype=all_v.dtype, device=all_v.device)
                 )
-                fresh = q.encode(fk, fv, torch.zeros(0, dtype=torch.long), self.rope)
+                fresh = q.encode(fk, fv, torch.zeros(0, dtype=torch.long, device="cpu"), self.rope)
                 parts_k.append(fresh.keys)
                 parts_v.append(fresh.values)
             n_codes = code_hi - s_old
@@ -392,7 +392,7 @@ class CompressedLayer(DynamicLayer):
         self.segments = [Segment(keys, values, fill)] if keys is not None and values is not None else []
         self.keys, self.values = _gather(all_k, tail), _gather(all_v, tail)
         # the tail's positions differ per head; position-free codecs ignore them (head 0's, for shape)
-        self.tail_positions = torch.zeros(tail.shape[-1], dtype=torch.long)
+        self.tail_positions = torch.zeros(tail.shape[-1], dtype=torch.long, device="cpu")
         self._plan, self._plan_of = None, (-1, 0)
 
     def capture_queries(self, _module: Any, _inputs: Any, output: torch.Tensor) -> None:

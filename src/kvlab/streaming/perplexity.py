@@ -190,7 +190,7 @@ def _cache_loop_nll(
         out.append(nll(logits, ids[0, start + 1 : start + 1 + chunk.shape[1]]))
         peak = max(peak, held_bytes(cache))
         if on_logits:
-            on_logits(torch.arange(start, start + chunk.shape[1]), logits)
+            on_logits(torch.arange(start, start + chunk.shape[1], device="cpu"), logits)
         if on_chunk:
             on_chunk(chunk.shape[1])
     extra = {"rolls": cache.rolls, "rebases": cache.rebases, "max_position": max_pos} if rolling else {}
@@ -233,7 +233,7 @@ def _full_nll(handle, ids: torch.Tensor, feed: int, on_chunk, on_logits=None) ->
         logits = handle.run(chunk, cache).logits[0].float()
         out.append(nll(logits, ids[0, start + 1 : start + 1 + chunk.shape[1]]))
         if on_logits:
-            on_logits(torch.arange(start, start + chunk.shape[1]), logits)
+            on_logits(torch.arange(start, start + chunk.shape[1], device="cpu"), logits)
         if on_chunk:
             on_chunk(chunk.shape[1])
     return torch.cat(out).cpu().numpy()
@@ -250,7 +250,7 @@ def _recompute_nll(
         logits = handle.run(x, logits_to_keep=1).logits[:, -1].float()
         out.append(nll(logits, ids[0, torch.as_tensor(ts, device=ids.device)]))
         if on_logits:
-            on_logits(torch.as_tensor(ts) - 1, logits)
+            on_logits(torch.as_tensor(ts, device="cpu") - 1, logits)
         if on_chunk:
             on_chunk(len(ts) * window)
     return torch.cat(out).cpu().numpy()
@@ -412,7 +412,8 @@ def streaming_perplexity(
         if out[name].logits is not None:
             reference, out[name].logits = out[name].logits, None
             own = _LogitsTap(reference, keep=False)
-            own(torch.arange(n - 1), reference)  # the full context against itself: KL 0, top-1 1
+            # the full context against itself: KL 0, top-1 1
+            own(torch.arange(n - 1, device="cpu"), reference)
             own.fill(out[name])
     return {name: out[name] for name in methods}
 
