@@ -12,6 +12,7 @@ ORDER = [
     "rolling",
     "compression",
     "compressed_decode",
+    "coded_window",
     "eval_ruler",
     "store",
     "serve",
