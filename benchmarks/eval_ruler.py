@@ -3,7 +3,7 @@
 One command, one run. kvlab's side is :func:`kvlab.eval.run.run_suite` (seeded trials from
 :func:`kvlab.eval.tasks.make_trial` on the bundled SmolLM2-135M-Instruct; each trial prefilled once and
 every policy reusing that prefill). While it runs, the ids it actually ran (context, question and the
-full cache's greedy answer, read from the calls run_suite makes, not re-derived) are appended trial by
+full cache's greedy answer, handed over by run_suite's ``on_reference``, not re-derived) are appended trial by
 trial to a JSONL job that the anchor worker (``benchmarks/anchors/anchor_worker.py``, job kind
 ``ruler``, kvpress 0.5.5 / transformers 5.2.0 in their own venv, one torch thread) consumes concurrently:
 it prefills each context once with every press hooked in, asks the question uncompressed, returns greedy
@@ -22,7 +22,6 @@ Writes ``benchmarks/results/eval_ruler.md`` and ``benchmarks/results/eval_ruler.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
@@ -68,77 +67,6 @@ def _ids(tokens: Any) -> list[int]:
     if isinstance(tokens, torch.Tensor):
         return [int(t) for t in tokens.reshape(-1).tolist()]
     return [int(t) for t in tokens]
-
-
-@contextlib.contextmanager
-def recording_ids(handle: Any):
-    """Record, per trial, the ids run_suite actually runs (kvlab's eval API does not return them).
-
-    Wraps the functions :func:`kvlab.eval.run.run_trial` / ``run_suite`` look up at call time:
-    ``make_trial`` (a new trial starts), ``observe`` / ``handle.prefill`` (the context ids prefilled),
-    ``greedy_on_layers`` (its first call per trial is the full cache: question ids, start position, the
-    answer ids) and ``logits_on_layers`` (its first call: the teacher-forced ids and the full logits).
-    Yields a dict whose ``"current"`` is the trial being run.
-    """
-    import importlib
-
-    # the modules themselves (``kvlab.compress.evict`` is also the name of a function in kvlab.compress)
-    evict_mod = importlib.import_module("kvlab.compress.evict")
-    tasks_mod = importlib.import_module("kvlab.eval.tasks")
-    cc = importlib.import_module("kvlab.hf.compressed_cache")
-
-    state: dict[str, Any] = {"current": None}
-    orig_make, orig_observe = tasks_mod.make_trial, evict_mod.observe
-    orig_greedy, orig_logits = cc.greedy_on_layers, cc.logits_on_layers
-    orig_prefill = handle.prefill
-
-    def make_trial(*args, **kwargs):
-        trial = orig_make(*args, **kwargs)
-        state["current"] = {"trial": trial}
-        return trial
-
-    def note_context(tokens: Any) -> None:
-        cur = state["current"]
-        if cur is not None and "context" not in cur:
-            cur["context"] = _ids(tokens)
-
-    def observe(h, tokens, *args, **kwargs):
-        note_context(tokens)
-        return orig_observe(h, tokens, *args, **kwargs)
-
-    def prefill(tokens, *args, **kwargs):
-        note_context(tokens)
-        return orig_prefill(tokens, *args, **kwargs)
-
-    def greedy_on_layers(h, keys, values, prompt, start_position, max_new_tokens):
-        out = orig_greedy(h, keys, values, prompt, start_position, max_new_tokens)
-        cur = state["current"]
-        if cur is not None and "answer" not in cur:
-            cur.update(
-                question=_ids(prompt),
-                start=int(start_position),
-                answer=_ids(out),
-                max_new_tokens=int(max_new_tokens),
-            )
-        return out
-
-    def logits_on_layers(h, keys, values, tokens, start_position):
-        out = orig_logits(h, keys, values, tokens, start_position)
-        cur = state["current"]
-        if cur is not None and "forced" not in cur:
-            cur.update(forced=_ids(tokens), full_logits=out.detach().float().cpu())
-        return out
-
-    tasks_mod.make_trial, evict_mod.observe = make_trial, observe
-    cc.greedy_on_layers, cc.logits_on_layers = greedy_on_layers, logits_on_layers
-    handle.prefill = prefill
-    try:
-        yield state
-    finally:
-        tasks_mod.make_trial, evict_mod.observe = orig_make, orig_observe
-        cc.greedy_on_layers, cc.logits_on_layers = orig_greedy, orig_logits
-        with contextlib.suppress(AttributeError):
-            del handle.prefill  # the instance attribute; the class method shows through again
 
 
 def trial_record(cur: dict, index: int, logits_path: Path | None = None) -> dict:
@@ -200,36 +128,40 @@ def run_kvlab(
     counters: dict[tuple[str, int], int] = {}
     trials_file.parent.mkdir(parents=True, exist_ok=True)
     trials_file.write_text("")
-    with recording_ids(handle) as state:
+    state: dict[str, Any] = {"current": None}
 
-        def on_trial(done: int, total: int) -> None:
-            cur = state["current"]
-            trial = cur["trial"]
-            index = counters.get((trial.task, trial.length), 0)
-            counters[(trial.task, trial.length)] = index + 1
-            path = None
-            if logits_dir is not None and index == 0:
-                logits_dir.mkdir(parents=True, exist_ok=True)
-                path = logits_dir / f"{trial.task}-{trial.length}-full-logits.pt"
-            rec = trial_record(cur, index, path)
-            records.append(rec)
-            with open(trials_file, "a") as f:
-                f.write(json.dumps({k: v for k, v in rec.items() if k not in _KVLAB_ONLY}) + "\n")
-            state["current"] = None
-            if progress is not None:
-                progress(done, total)
+    def on_reference(reference: dict) -> None:  # run_trial's ids, answer and logits of the full cache
+        state["current"] = reference
 
-        rows = run_suite(
-            handle,
-            specs,
-            tasks=tasks,
-            lengths=lengths,
-            trials=trials,
-            seed=seed,
-            haystack_text=haystack_text,
-            max_new_tokens=max_new_tokens,
-            progress=on_trial,
-        )
+    def on_trial(done: int, total: int) -> None:
+        cur = state["current"]
+        trial = cur["trial"]
+        index = counters.get((trial.task, trial.length), 0)
+        counters[(trial.task, trial.length)] = index + 1
+        path = None
+        if logits_dir is not None and index == 0:
+            logits_dir.mkdir(parents=True, exist_ok=True)
+            path = logits_dir / f"{trial.task}-{trial.length}-full-logits.pt"
+        rec = trial_record(cur, index, path)
+        records.append(rec)
+        with open(trials_file, "a") as f:
+            f.write(json.dumps({k: v for k, v in rec.items() if k not in _KVLAB_ONLY}) + "\n")
+        state["current"] = None
+        if progress is not None:
+            progress(done, total)
+
+    rows = run_suite(
+        handle,
+        specs,
+        tasks=tasks,
+        lengths=lengths,
+        trials=trials,
+        seed=seed,
+        haystack_text=haystack_text,
+        max_new_tokens=max_new_tokens,
+        progress=on_trial,
+        on_reference=on_reference,
+    )
     # the recorded full answer is the one run_suite scored
     stop = handle.eos_ids()
     by_key = {(r["task"], r["length"], r["trial"]): r for r in records}
@@ -523,6 +455,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, help="answer budget (default: each task's own)")
     ap.add_argument("--no-kvpress", action="store_true", help="kvlab's side only")
     ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of kvlab's side (1 beside the worker; all cores alone)",
+    )
+    ap.add_argument(
         "--kvpress-timeout", type=float, default=90, help="minutes to wait for the worker after kvlab"
     )
     ap.add_argument("--out-dir", type=Path, default=OUT)
@@ -563,14 +501,14 @@ def worker_job(args: argparse.Namespace, handle: Any, trials_file: Path) -> dict
         "ratios": args.ratio_list,
         "stop_ids": sorted(int(i) for i in handle.eos_ids()),
         "trials_file": str(trials_file),
-        "threads": 1,
+        "threads": 1,  # the worker's
         "verify_first": not args.no_verify,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, args.threads))
     from kvlab import load_model
     from kvlab.data import default_long_text, read_text_file
 
@@ -870,19 +808,23 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
     if n_trials and done:
         est_lines.append(
             f"- time per trial in this run: kvlab {kv_s / n_trials:.1f} s, kvpress worker {worker_s / n_trials:.1f} s "
-            f"(concurrent, one thread each, on a box other jobs were also using); wall per trial {per_trial:.1f} s."
+            f"(concurrent, on a box other jobs may also have used); wall per trial {per_trial:.1f} s."
         )
     est = estimate_lines(rows, args, [json.loads(Path(p).read_text()) for p in args.timing_runs or []])
     est_lines += est
     md = [
-        "# RULER-style eval: kvlab's cache policies side by side with kvpress on identical token ids",
+        "# RULER-style eval: kvlab's cache policies"
+        + (
+            " (kvlab's side only)" if args.no_kvpress else " side by side with kvpress on identical token ids"
+        ),
         "",
         f"- command: `{cmd}`",
         f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}; wall time {wall / 60:.1f} min "
         f"(kvlab part {kv_s / 60:.1f} min; kvpress worker {worker_s / 60 if worker_s else float('nan'):.1f} min, "
         "running concurrently in its own process)",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs (load average "
-        f"{load_before[0]:.2f} at the start), no GPU, one torch thread per side; kvlab torch {torch.__version__}; "
+        f"{load_before[0]:.2f} at the start), no GPU, kvlab {args.threads} torch thread(s)"
+        f"{'' if args.no_kvpress else ', the kvpress worker one'}; kvlab torch {torch.__version__}; "
         f"kvpress side: {json.dumps(meta['versions']) if meta else '—'}",
         f"- model: SmolLM2-135M-Instruct (bundled), float32, CPU; haystack: {source.source}",
         f"- trials: **{args.trials} per task** x tasks {', '.join(args.task_list)} x lengths "

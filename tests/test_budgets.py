@@ -1,19 +1,19 @@
-"""Shared budgets (kvlab.compress.evict.budgets) and the forward on a ragged cache (kvlab.hf.ragged)."""
+"""Shared budgets (kvlab.compress.evict.budgets) and the forward on a ragged cache (run masked)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvlab.compress.evict import H2O, SnapKV, evict, observe
+from kvlab.compress.evict import H2O, SnapKV, evict, kept_per_head, observe
 from kvlab.compress.evict.budgets import (
-    RaggedCache,
     ada_indices,
     allocate,
     evict_ragged,
     pyramid_counts,
 )
 from kvlab.errors import BadInputError
+from tests.layers_ref import logits_after_layers
 from tests.tolerances import assert_forward_close
 
 
@@ -118,7 +118,7 @@ def test_ragged_cache_holds_fewer_bytes_than_padded_and_masked(obs):
     assert rc.nbytes == rc.held_slots * per_slot
     assert rc.masked_nbytes == 2 * 2 * 96 * per_slot
     uniform = evict(obs, H2O(), keep=0.5)
-    assert rc.nbytes == uniform.nbytes  # same budget, same memory: the heads share it
+    assert rc.nbytes == uniform.held_nbytes  # same budget, same memory: the heads share it
     pyr = evict_ragged(obs, SnapKV(), keep=0.5, layers="pyramid")
     c = pyr.counts
     assert sum(sum(x) for x in c) == 2 * 2 * 48 and c[0][0] > c[1][0] and len(set(c[0])) == 1
@@ -127,52 +127,51 @@ def test_ragged_cache_holds_fewer_bytes_than_padded_and_masked(obs):
 def test_uniform_ragged_cache_equals_evict(obs):
     ev = evict(obs, SnapKV(), keep=0.5)
     rc = evict_ragged(obs, SnapKV(), keep=0.5)
+    keys, _, slots = kept_per_head(ev)
     for layer in range(2):
         for h in range(2):
-            assert torch.equal(rc.keys[layer][h], ev.keys[layer][:, h])
-            assert torch.equal(rc.slots[layer][h], ev.slots[layer][:, h])
-    assert rc.nbytes == rc.padded_nbytes == ev.nbytes
+            assert torch.equal(rc.keys[layer][h], keys[layer][:, h])
+            assert torch.equal(rc.slots[layer][h], slots[layer][:, h])
+    assert rc.nbytes == rc.padded_nbytes == ev.held_nbytes
+    masked = rc.masked(obs.snapshot)  # the same masked snapshot as the uniform eviction
+    assert all(torch.equal(a, b) for a, b in zip(masked.valid, ev.valid, strict=True))
 
 
-def test_ragged_forward_equals_the_uniform_path(tiny_llama_2x64, obs):
-    from kvlab.hf.compressed_cache import greedy_on_layers, logits_on_layers
-    from kvlab.hf.ragged import ragged_greedy, ragged_logits
-
+def test_ragged_forward_equals_each_heads_own_slots(tiny_llama_2x64, obs):
+    """A ragged cache run masked computes attention over each head's own kept slots: layers keeping
+    different counts equal an independent compacted forward; hidden slots' contents never matter; one
+    more slot hidden in one head changes the result (the mask is read per head)."""
     h = tiny_llama_2x64
-    ev = evict(obs, H2O(), keep=0.5)
-    rc = RaggedCache.from_evicted(ev)
-    question = [5, 17, 300, 42, 7]
-    want = logits_on_layers(h, ev.keys, ev.values, question, ev.next_position)
-    got = ragged_logits(h, rc, question)
-    assert_forward_close(got, want, h, what="ragged vs uniform logits")
-    assert ragged_greedy(h, rc, question, None, 6) == greedy_on_layers(
-        h, ev.keys, ev.values, question, ev.next_position, 6
+    pyr = evict_ragged(obs, SnapKV(), keep=0.5, layers="pyramid")  # heads uniform within a layer
+    keys = tuple(torch.stack(layer, dim=1) for layer in pyr.keys)
+    values = tuple(torch.stack(layer, dim=1) for layer in pyr.values)
+    assert keys[0].shape[-2] != keys[1].shape[-2]
+    want = logits_after_layers(h, keys, values, [9], pyr.next_position)  # one token: no causal mask needed
+    got = h.forward([9], past=pyr.masked(obs.snapshot)).logits
+    assert_forward_close(got, want, h, what="pyramid run masked vs compacted")
+    rc = evict_ragged(obs, H2O(), keep=0.5, heads="ada", layers="pyramid")
+    counts = rc.counts
+    assert any(len(set(c)) > 1 for c in counts) and counts[0] != counts[1]
+    masked = rc.masked(obs.snapshot)
+    assert masked.held_nbytes == rc.nbytes and masked.held_slots == rc.held_slots
+    question = [9, 8, 7]
+    a = h.forward(question, past=masked).logits
+    # hidden slots' contents do not matter
+    noisy = masked.replace(
+        keys=tuple(k.masked_fill(~m[..., None], 1e3) for k, m in zip(masked.keys, masked.valid, strict=True)),
+        values=tuple(
+            v.masked_fill(~m[..., None], -1e3) for v, m in zip(masked.values, masked.valid, strict=True)
+        ),
     )
+    assert torch.equal(a, h.forward(question, past=noisy).logits)
+    # dropping one more slot of one head changes the answer: the mask is read per head
+    valid = [m.clone() for m in masked.valid]
+    first = int(valid[1][0, 1].nonzero()[1])
+    valid[1][0, 1, first] = False
+    fewer = masked.replace(valid=tuple(valid))
+    assert not torch.equal(a, h.forward(question, past=fewer).logits)
     # the model is switched back: a plain forward afterwards is plain SDPA
     assert h.model.config._attn_implementation == "sdpa"
-
-
-def test_ragged_forward_masks_padding(tiny_llama_2x64, obs):
-    """A head padded with garbage computes as the same head holding only its kept slots."""
-    from kvlab.hf.ragged import ragged_logits
-
-    rc = evict_ragged(obs, H2O(), keep=0.5, heads="ada", layers="pyramid")
-    question = [9, 8, 7]
-    a = ragged_logits(tiny_llama_2x64, rc, question)
-    # an equivalent reference: drop one head's last kept slot on both sides would change it, so instead
-    # check padding values do not matter — overwrite the padded zeros with large values
-    orig = RaggedCache.padded
-
-    def noisy(self, layer):
-        k, v, valid = orig(self, layer)
-        return k.masked_fill(~valid[..., None], 1e3), v.masked_fill(~valid[..., None], -1e3), valid
-
-    RaggedCache.padded = noisy
-    try:
-        b = ragged_logits(tiny_llama_2x64, rc, question)
-    finally:
-        RaggedCache.padded = orig
-    assert torch.equal(a, b)
 
 
 def test_eval_runs_shared_budgets(tiny_llama_2x64):

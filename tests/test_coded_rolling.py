@@ -93,7 +93,7 @@ def test_packed_steps_equal_the_decoded_window(tiny, method, bits):
     """A bound cache attends over the packed codes (after a re-base, with the query turned by the codes'
     frame): each step's logits equal SDPA over what the cache held before the step, decoded, with the
     query at the cache's next position — through rolls and re-bases."""
-    from kvlab.hf.compressed_cache import logits_on_layers
+    from tests.layers_ref import logits_after_layers
 
     codec = make_quantizer(method, bits, group_size=16)
     cache = rolling_cache_for(tiny, window=160, sinks=4, evict_chunk=32, codec=codec)
@@ -102,7 +102,7 @@ def test_packed_steps_equal_the_decoded_window(tiny, method, bits):
     for s in range(100, 340):
         held = cache.kept_layers()
         at = cache.next_position  # with any pending re-base applied
-        ref = logits_on_layers(
+        ref = logits_after_layers(
             tiny, tuple(k for k, _ in held), tuple(v for _, v in held), [int(ids[0, s])], at
         )
         got = tiny.model(input_ids=ids[:, s : s + 1], cache=cache).logits[0]

@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from kvlab.compress.evict import SnapKV, StreamingLLM, evict, observe
+from kvlab.compress.evict import SnapKV, StreamingLLM, evict, kept_per_head, observe
 from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer, quantize_snapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf import cache_argument
-from kvlab.hf.compressed_cache import DECODE_BLOCK, CompressedCache, logits_on_layers
+from kvlab.hf.compressed_cache import DECODE_BLOCK, CompressedCache
+from tests.layers_ref import logits_after_layers
 from tests.tolerances import assert_forward_close
 
 # the keyword transformers takes the cache by (``cache`` from 5.24, ``past_key_values`` before)
@@ -91,14 +92,17 @@ def test_evicting_cache_matches_snapshot_eviction_and_keeps_positions(tiny):
     cache = CompressedCache(tiny.config, policy=SnapKV(window=4, observe=4), keep=0.5, model=tiny.model)
     tiny.model(IDS, **{CACHE_ARG: cache}, use_cache=True)
     assert all(layer.query_hook is None for layer in cache.layers)  # removed after the prefill
-    for layer, k, v in zip(cache.layers, ev.keys, ev.values, strict=True):
+    kept_k, kept_v, _ = kept_per_head(ev)
+    for layer, k, v in zip(cache.layers, kept_k, kept_v, strict=True):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
     assert cache.get_seq_length() == 50 and cache.held == 25
     # Several new tokens at once: default positions continue at 50 and the mask stays causal.
     cont = torch.tensor([[7, 8, 9, 10]])
     got = tiny.model(cont, **{CACHE_ARG: cache}, use_cache=True).logits[0]
-    ref = logits_on_layers(tiny, ev.keys, ev.values, cont[0].tolist(), 50)
+    ref = logits_after_layers(tiny, kept_k, kept_v, cont[0].tolist(), 50)
     assert_forward_close(got, ref, tiny, what="logits through CompressedCache")
+    masked = tiny.forward(cont[0].tolist(), past=ev).logits  # the offline masked snapshot, the same
+    assert_forward_close(masked, ref, tiny, what="logits on the masked snapshot")
 
 
 def test_bad_configurations_are_refused(tiny):

@@ -18,9 +18,10 @@ from kvlab.compress.evict import H2O, TOVA, KeyNorm, LayerView, SnapKV, Streamin
 from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer
 from kvlab.errors import BadInputError
 from kvlab.hf import cache_argument
-from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
+from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import rope_for_layer
+from tests.layers_ref import logits_after_layers
 from tests.tolerances import assert_forward_close
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -193,7 +194,9 @@ def test_every_equals_evicting_from_scratch_with_keep_indices(tiny, policy):
     assert all(layer.query_hook is None for layer in cache.layers)  # close() removed them
     # the held K/V run like any cache: the next token (no eviction due) at position `seen` sees them
     nxt = ids_of(1, seed=7)
-    want = logits_on_layers(h, tuple(r["k"] for r in ref), tuple(r["v"] for r in ref), nxt[0].tolist(), seen)
+    want = logits_after_layers(
+        h, tuple(r["k"] for r in ref), tuple(r["v"] for r in ref), nxt[0].tolist(), seen
+    )
     with torch.no_grad():
         live = h.model(nxt, **{cache_argument(h.model): cache}, use_cache=True).logits[0]
     assert cache.layers[0].evictions == 1 + 23 // every

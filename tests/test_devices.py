@@ -29,12 +29,13 @@ from kvlab.cache import load_snapshot, save_snapshot
 from kvlab.compress.evict import make_policy
 from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer
 from kvlab.hf import cache_argument
-from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
+from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
 from kvlab.model.handle import ModelHandle
 from kvlab.ops.press import Press
 from kvlab.store import DiskTier, KVStore, MemoryTier, prefill_with_store, reuse_generate
 from kvlab.streaming import stream_nll
+from tests.layers_ref import logits_after_layers
 from tests.tolerances import forward_tol, max_abs_diff, rope_angle_tol
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -266,7 +267,7 @@ def test_compressed_cache_with_a_quantizer(device, handles, method, binding):
         )
         logits = _decode(h, cache, PROMPT, MORE[:7])
         held = [layer.decoded() for layer in cache.layers]
-        last = logits_on_layers(h, *map(tuple, zip(*held, strict=True)), MORE[7:8], len(PROMPT) + 7)[-1]
+        last = logits_after_layers(h, *map(tuple, zip(*held, strict=True)), MORE[7:8], len(PROMPT) + 7)[-1]
         logits = torch.cat((logits, _decode_more(h, cache, MORE[7:8])))
         assert max_abs_diff(logits[-1], last) <= forward_tol(h, last)  # the step reads what the cache holds
         if model is not None:

@@ -58,7 +58,7 @@ def run(tiny, tmp_path_factory):
 
 
 def test_the_job_carries_the_ids_kvlab_ran(tiny, run):
-    from kvlab.hf.compressed_cache import greedy_on_layers
+    from tests.layers_ref import greedy_after_layers
 
     rows, records, path = run
     lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -73,7 +73,9 @@ def test_the_job_carries_the_ids_kvlab_ran(tiny, run):
         assert job["context"] == encode(trial.context)
         assert job["question"] == encode(trial.question)
         snap = tiny.prefill(job["context"], all_logits=False).snapshot
-        answer = greedy_on_layers(tiny, snap.keys, snap.values, job["question"], len(job["context"]), 5)
+        answer = greedy_after_layers(tiny, snap.keys, snap.values, job["question"], len(job["context"]), 5)
+        stops = [i for i, t in enumerate(answer) if t in tiny.eos_ids()]
+        answer = answer[: stops[0] + 1] if stops else answer  # the answer ends with its stop token
         assert job["answer"] == answer and job["max_new_tokens"] == 5
         assert len(job["kvlab_full_argmax"]) == len(job["question"]) + len(answer) - 1
     # every kvlab row belongs to a recorded trial, and the recorder left the handle as it was

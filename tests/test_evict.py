@@ -19,12 +19,14 @@ from kvlab.compress.evict import (
     budget_slots,
     evict,
     keep_indices,
+    kept_per_head,
     make_policy,
     observe,
+    repack,
 )
 from kvlab.compress.evict.learned import load_weights, save_weights, train_evictor
 from kvlab.errors import BadInputError
-from kvlab.hf.compressed_cache import logits_on_layers
+from tests.layers_ref import logits_after_layers
 from tests.tolerances import assert_forward_close
 
 BUILT_IN = [SlidingWindow, StreamingLLM, H2O, SnapKV, TOVA, KeyNorm, RandomPolicy, LearnedPolicy]
@@ -59,24 +61,26 @@ def test_captured_queries_reproduce_eager_attention(tiny):
 def test_every_policy_keeps_exactly_the_budget(obs, policy_cls, keep):
     ev = evict(obs, policy_cls(), keep=keep)
     n = max(1, round(keep * 60))
-    assert ev.n_keep == n and ev.source_len == 60
-    for k, v, slots, pos in zip(ev.keys, ev.values, ev.slots, ev.positions, strict=True):
+    assert _n_keep(ev) == n and ev.seq_len == 60 and torch.equal(ev.positions, obs.snapshot.positions)
+    assert all(torch.equal(a, b) for a, b in zip(ev.keys, obs.snapshot.keys, strict=True))  # untouched
+    keys, values, slots_per_layer = kept_per_head(ev)
+    for k, v, slots in zip(keys, values, slots_per_layer, strict=True):
         assert k.shape == (1, 2, n, 16) and v.shape == (1, 2, n, 16)
         for row in slots[0]:
             assert len(set(row.tolist())) == n and row.tolist() == sorted(row.tolist())
-        assert torch.equal(pos, obs.snapshot.positions[slots])
 
 
 @pytest.mark.parametrize("policy_cls", ALL, ids=lambda c: c.name)
 def test_sinks_are_always_kept_when_asked(obs, policy_cls):
     ev = evict(obs, policy_cls(sinks=3), keep=0.1)
-    for slots in ev.slots:
-        assert bool((slots[..., :3] == torch.arange(3)).all())
+    for valid in ev.valid:
+        assert bool(valid[..., :3].all())
 
 
 def test_kept_keys_are_the_original_keys(obs):
     ev = evict(obs, SnapKV(), keep=0.5)
-    for layer, (k, slots) in enumerate(zip(ev.keys, ev.slots, strict=True)):
+    keys, _, slots_per_layer = kept_per_head(ev)
+    for layer, (k, slots) in enumerate(zip(keys, slots_per_layer, strict=True)):
         for h in range(2):
             assert torch.equal(k[0, h], obs.snapshot.keys[layer][0, h, slots[0, h]])
 
@@ -102,36 +106,62 @@ def test_budgets_outside_the_range_are_refused(obs):
         evict(obs.snapshot, SnapKV(), keep=0.5)
     with pytest.raises(BadInputError, match="unknown eviction policy"):
         make_policy("lru")
-    assert evict(obs.snapshot, KeyNorm(), keep=0.5).n_keep == 30  # key-only policies need no queries
+    assert _n_keep(evict(obs.snapshot, KeyNorm(), keep=0.5)) == 30  # key-only policies need no queries
 
 
-def test_full_budget_reproduces_uncompressed_logits_in_both_modes(tiny, obs):
+def _n_keep(ev) -> int:
+    """Slots every layer and head of an evicted (masked) snapshot holds (they all hold the same)."""
+    counts = torch.stack([m.sum(-1) for m in ev.valid])
+    assert bool((counts == counts.flatten()[0]).all())
+    return int(counts.flatten()[0])
+
+
+def test_full_budget_reproduces_uncompressed_logits_kept_and_repacked(tiny, obs):
     cont = [5, 6, 7, 8]
     ref = tiny.forward(cont, past=obs.snapshot).logits
-    for mode in ("keep", "repack"):
-        ev = evict(obs, H2O(), keep=1.0, mode=mode)
-        got = logits_on_layers(tiny, ev.keys, ev.values, cont, ev.next_position)
-        assert_forward_close(got, ref, tiny, what=f"logits ({mode})")
+    ev = evict(obs, H2O(), keep=1.0)
+    assert ev.is_masked and ev.held_slots == obs.snapshot.held_slots and ev.next_position == 60
+    for name, past in (("keep", ev), ("repack", repack(ev))):
+        got = tiny.forward(cont, past=past).logits
+        assert_forward_close(got, ref, tiny, what=f"logits ({name})")
+
+
+def test_evicted_snapshot_runs_like_its_compacted_slots(tiny, obs):
+    """The masked snapshot's forward equals a forward over only the kept slots (an independent path)."""
+    ev = evict(obs, SnapKV(), keep=0.4)
+    keys, values, slots = kept_per_head(ev)
+    assert keys[0].shape[-2] == _n_keep(ev) == 24 and ev.held_nbytes * 100 // ev.nbytes == 40
+    cont = [5, 6, 7, 8]
+    want = logits_after_layers(tiny, keys, values, cont, ev.next_position)
+    assert_forward_close(tiny.forward(cont, past=ev).logits, want, tiny, what="masked vs compacted")
+    # the hidden slots' contents do not matter
+    noisy = ev.replace(
+        keys=tuple(k.masked_fill(~m[..., None], 1e3) for k, m in zip(ev.keys, ev.valid, strict=True))
+    )
+    assert torch.equal(tiny.forward(cont, past=noisy).logits, tiny.forward(cont, past=ev).logits)
 
 
 def test_repack_rotates_keys_to_contiguous_positions(obs):
     ev = evict(obs, StreamingLLM(), keep=0.25)
-    rp = ev.repack()
-    assert rp.mode == "repack" and rp.next_position == ev.n_keep
-    for p in rp.positions:
-        assert bool((p == torch.arange(ev.n_keep)).all())
+    rp = repack(ev)
+    n = _n_keep(ev)
+    assert not rp.is_masked and rp.seq_len == n and rp.next_position == n and rp.provenance == "repositioned"
+    assert torch.equal(rp.positions, torch.arange(n))
     # Re-rotating back to the original positions recovers the kept keys (exact up to float rounding).
     from kvlab.rope.ops import shift_keys
 
-    for k0, k1, pos in zip(ev.keys, rp.keys, ev.positions, strict=True):
-        back = shift_keys(k1, pos - torch.arange(ev.n_keep), obs.snapshot.rope)
+    keys, _, slots = kept_per_head(ev)
+    for k0, k1, idx in zip(keys, rp.keys, slots, strict=True):
+        back = shift_keys(k1, ev.positions[idx] - torch.arange(n), obs.snapshot.rope)
         assert torch.allclose(back, k0, atol=1e-5)
+    # StreamingLLM keeps the same slots in every head: the packed slots' tokens are known
+    assert bool((rp.token_ids >= 0).all())
 
 
 def test_learned_policy_weights_load_and_round_trip(tiny, obs, tmp_path):
     weights = load_weights()  # the packaged file
     assert weights.w1.shape[0] == 8
-    assert evict(obs, LearnedPolicy(), keep=0.5).n_keep == 30
+    assert _n_keep(evict(obs, LearnedPolicy(), keep=0.5)) == 30
     ids = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     trained, report = train_evictor(tiny, [ids[:100], ids[100:]], context=80, future=20, steps=20)
     path = save_weights(trained, tmp_path / "w.json")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.evict import POLICIES, observe
+from kvlab.compress.evict import POLICIES, kept_per_head, observe
 from kvlab.compress.quant.methods import QUANTIZERS, quantizer_names
-from kvlab.eval.run import _layers, parse_cache_spec
-from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
+from kvlab.eval.run import _snapshot, parse_cache_spec
+from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.hf.policy_cache import cache_for
 from tests.tolerances import assert_forward_close
 
@@ -44,15 +44,16 @@ def _check(h, spec_text: str, n_ctx: int = 72) -> None:
     ).tolist()
     ctx, question = ids[:n_ctx], ids[n_ctx:]
     source = observe(h, ctx) if spec.needs_queries else h.prefill(ctx, all_logits=False).snapshot
-    keys, values, _ = _layers(spec, source, h)
+    offline, _, _ = _snapshot(spec, source, h)  # a KVSnapshot: masked for an eviction
+    keys, values = kept_per_head(offline)[:2] if offline.is_masked else (offline.keys, offline.values)
     live = cache_for(spec.policy, h)
     with torch.no_grad():
         h.run(torch.tensor([ctx]), live)
         held = _live_layers(live)
         for (k, v), ok, ov in zip(held, keys, values, strict=True):
             assert_forward_close([k, v], [ok, ov], h, what=f"{spec_text}: held K/V")
-        want = logits_on_layers(h, keys, values, question, n_ctx)
         got = h.run(torch.tensor([question]), live).logits[0].float()
+    want = h.forward(question, past=offline, positions=list(range(n_ctx, n_ctx + len(question)))).logits
     assert_forward_close(got, want, h, what=f"{spec_text}: question logits")
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.evict import SnapKV, evict, observe
+from kvlab.compress.evict import SnapKV, evict, kept_per_head, observe
 from kvlab.errors import BadInputError
-from kvlab.hf.compressed_cache import logits_on_layers
 from kvlab.ops.press import Press
+from tests.layers_ref import logits_after_layers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,8 +33,9 @@ def test_half_the_context_removed_equals_snapshot_eviction_of_the_context_alone(
     assert cache.held == 30 and cache.get_seq_length() == 60  # half kept, positions continue at 60
     ev = evict(observe(h, CONTEXT[0].tolist()), SnapKV(window=4, observe=4), keep=0.5)  # the question unseen
     first = press.generate(h, CONTEXT, QUESTION, max_new_tokens=1)  # a handle works as well
-    ref = logits_on_layers(h, ev.keys, ev.values, QUESTION[0].tolist(), 60)
+    ref = logits_after_layers(h, *kept_per_head(ev)[:2], QUESTION[0].tolist(), 60)
     assert first == [int(ref[-1].argmax())]
+    assert first == [int(h.forward(QUESTION[0].tolist(), past=ev).logits[-1].argmax())]
 
 
 def test_bad_presses_are_refused(tiny_llama_2x64):

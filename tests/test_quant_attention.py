@@ -13,8 +13,9 @@ from kvlab import kernels
 from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, PreRopeQuantizer, RotatedQuantizer
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf import cache_argument
-from kvlab.hf.compressed_cache import CompressedCache, logits_on_layers
+from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.rope.spec import RopeSpec
+from tests.layers_ref import logits_after_layers
 from tests.tolerances import assert_forward_close, elementwise_tol
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -274,7 +275,7 @@ def test_bound_cache_decodes_on_packed_codes_and_equals_its_decoded_history(
     with torch.no_grad():
         for p in range(90, 160):
             held = [layer.decoded() for layer in cache.layers]
-            ref = logits_on_layers(
+            ref = logits_after_layers(
                 h, tuple(k for k, _ in held), tuple(v for _, v in held), [int(ids[0, p])], p
             )
             got = h.run(ids[:, p : p + 1], cache).logits[0]
@@ -303,7 +304,7 @@ def test_bound_cache_over_many_segments_equals_its_own_decoded_history(tiny_mode
         h.run(ids[:, :40], cache)
         for p in range(40, 120):
             held = [layer.decoded() for layer in cache.layers]
-            ref = logits_on_layers(
+            ref = logits_after_layers(
                 h, tuple(k for k, _ in held), tuple(v for _, v in held), [int(ids[0, p])], p
             )
             got = h.run(ids[:, p : p + 1], cache).logits[0]

@@ -232,6 +232,7 @@ def _meta_for(snapshot: KVSnapshot, tensors: dict[str, torch.Tensor]) -> dict:
 def save_snapshot(snapshot: KVSnapshot, path: str | Path) -> Path:
     """Write ``snapshot`` to ``path`` (conventionally ``*.kv.safetensors``) atomically; returns the path."""
     path = Path(path)
+    snapshot.require_unmasked("saving a snapshot file")  # the file format has no mask: refuse, lose nothing
     tensors = _tensors(snapshot)
     meta = _meta_for(snapshot, tensors)
     _check_meta(meta, f"the snapshot to save to {path}")  # what we write must be what we would read

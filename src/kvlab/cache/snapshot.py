@@ -8,6 +8,13 @@ new snapshots and never write into the tensors of an existing one; treat the ten
 Positions are explicit because after a roll, an eviction or a transplant they are no longer
 ``0..T-1``; a query's position is ``next_position`` unless a caller says otherwise.
 
+A snapshot may carry a validity mask (``valid``, one ``[batch, kv_heads, T]`` bool tensor per layer): a
+slot whose entry is False is not part of that head's cache. This is how an evicted cache (each layer and
+KV head keeping its own slots, kvpress-style masking) or a ragged per-head budget is held as a snapshot
+that :meth:`~kvlab.model.ModelHandle.forward` runs: masked slots are hidden from attention, and keys stay
+at their original positions. Operations that do not understand a mask refuse a masked snapshot
+(:meth:`KVSnapshot.require_unmasked`) instead of reading its hidden slots.
+
 Every snapshot also says how it was made (:data:`PROVENANCES`). Only a ``"prefill"`` is the exact
 cache a model computes for its tokens at positions ``0..T-1``; anything that serves a cache *as* that
 (the store's exact namespace, reuse) checks it. Operations that change tensors, ids or positions
@@ -39,7 +46,10 @@ PROVENANCES = (
     "edited",
     "unknown",
 )
-_TENSOR_FIELDS = frozenset({"keys", "values", "token_ids", "positions"})
+#: ``token_ids`` of a slot whose KV heads hold different tokens (a re-packed eviction:
+#: :func:`kvlab.compress.evict.repack`); never a vocabulary id.
+MIXED_TOKEN = -1
+_TENSOR_FIELDS = frozenset({"keys", "values", "token_ids", "positions", "valid"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +60,8 @@ class KVSnapshot:
         keys: one tensor per layer, ``[batch, kv_heads, T, head_dim]``, post-RoPE.
         values: ``[batch, kv_heads, T, value_head_dim]``, one shape for all layers; ``value_head_dim`` is
             ``head_dim`` for every model kvlab loads (the file format and the checks keep them apart).
-        token_ids: ``[batch, T]`` int64, the token cached at each slot.
+        token_ids: ``[batch, T]`` int64, the token cached at each slot (:data:`MIXED_TOKEN` where the
+            KV heads hold different tokens at one slot).
         positions: ``[T]`` int64, the RoPE position each slot's key was rotated to.
         (K/V live on the model's device; ids and positions are metadata kvlab reads on the host, so
         kvlab's snapshots keep them on the CPU and move them where they rotate or feed a model.)
@@ -58,6 +69,8 @@ class KVSnapshot:
         fingerprint: the model fingerprint (architecture + config + weights hash).
         model_name: a human-readable model name, for reports only.
         provenance: how the snapshot was made, one of :data:`PROVENANCES`.
+        valid: None (every slot is cached), or per layer ``[batch, kv_heads, T]`` bool on the keys'
+            device: which slots each layer's KV heads hold (False: evicted, hidden from attention).
     """
 
     keys: tuple[torch.Tensor, ...]
@@ -68,6 +81,7 @@ class KVSnapshot:
     fingerprint: str
     model_name: str = ""
     provenance: str = "unknown"
+    valid: tuple[torch.Tensor, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.provenance not in PROVENANCES:
@@ -103,6 +117,16 @@ class KVSnapshot:
             raise BadInputError(
                 f"positions {tuple(self.positions.shape)} do not match {shape[2]} cached tokens"
             )
+        if self.valid is not None:
+            object.__setattr__(self, "valid", tuple(self.valid))
+            if len(self.valid) != len(self.keys) or any(
+                m.dtype != torch.bool or tuple(m.shape) != shape[:3] or m.device != k.device
+                for m, k in zip(self.valid, self.keys, strict=False)
+            ):
+                raise BadInputError(
+                    f"a validity mask needs one bool [batch, kv_heads, T] = {list(shape[:3])} tensor per layer, "
+                    "on the keys' device"
+                )
 
     # -- geometry -------------------------------------------------------------------------------
     @property
@@ -145,6 +169,44 @@ class KVSnapshot:
     def nbytes(self) -> int:
         """Bytes held by the K and V tensors (not counting ids and positions)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
+    def is_masked(self) -> bool:
+        """True when some layers' heads hide slots (:attr:`valid`)."""
+        return self.valid is not None
+
+    @property
+    def held_slots(self) -> int:
+        """Slots held, summed over layers, batch rows and KV heads (every slot when unmasked)."""
+        if self.valid is None:
+            return self.num_layers * self.batch_size * self.num_kv_heads * self.seq_len
+        return int(sum(int(m.sum()) for m in self.valid))
+
+    @property
+    def held_nbytes(self) -> int:
+        """K/V bytes a compacted cache of the valid slots would hold (:attr:`nbytes` when unmasked):
+        what an implementation that frees evicted slots keeps, not what this masked tensor occupies."""
+        if self.valid is None:
+            return self.nbytes
+        per_slot = (
+            self.head_dim * self.keys[0].element_size() + self.value_head_dim * self.values[0].element_size()
+        )
+        return self.held_slots * per_slot
+
+    def valid_layers(self) -> tuple[torch.Tensor, ...]:
+        """Per layer ``[batch, kv_heads, T]`` validity, all True when unmasked (new tensors then)."""
+        if self.valid is not None:
+            return self.valid
+        b, h, t = self.keys[0].shape[:3]
+        return tuple(torch.ones(b, h, t, dtype=torch.bool, device=k.device) for k in self.keys)
+
+    def require_unmasked(self, what: str) -> None:
+        """Raise for a masked snapshot: ``what`` would read the hidden slots as if they were cached."""
+        if self.valid is not None:
+            raise IncompatibleCacheError(
+                f"{what} reads every slot, but this cache hides some per head (an evicted, masked cache); "
+                "run it with ModelHandle.forward, or compare unmasked caches"
+            )
 
     @property
     def bytes_per_token(self) -> int:
@@ -198,6 +260,7 @@ class KVSnapshot:
             values=tuple(v.index_select(2, idx) for v in self.values),
             token_ids=self.token_ids.index_select(1, idx.to(self.token_ids.device)),
             positions=self.positions.index_select(0, idx.to(self.positions.device)),
+            valid=None if self.valid is None else tuple(m.index_select(2, idx) for m in self.valid),
             provenance=self.provenance if self.is_prefill and self._is_leading(idx) else "edited",
         )
 
@@ -211,6 +274,7 @@ class KVSnapshot:
             values=tuple(v[:, :, start:stop] for v in self.values),
             token_ids=self.token_ids[:, start:stop],
             positions=self.positions[start:stop],
+            valid=None if self.valid is None else tuple(m[:, :, start:stop] for m in self.valid),
             provenance=self.provenance if self.is_prefill and start == 0 else "edited",
         )
 
@@ -235,6 +299,7 @@ class KVSnapshot:
         return self.replace(
             keys=tuple(k.to(device=device, dtype=dtype) for k in self.keys),
             values=tuple(v.to(device=device, dtype=dtype) for v in self.values),
+            valid=None if self.valid is None else tuple(m.to(device=device) for m in self.valid),
             provenance="edited" if cast else self.provenance,
         )
 
@@ -245,6 +310,7 @@ class KVSnapshot:
             values=tuple(v.clone() for v in self.values),
             token_ids=self.token_ids.clone(),
             positions=self.positions.clone(),
+            valid=None if self.valid is None else tuple(m.clone() for m in self.valid),
             provenance=self.provenance,
         )
 
@@ -276,7 +342,12 @@ class KVSnapshot:
         return (
             f"KVSnapshot({self.model_name or self.fingerprint[:12]}: {self.num_layers} layers x "
             f"[{self.batch_size}, {self.num_kv_heads}, {self.seq_len}, {self.head_dim}] {str(self.dtype).replace('torch.', '')}, "
-            f"positions {int(self.positions.min()) if self.seq_len else 0}..{self.next_position - 1}, {self.provenance})"
+            f"positions {int(self.positions.min()) if self.seq_len else 0}..{self.next_position - 1}, {self.provenance}"
+            + (
+                f", masked: {self.held_slots / max(self.num_layers * self.batch_size * self.num_kv_heads * self.seq_len, 1):.0%} held)"
+                if self.valid is not None
+                else ")"
+            )
         )
 
     __repr__ = describe
@@ -290,6 +361,11 @@ def concat(first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:
         values=tuple(torch.cat((a, b), dim=2) for a, b in zip(first.values, second.values, strict=True)),
         token_ids=torch.cat((first.token_ids, second.token_ids), dim=1),
         positions=torch.cat((first.positions, second.positions)),
+        valid=None
+        if first.valid is None and second.valid is None
+        else tuple(
+            torch.cat((a, b), dim=2) for a, b in zip(first.valid_layers(), second.valid_layers(), strict=True)
+        ),
     )
 
 
@@ -314,6 +390,11 @@ def stack_rows(snapshots: Sequence[KVSnapshot]) -> KVSnapshot:
         keys=tuple(torch.cat(layer, dim=0) for layer in zip(*(s.keys for s in snapshots), strict=True)),
         values=tuple(torch.cat(layer, dim=0) for layer in zip(*(s.values for s in snapshots), strict=True)),
         token_ids=torch.cat([s.token_ids for s in snapshots], dim=0),
+        valid=None
+        if all(s.valid is None for s in snapshots)
+        else tuple(
+            torch.cat(layer, dim=0) for layer in zip(*(s.valid_layers() for s in snapshots), strict=True)
+        ),
         provenance=first.provenance if all(s.provenance == first.provenance for s in snapshots) else "edited",
     )
 

@@ -7,7 +7,6 @@
 
 from kvlab.compress.evict import (
     POLICIES,
-    EvictedCache,
     LearnedPolicy,
     Observation,
     evict,
@@ -29,7 +28,6 @@ from kvlab.compress.quant import (
 __all__ = [
     "POLICIES",
     "SUPPORTED_BITS",
-    "EvictedCache",
     "KIVIQuantizer",
     "LearnedPolicy",
     "Observation",

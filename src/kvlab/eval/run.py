@@ -5,20 +5,26 @@ eviction policy is asked for: :func:`kvlab.compress.evict.observe`). Each cache 
 prefill into the per-layer K/V its cache would hold after the context:
 
 * ``full``: the prefill's K/V as they are;
-* ``<policy>:<ratio>`` (``snapkv:0.5``): :func:`kvlab.compress.evict.evict` with ``keep = 1 - ratio`` —
+* ``<policy>:<ratio>`` (``snapkv:0.5``): :func:`kvlab.compress.evict.evict` with ``keep = 1 - ratio`` (a
+  masked snapshot: each layer's KV heads hold their own slots) —
   ``ratio`` is the fraction *removed*, kvpress's ``compression_ratio`` and :class:`kvlab.ops.press.Press`'s
   convention; this is the scoring and selection a :class:`~kvlab.hf.compressed_cache.CompressedCache`
   applies after its first forward, so the answer equals ``Press(policy, ratio).generate`` (a test checks
   it); kept keys stay at their original positions;
 * ``int4`` / ``<method>:int<b>`` (``kivi:int2``): :func:`kvlab.compress.quant.quantize_snapshot`
   with :func:`kvlab.compress.quant.make_quantizer`, dequantized — what the cache attends over after
-  encoding its prompt.
+  encoding its prompt;
+* sinks + window (``window:0.5``): the live rolling cache's own layers fed the context;
+* shared budgets (``heads=ada``, ``layers=pyramid``): a ragged cache, run masked.
+
+Every one of them is a :class:`~kvlab.cache.KVSnapshot` that :meth:`~kvlab.model.ModelHandle.forward`
+runs; those of equal length and positions run as the rows of one batch.
 
 The question and the answer then run on top in full precision (kvpress's convention: the question is
 never compressed), at the positions after the context: greedy decoding
-(:func:`kvlab.hf.compressed_cache.greedy_on_layers`, cut at the first end-of-sequence token) gives the
-scored answer, and one teacher-forced pass over the question plus the *full* cache's answer gives the
-logits compared with the full cache's (:mod:`kvlab.metrics.divergence`): every policy is measured on
+(:meth:`~kvlab.model.ModelHandle.generate_rows`, each row ending at its first end-of-sequence token)
+gives the scored answer, and one teacher-forced pass over the question plus the *full* cache's answer
+(up to its end-of-sequence token) gives the logits compared with the full cache's (:mod:`kvlab.metrics.divergence`): every policy is measured on
 the same tokens.
 """
 
@@ -109,7 +115,7 @@ def parse_cache_spec(spec: str) -> CacheSpec:
 def _shared(policy: CachePolicy) -> bool:
     """A scored layout whose budget is shared across KV heads (``heads=ada``) or layers (``layers=pyramid``):
     the eval holds it as a :class:`~kvlab.compress.evict.budgets.RaggedCache` and runs it through
-    :mod:`kvlab.hf.ragged`."""
+    its masked snapshot (:meth:`~kvlab.compress.evict.budgets.RaggedCache.masked`)."""
     lay = policy.layout
     return isinstance(lay, ScoredLayout) and (lay.heads, lay.layers) != ("uniform", "uniform")
 
@@ -201,23 +207,28 @@ def expand_specs(texts: Sequence[str], ratios: Sequence[float] | None) -> list[s
     return out
 
 
-def _encoded(policy: CachePolicy, keys, values, positions, rope) -> tuple[tuple, tuple, int]:
-    """Per-layer K/V through the policy's codec (encoded and decoded back, as the cache attends over
-    them) and the bytes held; positions ``[B, H, n]`` are only read by codecs that need them."""
+def _encoded(policy: CachePolicy, snap: Any) -> tuple[Any, int]:
+    """An evicted (masked) snapshot's kept slots through the policy's codec, encoded and decoded back (what
+    the cache attends over), written into the kept slots of a copy; and the bytes the codes hold. Only
+    per-token codecs reach here (:func:`parse_cache_spec`), so no codec reads positions."""
+    from kvlab.compress.evict import kept_per_head
     from kvlab.rope.spec import rope_for_layer
 
-    q = policy.quantizer(keys[0].shape[-1])
+    keys, values, slots = kept_per_head(snap)
+    q = policy.quantizer(snap.head_dim)
     ks, vs, nbytes = [], [], 0
-    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
-        seg = q.encode(k, v, positions[i][0, 0], rope_for_layer(rope, i))
+    for i, (k, v, idx) in enumerate(zip(keys, values, slots, strict=True)):
+        seg = q.encode(k, v, snap.positions.to(idx.device)[idx][0, 0], rope_for_layer(snap.rope, i))
         dk, dv = seg.decode()
-        ks.append(dk.to(k.dtype))
-        vs.append(dv.to(v.dtype))
+        at_k = idx[..., None].expand(-1, -1, -1, k.shape[-1])
+        at_v = idx[..., None].expand(-1, -1, -1, v.shape[-1])
+        ks.append(snap.keys[i].clone().scatter_(2, at_k, dk.to(k.dtype)))
+        vs.append(snap.values[i].clone().scatter_(2, at_v, dv.to(v.dtype)))
         nbytes += seg.nbytes
-    return tuple(ks), tuple(vs), nbytes
+    return snap.replace(keys=tuple(ks), values=tuple(vs)), nbytes
 
 
-def _rolled(policy: CachePolicy, snap: Any, handle: Any) -> tuple[tuple, tuple, int]:
+def _rolled(policy: CachePolicy, snap: Any, handle: Any) -> tuple[Any, int]:
     """Sinks + window (over codes or not): the context's K/V fed to the live cache's own layers (no model
     forward: the prompt attends to itself in full precision in the live cache too), so what the question
     sees is exactly what :func:`kvlab.hf.policy_cache.cache_for` would hold after the context: the sinks
@@ -228,17 +239,23 @@ def _rolled(policy: CachePolicy, snap: Any, handle: Any) -> tuple[tuple, tuple, 
     for layer, k, v in zip(cache.layers, snap.keys, snap.values, strict=True):
         layer.update(k, v)
     kept = cache.kept_layers()
+    n, sinks = cache.kept, min(cache.layers[0].rule.policy.sinks, cache.kept)
+    ids = torch.cat((snap.token_ids[:, :sinks], snap.token_ids[:, snap.seq_len - (n - sinks) :]), dim=1)
+    rolled = snap.replace(
+        keys=tuple(k for k, _ in kept),
+        values=tuple(v for _, v in kept),
+        token_ids=ids,
+        positions=cache.positions(),
+        provenance="rolled",
+    )
     if policy.codec is not None:
-        nbytes = sum(layer.visible_nbytes() for layer in cache.layers)
-    else:
-        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kept)
-    return tuple(k for k, _ in kept), tuple(v for _, v in kept), nbytes
+        return rolled, sum(layer.visible_nbytes() for layer in cache.layers)
+    return rolled, rolled.nbytes
 
 
-def _layers(
-    spec: CacheSpec, source: Any, handle: Any = None
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int]:
-    """The per-layer K/V the cache of ``spec`` holds after the context, and its K/V bytes.
+def _snapshot(spec: CacheSpec, source: Any, handle: Any = None) -> tuple[Any, int, dict]:
+    """The cache of ``spec`` after the context as a :class:`~kvlab.cache.KVSnapshot` the model runs
+    (evictions masked, codecs decoded), the K/V bytes that cache holds, and extra columns.
 
     ``source`` is an :class:`~kvlab.compress.evict.Observation` or a :class:`~kvlab.cache.KVSnapshot`.
     """
@@ -249,22 +266,34 @@ def _layers(
     policy, lay = spec.policy, spec.policy.layout
     if isinstance(lay, FullLayout):
         if policy.codec is None:
-            return snap.keys, snap.values, snap.nbytes
+            return snap, snap.nbytes, {}
         qs = quantize_snapshot(snap, policy.quantizer(snap.head_dim))
-        dec = qs.decompress()
-        return dec.keys, dec.values, qs.nbytes
-    if isinstance(lay, ScoredLayout):
-        budget = (
-            {"keep": lay.keep}
-            if lay.keep is not None
-            else {"n_keep": min(int(lay.budget or 1), snap.seq_len)}
-        )
-        ev = evict(source, lay.policy(), **budget)
-    else:
-        return _rolled(policy, snap, handle)
+        return qs.decompress(), qs.nbytes, {}
+    if not isinstance(lay, ScoredLayout):
+        return (*_rolled(policy, snap, handle), {})
+    if _shared(policy):  # per-head / per-layer budgets: a ragged cache, run masked
+        rc = _ragged(spec, source)
+        counts = rc.counts
+        extra = {
+            "kv_bytes_padded": int(rc.padded_nbytes),
+            "kv_bytes_masked": int(rc.masked_nbytes),
+            "kept_per_layer": [sum(c) for c in counts],
+            "kept_per_head_min": min(min(c) for c in counts),
+            "kept_per_head_max": max(max(c) for c in counts),
+        }
+        return rc.masked(snap), rc.nbytes, extra
+    budget = (
+        {"keep": lay.keep} if lay.keep is not None else {"n_keep": min(int(lay.budget or 1), snap.seq_len)}
+    )
+    ev = evict(source, lay.policy(), **budget)
     if policy.codec is None:
-        return ev.keys, ev.values, ev.nbytes
-    return _encoded(policy, ev.keys, ev.values, ev.positions, snap.rope)
+        return ev, ev.held_nbytes, {}
+    return (*_encoded(policy, ev), {})
+
+
+def _kept(snap: Any) -> int:
+    """Slots per layer and KV head (the mean over them for a ragged cache)."""
+    return round(snap.held_slots / (snap.num_layers * snap.batch_size * snap.num_kv_heads))
 
 
 def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
@@ -274,19 +303,40 @@ def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
     return tokens
 
 
+def _rows_logits(logits: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[rows, n, vocab]`` from :meth:`ModelHandle.forward`'s logits (which drops a batch of one)."""
+    return logits[None] if rows == 1 else logits
+
+
+def _greedy(handle: Any, batch: Any, question: list[int], n_new: int, stop: set[int]) -> list[list[int]]:
+    """Greedy answers of every row of ``batch`` to ``question`` (one batched forward per step)."""
+    rows = batch.batch_size
+    fwd = handle.forward([question] * rows, batch, all_logits=False)
+    first = _rows_logits(fwd.logits, rows)[:, -1]
+    return handle.generate_rows(fwd.snapshot, first, n_new, stop_ids=stop)
+
+
 @torch.no_grad()
 def run_trial(
-    handle: Any, trial: Any, specs: Sequence[CacheSpec], *, max_new_tokens: int | None = None
+    handle: Any,
+    trial: Any,
+    specs: Sequence[CacheSpec],
+    *,
+    max_new_tokens: int | None = None,
+    on_reference: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """One row per spec: the answer, its score, and KL / top-1 against the full cache on the same tokens.
 
     The full cache is always run (it is the reference); its row is returned only when ``full`` is in
-    ``specs``. ``max_new_tokens`` defaults to the task's own answer budget.
+    ``specs``. ``max_new_tokens`` defaults to the task's own answer budget. Caches of equal length and
+    positions (the full cache, evictions, codecs) run as the rows of one batch, so the weights stream
+    once per step for all of them; a row's ``seconds`` is its share of its batch plus its own
+    compression. ``on_reference`` receives the ids run and the full cache's answer and logits.
     """
+    from kvlab.cache.snapshot import batchable_groups, stack_rows
     from kvlab.compress.evict import observe
     from kvlab.eval.score import score
     from kvlab.eval.tasks import encoder
-    from kvlab.hf.compressed_cache import greedy_on_layers, logits_on_layers
     from kvlab.metrics.divergence import compare_logits
 
     encode = encoder(handle)
@@ -299,69 +349,76 @@ def run_trial(
         else handle.prefill(ctx, all_logits=False).snapshot
     )
     prefill_s = time.perf_counter() - t0
-    start = len(ctx)
     stop = handle.eos_ids()
-    full = CacheSpec("full")
-    reference: dict[str, Any] = {}
-    rows = []
-    for spec in [full, *(s for s in specs if s.kind != "full")]:
+    order = [CacheSpec("full"), *(s for s in specs if s.kind != "full")]
+    caches, seconds = {}, {}
+    for spec in order:
         t1 = time.perf_counter()
-        extra: dict[str, Any] = {}
-        if _shared(spec.policy):  # per-head / per-layer budgets: a ragged cache, its own forward
-            from kvlab.hf.ragged import ragged_greedy, ragged_logits
-
-            rc = _ragged(spec, source)
-            nbytes, counts = rc.nbytes, rc.counts
-            kept = round(rc.held_slots / sum(len(c) for c in counts))
-            extra = {
-                "kv_bytes_padded": int(rc.padded_nbytes),
-                "kv_bytes_masked": int(rc.masked_nbytes),
-                "kept_per_layer": [sum(c) for c in counts],
-                "kept_per_head_min": min(min(c) for c in counts),
-                "kept_per_head_max": max(max(c) for c in counts),
+        caches[spec.spec] = _snapshot(spec, source, handle)
+        seconds[spec.spec] = time.perf_counter() - t1
+    groups = batchable_groups({name: c[0] for name, c in caches.items()})
+    answers: dict[str, list[int]] = {}
+    logits: dict[str, torch.Tensor] = {}
+    batches = []
+    for names in groups:  # the full cache's group first: its answer is every row's teacher
+        t1 = time.perf_counter()
+        batch = stack_rows([caches[n][0] for n in names]) if len(names) > 1 else caches[names[0]][0]
+        answers.update(zip(names, _greedy(handle, batch, question, n_new, stop), strict=True))
+        batches.append((names, batch, time.perf_counter() - t1))
+    reference = answers["full"]
+    forced = question + reference[:-1]
+    for names, batch, spent in batches:
+        t1 = time.perf_counter()
+        out = handle.forward([forced] * len(names), batch).logits
+        logits.update(zip(names, _rows_logits(out, len(names)), strict=True))
+        for n in names:
+            seconds[n] += (spent + time.perf_counter() - t1) / len(names)
+    if on_reference is not None:
+        on_reference(
+            {
+                "trial": trial,
+                "context": ctx,
+                "question": question,
+                "start": len(ctx),
+                "answer": reference,
+                "max_new_tokens": n_new,
+                "forced": forced,
+                "full_logits": logits["full"],
             }
-            tokens = ragged_greedy(handle, rc, question, start, n_new)
-            forced = question + reference["answer"][:-1]
-            logits = ragged_logits(handle, rc, forced, start)
-        else:
-            keys, values, nbytes = _layers(spec, source, handle)
-            kept = int(keys[0].shape[-2])
-            tokens = greedy_on_layers(handle, keys, values, question, start, n_new)
-            if spec.kind == "full":
-                reference["answer"] = tokens
-            forced = question + reference["answer"][:-1]
-            logits = logits_on_layers(handle, keys, values, forced, start)
-        if spec.kind == "full":
-            reference["logits"] = logits
-        div = compare_logits(reference["logits"], logits)
-        answer_rows = slice(len(question) - 1, None)
-        div_answer = compare_logits(reference["logits"][answer_rows], logits[answer_rows])
-        answer = _until_stop(tokens, stop)
-        text = handle.decode(answer)
-        row = {
-            **spec.to_json(),
-            "task": trial.task,
-            "length": trial.length,
-            "seed": trial.seed,
-            "context_tokens": len(ctx),
-            "question_tokens": len(question),
-            "kept_slots": kept,
-            "kv_bytes": int(nbytes),
-            **extra,
-            "output": text,
-            "answers": list(trial.answers),
-            "rule": trial.rule,
-            "score": score(text, trial.answers, trial.rule),
-            "kld": div.kl,
-            "top1": div.top1,
-            "kld_answer": div_answer.kl,
-            "top1_answer": div_answer.top1,
-            "compared_tokens": div.n,
-            "prefill_s": prefill_s,
-            "seconds": time.perf_counter() - t1,
-        }
-        if spec.kind != "full" or any(s.kind == "full" for s in specs):
-            rows.append(row)
+        )
+    answer_rows = slice(len(question) - 1, None)
+    rows = []
+    for spec in order:
+        if spec.kind == "full" and not any(s.kind == "full" for s in specs):
+            continue
+        snap, nbytes, extra = caches[spec.spec]
+        div = compare_logits(logits["full"], logits[spec.spec])
+        div_answer = compare_logits(logits["full"][answer_rows], logits[spec.spec][answer_rows])
+        text = handle.decode(_until_stop(answers[spec.spec], stop))
+        rows.append(
+            {
+                **spec.to_json(),
+                "task": trial.task,
+                "length": trial.length,
+                "seed": trial.seed,
+                "context_tokens": len(ctx),
+                "question_tokens": len(question),
+                "kept_slots": _kept(snap),
+                "kv_bytes": int(nbytes),
+                **extra,
+                "output": text,
+                "answers": list(trial.answers),
+                "rule": trial.rule,
+                "score": score(text, trial.answers, trial.rule),
+                "kld": div.kl,
+                "top1": div.top1,
+                "kld_answer": div_answer.kl,
+                "top1_answer": div_answer.top1,
+                "compared_tokens": div.n,
+                "prefill_s": prefill_s,
+                "seconds": seconds[spec.spec],
+            }
+        )
     return rows
 
 
@@ -381,6 +438,7 @@ def run_suite(
     haystack_text: str | None = None,
     max_new_tokens: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    on_reference: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Every ``(task, length, trial)`` under every spec: the raw rows (see :func:`run_trial`), with ``trial``."""
     from kvlab.eval.tasks import TASKS, make_trial
@@ -395,7 +453,10 @@ def run_suite(
         for length in lengths:
             for i in range(trials):
                 trial = make_trial(name, handle, length, trial_seed(seed, i), haystack_text)
-                for row in run_trial(handle, trial, specs, max_new_tokens=max_new_tokens):
+                rows_of_trial = run_trial(
+                    handle, trial, specs, max_new_tokens=max_new_tokens, on_reference=on_reference
+                )
+                for row in rows_of_trial:
                     rows.append({**row, "trial": i})
                 done += 1
                 if progress is not None:

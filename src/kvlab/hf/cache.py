@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
@@ -128,6 +129,7 @@ def snapshot_from_hf(
     model_name: str = "",
     copy: bool = False,
     provenance: str = "unknown",
+    valid: tuple[torch.Tensor, ...] | None = None,
 ) -> KVSnapshot:
     """Capture a transformers cache as a snapshot.
 
@@ -159,6 +161,7 @@ def snapshot_from_hf(
         fingerprint=fingerprint,
         model_name=model_name,
         provenance=provenance,
+        valid=valid,
     )
 
 
@@ -192,7 +195,9 @@ class SnapshotCache(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def to_hf_cache(snapshot: KVSnapshot, config: Any = None, *, copy: bool = True) -> DynamicCache:
+def to_hf_cache(
+    snapshot: KVSnapshot, config: Any = None, *, copy: bool = True, masked: bool = False
+) -> DynamicCache:
     """A ``DynamicCache`` holding the snapshot's K/V, ready to pass as ``past_key_values`` / ``cache``.
 
     A forward pass extends the returned cache, so by default its tensors are copies and the snapshot
@@ -200,8 +205,11 @@ def to_hf_cache(snapshot: KVSnapshot, config: Any = None, *, copy: bool = True) 
     :class:`SnapshotCache`: ``model.generate`` with the snapshot of the whole prompt is refused, not
     continued from the prompt fed twice). ``copy=False`` (kvlab's own forwards, which choose positions
     themselves) shares storage — safe with ``DynamicCache``, whose updates concatenate into new tensors
-    — and checks nothing.
+    — and checks nothing. A masked snapshot is refused unless ``masked=True`` says the caller hides its
+    masked slots itself (:meth:`~kvlab.model.ModelHandle.forward` does): a plain cache would show them.
     """
+    if not masked:
+        snapshot.require_unmasked("a transformers cache of this snapshot")
     if config is not None:
         check_fits_sliding_windows(config, snapshot.seq_len)
     if copy and snapshot.seq_len:
@@ -217,4 +225,57 @@ def to_hf_cache(snapshot: KVSnapshot, config: Any = None, *, copy: bool = True) 
         cache.update(k.clone() if copy else k, v.clone() if copy else v, i)
     if isinstance(cache, SnapshotCache):
         cache.checking = True
+    return cache
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` that writes new tokens into room reserved after the cached ones instead of
+    concatenating: a decode step copies its own token, not the whole cache (``DynamicLayer`` re-copies
+    every slot at every step). ``keys``/``values`` are views ``[:, :, :n]`` of the buffers; slots below
+    ``n`` are never written again, so a snapshot taken of a view stays as it was. Out of room, the
+    buffers are re-allocated (1.5x) and the old ones left to the views that hold them."""
+
+    def __init__(self, room: int = 0) -> None:
+        super().__init__()
+        self.room = max(int(room), 0)
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._n = 0  # slots written
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        k, v = self._k, self._v
+        n = self._n
+        end = n + key_states.shape[-2]
+        if k is None or v is None or end > k.shape[-2]:
+            cap = end + self.room if k is None else max(end + self.room, (3 * end) // 2)
+            k = key_states.new_empty((*key_states.shape[:2], cap, key_states.shape[-1]))
+            v = value_states.new_empty((*value_states.shape[:2], cap, value_states.shape[-1]))
+            if n and self._k is not None and self._v is not None:
+                k[:, :, :n], v[:, :, :n] = self._k[:, :, :n], self._v[:, :, :n]
+            self._k, self._v = k, v
+            self.device, self.dtype, self.is_initialized = key_states.device, key_states.dtype, True
+        k[:, :, n:end] = key_states
+        v[:, :, n:end] = value_states
+        self._n = end
+        self.keys, self.values = k[:, :, :end], v[:, :, :end]
+        return self.keys, self.values
+
+
+def growing_cache(snapshot: KVSnapshot | None, config: Any, room: int) -> DynamicCache:
+    """A transformers cache of ``snapshot`` (or empty) with ``room`` new tokens reserved per layer
+    (:class:`GrowingLayer`), for a decode loop; a model with sliding-window layers gets a plain one.
+    The snapshot's tensors are copied once into the buffers (a masked one too: the caller hides its slots)."""
+    if snapshot is not None:
+        check_fits_sliding_windows(config, snapshot.seq_len + room)
+    cache = new_hf_cache(config)
+    if any(w is not None for w in sliding_windows(config)):
+        return cache if snapshot is None else to_hf_cache(snapshot, config, copy=False, masked=True)
+    cache.layers = [GrowingLayer(room) for _ in cache.layers]
+    if snapshot is not None:
+        if len(cache.layers) != snapshot.num_layers:
+            raise UnsupportedModelError(
+                f"the model has {len(cache.layers)} cache layers, the snapshot {snapshot.num_layers}"
+            )
+        for i, (k, v) in enumerate(zip(snapshot.keys, snapshot.values, strict=True)):
+            cache.update(k, v, i)
     return cache

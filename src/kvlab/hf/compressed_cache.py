@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -641,65 +641,3 @@ def _check_eviction(
             f"the quantizer keeps {quantizer.sinks} full-precision sinks but policy '{policy.name}' may evict "
             f"them: give the policy sinks >= {quantizer.sinks} (or the quantizer fewer)"
         )
-
-
-def dynamic_cache_from_layers(
-    keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...], config: Any
-) -> DynamicCache:
-    """A ``DynamicCache`` holding copies of per-layer ``[B, H, n, D]`` K/V (e.g. an evicted cache)."""
-    cache = DynamicCache(config=config)
-    if len(cache.layers) != len(keys):
-        raise UnsupportedModelError(f"the model has {len(cache.layers)} cache layers, got {len(keys)}")
-    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
-        cache.update(k.clone(), v.clone(), i)
-    return cache
-
-
-@torch.no_grad()
-def logits_on_layers(
-    handle: Any,
-    keys: tuple[torch.Tensor, ...],
-    values: tuple[torch.Tensor, ...],
-    tokens: list[int],
-    start_position: int,
-) -> torch.Tensor:
-    """``[n, vocab]`` logits of ``tokens`` run after per-layer K/V, at positions ``start_position`` onward.
-
-    Works for caches that are not :class:`~kvlab.cache.KVSnapshot` s (per-head evicted caches); the
-    inputs are copied, never written.
-    """
-    cache = dynamic_cache_from_layers(keys, values, handle.config)
-    positions = torch.arange(start_position, start_position + len(tokens), device=handle.device)
-    ids = torch.as_tensor(tokens, device=handle.device)
-    return handle.run(ids, cache, positions=positions).logits[0].float()
-
-
-@torch.no_grad()
-def greedy_on_layers(
-    handle: Any,
-    keys: tuple[torch.Tensor, ...],
-    values: tuple[torch.Tensor, ...],
-    prompt: list[int],
-    start_position: int,
-    max_new_tokens: int,
-) -> list[int]:
-    """Greedy tokens after per-layer K/V plus ``prompt`` (run at ``start_position`` onward); inputs untouched."""
-    from kvlab.loop import decode_loop
-
-    cache = dynamic_cache_from_layers(keys, values, handle.config)
-    position = start_position + len(prompt)
-    first = handle.run(
-        torch.as_tensor(prompt, device=handle.device),
-        cache,
-        positions=torch.arange(start_position, position, device=handle.device),
-        logits_to_keep=1,
-    ).logits[:, -1]
-
-    def feed(tokens: torch.Tensor) -> torch.Tensor:
-        nonlocal position
-        at = torch.tensor([position], device=handle.device)
-        out = handle.run(tokens[:, None], cache, positions=at, logits_to_keep=1)
-        position += 1
-        return out.logits[:, -1]
-
-    return [s.token(0) for s in decode_loop(feed, first, max_new_tokens)]

@@ -229,14 +229,19 @@ class ModelHandle:
                 raise BadInputError(f"the cache has batch {past.batch_size}, the tokens batch {ids.shape[0]}")
         total = n_new + (past.seq_len if past is not None else 0)
         check_fits_sliding_windows(self.config, total)
-        cache = to_hf_cache(past, self.config, copy=False) if past is not None else new_hf_cache(self.config)
-        out = self.run(
-            ids,
-            cache,
-            positions=pos,
-            output_attentions=output_attentions,
-            logits_to_keep=0 if all_logits else 1,
+        cache = (
+            to_hf_cache(past, self.config, copy=False, masked=True)
+            if past is not None
+            else new_hf_cache(self.config)
         )
+        with self._hiding(past, output_attentions):
+            out = self.run(
+                ids,
+                cache,
+                positions=pos,
+                output_attentions=output_attentions,
+                logits_to_keep=0 if all_logits else 1,
+            )
         token_ids = ids.cpu() if past is None else torch.cat((past.token_ids, ids.cpu()), dim=1)
         positions_all = pos if past is None else torch.cat((past.positions.cpu(), pos))
         # A prefill only when every slot is this model's own computation at positions 0..T-1.
@@ -251,11 +256,29 @@ class ModelHandle:
             fingerprint=self.fingerprint,
             model_name=self.name,
             provenance="prefill" if exact else "computed",
+            valid=None
+            if past is None or past.valid is None
+            else tuple(
+                torch.cat((m, torch.ones(*m.shape[:2], n_new, dtype=torch.bool, device=m.device)), dim=2)
+                for m in past.valid
+            ),
         )
         logits = out.logits.float()
         logits = logits[0] if logits.shape[0] == 1 else logits
         attentions = tuple(a.detach() for a in out.attentions) if output_attentions else None
         return Forward(snapshot=snapshot, logits=logits, attentions=attentions)
+
+    def _hiding(self, past: KVSnapshot | None, output_attentions: bool) -> Any:
+        """A masked past's hidden slots hidden for one forward (:mod:`kvlab.hf.slot_mask`)."""
+        if past is None or past.valid is None:
+            return contextlib.nullcontext()
+        if output_attentions:
+            raise BadInputError(
+                "attention weights over a masked (evicted) cache are not available; unmask it"
+            )
+        from kvlab.hf.slot_mask import hidden_slots
+
+        return hidden_slots(self.model, past.valid)
 
     @torch.no_grad()
     def run(
@@ -335,17 +358,56 @@ class ModelHandle:
         """One new token on top of ``past``; returns its ``[vocab]`` logits as ``logits[-1]``."""
         return self.forward([int(token_id)], past, positions=None if position is None else [position])
 
-    def _snapshot_feed(self, past: KVSnapshot) -> tuple[Any, Any]:
-        """A ``feed`` for :func:`kvlab.loop.decode_loop` that extends snapshots, and a getter for the latest."""
-        state = {"snapshot": past}
+    @contextlib.contextmanager
+    def _live_feed(self, past: KVSnapshot, steps: int) -> Iterator[tuple[Any, Any]]:
+        """A ``feed`` for :func:`kvlab.loop.decode_loop` that extends one live cache of ``past`` (room for
+        ``steps`` tokens, written in place: a step copies its own token, not the cache), and a getter
+        for the snapshot so far; a masked past's slots stay hidden throughout."""
+        from kvlab.hf.cache import growing_cache
+
+        last = past.next_position + steps - 1
+        if self.max_positions and last >= self.max_positions:
+            raise BadInputError(
+                f"positions up to {last} exceed the model's maximum of {self.max_positions} "
+                f"({steps} new tokens starting at position {past.next_position})"
+            )
+        if past.fingerprint != self.fingerprint:
+            from kvlab.errors import IncompatibleCacheError
+
+            raise IncompatibleCacheError(
+                f"the cache was made by another model ({past.model_name or past.fingerprint[:12]}), not {self.name}"
+            )
+        cache = growing_cache(past, self.config, steps)
+        fed: list[torch.Tensor] = []
+        start = past.next_position
 
         def feed(tokens: torch.Tensor) -> torch.Tensor:
-            step = self.forward(tokens[:, None], state["snapshot"], all_logits=False)
-            state["snapshot"] = step.snapshot
-            last = step.last_logits
-            return last[None] if last.ndim == 1 else last
+            at = torch.tensor([start + len(fed)], device=self.device)
+            out = self.run(tokens[:, None], cache, positions=at, logits_to_keep=1)
+            fed.append(tokens.detach().to("cpu", torch.long)[:, None])
+            return out.logits[:, -1].float()
 
-        return feed, lambda: state["snapshot"]
+        def latest() -> KVSnapshot:
+            n = len(fed)
+            pos = torch.arange(start, start + n, device="cpu")
+            return snapshot_from_hf(
+                cache,
+                token_ids=torch.cat((past.token_ids, *fed), dim=1),
+                positions=torch.cat((past.positions.cpu(), pos)),
+                rope=self.rope,
+                fingerprint=self.fingerprint,
+                model_name=self.name,
+                provenance="computed" if n or past.provenance != "prefill" else "prefill",
+                valid=None
+                if past.valid is None
+                else tuple(
+                    torch.cat((m, torch.ones(*m.shape[:2], n, dtype=torch.bool, device=m.device)), dim=2)
+                    for m in past.valid
+                ),
+            )
+
+        with self._hiding(past, False):
+            yield feed, latest
 
     @torch.no_grad()
     def generate(
@@ -365,41 +427,54 @@ class ModelHandle:
         if max_new_tokens < 1:
             raise BadInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         eos = self.eos_ids() if stop_at_eos else set()
-        feed, latest = self._snapshot_feed(past)
-        steps = list(
-            decode_loop(
-                feed, first_logits, max_new_tokens, sampling=sampling, stop_ids=eos, keep_logits=keep_logits
+        with self._live_feed(past, max_new_tokens) as (feed, latest):
+            steps = list(
+                decode_loop(
+                    feed,
+                    first_logits,
+                    max_new_tokens,
+                    sampling=sampling,
+                    stop_ids=eos,
+                    keep_logits=keep_logits,
+                )
             )
-        )
+            snapshot = latest()
         out = [s.token(0) for s in steps]
         return Generation(
             token_ids=out,
             text=self.decode([t for t in out if t not in eos]),
-            snapshot=latest(),
+            snapshot=snapshot,
             step_logits=torch.cat([s.logits for s in steps if s.logits is not None]) if keep_logits else None,
         )
 
     @torch.no_grad()
     def generate_rows(
-        self, past: KVSnapshot, first_logits: torch.Tensor, max_new_tokens: int
+        self,
+        past: KVSnapshot,
+        first_logits: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        stop_ids: set[int] | frozenset[int] = frozenset(),
     ) -> list[list[int]]:
-        """Greedy continuations of every row of a batched cache at once (no EOS stop).
+        """Greedy continuations of every row of a batched cache at once.
 
         ``first_logits`` is ``[batch, vocab]``. One forward per step for the whole batch: on a CPU a
         decode step costs about one pass over the weights whatever the batch, so B rows cost about
         what one does. Row b's tokens equal :meth:`generate` on row b alone up to float rounding of
-        the batched matmuls.
+        the batched matmuls. A row ends with the first of ``stop_ids`` it picks (kept); the loop ends
+        when every row has (default: no stop, ``max_new_tokens`` each).
         """
         if max_new_tokens < 1:
             raise BadInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         logits = first_logits if first_logits.ndim == 2 else first_logits[None]
         if logits.shape[0] != past.batch_size:
             raise BadInputError(f"{logits.shape[0]} logit rows for a cache of batch {past.batch_size}")
-        feed, _ = self._snapshot_feed(past)
         out: list[list[int]] = [[] for _ in range(past.batch_size)]
-        for step in decode_loop(feed, logits, max_new_tokens):
-            for r, row in enumerate(out):
-                row.append(step.token(r))
+        with self._live_feed(past, max_new_tokens) as (feed, _):
+            for step in decode_loop(feed, logits, max_new_tokens, stop_ids=stop_ids):
+                for r, row in enumerate(out):
+                    if step.tokens[r] is not None:
+                        row.append(step.token(r))
         return out
 
     def generate_text(self, text: str, max_new_tokens: int = 20, *, chat: bool = False) -> Generation:

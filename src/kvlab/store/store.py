@@ -146,6 +146,7 @@ class KVStore:
         Only exact prefills (provenance ``"prefill"``) enter the exact namespace; with ``model`` the
         snapshot's fingerprint, geometry, dtype and RoPE are also checked against that model.
         """
+        snapshot.require_unmasked("storing a prefix cache")
         if snapshot.batch_size != 1:
             raise BadInputError(f"the store keeps one sequence per cache; got batch {snapshot.batch_size}")
         if not torch.equal(snapshot.positions.cpu(), torch.arange(snapshot.seq_len, device="cpu")):

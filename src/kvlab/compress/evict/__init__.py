@@ -14,7 +14,7 @@ from kvlab.compress.evict.policies import (
     SnapKV,
     StreamingLLM,
 )
-from kvlab.compress.evict.select import EvictedCache, budget_slots, evict, keep_indices
+from kvlab.compress.evict.select import budget_slots, evict, keep_indices, kept_per_head, repack
 
 
 def _import_methods() -> None:
@@ -48,7 +48,8 @@ __all__ = [
     "H2O",
     "POLICIES",
     "TOVA",
-    "EvictedCache",
+    "kept_per_head",
+    "repack",
     "KeyNorm",
     "LayerView",
     "LearnedPolicy",

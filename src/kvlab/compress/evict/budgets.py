@@ -23,8 +23,8 @@ Both compose (``heads=ada,layers=pyramid``: the pyramid's per-layer budget share
 key in memory and masks the pruned ones at attention time (its ``attention_patch``); a ragged cache frees
 them: :attr:`RaggedCache.nbytes` counts only the kept slots, :attr:`RaggedCache.padded_nbytes` what a
 rectangular per-layer store padded to the layer's largest head would hold, :attr:`RaggedCache.masked_nbytes`
-what a masking implementation holds (every slot of the context). :func:`kvlab.hf.ragged.ragged_logits`
-runs a model on it.
+what a masking implementation holds (every slot of the context). :meth:`RaggedCache.masked`
+turns it into the masked snapshot a model runs.
 """
 
 from __future__ import annotations
@@ -201,42 +201,24 @@ class RaggedCache:
         """What a masking implementation holds (kvpress AdaKV): every slot of the context, every head."""
         return sum(self._per_slot(i) * len(c) * self.source_len for i, c in enumerate(self.counts))
 
-    def padded(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer ``layer`` padded to its largest head, for computing only: keys, values ``[B, H, m, D]``
-        (zeros past a head's count) and ``valid [B, H, m]``."""
-        ks, vs = self.keys[layer], self.values[layer]
-        m = max(k.shape[-2] for k in ks)
-        b, d_k, d_v = ks[0].shape[0], ks[0].shape[-1], vs[0].shape[-1]
-        k_out = ks[0].new_zeros(b, len(ks), m, d_k)
-        v_out = vs[0].new_zeros(b, len(vs), m, d_v)
-        valid = torch.zeros(b, len(ks), m, dtype=torch.bool, device=ks[0].device)
-        for h, (k, v) in enumerate(zip(ks, vs, strict=True)):
-            n = k.shape[-2]
-            k_out[:, h, :n], v_out[:, h, :n], valid[:, h, :n] = k, v, True
-        return k_out, v_out, valid
+    def valid(self) -> tuple[torch.Tensor, ...]:
+        """Per layer ``[B, H, source_len]`` bool: the context slots each KV head keeps."""
+        out = []
+        for per_head in self.slots:
+            b = per_head[0].shape[0]
+            m = torch.zeros(b, len(per_head), self.source_len, dtype=torch.bool, device=per_head[0].device)
+            for h, idx in enumerate(per_head):
+                m[:, h].scatter_(1, idx, True)
+            out.append(m)
+        return tuple(out)
 
-    @classmethod
-    def from_evicted(cls, ev) -> RaggedCache:
-        """An :class:`~kvlab.compress.evict.select.EvictedCache` (every head the same count) as a ragged cache."""
-        if ev.mode != "keep":
-            raise BadInputError(
-                "a ragged cache keeps original positions; give an EvictedCache in 'keep' mode"
-            )
-
-        def split(ts):
-            return tuple(tuple(t[:, h] for h in range(t.shape[1])) for t in ts)
-
-        return cls(
-            split(ev.keys),
-            split(ev.values),
-            split(ev.positions),
-            split(ev.slots),
-            ev.source_len,
-            ev.next_position,
-            ev.rope,
-            ev.fingerprint,
-            ev.method,
-        )
+    def masked(self, source: KVSnapshot) -> KVSnapshot:
+        """``source`` (the snapshot this cache was cut from) with only the kept slots valid: the form
+        :meth:`~kvlab.model.ModelHandle.forward` runs. Kept keys and values are the source's own, so the
+        forward equals one over the ragged slots alone; this form holds every slot while it computes."""
+        if source.fingerprint != self.fingerprint or source.seq_len != self.source_len:
+            raise BadInputError("masked() needs the snapshot this ragged cache was cut from")
+        return source.replace(valid=tuple(m.to(source.device) for m in self.valid()), provenance="edited")
 
 
 def allocate(

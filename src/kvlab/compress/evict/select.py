@@ -1,16 +1,12 @@
 """Keeping a budget: top-scored slots per KV head, sinks and recent window forced, and the result.
 
-Invariants of :class:`EvictedCache`: every layer and head keeps exactly ``n_keep`` slots, listed in
-their original order; the first ``sinks`` and last ``window`` slots of the policy are among them;
-``positions[l][b, h, i]`` is the RoPE position the kept key ``i`` is rotated to. In ``keep`` mode
-those are the original positions and the next query goes at the original ``next_position``; in
-``repack`` mode kept keys are re-rotated to ``0..n_keep-1`` (an exact RoPE shift) and the next query
-goes at ``n_keep``.
+Invariants of :func:`evict`'s result (a masked :class:`~kvlab.cache.KVSnapshot`): every layer and KV
+head holds exactly ``n_keep`` valid slots; the first ``sinks`` and last ``window`` slots of the policy
+are among them; kept keys are untouched, at their original positions, so the next query goes at the
+source's ``next_position``. :func:`repack` re-rotates them to ``0..n_keep-1`` per head instead.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +16,6 @@ from kvlab.compress.evict.policies import LayerView, Policy
 from kvlab.errors import BadInputError
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.ops import shift_keys
-from kvlab.rope.spec import Rope
 
 
 def budget_slots(length: int, keep: float | None = None, n_keep: int | None = None) -> int:
@@ -62,62 +57,59 @@ def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
 
 
-@dataclass(frozen=True, eq=False)
-class EvictedCache:
-    """A compressed context: per layer ``keys``/``values`` ``[B, H, n_keep, D]``, ``positions``/``slots`` ``[B, H, n_keep]``."""
+def kept_per_head(
+    snapshot: KVSnapshot,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The valid slots of a masked snapshot compacted per layer and KV head: ``keys``/``values``
+    ``[B, H, n, D]`` and ``slots [B, H, n]`` (sorted), for a mask that keeps the same count ``n`` in
+    every head of a layer (what :func:`evict` makes). New tensors; keys stay at their positions."""
+    keys, values, slots = [], [], []
+    for k, v, m in zip(snapshot.keys, snapshot.values, snapshot.valid_layers(), strict=True):
+        counts = m.sum(dim=-1)
+        n = int(counts.flatten()[0])
+        if not bool((counts == n).all()):
+            raise BadInputError(
+                "the heads of a layer keep different numbers of slots; no compact [B, H, n] form"
+            )
+        idx = torch.sort(
+            torch.where(m, torch.arange(m.shape[-1], device=m.device), m.shape[-1]), dim=-1
+        ).values
+        idx = idx[..., :n]
+        keys.append(_gather(k, idx))
+        values.append(_gather(v, idx))
+        slots.append(idx)
+    return tuple(keys), tuple(values), tuple(slots)
 
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
-    positions: tuple[torch.Tensor, ...]
-    slots: tuple[torch.Tensor, ...]
-    source_len: int
-    next_position: int
-    rope: Rope | None
-    fingerprint: str
-    method: str
-    mode: str = "keep"
 
-    @property
-    def n_keep(self) -> int:
-        return self.keys[0].shape[-2]
+def repack(snapshot: KVSnapshot) -> KVSnapshot:
+    """An evicted (masked) cache's kept slots compacted per head and their keys re-rotated to ``0..n-1``
+    (an exact RoPE shift): what a cache that re-packs positions after evicting holds; the next query goes
+    at ``n``. Heads keep different tokens at a packed slot, so ``token_ids`` are -1 there
+    (:data:`kvlab.cache.snapshot.MIXED_TOKEN`) unless every layer and head agrees."""
+    from kvlab.cache.snapshot import MIXED_TOKEN
 
-    @property
-    def kept_fraction(self) -> float:
-        return self.n_keep / self.source_len
-
-    @property
-    def nbytes(self) -> int:
-        """K/V bytes held (positions are bookkeeping: keys already carry their rotation)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def repack(self) -> EvictedCache:
-        """Kept keys re-rotated to positions ``0..n_keep-1`` per head (exact RoPE shift); a new object."""
-        if self.mode == "repack":
-            return self
-        if self.rope is None:
-            raise BadInputError("re-packing positions needs a model with RoPE")
-        target = torch.arange(self.n_keep, device=self.positions[0].device)
-        keys = tuple(
-            k if (spec := self.rope.for_layer(i)) is None else shift_keys(k, (target - p).to(k.device), spec)
-            for i, (k, p) in enumerate(zip(self.keys, self.positions, strict=True))
-        )
-        pos = tuple(target.expand_as(p).clone() for p in self.positions)
-        return EvictedCache(
-            keys,
-            self.values,
-            pos,
-            self.slots,
-            self.source_len,
-            self.n_keep,
-            self.rope,
-            self.fingerprint,
-            self.method,
-            "repack",
-        )
-
-    def same_slots_everywhere(self) -> bool:
-        first = self.slots[0][:1, :1]
-        return all(bool((s == first).all()) for s in self.slots)
+    rope = snapshot.require_rope("re-packing kept keys' positions")
+    keys, values, slots = kept_per_head(snapshot)
+    n = keys[0].shape[-2]
+    target = torch.arange(n, device=keys[0].device)
+    out = []
+    for i, (k, idx) in enumerate(zip(keys, slots, strict=True)):
+        spec = rope.for_layer(i)
+        pos = snapshot.positions.to(idx.device)[idx]
+        out.append(k if spec is None else shift_keys(k, (target - pos).to(k.device), spec))
+    ids = torch.stack(
+        [snapshot.token_ids.to(s.device).gather(1, s[:, h]) for s in slots for h in range(s.shape[1])]
+    )
+    same = (ids == ids[:1]).all(dim=0)
+    token_ids = torch.where(same, ids[0], torch.full_like(ids[0], MIXED_TOKEN)).cpu()
+    return snapshot.replace(
+        keys=tuple(out),
+        values=values,
+        token_ids=token_ids,
+        positions=torch.arange(n, device="cpu"),
+        valid=None,
+        provenance="repositioned",
+    )
 
 
 def layer_views(source: KVSnapshot | Observation) -> list[LayerView]:
@@ -139,34 +131,24 @@ def evict(
     *,
     keep: float | None = None,
     n_keep: int | None = None,
-    mode: str = "keep",
-) -> EvictedCache:
-    """Keep a budget of slots per layer and KV head, chosen by ``policy``; ``source`` is not modified.
+) -> KVSnapshot:
+    """Keep a budget of slots per layer and KV head, chosen by ``policy``: a masked
+    :class:`~kvlab.cache.KVSnapshot` (``source`` is not modified).
 
-    Attention-based policies need an :class:`Observation` (from :func:`observe`); key-only policies
-    also accept a plain snapshot. ``mode`` is ``"keep"`` (original positions) or ``"repack"``.
+    Every layer and KV head holds exactly ``n_keep`` valid slots (its top scores, the policy's sinks and
+    window forced); kept keys stay at their original positions and the next query goes at the source's
+    ``next_position``, as in the live :class:`~kvlab.hf.compressed_cache.CompressedCache`.
+    :meth:`~kvlab.model.ModelHandle.forward` runs the result; :attr:`~kvlab.cache.KVSnapshot.held_nbytes`
+    is what a compacting cache keeps of it. Attention-based policies need an :class:`Observation` (from
+    :func:`observe`); key-only policies also accept a plain snapshot.
     """
-    if mode not in ("keep", "repack"):
-        raise BadInputError(f"mode must be 'keep' or 'repack', got '{mode}'")
     views = layer_views(source)
     snap = source.snapshot if isinstance(source, Observation) else source
+    snap.require_unmasked("scoring slots for eviction")
     n = budget_slots(snap.seq_len, keep, n_keep)
-    keys, values, positions, slots = [], [], [], []
+    valid = []
     for view in views:
         idx = keep_indices(policy.score(view), n, policy.sinks, policy.window)
-        keys.append(_gather(view.keys, idx))
-        values.append(_gather(view.values, idx))
-        positions.append(snap.positions.to(idx.device)[idx])
-        slots.append(idx)
-    out = EvictedCache(
-        tuple(keys),
-        tuple(values),
-        tuple(positions),
-        tuple(slots),
-        snap.seq_len,
-        snap.next_position,
-        snap.rope,
-        snap.fingerprint,
-        policy.name,
-    )
-    return out.repack() if mode == "repack" else out
+        mask = torch.zeros(tuple(view.keys.shape[:3]), dtype=torch.bool, device=view.keys.device)
+        valid.append(mask.scatter_(2, idx.to(mask.device), True))
+    return snap.replace(valid=tuple(valid), provenance="edited")

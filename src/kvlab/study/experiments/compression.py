@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlab.compress.evict import POLICIES, Observation, evict, make_policy, observe
+from kvlab.cache.snapshot import KVSnapshot
+from kvlab.compress.evict import POLICIES, Observation, evict, kept_per_head, make_policy, observe, repack
 from kvlab.compress.evict.learned import DEFAULT_WEIGHTS
 from kvlab.compress.evict.select import budget_slots
 from kvlab.compress.measure import continuation_quality, distortion, reference, time_decode_ms
@@ -241,11 +242,12 @@ def _under(handle, cfg: tuple[str, str, float, str], cobs, cont: list[int]):
         qs = quantize_snapshot(snap, make_quantizer(label, int(budget), **opts))
         dec = qs.decompress()
         return dec.keys, dec.values, qs.nbytes, None, handle.forward(cont, past=dec).logits
-    from kvlab.hf.compressed_cache import logits_on_layers
-
-    ev = evict(cobs, make_policy(method), keep=budget, mode=mode)
-    logits = logits_on_layers(handle, ev.keys, ev.values, cont, ev.next_position)
-    return ev.keys, ev.values, ev.nbytes, ev.slots, logits
+    past = _compress_context(cobs, cfg)
+    logits = handle.forward(cont, past=past).logits
+    if mode == "repack":
+        return past.keys, past.values, past.nbytes, None, logits
+    keys, values, slots = kept_per_head(past)
+    return keys, values, past.held_nbytes, slots, logits
 
 
 def _label(cfg: tuple[str, str, float, str]) -> str:
@@ -258,22 +260,21 @@ def _label(cfg: tuple[str, str, float, str]) -> str:
     return f"{method} {int(round(budget * 100))}%" + (" repack" if mode == "repack" else "")
 
 
-def _compress_context(obs: Observation, cfg: tuple[str, str, float, str]):
-    """(keys, values, next_position) of a compressed context, from its observation (one prefill for all)."""
+def _compress_context(obs: Observation, cfg: tuple[str, str, float, str]) -> KVSnapshot:
+    """The snapshot a compressed context leaves (masked for an eviction, re-packed in ``repack`` mode),
+    from its observation (one prefill for all configurations)."""
     kind, method, budget, mode = cfg
     if kind == "evict":
-        ev = evict(obs, make_policy(method), keep=budget, mode=mode)
-        return ev.keys, ev.values, ev.next_position
+        ev = evict(obs, make_policy(method), keep=budget)
+        return repack(ev) if mode == "repack" else ev
     snap = obs.snapshot
     if kind == "quant":
         label, opts = QUANT_METHODS[method]
         snap = quantize_snapshot(snap, make_quantizer(label, int(budget), **opts)).decompress()
-    return snap.keys, snap.values, snap.next_position
+    return snap
 
 
 def _needle(ctx, model, src, configs, names, lengths, depths, wanted, result) -> dict[str, np.ndarray]:
-    from kvlab.hf.compressed_cache import greedy_on_layers
-
     lengths = list(lengths or ctx.pick((200,), (384,), (512, 1024, 1536)))
     depths = list(depths or ctx.pick((0.5,), (0.1, 0.5, 0.9), (0.1, 0.3, 0.5, 0.7, 0.9)))
     if wanted is not None:
@@ -292,9 +293,10 @@ def _needle(ctx, model, src, configs, names, lengths, depths, wanted, result) ->
         for context, question, word in trials:
             obs = observe(model, context)
             for cfg, name in chosen:
-                keys, values, nxt = _compress_context(obs, cfg)
-                out = greedy_on_layers(model, keys, values, question, nxt, 4)
-                found[name].append(float(word in model.decode(out).lower()))
+                past = _compress_context(obs, cfg)
+                first = model.forward(question, past=past, all_logits=False)
+                out = model.generate(first.snapshot, first.logits[-1], 4, stop_at_eos=False)
+                found[name].append(float(word in out.text.lower()))
                 advance(1)
     result.summary["needle_trials"] = [{"length": L, "depth": d} for L in lengths for d in depths]
     return {n: np.array(v) for n, v in found.items()}
