@@ -14,6 +14,8 @@ ORDER = [
     "compressed_decode",
     "coded_window",
     "eval_ruler",
+    "eval_ruler_full_1k",
+    "eval_batched",
     "store",
     "serve",
     "serve_fidelity",

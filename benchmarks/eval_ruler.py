@@ -437,6 +437,13 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _device_name(device: str) -> str:
+    """The device as the report names it: the card's name on CUDA."""
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        return f"CUDA ({torch.cuda.get_device_name(torch.device(device if device != 'auto' else 'cuda'))})"
+    return "CPU"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from kvlab.eval.tasks import TASKS
 
@@ -516,7 +523,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     load_before = os.getloadavg()
     specs = cache_specs(args)
     source = read_text_file(args.haystack) if args.haystack else default_long_text()
-    handle = load_model("smollm2-135m", device="cpu", dtype="float32")
+    if not args.no_kvpress and args.device != "cpu":
+        raise SystemExit("the kvpress worker runs on the CPU beside kvlab: give --no-kvpress with --device")
+    handle = load_model("smollm2-135m", device=args.device, dtype=args.dtype)
     out = args.out_dir
     if args.report_only:  # merge what an earlier run of the same arguments left in --out-dir
         saved = json.loads((out / "kvlab.json").read_text())
@@ -820,32 +829,43 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
         "",
         f"- command: `{cmd}`",
         f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}; wall time {wall / 60:.1f} min "
-        f"(kvlab part {kv_s / 60:.1f} min; kvpress worker {worker_s / 60 if worker_s else float('nan'):.1f} min, "
-        "running concurrently in its own process)",
+        + (
+            f"(kvlab only, {args.threads} torch threads)"
+            if args.no_kvpress
+            else f"(kvlab part {kv_s / 60:.1f} min; kvpress worker {worker_s / 60 if worker_s else float('nan'):.1f} "
+            "min, running concurrently in its own process)"
+        ),
         f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs (load average "
-        f"{load_before[0]:.2f} at the start), no GPU, kvlab {args.threads} torch thread(s)"
+        f"{load_before[0]:.2f} at the start), kvlab on {_device_name(args.device)}, {args.threads} torch thread(s)"
         f"{'' if args.no_kvpress else ', the kvpress worker one'}; kvlab torch {torch.__version__}; "
         f"kvpress side: {json.dumps(meta['versions']) if meta else '—'}",
-        f"- model: SmolLM2-135M-Instruct (bundled), float32, CPU; haystack: {source.source}",
+        f"- model: SmolLM2-135M-Instruct (bundled), {args.dtype}, {_device_name(args.device)}; haystack: "
+        f"{source.source}",
         f"- trials: **{args.trials} per task** x tasks {', '.join(args.task_list)} x lengths "
         f"{', '.join(map(str, args.length_list))} = {n_trials} trials (seeds `trial_seed({args.seed}, i)`); prompt "
         "tokens reached (context + question): "
         + "; ".join(f"{k}: {min(v)}–{max(v)}" for k, v in sorted(reached.items())),
         f"- kvlab: `kvlab.eval.run.run_suite` with caches {', '.join(s['spec'] for s in doc['specs'])} "
         "(one prefill per trial, every policy reuses it); KL / top-1 against kvlab's full cache.",
-        f"- kvpress: presses {', '.join(args.presses.split(','))} at ratios {args.ratios} on the same ids "
-        "(context, question, the full cache's answer for teacher forcing: written by this script from the calls "
-        "run_suite made), question never compressed (press hooks on the context forward only); one prefill per trial "
-        "with every press's own `forward_hook` on its own cache"
-        + (
-            f" (checked on the first trial against one standalone `with press(model)` prefill per press: max |ΔK|,|ΔV| "
-            f"= {max(checks):.3g})"
-            if checks
-            else ""
-        )
-        + "; answers decoded with kvlab's tokenizer and scored with `kvlab.eval.score.score` in kvlab's process; KL "
-        "(float64, `token_kl`'s formula) and top-1 computed in the worker against the worker's own full cache on the "
-        "same teacher-forced tokens.",
+        *(
+            []
+            if args.no_kvpress
+            else [
+                f"- kvpress: presses {', '.join(args.presses.split(','))} at ratios {args.ratios} on the same ids "
+                "(context, question, the full cache's answer for teacher forcing: written by this script from the calls "
+                "run_suite made), question never compressed (press hooks on the context forward only); one prefill per trial "
+                "with every press's own `forward_hook` on its own cache"
+                + (
+                    f" (checked on the first trial against one standalone `with press(model)` prefill per press: max |ΔK|,|ΔV| "
+                    f"= {max(checks):.3g})"
+                    if checks
+                    else ""
+                )
+                + "; answers decoded with kvlab's tokenizer and scored with `kvlab.eval.score.score` in kvlab's process; KL "
+                "(float64, `token_kl`'s formula) and top-1 computed in the worker against the worker's own full cache on the "
+                "same teacher-forced tokens.",
+            ]
+        ),
     ]
     if kp_full:
         agree = [r["top1_vs_kvlab_full"] for r in kp_full if "top1_vs_kvlab_full" in r]
@@ -876,17 +896,23 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
     md += [
         *est_lines,
         "",
-        "![accuracy vs ratio](eval_ruler.png)",
+        f"![accuracy vs ratio]({args.figure.name})",
         "",
         "Accuracy pooled over tasks (the figure's points):",
         "",
         *pooled_lines(pool),
         "",
-        "Same family, paired on the same trials (kvlab policy vs the kvpress press that implements the same idea; "
-        "identical decoded answers and KL mean the same slots were kept):",
-        "",
-        *paired_lines(rows, args.seed),
-        "",
+        *(
+            []
+            if args.no_kvpress
+            else [
+                "Same family, paired on the same trials (kvlab policy vs the kvpress press that implements the same "
+                "idea; identical decoded answers and KL mean the same slots were kept):",
+                "",
+                *paired_lines(rows, args.seed),
+                "",
+            ]
+        ),
         "Per task (accuracy with 95% bootstrap interval over trials; KL in nats per token over question + answer):",
         "",
         *table_lines(summary),

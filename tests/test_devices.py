@@ -25,8 +25,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab.cache import load_snapshot, save_snapshot
-from kvlab.compress.evict import make_policy
+from kvlab.cache import load_snapshot, save_snapshot, stack_rows
+from kvlab.compress.evict import evict, make_policy, observe
 from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer
 from kvlab.hf import cache_argument
 from kvlab.hf.compressed_cache import CompressedCache
@@ -223,6 +223,22 @@ def test_save_and_load_a_snapshot_onto_the_models_device(device, handles, tmp_pa
         assert loaded.token_ids.device.type == loaded.positions.device.type == "cpu"  # metadata: host
         cont = h.extend(loaded, MORE[:4])  # feeds the model as it comes back
         return {"keys": list(loaded.keys), "logits": cont.logits}
+
+    on_device(device, handles, path)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_evicted_masked_snapshot_batched_with_the_full_cache(device, handles):
+    """The eval's path: an eviction as a masked snapshot, stacked with the full cache, one batched
+    forward and a batched greedy decode (the mask and the growing cache live on the model's device)."""
+
+    def path(h: ModelHandle) -> Result:
+        obs = observe(h, PROMPT)
+        ev = evict(obs, make_policy("snapkv"), keep=0.5)
+        assert all(m.device == h.device for m in ev.valid)
+        fwd = h.forward([MORE[:4]] * 2, stack_rows([obs.snapshot, ev]), all_logits=False)
+        rows = h.generate_rows(fwd.snapshot, fwd.logits[:, -1], 6)
+        return {"logits": fwd.logits, "tokens": rows}
 
     on_device(device, handles, path)
 
