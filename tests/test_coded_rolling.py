@@ -109,6 +109,7 @@ def test_packed_steps_equal_the_decoded_window(tiny, method, bits):
         assert_forward_close(got, ref, tiny, what=f"{method} step at token {s}")
     assert cache.rebases >= 1 and cache.layers[0].frame > 0 and cache.rolls >= 5
     assert cache.packed_steps == (0 if method == "fp8" else 240)  # fp8 codes are read decoded
+    assert sum(cache.packed_steps_by_path.values()) == cache.packed_steps  # one path per step
 
 
 @torch.no_grad()

@@ -259,38 +259,3 @@ def check_codec(text: Any, rope: Any, codec: Quantizer, *, window: int, chunk: i
             f"({chunk}) + one block of codes ({block}) + the full-precision tail ({codec.window}) = {need} slots"
         )
     return chunk
-
-
-def begin_packed_step(cache: Any, model: Any, kwargs: dict) -> Any:
-    """Open a one-token step whose attention reads each coded layer's packed codes (the same attention
-    function as :class:`~kvlab.hf.compressed_cache.CompressedCache`); returns what closes it, or None."""
-    from kvlab.compress.quant.attention import packed_path
-    from kvlab.errors import UnsupportedModelError
-    from kvlab.hf.compressed_cache import _STEPS, QUANT_ATTENTION, _attends_plainly, _Step
-
-    x = kwargs.get("input_ids")
-    x = x if isinstance(x, torch.Tensor) else kwargs.get("inputs_embeds")
-    if (
-        not isinstance(x, torch.Tensor)
-        or tuple(x.shape[:2]) != (1, 1)
-        or getattr(model, "dtype", None) != torch.float32
-        or not _attends_plainly(model)
-        or packed_path(x.device, cache.packed_path) is None
-    ):
-        return None
-    before = model.config._attn_implementation
-    step = _Step(cache.rule)
-    model.set_attn_implementation(QUANT_ATTENTION)
-    _STEPS.stack.append(step)
-
-    def finish(out: Any) -> None:
-        _STEPS.stack.remove(step)
-        model.set_attn_implementation(before)
-        cache.packed_steps += step.consumed > 0
-        if out is not None and step.views:
-            raise UnsupportedModelError(
-                "the model did not attend through transformers' attention interface in every layer, so its "
-                "output ignores the coded window (re-run without binding the cache to the model)"
-            )
-
-    return finish

@@ -97,6 +97,50 @@ def _quantized_attention(
 
 
 AttentionInterface.register(QUANT_ATTENTION, _quantized_attention)
+
+
+def open_packed_step(
+    cache: Any, rule: Any, path: str, model: Any, kwargs: dict
+) -> Callable[[Any], None] | None:
+    """Open a one-token step of a bound coded cache (:class:`CompressedCache`, or a
+    :class:`~kvlab.hf.rolling_cache.RollingCache` over codes) whose layers attend over their packed codes:
+    the model switched to :data:`QUANT_ATTENTION` and a :class:`_Step` for ``rule`` pushed. Returns what
+    closes it (counting ``cache.packed_steps`` and ``cache.packed_steps_by_path``), or None where the step
+    takes the reference path: more than one token, not float32, attention that is not plain, no packed
+    path for the device."""
+    from kvlab.compress.quant.attention import packed_path
+
+    x = kwargs.get("input_ids")
+    x = x if isinstance(x, torch.Tensor) else kwargs.get("inputs_embeds")
+    if (
+        not isinstance(x, torch.Tensor)
+        or tuple(x.shape[:2]) != (1, 1)
+        or getattr(model, "dtype", None) != torch.float32
+        or not _attends_plainly(model)
+        or packed_path(x.device, path) is None
+    ):
+        return None
+    before = model.config._attn_implementation
+    step = _Step(rule)
+    model.set_attn_implementation(QUANT_ATTENTION)
+    _STEPS.stack.append(step)
+
+    def finish(out: Any) -> None:
+        _STEPS.stack.remove(step)
+        model.set_attn_implementation(before)
+        cache.packed_steps += step.consumed > 0
+        for p in step.paths:
+            cache.packed_steps_by_path[p] += 1
+        if out is not None and step.views:
+            raise UnsupportedModelError(
+                "the model did not attend through transformers' attention interface in every layer, so its "
+                "output ignores the packed codes (the cache itself is intact: re-run the step without binding "
+                "the cache to the model)"
+            )
+
+    return finish
+
+
 _PACKED_OK: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
@@ -544,40 +588,9 @@ class CompressedCache(Cache):
         """Called by the bound model's pre-hook: a one-token decode step on a quantizing cache attends
         over the packed codes (no full-precision copy of the history; see
         :mod:`kvlab.compress.quant.attention`). Returns what closes the step, or None (reference path)."""
-        x = kwargs.get("input_ids")
-        x = x if isinstance(x, torch.Tensor) else kwargs.get("inputs_embeds")
-        if (
-            self.quantizer is None
-            or self.rows is not None
-            or not isinstance(x, torch.Tensor)
-            or tuple(x.shape[:2]) != (1, 1)
-            or getattr(model, "dtype", None) != torch.float32
-            or not _attends_plainly(model)
-        ):
+        if self.quantizer is None or self.rows is not None:
             return None
-        from kvlab.compress.quant.attention import packed_path
-
-        if packed_path(x.device, self.rule.packed_path) is None:
-            return None
-        before = model.config._attn_implementation
-        step = _Step(self.rule)
-        model.set_attn_implementation(QUANT_ATTENTION)
-        _STEPS.stack.append(step)
-
-        def finish(out: Any) -> None:
-            _STEPS.stack.remove(step)
-            model.set_attn_implementation(before)
-            self.packed_steps += step.consumed > 0
-            for path in step.paths:
-                self.packed_steps_by_path[path] += 1
-            if out is not None and step.views:
-                raise UnsupportedModelError(
-                    "the model did not attend through transformers' attention interface in every layer, so "
-                    "its output ignores the packed history (the cache itself is intact: re-run the step "
-                    "without model= on the cache)"
-                )
-
-        return finish
+        return open_packed_step(self, self.rule, self.rule.packed_path, model, kwargs)
 
     def close(self) -> None:
         """Remove the query hooks (done automatically as each layer evicts its prefill, unless ``every``

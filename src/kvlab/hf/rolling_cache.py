@@ -470,6 +470,7 @@ class RollingCache(Cache):
         self.rows: list[RollingCache] | None = None  # per-row caches once a padded batch arrived (bind)
         self.codec, self.packed_path = codec, packed_path
         self.packed_steps = 0  # one-token steps whose attention read the codes (bound, coded caches)
+        self.packed_steps_by_path = {"kernel": 0, "torch": 0}
         # a sliding layer the rolling window covers stores only what it can reach (hybrid models)
         layers: list[RollingLayer] = [
             SlidingRollingLayer(self.rule, i, w)
@@ -601,9 +602,9 @@ class RollingCache(Cache):
         codes (:mod:`kvlab.hf.coded_rolling`). Returns what closes the step, or None (reference path)."""
         if self.codec is None or self.rows is not None:
             return None
-        from kvlab.hf.coded_rolling import begin_packed_step
+        from kvlab.hf.compressed_cache import open_packed_step
 
-        return begin_packed_step(self, model, kwargs)
+        return open_packed_step(self, self.rule, self.packed_path, model, kwargs)
 
     # -- inspection ----------------------------------------------------------------------------------
     def hold_roll(self) -> None:
