@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -43,6 +43,9 @@ from safetensors.torch import load_file, save_file
 from kvlab.cache.snapshot import PROVENANCES, KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError, SnapshotFileError
 from kvlab.rope.spec import rope_from_json
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 FORMAT = "kvlab.snapshot"
 FORMAT_VERSION = 2
@@ -100,7 +103,8 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
         t = tensors[name].contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
+            # numpy's stubs make ndarray a Buffer only for Python >= 3.12; it is one at runtime
+            h.update(cast("Buffer", t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
 
 
@@ -168,7 +172,7 @@ def clean_temp_files(
     return removed
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp_path)``, fsync, then rename over ``path``: readers see the old or the new file.
 
     The temp file has a unique name in the target's folder (``.<name>.<pid>.<random>.kvlab.tmp``). On

@@ -83,7 +83,9 @@ def distortion(
     ``ref`` (from :func:`reference` on the same queries, keys, values) skips recomputing the reference side.
     """
     ref = ref if ref is not None else reference(queries, keys, values, scaling)
-    out = {k: [] for k in ("qk_rel_error", "qk_corr", "attn_kl", "out_rel_error", "kept_mass")}
+    out: dict[str, list[float]] = {
+        k: [] for k in ("qk_rel_error", "qk_corr", "attn_kl", "out_rel_error", "kept_mass")
+    }
     for i, q in enumerate(queries):
         hq = q.shape[1]
         k_new, v_new = expand_kv(new_keys[i].float(), hq), expand_kv(new_values[i].float(), hq)

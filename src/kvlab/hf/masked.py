@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
@@ -86,11 +87,12 @@ def accepts_mask_per_layer_type(model: Any) -> bool:
     """Whether the model's decoder takes ``attention_mask`` as ``{layer type: prepared mask}`` (transformers'
     hybrid decoders, e.g. Gemma-2/3, Qwen2, Cohere-2, GPT-OSS, do; read from the decoder's own code)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    return _forward_takes_mask_dict(type(decoder))
+    # mypy checks a class object against Hashable with the instance's __hash__ signature; classes hash
+    return _forward_takes_mask_dict(type(decoder))  # type: ignore[arg-type]  # see above
 
 
 @functools.cache
-def _forward_takes_mask_dict(cls: type) -> bool:
+def _forward_takes_mask_dict(cls: type[torch.nn.Module]) -> bool:
     """Read once per decoder class (the source lookup is file I/O)."""
     try:
         return "attention_mask, dict)" in inspect.getsource(cls.forward)
@@ -113,7 +115,8 @@ def first_layers_kv(
     handle.run(ids.reshape(1, -1), cache, positions=positions.reshape(-1), stop_after_layer=num_layers)
     out = []
     for i, layer in enumerate(cache.layers[:num_layers]):
-        if layer.keys is None:
+        # a DummyLayer (KV sharing, no attention) or a linear-attention layer holds no keys
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
             raise UnsupportedModelError(f"cache layer {i} holds no keys after the partial forward pass")
         out.append((layer.keys[:, :, past_len:], layer.values[:, :, past_len:]))
     return out

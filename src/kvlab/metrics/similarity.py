@@ -195,6 +195,8 @@ def compare_caches(
         ra = _interleaved_buggy_derotate(ka, same, a)
         rb = _interleaved_buggy_derotate(kb, same, b)
     if mode != "none":
+        # "correct": _side de-rotated both; "buggy": de-rotated just above
+        assert ra is not None and rb is not None
         if center:
             ra, rb = ra - ra.mean(dim=-2, keepdim=True), rb - rb.mean(dim=-2, keepdim=True)
         dk = _cos(ra, rb)

@@ -59,7 +59,8 @@ class Interval:
 
 def _statistic(statistic: Callable[..., np.ndarray] | str) -> Callable[..., np.ndarray]:
     if isinstance(statistic, str):
-        fn = {"mean": np.mean, "median": np.median}.get(statistic)
+        named: dict[str, Callable[..., np.ndarray]] = {"mean": np.mean, "median": np.median}
+        fn = named.get(statistic)
         if fn is None:
             raise BadInputError(f"unknown statistic '{statistic}'")
         return fn

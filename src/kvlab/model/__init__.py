@@ -79,7 +79,9 @@ def load_model(
             f"the weights in {path} cannot be loaded ({type(exc).__name__}: {reason}); re-copy the model folder"
         ) from None
     if not load_in_4bit:
-        model = model.to(device)
+        # PreTrainedModel.to is decorated with functools.wraps, whose typeshed type is not a descriptor:
+        # mypy sees an unbound function and wants the model as the first argument.
+        model = model.to(device)  # type: ignore[arg-type]  # typeshed's wraps() on a method, see above
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):

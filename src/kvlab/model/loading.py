@@ -183,8 +183,10 @@ def _convert_gguf(gguf: Path, digest: str, target: Path, name: str, say: Any) ->
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The de-quantized model is still flagged as GGUF-quantized and refuses to save; it is plain fp32 now.
-    model.hf_quantizer = None
-    model.is_quantized = False
+    # PreTrainedModel declares neither attribute (transformers sets them at load time), so mypy checks
+    # these assignments against nn.Module.__setattr__ (tensors and modules only).
+    model.hf_quantizer = None  # type: ignore[assignment]  # undeclared transformers attribute, see above
+    model.is_quantized = False  # type: ignore[assignment]  # undeclared transformers attribute, see above
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config._name_or_path = name

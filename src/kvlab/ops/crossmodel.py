@@ -120,7 +120,7 @@ def _features(
     for s in snaps:
         t = s.keys[layer] if which == "k" else s.values[layer]
         t = t[0].double()  # [H, T, D]
-        rope = ropes[layer] if ropes is not None else s.rope
+        rope = ropes[layer] if ropes is not None else rope_for_layer(s.rope, layer)
         if which == "k" and rope is not None:
             t = remove_rope(t, s.positions, rope)
         rows.append(t.transpose(0, 1))  # [T, H, D]
@@ -308,7 +308,8 @@ def apply_cache_map(
             "token for each slot, from kvlab.model.align.align_by_spans) to say what each mapped slot holds"
         )
     dst_ropes = layer_ropes(receiver)
-    keys, values = [], []
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     for li, sl in enumerate(cmap.src_layer):
         for which, out in (("k", keys), ("v", values)):
             w, b = (cmap.k_weights if which == "k" else cmap.v_weights)[li]
@@ -320,8 +321,9 @@ def apply_cache_map(
             y = (
                 (x @ w + b).reshape(snap.seq_len, cmap.dst_heads, cmap.dst_head_dim).transpose(0, 1)
             )  # [H, T, D]
-            if which == "k" and dst_ropes[li] is not None:
-                y = apply_rope(y.double(), snap.positions, dst_ropes[li]).float()
+            dst_rope = dst_ropes[li]
+            if which == "k" and dst_rope is not None:
+                y = apply_rope(y.double(), snap.positions, dst_rope).float()
             out.append(y[None].to(receiver.dtype).contiguous())
     return KVSnapshot(
         keys=tuple(keys),

@@ -266,9 +266,9 @@ def _is_per_layer_type(rotary: Any) -> bool:
     """A rotary module that keeps one RoPE per layer type (Gemma-3: ``sliding_attention_inv_freq`` and
     ``full_attention_inv_freq``, chosen per layer by ``config.layer_types``)."""
     types = getattr(rotary, "layer_types", None)
-    return bool(types) and any(
-        isinstance(getattr(rotary, f"{t}_inv_freq", None), torch.Tensor) for t in types
-    )
+    if not types:
+        return False
+    return any(isinstance(getattr(rotary, f"{t}_inv_freq", None), torch.Tensor) for t in types)
 
 
 def _no_rope_layers(config: Any) -> list[bool] | None:
@@ -367,6 +367,8 @@ def _rotary_class_for_config(config: Any) -> type | None:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        if class_name is None:
+            return None
         try:
             module = importlib.import_module(
                 getattr(importlib.import_module("transformers"), class_name).__module__
@@ -420,7 +422,12 @@ def _rope_from_rotary(rotary: torch.nn.Module, config: Any) -> Rope:
 def _spec_from_rotary(rotary: torch.nn.Module, config: Any) -> RopeSpec:
     params = _rope_params(config)
     rope_type = str(getattr(rotary, "rope_type", None) or params.get("rope_type") or "default")
-    inv_freq = rotary.inv_freq.detach().to("cpu", torch.float64)
+    inv_freq = rotary.inv_freq
+    if not isinstance(inv_freq, torch.Tensor):
+        raise UnsupportedModelError(
+            f"the rotary embedding's inv_freq is a {type(inv_freq).__name__}, not a tensor"
+        )
+    inv_freq = inv_freq.detach().to("cpu", torch.float64)
     head_dim = _head_dim(config)
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     model_type = getattr(config, "model_type", "")

@@ -38,7 +38,8 @@ Piece = KVSnapshot | Sequence[int]
 
 
 class Correction(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: the corrections are frozen dataclasses
 
     def select(self, handle: ModelHandle, before: KVSnapshot | None, chunk: KVSnapshot) -> torch.Tensor:
         """Chunk-local slot indices (sorted, int64, on the host like every slot index) to recompute;

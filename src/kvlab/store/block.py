@@ -281,7 +281,9 @@ def parse_block_header(buffer: bytes | memoryview, total_size: int) -> BlockHead
     return hdr
 
 
-def decode_block(buffer: bytes | memoryview, *, expect_hash: str | None = None, verify: bool = True) -> Block:
+def decode_block(
+    buffer: bytes | bytearray | memoryview, *, expect_hash: str | None = None, verify: bool = True
+) -> Block:
     """Parse and check a block; the tensors are views of ``buffer`` (no copy)."""
     view = memoryview(buffer)
     hdr = parse_block_header(view, len(view))

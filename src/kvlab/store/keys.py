@@ -15,7 +15,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -125,7 +125,11 @@ class Namespace:
             quantization=data.get("quantization"),
             salt=data.get("salt"),
             model_name=data.get("model_name", ""),
-            geometry=tuple(int(g) for g in data["geometry"]) if data.get("geometry") else None,
+            # any length read from the file: __post_init__ refuses one that is not three positive ints
+            geometry=cast(
+                "tuple[int, int, int] | None",
+                tuple(int(g) for g in data["geometry"]) if data.get("geometry") else None,
+            ),
         )
 
     @property

@@ -28,7 +28,7 @@ import math
 import re
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvlab.cache.io import loads_bounded
 from kvlab.errors import BadInputError
@@ -114,6 +114,11 @@ class RedisTier:
     def _bkey(self, block_hash: str) -> str:
         return f"{self.prefix}:b:{block_hash}"
 
+    def _get_block_bytes(self, block_hash: str) -> bytes | None:
+        """GET of a block's key. The client is made without ``decode_responses``, so replies are bytes;
+        redis-py types them ``bytes | str`` whatever the client's setting."""
+        return cast("bytes | None", self.client.get(self._bkey(block_hash)))
+
     def _ckey(self, parent: str) -> str:
         return f"{self.prefix}:c:{parent}"
 
@@ -164,7 +169,7 @@ class RedisTier:
         data: Any = None
         if not self.backing_off:
             try:
-                data = self.client.get(self._bkey(block_hash))
+                data = self._get_block_bytes(block_hash)
             except self._errors as exc:
                 if self._wrong_type(exc):  # something else under a block's key: not a block, drop it
                     self._corrupt(block_hash, "the key holds another Redis type than a block's string")
@@ -231,7 +236,7 @@ class RedisTier:
 
     def find(self, block_hash: str) -> Block | None:
         try:
-            data = self.client.get(self._bkey(block_hash))
+            data = self._get_block_bytes(block_hash)
         except self._errors as exc:
             if self._wrong_type(exc):
                 self.counters.corrupt += 1
@@ -298,7 +303,7 @@ class RedisTier:
         ok, corrupt = 0, []
         for h in self.block_hashes():
             try:
-                data = self.client.get(self._bkey(h))
+                data = self._get_block_bytes(h)
             except self._errors as exc:
                 if not self._wrong_type(exc):
                     raise self._unavailable(exc) from None
@@ -327,7 +332,7 @@ class RedisTier:
         try:
             for key in self.client.scan_iter(f"{self.prefix}:c:*", count=500):
                 try:
-                    kids = self.client.hkeys(key)
+                    kids = cast("list[bytes]", self.client.hkeys(key))  # bytes replies, see _get_block_bytes
                 except self._errors as exc:
                     if not self._wrong_type(exc):
                         raise

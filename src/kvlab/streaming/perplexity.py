@@ -33,7 +33,7 @@ import torch
 from kvlab.errors import BadInputError
 from kvlab.hf.cache import sliding_windows
 from kvlab.hf.masked import accepts_mask_per_layer_type
-from kvlab.hf.rolling_cache import RollingCache
+from kvlab.hf.rolling_cache import Rebase, RollingCache
 from kvlab.metrics.divergence import token_kl, top1_agreement
 from kvlab.metrics.logits import nll
 from kvlab.model.handle import as_handle
@@ -44,7 +44,7 @@ from kvlab.streaming.masked import evicted_before, masked_rolling_nll
 class StreamMethod:
     name: str
     sinks: int = 0
-    rebase: str = "auto"
+    rebase: Rebase = "auto"
     kind: str = "rolling"  # "rolling" | "full" | "recompute" | "policy" (a --cache spec)
     label: str = ""
     policy: Any = None  # the CachePolicy of a "policy" method
@@ -278,7 +278,7 @@ def stream_nll(
     window: int,
     feed: int = 16,
     evict_chunk: int | None = None,
-    recompute_targets: Sequence[int] | None = None,
+    recompute_targets: Sequence[int] | np.ndarray | None = None,
     recompute_batch: int = 8,
     path: str = "auto",
     on_progress: Callable[[int], None] | None = None,
@@ -409,11 +409,12 @@ def streaming_perplexity(
             reference=reference,
             keep_logits=divergence and name == "full",
         )
-        if out[name].logits is not None:
-            reference, out[name].logits = out[name].logits, None
-            own = _LogitsTap(reference, keep=False)
+        full_logits = out[name].logits
+        if full_logits is not None:
+            reference, out[name].logits = full_logits, None
+            own = _LogitsTap(full_logits, keep=False)
             # the full context against itself: KL 0, top-1 1
-            own(torch.arange(n - 1, device="cpu"), reference)
+            own(torch.arange(n - 1, device="cpu"), full_logits)
             own.fill(out[name])
     return {name: out[name] for name in methods}
 

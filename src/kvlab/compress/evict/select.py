@@ -26,6 +26,7 @@ def budget_slots(length: int, keep: float | None = None, n_keep: int | None = No
         if not 0.0 < float(keep) <= 1.0:
             raise BadInputError(f"keep must be a fraction in (0, 1], got {keep}")
         return max(1, round(float(keep) * length))
+    assert n_keep is not None  # exactly one of keep / n_keep, checked above
     if not 1 <= int(n_keep) <= length:
         raise BadInputError(f"n_keep must lie in [1, {length}] for a cache of {length} slots, got {n_keep}")
     return int(n_keep)
@@ -113,6 +114,7 @@ def repack(snapshot: KVSnapshot) -> KVSnapshot:
 
 
 def layer_views(source: KVSnapshot | Observation) -> list[LayerView]:
+    queries: tuple[torch.Tensor | None, ...]
     if isinstance(source, Observation):
         snap, queries, scaling = source.snapshot, source.queries, source.scaling
     elif isinstance(source, KVSnapshot):

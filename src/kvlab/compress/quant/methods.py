@@ -140,6 +140,7 @@ def _rotated_mean(
     m = mean.float().expand(shape)
     if rope is None:
         return m
+    assert positions is not None  # a mean under RoPE is stored with its slots' positions (_centre)
     # float32 angles are plenty for an fp16 mean, and encode and decode both come through here
     return apply_rope(m, positions.to(m.device), rope, compute_dtype=torch.float32).float()
 

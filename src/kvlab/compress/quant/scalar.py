@@ -251,21 +251,24 @@ def quantize_lloyd(x: torch.Tensor, bits: int, group_size: int) -> QuantizedTens
     rms = g.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(_TINY)
     top = (g.abs().amax(-1, keepdim=True) / levels[-1]).clamp_min(_TINY)  # outer level on the group's max
     starts = [rms * f for f in (0.85, 1.0, 1.2)] if bits <= 4 else [rms]
-    best_codes, best_scale, best_err = None, None, None
-    for s0 in [*starts, top, top * 0.9]:
+
+    def fit(s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         codes = _nearest_level(g / s0, bits, edges)
         c = _take(levels, codes)
         s = ((g * c).sum(-1, keepdim=True) / c.pow(2).sum(-1, keepdim=True).clamp_min(1e-30)).clamp_min(_TINY)
         s = s.to(SCALE_DTYPE).float()
         codes = _nearest_level(g / s, bits, edges)
         err = (_take(levels, codes) * s - g).pow(2).sum(-1, keepdim=True)
-        if best_err is None:
-            best_codes, best_scale, best_err = codes, s, err
-        else:
-            better = err < best_err
-            best_codes = torch.where(better, codes, best_codes)
-            best_scale = torch.where(better, s, best_scale)
-            best_err = torch.where(better, err, best_err)
+        return codes, s, err
+
+    candidates = [*starts, top, top * 0.9]
+    best_codes, best_scale, best_err = fit(candidates[0])
+    for s0 in candidates[1:]:
+        codes, s, err = fit(s0)
+        better = err < best_err
+        best_codes = torch.where(better, codes, best_codes)
+        best_scale = torch.where(better, s, best_scale)
+        best_err = torch.where(better, err, best_err)
     return QuantizedTensor(
         packed=pack_bits(best_codes.to(torch.uint8), bits),
         scale=best_scale[..., 0].to(SCALE_DTYPE),

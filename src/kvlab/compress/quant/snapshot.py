@@ -15,7 +15,7 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.compress.quant.methods import Quantizer, Segment, split_plan
 from kvlab.errors import UnsupportedModelError
-from kvlab.rope.spec import rope_for_layer
+from kvlab.rope.spec import Rope, rope_for_layer
 
 
 def _fp_bytes(*ts: torch.Tensor | None) -> int:
@@ -57,7 +57,7 @@ def encode_layer(
         raise UnsupportedModelError(f"kvlab quantizes floating-point caches, this one holds {keys.dtype}")
     quantizer.check(keys.shape[-1], rope)
     start, stop = split_plan(keys.shape[-2], quantizer.sinks, quantizer.window, quantizer.token_multiple())
-    segments = ()
+    segments: tuple[Segment, ...] = ()
     if stop > start:
         segments = (
             quantizer.encode(keys[:, :, start:stop], values[:, :, start:stop], positions[start:stop], rope),
@@ -82,7 +82,7 @@ class QuantizedSnapshot:
     layers: tuple[LayerCode, ...]
     token_ids: torch.Tensor
     positions: torch.Tensor
-    rope: object
+    rope: Rope | None
     fingerprint: str
     model_name: str
     method: str
