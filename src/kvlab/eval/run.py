@@ -324,6 +324,7 @@ def run_trial(
     *,
     max_new_tokens: int | None = None,
     on_reference: Callable[[dict], None] | None = None,
+    external: Callable[[Any], dict[str, tuple[Any, int]]] | None = None,
 ) -> list[dict]:
     """One row per spec: the answer, its score, and KL / top-1 against the full cache on the same tokens.
 
@@ -332,9 +333,11 @@ def run_trial(
     positions (the full cache, evictions, codecs) run as the rows of one batch, so the weights stream
     once per step for all of them; a row's ``seconds`` is its share of its batch plus its own
     compression. ``on_reference`` receives the ids run and the full cache's answer and logits.
+    ``external(prefill snapshot)`` adds caches made elsewhere (another library's quantizer): ``{name:
+    (snapshot it attends over, K/V bytes it holds)}``, each a row with ``kind`` ``"external"``.
     """
     from kvlab.cache.snapshot import batchable_groups, stack_rows
-    from kvlab.compress.evict import observe
+    from kvlab.compress.evict import Observation, observe
     from kvlab.eval.score import score
     from kvlab.eval.tasks import encoder
     from kvlab.metrics.divergence import compare_logits
@@ -356,6 +359,15 @@ def run_trial(
         t1 = time.perf_counter()
         caches[spec.spec] = _snapshot(spec, source, handle)
         seconds[spec.spec] = time.perf_counter() - t1
+    labels = {s.spec: s.to_json() for s in order}
+    if external is not None:
+        t1 = time.perf_counter()
+        made = external(source.snapshot if isinstance(source, Observation) else source)
+        for name, (snap, nbytes) in made.items():
+            if name in caches:
+                raise BadInputError(f"external cache '{name}' repeats a cache spec's name")
+            caches[name], seconds[name] = (snap, nbytes, {}), (time.perf_counter() - t1) / len(made)
+            labels[name] = {"kind": "external", "spec": name, "policy_spec": name}
     groups = batchable_groups({name: c[0] for name, c in caches.items()})
     answers: dict[str, list[int]] = {}
     logits: dict[str, torch.Tensor] = {}
@@ -388,16 +400,16 @@ def run_trial(
         )
     answer_rows = slice(len(question) - 1, None)
     rows = []
-    for spec in order:
-        if spec.kind == "full" and not any(s.kind == "full" for s in specs):
+    for name in caches:
+        if name == "full" and not any(s.kind == "full" for s in specs):
             continue
-        snap, nbytes, extra = caches[spec.spec]
-        div = compare_logits(logits["full"], logits[spec.spec])
-        div_answer = compare_logits(logits["full"][answer_rows], logits[spec.spec][answer_rows])
-        text = handle.decode(_until_stop(answers[spec.spec], stop))
+        snap, nbytes, extra = caches[name]
+        div = compare_logits(logits["full"], logits[name])
+        div_answer = compare_logits(logits["full"][answer_rows], logits[name][answer_rows])
+        text = handle.decode(_until_stop(answers[name], stop))
         rows.append(
             {
-                **spec.to_json(),
+                **labels[name],
                 "task": trial.task,
                 "length": trial.length,
                 "seed": trial.seed,
@@ -416,7 +428,7 @@ def run_trial(
                 "top1_answer": div_answer.top1,
                 "compared_tokens": div.n,
                 "prefill_s": prefill_s,
-                "seconds": seconds[spec.spec],
+                "seconds": seconds[name],
             }
         )
     return rows
@@ -439,6 +451,7 @@ def run_suite(
     max_new_tokens: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     on_reference: Callable[[dict], None] | None = None,
+    external: Callable[[Any], dict[str, tuple[Any, int]]] | None = None,
 ) -> list[dict]:
     """Every ``(task, length, trial)`` under every spec: the raw rows (see :func:`run_trial`), with ``trial``."""
     from kvlab.eval.tasks import TASKS, make_trial
@@ -454,7 +467,12 @@ def run_suite(
             for i in range(trials):
                 trial = make_trial(name, handle, length, trial_seed(seed, i), haystack_text)
                 rows_of_trial = run_trial(
-                    handle, trial, specs, max_new_tokens=max_new_tokens, on_reference=on_reference
+                    handle,
+                    trial,
+                    specs,
+                    max_new_tokens=max_new_tokens,
+                    on_reference=on_reference,
+                    external=external,
                 )
                 for row in rows_of_trial:
                     rows.append({**row, "trial": i})
