@@ -164,6 +164,14 @@ GONE = [
     "drop_count",
     "token_windows",
     "load_or_run",
+    # issue 28, item 3: every offline cache is a KVSnapshot that ModelHandle.forward runs
+    "EvictedCache",
+    "logits_on_layers",
+    "greedy_on_layers",
+    "dynamic_cache_from_layers",
+    "ragged_logits",
+    "ragged_greedy",
+    "begin_packed_step",
 ]
 
 
