@@ -392,6 +392,7 @@ class ModelHandle:
             pos = torch.arange(start, start + n, device="cpu")
             return snapshot_from_hf(
                 cache,
+                copy=True,  # the live layers hold views of larger buffers: the snapshot owns compact tensors
                 token_ids=torch.cat((past.token_ids, *fed), dim=1),
                 positions=torch.cat((past.positions.cpu(), pos)),
                 rope=self.rope,
