@@ -16,6 +16,7 @@ ORDER = [
     "eval_ruler",
     "eval_ruler_full_1k",
     "eval_batched",
+    "hf_quantized_cache",
     "store",
     "serve",
     "serve_fidelity",
