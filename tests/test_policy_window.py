@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.compress.evict import StreamingLLM, evict
+from kvlab.compress.evict import StreamingLLM, evict, kept_per_head
 from kvlab.compress.quant.methods import split_plan
 from kvlab.errors import BadInputError
 from kvlab.ops.suffix import roll
@@ -73,7 +73,7 @@ def test_one_layout_offline_online_and_in_eviction(tiny_model):
     assert torch.equal(prefix.token_ids, rolled.token_ids)
     assert_forward_close(prefix.keys[1], rolled.keys[1], h)
     ev = evict(snap, StreamingLLM(sinks=4), n_keep=30)
-    assert ev.slots[0][0, 0].tolist() == policy.kept(40)
+    assert kept_per_head(ev)[2][0][0, 0].tolist() == policy.kept(40)
     assert split_plan(40, 4, 8, 1) == (4, 32) == SinksWindow(4, 8).bounds(40)
 
 

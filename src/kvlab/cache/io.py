@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -43,9 +43,6 @@ from safetensors.torch import load_file, save_file
 from kvlab.cache.snapshot import PROVENANCES, KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError, SnapshotFileError
 from kvlab.rope.spec import rope_from_json
-
-if TYPE_CHECKING:
-    from typing_extensions import Buffer
 
 FORMAT = "kvlab.snapshot"
 FORMAT_VERSION = 2
@@ -104,7 +101,7 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
             # numpy's stubs make ndarray a Buffer only for Python >= 3.12; it is one at runtime
-            h.update(cast("Buffer", t.reshape(-1).view(torch.uint8).numpy()))
+            h.update(cast(Any, t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
 
 

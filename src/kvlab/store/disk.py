@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
@@ -53,9 +53,6 @@ from kvlab.store.block import (
 from kvlab.store.errors import CorruptBlockError, StoreError, StoreWriteError
 from kvlab.store.keys import block_problem
 from kvlab.store.tier import RateLimitedLog, TierCounters
-
-if TYPE_CHECKING:
-    from typing_extensions import Buffer
 
 log = logging.getLogger("kvlab.store")
 
@@ -708,7 +705,7 @@ def _chunks(
         size = t.element_size()
         row = t.shape[2] * t.shape[3] * size
         flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-        base = memoryview(cast("Buffer", flat.numpy()))  # numpy's stubs: a Buffer only on Python >= 3.12
+        base = memoryview(cast(Any, flat.numpy()))  # numpy's stubs: a Buffer only on Python >= 3.12
         off = t.storage_offset() * size
         starts = _row_starts(t.shape[0], t.shape[1], t.stride(0) * size, t.stride(1) * size)
         out.append((spec.begin, [base[off + x : off + x + row] for x in starts]))
