@@ -17,6 +17,7 @@ ORDER = [
     "eval_ruler_full_1k",
     "eval_batched",
     "hf_quantized_cache",
+    "eval_ruler_haystack",
     "store",
     "serve",
     "serve_fidelity",

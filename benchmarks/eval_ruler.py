@@ -461,6 +461,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--haystack", type=Path, help="a text file to hide the facts in (default: kvlab's)")
     ap.add_argument("--max-new-tokens", type=int, help="answer budget (default: each task's own)")
     ap.add_argument("--no-kvpress", action="store_true", help="kvlab's side only")
+    ap.add_argument("--device", default="cpu", help="where kvlab's side runs: cpu, cuda, cuda:N, auto")
+    ap.add_argument("--dtype", default="float32", help="kvlab's model dtype: float32, bfloat16, float16")
     ap.add_argument(
         "--threads",
         type=int,
