@@ -219,12 +219,7 @@ class ModelHandle:
                 f"({n_new} new tokens starting at position {int(pos[0])})"
             )
         if past is not None:
-            if past.fingerprint != self.fingerprint:
-                from kvlab.errors import IncompatibleCacheError
-
-                raise IncompatibleCacheError(
-                    f"the cache was made by another model ({past.model_name or past.fingerprint[:12]}), not {self.name}"
-                )
+            self._check_own(past)
             if past.batch_size != ids.shape[0]:
                 raise BadInputError(f"the cache has batch {past.batch_size}, the tokens batch {ids.shape[0]}")
         total = n_new + (past.seq_len if past is not None else 0)
@@ -256,17 +251,21 @@ class ModelHandle:
             fingerprint=self.fingerprint,
             model_name=self.name,
             provenance="prefill" if exact else "computed",
-            valid=None
-            if past is None or past.valid is None
-            else tuple(
-                torch.cat((m, torch.ones(*m.shape[:2], n_new, dtype=torch.bool, device=m.device)), dim=2)
-                for m in past.valid
-            ),
+            valid=None if past is None else _held_after(past, n_new),
         )
         logits = out.logits.float()
         logits = logits[0] if logits.shape[0] == 1 else logits
         attentions = tuple(a.detach() for a in out.attentions) if output_attentions else None
         return Forward(snapshot=snapshot, logits=logits, attentions=attentions)
+
+    def _check_own(self, past: KVSnapshot) -> None:
+        """Refuse a past snapshot made by another model (its fingerprint differs)."""
+        if past.fingerprint != self.fingerprint:
+            from kvlab.errors import IncompatibleCacheError
+
+            raise IncompatibleCacheError(
+                f"the cache was made by another model ({past.model_name or past.fingerprint[:12]}), not {self.name}"
+            )
 
     def _hiding(self, past: KVSnapshot | None, output_attentions: bool) -> Any:
         """A masked past's hidden slots hidden for one forward (:mod:`kvlab.hf.slot_mask`)."""
@@ -371,12 +370,7 @@ class ModelHandle:
                 f"positions up to {last} exceed the model's maximum of {self.max_positions} "
                 f"({steps} new tokens starting at position {past.next_position})"
             )
-        if past.fingerprint != self.fingerprint:
-            from kvlab.errors import IncompatibleCacheError
-
-            raise IncompatibleCacheError(
-                f"the cache was made by another model ({past.model_name or past.fingerprint[:12]}), not {self.name}"
-            )
+        self._check_own(past)
         cache = growing_cache(past, self.config, steps)
         fed: list[torch.Tensor] = []
         start = past.next_position
@@ -399,12 +393,7 @@ class ModelHandle:
                 fingerprint=self.fingerprint,
                 model_name=self.name,
                 provenance="computed" if n or past.provenance != "prefill" else "prefill",
-                valid=None
-                if past.valid is None
-                else tuple(
-                    torch.cat((m, torch.ones(*m.shape[:2], n, dtype=torch.bool, device=m.device)), dim=2)
-                    for m in past.valid
-                ),
+                valid=_held_after(past, n),
             )
 
         with self._hiding(past, False):
@@ -508,6 +497,16 @@ class ModelHandle:
         return (
             f"ModelHandle({self.name}, {self.facts.attention_kind}, {str(self.dtype).replace('torch.', '')})"
         )
+
+
+def _held_after(past: KVSnapshot, n_new: int) -> tuple[torch.Tensor, ...] | None:
+    """A masked past's validity extended by ``n_new`` held slots (the tokens just fed); None unmasked."""
+    if past.valid is None:
+        return None
+    return tuple(
+        torch.cat((m, torch.ones(*m.shape[:2], n_new, dtype=torch.bool, device=m.device)), dim=2)
+        for m in past.valid
+    )
 
 
 class _StopForward(Exception):
