@@ -112,6 +112,7 @@ def run_kvlab(
     trials: int,
     seed: int,
     trials_file: Path,
+    first_trial: int = 0,
     haystack_text: str | None = None,
     max_new_tokens: int | None = None,
     logits_dir: Path | None = None,
@@ -136,10 +137,10 @@ def run_kvlab(
     def on_trial(done: int, total: int) -> None:
         cur = state["current"]
         trial = cur["trial"]
-        index = counters.get((trial.task, trial.length), 0)
+        index = counters.get((trial.task, trial.length), first_trial)
         counters[(trial.task, trial.length)] = index + 1
         path = None
-        if logits_dir is not None and index == 0:
+        if logits_dir is not None and index == first_trial:
             logits_dir.mkdir(parents=True, exist_ok=True)
             path = logits_dir / f"{trial.task}-{trial.length}-full-logits.pt"
         rec = trial_record(cur, index, path)
@@ -157,6 +158,7 @@ def run_kvlab(
         lengths=lengths,
         trials=trials,
         seed=seed,
+        first_trial=first_trial,
         haystack_text=haystack_text,
         max_new_tokens=max_new_tokens,
         progress=on_trial,
@@ -458,6 +460,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--presses", default=",".join(PRESSES), help="kvpress presses (worker names)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--first-trial",
+        type=int,
+        default=0,
+        help="index of the first trial (a piece of a longer run: pieces together equal one run)",
+    )
     ap.add_argument("--haystack", type=Path, help="a text file to hide the facts in (default: kvlab's)")
     ap.add_argument("--max-new-tokens", type=int, help="answer budget (default: each task's own)")
     ap.add_argument("--no-kvpress", action="store_true", help="kvlab's side only")
@@ -477,6 +485,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--figure", type=Path, default=FIGURE)
     ap.add_argument("--no-verify", action="store_true", help="skip the worker's check of its shared prefill")
     ap.add_argument("--report-only", action="store_true", help="re-merge and re-report the run in --out-dir")
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="with --report-only: the out-dirs of pieces of one run (--first-trial) to report as one",
+    )
     ap.add_argument(
         "--timing-runs",
         type=Path,
@@ -529,7 +543,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("the kvpress worker runs on the CPU beside kvlab: give --no-kvpress with --device")
     handle = load_model("smollm2-135m", device=args.device, dtype=args.dtype)
     out = args.out_dir
+    if args.merge and not args.report_only:
+        raise SystemExit("--merge reports pieces that ran: give it with --report-only")
     if args.report_only:  # merge what an earlier run of the same arguments left in --out-dir
+        if args.merge:
+            pieces(args.merge, out)
         saved = json.loads((out / "kvlab.json").read_text())
         job = json.loads((out / "job.json").read_text())
         if (
@@ -587,6 +605,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             lengths=args.length_list,
             trials=args.trials,
             seed=args.seed,
+            first_trial=args.first_trial,
             trials_file=trials_file,
             haystack_text=source.text,
             max_new_tokens=args.max_new_tokens,
@@ -623,6 +642,51 @@ def main(argv: Sequence[str] | None = None) -> None:
             failure = f"kvpress worker stopped after the {args.kvpress_timeout:.0f}-minute timeout"
     args._handle = handle
     finish(args, specs, job, source, out, kv_rows, records, kv_s, started, load_before, failure, argv)
+
+
+_PIECE_ARGS = ("first_trial", "trials", "out_dir", "results", "figure", "timing_runs", "merge", "report_only")
+
+
+def pieces(dirs: Sequence[Path], out: Path) -> None:
+    """Write into ``out`` one run made of the pieces in ``dirs`` (each a run with its own ``--first-trial``):
+    the same arguments apart from the trial range, no trial twice; rows, records and the worker's lines
+    concatenated, seconds summed. The merged run's arguments say ``--trials`` = the trials per task in all."""
+    saved = [json.loads((d / "kvlab.json").read_text()) for d in dirs]
+    runs = [vars(parse_args(s["argv"])) for s in saved]
+    same = [{k: v for k, v in r.items() if k not in _PIECE_ARGS} for r in runs]
+    if any(s != same[0] for s in same):
+        raise SystemExit("--merge: the pieces ran with different arguments (beyond --first-trial/--trials)")
+    records = [rec for s in saved for rec in s["records"]]
+    keys = [rec["key"] for rec in records]
+    if len(set(keys)) != len(keys):
+        raise SystemExit("--merge: the pieces overlap (a trial ran twice)")
+    per_task = sum(r["trials"] for r in runs)
+    argv = [a for a in saved[0]["argv"]]
+    i = argv.index("--trials") if "--trials" in argv else -1
+    argv = argv[:i] + argv[i + 2 :] if i >= 0 else argv
+    i = argv.index("--first-trial") if "--first-trial" in argv else -1
+    argv = argv[:i] + argv[i + 2 :] if i >= 0 else argv
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "rows": [row for s in saved for row in s["rows"]],
+        "records": records,
+        "kvlab_seconds": sum(s["kvlab_seconds"] for s in saved),
+        "started": min(s["started"] for s in saved),
+        "load_before": saved[0]["load_before"],
+        "argv": [*argv, "--trials", str(per_task)],
+        "wall": sum(s.get("wall") or s["kvlab_seconds"] for s in saved),
+        "pieces": [
+            {"dir": str(d), "first_trial": r["first_trial"], "trials": r["trials"]}
+            for d, r in zip(dirs, runs, strict=True)
+        ],
+    }
+    (out / "kvlab.json").write_text(json.dumps(doc) + "\n")
+    (out / "job.json").write_text((dirs[0] / "job.json").read_text())
+    lines = []
+    for d in dirs:  # the worker's rows; a piece without the worker adds none
+        worker = d / "kvpress.jsonl"
+        lines += [ln for ln in worker.read_text().splitlines() if ln.strip()] if worker.exists() else []
+    (out / "kvpress.jsonl").write_text("".join(ln + "\n" for ln in lines))
 
 
 def finish(

@@ -447,13 +447,17 @@ def run_suite(
     lengths: Sequence[int],
     trials: int,
     seed: int = 0,
+    first_trial: int = 0,
     haystack_text: str | None = None,
     max_new_tokens: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     on_reference: Callable[[dict], None] | None = None,
     external: Callable[[Any], dict[str, tuple[Any, int]]] | None = None,
 ) -> list[dict]:
-    """Every ``(task, length, trial)`` under every spec: the raw rows (see :func:`run_trial`), with ``trial``."""
+    """Every ``(task, length, trial)`` under every spec: the raw rows (see :func:`run_trial`), with ``trial``.
+
+    Trials ``first_trial .. first_trial + trials - 1`` run (each seeded by :func:`trial_seed`), so a long
+    run can be cut into pieces that together equal one run."""
     from kvlab.eval.tasks import TASKS, make_trial
 
     unknown = [t for t in tasks if t not in TASKS]
@@ -461,10 +465,12 @@ def run_suite(
         raise BadInputError(f"unknown eval task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
     if trials < 1:
         raise BadInputError(f"trials must be >= 1, got {trials}")
+    if first_trial < 0:
+        raise BadInputError(f"first_trial must be >= 0, got {first_trial}")
     total, done, rows = len(tasks) * len(lengths) * trials, 0, []
     for name in tasks:
         for length in lengths:
-            for i in range(trials):
+            for i in range(first_trial, first_trial + trials):
                 trial = make_trial(name, handle, length, trial_seed(seed, i), haystack_text)
                 rows_of_trial = run_trial(
                     handle,
