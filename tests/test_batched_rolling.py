@@ -13,6 +13,7 @@ from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf import batch
 from kvlab.hf.batch import step_rolling_rows
 from kvlab.hf.rolling_cache import rolling_cache_for
+from kvlab.hf.step import KVLAB_ATTENTION, open_step
 from kvlab.streaming.generate import feed
 from tests.tolerances import forward_tol
 
@@ -92,10 +93,10 @@ def test_a_forward_that_bypasses_the_rows_attention_is_refused(tiny_model, monke
     caches = [rolling_cache_for(h, window=32, sinks=4, evict_chunk=8) for _ in range(2)]
     for c, p in zip(caches, _prompts((5, 9)), strict=True):
         feed(h, c, p)
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, batch.ROWS_ATTENTION, sdpa_attention_forward)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, KVLAB_ATTENTION, sdpa_attention_forward)
     with pytest.raises(UnsupportedModelError, match="attention interface"):
         step_rolling_rows(h, caches, [1, 2])
-    assert h.model.config._attn_implementation != batch.ROWS_ATTENTION  # switched back after the failure
+    assert h.model.config._attn_implementation != KVLAB_ATTENTION  # switched back after the failure
 
 
 def test_another_threads_forward_never_reads_a_steps_caches(tiny_model):
@@ -111,13 +112,12 @@ def test_another_threads_forward_never_reads_a_steps_caches(tiny_model):
     want = h.run(ids).logits
     before = h.model.config._attn_implementation
     got: list[torch.Tensor] = []
-    batch._ACTIVE.rows.append(batch._RowsCache(caches))
-    h.model.set_attn_implementation(batch.ROWS_ATTENTION)
+    close = open_step(h.model, batch._RowsCache(caches))
     try:
         worker = threading.Thread(target=lambda: got.append(h.run(ids).logits))
         worker.start()
         worker.join(60)
     finally:
-        batch._ACTIVE.rows.pop()
-        h.model.set_attn_implementation(before)
+        close()
+    assert h.model.config._attn_implementation == before
     assert len(got) == 1 and (got[0] - want).abs().max() <= forward_tol(h, want)

@@ -172,7 +172,25 @@ GONE = [
     "ragged_logits",
     "ragged_greedy",
     "begin_packed_step",
+    # issue 28, item 6: one step context (hf.step), one thread-local, one registered eager attention
+    "_rows_attention",
+    "_slot_mask_attention",
+    "_quantized_attention",
+    "_Steps",
+    "_Active",
+    "_choosing",
 ]
+
+
+def test_one_thread_local_and_one_eager_attention_function():
+    """Per-forward state lives in one thread-local (kvlab.hf.step) and every eager kvlab cache attends
+    through one registered attention function; only the captured decode steps (kvlab.hf.graphs) register
+    their own, fixed attention (a CUDA graph or a fullgraph compile cannot consult a thread-local)."""
+    locals_ = [m for m in MODULES if "threading.local" in (SRC / _path(m)).read_text()]
+    assert locals_ == ["kvlab.hf.step"], locals_
+    registers = sorted(m for m in MODULES if "AttentionInterface.register(" in (SRC / _path(m)).read_text())
+    assert registers == ["kvlab.hf.graphs", "kvlab.hf.step"], registers
+    assert (SRC / "hf/step.py").read_text().count("AttentionInterface.register(") == 1
 
 
 def test_roll_means_one_thing():

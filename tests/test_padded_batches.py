@@ -14,7 +14,8 @@ from kvlab.compress.quant import KIVIQuantizer
 from kvlab.errors import BadInputError
 from kvlab.hf import cache_argument
 from kvlab.hf.compressed_cache import CompressedCache
-from kvlab.hf.rolling_cache import RollingCache, _choosing, rolling_cache_for
+from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
+from kvlab.hf.step import THREAD
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -135,7 +136,7 @@ def test_right_padding_and_a_row_of_pads_are_refused(tiny_model):
         with pytest.raises(BadInputError, match="left-padded"):
             generate(h, ids, cache, 4, bad)
         assert cache.rows is None and cache.tokens_seen == 0
-        assert _choosing() == []  # the refusal came from the forward hook; its bookkeeping is balanced
+        assert THREAD.calls == []  # the refusal came from the forward hook; its bookkeeping is balanced
 
 
 POLICIES = [

@@ -326,7 +326,7 @@ def test_generate_with_a_bound_quantizing_cache_uses_packed_codes(smollm, monkey
     b = smollm.model.generate(prompt, **{arg: CompressedCache(smollm.config, quantizer=q)}, **kw)
     assert calls[0] == 11 * len(bound.layers)  # 11 one-token steps after the prompt
     assert a.tolist() == b.tolist()
-    assert smollm.model.config._attn_implementation != "kvlab_quantized"  # restored after every step
+    assert smollm.model.config._attn_implementation != "kvlab"  # restored after every step
 
 
 def test_steps_the_kernel_does_not_take_run_the_reference_path(tiny_model, monkeypatch):

@@ -8,9 +8,9 @@ different positions. The step batches what batching makes cheaper and nothing el
   Each row's query sits at its own cache's ``next_position`` (per-row ``position_ids``).
 * **Attention runs per row, on the row's own cache, in place.** A small transformers ``Cache``
   (:class:`_RowsCache`) hands each row's new K/V to that row's :class:`~kvlab.hf.RollingLayer`
-  (which applies its pending roll and writes the token into its buffer), and an attention function
-  registered through transformers' ``AttentionInterface`` (no model code is patched) attends each
-  row's single query to that row's visible keys. No row is padded and no cache is copied: a padded
+  (which applies its pending roll and writes the token into its buffer), and the step's attention
+  (a :class:`~kvlab.hf.step.Step` answering kvlab's one registered attention function; no model code
+  is patched) attends each row's single query to that row's visible keys. No row is padded and no cache is copied: a padded
   stack of four 1,000-token caches cost more than the forward itself (measured in
   ``benchmarks/serve.py``'s notes).
 
@@ -23,28 +23,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.rolling_cache import RollingCache, RollingLayer
+from kvlab.hf.step import Step, open_step
 
 log = logging.getLogger(__name__)
 
-ROWS_ATTENTION = "kvlab_rows"
 
-
-class _RowsCache(Cache):
+class _RowsCache(Cache, Step):
     """The cache a batched step gives the model: ``update`` feeds each row's K/V to its own rolling layer.
 
     Row ``r``'s first ``pads[r]`` tokens are padding (a left-padded prompt): they never reach its cache.
-    It returns the new K/V unchanged (nothing reads them: :func:`_rows_attention` reads ``views``),
+    It returns the new K/V unchanged (nothing reads them: :meth:`attend` reads ``views``),
     and counts the layers whose views attention consumed, so a forward that bypassed the attention
     function is caught instead of returning logits computed from the new tokens alone.
     """
@@ -77,50 +73,32 @@ class _RowsCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(c.get_seq_length() for c in self.caches)
 
-
-class _Active(threading.local):
-    """The batched step in progress, per thread: another thread's forward (even on the same model, left
-    switched to the rows attention meanwhile) sees none and gets plain SDPA, never this step's caches."""
-
-    def __init__(self) -> None:
-        self.rows: list[_RowsCache] = []
-
-
-_ACTIVE = _Active()
-
-
-def _rows_attention(
-    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
-):
-    """Attention of each row's one query over that row's own cached keys (grouped-query, no copy of K/V).
-
-    Outside a batched step this is plain SDPA, so a model left switched to it still computes right.
-    """
-    if not _ACTIVE.rows:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
-    rows = _ACTIVE.rows[-1]
-    if getattr(module.config, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None:
-        raise UnsupportedModelError(
-            "batched rolling steps do not support attention soft-capping or learned sinks"
-        )
-    views = rows.views.pop(module.layer_idx)
-    n, heads, q_len, d = query.shape
-    scale = kw.get("scaling") or d**-0.5
-    window = kw.get("sliding_window") or getattr(module, "sliding_window", None)
-    out = query.new_zeros((n, q_len, heads, d))  # padding queries attend to nothing: zeros
-    for r, (k, v) in enumerate(views):
-        kv_heads, p = k.shape[1], rows.pads[r]
-        if q_len - p == 1:  # one query (a decode step): no mask, no copy
-            if window and k.shape[-2] > window:  # a sliding layer: its last `window` slots, itself included
-                k, v = k[:, :, -int(window) :], v[:, :, -int(window) :]
-            # query head h reads kv head h // groups
-            q = query[r, :, -1].reshape(kv_heads, heads // kv_heads, d)
-            w = torch.softmax((q @ k[0].transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
-            out[r, -1] = (w.to(v.dtype) @ v[0]).reshape(heads, d)
-        else:
-            out[r, p:] = _causal_rows_attention(query[r, :, p:], k[0], v[0], scale, window)
-    rows.consumed += 1
-    return out, None
+    def attend(
+        self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
+    ) -> tuple[torch.Tensor, None]:
+        """Attention of each row's one query over that row's own cached keys (grouped-query, no copy of K/V)."""
+        if getattr(module.config, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None:
+            raise UnsupportedModelError(
+                "batched rolling steps do not support attention soft-capping or learned sinks"
+            )
+        views = self.views.pop(module.layer_idx)
+        n, heads, q_len, d = query.shape
+        scale = kw.get("scaling") or d**-0.5
+        window = kw.get("sliding_window") or getattr(module, "sliding_window", None)
+        out = query.new_zeros((n, q_len, heads, d))  # padding queries attend to nothing: zeros
+        for r, (k, v) in enumerate(views):
+            kv_heads, p = k.shape[1], self.pads[r]
+            if q_len - p == 1:  # one query (a decode step): no mask, no copy
+                if window and k.shape[-2] > window:  # a sliding layer: its last `window` slots, itself included
+                    k, v = k[:, :, -int(window) :], v[:, :, -int(window) :]
+                # query head h reads kv head h // groups
+                q = query[r, :, -1].reshape(kv_heads, heads // kv_heads, d)
+                w = torch.softmax((q @ k[0].transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
+                out[r, -1] = (w.to(v.dtype) @ v[0]).reshape(heads, d)
+            else:
+                out[r, p:] = _causal_rows_attention(query[r, :, p:], k[0], v[0], scale, window)
+        self.consumed += 1
+        return out, None
 
 
 def _causal_rows_attention(
@@ -143,24 +121,15 @@ def _causal_rows_attention(
     return (w.to(v.dtype) @ v.unsqueeze(1)).reshape(heads, m, d).transpose(0, 1)
 
 
-AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
-
-
 @contextlib.contextmanager
 def _rows_step(model: Any, rows: _RowsCache) -> Iterator[None]:
-    before = model.config._attn_implementation
     with contextlib.ExitStack() as stack:
         for cache in rows.caches:  # each row's query sits at next_position: a re-base may follow
             choosing = getattr(cache, "choosing_positions", None)
             if choosing is not None:
                 stack.enter_context(choosing())
-        model.set_attn_implementation(ROWS_ATTENTION)
-        _ACTIVE.rows.append(rows)
-        try:
-            yield
-        finally:
-            _ACTIVE.rows.pop()
-            model.set_attn_implementation(before)
+        stack.callback(open_step(model, rows))
+        yield
 
 
 @torch.no_grad()

@@ -166,9 +166,9 @@ class CodedRollingLayer(RollingLayer):
 
     def _attend(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """What this forward's attention reads: the packed codes (a bound one-token step) or the decoded slots."""
-        from kvlab.hf.compressed_cache import _STEPS
+        from kvlab.hf.compressed_cache import packed_step
 
-        step = _STEPS.current(self.rule)
+        step = packed_step(self.rule)
         sinks_k = [self.sink_live] if self.sink_live is not None else []
         sinks_v = [self.sink_values] if self.sink_values is not None else []
         if step is not None and key_states.shape[-2] == 1 and key_states.shape[0] == 1 and self.segments:

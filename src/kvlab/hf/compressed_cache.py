@@ -22,16 +22,13 @@ position per head (``positions [B, Hkv, held]``): different heads keep different
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.compress.evict.observe import attention_modules
 from kvlab.compress.evict.policies import LayerView, Policy
@@ -40,12 +37,12 @@ from kvlab.compress.quant.methods import Quantizer, Segment, split_plan
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
 from kvlab.hf.rolling_cache import bind_to_model
+from kvlab.hf.step import Step, current, open_step
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import Rope, rope_for_layer, rope_spec_from_config
 
 # Per-token quantizers encode generated tokens in blocks of this many (they wait in the fp tail until then).
 DECODE_BLOCK = 32
-QUANT_ATTENTION = "kvlab_quantized"
 
 
 def _bytes(*ts: torch.Tensor | None) -> int:
@@ -53,7 +50,7 @@ def _bytes(*ts: torch.Tensor | None) -> int:
 
 
 @dataclass(eq=False)
-class _Step:
+class PackedStep(Step):
     """One decode forward on the packed codes: each layer's view, until its attention consumes it."""
 
     rule: Any
@@ -61,42 +58,28 @@ class _Step:
     consumed: int = 0
     paths: set[str] = field(default_factory=set)  # which packed-code paths the layers took
 
+    def attend(
+        self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
+    ) -> tuple[torch.Tensor, None] | None:
+        """A decode query over its layer's packed segments plus the full-precision sinks, tail and new token
+        (:func:`kvlab.compress.quant.attention.decode_attention`); None (SDPA) for a layer with no view."""
+        view = self.views.pop(module.layer_idx, None)
+        if view is None:
+            return None
+        from kvlab.compress.quant.attention import decode_attention
 
-class _Steps(threading.local):
-    """The packed-code steps in progress, per thread (another thread's forward sees none of them)."""
-
-    def __init__(self) -> None:
-        self.stack: list[_Step] = []
-
-    def current(self, rule: Any) -> _Step | None:
-        if self.stack and self.stack[-1].rule is rule:
-            return self.stack[-1]
-        return None
-
-
-_STEPS = _Steps()
-
-
-def _quantized_attention(
-    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
-):
-    """A decode query over its layer's packed segments plus the full-precision sinks, tail and new
-    token (:func:`kvlab.compress.quant.attention.decode_attention`); plain SDPA for any other call."""
-    step = _STEPS.stack[-1] if _STEPS.stack else None
-    view = step.views.pop(module.layer_idx, None) if step is not None else None
-    if view is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
-    from kvlab.compress.quant.attention import decode_attention
-
-    plan, fp_k, fp_v = view
-    b, heads, q_len, d = query.shape
-    out = decode_attention(plan, query[0, :, -1], fp_k, fp_v, kw.get("scaling") or d**-0.5)
-    step.consumed += 1
-    step.paths.add(plan.path)
-    return out.to(query.dtype).reshape(1, 1, heads, d), None
+        plan, fp_k, fp_v = view
+        b, heads, q_len, d = query.shape
+        out = decode_attention(plan, query[0, :, -1], fp_k, fp_v, kw.get("scaling") or d**-0.5)
+        self.consumed += 1
+        self.paths.add(plan.path)
+        return out.to(query.dtype).reshape(1, 1, heads, d), None
 
 
-AttentionInterface.register(QUANT_ATTENTION, _quantized_attention)
+def packed_step(rule: Any) -> PackedStep | None:
+    """The packed-code step of ``rule``'s cache in progress in this thread (innermost), if any."""
+    step = current(PackedStep)
+    return step if step is not None and step.rule is rule else None
 
 
 def open_packed_step(
@@ -104,7 +87,7 @@ def open_packed_step(
 ) -> Callable[[Any], None] | None:
     """Open a one-token step of a bound coded cache (:class:`CompressedCache`, or a
     :class:`~kvlab.hf.rolling_cache.RollingCache` over codes) whose layers attend over their packed codes:
-    the model switched to :data:`QUANT_ATTENTION` and a :class:`_Step` for ``rule`` pushed. Returns what
+    a :class:`PackedStep` for ``rule`` opened (:func:`kvlab.hf.step.open_step`). Returns what
     closes it (counting ``cache.packed_steps`` and ``cache.packed_steps_by_path``), or None where the step
     takes the reference path: more than one token, not float32, attention that is not plain, no packed
     path for the device."""
@@ -120,14 +103,11 @@ def open_packed_step(
         or packed_path(x.device, path) is None
     ):
         return None
-    before = model.config._attn_implementation
-    step = _Step(rule)
-    model.set_attn_implementation(QUANT_ATTENTION)
-    _STEPS.stack.append(step)
+    step = PackedStep(rule)
+    close = open_step(model, step)
 
     def finish(out: Any) -> None:
-        _STEPS.stack.remove(step)
-        model.set_attn_implementation(before)
+        close()
         cache.packed_steps += step.consumed > 0
         for p in step.paths:
             cache.packed_steps_by_path[p] += 1
@@ -282,10 +262,10 @@ class CompressedLayer(DynamicLayer):
             self.fresh += n_new
             if rule.every is not None:
                 self._take_queries(n_new)
-        step = _STEPS.current(rule)
+        step = packed_step(rule)
         if step is not None and n_new == 1 and key_states.shape[0] == 1 and self.segments:
             plan = self.segment_plan()
-            if plan is not None:  # attention reads the packed codes (kvlab_quantized): no decoded copy
+            if plan is not None:  # attention reads the packed codes (PackedStep.attend): no decoded copy
                 fp_k = [t for t in (self.sink_keys, self.keys) if t is not None] + [key_states]
                 fp_v = [t for t in (self.sink_values, self.values) if t is not None] + [value_states]
                 step.views[self.index] = (plan, torch.cat(fp_k, dim=-2)[0], torch.cat(fp_v, dim=-2)[0])

@@ -42,7 +42,6 @@ maximum length" reminder: it counts generated tokens, not positions.
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
+from kvlab.hf.step import THREAD
 from kvlab.policy.window import SinksWindow, default_chunk
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, rope_spec_from_model
@@ -682,15 +682,6 @@ class RollingCache(Cache):
         return self.describe()
 
 
-_LOCAL = threading.local()  # per thread: the choosing_positions() contexts of bound forwards in progress
-
-
-def _choosing() -> list[Any]:
-    if not hasattr(_LOCAL, "stack"):
-        _LOCAL.stack = []
-    return _LOCAL.stack
-
-
 def bind_to_model(cache: Any, model: Any) -> None:
     """Bind a kvlab cache to ``model``: one forward pre-hook per model (shared by every cache bound to
     it) lets a left-padded batch run row by row on the cache (``cache.rows``, see
@@ -705,7 +696,7 @@ def bind_to_model(cache: Any, model: Any) -> None:
 
 def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of :func:`bind_to_model` (see there and :meth:`RollingCache.bind`)."""
-    stack = _choosing()
+    stack = THREAD.calls
     stack.append(None)  # one entry per call, pushed first: the post-hook (always called) pops it
     key = "cache" if "cache" in kwargs else "past_key_values"
     cache = kwargs.get(key)
@@ -747,7 +738,7 @@ def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tupl
 
 
 def _restore_positions(_model: Any, _args: tuple, _kwargs: dict, out: Any) -> None:
-    stack = _choosing()
+    stack = THREAD.calls
     finish = stack.pop() if stack else None
     if finish is not None:
         finish(out)

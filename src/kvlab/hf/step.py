@@ -1,0 +1,92 @@
+"""One step context: how a kvlab cache gets the attention it needs inside a transformers forward.
+
+Invariant: while a forward runs on a kvlab cache that attends in its own way (the rows of a batch each
+on their own rolling cache, a masked past, a one-token decode over packed codes), the model's attention
+implementation is :data:`KVLAB_ATTENTION` and the innermost :class:`Step` of *this thread* answers each
+layer's attention; with no step (another thread's forward on the same model, a model left switched)
+it is plain SDPA, so nothing ever reads another forward's state.
+
+Data: one thread-local (:data:`THREAD`) holding the steps in progress (innermost last) and the finish
+callbacks of the bound caches' forward hooks (:mod:`kvlab.hf.rolling_cache`), one entry per hooked call.
+
+Operations: :func:`open_step` switches the model and pushes a step (returning what undoes both);
+:func:`stepping` is the same as a context manager; :func:`current` finds the innermost step of a kind
+(a cache layer hands its view to the step of its own forward). A :class:`Step` whose ``attend`` returns
+None for a layer leaves that layer to SDPA.
+
+The captured decode steps (:mod:`kvlab.hf.graphs`) register their own fixed attention: a step captured
+as a CUDA graph or compiled with ``fullgraph=True`` cannot consult a thread-local at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+KVLAB_ATTENTION = "kvlab"
+
+S = TypeVar("S", bound="Step")
+
+
+class Step:
+    """One forward's attention state; a subclass answers :meth:`attend` for the layers it owns."""
+
+    def attend(
+        self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
+    ) -> tuple[torch.Tensor, Any] | None:
+        raise NotImplementedError
+
+
+class _Thread(threading.local):
+    """This thread's steps in progress (innermost last) and its bound forwards' finish callbacks."""
+
+    def __init__(self) -> None:
+        self.steps: list[Step] = []
+        self.calls: list[Callable[[Any], None] | None] = []
+
+
+THREAD = _Thread()
+
+
+def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw):
+    step = THREAD.steps[-1] if THREAD.steps else None
+    out = step.attend(module, query, key, value, attention_mask, **kw) if step is not None else None
+    return out if out is not None else sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+
+AttentionInterface.register(KVLAB_ATTENTION, _attention)
+
+
+def current(kind: type[S]) -> S | None:
+    """The innermost step of this thread if it is a ``kind``, else None."""
+    step = THREAD.steps[-1] if THREAD.steps else None
+    return step if isinstance(step, kind) else None
+
+
+def open_step(model: Any, step: Step) -> Callable[[], None]:
+    """Switch ``model`` to :data:`KVLAB_ATTENTION` with ``step`` innermost; returns what undoes both."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(KVLAB_ATTENTION)
+    THREAD.steps.append(step)
+
+    def close() -> None:
+        THREAD.steps.remove(step)
+        model.set_attn_implementation(before)
+
+    return close
+
+
+@contextlib.contextmanager
+def stepping(model: Any, step: Step) -> Iterator[Step]:
+    """:func:`open_step` for the forwards run inside."""
+    close = open_step(model, step)
+    try:
+        yield step
+    finally:
+        close()
