@@ -81,3 +81,72 @@ def test_every_registered_codec(tiny_model, family, codec):
 def test_rolling_windows(tiny_model, family, spec):
     h = tiny_model(family)
     _check(h, spec, n_ctx=150)
+
+
+SHARES = ["heads=ada", "layers=pyramid", "heads=ada,layers=pyramid"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("share", SHARES)
+@pytest.mark.parametrize("score", ["h2o", "snapkv", "knorm", "tova"])
+def test_shared_budgets_live_equal_offline(tiny_model, family, share, score):
+    """A live cache with per-head (ragged) or per-layer budgets holds exactly the offline ragged cache's slots,
+    head by head, and a question on it gives the masked snapshot's logits."""
+    h = tiny_model(family)
+    n_ctx, spec_text = 72, f"{score},keep=0.5,{share}"
+    spec = parse_cache_spec(spec_text)
+    ids = torch.randint(
+        0, h.config.vocab_size, (n_ctx + 6,), generator=torch.Generator().manual_seed(5)
+    ).tolist()
+    ctx, question = ids[:n_ctx], ids[n_ctx:]
+    source = observe(h, ctx) if spec.needs_queries else h.prefill(ctx, all_logits=False).snapshot
+    offline, nbytes, _ = _snapshot(spec, source, h)
+    live = cache_for(spec.policy, h)
+    with torch.no_grad():
+        h.run(torch.tensor([ctx]), live)
+        assert live.nbytes == nbytes  # ragged: only the kept slots are held
+        for i, layer in enumerate(live.layers):
+            valid = offline.valid[i][0]  # [Hkv, T]
+            for head in range(valid.shape[0]):
+                want_k = offline.keys[i][0, head][valid[head]]
+                want_v = offline.values[i][0, head][valid[head]]
+                got_k = layer.head_keys[head][0] if "ada" in share else layer.keys[0, head]
+                got_v = layer.head_values[head][0] if "ada" in share else layer.values[0, head]
+                assert_forward_close(
+                    [got_k, got_v], [want_k, want_v], h, what=f"{spec_text}: layer {i} head {head}"
+                )
+        got = h.run(torch.tensor([question]), live).logits[0].float()
+        step = h.run(torch.tensor([[question[-1]]]), live).logits[0].float()  # a one-token decode step
+    want = h.forward(question, past=offline, positions=list(range(n_ctx, n_ctx + len(question)))).logits
+    assert_forward_close(got, want, h, what=f"{spec_text}: question logits")
+    more = h.forward(
+        [*question, question[-1]], past=offline, positions=list(range(n_ctx, n_ctx + len(question) + 1))
+    ).logits
+    assert_forward_close(step, more[-1:], h, what=f"{spec_text}: decode step logits")
+
+
+def test_ada_refusals_are_one_line_before_anything_runs(tiny_model):
+    h = tiny_model("llama")
+    from kvlab.errors import BadInputError
+
+    for bad in ("h2o,keep=0.5,heads=ada,every=8", "knorm,keep=0.5,heads=ada,codec=int4"):
+        with pytest.raises(BadInputError, match="ada"):
+            cache_for(bad, h)
+    live = cache_for("knorm,keep=0.5,heads=ada", h)
+    with pytest.raises(BadInputError, match="per sequence"):
+        h.run(torch.tensor([[1, 2, 3, 4, 5, 6]] * 2), live)
+    assert live.layers[0].seen == 0
+
+
+def test_pyramid_with_every_keeps_each_layers_budget_while_decoding(tiny_model):
+    h = tiny_model("llama")
+    live = cache_for("knorm,keep=0.5,layers=pyramid,every=8", h)
+    ids = torch.randint(0, h.config.vocab_size, (80,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        h.run(ids[None, :64], live)
+        budgets = [layer.budget for layer in live.layers]
+        assert len(set(budgets)) > 1 and sum(budgets) == 32 * len(budgets)  # a pyramid, the same total
+        for t in ids[64:]:
+            h.run(t.view(1, 1), live)
+            assert all(layer.held <= b + 8 for layer, b in zip(live.layers, budgets, strict=True))
+    assert all(layer.evictions > 1 for layer in live.layers)

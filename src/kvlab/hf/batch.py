@@ -77,7 +77,10 @@ class _RowsCache(Cache, Step):
         self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
     ) -> tuple[torch.Tensor, None]:
         """Attention of each row's one query over that row's own cached keys (grouped-query, no copy of K/V)."""
-        if getattr(module.config, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None:
+        if (
+            getattr(module.config, "attn_logit_softcapping", None)
+            or getattr(module, "sinks", None) is not None
+        ):
             raise UnsupportedModelError(
                 "batched rolling steps do not support attention soft-capping or learned sinks"
             )
@@ -89,7 +92,9 @@ class _RowsCache(Cache, Step):
         for r, (k, v) in enumerate(views):
             kv_heads, p = k.shape[1], self.pads[r]
             if q_len - p == 1:  # one query (a decode step): no mask, no copy
-                if window and k.shape[-2] > window:  # a sliding layer: its last `window` slots, itself included
+                if (
+                    window and k.shape[-2] > window
+                ):  # a sliding layer: its last `window` slots, itself included
                     k, v = k[:, :, -int(window) :], v[:, :, -int(window) :]
                 # query head h reads kv head h // groups
                 q = query[r, :, -1].reshape(kv_heads, heads // kv_heads, d)

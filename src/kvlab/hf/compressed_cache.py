@@ -157,15 +157,24 @@ class CompressionRule:
     packed_path: str = "auto"  # kvlab.compress.quant.attention.packed_path: kernel, torch or auto
     budget: int | None = None  # slots kept per layer and head (instead of the fraction keep)
     every: int | None = None  # evict back to the budget whenever budget + every slots are held
+    heads: str = "uniform"  # "ada": the layer's budget shared by its KV heads (kvlab.hf.ragged_layer)
+    layers: str = "uniform"  # "pyramid": per-layer budgets falling from the bottom layer up (PyramidKV)
 
-    def budget_for(self, prefill: int) -> int:
-        """The slots an evicting layer keeps after a prefill of ``prefill`` tokens (and while decoding)."""
+    def budget_for(self, prefill: int, layer: int = 0) -> int:
+        """The slots per KV head (on average, with ``heads="ada"``) layer ``layer`` keeps after a prefill of
+        ``prefill`` tokens (and while decoding)."""
         if self.budget is not None and self.budget > prefill:
             raise BadInputError(
                 f"budget={self.budget} slots is more than the prompt's {prefill} tokens: use a budget "
                 f"of at most {prefill} (or keep=, a fraction of the prompt)"
             )
-        return budget_slots(prefill, self.keep, self.budget)
+        n = budget_slots(prefill, self.keep, self.budget)
+        if self.layers != "pyramid" or self.policy is None:
+            return n
+        from kvlab.compress.evict.budgets import pyramid_counts
+
+        protected = min(prefill, self.policy.sinks + self.policy.window)
+        return pyramid_counts(self.num_layers, prefill, n, protected=protected)[layer]
 
 
 class CompressedLayer(DynamicLayer):
@@ -246,7 +255,7 @@ class CompressedLayer(DynamicLayer):
             raise BadInputError(PADDED_BATCH % f"CompressedCache with eviction ({rule.policy.name})")
         n_new = key_states.shape[-2]
         if rule.policy is not None and not self.evicted:
-            self.budget = rule.budget_for(self.seen + n_new)  # refused before anything changes
+            self.budget = rule.budget_for(self.seen + n_new, self.index)  # refused before anything changes
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         positions = torch.arange(self.seen, self.seen + n_new, device="cpu")  # moved where they rotate
@@ -479,12 +488,15 @@ class CompressedCache(Cache):
         keep: float | None = None,
         budget: int | None = None,
         every: int | None = None,
+        heads: str = "uniform",
+        layers: str = "uniform",
         model: Any = None,
         rope: Rope | None = None,
         packed_path: str = "auto",
         _row_of: CompressedCache | None = None,
     ):
         _check_eviction(quantizer, policy, keep, budget, every)
+        _check_shares(heads, layers, quantizer, policy, every, model)
         from kvlab.compress.quant.attention import PATHS
 
         if packed_path not in PATHS:
@@ -520,9 +532,14 @@ class CompressedCache(Cache):
             scaling = float(getattr(mods[0], "scaling", scaling))
         n_layers = int(text.num_hidden_layers)
         self.rule = CompressionRule(
-            n_layers, quantizer, policy, keep, self.rope, scaling, packed_path, budget, every
+            n_layers, quantizer, policy, keep, self.rope, scaling, packed_path, budget, every, heads, layers
         )
-        super().__init__(layers=[CompressedLayer(self.rule, i) for i in range(n_layers)])
+        layer_class: type[CompressedLayer] = CompressedLayer
+        if heads == "ada":
+            from kvlab.hf.ragged_layer import RaggedLayer
+
+            layer_class = RaggedLayer
+        super().__init__(layers=[layer_class(self.rule, i) for i in range(n_layers)])
         for layer, mod in zip(self.layers, mods or (), strict=False):
             layer.query_hook = mod.q_proj.register_forward_hook(layer.capture_queries)
         self._config = config
@@ -538,6 +555,11 @@ class CompressedCache(Cache):
         own queries, or quantizes its own tokens, exactly as alone. In place; rows in :attr:`rows`."""
         if self.rows is not None or self.layers[0].seen:
             raise BadInputError("start_rows() needs an empty CompressedCache")
+        if self.rule.heads == "ada":
+            raise BadInputError(
+                "a padded batch cannot run on per-head (ada) budgets (each row would need its own ragged "
+                "step); run the prompts one at a time"
+            )
         if self.every is not None and self.policy is not None and self.policy.needs_queries:
             raise BadInputError(
                 f"a padded batch cannot run on a CompressedCache with every= and an attention-scored policy "
@@ -552,6 +574,7 @@ class CompressedCache(Cache):
                 keep=self.keep,
                 budget=self.budget,
                 every=self.every,
+                layers=self.rule.layers,
                 rope=self.rope,
                 packed_path=self.rule.packed_path,
                 _row_of=self,
@@ -568,6 +591,22 @@ class CompressedCache(Cache):
         """Called by the bound model's pre-hook: a one-token decode step on a quantizing cache attends
         over the packed codes (no full-precision copy of the history; see
         :mod:`kvlab.compress.quant.attention`). Returns what closes the step, or None (reference path)."""
+        shared = (self.rule.heads, self.rule.layers) != ("uniform", "uniform")
+        if shared and self.rows is None and self.layers[0].evicted:
+            from kvlab.hf.ragged_layer import RaggedStep
+
+            step = RaggedStep()
+            close = open_step(model, step)
+
+            def finish(out: Any) -> None:
+                close()
+                if out is not None and step.views:
+                    raise UnsupportedModelError(
+                        "the model did not attend through transformers' attention interface in every layer, "
+                        "so a per-head (ada) cache cannot run on it (discard the cache)"
+                    )
+
+            return finish
         if self.quantizer is None or self.rows is not None:
             return None
         return open_packed_step(self, self.rule, self.rule.packed_path, model, kwargs)
@@ -588,6 +627,36 @@ class CompressedCache(Cache):
     @property
     def held(self) -> int:
         return self.layers[0].held
+
+
+def _check_shares(
+    heads: str, layers: str, quantizer: Quantizer | None, policy: Policy | None, every: int | None, model: Any
+) -> None:
+    """Refuse shared budgets the live cache cannot honour, in one line, before anything is built."""
+    from kvlab.compress.evict.budgets import HEAD_SHARES, LAYER_SHARES
+
+    if heads not in HEAD_SHARES or layers not in LAYER_SHARES:
+        raise BadInputError(
+            f"heads must be one of {', '.join(HEAD_SHARES)} and layers one of {', '.join(LAYER_SHARES)}; "
+            f"got heads={heads!r}, layers={layers!r}"
+        )
+    if (heads, layers) == ("uniform", "uniform"):
+        return
+    if policy is None:
+        raise BadInputError("shared budgets (heads=, layers=) need an eviction policy (policy=...)")
+    if model is None:  # layers and heads hold different counts: they attend through kvlab's step
+        raise BadInputError("shared budgets (heads=, layers=) attend through kvlab's step: pass model=")
+    if heads != "ada":
+        return
+    if quantizer is not None or every is not None:
+        raise BadInputError(
+            "per-head (ada) budgets run in a live cache without a codec and without every= so far "
+            "(the heads' selection is made once, after the prefill)"
+        )
+    if not _attends_plainly(model):
+        raise UnsupportedModelError(
+            "per-head (ada) budgets run plain softmax attention (no sliding window, soft-capping or learned sinks)"
+        )
 
 
 def _check_eviction(

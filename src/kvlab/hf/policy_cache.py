@@ -57,16 +57,14 @@ def cache_for(policy: CachePolicy | str, handle: Any, *, packed_path: str = "aut
     from kvlab.hf.compressed_cache import CompressedCache
 
     if isinstance(lay, ScoredLayout):
-        if (lay.heads, lay.layers) != ("uniform", "uniform"):
-            raise BadInputError(
-                f"cache spec '{policy.spec}': shared budgets (heads=, layers=) run offline only so far"
-            )
         budget: dict[str, Any] = {"keep": lay.keep} if lay.keep is not None else {"budget": lay.budget}
         return CompressedCache(
             config,
             quantizer=codec,
             policy=lay.policy(),
             every=lay.every or None,
+            heads=lay.heads,
+            layers=lay.layers,
             model=model,
             packed_path=packed_path,
             **budget,

@@ -54,7 +54,9 @@ class _Thread(threading.local):
 THREAD = _Thread()
 
 
-def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw):
+def _attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
+):
     step = THREAD.steps[-1] if THREAD.steps else None
     out = step.attend(module, query, key, value, attention_mask, **kw) if step is not None else None
     return out if out is not None else sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
