@@ -558,6 +558,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             run_args.timing_runs, run_args.out_dir = args.timing_runs, args.out_dir
             args, specs = run_args, cache_specs(run_args)
         args._handle = handle
+        args._pieces = saved.get("pieces")
         return finish(
             args,
             specs,
@@ -682,11 +683,25 @@ def pieces(dirs: Sequence[Path], out: Path) -> None:
     }
     (out / "kvlab.json").write_text(json.dumps(doc) + "\n")
     (out / "job.json").write_text((dirs[0] / "job.json").read_text())
-    lines = []
-    for d in dirs:  # the worker's rows; a piece without the worker adds none
-        worker = d / "kvpress.jsonl"
-        lines += [ln for ln in worker.read_text().splitlines() if ln.strip()] if worker.exists() else []
-    (out / "kvpress.jsonl").write_text("".join(ln + "\n" for ln in lines))
+    # the worker's lines (run beside a piece, or later on its trials: run_anchors.py DIR/job.json
+    # DIR/kvpress.jsonl): one meta line, every row, one done line only if every piece's worker finished
+    worker = [read_jsonl(d / "kvpress.jsonl") if (d / "kvpress.jsonl").exists() else [] for d in dirs]
+    metas = [w for lines in worker for w in lines if w.get("meta")]
+    dones = [next((w for w in lines if w.get("done")), None) for lines in worker]
+    rows = [w for lines in worker for w in lines if not w.get("meta") and not w.get("done")]
+    merged = [*metas[:1], *rows]
+    if rows and all(dones):
+        merged.append(
+            {
+                "done": True,
+                "trials": sum(d["trials"] for d in dones),
+                "seconds": sum(d["seconds"] for d in dones),
+            }
+        )
+    if rows and "--no-kvpress" in doc["argv"]:  # the pieces ran kvlab's side; the worker ran on their ids
+        doc["argv"] = [a for a in doc["argv"] if a != "--no-kvpress"]
+        (out / "kvlab.json").write_text(json.dumps(doc) + "\n")
+    (out / "kvpress.jsonl").write_text("".join(json.dumps(w) + "\n" for w in merged))
 
 
 def finish(
@@ -879,6 +894,7 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
         f"{len(args.length_list)} lengths), seed {args.seed}; kvlab solid, kvpress dashed"
     )
     figure(pool, args.figure, title)
+    pieces_run = getattr(args, "_pieces", None)
     est_lines = []
     if n_trials and done:
         est_lines.append(
@@ -893,7 +909,21 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
             " (kvlab's side only)" if args.no_kvpress else " side by side with kvpress on identical token ids"
         ),
         "",
-        f"- command: `{cmd}`",
+        f"- command: `{cmd}`"
+        + (
+            f" — the arguments of {len(pieces_run)} pieces (`--first-trial` "
+            f"{', '.join(str(p['first_trial']) for p in pieces_run)}, `--trials` "
+            f"{', '.join(str(p['trials']) for p in pieces_run)}), each its own process, reported as one run by "
+            "`--report-only --merge`"
+            + (
+                "; the kvpress worker ran on each piece's recorded ids (`benchmarks/anchors/run_anchors.py`)"
+                if done
+                else ""
+            )
+            + "; times below are the pieces' sums"
+            if pieces_run
+            else ""
+        ),
         f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}; wall time {wall / 60:.1f} min "
         + (
             f"(kvlab only, {args.threads} torch threads)"

@@ -128,3 +128,43 @@ def test_the_merge_scores_with_kvlabs_scorer(tiny, run):
     assert [w["setup"] for w in failed] == ["knorm:0.5"]
     summary = eval_ruler.summary_rows(merged, seed=0)
     assert {s["name"] for s in summary} == {"full", "snapkv"}
+
+
+def _piece(tiny, out: Path, first: int, trials: int, argv: list[str]) -> None:
+    specs = parse_cache_specs(["full", "snapkv:0.5", "window:0.25", "int4"])
+    rows, records = eval_ruler.run_kvlab(
+        tiny,
+        specs,
+        tasks=["niah_single", "vt"],
+        lengths=[200],
+        trials=trials,
+        seed=3,
+        first_trial=first,
+        trials_file=out / "trials.jsonl",
+        haystack_text=HAYSTACK,
+        max_new_tokens=5,
+    )
+    eval_ruler.end_job(out / "trials.jsonl")
+    doc = {"rows": rows, "records": records, "kvlab_seconds": 1.0, "started": 0.0, "load_before": [0, 0, 0]}
+    (out / "kvlab.json").write_text(json.dumps({**doc, "argv": argv}))
+    (out / "job.json").write_text("{}")
+
+
+def test_a_run_in_pieces_equals_the_run(tiny, run, tmp_path):
+    """Trials 0 and 1 run as two pieces (--first-trial) give the whole run's rows, and the merge refuses
+    overlapping pieces and pieces of different arguments."""
+    base = ["--no-kvpress", "--lengths", "200", "--seed", "3"]
+    _piece(tiny, tmp_path / "a", 0, 1, [*base, "--trials", "1"])
+    _piece(tiny, tmp_path / "b", 1, 1, [*base, "--trials", "1", "--first-trial", "1"])
+    eval_ruler.pieces([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
+    merged = json.loads((tmp_path / "m" / "kvlab.json").read_text())
+    key = lambda r: (r["task"], r["trial"], r["spec"])  # noqa: E731
+    whole = {key(r): (r["output"], r["score"], r.get("kl_mean")) for r in run[0]}
+    assert {key(r): (r["output"], r["score"], r.get("kl_mean")) for r in merged["rows"]} == whole
+    assert sorted(r["key"] for r in merged["records"]) == sorted(r["key"] for r in run[1])
+    assert "--first-trial" not in merged["argv"] and merged["argv"][-2:] == ["--trials", "2"]
+    with pytest.raises(SystemExit, match="overlap"):
+        eval_ruler.pieces([tmp_path / "a", tmp_path / "a"], tmp_path / "x")
+    _piece(tiny, tmp_path / "c", 1, 1, [*base, "--trials", "1", "--first-trial", "1", "--ratios", "0.5"])
+    with pytest.raises(SystemExit, match="different arguments"):
+        eval_ruler.pieces([tmp_path / "a", tmp_path / "c"], tmp_path / "y")
