@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.rolling_cache import RollingCache, RollingLayer
+from kvlab.hf.runner import Runner
 from kvlab.hf.step import Step, open_step
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def _rows_step(model: Any, rows: _RowsCache) -> Iterator[None]:
 
 
 @torch.no_grad()
-def step_rolling_rows(handle: Any, caches: Sequence[RollingCache], tokens: Sequence[int]) -> torch.Tensor:
+def step_rolling_rows(handle: Runner, caches: Sequence[RollingCache], tokens: Sequence[int]) -> torch.Tensor:
     """Feed ``tokens[r]`` to ``caches[r]`` for every row in one forward; returns ``[rows, vocab]`` logits.
 
     Writes into every cache (one token each; in place, like any decode step). If the forward fails
@@ -149,7 +150,7 @@ def step_rolling_rows(handle: Any, caches: Sequence[RollingCache], tokens: Seque
         raise BadInputError(f"need one token per cache, got {len(tokens)} tokens for {len(caches)} caches")
     if len({id(c) for c in caches}) != len(caches):
         raise BadInputError("a cache appears twice in one batched step")
-    layers: list[list[RollingLayer]] = [list(c.layers) for c in caches]  # type: ignore[arg-type]
+    layers: list[list[RollingLayer]] = [list(c.layers) for c in caches]
     if any(not per_layer[0].is_initialized for per_layer in layers):
         raise BadInputError("every cache must hold a prompt before a batched decode step")
     if len(caches) == 1:
@@ -259,7 +260,7 @@ def end_padded_rows(state: Any, out: Any, failed: bool) -> None:
 
 @torch.no_grad()
 def step_rolling_rows_isolated(
-    handle: Any, caches: Sequence[RollingCache], tokens: Sequence[int]
+    handle: Runner, caches: Sequence[RollingCache], tokens: Sequence[int]
 ) -> list[torch.Tensor | Exception]:
     """:func:`step_rolling_rows`, where a row that fails fails alone: per row, its ``[vocab]`` logits or the
     exception it raised (its cache may then hold part of the step: discard it).

@@ -25,7 +25,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvlab.compress.evict.observe import attention_modules
 from kvlab.compress.evict.policies import LayerView, Policy
 from kvlab.compress.evict.select import budget_slots, keep_indices
-from kvlab.compress.quant.methods import Quantizer, Segment, split_plan
+from kvlab.compress.quant.methods import Quantizer, Segment, TokenCode, split_plan
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
 from kvlab.hf.rolling_cache import bind_to_model
@@ -212,6 +212,7 @@ class CompressedLayer(DynamicLayer):
     def held(self) -> int:
         if not self.is_initialized:
             return 0
+        assert self.keys is not None  # set by lazy_initialization
         n = (self.keys.shape[-2] if self.keys.dim() > 1 else 0) + sum(s.length for s in self.segments)
         return n + (self.sink_keys.shape[-2] if self.sink_keys is not None else 0)
 
@@ -232,16 +233,19 @@ class CompressedLayer(DynamicLayer):
     # -- contents --------------------------------------------------------------------------------
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything held, as full tensors ``[B, H, held, D]`` (dequantized)."""
-        ks, vs = [], []
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
         if self.sink_keys is not None:
+            assert self.sink_values is not None  # the sinks' keys and values are stored together
             ks.append(self.sink_keys)
             vs.append(self.sink_values)
         for seg in self.segments:
             k, v = seg.decode()
             ks.append(k.to(self.dtype))
             vs.append(v.to(self.dtype))
-        ks.append(self.keys)
-        vs.append(self.values)
+        # keys and values are None only before the first update (where this fails as it always did)
+        ks.append(cast(torch.Tensor, self.keys))
+        vs.append(cast(torch.Tensor, self.values))
         return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -262,11 +266,13 @@ class CompressedLayer(DynamicLayer):
         self.seen += n_new
         self.most_held = max(self.most_held, self.held + n_new)
         if rule.policy is not None:
+            assert self.budget is not None  # set above, at this evicting layer's first update
             if not self.evicted or (
                 rule.every is not None and self.held + n_new >= int(self.budget) + rule.every
             ):
                 return self._evict(key_states, value_states, positions)
             b, h = key_states.shape[:2]
+            assert self.positions is not None  # set by the eviction (this layer has evicted)
             self.positions = torch.cat((self.positions, positions.expand(b, h, n_new)), dim=-1)
             self.fresh += n_new
             if rule.every is not None:
@@ -306,6 +312,8 @@ class CompressedLayer(DynamicLayer):
         (KIVI's residual): one segment per generated token would make every step slower than the last.
         """
         q = self.rule.quantizer
+        assert q is not None  # only a quantizing layer stores codes
+        assert self.keys is not None and self.values is not None  # set by lazy_initialization
         have = self.sink_keys.shape[-2] if self.sink_keys is not None else 0
         take = min(max(q.sinks - have, 0), k.shape[-2])
         if take:
@@ -345,6 +353,7 @@ class CompressedLayer(DynamicLayer):
         if self.evicted:
             prior_k, prior_v = self.decoded()
             all_k, all_v = torch.cat((prior_k, k), dim=-2), torch.cat((prior_v, v), dim=-2)
+            assert self.positions is not None  # set by the previous eviction
             all_pos = torch.cat((self.positions, new_pos), dim=-1)
         else:
             all_k, all_v, all_pos = k, v, new_pos
@@ -356,6 +365,7 @@ class CompressedLayer(DynamicLayer):
         view = LayerView(
             self.index, rule.num_layers, all_k, all_v, all_pos.to(all_k.device), queries, rule.scaling, slots
         )
+        assert rule.policy is not None and self.budget is not None  # an evicting layer; update set its budget
         idx = keep_indices(rule.policy.score(view), int(self.budget), rule.policy.sinks, rule.policy.window)
         if rule.quantizer is None:
             self.keys, self.values = _gather(all_k, idx), _gather(all_v, idx)
@@ -380,6 +390,7 @@ class CompressedLayer(DynamicLayer):
         is encoded now rather than ``DECODE_BLOCK`` at a time (as :meth:`_store` does between evictions).
         """
         q = self.rule.quantizer
+        assert q is not None  # only a quantizing layer keeps codes
         n = idx.shape[-1]
         s_old = self.sink_keys.shape[-2] if self.sink_keys is not None else 0
         code_hi = s_old + sum(seg.length for seg in self.segments)  # held slots [s_old, code_hi) are codes
@@ -396,8 +407,9 @@ class CompressedLayer(DynamicLayer):
             # tail tokens to encode: each head's first (fill - kept_codes) kept tail tokens, padded with
             # zero rows to the widest head (pads are never stored; no token is encoded twice)
             width = fill - int(kept_codes.min())
-            parts_k = [seg.keys for seg in self.segments]
-            parts_v = [seg.values for seg in self.segments]
+            # a per-token codec's (checked in _check_eviction): TokenCode, which gathers
+            parts_k = [cast(TokenCode, seg.keys) for seg in self.segments]
+            parts_v = [cast(TokenCode, seg.values) for seg in self.segments]
             if width:
                 j = torch.arange(width, device=idx.device)
                 src = rest.gather(-1, (kept_codes[..., None] + j).clamp_max(r - 1))
@@ -409,8 +421,8 @@ class CompressedLayer(DynamicLayer):
                     real, _gather(all_v, src), torch.zeros((), dtype=all_v.dtype, device=all_v.device)
                 )
                 fresh = q.encode(fk, fv, torch.zeros(0, dtype=torch.long, device="cpu"), self.rope)
-                parts_k.append(fresh.keys)
-                parts_v.append(fresh.values)
+                parts_k.append(cast(TokenCode, fresh.keys))
+                parts_v.append(cast(TokenCode, fresh.values))
             n_codes = code_hi - s_old
             where = torch.where(
                 from_code,
@@ -478,6 +490,11 @@ class CompressedCache(Cache):
     force one; see :func:`kvlab.compress.quant.attention.packed_path`). ``packed_steps`` counts those
     steps, ``packed_steps_by_path`` which path read them.
     """
+
+    # Only CompressedLayers (or RaggedLayers), typed as ours: transformers' Cache types the (invariant)
+    # list as any of its own layer kinds, so narrowing it is an override mypy cannot accept.
+    layers: list[CompressedLayer]  # type: ignore[assignment]
+    rule: CompressionRule
 
     def __init__(
         self,

@@ -37,7 +37,8 @@ def _head_dim(config: Any) -> int:
 
 def cache_for(policy: CachePolicy | str, handle: Any, *, packed_path: str = "auto") -> Any:
     """A new, empty live cache running ``policy`` (a :class:`CachePolicy` or its spec string) for
-    ``handle`` (a :class:`~kvlab.model.ModelHandle` or a Hugging Face causal LM), bound to the model."""
+    ``handle`` (a :class:`~kvlab.model.ModelHandle`, read as a :class:`~kvlab.hf.runner.Runner`, or a Hugging
+    Face causal LM: hence ``Any``), bound to the model."""
     if isinstance(policy, str):
         policy = parse(policy)
     config, model = _model_of(handle)

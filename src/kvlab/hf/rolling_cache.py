@@ -45,7 +45,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -56,6 +56,9 @@ from kvlab.hf.step import THREAD
 from kvlab.policy.window import SinksWindow, default_chunk
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, rope_spec_from_model
+
+if TYPE_CHECKING:
+    from kvlab.hf.coded_rolling import CodedRollingLayer
 
 Rebase = Literal["auto", "always", "never"]
 
@@ -197,6 +200,7 @@ class RollingLayer(CacheLayerMixin):
         kept = self._apply_plan()
         total = kept + n_new
         self._reserve(total, kept, key_states, value_states)
+        assert self._buf_k is not None and self._buf_v is not None  # _reserve allocated them
         self._buf_k[:, :, kept:total] = key_states
         self._buf_v[:, :, kept:total] = value_states
         self.keys, self.values = self._buf_k[:, :, :total], self._buf_v[:, :, :total]
@@ -212,6 +216,7 @@ class RollingLayer(CacheLayerMixin):
         steps, e.g. to an earlier token's embedding). Without a gradient nothing is copied."""
         if self._buf_k is None or not torch.is_grad_enabled():
             return
+        assert self._buf_v is not None  # allocated with _buf_k (_reserve)
         if key_states.requires_grad or value_states.requires_grad or self._buf_k.requires_grad:
             self._buf_k, self._buf_v = self._buf_k.clone(), self._buf_v.clone()
 
@@ -231,6 +236,8 @@ class RollingLayer(CacheLayerMixin):
         plan = self.plan
         if not plan.pending:
             return self.slots
+        # a roll is planned only by an update, once _reserve has allocated the buffers
+        assert self._buf_k is not None and self._buf_v is not None
         s = min(self.rule.policy.sinks, self.slots)
         kept = self.slots - plan.drop
         if plan.drop:  # overlapping move down: copy the survivors out first (once per evicted chunk)
@@ -254,6 +261,7 @@ class RollingLayer(CacheLayerMixin):
         new_k = key_states.new_empty((*shape, key_states.shape[-1]))
         new_v = value_states.new_empty((*shape, value_states.shape[-1]))
         if held:
+            assert self._buf_k is not None and self._buf_v is not None  # slots are held in them
             new_k[:, :, :held] = self._buf_k[:, :, :held]
             new_v[:, :, :held] = self._buf_v[:, :, :held]
         self._buf_k, self._buf_v = new_k, new_v
@@ -275,9 +283,12 @@ class RollingLayer(CacheLayerMixin):
             "positions), or pass rebase='never' to let positions grow past the maximum knowingly."
         )
 
-    def _rolled_with(self, key_states: torch.Tensor, value_states: torch.Tensor):
+    def _rolled_with(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[sinks | kept window | new]`` keys and values with the pending plan applied."""
-        keys, values, plan = self.keys, self.values, self.plan
+        # keys and values are None only before the first update (where this fails as it always did)
+        keys, values, plan = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values), self.plan
         if not plan.pending:
             return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
         s = min(self.rule.policy.sinks, self.slots)
@@ -310,9 +321,11 @@ class RollingLayer(CacheLayerMixin):
         New tensors when a roll is pending, else views of the layer's buffers, which the next update
         overwrites in place (copy them to keep them; :meth:`RollingCache.kept_layers` does).
         """
-        empty = self.keys[:, :, :0]
-        k, v = self._rolled_with(empty, self.values[:, :, :0])
-        return (self.keys, self.values) if not self.plan.pending else (k, v)
+        # keys and values are None only before the first update (where this fails as it always did)
+        keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)
+        empty = keys[:, :, :0]
+        k, v = self._rolled_with(empty, values[:, :, :0])
+        return (keys, values) if not self.plan.pending else (k, v)
 
     def reset(self) -> None:
         self.keys = self.values = self.sink_keys = None
@@ -371,14 +384,17 @@ class SlidingRollingLayer(RollingLayer):
         self._copy_on_write(key_states, value_states)
         keep = self._held_next()
         if keep < self.held:  # the newest `reach` slots move down (once per evicted chunk)
+            assert self._buf_k is not None and self._buf_v is not None  # slots are held in them
             for buf in (self._buf_k, self._buf_v):
                 buf[:, :, :keep] = buf[:, :, self.held - keep : self.held].clone()
             self.held = keep
         plan = self.plan
         if plan.rebase and self.rope is not None and self.held:
+            assert self._buf_k is not None  # slots are held in it
             rotate_by_(self._buf_k[:, :, : self.held], -plan.rebase, self.rope)
         total = self.held + n_new
         self._reserve(total, self.held, key_states, value_states)
+        assert self._buf_k is not None and self._buf_v is not None  # _reserve allocated them
         self._buf_k[:, :, self.held : total] = key_states
         self._buf_v[:, :, self.held : total] = value_states
         self.keys, self.values = self._buf_k[:, :, :total], self._buf_v[:, :, :total]
@@ -390,8 +406,9 @@ class SlidingRollingLayer(RollingLayer):
         """``(keys, values)`` the next forward will see (trim and pending re-base applied); views when
         nothing is pending, else new tensors."""
         keep = self._held_next()
-        k = self._buf_k[:, :, self.held - keep : self.held]
-        v = self._buf_v[:, :, self.held - keep : self.held]
+        # the buffers are None only before the first update (where this fails as it always did)
+        k = cast(torch.Tensor, self._buf_k)[:, :, self.held - keep : self.held]
+        v = cast(torch.Tensor, self._buf_v)[:, :, self.held - keep : self.held]
         if self.plan.rebase and self.rope is not None:
             k = rotate_by(k, -self.plan.rebase, self.rope)
         return k, v
@@ -432,6 +449,10 @@ class RollingCache(Cache):
         packed_path: how a bound cache's one-token steps read the codes (``"auto"``, ``"kernel"``,
             ``"torch"``: :func:`kvlab.compress.quant.attention.packed_path`).
     """
+
+    # Only RollingLayers, typed as ours: transformers' Cache types the (invariant) list as any of its own
+    # layer kinds, so narrowing it is an override mypy cannot accept.
+    layers: list[RollingLayer]  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -482,7 +503,7 @@ class RollingCache(Cache):
             from kvlab.hf.coded_rolling import CodedRollingLayer
 
             layers = [CodedRollingLayer(self.rule, i, codec, packed_path) for i in range(n_layers)]
-        super().__init__(layers=layers)
+        super().__init__(layers=cast("list[Any]", layers))  # transformers' list of its own layer kinds
 
     # -- settings and state (every layer holds the same counts; layer 0 answers) ----------------------
     window = property(lambda self: self.rule.policy.window)
@@ -644,25 +665,26 @@ class RollingCache(Cache):
                 vars(layer).clear()
                 vars(layer).update(state)
                 if kv is not None:  # the views of the buffers as they were: their slots back in place
+                    assert layer.keys is not None and layer.values is not None  # they were (see held above)
                     layer.keys.copy_(kv[0])
                     layer.values.copy_(kv[1])
 
         return restore
 
     def _rolling_layers(self) -> list[RollingLayer]:
-        return list(self.layers)  # type: ignore[arg-type]
+        return list(self.layers)
 
     def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(keys, values)]`` per layer as the next forward will see them (pending roll applied).
 
         Copies: the cache writes into its buffers in place, so views would change under the caller.
         """
-        return [tuple(t.clone() for t in layer.visible()) for layer in self.layers]  # type: ignore[misc]
+        return [(k.clone(), v.clone()) for k, v in (layer.visible() for layer in self.layers)]
 
     def nbytes(self) -> int:
         """Bytes the cache holds: every layer's key and value buffers (with their spare room) and sinks."""
         if self.codec is not None:
-            return sum(layer.nbytes for layer in self.layers)  # type: ignore[attr-defined]
+            return sum(layer.nbytes for layer in cast("list[CodedRollingLayer]", self.layers))
         return sum(
             t.numel() * t.element_size()
             for layer in self.layers
@@ -712,9 +734,9 @@ def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tupl
         return args, new_kwargs
     if not isinstance(cache, RollingCache):
         begin = getattr(cache, "begin_step", None)  # a CompressedCache: decode on its packed codes
-        finish = begin(model, kwargs) if begin is not None else None
-        if finish is not None:
-            stack[-1] = finish
+        finish_packed = begin(model, kwargs) if begin is not None else None
+        if finish_packed is not None:
+            stack[-1] = finish_packed
         return None
     pos = kwargs.get("position_ids")
     if isinstance(pos, torch.Tensor):
@@ -782,7 +804,8 @@ def rolling_cache_for(
     codec: Any = None,
 ) -> RollingCache:
     """A :class:`RollingCache` for a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM
-    (its config, RoPE and maximum position), bound to the model (:meth:`RollingCache.bind`) so that
+    (its config, RoPE and maximum position; what it reads from a handle: :class:`~kvlab.hf.runner.Runner`),
+    bound to the model (:meth:`RollingCache.bind`) so that
     ``model.generate(..., cache=rolling_cache_for(model, ...))`` re-bases positions too and runs forever
     without passing the model's maximum."""
     model = handle
