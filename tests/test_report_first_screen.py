@@ -132,3 +132,27 @@ def test_identical_rows_merge_and_empty_columns_go():
     assert out["columns"] == ["layer", "shape", "dtype"]
     assert out["rows"] == [["0–29", "[1, 3, 9, 64]", "float32"], ["30", "[1, 3, 9, 32]", "float32"]]
     assert "31 rows shown as 2" in out["caption"]
+
+
+@pytest.mark.slow
+def test_the_cache_quality_claims_follow_the_threads_on_the_first_screen(tmp_path):
+    """With the ruler experiment in the run, its claims (computed from its numbers) are the second verdict
+    table, right after the thread's and before the overview, each with its outcome, measurement and a link
+    to the evidence; without it the table is absent (tested above: only the thread's claims)."""
+    from kvlab.study.runner import run_study
+
+    outcome = run_study(only=["ruler"], profile="quick", out=tmp_path, show_progress=False, workers=1)
+    assert not outcome.failed
+    page = (outcome.run_dir / "index.html").read_text()
+    doc = json.loads(next(outcome.run_dir.rglob("ruler/result.json")).read_text())
+    records = doc["summary"]["claims"]
+    assert page.index('id="verdicts"') < page.index('id="quality-verdicts"') < page.index('id="overview"')
+    block = page[page.index('id="quality-verdicts"') : page.index('id="overview"')]
+    rows = re.findall(r'<td class="claim quality">(.*?)</tr>', block, re.S)
+    assert len(rows) == len(records) >= 3
+    for rec, row in zip(records, rows, strict=True):
+        assert html.escape(rec["claim"], quote=False) in row
+        shown = re.search(r'class="verdict [^"]+">([^<]+)<', row).group(1)
+        assert shown == rec["outcome"] + (" (smoke)" if rec["outcome"] != "not tested here" else "")
+        assert html.escape(rec["measured"], quote=False) in row and 'href="#ruler"' in row
+    assert "Smoke verdicts" in block

@@ -317,7 +317,11 @@ def claim_h2o(rows: list[dict], specs: list[Any], seed: int, by: str) -> dict:
         "holds" if holds else "does not hold",
         measured,
         rule,
-        {**(ivs["h2o"] or {}), "samples": "trials"},
+        {
+            **(ivs["h2o"] or {}),
+            "samples": "trials",
+            "label": f"H2O {what}" + (" (nats/token)" if by == "kld" else ""),
+        },
     )
     rec.update(best=ranked[0], runner_up=other, separated=separated, by_policy=ivs)
     return rec
@@ -348,7 +352,7 @@ def claim_int4(rows: list[dict], specs: list[Any], seed: int) -> dict:
         "holds" if kl_ok and acc_ok else "does not hold",
         measured,
         rule,
-        {**(kl or {}), "samples": "trials"},
+        {**(kl or {}), "samples": "trials", "label": "int4 KL (nats/token)"},
     )
     rec.update(kld=kl, accuracy=acc, full_accuracy=full, kl_ok=kl_ok, accuracy_ok=acc_ok)
     return rec

@@ -192,7 +192,8 @@ def _key_text(key: dict | None) -> tuple[str, str]:
     value = format_interval(key)
     n = key.get("n")
     samples = f"n = {n} {key.get('samples', 'samples')}" if n is not None else key.get("samples", "")
-    return f"{key.get('label', '')}: {value}", samples
+    label = key.get("label")
+    return (f"{label}: {value}" if label else value), samples
 
 
 def verdicts_data(results: Sequence[tuple[str, ExperimentResult]], smoke: bool) -> dict[str, Any]:
@@ -239,6 +240,42 @@ def verdicts_data(results: Sequence[tuple[str, ExperimentResult]], smoke: bool) 
             "Smoke verdicts (quick profile, few samples; not findings): " + sentence[0].lower() + sentence[1:]
         )
     return {"claims": claims, "sentence": sentence, "rule_link": "#findings" if found is not None else ""}
+
+
+def quality_verdicts_data(results: Sequence[tuple[str, ExperimentResult]], smoke: bool) -> dict[str, Any]:
+    """The first screen's second table: the cache-quality claims the RULER-style yardstick judged (the
+    ruler experiment's records, computed from its numbers); empty when it did not run or failed."""
+    found = {r.name: r for _, r in results}.get("ruler")
+    records = (found.summary.get("claims") or []) if found is not None and found.status == "ok" else []
+    claims = []
+    for c in records:
+        key, samples = _key_text(c.get("key"))
+        outcome = c["outcome"]
+        claims.append(
+            {
+                "claim": c["claim"],
+                "outcome": outcome,
+                "css": OUTCOME_CSS[outcome],
+                "tested": outcome != "not tested here",
+                "note": c["measured"],
+                "key": key if key != "—" or outcome == "not tested here" else "",
+                "samples": samples,
+                "evidence": [("#ruler", found.title)] if found is not None else [],
+            }
+        )
+    held = sum(1 for c in claims if c["outcome"] == "holds")
+    failed = sum(1 for c in claims if c["outcome"] == "does not hold")
+    sentence = (
+        f"On RULER-style tasks with KL to the full cache, of {len(claims)} claims about caches {held} hold "
+        f"and {failed} do not."
+        if claims
+        else ""
+    )
+    if smoke and sentence:
+        sentence = (
+            "Smoke verdicts (quick profile, few trials; not findings): " + sentence[0].lower() + sentence[1:]
+        )
+    return {"claims": claims, "sentence": sentence}
 
 
 def page_html(
@@ -316,6 +353,7 @@ def write_study_index(
             title="kvlab study" + (": smoke run" if smoke else ""),
             subtitle=subtitle,
             verdicts=verdicts_data(results, smoke),
+            quality=quality_verdicts_data(results, smoke),
             overview=overview,
             sections=[section_data(r, img_prefix=f"{sub}/") for sub, r in results],
             smoke=smoke,
