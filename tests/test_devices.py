@@ -255,6 +255,21 @@ def test_compressed_cache_with_an_eviction_policy(device, handles, policy):
     on_device(device, handles, path)
 
 
+@pytest.mark.parametrize("share", ["heads=ada", "layers=pyramid"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_live_shared_budgets(device, handles, share):
+    """Per-head (ragged) and per-layer budgets in a live cache, under model.generate, on every device."""
+
+    def path(h: ModelHandle) -> Result:
+        from kvlab.hf.policy_cache import cache_for
+
+        cache = cache_for(f"snapkv,keep=0.5,{share}", h)
+        out = _generate(h, _ids(h, PROMPT), cache, 8)
+        return {"tokens": out.sequences.tolist(), "logits": torch.stack(out.logits), "bytes": cache.nbytes}
+
+    on_device(device, handles, path)
+
+
 QUANTIZERS = {
     "rotation": RotatedQuantizer(bits=4, group_size=16, sinks=4),
     "kivi": KIVIQuantizer(bits=4, group_size=16, sinks=4, window=16),
