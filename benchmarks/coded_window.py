@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--codec", default="kivi4")
     ap.add_argument("--skip-fp-generate", action="store_true")
+    ap.add_argument(
+        "--results-name", default="coded_window", help="results file (benchmarks/results/NAME.md)"
+    )
     args = ap.parse_args()
 
     from kvlab.data import default_long_text
@@ -93,6 +96,24 @@ def main() -> None:
     if not args.skip_fp_generate:
         runs.append(_generate(handle, fp, prompt, args.tokens))
     print(json.dumps({"runs": runs}), flush=True)  # kept even if the perplexity part fails
+    rows = "\n".join(
+        f"| `{r['spec']}` | {r['new_tokens']:,} | {r['ms_per_token']:.1f} | {r['max_bytes'] / 2**20:.2f} MiB | "
+        f"{r['bytes_at'].get(str(args.tokens // 10), 0) / 2**20:.2f} → {r['bytes_at'].get(str(args.tokens - 1), 0) / 2**20:.2f} MiB | "
+        f"{r['rolls']} / {r['rebases']} | {r['packed_steps']:,} |"
+        for r in runs
+    )
+    generation = f"""Generation through `model.generate` with the cache `kvlab.hf.policy_cache.cache_for(spec)` builds
+(greedy, prompt "Once upon a time, ..."); bytes = K/V the cache holds, read at every step.
+
+| spec | new tokens | ms / token | peak bytes | bytes at 10% → end | rolls / re-bases | packed-code steps |
+|---|---|---|---|---|---|---|
+{rows}
+"""
+    if args.ppl_tokens <= 0:  # generation only
+        write_results(
+            args.results_name, "A rolling window over a quantized history: long generation", generation
+        )
+        return
     text = default_long_text()
     ids = torch.tensor([handle.tokenizer.encode(text.text)[: args.window + args.ppl_tokens + 1]])
     t0 = time.perf_counter()
@@ -100,25 +121,13 @@ def main() -> None:
     ppl_s = time.perf_counter() - t0
     diff = bootstrap_ci(list(nll_c - nll_f), seed=0)
     ratio = {k: math.exp(v) for k, v in (("mean", diff.value), ("low", diff.low), ("high", diff.high))}
-    rows = "\n".join(
-        f"| `{r['spec']}` | {r['new_tokens']:,} | {r['ms_per_token']:.1f} | {r['max_bytes'] / 2**20:.2f} MiB | "
-        f"{r['bytes_at'].get(str(args.tokens // 10), 0) / 2**20:.2f} → {r['bytes_at'].get(str(args.tokens - 1), 0) / 2**20:.2f} MiB | "
-        f"{r['rolls']} / {r['rebases']} | {r['packed_steps']:,} |"
-        for r in runs
-    )
-    body = f"""Generation through `model.generate` with the cache `kvlab.hf.policy_cache.cache_for(spec)` builds
-(greedy, prompt "Once upon a time, ..."); bytes = K/V the cache holds, read at every step.
-
-| spec | new tokens | ms / token | peak bytes | bytes at 10% → end | rolls / re-bases | packed-code steps |
-|---|---|---|---|---|---|---|
-{rows}
-
+    body = f"""{generation}
 Perplexity on {text.source}: {args.ppl_tokens:,} tokens fed one at a time after a {args.window}-token prompt,
 through each cache ({ppl_s:.0f} s for both): perplexity {math.exp(nll_c.mean()):.3f} (`{coded}`) vs
 {math.exp(nll_f.mean()):.3f} (`{fp}`); **ratio {ratio["mean"]:.4f} [{ratio["low"]:.4f}, {ratio["high"]:.4f}]**
 (95% paired bootstrap over tokens).
 """
-    write_results("coded_window", "A rolling window over a quantized history (bundled model)", body)
+    write_results(args.results_name, "A rolling window over a quantized history (bundled model)", body)
     raw = {
         "runs": runs,
         "ppl": {"coded": float(math.exp(nll_c.mean())), "fp": float(math.exp(nll_f.mean())), "ratio": ratio},
