@@ -38,22 +38,29 @@ def tiny(tiny_llama_2x64):
     return ModelHandle(tiny_llama_2x64.model, AnswerTokenizer(), name="tiny-llama")
 
 
-@pytest.fixture(scope="module")
-def run(tiny, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ruler")
+def _run_kvlab(tiny, out: Path, trials: int, first: int = 0) -> tuple[list[dict], list[dict]]:
+    """The benchmark's recorder over 2 tasks x ``trials`` trials from ``first`` (job lines in ``out``)."""
     specs = parse_cache_specs(["full", "snapkv:0.5", "window:0.25", "int4"])
     rows, records = eval_ruler.run_kvlab(
         tiny,
         specs,
         tasks=["niah_single", "vt"],
         lengths=[200],
-        trials=2,
+        trials=trials,
         seed=3,
+        first_trial=first,
         trials_file=out / "trials.jsonl",
         haystack_text=HAYSTACK,
         max_new_tokens=5,
     )
     eval_ruler.end_job(out / "trials.jsonl")
+    return rows, records
+
+
+@pytest.fixture(scope="module")
+def run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ruler")
+    rows, records = _run_kvlab(tiny, out, 2)
     return rows, records, out / "trials.jsonl"
 
 
@@ -131,20 +138,8 @@ def test_the_merge_scores_with_kvlabs_scorer(tiny, run):
 
 
 def _piece(tiny, out: Path, first: int, trials: int, argv: list[str]) -> None:
-    specs = parse_cache_specs(["full", "snapkv:0.5", "window:0.25", "int4"])
-    rows, records = eval_ruler.run_kvlab(
-        tiny,
-        specs,
-        tasks=["niah_single", "vt"],
-        lengths=[200],
-        trials=trials,
-        seed=3,
-        first_trial=first,
-        trials_file=out / "trials.jsonl",
-        haystack_text=HAYSTACK,
-        max_new_tokens=5,
-    )
-    eval_ruler.end_job(out / "trials.jsonl")
+    out.mkdir(parents=True, exist_ok=True)
+    rows, records = _run_kvlab(tiny, out, trials, first)
     doc = {"rows": rows, "records": records, "kvlab_seconds": 1.0, "started": 0.0, "load_before": [0, 0, 0]}
     (out / "kvlab.json").write_text(json.dumps({**doc, "argv": argv}))
     (out / "job.json").write_text("{}")

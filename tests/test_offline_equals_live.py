@@ -37,14 +37,21 @@ def _live_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return cache.kept_layers()
 
 
-def _check(h, spec_text: str, n_ctx: int = 72) -> None:
+def _offline(h, spec_text: str, n_ctx: int):
+    """The spec, a seeded context and question, and what the policy makes of the context offline
+    (a KVSnapshot: masked for an eviction) with the K/V bytes it holds."""
     spec = parse_cache_spec(spec_text)
     ids = torch.randint(
         0, h.config.vocab_size, (n_ctx + 6,), generator=torch.Generator().manual_seed(5)
     ).tolist()
     ctx, question = ids[:n_ctx], ids[n_ctx:]
     source = observe(h, ctx) if spec.needs_queries else h.prefill(ctx, all_logits=False).snapshot
-    offline, _, _ = _snapshot(spec, source, h)  # a KVSnapshot: masked for an eviction
+    offline, nbytes, _ = _snapshot(spec, source, h)
+    return spec, ctx, question, offline, nbytes
+
+
+def _check(h, spec_text: str, n_ctx: int = 72) -> None:
+    spec, ctx, question, offline, _ = _offline(h, spec_text, n_ctx)
     keys, values = kept_per_head(offline)[:2] if offline.is_masked else (offline.keys, offline.values)
     live = cache_for(spec.policy, h)
     with torch.no_grad():
@@ -94,13 +101,7 @@ def test_shared_budgets_live_equal_offline(tiny_model, family, share, score):
     head by head, and a question on it gives the masked snapshot's logits."""
     h = tiny_model(family)
     n_ctx, spec_text = 72, f"{score},keep=0.5,{share}"
-    spec = parse_cache_spec(spec_text)
-    ids = torch.randint(
-        0, h.config.vocab_size, (n_ctx + 6,), generator=torch.Generator().manual_seed(5)
-    ).tolist()
-    ctx, question = ids[:n_ctx], ids[n_ctx:]
-    source = observe(h, ctx) if spec.needs_queries else h.prefill(ctx, all_logits=False).snapshot
-    offline, nbytes, _ = _snapshot(spec, source, h)
+    spec, ctx, question, offline, nbytes = _offline(h, spec_text, n_ctx)
     live = cache_for(spec.policy, h)
     with torch.no_grad():
         h.run(torch.tensor([ctx]), live)
