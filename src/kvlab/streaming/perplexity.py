@@ -560,5 +560,7 @@ def table_row(row: dict) -> list:
         f"[{row['ratio_low']:.3f}, {row['ratio_high']:.3f}]",
         row["seconds"],
         row["tokens_per_s"],
-        {"masked": "masked forwards", "loop": "rolling cache"}.get(row.get("path", ""), "forward passes"),
+        {"masked": "masked forwards", "loop": "a live cache, token by token"}.get(
+            row.get("path", ""), "forward passes"
+        ),
     ]
