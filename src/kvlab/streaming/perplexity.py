@@ -560,7 +560,7 @@ def table_row(row: dict) -> list:
         f"[{row['ratio_low']:.3f}, {row['ratio_high']:.3f}]",
         row["seconds"],
         row["tokens_per_s"],
-        {"masked": "masked forwards", "loop": "a live cache, token by token"}.get(
+        {"masked": "masked forwards", "loop": "a live cache (the loop)"}.get(
             row.get("path", ""), "forward passes"
         ),
     ]
