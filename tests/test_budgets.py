@@ -64,12 +64,12 @@ def test_ada_keeps_the_top_scores_over_heads():
 
 @pytest.mark.parametrize(
     ("layers", "length", "n_keep", "protected"),
-    [(30, 1024, 512, 36), (2, 96, 48, 16), (5, 10, 3, 2), (7, 100, 100, 4)],
+    [(30, 1024, 512, 36), (2, 96, 48, 16), (5, 10, 3, 2), (7, 100, 100, 4), (30, 16, 8, 0), (30, 40, 2, 0)],
 )
 def test_pyramid_sums_to_the_total_and_falls_from_bottom_to_top(layers, length, n_keep, protected):
     c = pyramid_counts(layers, length, n_keep, protected=protected)
     assert sum(c) == layers * n_keep
-    assert all(protected <= x <= length for x in c)
+    assert all(max(protected, 1) <= x <= length for x in c)  # every layer keeps at least one slot
     assert all(a >= b for a, b in zip(c, c[1:], strict=False))
     if n_keep < length:
         assert c[0] > c[-1]

@@ -78,7 +78,7 @@ def pyramid_counts(
     total = n_keep * num_layers
     if num_layers == 1:
         return [n_keep]
-    lo = max(n_keep / beta, float(protected))
+    lo = max(n_keep / beta, float(protected), 1.0)  # every layer keeps at least one slot
     hi = 2 * n_keep - lo
     cap = length - protected if length - protected >= n_keep else length  # kvpress: q_len - window
     if hi > cap:  # the bottom layer holds at most the context less the protected slots (kvpress's cap)
