@@ -27,6 +27,7 @@ ORDER = [
     "transfer",
     "hybrid_models",
     "gpu",
+    "regression_issue28",
 ]
 
 HEADER = """# Benchmarks
