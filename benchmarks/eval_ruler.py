@@ -905,9 +905,8 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
     est_lines += est
     md = [
         "# RULER-style eval: kvlab's cache policies"
-        + (
-            " (kvlab's side only)" if args.no_kvpress else " side by side with kvpress on identical token ids"
-        ),
+        + (" (kvlab's side only)" if args.no_kvpress else " side by side with kvpress on identical token ids")
+        + (f", {args.trials} trials per task in {len(pieces_run)} pieces" if pieces_run else ""),
         "",
         f"- command: `{cmd}`"
         + (
@@ -928,8 +927,14 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
         + (
             f"(kvlab only, {args.threads} torch threads)"
             if args.no_kvpress
-            else f"(kvlab part {kv_s / 60:.1f} min; kvpress worker {worker_s / 60 if worker_s else float('nan'):.1f} "
-            "min, running concurrently in its own process)"
+            else (
+                f"(kvlab's pieces {kv_s / 60:.1f} min in all; the kvpress worker ran afterwards on the pieces' "
+                f"recorded ids, {len({(r['task'], r['length'], r['trial']) for r in kp_rows})} trials"
+                + (f", {worker_s / 60:.1f} min)" if worker_s else ", stopped part-way)")
+                if pieces_run
+                else f"(kvlab part {kv_s / 60:.1f} min; kvpress worker "
+                f"{worker_s / 60 if worker_s else float('nan'):.1f} min, running concurrently in its own process)"
+            )
         ),
         f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs (load average "
         f"{load_before[0]:.2f} at the start), kvlab on {_device_name(args.device)}, {args.threads} torch thread(s)"
