@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.rolling_cache import RollingCache, RollingLayer
 from kvlab.hf.runner import Runner
-from kvlab.hf.step import Step, open_step
+from kvlab.hf.step import Step, causal_after, open_step
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +117,10 @@ def _causal_rows_attention(
     kv_heads, K = k.shape[0], k.shape[1]
     qg = q.reshape(kv_heads, heads // kv_heads, m, d)
     scores = (qg @ k.transpose(-1, -2).unsqueeze(1)) * scale  # [kv_heads, groups, m, K]
-    at = torch.arange(m, device=q.device)[:, None] + (K - m)  # each query's own slot
-    j = torch.arange(K, device=q.device)[None, :]
-    allowed = j <= at
-    if window:
-        allowed &= j > at - int(window)
+    allowed = causal_after(m, K, q.device)
+    if window:  # and at most `window` slots back: itself and the window - 1 before it
+        at = torch.arange(m, device=q.device)[:, None] + (K - m)  # each query's own slot
+        allowed &= torch.arange(K, device=q.device)[None, :] > at - int(window)
     scores = scores.masked_fill(~allowed, float("-inf"))
     w = torch.softmax(scores, dim=-1, dtype=torch.float32)
     return (w.to(v.dtype) @ v.unsqueeze(1)).reshape(heads, m, d).transpose(0, 1)

@@ -27,7 +27,7 @@ from kvlab.compress.evict.policies import LayerView
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
 from kvlab.hf.compressed_cache import CompressedLayer
-from kvlab.hf.step import Step, current
+from kvlab.hf.step import Step, causal_after, current
 
 
 @dataclass(eq=False)
@@ -50,8 +50,7 @@ class RaggedStep(Step):
             q_len, t = query.shape[2], key.shape[2]
             mask = None
             if q_len > 1:
-                at = torch.arange(q_len, device=query.device)[:, None] + (t - q_len)
-                mask = torch.arange(t, device=query.device)[None, :] <= at
+                mask = causal_after(q_len, t, query.device)
             kw.pop("is_causal", None)
             return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kw)
         ks, vs = view
@@ -64,9 +63,7 @@ class RaggedStep(Step):
             scores = (q @ k[:, None].transpose(-1, -2)) * scale  # [B, g, q_len, T_h]
             if q_len > 1:
                 t = k.shape[-2]
-                at = torch.arange(q_len, device=q.device)[:, None] + (t - q_len)
-                hidden = torch.arange(t, device=q.device)[None, :] > at
-                scores = scores.masked_fill(hidden, float("-inf"))
+                scores = scores.masked_fill(~causal_after(q_len, t, q.device), float("-inf"))
             w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
             out[:, :, h * groups : (h + 1) * groups] = (w @ v[:, None]).transpose(1, 2)
         self.consumed += 1

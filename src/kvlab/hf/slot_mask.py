@@ -22,7 +22,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.errors import UnsupportedModelError
-from kvlab.hf.step import Step, stepping
+from kvlab.hf.step import Step, causal_after, stepping
 
 
 class SlotMaskStep(Step):
@@ -42,8 +42,7 @@ class SlotMaskStep(Step):
         new = total - m  # the new tokens fed so far, the last q_len of them being these queries
         ctx = valid.to(query.device).repeat_interleave(heads // kv_heads, dim=1)[:, :, None, :]
         ctx = ctx.expand(b, heads, q_len, m)
-        at = torch.arange(q_len, device=query.device)[:, None] + (new - q_len)
-        causal = torch.arange(new, device=query.device)[None, :] <= at
+        causal = causal_after(q_len, new, query.device)
         mask = torch.cat([ctx, causal.expand(b, heads, q_len, new)], dim=-1)
         kw.pop("is_causal", None)
         return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kw)

@@ -65,6 +65,13 @@ def _attention(
 AttentionInterface.register(KVLAB_ATTENTION, _attention)
 
 
+def causal_after(q_len: int, total: int, device: Any) -> torch.Tensor:
+    """``[q_len, total]`` bool: the last ``q_len`` of ``total`` slots are the queries' own tokens, each
+    seeing every slot before it and itself (the invariant of every kvlab cache: new tokens come last)."""
+    at = torch.arange(q_len, device=device)[:, None] + (total - q_len)
+    return torch.arange(total, device=device)[None, :] <= at
+
+
 def current(kind: type[S]) -> S | None:
     """The innermost step of this thread if it is a ``kind``, else None."""
     step = THREAD.steps[-1] if THREAD.steps else None
