@@ -484,6 +484,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--figure", type=Path, default=FIGURE)
     ap.add_argument("--no-verify", action="store_true", help="skip the worker's check of its shared prefill")
+    ap.add_argument(
+        "--no-logits",
+        action="store_true",
+        help="don't save the full cache's logits of the piece's first trials (the worker's check needs them;"
+        " ~0.8 GB per task at 4k)",
+    )
     ap.add_argument("--report-only", action="store_true", help="re-merge and re-report the run in --out-dir")
     ap.add_argument(
         "--merge",
@@ -610,7 +616,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             trials_file=trials_file,
             haystack_text=source.text,
             max_new_tokens=args.max_new_tokens,
-            logits_dir=out / "logits",
+            logits_dir=None if args.no_logits else out / "logits",
             progress=progress,
         )
     except BaseException:

@@ -3,13 +3,13 @@
 # H100/H200 image has torch 2.11 and transformers 5.17; carry the transformers you test with as wheels
 # in .whl/, see /work/.library/device/README.md). Writes everything under $OUT (default /tmp/kvlab-gpu):
 #   1. benchmarks/gpu.py: decode, roll and store at Llama-3.1-8B geometry (its own time budget);
-#   2. scripts/gpu_serve_check.py: `kvlab serve --device cuda` driven by the openai client, vs --device cpu
+#   2. scripts/gpu_serve_check.py (beside 3.): `kvlab serve --device cuda` driven by the openai client, vs --device cpu
 #      (needs the bundled model's tokenizer files in .gpu/tok/: tokenizer.json, config.json, ...);
 #   3. the device-parametrized tests (CPU and CUDA): `make test-gpu`'s files.
 #
 #   OUT=/tmp/out BUDGET=560 bash scripts/gpu_check.sh
 #   (ONLY=section,... runs those benchmark sections; TESTS=EXPR is pytest's -k; RESERVE=seconds kept
-#   for the server check and the tests; SERVE_S bounds the server check)
+#   for the server check and the tests, which run side by side; SERVE_S bounds the server check)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvlab-gpu}
@@ -26,21 +26,21 @@ export KVLAB_CACHE_DIR=/tmp/kvlab-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-ca
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$OUT/versions.txt"
 
-# 1. the benchmark: everything but ~170 s (serve check + tests) of the budget
-bench=$(( $(left) - ${RESERVE:-170} ))
+# 1. the benchmark: everything but ~100 s (serve check + tests) of the budget
+bench=$(( $(left) - ${RESERVE:-100} ))
 echo "== benchmark ($bench s)"
 python3 benchmarks/gpu.py --budget "$bench" --out "$OUT" ${ONLY:+--only "$ONLY"} > "$OUT/bench.log" 2>&1
 tail -n 45 "$OUT/gpu.md" 2>/dev/null || tail -n 40 "$OUT/bench.log"
 
-# 2. the server on the GPU, answered through the openai client
-echo "== serve ($(left) s left)"
+# 2. and 3. side by side (neither is timed): the device tests on cpu and cuda, and the server on the GPU
+# answered through the openai client
+t=$(( $(left) - 5 ))
+echo "== tests ($t s) and serve, side by side"
+KVLAB_TEST_NO_SKIPS=1 timeout "$t" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TESTS:+-k "$TESTS"} \
+  tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py > "$OUT/pytest.log" 2>&1 &
+tests=$!
 timeout ${SERVE_S:-75} python3 scripts/gpu_serve_check.py .gpu/tok > "$OUT/serve.log" 2>&1
 echo "serve rc=$?"; grep -A12 -- "^---" "$OUT/serve.log" | head -40; tail -n 3 "$OUT/serve.log"
-
-# 3. the device tests, on cpu and cuda
-t=$(( $(left) - 5 ))
-echo "== tests ($t s)"
-KVLAB_TEST_NO_SKIPS=1 timeout "$t" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TESTS:+-k "$TESTS"} \
-  tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py > "$OUT/pytest.log" 2>&1
+wait $tests
 echo "pytest rc=$?"; tail -n 14 "$OUT/pytest.log"
 echo "== done in $(( $(date +%s) - start )) s"
