@@ -41,10 +41,11 @@ test: lint typecheck test-deps
 # each path, which exposes a factory without device=); on a CUDA machine the same tests also run on
 # cuda and compare each result with the CPU one within the dtype's tolerance. Tiny random models only.
 test-gpu: setup-dev
-	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py
+	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py tests/optional/test_triton_kernels.py
 
-# Checks on models that are not installed by default (Gemma-3-270M: see tests/optional/).
+# Checks that need what is not installed by default (Gemma-3-270M, Triton: see tests/optional/).
 test-optional: setup-dev
+	$(VENV)/python -m pip install -q "triton>=3.1,<4"
 	$(VENV)/python -m pytest -q tests/optional
 
 bench: setup-dev

@@ -17,6 +17,7 @@ ORDER = [
     "eval_ruler",
     "eval_ruler_full_1k",
     "eval_curves_1k",
+    "eval_gpu",
     "eval_batched",
     "hf_quantized_cache",
     "eval_ruler_haystack",
@@ -34,8 +35,9 @@ ORDER = [
 
 HEADER = """# Benchmarks
 
-Measured on this project's machine (2 CPU cores, 24 GiB, no GPU), except the GPU section at the end
-(an NVIDIA H100 and an H200, lent for one session; each table names its card). Every figure below was
+Measured on this project's machine (2 CPU cores, 24 GiB, no GPU), except the GPU sections (`eval_gpu`
+and the one near the end: NVIDIA H100s and an H200, lent for a session at a time; each table names
+its card). Every figure below was
 produced by the command shown with it; speed goals are ratios measured side by side in one run, never timed unit
 tests. Re-run everything with `make bench` (each script rewrites its section in
 `benchmarks/results/`, then this file is re-assembled).

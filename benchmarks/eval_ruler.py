@@ -441,9 +441,34 @@ def _csv(text: str) -> list[str]:
 
 def _device_name(device: str) -> str:
     """The device as the report names it: the card's name on CUDA."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return f"CUDA ({device}; the card was not recorded)"
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         return f"CUDA ({torch.cuda.get_device_name(torch.device(device if device != 'auto' else 'cuda'))})"
     return "CPU"
+
+
+def machine_facts(device: str) -> dict:
+    """Where kvlab's side ran, recorded with the run (kvlab.json): a report written later, or on another
+    machine from pieces run elsewhere (--report-only --merge), describes the machine that ran them."""
+    import transformers
+
+    return {
+        "arch": platform.machine(),
+        "cpus": os.cpu_count(),
+        "device": _device_name(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def haystack_facts(source: Any) -> dict:
+    """The haystack a run used, recorded with it: a report merged later, in a process whose default text
+    differs (no ../shared beside it), still names the text the trials were built from."""
+    import hashlib
+
+    digest = hashlib.sha256(source.text.encode()).hexdigest()[:16]
+    return {"source": source.source, "sha256": digest, "chars": len(source.text)}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -547,7 +572,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     source = read_text_file(args.haystack) if args.haystack else default_long_text()
     if not args.no_kvpress and args.device != "cpu":
         raise SystemExit("the kvpress worker runs on the CPU beside kvlab: give --no-kvpress with --device")
-    handle = load_model("smollm2-135m", device=args.device, dtype=args.dtype)
+    # a report of pieces run elsewhere needs only the tokenizer: the model on the CPU
+    handle = load_model("smollm2-135m", device="cpu" if args.report_only else args.device, dtype=args.dtype)
     out = args.out_dir
     if args.merge and not args.report_only:
         raise SystemExit("--merge reports pieces that ran: give it with --report-only")
@@ -563,6 +589,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             run_args.results, run_args.figure = args.results, args.figure
             run_args.timing_runs, run_args.out_dir = args.timing_runs, args.out_dir
             args, specs = run_args, cache_specs(run_args)
+        args._machine = saved.get("machine")
+        args._haystack = saved.get("haystack") or {
+            "source": "not recorded by the run (a piece older than the field)"
+        }
         args._handle = handle
         args._pieces = saved.get("pieces")
         return finish(
@@ -635,6 +665,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "started": started,
                 "load_before": load_before,
                 "argv": list(sys.argv[1:] if argv is None else argv),
+                "machine": machine_facts(args.device),
+                "haystack": haystack_facts(source),
             }
         )
         + "\n"
@@ -663,6 +695,8 @@ def pieces(dirs: Sequence[Path], out: Path) -> None:
     same = [{k: v for k, v in r.items() if k not in _PIECE_ARGS} for r in runs]
     if any(s != same[0] for s in same):
         raise SystemExit("--merge: the pieces ran with different arguments (beyond --first-trial/--trials)")
+    if any(s.get("haystack") != saved[0].get("haystack") for s in saved):
+        raise SystemExit("--merge: the pieces ran over different haystacks")
     records = [rec for s in saved for rec in s["records"]]
     keys = [rec["key"] for rec in records]
     if len(set(keys)) != len(keys):
@@ -680,6 +714,8 @@ def pieces(dirs: Sequence[Path], out: Path) -> None:
         "kvlab_seconds": sum(s["kvlab_seconds"] for s in saved),
         "started": min(s["started"] for s in saved),
         "load_before": saved[0]["load_before"],
+        "machine": saved[0].get("machine"),
+        "haystack": saved[0].get("haystack"),
         "argv": [*argv, "--trials", str(per_task)],
         "wall": sum(s.get("wall") or s["kvlab_seconds"] for s in saved),
         "pieces": [
@@ -738,6 +774,7 @@ def finish(
         "job": job,
         "worker_meta": meta,
         "worker_done": done,
+        "started": started,
         "worker_failed_rows": failed,
         "failure": failure,
         "wall_seconds": wall,
@@ -873,6 +910,11 @@ def estimate_lines(
 def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_before, argv) -> None:
     rows, summary, pool = doc["rows"], doc["summary"], doc["pooled"]
     meta, done = doc["worker_meta"], doc["worker_done"]
+    mach = getattr(args, "_machine", None) or machine_facts(args.device)
+    hay = getattr(args, "_haystack", None) or haystack_facts(source)
+    hay_text = hay["source"] + (
+        f" (sha256 {hay['sha256']}…, {hay['chars']:,} characters)" if "sha256" in hay else ""
+    )
     kv_rows = [r for r in rows if r["side"] == "kvlab"]
     kp_rows = [r for r in rows if r["side"] == "kvpress"]
     kp_full = [r for r in kp_rows if r["kind"] == "full"]
@@ -929,7 +971,7 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
             if pieces_run
             else ""
         ),
-        f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}; wall time {wall / 60:.1f} min "
+        f"- date: {datetime.datetime.fromtimestamp(doc['started'], datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')} (the run's start); wall time {wall / 60:.1f} min "
         + (
             f"(kvlab only, {args.threads} torch threads)"
             if args.no_kvpress
@@ -942,12 +984,12 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
                 f"{worker_s / 60 if worker_s else float('nan'):.1f} min, running concurrently in its own process)"
             )
         ),
-        f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs (load average "
-        f"{load_before[0]:.2f} at the start), kvlab on {_device_name(args.device)}, {args.threads} torch thread(s)"
-        f"{'' if args.no_kvpress else ', the kvpress worker one'}; kvlab torch {torch.__version__}; "
+        f"- machine: {mach['arch']}, {mach['cpus']} CPU cores shared with other jobs (load average "
+        f"{load_before[0]:.2f} at the start), kvlab on {mach['device']}, {args.threads} torch thread(s)"
+        f"{'' if args.no_kvpress else ', the kvpress worker one'}; kvlab torch {mach['torch']}, transformers "
+        f"{mach.get('transformers', '?')}; "
         f"kvpress side: {json.dumps(meta['versions']) if meta else '—'}",
-        f"- model: SmolLM2-135M-Instruct (bundled), {args.dtype}, {_device_name(args.device)}; haystack: "
-        f"{source.source}",
+        f"- model: SmolLM2-135M-Instruct (bundled), {args.dtype}, {mach['device']}; haystack: {hay_text}",
         f"- trials: **{args.trials} per task** x tasks {', '.join(args.task_list)} x lengths "
         f"{', '.join(map(str, args.length_list))} = {n_trials} trials (seeds `trial_seed({args.seed}, i)`); prompt "
         "tokens reached (context + question): "

@@ -137,10 +137,15 @@ def test_the_merge_scores_with_kvlabs_scorer(tiny, run):
     assert {s["name"] for s in summary} == {"full", "snapkv"}
 
 
-def _piece(tiny, out: Path, first: int, trials: int, argv: list[str]) -> None:
+HAY = eval_ruler.haystack_facts(type("Text", (), {"text": HAYSTACK, "source": "haystack.txt"})())
+MACHINE = {"arch": "x86_64", "cpus": 16, "device": "CUDA (a card)", "torch": "2.11", "transformers": "5.24"}
+
+
+def _piece(tiny, out: Path, first: int, trials: int, argv: list[str], haystack: dict = HAY) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows, records = _run_kvlab(tiny, out, trials, first)
     doc = {"rows": rows, "records": records, "kvlab_seconds": 1.0, "started": 0.0, "load_before": [0, 0, 0]}
+    doc |= {"machine": MACHINE, "haystack": haystack}  # recorded by the run: where, and over which text
     (out / "kvlab.json").write_text(json.dumps({**doc, "argv": argv}))
     (out / "job.json").write_text("{}")
 
@@ -158,8 +163,15 @@ def test_a_run_in_pieces_equals_the_run(tiny, run, tmp_path):
     assert {key(r): (r["output"], r["score"], r.get("kl_mean")) for r in merged["rows"]} == whole
     assert sorted(r["key"] for r in merged["records"]) == sorted(r["key"] for r in run[1])
     assert "--first-trial" not in merged["argv"] and merged["argv"][-2:] == ["--trials", "2"]
+    # the report of the merged run names the pieces' machine and haystack, not the merging process's
+    assert merged["machine"] == MACHINE and merged["haystack"] == HAY
+    assert HAY["source"] == "haystack.txt" and HAY["chars"] == len(HAYSTACK) and len(HAY["sha256"]) == 16
     with pytest.raises(SystemExit, match="overlap"):
         eval_ruler.pieces([tmp_path / "a", tmp_path / "a"], tmp_path / "x")
     _piece(tiny, tmp_path / "c", 1, 1, [*base, "--trials", "1", "--first-trial", "1", "--ratios", "0.5"])
     with pytest.raises(SystemExit, match="different arguments"):
         eval_ruler.pieces([tmp_path / "a", tmp_path / "c"], tmp_path / "y")
+    other = {**HAY, "source": "other.txt", "sha256": "0" * 16}
+    _piece(tiny, tmp_path / "d", 1, 1, [*base, "--trials", "1", "--first-trial", "1"], haystack=other)
+    with pytest.raises(SystemExit, match="different haystacks"):
+        eval_ruler.pieces([tmp_path / "a", tmp_path / "d"], tmp_path / "z")

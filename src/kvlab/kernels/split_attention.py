@@ -82,7 +82,8 @@ def _build(triton: Any, tl: Any) -> Any:
             col_ok = cols < C
             kv_ok = col_ok[:, None] & dim_ok[None, :]
             k = tl.load(K + b * skb + h * skh + cols[:, None] * skc + dims[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            # scale.to: torch.compile passes a Python float as fp64, which would make the running max fp64
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale.to(tl.float32)
             bias = tl.load(
                 mask_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
             )
