@@ -683,7 +683,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     finish(args, specs, job, source, out, kv_rows, records, kv_s, started, load_before, failure, argv)
 
 
-_PIECE_ARGS = ("first_trial", "trials", "out_dir", "results", "figure", "timing_runs", "merge", "report_only")
+_PIECE_ARGS = (  # what may differ between pieces of one run (none changes a row)
+    "first_trial",
+    "trials",
+    "out_dir",
+    "results",
+    "figure",
+    "timing_runs",
+    "merge",
+    "report_only",
+    "no_logits",
+)
 
 
 def pieces(dirs: Sequence[Path], out: Path) -> None:
@@ -695,7 +705,8 @@ def pieces(dirs: Sequence[Path], out: Path) -> None:
     same = [{k: v for k, v in r.items() if k not in _PIECE_ARGS} for r in runs]
     if any(s != same[0] for s in same):
         raise SystemExit("--merge: the pieces ran with different arguments (beyond --first-trial/--trials)")
-    if any(s.get("haystack") != saved[0].get("haystack") for s in saved):
+    text_of = lambda s: (s.get("haystack") or {}).get("sha256")  # noqa: E731  (a note beside it may differ)
+    if any(text_of(s) != text_of(saved[0]) for s in saved):
         raise SystemExit("--merge: the pieces ran over different haystacks")
     records = [rec for s in saved for rec in s["records"]]
     keys = [rec["key"] for rec in records]
