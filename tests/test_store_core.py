@@ -178,6 +178,40 @@ def test_corrupt_block_read_straight_into_the_snapshot_is_never_returned(tmp_pat
     torch.testing.assert_close(m.snapshot.keys[1][0], blocks[0].keys[1][:, :2], rtol=0, atol=0)
 
 
+def test_assembling_on_the_target_device_equals_the_host_path(tmp_path, monkeypatch):
+    """A lookup for a GPU assembles the prefix there (each block copied once, disk blocks through ``get``
+    with their checksum checked on the host): forced here onto the CPU, it returns the host path's
+    prefix exactly, from the memory and disk tiers, with a partly used last block, and stops at a
+    corrupt block as the host path does."""
+    import kvlab.store.store as store_mod
+
+    ns = Namespace(fingerprint="f" * 64, dtype="float32", rope=None, block_tokens=4)
+    ids = list(range(200, 214))
+    mem, disk = MemoryTier(), DiskTier(tmp_path / "s")
+    parent = ns.root
+    for i, h in enumerate(chain_hashes(ids, ns)):
+        k = torch.randn(2, 3, 4, 8)
+        block = Block(h, parent, ns.root, i * 4, tuple(ids[i * 4 : i * 4 + 4]), k, k * 3 + 1)
+        (mem if i % 2 else disk).put(block)
+        parent = h
+    queries = [ids, ids[:10] + [7, 7], ids[:6]]
+    host = [KVStore([mem, disk], block_tokens=4, promote=False).lookup(q, ns) for q in queries]
+    monkeypatch.setattr(store_mod, "_assembles_on", lambda device: torch.device("cpu"))
+    dev = [KVStore([mem, disk], block_tokens=4, promote=False).lookup(q, ns) for q in queries]
+    assert [m.cached_tokens for m in host] == [m.cached_tokens for m in dev] == [12, 10, 6]
+    for a, b in zip(host, dev, strict=True):
+        assert a.tier_blocks == b.tier_blocks
+        for x, y in zip(
+            a.snapshot.keys + a.snapshot.values, b.snapshot.keys + b.snapshot.values, strict=True
+        ):
+            assert torch.equal(x, y)
+    path = disk._path(ns.root, chain_hashes(ids, ns)[0])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x80
+    path.write_bytes(bytes(data))
+    assert KVStore([mem, disk], block_tokens=4).lookup(ids, ns).cached_tokens == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_direct_disk_read_is_exact_for_every_dtype(tmp_path, dtype):
     ns = Namespace(fingerprint="f" * 64, dtype=str(dtype).replace("torch.", ""), rope=None, block_tokens=4)

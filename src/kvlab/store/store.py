@@ -260,8 +260,11 @@ class KVStore:
 
         ``namespace`` must come from this store (:meth:`namespace`); blocks of any other model, dtype,
         RoPE or salt hash differently and are never found. Plans the chain first (which tier holds each
-        block), then reads every block straight into one preallocated K and V (host memory, where the
-        tiers read), moved once to ``device`` (the model's, to feed it; default: stay on the host).
+        block), then reads every block straight into one preallocated K and V: in host memory, where the
+        tiers read (the default), or, for a GPU ``device`` (the model's, to feed it), on that device, each
+        block copied there once. Assembling on the host and then moving the whole prefix copied every
+        byte twice, and on an H100 that made a memory-tier hit of 8,192 tokens slower than the prefill
+        (297 vs 267 ms, BENCHMARKS.md's GPU section).
         """
         started = time.perf_counter()
         ids = [
@@ -294,7 +297,8 @@ class KVStore:
             if best is not None:
                 plan.append((best[0], parent, best[1], best[2]))
                 planned += best[2]
-        snapshot, used, served = self._load(plan, namespace, ids) if plan else (None, [], {})
+        on = _assembles_on(device)
+        snapshot, used, served = self._load(plan, namespace, ids, on) if plan else (None, [], {})
         if snapshot is not None and device is not None:
             snapshot = snapshot.to(device=device)
         cached = sum(p[3] for p in plan[: len(used)])
@@ -304,13 +308,19 @@ class KVStore:
         return Match(snapshot, cached, len(ids), tuple(used), served, (time.perf_counter() - started) * 1000)
 
     def _load(
-        self, plan: list[tuple[int, str, str, int]], namespace: Namespace, ids: list[int]
+        self,
+        plan: list[tuple[int, str, str, int]],
+        namespace: Namespace,
+        ids: list[int],
+        device: torch.device | None = None,
     ) -> tuple[KVSnapshot | None, list[str], dict[str, int]]:
-        """Read the planned blocks into one K and V; stops early at a block that vanished or is invalid.
+        """Read the planned blocks into one K and V (on ``device``, else the host); stops early at a block
+        that vanished or is invalid.
 
-        Disk blocks are read straight into their slice of the output (``DiskTier.read_into``: one copy,
-        checksum over the bytes where they landed); other tiers, and a last block of which only part
-        is used, go through ``get`` and are copied in.
+        Into host memory, disk blocks are read straight into their slice of the output
+        (``DiskTier.read_into``: one copy, checksum over the bytes where they landed); other tiers, a
+        last block of which only part is used, and every block bound for a GPU go through ``get`` (the
+        checksum verified on the host) and are copied in.
         """
         total = sum(p[3] for p in plan)
         scratch = ReadBuffer()
@@ -343,8 +353,8 @@ class KVStore:
                 )
             else:
                 if not out:
-                    out.append(_alloc((k_shape[0], k_shape[1], total, k_shape[3]), dtype))
-                    out.append(_alloc((v_shape[0], v_shape[1], total, v_shape[3]), dtype))
+                    out.append(_alloc((k_shape[0], k_shape[1], total, k_shape[3]), dtype, device))
+                    out.append(_alloc((v_shape[0], v_shape[1], total, v_shape[3]), dtype, device))
                 keys, values = out
                 if (
                     k_geo != (keys.shape[0], keys.shape[1], keys.shape[3])
@@ -366,7 +376,7 @@ class KVStore:
             tier = self.tiers[where]
             block: Block | None = None
             direct: Any = None
-            if hasattr(tier, "read_into"):
+            if hasattr(tier, "read_into") and device is None:  # reads into host memory only
 
                 def dest(hdr: BlockHeader, at: int = at, take: int = take, want: tuple = want) -> Any:
                     # None declines: a block of which only part is used (num_tokens > take) takes the
@@ -585,8 +595,15 @@ def _owned(block: Block) -> Block:
     )
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised output tensor in host memory, where the tiers read (plain ``torch.empty``).
+def _assembles_on(device: str | torch.device | None) -> torch.device | None:
+    """Where a lookup for ``device`` assembles its prefix: on a GPU itself, else (None) in host memory."""
+    target = None if device is None else torch.device(device)
+    return target if target is not None and target.type != "cpu" else None
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """An uninitialised output tensor in host memory, where the tiers read (plain ``torch.empty``), or on
+    the GPU ``device`` a lookup feeds.
 
     Transparent huge pages were tried (an anonymous map advised ``MADV_HUGEPAGE``). Measured here on
     97 MB outputs, 2026-11-25: in a long-lived process they make loads 2x faster once the kernel has
@@ -594,7 +611,7 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     memory (98-244 ms vs 17-75 ms), and a lookup allocates two outputs, so even "plain pages first"
     stalled on the second. Plain pages are predictable; a server that wants the 2x can pool outputs.
     """
-    return torch.empty(shape, dtype=dtype, device="cpu")
+    return torch.empty(shape, dtype=dtype, device=device or "cpu")
 
 
 def _assemble(blocks: list[Block], namespace: Namespace) -> KVSnapshot:
