@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 
 from kvlab.compress.evict.observe import attention_modules
 from kvlab.compress.evict.policies import LayerView, Policy
@@ -36,7 +36,7 @@ from kvlab.compress.evict.select import budget_slots, keep_indices
 from kvlab.compress.quant.methods import Quantizer, Segment, TokenCode, split_plan
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
-from kvlab.hf.rolling_cache import bind_to_model
+from kvlab.hf.live_cache import LiveCache, bind_to_model
 from kvlab.hf.step import Step, current, open_step
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import Rope, rope_for_layer, rope_spec_from_config
@@ -229,6 +229,10 @@ class CompressedLayer(DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.held + query_length, 0
+
+    def query_offset(self) -> int:
+        """Where the next queries sit among the slots: after every slot held (kept positions are RoPE's)."""
+        return self.held
 
     # -- contents --------------------------------------------------------------------------------
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,7 +469,7 @@ def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(2, idx.to(x.device)[..., None].expand(-1, -1, -1, x.shape[-1]))
 
 
-class CompressedCache(Cache):
+class CompressedCache(LiveCache):
     """A transformers cache that quantizes (``quantizer``), evicts (``policy`` + ``keep`` or ``budget``),
     or both, as it fills.
 
@@ -556,22 +560,27 @@ class CompressedCache(Cache):
             from kvlab.hf.ragged_layer import RaggedLayer
 
             layer_class = RaggedLayer
-        super().__init__(layers=[layer_class(self.rule, i) for i in range(n_layers)])
+        preset = {
+            "quantizer": quantizer,
+            "policy": policy,
+            "keep": keep,
+            "budget": budget,
+            "every": every,
+            "layers": layers,
+            "rope": self.rope,
+            "packed_path": packed_path,
+        }
+        super().__init__([layer_class(self.rule, i) for i in range(n_layers)], self.rule, config, preset)
         for layer, mod in zip(self.layers, mods or (), strict=False):
             layer.query_hook = mod.q_proj.register_forward_hook(layer.capture_queries)
-        self._config = config
-        self.rows: list[CompressedCache] | None = None  # per-row caches once a padded batch arrived
-        self.packed_steps = 0  # decode steps whose attention read the packed codes (not a decoded copy)
-        self.packed_steps_by_path = {"kernel": 0, "torch": 0}
         if model is not None and _row_of is None:
             bind_to_model(self, model)  # a left-padded batch then runs row by row (kvlab.hf.batch)
 
-    def start_rows(self, n: int) -> list[CompressedCache]:
-        """Switch this empty cache to ``n`` per-row caches of the same settings (a left-padded batch
-        under ``model.generate``): each row evicts from its own tokens at its own budget, scored by its
-        own queries, or quantizes its own tokens, exactly as alone. In place; rows in :attr:`rows`."""
-        if self.rows is not None or self.layers[0].seen:
-            raise BadInputError("start_rows() needs an empty CompressedCache")
+    @property
+    def empty(self) -> bool:
+        return not self.layers[0].seen
+
+    def _check_rows(self) -> None:
         if self.rule.heads == "ada":
             raise BadInputError(
                 "a padded batch cannot run on per-head (ada) budgets (each row would need its own ragged "
@@ -583,22 +592,12 @@ class CompressedCache(Cache):
                 f"({self.policy.name}): its rows would need their decode-time queries; batch prompts of equal "
                 "length, or use a policy that scores keys only (knorm, window, streaming_llm)"
             )
-        self.rows = [
-            CompressedCache(
-                self._config,
-                quantizer=self.quantizer,
-                policy=self.policy,
-                keep=self.keep,
-                budget=self.budget,
-                every=self.every,
-                layers=self.rule.layers,
-                rope=self.rope,
-                packed_path=self.rule.packed_path,
-                _row_of=self,
-            )
-            for _ in range(n)
-        ]
-        return self.rows
+
+    def _new_row(self) -> CompressedCache:
+        """A row of a padded batch: evicts from its own tokens at its own budget, scored by its own queries
+        (its scaling, and where its queries come from, are the caller's: ``_row_of``), or quantizes its
+        own tokens, exactly as alone."""
+        return CompressedCache(self._config, **self._preset, _row_of=self)
 
     @property
     def scaling(self) -> float:
@@ -633,9 +632,6 @@ class CompressedCache(Cache):
         keeps them for the evictions while decoding: then call this when done with the cache)."""
         for layer in self.layers:
             layer.remove_hook()
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].held if layer_idx < len(self.layers) else 0
 
     @property
     def nbytes(self) -> int:

@@ -42,17 +42,16 @@ maximum length" reminder: it counts generated tokens, not positions.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
-from kvlab.hf.step import THREAD
+from kvlab.hf.live_cache import LiveCache, bind_to_model
 from kvlab.policy.window import SinksWindow, default_chunk
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, rope_spec_from_model
@@ -418,7 +417,7 @@ class SlidingRollingLayer(RollingLayer):
         self.held = 0
 
 
-class RollingCache(Cache):
+class RollingCache(LiveCache):
     """``sinks`` attention-sink tokens + a rolling window of ``window`` recent tokens, for any length.
 
     Between forward passes at most ``sinks + window`` tokens are kept (:class:`~kvlab.policy.SinksWindow`);
@@ -453,6 +452,7 @@ class RollingCache(Cache):
     # Only RollingLayers, typed as ours: transformers' Cache types the (invariant) list as any of its own
     # layer kinds, so narrowing it is an override mypy cannot accept.
     layers: list[RollingLayer]  # type: ignore[assignment]
+    rule: RollRule
 
     def __init__(
         self,
@@ -486,24 +486,30 @@ class RollingCache(Cache):
                 f"the per-layer RoPE covers {len(per_layer)} layers, the model has {n_layers}"
             )
         assert rope is not None  # _validate refused None
-        self.rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase)
-        self._config = text
-        self.rows: list[RollingCache] | None = None  # per-row caches once a padded batch arrived (bind)
+        rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase)
         self.codec, self.packed_path = codec, packed_path
-        self.packed_steps = 0  # one-token steps whose attention read the codes (bound, coded caches)
-        self.packed_steps_by_path = {"kernel": 0, "torch": 0}
         # a sliding layer the rolling window covers stores only what it can reach (hybrid models)
         layers: list[RollingLayer] = [
-            SlidingRollingLayer(self.rule, i, w)
-            if w is not None and window >= w
-            else RollingLayer(self.rule, i)
+            SlidingRollingLayer(rule, i, w) if w is not None and window >= w else RollingLayer(rule, i)
             for i, w in enumerate(sliding_windows(text))
         ]
         if codec is not None:
             from kvlab.hf.coded_rolling import CodedRollingLayer
 
-            layers = [CodedRollingLayer(self.rule, i, codec, packed_path) for i in range(n_layers)]
-        super().__init__(layers=cast("list[Any]", layers))  # transformers' list of its own layer kinds
+            layers = [CodedRollingLayer(rule, i, codec, packed_path) for i in range(n_layers)]
+        preset = {
+            "rope": rope,
+            "window": window,
+            "sinks": sinks,
+            "evict_chunk": evict_chunk,
+            "max_position": max_pos or None,
+            "rebase": rebase,
+            "codec": codec,
+            "packed_path": packed_path,
+        }
+        super().__init__(
+            cast("list[Any]", layers), rule, text, preset
+        )  # transformers' list of its layer kinds
 
     # -- settings and state (every layer holds the same counts; layer 0 answers) ----------------------
     window = property(lambda self: self.rule.policy.window)
@@ -542,12 +548,6 @@ class RollingCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].next_position
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].query_offset()
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -588,35 +588,37 @@ class RollingCache(Cache):
         ``position_ids`` a call brings *when the call carries a cache bound to this model* and those
         positions just continue the cache's token count (what ``generate`` passes): the model then
         takes its positions from :meth:`get_seq_length`, and the cache may choose them
-        (:meth:`choosing_positions`, for that forward only). Calls with another cache, padded batches
-        (rows at different positions: refused by the cache as always) and calls whose positions the
-        caller chose otherwise are left alone. :func:`rolling_cache_for` binds for you.
+        (:meth:`choosing_positions`, for that forward only: :meth:`open_forward`). Calls with another
+        cache, padded batches (rows at different positions: refused by the cache as always) and calls
+        whose positions the caller chose otherwise are left alone. :func:`rolling_cache_for` binds for you.
         """
         bind_to_model(self, model)
 
-    def start_rows(self, n: int) -> list[RollingCache]:
-        """Switch this empty cache to ``n`` per-row caches of the same settings (a padded batch under
-        ``model.generate``, :meth:`bind`): each row keeps its own sinks, window, positions and rolls,
-        exactly as it would alone. In place; the rows are in :attr:`rows`."""
-        if self.tokens_seen or self.rows is not None:
-            raise BadInputError("start_rows() needs an empty RollingCache")
-        r = self.rule
-        policy = r.policy
-        self.rows = [
-            RollingCache(
-                self._config,
-                r.rope,
-                window=int(policy.window or 1),
-                sinks=policy.sinks,
-                evict_chunk=r.evict_chunk,
-                max_position=r.max_position or None,
-                rebase=r.rebase,
-                codec=self.codec,
-                packed_path=self.packed_path,
-            )
-            for _ in range(n)
-        ]
-        return self.rows
+    @property
+    def empty(self) -> bool:
+        return not self.tokens_seen
+
+    def open_forward(self, model: Any, kwargs: dict) -> tuple[dict, Any] | None:
+        """For a forward whose positions just continue the cache's count (what ``generate`` passes): drop
+        them so the cache chooses them (it may re-base), and open the coded window's packed-code step."""
+        pos = kwargs.get("position_ids")
+        if isinstance(pos, torch.Tensor):
+            rows = pos.reshape(-1, pos.shape[-1])
+            start = self.tokens_seen
+            if not bool((rows == torch.arange(start, start + rows.shape[-1], device=rows.device)).all()):
+                return None  # positions the caller chose: not ours to replace
+        ctx = self.choosing_positions()
+        ctx.__enter__()
+        finish_step = self.begin_step(model, kwargs)  # a coded window: decode on its packed codes
+
+        def finish(out: Any) -> None:
+            try:
+                if finish_step is not None:
+                    finish_step(out)
+            finally:
+                ctx.__exit__(None, None, None)
+
+        return {**kwargs, "position_ids": None}, finish
 
     def begin_step(self, model: Any, kwargs: dict) -> Callable[[Any], None] | None:
         """Called by the bound model's pre-hook: a one-token step on a coded cache attends over the packed
@@ -702,68 +704,6 @@ class RollingCache(Cache):
 
     def __repr__(self) -> str:
         return self.describe()
-
-
-def bind_to_model(cache: Any, model: Any) -> None:
-    """Bind a kvlab cache to ``model``: one forward pre-hook per model (shared by every cache bound to
-    it) lets a left-padded batch run row by row on the cache (``cache.rows``, see
-    :func:`kvlab.hf.batch.begin_padded_rows`) and a :class:`RollingCache` choose its positions
-    (:meth:`RollingCache.bind`). Calls that carry no cache bound to this model pass untouched."""
-    cache._bound_to = weakref.ref(model)
-    if not getattr(model, "_kvlab_rolling_hooks", False):
-        model.register_forward_pre_hook(_let_bound_cache_choose, with_kwargs=True)
-        model.register_forward_hook(_restore_positions, with_kwargs=True, always_call=True)
-        model._kvlab_rolling_hooks = True
-
-
-def _let_bound_cache_choose(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of :func:`bind_to_model` (see there and :meth:`RollingCache.bind`)."""
-    stack = THREAD.calls
-    stack.append(None)  # one entry per call, pushed first: the post-hook (always called) pops it
-    key = "cache" if "cache" in kwargs else "past_key_values"
-    cache = kwargs.get(key)
-    bound = getattr(cache, "_bound_to", None)
-    if bound is None or bound() is not model:
-        return None
-    from kvlab.hf.batch import begin_padded_rows, end_padded_rows  # batch builds on this module
-
-    padded = begin_padded_rows(model, cache, key, kwargs)
-    if padded is not None:
-        new_kwargs, state = padded
-        stack[-1] = lambda out: end_padded_rows(state, out, failed=out is None)
-        return args, new_kwargs
-    if not isinstance(cache, RollingCache):
-        begin = getattr(cache, "begin_step", None)  # a CompressedCache: decode on its packed codes
-        finish_packed = begin(model, kwargs) if begin is not None else None
-        if finish_packed is not None:
-            stack[-1] = finish_packed
-        return None
-    pos = kwargs.get("position_ids")
-    if isinstance(pos, torch.Tensor):
-        rows = pos.reshape(-1, pos.shape[-1])
-        start = cache.tokens_seen
-        if not bool((rows == torch.arange(start, start + rows.shape[-1], device=rows.device)).all()):
-            return None  # positions the caller chose: not ours to replace
-    ctx = cache.choosing_positions()
-    ctx.__enter__()
-    finish_step = cache.begin_step(model, kwargs)  # a coded window: decode on its packed codes
-
-    def finish(out: Any) -> None:
-        try:
-            if finish_step is not None:
-                finish_step(out)
-        finally:
-            ctx.__exit__(None, None, None)
-
-    stack[-1] = finish
-    return args, {**kwargs, "position_ids": None}
-
-
-def _restore_positions(_model: Any, _args: tuple, _kwargs: dict, out: Any) -> None:
-    stack = THREAD.calls
-    finish = stack.pop() if stack else None
-    if finish is not None:
-        finish(out)
 
 
 def _validate(text: Any, rope: Rope | None, *, window, sinks, evict_chunk, max_pos, rebase) -> None:
