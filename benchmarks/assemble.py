@@ -14,6 +14,7 @@ ORDER = [
     "compressed_decode",
     "coded_window",
     "coded_window_20k",
+    "generate_20k_cli",
     "eval_ruler",
     "eval_ruler_full_1k",
     "eval_curves_1k",
