@@ -360,7 +360,7 @@ def memory_rows(
         ["peak RSS (ru_maxrss)", f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB", ""],
         ["largest RoPE position fed", f"{max_pos:,}", f"max_position_embeddings {limit:,}"],
         ["re-bases / rolls", f"{rebases} / {cache.rolls}", ""],
-        ["cache bytes at the end", f"{cache.nbytes() / 2**20:.1f} MiB", f"{cache.kept} tokens kept"],
+        ["cache bytes at the end", f"{cache.nbytes / 2**20:.1f} MiB", f"{cache.kept} tokens kept"],
         [
             f"decode throughput, RollingCache vs DynamicCache at {n_dyn} tokens "
             f"(median of {len(ratios)} paired blocks)",

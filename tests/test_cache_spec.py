@@ -170,7 +170,7 @@ def test_a_one_file_codec_and_policy_run_in_the_study(smollm, tmp_path):
 @pytest.mark.parametrize(
     ("spec", "kind"),
     [
-        ("full", "DynamicCache"),
+        ("full", "FullCache"),
         ("codec=int4", "CompressedCache"),
         ("sinks=4,window=64", "RollingCache"),
         ("sinks=4,window=96,chunk=32,codec=fp8,tail=16", "RollingCache"),

@@ -448,12 +448,12 @@ def register(app: typer.Typer) -> None:
             import json
 
             doc = {"text": text, "tokens": n, "seconds": time.perf_counter() - t0, "cache": cache.describe()}
-            sys.stdout.write(json.dumps({**doc, "held_bytes": cache.nbytes()}) + "\n")
+            sys.stdout.write(json.dumps({**doc, "held_bytes": cache.nbytes}) + "\n")
         if stats:
             dt = time.perf_counter() - t0
             sys.stderr.write(
                 f"[{n} tokens in {dt:.1f} s, {n / max(dt, 1e-9):.1f} tokens/s; {cache.describe()}; "
-                f"cache {cache.nbytes() / 2**20:.1f} MiB]\n"
+                f"cache {cache.nbytes / 2**20:.1f} MiB]\n"
             )
 
     @app.command("chat")

@@ -10,7 +10,7 @@ the same ``base``, ``slots``, plan, rolls and re-bases in every layer); only the
   slot is ever quantized twice and nothing is re-encoded;
 * the newest slots wait in a full-precision tail; like a roll, encoding is decided at the end of an
   update and applied at the start of the next, so a prompt fed in pieces with the roll held
-  (:meth:`RollingCache.hold_roll`, which also holds the codes) sees its earlier pieces in full
+  (:meth:`~kvlab.hf.live_cache.LiveCache.hold_roll`, which also holds the codes) sees its earlier pieces in full
   precision, as one forward would.
 
 Invariant: codes are stored at their slots' *original* positions (a roll does not move a window key's
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from kvlab.compress.quant.methods import Quantizer, Segment
 from kvlab.errors import BadInputError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
+from kvlab.hf.live_cache import restore_vars
 from kvlab.hf.rolling_cache import RollingLayer, RollPlan, RollRule
 from kvlab.rope.fast import rotate_by
 
@@ -96,10 +98,16 @@ class CodedRollingLayer(RollingLayer):
             self.encode_pending = False
         self._apply(self.plan)
 
-    def hold_codes(self) -> None:
-        """Keep the tail in full precision through the next forward (a prompt fed in pieces, with
-        :meth:`RollingCache.hold_roll`): every piece then sees the earlier ones as one forward would."""
+    def hold(self) -> None:
+        """Cancel the pending roll and keep the tail in full precision through the next forward (a prompt
+        fed in pieces, with :meth:`~kvlab.hf.live_cache.LiveCache.hold_roll`): every piece then sees the
+        earlier ones as one forward would."""
+        super().hold()
         self.encode_pending = False
+
+    def checkpoint(self) -> Callable[[], None]:
+        """Nothing is written in place here (module docstring): the attributes, lists copied, are the state."""
+        return restore_vars(self)
 
     def _take_sinks(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream's first ``sinks`` tokens become the sinks (originals at positions 0..); the rest."""

@@ -36,7 +36,7 @@ from kvlab.compress.evict.select import budget_slots, keep_indices
 from kvlab.compress.quant.methods import Quantizer, Segment, TokenCode, split_plan
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
-from kvlab.hf.live_cache import LiveCache, bind_to_model
+from kvlab.hf.live_cache import LiveCache, bind_to_model, restore_vars
 from kvlab.hf.step import Step, current, open_step
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import Rope, rope_for_layer, rope_spec_from_config
@@ -160,6 +160,61 @@ class CompressionRule:
     heads: str = "uniform"  # "ada": the layer's budget shared by its KV heads (kvlab.hf.ragged_layer)
     layers: str = "uniform"  # "pyramid": per-layer budgets falling from the bottom layer up (PyramidKV)
 
+    chooses_positions = False  # kept slots keep their original positions: the caller's are right
+
+    @property
+    def codec(self) -> Quantizer | None:
+        return self.quantizer
+
+    @property
+    def shared(self) -> bool:
+        """Whether layers or heads hold different counts (they attend through kvlab's ragged step)."""
+        return (self.heads, self.layers) != ("uniform", "uniform")
+
+    def describe(self) -> str:
+        parts = []
+        if self.policy is not None:
+            parts.append(self.policy.name)
+            parts.append(f"budget={self.budget}" if self.budget is not None else f"keep={self.keep}")
+            if self.every is not None:
+                parts.append(f"every={self.every}")
+            parts += [
+                f"{k}={v}" for k, v in (("heads", self.heads), ("layers", self.layers)) if v != "uniform"
+            ]
+        if self.quantizer is not None:
+            parts.append(f"codec={self.quantizer.name}")
+        return ", ".join(parts) or "every slot, full precision"
+
+    def check_seed(self, n: int) -> None:
+        """A prefix is taken exactly unless the eviction would score the prefill's queries (a seed has none)."""
+        if self.policy is not None and self.policy.needs_queries:
+            raise BadInputError(
+                f"seed() cannot fill a cache that evicts by attention ({self.policy.name}): its eviction scores "
+                "the prefill's queries, which a stored prefix has not got; feed the prompt through the model"
+            )
+
+    def open_step(self, cache: Any, model: Any, kwargs: dict) -> Callable[[Any], None] | None:
+        """Per-head or per-layer budgets, once evicted, attend through the ragged step; a codec's one-token
+        steps over the packed codes (:mod:`kvlab.compress.quant.attention`); anything else through SDPA."""
+        if self.shared and cache.layers[0].evicted:
+            from kvlab.hf.ragged_layer import RaggedStep
+
+            step = RaggedStep()
+            close = open_step(model, step)
+
+            def finish(out: Any) -> None:
+                close()
+                if out is not None and step.views:
+                    raise UnsupportedModelError(
+                        "the model did not attend through transformers' attention interface in every layer, "
+                        "so a per-head (ada) cache cannot run on it (discard the cache)"
+                    )
+
+            return finish
+        if self.quantizer is None:
+            return None
+        return open_packed_step(cache, self, self.packed_path, model, kwargs)
+
     def budget_for(self, prefill: int, layer: int = 0) -> int:
         """The slots per KV head (on average, with ``heads="ada"``) layer ``layer`` keeps after a prefill of
         ``prefill`` tokens (and while decoding)."""
@@ -191,6 +246,8 @@ class CompressedLayer(DynamicLayer):
         self.rule, self.index = rule, index
         self.rope = rope_for_layer(rule.rope, index)  # this layer's RoPE (None: no RoPE on this layer)
         self.query_hook: Any = None
+        self.query_module: Any = None  # the q_proj the hook is on (re-hooked if a checkpoint restores it)
+        self.may_rebase = False  # set by LiveCache.choosing_positions; kept slots keep their positions
         self.seen = 0
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
@@ -229,6 +286,54 @@ class CompressedLayer(DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.held + query_length, 0
+
+    # -- the live-layer interface (kvlab.hf.live_cache) --------------------------------------------------
+    @property
+    def kept(self) -> int:
+        return self.held
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.seen
+
+    def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decoded()
+
+    def kept_positions(self) -> torch.Tensor:
+        """Original positions of the held slots: ``[B, Hkv, held]`` once the layer has evicted (heads keep
+        different tokens), else ``[held]``."""
+        if self.positions is not None:
+            return self.positions
+        return torch.arange(self.seen - self.held, self.seen, device="cpu")
+
+    def checkpoint(self) -> Callable[[], None]:
+        """This layer writes no tensor in place (each update builds new ones): its attributes, lists copied,
+        are its state; a query hook removed since (the prefill's eviction) is put back on its module."""
+        restore = restore_vars(self)
+        hooked = self.query_hook is not None
+
+        def put_back() -> None:
+            removed = hooked and self.query_hook is None
+            restore()
+            if removed and self.query_module is not None:
+                self.query_hook = self.query_module.register_forward_hook(self.capture_queries)
+
+        return put_back
+
+    def hold(self) -> None:
+        raise BadInputError(
+            "a CompressedCache evicts and encodes inside each update, so a prompt fed in pieces is not the "
+            "prompt fed at once: feed it in one forward"
+        )
+
+    def seed(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.update(k, v)
+
+    def close(self) -> None:
+        self.remove_hook()
+
+    def describe_state(self) -> str:
+        return f"{self.held} kept, {self.seen} seen, {self.evictions} evictions"
 
     def query_offset(self) -> int:
         """Where the next queries sit among the slots: after every slot held (kept positions are RoPE's)."""
@@ -458,6 +563,11 @@ class CompressedLayer(DynamicLayer):
             self.recent_queries.append(self.pending_queries[:, -n_new:])
             self.pending_queries = None
 
+    def hook_queries(self, attention: Any) -> None:
+        """Capture the queries of ``attention.q_proj`` (attention-scored eviction)."""
+        self.query_module = attention.q_proj
+        self.query_hook = self.query_module.register_forward_hook(self.capture_queries)
+
     def remove_hook(self) -> None:
         if self.query_hook is not None:
             self.query_hook.remove()
@@ -572,13 +682,9 @@ class CompressedCache(LiveCache):
         }
         super().__init__([layer_class(self.rule, i) for i in range(n_layers)], self.rule, config, preset)
         for layer, mod in zip(self.layers, mods or (), strict=False):
-            layer.query_hook = mod.q_proj.register_forward_hook(layer.capture_queries)
+            layer.hook_queries(mod)
         if model is not None and _row_of is None:
             bind_to_model(self, model)  # a left-padded batch then runs row by row (kvlab.hf.batch)
-
-    @property
-    def empty(self) -> bool:
-        return not self.layers[0].seen
 
     def _check_rows(self) -> None:
         if self.rule.heads == "ada":
@@ -602,40 +708,6 @@ class CompressedCache(LiveCache):
     @property
     def scaling(self) -> float:
         return self.rule.scaling
-
-    def begin_step(self, model: Any, kwargs: dict) -> Callable[[Any], None] | None:
-        """Called by the bound model's pre-hook: a one-token decode step on a quantizing cache attends
-        over the packed codes (no full-precision copy of the history; see
-        :mod:`kvlab.compress.quant.attention`). Returns what closes the step, or None (reference path)."""
-        shared = (self.rule.heads, self.rule.layers) != ("uniform", "uniform")
-        if shared and self.rows is None and self.layers[0].evicted:
-            from kvlab.hf.ragged_layer import RaggedStep
-
-            step = RaggedStep()
-            close = open_step(model, step)
-
-            def finish(out: Any) -> None:
-                close()
-                if out is not None and step.views:
-                    raise UnsupportedModelError(
-                        "the model did not attend through transformers' attention interface in every layer, "
-                        "so a per-head (ada) cache cannot run on it (discard the cache)"
-                    )
-
-            return finish
-        if self.quantizer is None or self.rows is not None:
-            return None
-        return open_packed_step(self, self.rule, self.rule.packed_path, model, kwargs)
-
-    def close(self) -> None:
-        """Remove the query hooks (done automatically as each layer evicts its prefill, unless ``every``
-        keeps them for the evictions while decoding: then call this when done with the cache)."""
-        for layer in self.layers:
-            layer.remove_hook()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
 
     @property
     def held(self) -> int:

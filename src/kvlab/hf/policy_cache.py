@@ -3,7 +3,8 @@
 ``cache_for(parse("sinks=4,window=2048,codec=kivi4"), model)`` returns a cache ready for
 ``model.generate(..., cache=...)``, kvlab's own loop or the server, bound to its model:
 
-* ``full`` — transformers' ``DynamicCache`` (the reference);
+* ``full`` — :class:`~kvlab.hf.live_cache.FullCache`: transformers' dynamic layers (the reference, the same
+  numbers as a ``DynamicCache``) with the live-cache interface;
 * a codec over every slot — :class:`~kvlab.hf.compressed_cache.CompressedCache` (``quantizer=``);
 * sinks + window, with or without a codec — :class:`~kvlab.hf.rolling_cache.RollingCache`
   (a codec stores the window as codes: :mod:`kvlab.hf.coded_rolling`);
@@ -47,14 +48,14 @@ def cache_for(policy: CachePolicy | str, handle: Any, *, packed_path: str = "aut
     if isinstance(lay, SinksWindowLayout):
         from kvlab.hf.rolling_cache import rolling_cache_for
 
-        cache = rolling_cache_for(
-            handle, window=lay.window, sinks=lay.sinks, evict_chunk=lay.chunk or None, codec=codec
+        return rolling_cache_for(
+            handle,
+            window=lay.window,
+            sinks=lay.sinks,
+            evict_chunk=lay.chunk or None,
+            codec=codec,
+            packed_path=packed_path,
         )
-        if codec is not None:
-            cache.packed_path = packed_path
-            for layer in cache.layers:
-                setattr(layer, "packed_path", packed_path)  # noqa: B010  (CodedRollingLayer's)
-        return cache
     from kvlab.hf.compressed_cache import CompressedCache
 
     if isinstance(lay, ScoredLayout):
@@ -72,9 +73,13 @@ def cache_for(policy: CachePolicy | str, handle: Any, *, packed_path: str = "aut
         )
     if codec is not None:
         return CompressedCache(config, quantizer=codec, model=model, packed_path=packed_path)
+    from kvlab.hf.live_cache import FullCache, full_cache_supported
+
+    if full_cache_supported(config):
+        return FullCache(config)
     from transformers import DynamicCache
 
-    return DynamicCache(config=config)
+    return DynamicCache(config=config)  # layers kvlab does not wrap (linear attention): transformers' own
 
 
 def held_bytes(cache: Any) -> int:

@@ -106,6 +106,13 @@ class RaggedLayer(CompressedLayer):
             )
         return super().decoded()
 
+    def kept_positions(self) -> torch.Tensor:
+        if self.evicted:
+            raise BadInputError(
+                "a per-head (ada) layer keeps a different number of slots per head: read head_positions"
+            )
+        return super().kept_positions()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.evicted:
             if key_states.shape[0] != 1:  # refused before anything changes

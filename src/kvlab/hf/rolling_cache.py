@@ -41,23 +41,19 @@ maximum length" reminder: it counts generated tokens, not positions.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions, sliding_windows
-from kvlab.hf.live_cache import LiveCache, bind_to_model
+from kvlab.hf.live_cache import LiveCache
 from kvlab.policy.window import SinksWindow, default_chunk
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, rope_spec_from_model
-
-if TYPE_CHECKING:
-    from kvlab.hf.coded_rolling import CodedRollingLayer
 
 Rebase = Literal["auto", "always", "never"]
 
@@ -97,6 +93,30 @@ class RollRule:
     evict_chunk: int
     max_position: int  # 0: no maximum
     rebase: Rebase
+    codec: Any = None  # a Quantizer: the window is stored as its codes (kvlab.hf.coded_rolling)
+    packed_path: str = "auto"  # how a bound coded cache's one-token steps read the codes
+
+    chooses_positions = True  # the cache re-positions tokens: a bound forward lets it pick positions
+
+    def describe(self) -> str:
+        codec = f", codec={self.codec.name}" if self.codec is not None else ""
+        return (
+            f"sinks={self.policy.sinks}, window={self.policy.window}, chunk={self.evict_chunk}, "
+            f"rebase={self.rebase}{codec}"
+        )
+
+    def check_seed(self, n: int) -> None:
+        """A prefix is taken exactly only while no roll would have happened feeding it."""
+        if n > int(self.policy.capacity or 0):
+            raise BadInputError(f"seed() takes 1 to sinks + window ({self.policy.capacity}) tokens, got {n}")
+
+    def open_step(self, cache: Any, model: Any, kwargs: dict) -> Callable[[Any], None] | None:
+        """A one-token step of a bound coded window attends over its packed codes (:mod:`kvlab.hf.coded_rolling`)."""
+        if self.codec is None:
+            return None
+        from kvlab.hf.compressed_cache import open_packed_step
+
+        return open_packed_step(cache, self, self.packed_path, model, kwargs)
 
     @property
     def headroom(self) -> int:
@@ -144,6 +164,7 @@ class RollingLayer(CacheLayerMixin):
         self.slots = 0  # tokens held (including those a pending drop will remove)
         self.plan = RollPlan()
         self.tokens_seen = self.rolls = self.rebases = 0
+        self.updates = 0  # forwards taken (a checkpoint of the buffers undoes one)
         self.may_rebase = False  # set by the cache while its caller lets it choose positions
 
     # -- positions -----------------------------------------------------------------------------------
@@ -178,6 +199,64 @@ class RollingLayer(CacheLayerMixin):
 
     def _steady_slots(self) -> int:
         return int(self.rule.policy.capacity or 0) + 2 * self.rule.evict_chunk
+
+    # -- the live-layer interface (kvlab.hf.live_cache) --------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the key and value buffers (with their spare room) and the sinks' original keys."""
+        ts = (self._buf_k, self._buf_v, self.sink_keys)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def kept_positions(self) -> torch.Tensor:
+        """``[kept]`` RoPE positions of the kept slots as the next forward sees them (contiguous), on the host."""
+        return torch.arange(self.next_position - self.kept, self.next_position, device="cpu")
+
+    def hold(self) -> None:
+        """Cancel the roll the last forward planned, so that the next forward continues it (in place)."""
+        self.plan = RollPlan()
+
+    def seed(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.update(k, v)
+
+    def close(self) -> None:
+        """Nothing held outside the cache."""
+
+    def _moves_held(self) -> bool:
+        """Whether the next update moves or rotates held slots (a roll or a re-base)."""
+        return self.plan.pending
+
+    def checkpoint(self) -> Callable[[], None]:
+        """The layer's state now, as a function that puts it back (in place) after the next forward (a step
+        that failed part-way); refused after more than one, whose writes it does not cover.
+
+        A step that applies no roll writes only past the held slots, so the layer's attributes (counts, the
+        plan, the buffer views) are all there is to restore; a step that moves or rotates held slots (a roll,
+        a sliding layer's trim, a re-base) has them copied too (once per eviction chunk)."""
+        held = None
+        if self._moves_held() and self.keys is not None and self.values is not None:
+            held = (self.keys.clone(), self.values.clone())
+        saved = dict(vars(self))
+
+        def restore() -> None:
+            if self.updates > saved["updates"] + 1:
+                raise BadInputError(
+                    f"this checkpoint of a rolling layer undoes one forward; {self.updates - saved['updates']} "
+                    "ran since it was taken (take one before each forward)"
+                )
+            vars(self).clear()
+            vars(self).update(saved)
+            if held is not None:  # the views of the buffers as they were: their slots back in place
+                assert self.keys is not None and self.values is not None  # they were (see held above)
+                self.keys.copy_(held[0])
+                self.values.copy_(held[1])
+
+        return restore
+
+    def describe_state(self) -> str:
+        return (
+            f"{self.kept} kept, positions {self.next_position - self.kept}..{self.next_position - 1}, "
+            f"{self.tokens_seen} seen, {self.rolls} rolls, {self.rebases} re-bases"
+        )
 
     # -- the update ------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -228,6 +307,7 @@ class RollingLayer(CacheLayerMixin):
         self.base += plan.drop - plan.rebase
         self.slots += n_new - plan.drop
         self.tokens_seen += n_new
+        self.updates += 1
         self.plan = self.rule.next_plan(self.base, self.slots, self.may_rebase)
 
     def _apply_plan(self) -> int:
@@ -330,7 +410,7 @@ class RollingLayer(CacheLayerMixin):
         self.keys = self.values = self.sink_keys = None
         self._buf_k = self._buf_v = None
         self.is_initialized = False
-        self.base = self.slots = self.tokens_seen = self.rolls = self.rebases = 0
+        self.base = self.slots = self.tokens_seen = self.rolls = self.rebases = self.updates = 0
         self.plan = RollPlan()
 
 
@@ -370,6 +450,9 @@ class SlidingRollingLayer(RollingLayer):
 
     def _steady_slots(self) -> int:
         return self.reach + 2 * self.rule.evict_chunk
+
+    def _moves_held(self) -> bool:
+        return self.plan.pending or self._held_next() < self.held
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Trim to the reach (once per chunk), apply a pending re-base to what is held, append the new
@@ -486,8 +569,7 @@ class RollingCache(LiveCache):
                 f"the per-layer RoPE covers {len(per_layer)} layers, the model has {n_layers}"
             )
         assert rope is not None  # _validate refused None
-        rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase)
-        self.codec, self.packed_path = codec, packed_path
+        rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase, codec, packed_path)
         # a sliding layer the rolling window covers stores only what it can reach (hybrid models)
         layers: list[RollingLayer] = [
             SlidingRollingLayer(rule, i, w) if w is not None and window >= w else RollingLayer(rule, i)
@@ -518,192 +600,20 @@ class RollingCache(LiveCache):
     max_position = property(lambda self: self.rule.max_position)
     rebase_mode = property(lambda self: self.rule.rebase)
     headroom = property(lambda self: self.rule.headroom)
+    codec = property(lambda self: self.rule.codec)
+    packed_path = property(lambda self: self.rule.packed_path)
     base = property(lambda self: self.layers[0].base)
     slots = property(lambda self: self.layers[0].slots)
     plan = property(lambda self: self.layers[0].plan)
-    kept = property(lambda self: self.layers[0].kept)
     next_position = property(lambda self: self.layers[0].next_position)
-    tokens_seen = property(lambda self: self.layers[0].tokens_seen)
     rolls = property(lambda self: self.layers[0].rolls)
     rebases = property(lambda self: self.layers[0].rebases)
-
-    @contextlib.contextmanager
-    def choosing_positions(self) -> Iterator[None]:
-        """Inside, the caller passes no ``position_ids``: the model takes them from :meth:`get_seq_length`,
-        so the cache may re-base. :meth:`kvlab.model.ModelHandle.run` enters this whenever it is called
-        without positions; ``model.generate`` (which passes its own) never does, so it never sees a re-base."""
-        before = [layer.may_rebase for layer in self.layers]
-        for layer in self.layers:
-            layer.may_rebase = True
-        try:
-            yield
-        finally:
-            for layer, was in zip(self.layers, before, strict=True):
-                layer.may_rebase = was
-
-    def positions(self) -> torch.Tensor:
-        """``[kept]`` RoPE positions of the kept slots as the next forward sees them (contiguous), on the
-        host like every snapshot's positions."""
-        return torch.arange(self.next_position - self.kept, self.next_position, device="cpu")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].next_position
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise UnsupportedModelError(
-            "a RollingCache cannot be cropped (it has already forgotten evicted tokens); "
-            "disable assisted/speculative decoding with it"
-        )
-
-    def seed(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Load a prefix's K/V (``[1, kv_heads, T, head_dim]`` per layer, keys at positions ``0..T-1``)
-        into this empty cache, as if those ``T`` tokens had been fed. In place.
-
-        Refused unless the cache is empty and ``T <= sinks + window`` (no roll would have happened
-        while feeding them, so the result equals feeding them, up to the summation order of the
-        forward that computed the prefix). The server uses it to start a conversation from a stored
-        prefix (:mod:`kvlab.serve`).
-        """
-        if self.tokens_seen:
-            raise BadInputError("seed() needs an empty RollingCache")
-        if len(layers) != len(self.layers):
-            raise BadInputError(f"seed() got {len(layers)} layers for a {len(self.layers)}-layer cache")
-        n = int(layers[0][0].shape[-2])
-        if not 1 <= n <= int(self.rule.policy.capacity or 0):
-            raise BadInputError(
-                f"seed() takes 1 to sinks + window ({self.rule.policy.capacity}) tokens, got {n}"
-            )
-        for layer, (k, v) in zip(self.layers, layers, strict=True):
-            if k.shape[0] != 1 or k.shape[-2] != n or v.shape[-2] != n:
-                raise BadInputError("seed() takes one row of equal length in every layer")
-            layer.update(k, v)
-
-    def bind(self, model: Any) -> None:
-        """Let ``model.generate`` (and any direct ``model(...)`` call with this cache) re-base, in place.
-
-        A forward pre-hook on ``model`` (one per model, shared by every cache bound to it) drops the
-        ``position_ids`` a call brings *when the call carries a cache bound to this model* and those
-        positions just continue the cache's token count (what ``generate`` passes): the model then
-        takes its positions from :meth:`get_seq_length`, and the cache may choose them
-        (:meth:`choosing_positions`, for that forward only: :meth:`open_forward`). Calls with another
-        cache, padded batches (rows at different positions: refused by the cache as always) and calls
-        whose positions the caller chose otherwise are left alone. :func:`rolling_cache_for` binds for you.
-        """
-        bind_to_model(self, model)
-
-    @property
-    def empty(self) -> bool:
-        return not self.tokens_seen
-
-    def open_forward(self, model: Any, kwargs: dict) -> tuple[dict, Any] | None:
-        """For a forward whose positions just continue the cache's count (what ``generate`` passes): drop
-        them so the cache chooses them (it may re-base), and open the coded window's packed-code step."""
-        pos = kwargs.get("position_ids")
-        if isinstance(pos, torch.Tensor):
-            rows = pos.reshape(-1, pos.shape[-1])
-            start = self.tokens_seen
-            if not bool((rows == torch.arange(start, start + rows.shape[-1], device=rows.device)).all()):
-                return None  # positions the caller chose: not ours to replace
-        ctx = self.choosing_positions()
-        ctx.__enter__()
-        finish_step = self.begin_step(model, kwargs)  # a coded window: decode on its packed codes
-
-        def finish(out: Any) -> None:
-            try:
-                if finish_step is not None:
-                    finish_step(out)
-            finally:
-                ctx.__exit__(None, None, None)
-
-        return {**kwargs, "position_ids": None}, finish
-
-    def begin_step(self, model: Any, kwargs: dict) -> Callable[[Any], None] | None:
-        """Called by the bound model's pre-hook: a one-token step on a coded cache attends over the packed
-        codes (:mod:`kvlab.hf.coded_rolling`). Returns what closes the step, or None (reference path)."""
-        if self.codec is None or self.rows is not None:
-            return None
-        from kvlab.hf.compressed_cache import open_packed_step
-
-        return open_packed_step(self, self.rule, self.packed_path, model, kwargs)
-
-    # -- inspection ----------------------------------------------------------------------------------
-    def hold_roll(self) -> None:
-        """Cancel the roll the last forward planned, so that the next forward continues it (in place).
-
-        A prompt fed in pieces with the roll held after every piece but the last equals the prompt fed in
-        one forward (up to the summation order of the matmuls): every piece sees every token before it, as
-        one forward's causal mask would let it, and the last piece plans the roll from the total. Without
-        it, a cache past its window would evict between pieces, so what a token attends to would depend on
-        how the prompt was cut. The pieces of one such forward must not exceed :attr:`headroom` together.
-        """
-        for layer in self._rolling_layers():
-            layer.plan = RollPlan()
-            hold = getattr(layer, "hold_codes", None)  # a coded window keeps its tail in fp too
-            if hold is not None:
-                hold()
-
-    def checkpoint(self) -> Callable[[], None]:
-        """The cache's state now, as a function that puts it back (in place) if a step fails part-way.
-
-        A step that applies no roll writes only past each layer's held slots, so the layers' own
-        attributes (counts, the plan, the buffer views) are all there is to restore; a step that applies a
-        roll (or a sliding layer's trim, or a re-base) moves or rotates held slots, so those are copied too
-        (once per eviction chunk)."""
-        saved = []
-        for layer in self._rolling_layers():
-            moves = layer.plan.pending or (
-                isinstance(layer, SlidingRollingLayer) and layer._held_next() < layer.held
-            )
-            held = None
-            if moves and layer.keys is not None and layer.values is not None:
-                held = (layer.keys.clone(), layer.values.clone())
-            saved.append((layer, dict(vars(layer)), held))
-
-        def restore() -> None:
-            for layer, state, kv in saved:
-                vars(layer).clear()
-                vars(layer).update(state)
-                if kv is not None:  # the views of the buffers as they were: their slots back in place
-                    assert layer.keys is not None and layer.values is not None  # they were (see held above)
-                    layer.keys.copy_(kv[0])
-                    layer.values.copy_(kv[1])
-
-        return restore
-
-    def _rolling_layers(self) -> list[RollingLayer]:
-        return list(self.layers)
-
-    def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``[(keys, values)]`` per layer as the next forward will see them (pending roll applied).
-
-        Copies: the cache writes into its buffers in place, so views would change under the caller.
-        """
-        return [(k.clone(), v.clone()) for k, v in (layer.visible() for layer in self.layers)]
-
-    def nbytes(self) -> int:
-        """Bytes the cache holds: every layer's key and value buffers (with their spare room) and sinks."""
-        if self.codec is not None:
-            return sum(layer.nbytes for layer in cast("list[CodedRollingLayer]", self.layers))
-        return sum(
-            t.numel() * t.element_size()
-            for layer in self.layers
-            for t in (layer._buf_k, layer._buf_v, layer.sink_keys)
-            if t is not None
-        )
-
-    def describe(self) -> str:
-        return (
-            f"RollingCache(sinks={self.sinks}, window={self.window}, chunk={self.evict_chunk}, rebase={self.rebase_mode}"
-            f"{', codec=' + self.codec.name if self.codec is not None else ''}: "
-            f"{self.kept} kept, positions {self.next_position - self.kept}..{self.next_position - 1}, "
-            f"{self.tokens_seen} seen, {self.rolls} rolls, {self.rebases} re-bases)"
-        )
-
-    def __repr__(self) -> str:
-        return self.describe()
 
 
 def _validate(text: Any, rope: Rope | None, *, window, sinks, evict_chunk, max_pos, rebase) -> None:
@@ -742,6 +652,7 @@ def rolling_cache_for(
     rebase: Rebase = "auto",
     max_position: int | None = None,
     codec: Any = None,
+    packed_path: str = "auto",
 ) -> RollingCache:
     """A :class:`RollingCache` for a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM
     (its config, RoPE and maximum position; what it reads from a handle: :class:`~kvlab.hf.runner.Runner`),
@@ -769,6 +680,7 @@ def rolling_cache_for(
         max_position=max_position or max_pos,
         rebase=rebase,
         codec=codec,
+        packed_path=packed_path,
     )
     cache.bind(model)
     return cache

@@ -735,7 +735,7 @@ class Engine:
             row.info["completion_ids"] = list(row.out)
             row.info["kept_tokens"] = row.session.cache.kept
             row.info["pinned_tokens"] = row.session.pinned
-            row.info["cache_bytes"] = row.session.cache.nbytes()  # what the conversation's cache holds now
+            row.info["cache_bytes"] = row.session.cache.nbytes  # what the conversation's cache holds now
             if row.req.logprobs is not None:
                 row.info["_logprobs"] = row.logprobs
             events.append(("done", row.finish, row.info, row.text))
@@ -779,7 +779,7 @@ class Engine:
         """Bytes the idle sessions' caches hold (bounded by ``max_sessions``)."""
         with self._sessions_lock:
             caches = [s.cache for s in self.sessions.values()]
-        return sum(c.nbytes() for c in caches)
+        return sum(c.nbytes for c in caches)
 
     def store_memory_bytes(self) -> int:
         """K/V bytes the store's memory tier holds (bounded by its cap); 0 without one."""
