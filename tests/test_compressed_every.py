@@ -356,9 +356,28 @@ def test_bad_combinations_are_one_clear_error(tiny):
         CompressedCache(cfg, policy=KeyNorm(), budget=0)
     with pytest.raises(BadInputError, match="smaller than the 4 sinks"):
         CompressedCache(cfg, policy=StreamingLLM(sinks=4), budget=3)
-    # a budget above the prompt: refused at the prefill, before the cache changes
-    cache = CompressedCache(cfg, policy=H2O(), budget=50, every=8, model=m)
+    # a budget above the prompt, evicting once: refused at the prefill, before the cache changes
+    cache = CompressedCache(cfg, policy=H2O(), budget=50, model=m)
     with pytest.raises(BadInputError, match=r"budget=50 .* prompt's 20 tokens"):
         m(ids_of(20), **{cache_argument(m): cache}, use_cache=True)
     assert cache.get_seq_length() == 0 and cache.held == 0
+    cache.close()
+
+
+def test_a_budget_above_the_prompt_keeps_everything_until_the_stream_outgrows_it(tiny):
+    """With every= (a stream, a server's conversation) a budget above the first prompt is not a mistake: the
+    cache keeps every token until it holds budget + every, then evicts back to the budget."""
+    m = tiny.model
+    cache = CompressedCache(tiny.config, policy=H2O(), budget=50, every=8, model=m)
+    ids = ids_of(80)
+    with torch.no_grad():
+        out = m(ids[:, :20], **{cache_argument(m): cache}, use_cache=True)
+        assert cache.held == 20 and cache.evictions == 1  # the prefill's "eviction" kept all 20
+        held = []
+        for i in range(20, 80):
+            out = m(ids[:, i : i + 1], **{cache_argument(m): cache}, use_cache=True)
+            held.append(cache.held)
+    assert out.logits.isfinite().all()
+    assert max(held) == 50 + 8 - 1 and min(held[40:]) >= 50 and cache.evictions > 1
+    assert held[:30] == list(range(21, 51))  # nothing dropped while under the budget
     cache.close()

@@ -117,7 +117,9 @@ def test_the_full_cache_equals_transformers_dynamic_cache(tiny_model, one_torch_
     assert ours.get_seq_length() == theirs.get_seq_length() == 70
     for mine, ref in zip(ours.layers, theirs.layers, strict=True):
         assert type(ref) in type(mine).__mro__ and torch.equal(mine.keys, ref.keys)
-    assert ours.nbytes == sum(t.numel() * t.element_size() for la in theirs.layers for t in (la.keys, la.values))
+    assert ours.nbytes == sum(
+        t.numel() * t.element_size() for la in theirs.layers for t in (la.keys, la.values)
+    )
     if family != "gemma3":
         ours.crop(-5)  # exact here, as transformers' own
         assert ours.get_seq_length() == 65

@@ -81,9 +81,16 @@ def test_serve_runs_sinks_window_specs_only_and_sets_the_window_from_the_spec():
         and plain.policy.spec == "sinks=4,window=64,chunk=16"
         and plain.policy.codec is None
     )
-    for spec in ("h2o,keep=0.25", "full", "int4", "kivi:int2", "snapkv:0.5", "sinks=4,codec=kivi4"):
+    for spec in ("full", "int4", "kivi:int2", "sinks=4,codec=kivi4"):
         with pytest.raises(BadInputError, match="kvlab serve runs sinks \\+ window caches"):
             EngineSettings(cache=spec)
+    for spec in ("h2o,keep=0.25", "snapkv:0.5"):  # scored layouts run only while they keep their budget
+        with pytest.raises(BadInputError, match="add every=N"):
+            EngineSettings(cache=spec)
+    with pytest.raises(BadInputError, match="per-head budgets"):
+        EngineSettings(cache="tova,keep=0.5,every=8,heads=ada")
+    scored = EngineSettings(cache="h2o, budget=64, every=16")
+    assert not scored.rolling and scored.cache == "h2o,budget=64,every=16"
     with pytest.raises(BadInputError, match="unknown codec"):
         EngineSettings(cache="sinks=4,window=96,codec=nope4")
 
@@ -200,7 +207,7 @@ def test_a_stored_prefix_is_full_precision_and_seeds_every_policy_alike(tiny_mod
 
 # -- the command line: one line and exit 2, before the model loads ------------------------------------------
 BAD = [
-    (["serve", "--cache", "h2o,keep=0.25"], "kvlab serve runs sinks + window caches"),
+    (["serve", "--cache", "h2o,keep=0.25"], "add every=N"),
     (["serve", "--cache", "full"], "kvlab serve runs sinks + window caches"),
     (["serve", "--cache", "kivi4"], "kvlab serve runs sinks + window caches"),
     (["serve", "--cache", "sinks=4,window=96,codec=nope4"], "unknown codec"),

@@ -46,7 +46,8 @@ def register(app: typer.Typer) -> None:
                 "--cache",
                 help="Cache policy of every conversation, instead of --window/--sinks/--evict-chunk: a sinks + "
                 "window layout, in full precision or over a codec, e.g. sinks=4,window=2048,codec=kivi4 "
-                "(sinks=N,window=N[,chunk=N][,codec=C[,tail=N]]). See docs/serving.md.",
+                "(sinks=N,window=N[,chunk=N][,codec=C[,tail=N]]), or a scored layout that keeps its budget "
+                "while decoding, e.g. h2o,budget=1024,every=64. See docs/serving.md.",
             ),
         ] = None,
         api_key: Annotated[
@@ -172,7 +173,7 @@ def register(app: typer.Typer) -> None:
             ]
             if given:
                 raise BadInputError(
-                    f"--cache sets the window, sinks and chunk itself; drop {', '.join(given)} "
+                    f"--cache sets the cache policy itself; drop {', '.join(given)} "
                     "(or write them into the spec: sinks=N,window=N,chunk=N)"
                 )
             serve_policy(cache)  # one line naming what serve runs, before the model loads

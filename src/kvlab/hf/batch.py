@@ -30,7 +30,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.rolling_cache import RollingCache, RollingLayer
+from kvlab.hf.live_cache import LiveCache
+from kvlab.hf.rolling_cache import RollingLayer
 from kvlab.hf.runner import Runner
 from kvlab.hf.step import Step, causal_after, open_step
 
@@ -63,8 +64,13 @@ class _RowsCache(Cache, Step):
         queries = getattr(self.outer.layers[layer_idx], "pending_queries", None) if self.outer else None
         views = []
         for r, (layers, p) in enumerate(zip(self.row_layers, self.pads, strict=True)):
-            if queries is not None and not getattr(layers[layer_idx], "evicted", True):
-                layers[layer_idx].pending_queries = queries[r : r + 1, p:]
+            layer = layers[layer_idx]
+            if queries is not None and not getattr(layer, "evicted", True):
+                layer.pending_queries = queries[r : r + 1, p:]
+            elif queries is None and getattr(layer, "pending_queries", None) is not None:
+                # a decode step over separate caches that keep evicting by attention (every=): each cache's
+                # query hook saw this forward's queries of every row; this row's are its own
+                layer.pending_queries = layer.pending_queries[r : r + 1]
             views.append(
                 layers[layer_idx].update(key_states[r : r + 1, :, p:], value_states[r : r + 1, :, p:])
             )
@@ -138,7 +144,7 @@ def _rows_step(model: Any, rows: _RowsCache) -> Iterator[None]:
 
 
 @torch.no_grad()
-def step_rolling_rows(handle: Runner, caches: Sequence[RollingCache], tokens: Sequence[int]) -> torch.Tensor:
+def step_rolling_rows(handle: Runner, caches: Sequence[LiveCache], tokens: Sequence[int]) -> torch.Tensor:
     """Feed ``tokens[r]`` to ``caches[r]`` for every row in one forward; returns ``[rows, vocab]`` logits.
 
     Writes into every cache (one token each; in place, like any decode step). If the forward fails
@@ -156,7 +162,8 @@ def step_rolling_rows(handle: Runner, caches: Sequence[RollingCache], tokens: Se
         out = handle.run(torch.tensor([[int(tokens[0])]], device=handle.device), caches[0], logits_to_keep=1)
         return out.logits[:, -1].float()
     rows = _RowsCache(caches)
-    positions = torch.tensor([[c.next_position] for c in caches], dtype=torch.long, device=handle.device)
+    # each row's next position: a rolling cache's (which may re-base), an evicting one's token count
+    positions = torch.tensor([[c.get_seq_length()] for c in caches], dtype=torch.long, device=handle.device)
     ids = torch.tensor([[int(t)] for t in tokens], dtype=torch.long, device=handle.device)
     # a prepared 4-D mask keeps transformers from building one (attention is per row and needs none)
     mask = torch.zeros((len(caches), 1, 1, 1), dtype=handle.dtype, device=handle.device)
@@ -259,13 +266,13 @@ def end_padded_rows(state: Any, out: Any, failed: bool) -> None:
 
 @torch.no_grad()
 def step_rolling_rows_isolated(
-    handle: Runner, caches: Sequence[RollingCache], tokens: Sequence[int]
+    handle: Runner, caches: Sequence[LiveCache], tokens: Sequence[int]
 ) -> list[torch.Tensor | Exception]:
     """:func:`step_rolling_rows`, where a row that fails fails alone: per row, its ``[vocab]`` logits or the
     exception it raised (its cache may then hold part of the step: discard it).
 
     The rows run in one batched forward; if that raises, every cache is put back as it was before the
-    step (:meth:`RollingCache.checkpoint`) and each row runs on its own, so only the rows that fail alone fail. A model
+    step (:meth:`~kvlab.hf.live_cache.LiveCache.checkpoint`) and each row runs on its own, so only the rows that fail alone fail. A model
     the batched step cannot run (:class:`~kvlab.errors.UnsupportedModelError`) fails every row, as it would
     at every step. While steps succeed this costs a copy of the layers' attributes per row.
     """

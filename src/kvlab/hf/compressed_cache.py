@@ -219,6 +219,8 @@ class CompressionRule:
         """The slots per KV head (on average, with ``heads="ada"``) layer ``layer`` keeps after a prefill of
         ``prefill`` tokens (and while decoding)."""
         if self.budget is not None and self.budget > prefill:
+            if self.every is not None and self.layers == "uniform":
+                return self.budget  # keeps every slot until the stream outgrows the budget (a conversation)
             raise BadInputError(
                 f"budget={self.budget} slots is more than the prompt's {prefill} tokens: use a budget "
                 f"of at most {prefill} (or keep=, a fraction of the prompt)"
@@ -316,7 +318,7 @@ class CompressedLayer(DynamicLayer):
             removed = hooked and self.query_hook is None
             restore()
             if removed and self.query_module is not None:
-                self.query_hook = self.query_module.register_forward_hook(self.capture_queries)
+                self._register_hook()
 
         return put_back
 
@@ -475,7 +477,8 @@ class CompressedLayer(DynamicLayer):
             self.index, rule.num_layers, all_k, all_v, all_pos.to(all_k.device), queries, rule.scaling, slots
         )
         assert rule.policy is not None and self.budget is not None  # an evicting layer; update set its budget
-        idx = keep_indices(rule.policy.score(view), int(self.budget), rule.policy.sinks, rule.policy.window)
+        n_keep = min(int(self.budget), t)  # a budget above what is held (every=, a short prompt): keep it all
+        idx = keep_indices(rule.policy.score(view), n_keep, rule.policy.sinks, rule.policy.window)
         if rule.quantizer is None:
             self.keys, self.values = _gather(all_k, idx), _gather(all_v, idx)
         else:
@@ -566,7 +569,23 @@ class CompressedLayer(DynamicLayer):
     def hook_queries(self, attention: Any) -> None:
         """Capture the queries of ``attention.q_proj`` (attention-scored eviction)."""
         self.query_module = attention.q_proj
-        self.query_hook = self.query_module.register_forward_hook(self.capture_queries)
+        self._register_hook()
+
+    def _register_hook(self) -> None:
+        """The hook holds the layer weakly and removes itself once the layer is gone: a cache dropped
+        without :meth:`close` (a server's conversation that failed) leaves nothing behind on the model."""
+        ref = weakref.ref(self)
+        handle: list[Any] = []
+
+        def capture(module: Any, inputs: Any, output: torch.Tensor) -> None:
+            layer = ref()
+            if layer is None:
+                handle[0].remove()
+                return
+            layer.capture_queries(module, inputs, output)
+
+        self.query_hook = self.query_module.register_forward_hook(capture)
+        handle.append(self.query_hook)
 
     def remove_hook(self) -> None:
         if self.query_hook is not None:

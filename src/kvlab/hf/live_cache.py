@@ -9,7 +9,7 @@ all it knows of a layer is this interface (each kind of layer implements it):
 
 ==========================  ==========================================================================
 ``update(k, v, ...)``       transformers' own: store the new K/V, return what attention reads
-``kept``                    slots the next forward sees; ``tokens_seen``: tokens fed so far
+``kept``                    slots the next forward sees; ``tokens_seen``: tokens fed; ``evictions``
 ``nbytes``                  bytes the layer holds now (codes, buffers with their spare room, sinks)
 ``visible()``               ``(keys, values)`` the next forward sees, full precision (new tensors or views)
 ``kept_positions()``        their original positions: ``[kept]``, or ``[B, Hkv, kept]`` when heads differ
@@ -89,6 +89,12 @@ class LiveCache(Cache):
     def tokens_seen(self) -> int:
         """Tokens fed so far (kept or not)."""
         return int(self.layers[0].tokens_seen)
+
+    @property
+    def evictions(self) -> int:
+        """Times the cache dropped tokens (a roll of the window, an eviction back to the budget): the most
+        any layer did (layers with per-layer budgets evict at different steps)."""
+        return max((int(layer.evictions) for layer in self.layers), default=0)
 
     @property
     def empty(self) -> bool:
@@ -295,6 +301,7 @@ class _FullLive:
     ``sliding_window - 1``; positions follow the token count, as transformers' own (``query_offset``)."""
 
     may_rebase = False
+    evictions = 0  # keeps every slot
     keys: torch.Tensor | None
     values: torch.Tensor | None
     is_initialized: bool

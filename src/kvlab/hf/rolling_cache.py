@@ -202,6 +202,10 @@ class RollingLayer(CacheLayerMixin):
 
     # -- the live-layer interface (kvlab.hf.live_cache) --------------------------------------------------
     @property
+    def evictions(self) -> int:
+        return self.rolls
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: the key and value buffers (with their spare room) and the sinks' original keys."""
         ts = (self._buf_k, self._buf_v, self.sink_keys)

@@ -19,11 +19,23 @@ Where a prompt's cache comes from, in order:
 3. **Nothing**: the prompt is computed.
 
 Prompts and replies beyond the window **roll** (attention sinks + window, exact RoPE re-rotation)
-instead of failing. With a cache spec (``EngineSettings.cache``, ``kvlab serve --cache``: a sinks + window
-layout of :mod:`kvlab.compress.spec`, e.g. ``sinks=4,window=2048,codec=kivi4``) every session's window is
-stored as that codec's packed codes (:mod:`kvlab.hf.coded_rolling`). The system prompt is pinned: it is part of the cache's sinks, never evicted.
-A prompt computed in pieces ends in the cache it would have in one go: each forward of the unchunked
-path is split with the cache's roll held between its pieces (:meth:`kvlab.hf.RollingCache.hold_roll`).
+instead of failing. With a cache spec (``EngineSettings.cache``, ``kvlab serve --cache``, a spec of
+:mod:`kvlab.compress.spec`) every session runs that policy's live cache (:func:`kvlab.hf.policy_cache.cache_for`):
+
+* a sinks + window layout, e.g. ``sinks=4,window=2048,codec=kivi4``: the window stored as that codec's packed
+  codes (:mod:`kvlab.hf.coded_rolling`). The system prompt is pinned: it is part of the cache's sinks,
+  never evicted. A prompt computed in pieces ends in the cache it would have in one go: each forward of the
+  unchunked path is split with the cache's roll held between its pieces (:meth:`~kvlab.hf.live_cache.LiveCache.hold_roll`);
+* a scored layout that keeps its budget while decoding, e.g. ``h2o,budget=1024,every=64`` (optionally
+  ``layers=pyramid`` and a per-token codec for the survivors): each conversation holds at most its budget
+  plus ``every`` slots per layer and head, whatever its length. Such a cache evicts inside its update, so a
+  prompt cannot be cut into pieces that equal one forward: each new part of a conversation is fed in one
+  forward (a long prompt holds the other rows' next token for that long), nothing is pinned (the policy
+  scores the system prompt like any token, and its own sinks keep the first tokens), and the store is not
+  used (an attention-scored eviction cannot start from a stored prefix: it scores the prompt's queries).
+
+``rolls`` in each response's ``kvlab`` field counts the times a conversation's cache dropped tokens: a roll
+of the window, or an eviction back to the budget.
 """
 
 from __future__ import annotations
@@ -41,10 +53,11 @@ from typing import Any
 import torch
 
 from kvlab.cache import KVSnapshot
-from kvlab.compress.spec import CachePolicy, SinksWindowLayout
+from kvlab.compress.spec import CachePolicy, ScoredLayout, SinksWindowLayout
 from kvlab.compress.spec import parse as parse_cache_spec
 from kvlab.errors import BadInputError, KvlabError
 from kvlab.hf.batch import step_rolling_rows_isolated
+from kvlab.hf.live_cache import LiveCache
 from kvlab.hf.rolling_cache import RollingCache, default_chunk, rolling_cache_for
 from kvlab.loop import Sampling
 from kvlab.store.errors import StoreError
@@ -70,16 +83,18 @@ class EngineSettings:
     max_queue: int = 16  # requests waiting beyond those decoding
     max_sessions: int = 64  # idle conversations kept for reuse (least recently used dropped)
     prefill_chunk: int = 256  # prompt tokens computed per worker iteration, between two decode steps
-    # a cache spec (kvlab.compress.spec): a sinks + window layout, with or without a codec; when given it
-    # sets window, sinks and evict_chunk (its chunk=, else the rolling cache's default for the window)
+    # a cache spec (kvlab.compress.spec, see serve_policy): a sinks + window layout, with or without a codec,
+    # sets window, sinks and evict_chunk (its chunk=, else the rolling cache's default for the window); a
+    # scored layout keeping its budget (every=) replaces them
     cache: str | None = None
 
     def __post_init__(self) -> None:
         if self.cache is not None:
             policy = serve_policy(self.cache)
             lay = policy.layout
-            assert isinstance(lay, SinksWindowLayout)
             object.__setattr__(self, "cache", policy.spec)  # canonical: the same policy, the same string
+            if not isinstance(lay, SinksWindowLayout):
+                return
             object.__setattr__(self, "window", lay.window)
             object.__setattr__(self, "sinks", lay.sinks)
             object.__setattr__(self, "evict_chunk", lay.chunk or default_chunk(lay.window))
@@ -91,21 +106,43 @@ class EngineSettings:
             return parse_cache_spec(self.cache)
         return CachePolicy(SinksWindowLayout(self.sinks, self.window, self.evict_chunk))
 
+    @property
+    def rolling(self) -> bool:
+        """Whether every session rolls a sinks + window cache (else it runs a scored layout's budget)."""
+        return isinstance(self.policy.layout, SinksWindowLayout)
+
 
 #: what ``kvlab serve --cache`` runs, in words (for the one-line refusal of any other layout)
 SERVE_CACHES = (
-    "kvlab serve runs sinks + window caches, in full precision or over a codec: "
-    "sinks=N,window=N[,chunk=N][,codec=C[,tail=N]], e.g. sinks=4,window=2048,codec=kivi4"
+    "kvlab serve runs sinks + window caches, in full precision or over a codec "
+    "(sinks=N,window=N[,chunk=N][,codec=C[,tail=N]], e.g. sinks=4,window=2048,codec=kivi4), and scored "
+    "eviction that keeps its budget while decoding (POLICY,budget=N|keep=F,every=N[,layers=pyramid][,codec=C], "
+    "e.g. h2o,budget=1024,every=64)"
 )
 
 
 def serve_policy(spec: str) -> CachePolicy:
     """``spec`` parsed (:func:`kvlab.compress.spec.parse`) and checked to be one the server runs: a sinks +
-    window layout, with or without a codec. Anything else is one :class:`BadInputError` line."""
+    window layout, with or without a codec, or a scored layout that keeps its budget while decoding
+    (``every=``; uniform over the heads: a per-head cache cannot join a batched decode step). Anything else
+    is one :class:`BadInputError` line."""
     policy = parse_cache_spec(spec)
-    if not isinstance(policy.layout, SinksWindowLayout):
-        raise BadInputError(f"--cache '{spec}' keeps {policy.describe()}; {SERVE_CACHES}")
-    return policy
+    lay = policy.layout
+    if isinstance(lay, SinksWindowLayout):
+        return policy
+    if isinstance(lay, ScoredLayout):
+        if not lay.every:
+            raise BadInputError(
+                f"--cache '{spec}': a conversation grows without end, so a scored layout must keep its budget "
+                f"while decoding: add every=N (e.g. {spec},every=64)"
+            )
+        if lay.heads != "uniform":
+            raise BadInputError(
+                f"--cache '{spec}': per-head budgets (heads={lay.heads}) cannot join a batched decode step; "
+                "use per-layer budgets (layers=pyramid) or uniform ones"
+            )
+        return policy
+    raise BadInputError(f"--cache '{spec}' keeps {policy.describe()}; {SERVE_CACHES}")
 
 
 def head_dim(handle: Any) -> int:
@@ -115,8 +152,13 @@ def head_dim(handle: Any) -> int:
     return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
 
-def new_cache(handle: Any, settings: EngineSettings, sinks: int | None = None) -> RollingCache:
+def new_cache(handle: Any, settings: EngineSettings, sinks: int | None = None) -> LiveCache:
     """A session's empty cache under ``settings`` (its policy's codec, if any), bound to the model."""
+    if not settings.rolling:
+        from kvlab.hf.policy_cache import cache_for
+
+        cache: LiveCache = cache_for(settings.policy, handle)
+        return cache
     return rolling_cache_for(
         handle,
         window=settings.window,
@@ -128,12 +170,12 @@ def new_cache(handle: Any, settings: EngineSettings, sinks: int | None = None) -
 
 @dataclass
 class Session:
-    """A conversation's cache: every token id it has seen (in order) and the rolling cache that holds them."""
+    """A conversation's cache: every token id it has seen (in order) and the live cache that holds them."""
 
     id: str
     salt: str
     ids: list[int]
-    cache: RollingCache
+    cache: LiveCache
     pinned: int
     sinks: int = 0  # the attention sinks asked for (--sinks); the cache keeps max(sinks, pinned) first slots
     requests: int = 0
@@ -151,15 +193,20 @@ class Session:
 
     def layout(self) -> dict[str, int]:
         """The cache's slots: ``sinks`` (the attention sinks), ``pinned`` (the system prompt's tokens, which
-        start with the sinks when it is longer), the ``window`` it keeps and how many slots it ``kept``."""
+        start with the sinks when it is longer), the ``window`` it keeps (a scored layout: its budget plus
+        ``every``, the most it holds) and how many slots it ``kept``."""
         c = self.cache
+        if isinstance(c, RollingCache):
+            window = int(c.window)
+        else:  # a scored layout's budget is set by its first prompt (keep=) or given (budget=)
+            window = int(c.layers[0].budget or c.kept) + int(c.rule.every or 0)
         return {
             "sinks": min(self.sinks, c.kept),
             "pinned": min(self.pinned, c.kept),
-            "window": c.window,
+            "window": window,
             "kept": c.kept,
             "seen": c.tokens_seen,
-            "rolls": c.rolls,
+            "rolls": c.evictions,
         }
 
 
@@ -259,8 +306,20 @@ class _Prefill:
         return self.total - self.fed
 
 
-def _pieces(ids: list[int], size: int) -> list[list[int]]:
+def _pieces(ids: list[int], size: int | None) -> list[list[int]]:
+    """``ids`` in forwards of at most ``size`` tokens (``None``: one forward)."""
+    if size is None:
+        return [ids] if ids else []
     return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+def _feed_size(cache: LiveCache, scoring: bool) -> int | None:
+    """The most tokens one forward may feed ``cache``: a rolling window's headroom (the scoring path's
+    ``SCORE_CHUNK`` at most, whose logits it keeps), or None (one forward) for a cache that evicts inside
+    its update and so cannot take a prompt in pieces."""
+    if not isinstance(cache, RollingCache):
+        return None
+    return min(cache.headroom, SCORE_CHUNK) if scoring else int(cache.headroom)
 
 
 def _emit(req: Request, event: tuple) -> None:
@@ -460,25 +519,27 @@ class Engine:
         if session is not None:
             cached = len(session.ids)
             new = req.ids[cached:]
-            size = min(session.cache.headroom, SCORE_CHUNK) if req.score_prompt else session.cache.headroom
             p = _Prefill(
                 req,
                 session,
                 True,
                 "session",
                 cached,
-                session.cache.rolls,
+                session.cache.evictions,
                 t0,
-                collections.deque(_pieces(new, size)),
+                collections.deque(_pieces(new, _feed_size(session.cache, req.score_prompt))),
             )
             if req.score_prompt and session.last_logits is not None:  # scores the first new token
                 p.prev = torch.log_softmax(session.last_logits.float(), -1)
         else:
-            cache = new_cache(self.handle, self.settings, sinks=max(self.settings.sinks, req.pinned))
-            session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, req.pinned, self.settings.sinks)
+            rolling = self.settings.rolling  # a scored layout pins nothing (its policy keeps its own sinks)
+            pinned, sinks = (req.pinned, self.settings.sinks) if rolling else (0, 0)
+            cache = new_cache(self.handle, self.settings, sinks=max(sinks, pinned))
+            session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, pinned, sinks)
             p = _Prefill(req, session, False, "none", 0, 0, t0, collections.deque())
-            if req.score_prompt:  # every token computed here (never from the store, which keeps no scores)
-                p.forwards.extend(_pieces(req.ids, min(cache.headroom, SCORE_CHUNK)))
+            size = _feed_size(cache, req.score_prompt)
+            if req.score_prompt or size is None:  # computed here (the store keeps no scores; see above)
+                p.forwards.extend(_pieces(req.ids, size))
             else:
                 head, rest = req.ids[: self.capacity], req.ids[self.capacity :]
                 p.head = self._lookup(head, req.salt)
@@ -486,8 +547,8 @@ class Engine:
                     p.cached, p.source = p.head.at, ("store" if p.head.at else "none")
                     p.tiers = p.head.tiers
                 else:
-                    p.forwards.extend(_pieces(head, cache.headroom))
-                p.forwards.extend(_pieces(rest, cache.headroom))
+                    p.forwards.extend(_pieces(head, size))
+                p.forwards.extend(_pieces(rest, size))
         p.total = sum(len(f) for f in p.forwards) + (len(p.head.ids) - p.head.at if p.head else 0)
         return p
 
@@ -548,8 +609,12 @@ class Engine:
                 self._seed_head(p.session.cache, head.snapshot, p.req.salt)
             return len(piece)
         forward = p.forwards[0]
-        piece = forward[p.at : p.at + budget]
         cache = p.session.cache
+        if not isinstance(
+            cache, RollingCache
+        ):  # evicts inside its update: the forward whole (module docstring)
+            budget = len(forward)
+        piece = forward[p.at : p.at + budget]
         ids = torch.tensor([piece], dtype=torch.long, device=self.handle.device)
         logits = self.handle.run(ids, cache, logits_to_keep=0 if p.req.score_prompt else 1).logits[0].float()
         p.at += len(piece)
@@ -568,7 +633,7 @@ class Engine:
         p.logits, p.fed = logits[-1], p.fed + len(piece)
         return len(piece)
 
-    def _seed_head(self, cache: RollingCache, snapshot: KVSnapshot, salt: str) -> None:
+    def _seed_head(self, cache: LiveCache, snapshot: KVSnapshot, salt: str) -> None:
         """The computed head into the rolling cache, and its blocks into the store (a store that fails to
         write must not cost the request: it is only not shared this time).
 
@@ -615,7 +680,7 @@ class Engine:
             "source": p.source,
             "cached_tokens": p.cached,
             "computed_tokens": new,
-            "rolls": session.cache.rolls - p.rolls_before,
+            "rolls": session.cache.evictions - p.rolls_before,
             "prefill_ms": round((time.perf_counter() - p.t0) * 1000, 2),
             "store_tiers": p.tiers,
             "cache": dict(self.cache_info),
@@ -660,7 +725,7 @@ class Engine:
                 failed[id(row)] = exc
         fed = [r for r in self._active if r.finish != "cancelled" and id(r) not in failed]
         if fed:
-            rolls = [r.session.cache.rolls for r in fed]
+            rolls = [r.session.cache.evictions for r in fed]
             results = step_rolling_rows_isolated(
                 self.handle, [r.session.cache for r in fed], [r.out[-1] for r in fed]
             )
@@ -671,9 +736,10 @@ class Engine:
                 row.logits = res[None]
                 row.session.ids.append(row.out[-1])
                 row.session.scores.append(row.entry)
-                row.info["rolls"] += row.session.cache.rolls - rolls[i]
-                if self.metrics is not None and row.session.cache.rolls > rolls[i]:
-                    self.metrics.rolled(row.session.cache.rolls - rolls[i])
+                dropped = row.session.cache.evictions - rolls[i]
+                row.info["rolls"] += dropped
+                if self.metrics is not None and dropped > 0:
+                    self.metrics.rolled(dropped)
         ended = [r for r in self._active if r.finish is not None or id(r) in failed]
         # no longer counted as served when their last event arrives (a gauge read right after must say so)
         self._active = [r for r in self._active if r.finish is None and id(r) not in failed]
@@ -770,7 +836,8 @@ class Engine:
         with self._sessions_lock:
             self.sessions[session.id] = session
             while len(self.sessions) > self.settings.max_sessions:
-                self.sessions.popitem(last=False)
+                _, dropped = self.sessions.popitem(last=False)
+                dropped.cache.close()  # an attention-scored cache's query hooks go with it
 
     def idle_sessions(self) -> int:
         return len(self.sessions)
@@ -826,7 +893,7 @@ def check_request_fits(ids: list[int], pinned: int, settings: EngineSettings) ->
     """Refuse what the engine could not serve faithfully, before it is queued."""
     if not ids:
         raise BadInputError("the prompt is empty")
-    if pinned >= settings.window // 2:
+    if settings.rolling and pinned >= settings.window // 2:
         raise BadInputError(
             f"the system prompt takes {pinned} tokens; it is pinned in the cache and must stay below half "
             f"the window ({settings.window // 2}); start the server with a larger --window"
