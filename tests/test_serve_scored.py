@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from kvlab.compress.spec import parse
 from kvlab.hf.policy_cache import cache_for
 from kvlab.loop import GREEDY
 from kvlab.serve.engine import Engine, EngineSettings, Request, head_dim
@@ -20,7 +21,14 @@ from kvlab.serve.engine import Engine, EngineSettings, Request, head_dim
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BUDGET, EVERY = 24, 8
-SPECS = [f"h2o,budget={BUDGET},every={EVERY}", f"knorm,budget={BUDGET},every={EVERY}"]
+SPECS = [
+    f"h2o,budget={BUDGET},every={EVERY}",
+    f"knorm,budget={BUDGET},every={EVERY}",
+    # a policy added in one file (compress/evict/methods/random_sinks.py) is served by its name alone
+    f"random_sinks,budget={BUDGET},every={EVERY}",
+    # and survivors stored as per-token codes
+    f"tova,budget={BUDGET},every={EVERY},codec=int4",
+]
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -85,7 +93,7 @@ def test_a_scored_conversation_equals_its_cache_fed_by_hand_and_stays_within_bud
             mine.feed(new)
             out = mine.generate(n)
             assert info["completion_ids"] == out, turn
-            assert info["cache"]["spec"] == spec and info["cache"]["exact"] is False
+            assert info["cache"]["spec"] == parse(spec).spec and info["cache"]["exact"] is False
             assert info["source"] == ("none" if turn == 0 else "session")
             assert info["kept_tokens"] == mine.cache.kept <= BUDGET + EVERY
             assert info["cache_bytes"] == mine.cache.nbytes and info["pinned_tokens"] == 0
