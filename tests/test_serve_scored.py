@@ -104,6 +104,12 @@ def test_a_scored_conversation_equals_its_cache_fed_by_hand_and_stays_within_bud
         assert mine.cache.nbytes <= (BUDGET + EVERY) * fp_slot
         (row,) = [s for s in e.status()["sessions"] if s["state"] == "idle"]
         assert row["window"] == BUDGET + EVERY and row["kept"] == mine.cache.kept and row["pinned"] == 0
+        from kvlab.serve.status import describe_layout
+
+        assert (
+            describe_layout(row)
+            == f"{mine.cache.kept} kept by score, at most {BUDGET + EVERY} (budget + every)"
+        )
     finally:
         e.stop()
 

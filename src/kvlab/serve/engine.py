@@ -201,6 +201,7 @@ class Session:
         else:  # a scored layout's budget is set by its first prompt (keep=) or given (budget=)
             window = int(c.layers[0].budget or c.kept) + int(c.rule.every or 0)
         return {
+            "budget": not isinstance(c, RollingCache),
             "sinks": min(self.sinks, c.kept),
             "pinned": min(self.pinned, c.kept),
             "window": window,

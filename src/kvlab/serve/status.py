@@ -29,6 +29,8 @@ def describe_layout(layout: dict[str, Any]) -> str:
     *are* the sinks: "4 sinks, 24 pinned (the sinks and 20 more), 60 in the window of 96".
     """
     sinks, pinned, kept = layout["sinks"], layout["pinned"], layout["kept"]
+    if layout.get("budget"):  # a scored layout: kept by score, at most the budget + every
+        return f"{kept} kept by score, at most {layout['window']} (budget + every)"
     window = max(0, kept - max(sinks, pinned))
     if pinned > sinks:
         where = f" (the sinks and {pinned - sinks} more)" if sinks else ""
