@@ -693,7 +693,37 @@ _PIECE_ARGS = (  # what may differ between pieces of one run (none changes a row
     "merge",
     "report_only",
     "no_logits",
+    # where a piece ran (recorded with it, and named per piece in the merged report) and the haystack's
+    # path (its text is checked by sha256 below): pieces of one run may come from a GPU and this CPU
+    "device",
+    "threads",
+    "haystack",
 )
+
+
+def _merged_machine(saved: Sequence[dict], runs: Sequence[dict]) -> dict | None:
+    """The machine of a merged run: the pieces' own when they all ran on one, else one record naming each
+    device (with its torch threads) and how many trials per task ran there."""
+    machines = [s.get("machine") for s in saved]
+    if all(m == machines[0] for m in machines) or any(m is None for m in machines):
+        return machines[0]
+    where: dict[str, int] = {}
+    for m, r in zip(machines, runs, strict=True):
+        assert m is not None  # checked above
+        key = f"{m['device']} ({m['cpus']} CPU cores, {r['threads']} torch thread(s))"
+        where[key] = where.get(key, 0) + int(r["trials"])
+
+    def joined(field: str) -> str:
+        return " / ".join(dict.fromkeys(str(m.get(field, "?")) for m in machines if m is not None))
+
+    return {
+        "arch": joined("arch"),
+        "cpus": joined("cpus"),
+        "device": "; ".join(f"{k} for {n} trials per task" for k, n in where.items()),
+        "torch": joined("torch"),
+        "transformers": joined("transformers"),
+        "mixed": True,
+    }
 
 
 def pieces(dirs: Sequence[Path], out: Path) -> None:
@@ -724,7 +754,7 @@ def pieces(dirs: Sequence[Path], out: Path) -> None:
         "kvlab_seconds": sum(s["kvlab_seconds"] for s in saved),
         "started": min(s["started"] for s in saved),
         "load_before": saved[0]["load_before"],
-        "machine": saved[0].get("machine"),
+        "machine": _merged_machine(saved, runs),
         "haystack": saved[0].get("haystack"),
         "argv": [*argv, "--trials", str(per_task)],
         "wall": sum(s.get("wall") or s["kvlab_seconds"] for s in saved),
@@ -983,7 +1013,7 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
         ),
         f"- date: {datetime.datetime.fromtimestamp(doc['started'], datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')} (the run's start); wall time {wall / 60:.1f} min "
         + (
-            f"(kvlab only, {args.threads} torch threads)"
+            f"(kvlab only{'' if mach.get('mixed') else f', {args.threads} torch threads'})"
             if args.no_kvpress
             else (
                 f"(kvlab's pieces {kv_s / 60:.1f} min in all; the kvpress worker ran afterwards on the pieces' "
@@ -995,7 +1025,8 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
             )
         ),
         f"- machine: {mach['arch']}, {mach['cpus']} CPU cores shared with other jobs (load average "
-        f"{load_before[0]:.2f} at the start), kvlab on {mach['device']}, {args.threads} torch thread(s)"
+        f"{load_before[0]:.2f} at the start), kvlab on {mach['device']}"
+        f"{'' if mach.get('mixed') else f', {args.threads} torch thread(s)'}"
         f"{'' if args.no_kvpress else ', the kvpress worker one'}; kvlab torch {mach['torch']}, transformers "
         f"{mach.get('transformers', '?')}; "
         f"kvpress side: {json.dumps(meta['versions']) if meta else '—'}",

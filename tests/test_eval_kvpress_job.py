@@ -141,11 +141,13 @@ HAY = eval_ruler.haystack_facts(type("Text", (), {"text": HAYSTACK, "source": "h
 MACHINE = {"arch": "x86_64", "cpus": 16, "device": "CUDA (a card)", "torch": "2.11", "transformers": "5.24"}
 
 
-def _piece(tiny, out: Path, first: int, trials: int, argv: list[str], haystack: dict = HAY) -> None:
+def _piece(
+    tiny, out: Path, first: int, trials: int, argv: list[str], haystack: dict = HAY, machine: dict = MACHINE
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows, records = _run_kvlab(tiny, out, trials, first)
     doc = {"rows": rows, "records": records, "kvlab_seconds": 1.0, "started": 0.0, "load_before": [0, 0, 0]}
-    doc |= {"machine": MACHINE, "haystack": haystack}  # recorded by the run: where, and over which text
+    doc |= {"machine": machine, "haystack": haystack}  # recorded by the run: where, and over which text
     (out / "kvlab.json").write_text(json.dumps({**doc, "argv": argv}))
     (out / "job.json").write_text("{}")
 
@@ -175,3 +177,15 @@ def test_a_run_in_pieces_equals_the_run(tiny, run, tmp_path):
     _piece(tiny, tmp_path / "d", 1, 1, [*base, "--trials", "1", "--first-trial", "1"], haystack=other)
     with pytest.raises(SystemExit, match="different haystacks"):
         eval_ruler.pieces([tmp_path / "a", tmp_path / "d"], tmp_path / "z")
+    # a piece from a GPU beside one from this CPU: the same run (device, threads and the haystack's path
+    # may differ; its text may not), the merged machine naming each device and its trials
+    gpu = {**MACHINE, "device": "CUDA (NVIDIA H100 80GB HBM3)", "cpus": 32}
+    elsewhere = [*base, "--trials", "1", "--first-trial", "1", "--device", "cuda", "--threads", "4"]
+    _piece(tiny, tmp_path / "g", 1, 1, [*elsewhere, "--haystack", "/elsewhere/haystack.txt"], machine=gpu)
+    eval_ruler.pieces([tmp_path / "a", tmp_path / "g"], tmp_path / "mixed")
+    mixed = json.loads((tmp_path / "mixed" / "kvlab.json").read_text())["machine"]
+    assert mixed["mixed"] and mixed["cpus"] == f"{MACHINE['cpus']} / 32"
+    assert mixed["device"] == (
+        f"{MACHINE['device']} ({MACHINE['cpus']} CPU cores, 1 torch thread(s)) for 1 trials per task; "
+        "CUDA (NVIDIA H100 80GB HBM3) (32 CPU cores, 4 torch thread(s)) for 1 trials per task"
+    )
