@@ -17,6 +17,7 @@ ORDER = [
     "generate_20k_cli",
     "eval_ruler",
     "eval_ruler_full_1k",
+    "eval_ruler_full_4k",
     "eval_curves_1k",
     "eval_gpu",
     "eval_batched",
