@@ -34,6 +34,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def converse(client: openai.OpenAI, turns: int) -> tuple[list[dict], list[dict], int]:
+    """``turns`` turns of one chat (a short system prompt, one question per turn, each reply appended):
+    each response's ``kvlab`` field, the messages, and the tokens the conversation has seen."""
+    messages, infos, seen = [{"role": "system", "content": "Be brief."}], [], 0
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"Tell me one fact about the number {i + 2}."})
+        r = client.chat.completions.create(
+            model="smollm2-135m", messages=messages, max_tokens=24, temperature=0
+        )
+        assert r.choices[0].message.content and r.usage is not None
+        infos.append(r.model_extra["kvlab"])
+        seen = r.usage.prompt_tokens + r.usage.completion_tokens
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    return infos, messages, seen
+
+
 class Server:
     """``kvlab serve`` in a subprocess; ``stop()`` (or ``kill()``) ends it."""
 
@@ -43,8 +59,10 @@ class Server:
         self.port = _free_port()
         self.admin = admin
         self.log = tmp / f"serve-{self.port}.log"
-        cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(self.port), "--window", str(WINDOW)]
-        cmd += ["--sinks", str(SINKS), "--evict-chunk", str(CHUNK), *args]
+        cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(self.port)]
+        if "--cache" not in args:  # a cache spec sets the window itself
+            cmd += ["--window", str(WINDOW), "--sinks", str(SINKS), "--evict-chunk", str(CHUNK)]
+        cmd += list(args)
         for k in keys:
             cmd += ["--api-key", k]
         if admin:

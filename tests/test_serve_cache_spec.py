@@ -234,60 +234,22 @@ def test_a_bad_cache_spec_is_one_line_and_exit_2(runner, argv, fragment):
 
 # -- end to end: the bundled SmolLM2 behind `kvlab serve --cache`, through the openai client -------------------
 def test_kvlab_serve_cache_serves_a_rolling_coded_conversation_to_the_openai_client(tmp_path):
-    import os
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+    from tests.test_serve import Server, converse
 
-    import openai
-
-    from tests.test_serve import _free_port
-
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(port), "--cache", SPEC, "--max-tokens", "48"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    server = Server(tmp_path, "--cache", SPEC, "--max-tokens", "48", keys=(), admin=None)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        assert f"cache {SPEC}: 4 sinks + the last 96 slots, in kivi4 codes" in log.read_text()
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
-        messages, seen, sizes, rolls = [{"role": "system", "content": "Be brief."}], 0, [], 0
-        for i in range(6):
-            messages.append({"role": "user", "content": f"Tell me one fact about the number {i + 2}."})
-            r = client.chat.completions.create(
-                model="smollm2-135m", messages=messages, max_tokens=24, temperature=0
-            )
-            info = r.model_extra["kvlab"]
-            assert r.choices[0].message.content
+        assert f"cache {SPEC}: 4 sinks + the last 96 slots, in kivi4 codes" in server.log.read_text()
+        client = server.client("none")
+        infos, _, seen = converse(client, 6)
+        for info in infos:
             assert info["cache"]["spec"] == SPEC and info["cache"]["exact"] is False
             assert info["cache"]["codec"] == "kivi4"
-            sizes.append(info["cache_bytes"])
-            rolls += info["rolls"]
-            seen = r.usage.prompt_tokens + r.usage.completion_tokens
-            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        sizes, rolls = [info["cache_bytes"] for info in infos], sum(info["rolls"] for info in infos)
         assert seen > 2 * WINDOW and rolls > 0, (seen, rolls)
         # bounded: under what the pinned system prompt + window + one chunk take in full precision
         fp_slot = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, keys and values, 3 KV heads of 64, float32
         assert max(sizes) <= (max(SINKS, info["pinned_tokens"]) + WINDOW + CHUNK) * fp_slot, sizes
-        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-            page = r.read().decode()
+        page = server.get("/metrics")[2].decode()
         assert f'spec="{SPEC}"' in page and "kvlab_cache_policy_info" in page
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()

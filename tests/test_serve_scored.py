@@ -8,8 +8,6 @@ behind ``kvlab serve`` and the ``openai`` client.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from kvlab.compress.spec import parse
 from kvlab.hf.policy_cache import cache_for
 from kvlab.loop import GREEDY
 from kvlab.serve.engine import Engine, EngineSettings, Request, head_dim
+from tests.test_serve_cache_spec import _ids, _Reply
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,26 +28,6 @@ SPECS = [
     # and survivors stored as per-token codes
     f"tova,budget={BUDGET},every={EVERY},codec=int4",
 ]
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-class _Reply:
-    def __init__(self) -> None:
-        self.events: list[tuple] = []
-        self.finished = threading.Event()
-
-    def __call__(self, ev: tuple) -> None:
-        self.events.append(ev)
-        if ev[0] in ("done", "error"):
-            self.finished.set()
-
-    def done(self) -> dict:
-        assert self.finished.wait(120), self.events
-        assert self.events[-1][0] == "done", self.events[-1]
-        return self.events[-1][2]
 
 
 def _submit(engine: Engine, ids: list[int], n: int) -> _Reply:
@@ -160,50 +139,18 @@ def test_a_dropped_scored_conversation_leaves_no_query_hook_behind(tiny_model):
 
 # -- end to end: the bundled SmolLM2 behind `kvlab serve --cache h2o,...`, through the openai client ----------
 def test_kvlab_serve_serves_an_h2o_conversation_within_its_budget_to_the_openai_client(tmp_path):
-    import os
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    import openai
-
-    from tests.test_serve import _free_port
+    from tests.test_serve import Server, converse
 
     spec, budget, every = "h2o,budget=64,every=16", 64, 16
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(port), "--cache", spec, "--max-tokens", "48"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    server = Server(tmp_path, "--cache", spec, "--max-tokens", "48", keys=(), admin=None)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        assert f"cache {spec}: the top 64 slots by h2o, re-scored every 16 tokens" in log.read_text()
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
-        messages, seen, kept, rolls = [{"role": "system", "content": "Be brief."}], 0, [], 0
-        for i in range(5):
-            messages.append({"role": "user", "content": f"Tell me one fact about the number {i + 2}."})
-            r = client.chat.completions.create(
-                model="smollm2-135m", messages=messages, max_tokens=24, temperature=0
-            )
-            info = r.model_extra["kvlab"]
-            assert r.choices[0].message.content
+        assert f"cache {spec}: the top 64 slots by h2o, re-scored every 16 tokens" in server.log.read_text()
+        client = server.client("none")
+        infos, messages, seen = converse(client, 5)
+        for i, info in enumerate(infos):
             assert info["cache"]["spec"] == spec and info["cache"]["exact"] is False
             assert info["cache"]["policy"] == "h2o" and info["source"] == ("none" if i == 0 else "session")
-            kept.append(info["kept_tokens"])
-            rolls += info["rolls"]
-            seen = r.usage.prompt_tokens + r.usage.completion_tokens
-            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        kept, rolls = [info["kept_tokens"] for info in infos], sum(info["rolls"] for info in infos)
         assert seen > 2 * (budget + every) and rolls > 0, (seen, rolls)
         assert max(kept) <= budget + every, kept
         messages.append({"role": "user", "content": "And one more?"})
@@ -211,13 +158,7 @@ def test_kvlab_serve_serves_an_h2o_conversation_within_its_budget_to_the_openai_
             model="smollm2-135m", messages=messages, max_tokens=8, temperature=0, stream=True
         )
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-            page = r.read().decode()
+        page = server.get("/metrics")[2].decode()
         assert f'spec="{spec}"' in page and "kvlab_rolls_total" in page
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
