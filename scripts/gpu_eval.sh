@@ -13,8 +13,8 @@
 # wheels) when it exists. HAYSTACK=FILE (default: Frankenstein as ../shared has it, carried in .gpu/b).
 # Writes $OUT/eval.tgz (every piece's out-dir; no logits) and $OUT/eval.log.
 #   OUT=/tmp/out BUDGET=300 bash scripts/gpu_eval.sh
-# What is done (2026-11-26, one H100): 1024 tokens trials 0-199 and 4096 tokens trials 0-69 (70-104 on a CPU since); the rest
-# of 4096 is  FULL_LENGTHS=4096 FULL_FROM=105 FULL_PIECES=5 FULL_N=19 (about 3 minutes of an H100; 0-104 are done).
+# What is done (2026-11-26, one H100): 1024 tokens trials 0-199 and 4096 tokens trials 0-69 (70-124, 150-164 on a CPU since); the rest
+# of 4096 is  FULL_LENGTHS=4096 FULL_FROM=125 FULL_PIECES=5 FULL_N=5, then FULL_FROM=165 FULL_N=7 (about 2 minutes of an H100).
 # Ten pieces side by side were barely faster than five (their Python contends for 16 cores): LANES=5.
 # The files this needs on the lent machine come from scripts/gpu_prepare.sh.
 set -uo pipefail
