@@ -70,6 +70,11 @@ class _RowsCache(Cache, Step):
             elif queries is None and getattr(layer, "pending_queries", None) is not None:
                 # a decode step over separate caches that keep evicting by attention (every=): each cache's
                 # query hook saw this forward's queries of every row; this row's are its own
+                if layer.pending_queries.shape[0] != len(self.caches):
+                    raise UnsupportedModelError(
+                        "a batched step's queries did not reach every cache's query hook (one row each): "
+                        "its attention-scored caches would score other rows' queries (discard them)"
+                    )
                 layer.pending_queries = layer.pending_queries[r : r + 1]
             views.append(
                 layers[layer_idx].update(key_states[r : r + 1, :, p:], value_states[r : r + 1, :, p:])
