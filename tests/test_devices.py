@@ -270,6 +270,24 @@ def test_live_shared_budgets(device, handles, share):
     on_device(device, handles, path)
 
 
+@pytest.mark.parametrize(
+    "spec", ["full", "sinks=2,window=16,chunk=4", "sinks=2,window=70,chunk=4,codec=kivi4,tail=4"]
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_live_caches_from_a_spec(device, handles, spec):
+    """Every kind of LiveCache that ``cache_for`` builds (FullCache, rolling, rolling over codes) under
+    model.generate, on every device: tokens, logits and bytes held as on the CPU."""
+
+    def path(h: ModelHandle) -> Result:
+        from kvlab.hf.policy_cache import cache_for
+
+        cache = cache_for(spec, h)
+        out = _generate(h, _ids(h, PROMPT), cache, 12)
+        return {"tokens": out.sequences.tolist(), "logits": torch.stack(out.logits), "bytes": cache.nbytes}
+
+    on_device(device, handles, path)
+
+
 QUANTIZERS = {
     "rotation": RotatedQuantizer(bits=4, group_size=16, sinks=4),
     "kivi": KIVIQuantizer(bits=4, group_size=16, sinks=4, window=16),

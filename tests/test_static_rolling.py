@@ -263,13 +263,17 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
         "n, length, head_dim", [(1, 300, 64), (1, 4100, 128), (64, 2000, 128), (3, 257, 80)]
     )
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    def test_split_attention_kernel_equals_sdpa(n, length, head_dim, dtype):
-        """The Triton split-KV kernel against SDPA over repeated heads, with masked regions that leave
-        whole slices of the cache empty; tolerance: fp32 accumulation (fp32 inputs: IEEE products)."""
+    @pytest.mark.parametrize("int4", [False, True])
+    def test_split_attention_kernel_equals_sdpa(n, length, head_dim, dtype, int4):
+        """The Triton split-KV kernel (tuned launch) against SDPA over repeated heads, with masked regions
+        that leave whole slices of the cache empty; int4: packed rows decoded inside the kernel against
+        SDPA over the same rows decoded by ``decode_packed``. Tolerance: fp32 accumulation (fp32 inputs:
+        IEEE products; bf16: P rounded to bf16 before P @ V)."""
         if not _has_triton():
             pytest.fail("triton is not importable on this CUDA machine")
         from transformers.integrations.sdpa_attention import repeat_kv
 
+        from kvlab.hf.static_rolling import _pack4, decode_packed
         from kvlab.kernels import split_attention as sa
 
         assert sa.prepare(torch.device("cuda"))
@@ -277,14 +281,19 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
         b, h, groups = 2, 8, 4
         q = torch.randn(b, h * groups, n, head_dim, generator=g, device="cuda").to(dtype)
         k, v = (torch.randn(b, h, length, head_dim, generator=g, device="cuda").to(dtype) for _ in range(2))
+        if int4:
+            k, v = (_pack4(t, 16) for t in (k, v))
+            kd, vd = (decode_packed(t, head_dim, dtype) for t in (k, v))
+        else:
+            kd, vd = k, v
         visible = torch.rand(b, 1, n, length, generator=g, device="cuda") < 0.7
         visible[..., 0] = True
         visible[..., 100:250] = False
         mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.float(),
-            repeat_kv(k, groups).float(),
-            repeat_kv(v, groups).float(),
+            repeat_kv(kd, groups).float(),
+            repeat_kv(vd, groups).float(),
             attn_mask=mask.float(),
             scale=0.1,
         )
@@ -293,6 +302,26 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
         )
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert float((out.float() - ref).abs().max()) < tol
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    def test_int4_writer_writes_the_bytes_of_pack4_on_cuda(dtype):
+        """The one-kernel int4 writer of a captured step: exactly the torch encoder's bytes, at the given
+        slots only (compiled for the card, fp fusion off: no contracted multiply-add)."""
+        if not _has_triton():
+            pytest.fail("triton is not importable on this CUDA machine")
+        from kvlab.hf.static_rolling import _pack4
+        from kvlab.kernels import split_attention as sa
+
+        assert sa.prepare(torch.device("cuda"))
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x = (torch.randn(2, 8, 64, 128, generator=g, device="cuda") * 3).to(dtype)
+        x[0, 0, 0, :32] = 0.0
+        packed = torch.zeros(2, 8, 300, 64 + 16, dtype=torch.uint8, device="cuda")
+        index = torch.randperm(300, generator=g, device="cuda")[:64]
+        sa.write_int4(packed, index, x, 32)
+        ref = torch.zeros_like(packed)
+        ref.index_copy_(2, index, _pack4(x, 32))
+        assert int((packed != ref).sum()) == 0
 
 
 @pytest.mark.parametrize("n", [1, 5])
@@ -333,3 +362,25 @@ def test_decoder_steps_use_grouped_attention_and_restore_the_model(tiny_model, m
     dec.feed(_ids(3))
     assert len(calls) == 2  # one step, two layers (the prefill ran the model's own attention)
     assert h.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("codec", ["none", "int4"])
+def test_clone_continues_alike_and_independently(codec, tiny_model, one_torch_thread):
+    """A clone in mid-stream (sinks kept, rolls pending) decodes exactly as its original would, and
+    feeding it leaves the original's buffers, sinks and counts untouched."""
+    h = _model(None, "cpu", tiny_model)
+    ids = _ids(120)
+    cache = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, codec=codec, group=8)
+    dec = RollingDecoder(h, cache, mode="eager")
+    dec.prefill(ids[:20])
+    for t in range(20, 70):
+        dec.feed(ids[t : t + 1])
+    twin = cache.clone()
+    before = ({k: v.clone() for k, v in cache.storage.items()}, cache.sink_keys.clone(), cache.describe())
+    other = RollingDecoder(h, twin, mode="eager")
+    theirs = torch.stack([other.feed(ids[t : t + 1]) for t in range(70, 120)])
+    assert twin.rolls > cache.rolls
+    assert all(torch.equal(before[0][k], cache.storage[k]) for k in before[0])
+    assert torch.equal(before[1], cache.sink_keys) and cache.describe() == before[2]
+    mine = torch.stack([dec.feed(ids[t : t + 1]) for t in range(70, 120)])
+    assert torch.equal(mine, theirs)

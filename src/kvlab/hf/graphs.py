@@ -33,7 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.errors import BadInputError
 from kvlab.hf.rolling_cache import RollingCache
-from kvlab.hf.static_rolling import StaticRollingCache
+from kvlab.hf.static_rolling import StaticRollingCache, decode_packed
 from kvlab.kernels import split_attention
 
 Mode = Literal["auto", "eager", "compile", "cuda-graph"]
@@ -50,6 +50,8 @@ def _grouped_attention(
     every masked multi-token forward and every compiled step, which at 32k tokens on an 8B model
     writes 16 GiB per forward. The same function as SDPA; calls without a 4-D mask go to SDPA."""
     b, heads, n, d = query.shape
+    if key.dtype == torch.uint8:  # int4 rows of a StaticRollingCache read packed: decode them here
+        key, value = (decode_packed(t, d, query.dtype) for t in (key, value))
     groups = heads // key.shape[1]
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 or groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
@@ -65,7 +67,8 @@ def _split_attention(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
 ) -> tuple[torch.Tensor, None]:
     """The grouped layout attended by :mod:`kvlab.kernels.split_attention` (Triton, CUDA): the cache is
-    also split across programs, so a decode step streams it at full occupancy."""
+    also split across programs, so a decode step streams it at full occupancy; int4 rows are decoded
+    inside the kernel (no full-precision copy of the window is ever made)."""
     b, heads, n, d = query.shape
     q = query.reshape(b, key.shape[1], heads // key.shape[1] * n, d)
     out = split_attention.attend(q, key, value, attention_mask, kw.get("scaling") or d**-0.5)
@@ -195,7 +198,9 @@ class RollingDecoder:
             graph, out = self._graphs[n]
             graph.replay()
             return out.clone()
-        with _attention(self.handle.config, self.attention):
+        # int4 rows encoded by Triton where the attention is Triton's; inductor fuses its own (compile)
+        fused = self.attention == SPLIT_ATTENTION and self.mode != "compile"
+        with _attention(self.handle.config, self.attention), self.cache.packed_reads(fused):
             if self.mode == "eager":
                 return self._step(n)
             if self.mode == "compile":

@@ -33,6 +33,9 @@ Sliding-window layers are refused (use :class:`RollingCache`).
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -41,6 +44,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import sliding_windows
 from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, RollRule, _validate, default_chunk
+from kvlab.kernels import split_attention
+from kvlab.kernels.split_attention import int4_rows
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, RopeSpec
@@ -77,6 +82,19 @@ def _decode4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype:
     return (g * scale.float()[..., None] + low.float()[..., None]).flatten(-2).to(dtype)
 
 
+def _pack4(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x [..., D]`` as packed int4 rows (:func:`~kvlab.kernels.split_attention.int4_rows`): the codes,
+    then the scales' and minimums' bytes. Written as bytes only (a captured or compiled step mutates
+    one uint8 buffer, never an fp16 view of it)."""
+    codes, scale, low = _encode4(x, group)
+    return torch.cat([codes, scale.view(torch.uint8), low.view(torch.uint8)], dim=-1)
+
+
+def decode_packed(packed: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed int4 rows (:func:`~kvlab.kernels.split_attention.int4_rows`) decoded to ``[..., head_dim]``."""
+    return _decode4(*int4_rows(packed, head_dim), dtype)
+
+
 class StaticRollingLayer(CacheLayerMixin):
     """One layer's fixed buffers: slots ``[0, sinks)`` the sinks, the rest a ring (see the module).
 
@@ -90,52 +108,63 @@ class StaticRollingLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, owner: StaticRollingCache, rope: RopeSpec | None, shape: tuple[int, ...]) -> None:
+    def __init__(self, owner: StaticRollingCache, rope: RopeSpec | None, index: int) -> None:
         super().__init__()
-        self.owner, self.rope = owner, rope
+        self.owner, self.rope, self.index = owner, rope, index
         o = owner
-        self.sink_keys: torch.Tensor | None = None
-        self.sink_values: torch.Tensor | None = None
-        if o.codec == "int4":
-            half, groups = (*shape[:-1], shape[-1] // 2), (*shape[:-1], shape[-1] // o.group)
-            self.k_codes = torch.zeros(half, dtype=torch.uint8, device=o.device)
-            self.v_codes = torch.zeros(half, dtype=torch.uint8, device=o.device)
-            self.k_scale, self.k_low, self.v_scale, self.v_low = (
-                torch.zeros(groups, dtype=torch.float16, device=o.device) for _ in range(4)
-            )
+        if o.codec == "int4":  # views of this layer's rows in the cache's one buffer per K and V
+            self.k_packed, self.v_packed = o.storage["keys"][index], o.storage["values"][index]
+            self.k_codes, self.k_scale, self.k_low = int4_rows(self.k_packed, o.head_dim)
+            self.v_codes, self.v_scale, self.v_low = int4_rows(self.v_packed, o.head_dim)
             self.keys = self.values = None
         else:
-            self.keys = torch.zeros(shape, dtype=o.dtype, device=o.device)
-            self.values = torch.zeros(shape, dtype=o.dtype, device=o.device)
+            self.keys, self.values = o.storage["keys"][index], o.storage["values"][index]
         self.dtype, self.device = o.dtype, o.device
         self.is_initialized = True
 
+    @property
+    def sink_keys(self) -> torch.Tensor | None:
+        """The sinks' keys as first computed (positions ``0 ..``): a view of the cache's stored originals."""
+        return None if self.owner.sink_keys is None else self.owner.sink_keys[self.index]
+
+    @property
+    def sink_values(self) -> torch.Tensor | None:
+        return None if self.owner.sink_values is None else self.owner.sink_values[self.index]
+
     def buffers(self) -> list[torch.Tensor]:
-        names = ("k_codes", "v_codes", "k_scale", "k_low", "v_scale", "v_low", "keys", "values")
-        return [t for t in (getattr(self, n, None) for n in names) if isinstance(t, torch.Tensor)]
+        """Every tensor a step reads or writes (views of the cache's storage)."""
+        names: tuple[str, ...] = ("keys", "values")
+        if self.owner.codec == "int4":
+            names = ("k_packed", "v_packed", "k_codes", "v_codes", "k_scale", "k_low", "v_scale", "v_low")
+        return [getattr(self, n) for n in names]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # allocated up front: a captured step must find its buffers at fixed addresses
 
     # -- the step (capturable) ----------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new K/V at the feed's slots (in place); return every slot (the mask hides the empty)."""
+        """Write the new K/V at the feed's slots (in place); return every slot (the mask hides the empty):
+        decoded, or with ``int4`` inside :meth:`StaticRollingCache.packed_reads` the packed rows
+        (uint8, :func:`~kvlab.kernels.split_attention.int4_rows`) for an attention that decodes them."""
         self._write(self.owner.write_index(key_states.shape[-2]), key_states, value_states)
+        if self.owner.packed and self.owner.codec == "int4":
+            return self.k_packed, self.v_packed
         return self.read()
 
     def _write(self, index: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Store ``k`` and/or ``v`` (``[batch, heads, n, head_dim]``) at the ``[n]`` slots ``index``."""
-        int4 = self.owner.codec == "int4"
-        plain = () if int4 else self.read()
-        for t, bufs in (
-            (k, (self.k_codes, self.k_scale, self.k_low) if int4 else plain[:1]),
-            (v, (self.v_codes, self.v_scale, self.v_low) if int4 else plain[1:]),
+        int4, o = self.owner.codec == "int4", self.owner
+        for t, buf in (
+            (k, self.k_packed if int4 else self.keys),
+            (v, self.v_packed if int4 else self.values),
         ):
             if t is None:
                 continue
-            parts = _encode4(t, self.owner.group) if int4 else (t.to(self.dtype),)
-            for buf, part in zip(bufs, parts, strict=True):
-                buf.index_copy_(2, index, part)
+            assert buf is not None
+            if int4 and o.fused_writes:  # one Triton kernel, the same bytes as _pack4
+                split_attention.write_int4(buf, index, t, o.group)
+            else:
+                buf.index_copy_(2, index, _pack4(t, o.group) if int4 else t.to(self.dtype))
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot's keys and values in the model's dtype (decoded from the codes with ``int4``)."""
@@ -148,34 +177,6 @@ class StaticRollingLayer(CacheLayerMixin):
         return self.keys, self.values
 
     # -- between steps (host side) -------------------------------------------------------------------
-    def place_sinks(self, start: int) -> None:
-        """Write the sinks rotated from their originals to positions ``start ..`` into slots ``[0, s)``
-        (the values too under ``int4``, so re-encoding never compounds)."""
-        if self.sink_keys is None:
-            return
-        s = self.sink_keys.shape[-2]
-        k = self.sink_keys if self.rope is None else rotate_by(self.sink_keys, start, self.rope)
-        v = self.sink_values if self.owner.codec == "int4" else None
-        self._write(torch.arange(s, device=self.owner.device), k, v)
-
-    def keep_sinks(self, first: int) -> None:
-        """Store the sinks (slots ``[0, s)``, written at positions ``first ..``) as their originals at ``0 ..``."""
-        k, v = self.read_slots(torch.arange(self.owner.sinks, device=self.owner.device))
-        self.sink_keys = k if self.rope is None or first == 0 else rotate_by(k, -first, self.rope)
-        self.sink_values = v if self.owner.codec == "int4" else None  # plain values are never re-written
-
-    def rotate_stored(self, delta: int) -> None:
-        """Rotate every stored key by ``delta`` positions in place (a re-base; ``int4`` keys are re-encoded,
-        their values untouched). Empty slots rotate too: harmless, they are never attended."""
-        if self.rope is None or delta == 0:
-            return
-        if self.owner.codec == "int4":
-            every = torch.arange(self.owner.capacity, device=self.owner.device)
-            k, _ = self.read_slots(every)
-            self._write(every, rotate_by(k, delta, self.rope), None)
-        else:
-            rotate_by_(self.read()[0], delta, self.rope)
-
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` (a ``[n]`` index), decoded, as new tensors."""
         if self.owner.codec == "int4":
@@ -195,8 +196,9 @@ class StaticRollingLayer(CacheLayerMixin):
         return self.owner.capacity
 
     def nbytes(self) -> int:
+        stored = [self.k_packed, self.v_packed] if self.owner.codec == "int4" else [self.keys, self.values]
         extra = [t for t in (self.sink_keys, self.sink_values) if t is not None]
-        return sum(t.numel() * t.element_size() for t in [*self.buffers(), *extra])
+        return sum(t.numel() * t.element_size() for t in [*stored, *extra])
 
 
 class StaticRollingCache(Cache):
@@ -258,9 +260,29 @@ class StaticRollingCache(Cache):
         self.ring = window + evict_chunk
         self.slot_pos = torch.full((self.capacity,), EMPTY, dtype=torch.long, device=self.device)
         self._write_index: dict[int, torch.Tensor] = {}
-        n_layers = int(text.num_hidden_layers)
-        shape = (self.batch, heads, self.capacity, head_dim)
-        layers: list[Any] = [StaticRollingLayer(self, rope.for_layer(i), shape) for i in range(n_layers)]
+        n_layers, self.head_dim = int(text.num_hidden_layers), head_dim
+        # one buffer per K and V for every layer (each layer holds views): a roll places every layer's
+        # sinks, and a re-base rotates every layer's keys, in a few kernels rather than a few per layer
+        row = head_dim // 2 + 4 * (head_dim // self.group) if codec == "int4" else head_dim
+        kind = torch.uint8 if codec == "int4" else dtype
+        self.storage = {
+            name: torch.zeros(
+                (n_layers, self.batch, heads, self.capacity, row), dtype=kind, device=self.device
+            )
+            for name in ("keys", "values")
+        }
+        self.sink_keys: torch.Tensor | None = None  # [layers, batch, heads, sinks, head_dim] at 0 ..
+        self.sink_values: torch.Tensor | None = None  # int4 only: re-encoded with the keys, never compounding
+        self.packed = False  # int4: update() returns packed rows (see packed_reads)
+        self.fused_writes = False  # int4: new rows encoded by one Triton kernel (see packed_reads)
+        specs = [rope.for_layer(i) for i in range(n_layers)]
+        self._runs: list[tuple[slice, RopeSpec | None]] = []  # consecutive layers sharing one RoPE
+        for i, spec in enumerate(specs):
+            if self._runs and self._runs[-1][1] == spec:
+                self._runs[-1] = (slice(self._runs[-1][0].start, i + 1), spec)
+            else:
+                self._runs.append((slice(i, i + 1), spec))
+        layers: list[Any] = [StaticRollingLayer(self, specs[i], i) for i in range(n_layers)]
         super().__init__(layers=layers)
         self.layers: list[StaticRollingLayer] = layers  # type: ignore[assignment]  # ours, typed as ours
         # host-side counts (the same meaning as RollingCache's, kept once for all layers)
@@ -296,7 +318,83 @@ class StaticRollingCache(Cache):
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every tensor a captured step reads or writes (to mark their addresses static)."""
-        return [self.slot_pos, *self._write_index.values(), *(t for la in self.layers for t in la.buffers())]
+        return [
+            self.slot_pos,
+            *self._write_index.values(),
+            *self.storage.values(),
+            *(t for la in self.layers for t in la.buffers()),
+        ]
+
+    @contextlib.contextmanager
+    def packed_reads(self, fused_writes: bool = False) -> Iterator[None]:
+        """Inside, an ``int4`` cache's layers return their packed rows instead of decoding every slot:
+        for an attention that reads the codes itself (:mod:`kvlab.kernels.split_attention`) or decodes
+        them (:func:`decode_packed`). :class:`~kvlab.hf.graphs.RollingDecoder` runs its steps inside.
+        ``fused_writes``: new rows are encoded by :func:`~kvlab.kernels.split_attention.write_int4`
+        (the same bytes in one kernel; Triton prepared, a power-of-two group, not under torch.compile)."""
+        before = self.packed, self.fused_writes
+        self.packed = True
+        self.fused_writes = (
+            fused_writes and self.codec == "int4" and split_attention.can_write_int4(self.group)
+        )
+        try:
+            yield
+        finally:
+            self.packed, self.fused_writes = before
+
+    # -- every layer at once (host side, between steps) -------------------------------------------------
+    def _write_first(self, run: slice, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        """Store ``k`` and/or ``v`` (``[layers of run, batch, heads, n, head_dim]``) in slots ``[0, n)``."""
+        for t, name in ((k, "keys"), (v, "values")):
+            if t is None:
+                continue
+            dest = self.storage[name][run, :, :, : t.shape[-2]]
+            dest.copy_(_pack4(t, self.group) if self.codec == "int4" else t)
+
+    def _read_first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's keys and values of slots ``[0, n)``, decoded, as new tensors."""
+        out = []
+        for name in ("keys", "values"):
+            src = self.storage[name][:, :, :, :n]
+            out.append(
+                _decode4(*int4_rows(src, self.head_dim), self.dtype) if self.codec == "int4" else src.clone()
+            )
+        return out[0], out[1]
+
+    def _place_sinks(self, start: int) -> None:
+        """Write the sinks rotated from their originals to positions ``start ..`` into slots ``[0, s)``
+        of every layer (the values too under ``int4``, so re-encoding never compounds)."""
+        if self.sink_keys is None:
+            return
+        for (
+            run,
+            rope,
+        ) in self._runs:  # rotated into a new tensor, then copied (a strided out= is slow on CPUs)
+            k = self.sink_keys[run] if rope is None else rotate_by(self.sink_keys[run], start, rope)
+            v = self.sink_values[run] if self.sink_values is not None else None
+            self._write_first(run, k, v)
+
+    def _keep_sinks(self, first: int) -> None:
+        """Store the sinks (slots ``[0, s)``, written at positions ``first ..``) as their originals at ``0 ..``."""
+        k, v = self._read_first(self.sinks)
+        for run, rope in self._runs:
+            if rope is not None and first:
+                k[run] = rotate_by(k[run], -first, rope)
+        self.sink_keys = k
+        self.sink_values = v if self.codec == "int4" else None  # plain values are never re-written
+
+    def _rotate_stored(self, delta: int) -> None:
+        """Rotate every stored key by ``delta`` positions in place (a re-base; ``int4`` keys are re-encoded,
+        their values untouched). Empty slots rotate too: harmless, they are never attended."""
+        keys = self.storage["keys"]
+        for run, rope in self._runs:
+            if rope is None or delta == 0:
+                continue
+            if self.codec == "int4":
+                rotated = rotate_by(decode_packed(keys[run], self.head_dim, self.dtype), delta, rope)
+                keys[run] = _pack4(rotated, self.group)
+            else:
+                rotate_by_(keys[run], delta, rope)
 
     # -- between steps --------------------------------------------------------------------------------
     def prepare(self, n: int) -> torch.Tensor:
@@ -328,8 +426,7 @@ class StaticRollingCache(Cache):
         """After the feed :meth:`prepare` announced ran: update the counts and plan the next roll."""
         n, into_sinks = self._fed
         if into_sinks and self.sinks_held + into_sinks == self.sinks:  # sinks complete: keep the originals
-            for layer in self.layers:
-                layer.keep_sinks(self.next_position - self.sinks_held)
+            self._keep_sinks(self.next_position - self.sinks_held)
         self.sinks_held += into_sinks
         self.slots += n
         self.next_position += n
@@ -349,15 +446,13 @@ class StaticRollingCache(Cache):
             self.rolls += 1
         if plan.rebase:
             self.slot_pos.sub_(torch.where(self.slot_pos != EMPTY, plan.rebase, 0))
-            for layer in self.layers:
-                layer.rotate_stored(-plan.rebase)
+            self._rotate_stored(-plan.rebase)
             self.next_position -= plan.rebase
             self.rebases += 1
         self.plan = RollPlan()
         start = self.next_position - self.slots  # the sinks sit right before the oldest kept token
         if self.sinks_held == self.sinks and self.sinks:
-            for layer in self.layers:
-                layer.place_sinks(start)
+            self._place_sinks(start)
             self.slot_pos[: self.sinks] = torch.arange(start, start + self.sinks, device=dev)
 
     def _check_room(self, n: int) -> None:
@@ -408,9 +503,12 @@ class StaticRollingCache(Cache):
         for mine, theirs in zip(self.layers, theirs_all, strict=True):
             k, v = theirs.visible()
             mine._write(index, k.to(dev), v.to(dev))
-            if theirs.sink_keys is not None and s == self.sinks:
-                mine.sink_keys = theirs.sink_keys.to(dev, self.dtype).clone()
-                mine.sink_values = v[:, :, :s].to(dev, self.dtype).clone() if self.codec == "int4" else None
+        if s == self.sinks and all(la.sink_keys is not None for la in theirs_all):
+            self.sink_keys = torch.stack([la.sink_keys.to(dev, self.dtype) for la in theirs_all])
+            if self.codec == "int4":
+                self.sink_values = torch.stack(
+                    [la.visible()[1][:, :, :s].to(dev, self.dtype) for la in theirs_all]
+                )
         self.slot_pos.fill_(EMPTY)
         self.slot_pos.index_copy_(0, index, torch.arange(start, start + kept, device=dev))
         self.next_position, self.slots, self.sinks_held = cache.next_position, kept, s
@@ -418,6 +516,17 @@ class StaticRollingCache(Cache):
         self.rolls, self.rebases = cache.rolls, cache.rebases
         self.plan = self.rule.next_plan(start, kept, True)
         return self
+
+    def clone(self) -> StaticRollingCache:
+        """A copy in the same state with buffers of its own (e.g. to feed a captured and an eager decoder
+        the same tokens side by side); feeding either leaves the other as it was."""
+        twin = copy.copy(self)
+        twin.storage = {name: t.clone() for name, t in self.storage.items()}
+        twin.sink_keys = None if self.sink_keys is None else self.sink_keys.clone()
+        twin.sink_values = None if self.sink_values is None else self.sink_values.clone()
+        twin.slot_pos, twin._write_index = self.slot_pos.clone(), {}
+        twin.layers = [StaticRollingLayer(twin, la.rope, i) for i, la in enumerate(self.layers)]
+        return twin
 
     def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(keys, values)]`` per layer in position order, as the next forward will see them (copies;

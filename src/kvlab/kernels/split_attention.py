@@ -24,85 +24,49 @@ from typing import Any
 import torch
 
 BLOCK_N = 64
-_KERNEL: Any = None  # the jitted kernel, made by prepare() (outside any graph or compile)
+_KERNELS: dict[str, Any] = {}  # the jitted kernels, made by prepare() (outside any graph or compile)
 _SMS: dict[str, int] = {}  # multiprocessors per device, read by prepare()
 
 
 def prepare(device: torch.device) -> bool:
-    """Make the kernel ready for ``device``; False when it cannot run there (no CUDA device, no Triton,
+    """Make the kernels ready for ``device``; False when they cannot run there (no CUDA device, no Triton,
     or ``KVLAB_SPLIT_ATTENTION=0``). Call it before capturing or compiling a step that uses
     :func:`attend`: nothing inside :func:`attend` imports, queries the device or reads the environment."""
-    global _KERNEL
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if os.environ.get("KVLAB_SPLIT_ATTENTION", "1") == "0" or not (device.type == "cuda" or interpret):
         return False
     try:
         import triton
-        import triton.language as tl
     except ImportError:
         return False
-    if _KERNEL is None:
-        _KERNEL = _build(triton, tl)
+    if not _KERNELS:
+        from kvlab.kernels._split_triton import encode_kernel, merge_kernel, split_kernel
+
+        split = split_kernel
+        _KERNELS["merge"], _KERNELS["encode"] = merge_kernel, encode_kernel
+        if interpret or os.environ.get("KVLAB_SPLIT_TUNE", "1") == "0":
+            _KERNELS["few"] = _KERNELS["many"] = split  # BLOCK_R and the launch shape from _FIXED
+        else:  # the launch shape is measured once per (rows, cache length, codec) on the device
+            _KERNELS["few"] = triton.autotune(_configs(triton, (16,)), key=_TUNE_KEY)(split)
+            _KERNELS["many"] = triton.autotune(_configs(triton, (64, 128)), key=_TUNE_KEY)(split)
     _SMS[str(device)] = (
         torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     )
     return True
 
 
-def _build(triton: Any, tl: Any) -> Any:
-    @triton.jit
-    def split_kernel(
-        Q, K, V, MASK, ACC, M, L,
-        sqb, sqh, sqr, skb, skh, skc, svb, svh, svc, smb, smr,
-        H, R, N_TOK, C, CHUNK, S, scale,
-        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        rblock = tl.program_id(0)  # fastest axis: the row blocks of one slice run side by side (L2 reuse)
-        bh = tl.program_id(1)
-        split = tl.program_id(2)
-        b = bh // H
-        h = bh % H
-        rows = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
-        dims = tl.arange(0, BLOCK_D)
-        row_ok = rows < R
-        dim_ok = dims < D
-        q = tl.load(
-            Q + b * sqb + h * sqh + rows[:, None] * sqr + dims[None, :],
-            mask=row_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        mask_rows = MASK + b * smb + (rows % N_TOK) * smr
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        start = split * CHUNK
-        for n0 in range(0, CHUNK, BLOCK_N):
-            cols = start + n0 + tl.arange(0, BLOCK_N)
-            col_ok = cols < C
-            kv_ok = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(K + b * skb + h * skh + cols[:, None] * skc + dims[None, :], mask=kv_ok, other=0.0)
-            # scale.to: torch.compile passes a Python float as fp64, which would make the running max fp64
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale.to(tl.float32)
-            bias = tl.load(
-                mask_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
-            )
-            visible = (bias.to(tl.float32) > -1.0e30) & col_ok[None, :]
-            s = tl.where(visible, s + bias.to(tl.float32), float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * svb + h * svh + cols[:, None] * svc + dims[None, :], mask=kv_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        out = (bh * S + split) * R + rows
-        tl.store(ACC + out[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
-        tl.store(M + out, m_i, mask=row_ok)
-        tl.store(L + out, l_i, mask=row_ok)
+_TUNE_KEY = ["R", "C", "D", "INT4"]
+_FIXED = {"few": {"BLOCK_R": 16}, "many": {"BLOCK_R": 64}}
 
-    return split_kernel
+
+def _configs(triton: Any, block_rows: tuple[int, ...]) -> list[Any]:
+    return [
+        triton.Config({"BLOCK_R": r}, num_warps=w, num_stages=st)
+        for r in block_rows
+        for w in (4, 8)
+        for st in (2, 3)
+        if not (r == 128 and w == 4)  # a 128 x 128 fp32 accumulator does not fit four warps' registers
+    ]
 
 
 def _splits(programs: int, c: int, device: torch.device) -> int:
@@ -112,38 +76,92 @@ def _splits(programs: int, c: int, device: torch.device) -> int:
     return max(1, min(want, -(-c // BLOCK_N)))
 
 
+def int4_rows(packed: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of int4-packed rows ``[..., head_dim/2 + 4 * groups]`` bytes: the codes ``[..., head_dim/2]``
+    (uint8, element ``2i`` in the low nibble), then the fp16 scales and the fp16 minimums
+    ``[..., groups]``. One buffer per K or V keeps a slot's bytes together (one row per token and head)."""
+    half = head_dim // 2
+    groups = (packed.shape[-1] - half) // 4
+    if half * 2 != head_dim or packed.shape[-1] != half + 4 * groups or groups < 1:
+        raise ValueError(f"{packed.shape[-1]} bytes per row is no int4 packing of head_dim {head_dim}")
+    return (
+        packed[..., :half],
+        packed[..., half : half + 2 * groups].view(torch.float16),
+        packed[..., half + 2 * groups :].view(torch.float16),
+    )
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Masked attention of ``q [B, Hkv, R, D]`` over ``k, v [B, Hkv, C, D]``; returns ``[B, Hkv, R, D]``."""
+    """Masked attention of ``q [B, Hkv, R, D]`` over ``k, v [B, Hkv, C, D]``; returns ``[B, Hkv, R, D]``.
+
+    ``k`` and ``v`` may also be uint8 int4-packed rows (:func:`int4_rows`): the kernel then reads the
+    codes and decodes them in registers, so a step streams 0.31x the bytes and no decoded copy exists."""
     b, h, r, d = q.shape
     c = k.shape[2]
     n_tok = mask.shape[2]
-    block_r = 16 if r <= 16 else 64
+    int4 = k.dtype == torch.uint8
     block_d = max(16, 1 << (d - 1).bit_length())
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if int4:
+        (k, ks, kl), (v, vs, vl) = int4_rows(k, d), int4_rows(v, d)
+        if ks.stride() != vs.stride() or k.stride() != v.stride():
+            raise ValueError("int4 keys and values must share one layout")
+        group = d // ks.shape[-1]
+    else:
+        k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+        ks = kl = vs = vl = k
+        group = d
     mask = mask.to(q.dtype) if mask.dtype != q.dtype else mask
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
-    rblocks = -(-r // block_r)
-    s = _splits(b * h * rblocks, c, q.device)
+    kind = "few" if r <= 16 else "many"
+    rows_per_program = _FIXED[kind]["BLOCK_R"]
+    s = _splits(b * h * -(-r // rows_per_program), c, q.device)
     per = -(-c // s)  # keys per slice, rounded up to whole blocks
     chunk = -(-per // BLOCK_N) * BLOCK_N
     s = -(-c // chunk)
     acc = torch.empty((b * h, s, r, block_d), dtype=torch.float32, device=q.device)
     m = torch.empty((b * h, s, r), dtype=torch.float32, device=q.device)
     lsum = torch.empty((b * h, s, r), dtype=torch.float32, device=q.device)
-    _KERNEL[(rblocks, b * h, s)](
-        q, k, v, mask, acc, m, lsum,
+    kernel = _KERNELS[kind]
+    if torch.compiler.is_compiling():  # inductor traces the plain kernel (it schedules its own launches)
+        kernel = getattr(kernel, "fn", kernel)
+    fixed = {} if hasattr(kernel, "configs") else _FIXED[kind]
+    kernel[lambda meta: (-(-r // meta["BLOCK_R"]), b * h, s)](
+        q, k, v, ks, kl, vs, vl, mask, acc, m, lsum,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2),
         h, r, n_tok, c, chunk, s, float(scale),
-        BLOCK_R=block_r, BLOCK_N=BLOCK_N, BLOCK_D=block_d, D=d,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_N=BLOCK_N, BLOCK_D=block_d, D=d,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INT4=int4, GROUP=group, **fixed,
     )  # fmt: skip
-    top = m.amax(1, keepdim=True)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    w = torch.exp(m - top)  # a slice that saw nothing has m = -inf: weight 0
-    out = (w[..., None] * acc).sum(1) / (w * lsum).sum(1)[..., None]
-    return out[..., :d].reshape(b, h, r, d).to(q.dtype)
+    out = torch.empty((b * h, r, d), dtype=q.dtype, device=q.device)
+    merge_rows = 16 if r <= 16 else 32
+    _KERNELS["merge"][(-(-r // merge_rows), b * h)](
+        acc, m, lsum, out, s, r, out.stride(0), out.stride(1), BLOCK_R=merge_rows, BLOCK_D=block_d, D=d
+    )
+    return out.reshape(b, h, r, d)
+
+
+def can_write_int4(group: int) -> bool:
+    """Whether :func:`write_int4` takes this group size (a power of two; the kernels must be prepared)."""
+    return "encode" in _KERNELS and group >= 2 and group & (group - 1) == 0
+
+
+def write_int4(packed: torch.Tensor, index: torch.Tensor, x: torch.Tensor, group: int) -> None:
+    """Encode ``x [B, H, n, D]`` into the int4 rows (:func:`int4_rows`) of ``packed [B, H, C, row]`` at the
+    ``[n]`` slots ``index``, in one kernel, byte for byte as :func:`kvlab.hf.static_rolling._pack4` writes
+    them (the torch version is ~20 small kernels per call). In place; ``x`` may be any float dtype."""
+    b, h, n, d = x.shape
+    codes, scales, lows = int4_rows(packed, d)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    groups = d // group
+    _KERNELS["encode"][(n, b * h)](
+        x, codes, scales, lows, index,
+        x.stride(0), x.stride(1), x.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
+        scales.stride(0), scales.stride(1), scales.stride(2), h,
+        GROUP=group, G=groups, BLOCK_G=max(2, 1 << (groups - 1).bit_length()), enable_fp_fusion=False,
+    )  # fmt: skip

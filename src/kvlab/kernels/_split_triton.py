@@ -1,0 +1,173 @@
+"""The Triton kernels behind :mod:`kvlab.kernels.split_attention` (imported by its ``prepare()`` only
+where Triton is installed; ``TRITON_INTERPRET=1`` set before the import runs them on the CPU)."""
+
+# ruff: noqa: N803 -- Triton kernels name their pointer arguments in capitals, as Triton's own do
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_rows(
+    P,
+    PS,
+    PL,
+    base,
+    sbase,
+    cols,
+    dims,
+    feat,
+    ok,
+    sc,
+    ssc,
+    INT4: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+):
+    """``[BLOCK_N, BLOCK_D]`` keys or values of slots ``cols``: read as stored, or (``INT4``) decoded from
+    their 4-bit codes (element ``2i`` in the low nibble of byte ``i``) times the fp16 scale plus the fp16
+    minimum of each ``GROUP`` channels, in fp32 as :func:`kvlab.hf.static_rolling._decode4` does.
+
+    int4 columns come permuted: column ``j`` holds channel ``feat[j]`` (the even channels, then the odd
+    ones), so each half is one contiguous run of bytes; the caller permutes the queries and the output alike.
+    """
+    if INT4:
+        byte = tl.load(P + base + cols[:, None] * sc + (dims % (D // 2))[None, :], mask=ok, other=0)
+        nib = (byte.to(tl.int32) >> (4 * (dims // (D // 2)))[None, :]) & 15
+        soff = sbase + cols[:, None] * ssc + (feat // GROUP)[None, :]
+        scale = tl.load(PS + soff, mask=ok, other=0.0).to(tl.float32)
+        low = tl.load(PL + soff, mask=ok, other=0.0).to(tl.float32)
+        return nib.to(tl.float32) * scale + low
+    else:
+        return tl.load(P + base + cols[:, None] * sc + dims[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
+def split_kernel(
+    Q, K, V, KS, KL, VS, VL, MASK, ACC, M, L,
+    sqb, sqh, sqr, skb, skh, skc, svb, svh, svc, ssb, ssh, ssc, smb, smr,
+    H, R, N_TOK, C, CHUNK, S, scale,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+    PRECISION: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    rblock = tl.program_id(0)  # fastest axis: the row blocks of one slice run side by side (L2 reuse)
+    bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    rows = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    dim_ok = dims < D
+    if INT4:  # the channel each column holds (see load_rows)
+        feat = 2 * (dims % (D // 2)) + dims // (D // 2)
+    else:
+        feat = dims
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows[:, None] * sqr + feat[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    mask_rows = MASK + b * smb + (rows % N_TOK) * smr
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    start = split * CHUNK
+    sbase = b * ssb + h * ssh
+    for n0 in range(0, CHUNK, BLOCK_N):
+        cols = start + n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < C
+        kv_ok = col_ok[:, None] & dim_ok[None, :]
+        k = load_rows(K, KS, KL, b * skb + h * skh, sbase, cols, dims, feat, kv_ok, skc, ssc, INT4, GROUP, D)
+        # scale.to: torch.compile passes a Python float as fp64, which would make the running max fp64
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * tl.cast(scale, tl.float32)
+        bias = tl.load(mask_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        visible = (bias.to(tl.float32) > -1.0e30) & col_ok[None, :]
+        s = tl.where(visible, s + bias.to(tl.float32), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_rows(V, VS, VL, b * svb + h * svh, sbase, cols, dims, feat, kv_ok, svc, ssc, INT4, GROUP, D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m_i = m_new
+    out = (bh * S + split) * R + rows
+    tl.store(ACC + out[:, None] * BLOCK_D + feat[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(M + out, m_i, mask=row_ok)
+    tl.store(L + out, l_i, mask=row_ok)
+
+
+@triton.jit
+def merge_kernel(
+    ACC, M, L, OUT, S, R, sob, sor,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """One program per (row block, batch x head): the slices' partial outputs weighted by
+    ``exp(max_slice - max_all)`` (a slice that saw nothing has max -inf: weight 0), in the query's dtype."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    bh = tl.program_id(1)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(0, S):
+        top = tl.maximum(top, tl.load(M + (bh * S + s) * R + rows, mask=row_ok, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    num = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, S):
+        at = (bh * S + s) * R + rows
+        w = tl.exp(tl.load(M + at, mask=row_ok, other=float("-inf")) - top)
+        den += w * tl.load(L + at, mask=row_ok, other=0.0)
+        num += w[:, None] * tl.load(
+            ACC + at[:, None] * BLOCK_D + dims[None, :], mask=row_ok[:, None], other=0.0
+        )
+    out = num / den[:, None]
+    ok = row_ok[:, None] & (dims < D)[None, :]
+    tl.store(OUT + bh * sob + rows[:, None] * sor + dims[None, :], out.to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def round_even(v):
+    """``torch.round``: to the nearest integer, ties to even (exact for |v| < 2**22; written out, as
+    Triton's interpreter has no ``rint``)."""
+    f = tl.floor(v)
+    frac = v - f
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    return tl.where(frac > 0.5, f + 1.0, tl.where(frac < 0.5, f, f + odd))
+
+
+@triton.jit
+def encode_kernel(
+    X, CODES, SCALES, LOWS, INDEX,
+    sxb, sxh, sxt, scb, sch, scc, ssb, ssh, ssc, H,
+    GROUP: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """Token ``program_id(0)`` of row ``program_id(1)`` (batch x head) of ``X [B, H, n, D]`` as int4 codes,
+    fp16 scale and fp16 minimum per ``GROUP`` channels, written at slot ``INDEX[t]``: the arithmetic of
+    :func:`kvlab.hf.static_rolling._encode4` step for step (IEEE division, round half to even; launched
+    with fp fusion off, so no multiply-add is contracted), hence the same bytes."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    g = tl.arange(0, BLOCK_G)
+    i = tl.arange(0, GROUP // 2)
+    ok = (g < G)[:, None] & (i < GROUP // 2)[None, :]
+    at = X + b * sxb + h * sxh + t * sxt + g[:, None] * GROUP + 2 * i[None, :]
+    even = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    odd = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
+    lo = tl.minimum(tl.min(tl.where(ok, even, float("inf")), 1), tl.min(tl.where(ok, odd, float("inf")), 1))
+    hi = tl.maximum(tl.max(tl.where(ok, even, float("-inf")), 1), tl.max(tl.where(ok, odd, float("-inf")), 1))
+    low = (lo - tl.abs(lo) * 0.0009765625 - 5.960464477539063e-08).to(tl.float16)
+    span = tl.math.div_rn(hi - low.to(tl.float32), tl.full([BLOCK_G], 15.0, tl.float32))
+    scale = tl.maximum(span * 1.0009765625 + 5.960464477539063e-08, 6.103515625e-05).to(tl.float16)
+    lowf = low.to(tl.float32)[:, None]
+    scalef = scale.to(tl.float32)[:, None]
+    c_even = tl.minimum(tl.maximum(round_even(tl.math.div_rn(even - lowf, scalef)), 0.0), 15.0)
+    c_odd = tl.minimum(tl.maximum(round_even(tl.math.div_rn(odd - lowf, scalef)), 0.0), 15.0)
+    byte = (c_even.to(tl.int32) | (c_odd.to(tl.int32) << 4)).to(tl.uint8)
+    slot = tl.load(INDEX + t)
+    tl.store(CODES + b * scb + h * sch + slot * scc + g[:, None] * (GROUP // 2) + i[None, :], byte, mask=ok)
+    tl.store(SCALES + b * ssb + h * ssh + slot * ssc + g, scale, mask=g < G)
+    tl.store(LOWS + b * ssb + h * ssh + slot * ssc + g, low, mask=g < G)
