@@ -26,6 +26,7 @@ the argmax of the last logits, kept on the device, so the timed loops never sync
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -183,6 +184,49 @@ class Bench:
         g = torch.Generator().manual_seed(seed)
         vocab = self.handle.config.vocab_size
         return torch.randint(0, vocab, (1, n), generator=g).to(self.dev)
+
+    # -- the split kernel's launch shape ---------------------------------------------------------------
+    def split_launch(self, L: int) -> dict:
+        """Time the split-KV attention alone (kernel + merge) for one decode step (4 query rows per KV head)
+        and one 64-token chunk (256 rows) over ``L`` slots at 8B geometry, plain bf16 and int4 rows, under
+        several (rows per program, warps, stages); the fastest of each becomes the launch every later
+        section uses (``split_attention.LAUNCH``), and the table says which that was."""
+        from kvlab.hf.static_rolling import _pack4
+        from kvlab.kernels import split_attention as sa
+
+        if not sa.prepare(self.dev):
+            return {"skipped": "no Triton or no CUDA"}
+        g = torch.Generator(device=self.dev).manual_seed(0)
+        c = L + SINKS + CHUNK
+        k, v = (
+            torch.randn(1, 8, c, 128, generator=g, device=self.dev, dtype=torch.bfloat16) for _ in range(2)
+        )
+        packed = (_pack4(k, 32), _pack4(v, 32))
+        shapes = {
+            "few": ((16, 4, 3), (16, 4, 2), (16, 8, 3), (16, 2, 2), (16, 4, 4)),
+            "many": ((64, 4, 3), (64, 4, 2), (64, 8, 3), (128, 8, 3), (128, 8, 2), (128, 4, 2)),
+        }
+        table: dict = {}
+        for kind, n in (("few", 1), ("many", CHUNK)):
+            q = torch.randn(1, 8, 4 * n, 128, generator=g, device=self.dev, dtype=torch.bfloat16)
+            mask = torch.zeros(1, 1, n, c, device=self.dev, dtype=torch.bfloat16)
+            for int4, (kk, vv) in ((False, (k, v)), (True, packed)):
+                times: dict[str, float | str] = {}
+                for shape in shapes[kind]:
+                    sa.LAUNCH[(kind, int4)] = shape
+                    call = functools.partial(sa.attend, q, kk, vv, mask, 0.088)
+                    try:
+                        for _ in range(3):
+                            call()
+                        runs = [self.timed(call, 10) for _ in range(3)]
+                        times["x".join(map(str, shape))] = round(statistics.median(runs), 4)
+                    except Exception as exc:  # a launch this card cannot run (registers, shared memory)
+                        times["x".join(map(str, shape))] = f"{type(exc).__name__}"
+                ok = {s_: t for s_, t in times.items() if isinstance(t, float)}
+                best = min(ok, key=ok.__getitem__)
+                sa.LAUNCH[(kind, int4)] = tuple(int(x) for x in best.split("x"))  # type: ignore[assignment]
+                table[f"{kind}{'_int4' if int4 else ''}"] = {"ms": times, "chosen": best}
+        return table
 
     # -- decode -------------------------------------------------------------------------------------
     def dynamic(self, L: int) -> dict:
@@ -380,6 +424,15 @@ def report(b: Bench) -> str:
         "| decode | context | ms / token | vs StaticCache + compile | vs bandwidth floor | cache held | notes |",
         "|---|---|---|---|---|---|---|",
     ]
+    for key, v in s.items():
+        if key.startswith("split_launch_") and "skipped" not in v:
+            lines[-2:-2] = [
+                f"Split-KV attention alone at {key.rsplit('_', 1)[1]} slots (ms per call; rows per program x "
+                "warps x stages; the chosen launch is what every row below ran):",
+                "",
+                *(f"- {kind}: chosen {t['chosen']}; {t['ms']}" for kind, t in v.items()),
+                "",
+            ]
     for L in b.contexts:
         base = s.get(f"static_compiled_{L}", {}).get("ms_per_token")
         floor = b.floor_ms(L)
@@ -480,6 +533,7 @@ def main() -> None:
     b.section("model", 0, b.build)
     graph = "cuda-graph" if cuda else "eager"
     # most valuable first: a section runs only if the budget left covers its estimate
+    b.section(f"split_launch_{long}", 30, b.split_launch, long)
     b.section(f"rolling_graph_{short}", 15, b.rolling, short, graph, "none", True)
     b.section(f"static_compiled_{short}", 60, b.static_compiled, short)  # the bar's pair, first
     b.section(f"roll_vs_prefill_{long}", 25, b.roll_vs_prefill, long)

@@ -30,7 +30,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 # 0. the Triton kernels on this card first: if the tuned split kernel or the int4 writer fails its
 #    tests, the benchmark runs the untuned launch (KVLAB_SPLIT_TUNE=0) and the log says so
 KVLAB_TEST_NO_SKIPS=1 timeout "${PREFLIGHT_S:-150}" python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_static_rolling.py -k "split_attention or int4_writer or cuda_graph" > "$OUT/preflight.log" 2>&1
+  tests/test_static_rolling.py -k "split_attention or int4_writer or cuda_graph or compiled_fullgraph_cuda" > "$OUT/preflight.log" 2>&1
 pre=$?
 echo "preflight rc=$pre"; tail -n 4 "$OUT/preflight.log"
 if [ $pre -ne 0 ]; then

@@ -46,6 +46,8 @@ def test_split_attention_compiles_for_sm90(scale, dtype, precision, block_r, hea
         "PRECISION": precision,
         "INT4": int4,
         "GROUP": 32,
+        "BROADCAST": int4,
+        "G": head_dim // 32,
     }
     sig.update({"scale": scale, **dict.fromkeys(constexprs, "constexpr")})
     src = ASTSource(kernels.split_kernel, sig, constexprs=constexprs)
@@ -61,7 +63,7 @@ def test_merge_kernel_compiles_for_sm90():
     from kvlab.kernels import _split_triton as kernels
 
     sig = {"ACC": "*fp32", "M": "*fp32", "L": "*fp32", "OUT": "*bf16", "S": "i32", "R": "i32", "sob": "i32"}
-    constexprs = {"BLOCK_R": 32, "BLOCK_D": 128, "D": 128}
+    constexprs = {"BLOCK_S": 32, "BLOCK_D": 128, "D": 128}
     sig.update({"sor": "i32", **dict.fromkeys(constexprs, "constexpr")})
     compiled = triton.compile(
         ASTSource(kernels.merge_kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)

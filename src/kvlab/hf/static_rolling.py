@@ -68,7 +68,7 @@ def _encode4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, t
     g = x.float().unflatten(-1, (-1, group))
     lo = g.amin(-1)
     low = (lo - lo.abs() * 2.0**-10 - 2.0**-24).to(torch.float16)
-    span = (g.amax(-1) - low.float()) / 15
+    span = (g.amax(-1) - low.float()) * (1 / 15)  # a multiply (torch divides by a scalar so on CUDA)
     scale = (span * (1 + 2.0**-10) + 2.0**-24).clamp_min(2.0**-14).to(torch.float16)
     codes = torch.round((g - low.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
     codes = codes.flatten(-2).unflatten(-1, (-1, 2))

@@ -9,35 +9,37 @@ import triton.language as tl
 
 @triton.jit
 def load_rows(
-    P,
-    PS,
-    PL,
-    base,
-    sbase,
-    cols,
-    dims,
-    feat,
-    ok,
-    sc,
-    ssc,
-    INT4: tl.constexpr,
-    GROUP: tl.constexpr,
-    D: tl.constexpr,
-):
+    P, PS, PL, base, sbase, cols, dims, feat, ok, sc, ssc, C,
+    INT4: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BROADCAST: tl.constexpr, G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     """``[BLOCK_N, BLOCK_D]`` keys or values of slots ``cols``: read as stored, or (``INT4``) decoded from
     their 4-bit codes (element ``2i`` in the low nibble of byte ``i``) times the fp16 scale plus the fp16
     minimum of each ``GROUP`` channels, in fp32 as :func:`kvlab.hf.static_rolling._decode4` does.
 
     int4 columns come permuted: column ``j`` holds channel ``feat[j]`` (the even channels, then the odd
-    ones), so each half is one contiguous run of bytes; the caller permutes the queries and the output alike.
+    ones), so each half is one contiguous run of bytes; the caller permutes the queries and the output
+    alike. With ``BROADCAST`` (``G`` groups, a power of two, tiling the block exactly) each slot's scales
+    and minimums are loaded once and broadcast over their group's columns, rather than gathered per element.
     """
     if INT4:
         byte = tl.load(P + base + cols[:, None] * sc + (dims % (D // 2))[None, :], mask=ok, other=0)
-        nib = (byte.to(tl.int32) >> (4 * (dims // (D // 2)))[None, :]) & 15
-        soff = sbase + cols[:, None] * ssc + (feat // GROUP)[None, :]
-        scale = tl.load(PS + soff, mask=ok, other=0.0).to(tl.float32)
-        low = tl.load(PL + soff, mask=ok, other=0.0).to(tl.float32)
-        return nib.to(tl.float32) * scale + low
+        nib = ((byte.to(tl.int32) >> (4 * (dims // (D // 2)))[None, :]) & 15).to(tl.float32)
+        if BROADCAST:
+            g = tl.arange(0, G)
+            soff = sbase + cols[:, None] * ssc + g[None, :]
+            gok = (cols < C)[:, None] & (g < G)[None, :]
+            scale = tl.load(PS + soff, mask=gok, other=0.0).to(tl.float32)
+            low = tl.load(PL + soff, mask=gok, other=0.0).to(tl.float32)
+            # column j = half * D/2 + group * GROUP/2 + i: [slot, half, group, i]
+            x = tl.reshape(nib, [BLOCK_N, 2, G, GROUP // 2])
+            x = x * tl.reshape(scale, [BLOCK_N, 1, G, 1]) + tl.reshape(low, [BLOCK_N, 1, G, 1])
+            return tl.reshape(x, [BLOCK_N, BLOCK_D])
+        else:
+            soff = sbase + cols[:, None] * ssc + (feat // GROUP)[None, :]
+            scale = tl.load(PS + soff, mask=ok, other=0.0).to(tl.float32)
+            low = tl.load(PL + soff, mask=ok, other=0.0).to(tl.float32)
+            return nib * scale + low
     else:
         return tl.load(P + base + cols[:, None] * sc + dims[None, :], mask=ok, other=0.0)
 
@@ -48,7 +50,7 @@ def split_kernel(
     sqb, sqh, sqr, skb, skh, skc, svb, svh, svc, ssb, ssh, ssc, smb, smr,
     H, R, N_TOK, C, CHUNK, S, scale,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-    PRECISION: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
+    PRECISION: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BROADCAST: tl.constexpr, G: tl.constexpr,
 ):  # fmt: skip
     rblock = tl.program_id(0)  # fastest axis: the row blocks of one slice run side by side (L2 reuse)
     bh = tl.program_id(1)
@@ -78,7 +80,10 @@ def split_kernel(
         cols = start + n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < C
         kv_ok = col_ok[:, None] & dim_ok[None, :]
-        k = load_rows(K, KS, KL, b * skb + h * skh, sbase, cols, dims, feat, kv_ok, skc, ssc, INT4, GROUP, D)
+        k = load_rows(
+            K, KS, KL, b * skb + h * skh, sbase, cols, dims, feat, kv_ok, skc, ssc, C,
+            INT4, GROUP, D, BROADCAST, G, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
         # scale.to: torch.compile passes a Python float as fp64, which would make the running max fp64
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * tl.cast(scale, tl.float32)
         bias = tl.load(mask_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
@@ -89,7 +94,10 @@ def split_kernel(
         p = tl.exp(s - m_use[:, None])
         alpha = tl.exp(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_rows(V, VS, VL, b * svb + h * svh, sbase, cols, dims, feat, kv_ok, svc, ssc, INT4, GROUP, D)
+        v = load_rows(
+            V, VS, VL, b * svb + h * svh, sbase, cols, dims, feat, kv_ok, svc, ssc, C,
+            INT4, GROUP, D, BROADCAST, G, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
     out = (bh * S + split) * R + rows
@@ -101,30 +109,31 @@ def split_kernel(
 @triton.jit
 def merge_kernel(
     ACC, M, L, OUT, S, R, sob, sor,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    """One program per (row block, batch x head): the slices' partial outputs weighted by
-    ``exp(max_slice - max_all)`` (a slice that saw nothing has max -inf: weight 0), in the query's dtype."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """One program per (row, batch x head): the ``S`` slices' partial outputs weighted by
+    ``exp(max_slice - max_all)`` (a slice that saw nothing has max -inf: weight 0), ``BLOCK_S`` slices
+    at a time, written in the query's dtype."""
+    r = tl.program_id(0)
     bh = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(0, S):
-        top = tl.maximum(top, tl.load(M + (bh * S + s) * R + rows, mask=row_ok, other=float("-inf")))
-    top = tl.where(top == float("-inf"), 0.0, top)
-    num = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    den = tl.zeros([BLOCK_R], tl.float32)
-    for s in range(0, S):
-        at = (bh * S + s) * R + rows
-        w = tl.exp(tl.load(M + at, mask=row_ok, other=float("-inf")) - top)
-        den += w * tl.load(L + at, mask=row_ok, other=0.0)
-        num += w[:, None] * tl.load(
-            ACC + at[:, None] * BLOCK_D + dims[None, :], mask=row_ok[:, None], other=0.0
-        )
-    out = num / den[:, None]
-    ok = row_ok[:, None] & (dims < D)[None, :]
-    tl.store(OUT + bh * sob + rows[:, None] * sor + dims[None, :], out.to(OUT.dtype.element_ty), mask=ok)
+    sl = tl.arange(0, BLOCK_S)
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        top = tl.maximum(top, tl.load(M + (bh * S + s0 + sl) * R + r, mask=s0 + sl < S, other=float("-inf")))
+    best = tl.max(top, 0)
+    best = tl.where(best == float("-inf"), 0.0, best)
+    num = tl.zeros([BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        ok = s0 + sl < S
+        at = (bh * S + s0 + sl) * R + r
+        w = tl.exp(tl.load(M + at, mask=ok, other=float("-inf")) - best)
+        den += w * tl.load(L + at, mask=ok, other=0.0)
+        part = tl.load(ACC + at[:, None] * BLOCK_D + dims[None, :], mask=ok[:, None], other=0.0)
+        num += tl.sum(w[:, None] * part, 0)
+    out = num / tl.sum(den, 0)
+    tl.store(OUT + bh * sob + r * sor + dims, out.to(OUT.dtype.element_ty), mask=dims < D)
 
 
 @triton.jit
@@ -160,7 +169,9 @@ def encode_kernel(
     lo = tl.minimum(tl.min(tl.where(ok, even, float("inf")), 1), tl.min(tl.where(ok, odd, float("inf")), 1))
     hi = tl.maximum(tl.max(tl.where(ok, even, float("-inf")), 1), tl.max(tl.where(ok, odd, float("-inf")), 1))
     low = (lo - tl.abs(lo) * 0.0009765625 - 5.960464477539063e-08).to(tl.float16)
-    span = tl.math.div_rn(hi - low.to(tl.float32), tl.full([BLOCK_G], 15.0, tl.float32))
+    span = (
+        hi - low.to(tl.float32)
+    ) * 0.06666666666666667  # * fp32(1/15): what torch computes for "/ 15" on CUDA
     scale = tl.maximum(span * 1.0009765625 + 5.960464477539063e-08, 6.103515625e-05).to(tl.float16)
     lowf = low.to(tl.float32)[:, None]
     scalef = scale.to(tl.float32)[:, None]

@@ -26,6 +26,15 @@ import torch
 BLOCK_N = 64
 _KERNELS: dict[str, Any] = {}  # the jitted kernels, made by prepare() (outside any graph or compile)
 _SMS: dict[str, int] = {}  # multiprocessors per device, read by prepare()
+# (rows per program, warps, pipeline stages) by launch kind and codec: "few" rows (a decode step,
+# <= 16 query rows per KV head) or "many" (a chunk feed). Measured on an H100 by benchmarks/gpu.py's
+# split_launch section; KVLAB_SPLIT_LAUNCH="many,int4=128x8x3;few,none=16x4x2" overrides, read by prepare().
+LAUNCH: dict[tuple[str, bool], tuple[int, int, int]] = {
+    ("few", False): (16, 4, 3),
+    ("few", True): (16, 4, 3),
+    ("many", False): (64, 4, 3),
+    ("many", True): (64, 4, 3),
+}
 
 
 def prepare(device: torch.device) -> bool:
@@ -36,37 +45,22 @@ def prepare(device: torch.device) -> bool:
     if os.environ.get("KVLAB_SPLIT_ATTENTION", "1") == "0" or not (device.type == "cuda" or interpret):
         return False
     try:
-        import triton
+        import triton  # noqa: F401  (present: the kernels below import it)
     except ImportError:
         return False
     if not _KERNELS:
         from kvlab.kernels._split_triton import encode_kernel, merge_kernel, split_kernel
 
-        split = split_kernel
-        _KERNELS["merge"], _KERNELS["encode"] = merge_kernel, encode_kernel
-        if interpret or os.environ.get("KVLAB_SPLIT_TUNE", "1") == "0":
-            _KERNELS["few"] = _KERNELS["many"] = split  # BLOCK_R and the launch shape from _FIXED
-        else:  # the launch shape is measured once per (rows, cache length, codec) on the device
-            _KERNELS["few"] = triton.autotune(_configs(triton, (16,)), key=_TUNE_KEY)(split)
-            _KERNELS["many"] = triton.autotune(_configs(triton, (64, 128)), key=_TUNE_KEY)(split)
+        _KERNELS.update(split=split_kernel, merge=merge_kernel, encode=encode_kernel)
+    for item in filter(None, os.environ.get("KVLAB_SPLIT_LAUNCH", "").split(";")):
+        key, _, shape = item.partition("=")
+        kind, _, codec = key.partition(",")
+        rows, warps, stages = (int(x) for x in shape.lower().split("x"))
+        LAUNCH[(kind.strip(), codec.strip() == "int4")] = (rows, warps, stages)
     _SMS[str(device)] = (
         torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     )
     return True
-
-
-_TUNE_KEY = ["R", "C", "D", "INT4"]
-_FIXED = {"few": {"BLOCK_R": 16}, "many": {"BLOCK_R": 64}}
-
-
-def _configs(triton: Any, block_rows: tuple[int, ...]) -> list[Any]:
-    return [
-        triton.Config({"BLOCK_R": r}, num_warps=w, num_stages=st)
-        for r in block_rows
-        for w in (4, 8)
-        for st in (2, 3)
-        if not (r == 128 and w == 4)  # a 128 x 128 fp32 accumulator does not fit four warps' registers
-    ]
 
 
 def _splits(programs: int, c: int, device: torch.device) -> int:
@@ -116,8 +110,7 @@ def attend(
     mask = mask.to(q.dtype) if mask.dtype != q.dtype else mask
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
-    kind = "few" if r <= 16 else "many"
-    rows_per_program = _FIXED[kind]["BLOCK_R"]
+    rows_per_program, warps, stages = LAUNCH[("few" if r <= 16 else "many", int4)]
     s = _splits(b * h * -(-r // rows_per_program), c, q.device)
     per = -(-c // s)  # keys per slice, rounded up to whole blocks
     chunk = -(-per // BLOCK_N) * BLOCK_N
@@ -125,23 +118,22 @@ def attend(
     acc = torch.empty((b * h, s, r, block_d), dtype=torch.float32, device=q.device)
     m = torch.empty((b * h, s, r), dtype=torch.float32, device=q.device)
     lsum = torch.empty((b * h, s, r), dtype=torch.float32, device=q.device)
-    kernel = _KERNELS[kind]
-    if torch.compiler.is_compiling():  # inductor traces the plain kernel (it schedules its own launches)
-        kernel = getattr(kernel, "fn", kernel)
-    fixed = {} if hasattr(kernel, "configs") else _FIXED[kind]
-    kernel[lambda meta: (-(-r // meta["BLOCK_R"]), b * h, s)](
+    groups = ks.shape[-1] if int4 else 1
+    _KERNELS["split"][(-(-r // rows_per_program), b * h, s)](
         q, k, v, ks, kl, vs, vl, mask, acc, m, lsum,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2),
         h, r, n_tok, c, chunk, s, float(scale),
-        BLOCK_N=BLOCK_N, BLOCK_D=block_d, D=d,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INT4=int4, GROUP=group, **fixed,
+        BLOCK_R=rows_per_program, BLOCK_N=BLOCK_N, BLOCK_D=block_d, D=d,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INT4=int4, GROUP=group,
+        # whole groups broadcast in registers when they tile the block (else one gather per element)
+        BROADCAST=int4 and block_d == d and groups & (groups - 1) == 0,
+        G=groups, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     out = torch.empty((b * h, r, d), dtype=q.dtype, device=q.device)
-    merge_rows = 16 if r <= 16 else 32
-    _KERNELS["merge"][(-(-r // merge_rows), b * h)](
-        acc, m, lsum, out, s, r, out.stride(0), out.stride(1), BLOCK_R=merge_rows, BLOCK_D=block_d, D=d
+    _KERNELS["merge"][(r, b * h)](
+        acc, m, lsum, out, s, r, out.stride(0), out.stride(1), BLOCK_S=32, BLOCK_D=block_d, D=d
     )
     return out.reshape(b, h, r, d)
 
