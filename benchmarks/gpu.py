@@ -343,7 +343,7 @@ class Bench:
         }
 
     # -- the roll and the store ---------------------------------------------------------------------
-    def roll_vs_prefill(self, L: int) -> dict:
+    def roll_vs_prefill(self, L: int, mode: str = "cuda-graph") -> dict:
         from transformers import DynamicCache
 
         from kvlab.hf.graphs import RollingDecoder
@@ -351,7 +351,7 @@ class Bench:
 
         h, m = self.handle, self.handle.model
         cache = static_rolling_cache_for(h, window=L - SINKS, sinks=SINKS, evict_chunk=CHUNK)
-        dec = RollingDecoder(h, cache, mode="cuda-graph" if self.cuda else "eager")
+        dec = RollingDecoder(h, cache, mode=mode if self.cuda or mode == "compile" else "eager")  # type: ignore[arg-type]
         dec.prefill(self.ids(L))
         chunks = self.ids(CHUNK * 8, seed=5).view(8, 1, CHUNK)
         for i in range(2):  # capture the 64-token feed (the window is full: every feed rolls)
@@ -361,8 +361,9 @@ class Bench:
         for c in chunks[2:]:
             feeds.append(self.timed(lambda c=c: dec.feed(c), 1))
         rolled = cache.rolls - rolls
-        self.profile(f"roll_{L}", lambda: dec.feed(chunks[2]))
-        self.profile(f"decode_step_{L}", lambda: dec.feed(chunks[3][:, :1]))
+        if mode == "cuda-graph":
+            self.profile(f"roll_{L}", lambda: dec.feed(chunks[2]))
+            self.profile(f"decode_step_{L}", lambda: dec.feed(chunks[3][:, :1]))
         dec = cache = None  # free the 32k cache before the prefills
         self.free()
 
@@ -487,7 +488,8 @@ def report(b: Bench) -> str:
     for key, v in s.items():
         if key.startswith("roll_vs_prefill"):
             lines.append(
-                f"\nRoll at {key.rsplit('_', 1)[1]} tokens (64 tokens fed past a full window, one captured forward, "
+                f"\nRoll at {key.rsplit('_', 1)[1]} tokens (64 tokens fed past a full window, one "
+                f"{'compiled' if 'compile' in key else 'captured'} forward, "
                 f"{v['rolls_in_timed_feeds']} rolls timed): **{v['roll_ms_median']} ms** vs re-prefill of the window "
                 f"{v['reprefill_ms_median']} ms: **{v['ratio']}x cheaper** (each roll: {v['roll_ms_each']} ms)."
             )
@@ -545,6 +547,7 @@ def main() -> None:
     b.section(f"dynamic_{long}", 12, b.dynamic, long)
     b.section(f"store_{short}", 30, b.store, short)
     b.section(f"rolling_compile_{short}", 60, b.rolling, short, "compile")
+    b.section(f"roll_vs_prefill_compile_{long}", 90, b.roll_vs_prefill, long, "compile")
     b.section(f"rolling_int4_compile_{short}", 100, b.rolling, short, "compile", "int4")
     b.section(f"static_compiled_{long}", 110, b.static_compiled, long)
     b.section(f"rolling_compile_{long}", 110, b.rolling, long, "compile")

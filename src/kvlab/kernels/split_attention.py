@@ -27,13 +27,14 @@ BLOCK_N = 64
 _KERNELS: dict[str, Any] = {}  # the jitted kernels, made by prepare() (outside any graph or compile)
 _SMS: dict[str, int] = {}  # multiprocessors per device, read by prepare()
 # (rows per program, warps, pipeline stages) by launch kind and codec: "few" rows (a decode step,
-# <= 16 query rows per KV head) or "many" (a chunk feed). Measured on an H100 by benchmarks/gpu.py's
-# split_launch section; KVLAB_SPLIT_LAUNCH="many,int4=128x8x3;few,none=16x4x2" overrides, read by prepare().
+# <= 16 query rows per KV head) or "many" (a chunk feed). The fastest of benchmarks/gpu.py's
+# split_launch sweep on an H100 (benchmarks/results/gpu.md, run 4), which every figure there ran with;
+# KVLAB_SPLIT_LAUNCH="many,int4=128x8x3;few,none=16x4x2" overrides them, read by prepare().
 LAUNCH: dict[tuple[str, bool], tuple[int, int, int]] = {
-    ("few", False): (16, 4, 3),
-    ("few", True): (16, 4, 3),
-    ("many", False): (64, 4, 3),
-    ("many", True): (64, 4, 3),
+    ("few", False): (16, 4, 2),
+    ("few", True): (16, 4, 4),
+    ("many", False): (128, 8, 2),
+    ("many", True): (128, 8, 3),
 }
 
 
