@@ -24,13 +24,13 @@ def _triton_present():
 @pytest.mark.parametrize(("dtype", "precision"), [("fp32", "ieee"), ("bf16", "tf32"), ("fp16", "tf32")])
 @pytest.mark.parametrize(("block_r", "head_dim"), [(16, 128), (64, 64), (128, 128)])
 @pytest.mark.parametrize("int4", [False, True])
-def test_split_attention_compiles_for_sm90(scale, dtype, precision, block_r, head_dim, int4):
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_split_attention_compiles_for_sm90(scale, dtype, precision, block_r, head_dim, int4, block_n):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from kvlab.kernels import _split_triton as kernels
-    from kvlab.kernels import split_attention as sa
 
     sig = {name: f"*{dtype}" for name in ("Q", "MASK")}
     sig.update({name: "*u8" if int4 else f"*{dtype}" for name in ("K", "V")})
@@ -40,7 +40,7 @@ def test_split_attention_compiles_for_sm90(scale, dtype, precision, block_r, hea
     sig.update({name: "i32" for name in (*ints, "H", "R", "N_TOK", "C", "CHUNK", "S")})
     constexprs = {
         "BLOCK_R": block_r,
-        "BLOCK_N": sa.BLOCK_N,
+        "BLOCK_N": block_n,
         "BLOCK_D": head_dim,
         "D": head_dim,
         "PRECISION": precision,
@@ -81,6 +81,7 @@ from kvlab.hf.static_rolling import _pack4, decode_packed
 from kvlab.kernels import split_attention as sa
 
 assert sa.prepare(torch.device("cpu"))
+defaults = dict(sa.LAUNCH)
 g = torch.Generator().manual_seed(0)
 out = []
 for n, length, hd, dtype, int4 in json.loads(sys.argv[1]):
@@ -100,8 +101,14 @@ for n, length, hd, dtype, int4 in json.loads(sys.argv[1]):
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), repeat_kv(kd, groups).double(), repeat_kv(vd, groups).double(),
         attn_mask=mask.double(), scale=0.1)
-    got = sa.attend(q.reshape(b, h, groups * n, hd), k, v, mask, 0.1).reshape(b, h * groups, n, hd)
-    out.append(float((got.double() - ref).abs().max()))
+    worst = 0.0
+    for launch in (None, (128, 8, 2, 128, 1), (16, 4, 3, 128, 8)):  # the defaults, then 128-key blocks
+        if launch:
+            sa.LAUNCH.update(dict.fromkeys(list(sa.LAUNCH), launch))
+        got = sa.attend(q.reshape(b, h, groups * n, hd), k, v, mask, 0.1).reshape(b, h * groups, n, hd)
+        worst = max(worst, float((got.double() - ref).abs().max()))
+    sa.LAUNCH.update(defaults)
+    out.append(worst)
 print(json.dumps(out))
 """
 
@@ -122,7 +129,8 @@ def _interpret(script: str, *args: str) -> str:
 def test_split_attention_interpreted_equals_sdpa():
     """The split kernel and its merge (fp32: IEEE products, fp16: fp32 accumulation) against SDPA in
     float64 over the same keys, read as stored or as packed int4 rows decoded in the kernel (the
-    reference decodes the same rows with ``decode_packed``): one decode row, a few, and a 64-token chunk."""
+    reference decodes the same rows with ``decode_packed``): one decode row, a few, and a 64-token chunk,
+    each under the default launches and under 128-key blocks with one or eight programs per SM."""
     import json
 
     cases = [

@@ -23,18 +23,18 @@ from typing import Any
 
 import torch
 
-BLOCK_N = 64
 _KERNELS: dict[str, Any] = {}  # the jitted kernels, made by prepare() (outside any graph or compile)
 _SMS: dict[str, int] = {}  # multiprocessors per device, read by prepare()
-# (rows per program, warps, pipeline stages) by launch kind and codec: "few" rows (a decode step,
-# <= 16 query rows per KV head) or "many" (a chunk feed). The fastest of benchmarks/gpu.py's
-# split_launch sweep on an H100 (benchmarks/results/gpu.md, run 4), which every figure there ran with;
-# KVLAB_SPLIT_LAUNCH="many,int4=128x8x3;few,none=16x4x2" overrides them, read by prepare().
-LAUNCH: dict[tuple[str, bool], tuple[int, int, int]] = {
-    ("few", False): (16, 4, 2),
-    ("few", True): (16, 4, 4),
-    ("many", False): (128, 8, 2),
-    ("many", True): (128, 8, 3),
+# The launch by kind and codec: "few" rows (a decode step, <= 16 query rows per KV head) or "many" (a
+# chunk feed). (rows per program, warps, pipeline stages, keys per block, programs per multiprocessor):
+# the fastest of benchmarks/gpu.py's split_launch sweep on an H100 (benchmarks/results/gpu.md, run 4),
+# which every figure there ran with. KVLAB_SPLIT_LAUNCH="many,int4=128x8x3x64x4;few,none=16x4x2"
+# overrides them (the last two numbers optional), read by prepare().
+LAUNCH: dict[tuple[str, bool], tuple[int, int, int, int, int]] = {
+    ("few", False): (16, 4, 2, 64, 4),
+    ("few", True): (16, 4, 4, 64, 4),
+    ("many", False): (128, 8, 2, 64, 4),
+    ("many", True): (128, 8, 3, 64, 4),
 }
 
 
@@ -56,19 +56,20 @@ def prepare(device: torch.device) -> bool:
     for item in filter(None, os.environ.get("KVLAB_SPLIT_LAUNCH", "").split(";")):
         key, _, shape = item.partition("=")
         kind, _, codec = key.partition(",")
-        rows, warps, stages = (int(x) for x in shape.lower().split("x"))
-        LAUNCH[(kind.strip(), codec.strip() == "int4")] = (rows, warps, stages)
+        numbers = [int(x) for x in shape.lower().split("x")]
+        rows, warps, stages, block_n, per_sm = (numbers + [64, 4])[:5] if len(numbers) == 3 else numbers
+        LAUNCH[(kind.strip(), codec.strip() == "int4")] = (rows, warps, stages, block_n, per_sm)
     _SMS[str(device)] = (
         torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     )
     return True
 
 
-def _splits(programs: int, c: int, device: torch.device) -> int:
-    """Slices of the cache: enough programs for about four per multiprocessor, slices of >= BLOCK_N."""
+def _splits(programs: int, c: int, device: torch.device, per_sm: int, block_n: int) -> int:
+    """Slices of the cache: about ``per_sm`` programs per multiprocessor, slices of >= ``block_n`` keys."""
     sms = _SMS.get(str(device), 132)
-    want = max(1, -(-4 * sms // max(1, programs)))
-    return max(1, min(want, -(-c // BLOCK_N)))
+    want = max(1, -(-per_sm * sms // max(1, programs)))
+    return max(1, min(want, -(-c // block_n)))
 
 
 def int4_rows(packed: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,10 +112,10 @@ def attend(
     mask = mask.to(q.dtype) if mask.dtype != q.dtype else mask
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
-    rows_per_program, warps, stages = LAUNCH[("few" if r <= 16 else "many", int4)]
-    s = _splits(b * h * -(-r // rows_per_program), c, q.device)
+    rows_per_program, warps, stages, block_n, per_sm = LAUNCH[("few" if r <= 16 else "many", int4)]
+    s = _splits(b * h * -(-r // rows_per_program), c, q.device, per_sm, block_n)
     per = -(-c // s)  # keys per slice, rounded up to whole blocks
-    chunk = -(-per // BLOCK_N) * BLOCK_N
+    chunk = -(-per // block_n) * block_n
     s = -(-c // chunk)
     acc = torch.empty((b * h, s, r, block_d), dtype=torch.float32, device=q.device)
     m = torch.empty((b * h, s, r), dtype=torch.float32, device=q.device)
@@ -126,7 +127,7 @@ def attend(
         v.stride(0), v.stride(1), v.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2),
         h, r, n_tok, c, chunk, s, float(scale),
-        BLOCK_R=rows_per_program, BLOCK_N=BLOCK_N, BLOCK_D=block_d, D=d,
+        BLOCK_R=rows_per_program, BLOCK_N=block_n, BLOCK_D=block_d, D=d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INT4=int4, GROUP=group,
         # whole groups broadcast in registers when they tile the block (else one gather per element)
         BROADCAST=int4 and block_d == d and groups & (groups - 1) == 0,
