@@ -384,3 +384,26 @@ def test_clone_continues_alike_and_independently(codec, tiny_model, one_torch_th
     assert torch.equal(before[1], cache.sink_keys) and cache.describe() == before[2]
     mine = torch.stack([dec.feed(ids[t : t + 1]) for t in range(70, 120)])
     assert torch.equal(mine, theirs)
+
+
+def test_split_launch_overrides_parse_or_are_refused():
+    """KVLAB_SPLIT_LAUNCH (read where the Triton kernels are prepared): well-formed items become launch
+    shapes (keys per block and programs per SM default to 64 and 4); anything else is one clear error
+    naming the item, never a silently different launch."""
+    from kvlab.kernels.split_attention import parse_launches
+
+    assert parse_launches(" many,int4=128x8x3x128x1 ; few,none=16x4x2;") == {
+        ("many", True): (128, 8, 3, 128, 1),
+        ("few", False): (16, 4, 2, 64, 4),
+    }
+    assert parse_launches("") == {}
+    for bad in (
+        "many=128x8x3",
+        "lots,none=16x4x2",
+        "few,int8=16x4x2",
+        "few,none=16x4",
+        "few,none=24x4x2",
+        "few,none=axbxc",
+    ):
+        with pytest.raises(BadInputError, match="KVLAB_SPLIT_LAUNCH item"):
+            parse_launches(bad)

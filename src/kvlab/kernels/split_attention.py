@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from kvlab.errors import BadInputError
+
 _KERNELS: dict[str, Any] = {}  # the jitted kernels, made by prepare() (outside any graph or compile)
 _SMS: dict[str, int] = {}  # multiprocessors per device, read by prepare()
 # The launch by kind and codec: "few" rows (a decode step, <= 16 query rows per KV head) or "many" (a
@@ -53,16 +55,34 @@ def prepare(device: torch.device) -> bool:
         from kvlab.kernels._split_triton import encode_kernel, merge_kernel, split_kernel
 
         _KERNELS.update(split=split_kernel, merge=merge_kernel, encode=encode_kernel)
-    for item in filter(None, os.environ.get("KVLAB_SPLIT_LAUNCH", "").split(";")):
-        key, _, shape = item.partition("=")
-        kind, _, codec = key.partition(",")
-        numbers = [int(x) for x in shape.lower().split("x")]
-        rows, warps, stages, block_n, per_sm = (numbers + [64, 4])[:5] if len(numbers) == 3 else numbers
-        LAUNCH[(kind.strip(), codec.strip() == "int4")] = (rows, warps, stages, block_n, per_sm)
+    LAUNCH.update(parse_launches(os.environ.get("KVLAB_SPLIT_LAUNCH", "")))
     _SMS[str(device)] = (
         torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     )
     return True
+
+
+def parse_launches(text: str) -> dict[tuple[str, bool], tuple[int, int, int, int, int]]:
+    """``"many,int4=128x8x3x64x4;few,none=16x4x2"`` as :data:`LAUNCH` entries (keys per block and programs
+    per multiprocessor default to 64 and 4); a malformed item is refused in one line naming it."""
+    out: dict[tuple[str, bool], tuple[int, int, int, int, int]] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        key, _, shape = item.partition("=")
+        kind, _, codec = (x.strip() for x in key.partition(","))
+        try:
+            numbers = [int(x) for x in shape.lower().split("x")]
+        except ValueError:
+            numbers = []
+        if len(numbers) == 3:
+            numbers += [64, 4]
+        ok = kind in ("few", "many") and codec in ("none", "int4") and len(numbers) == 5
+        if not ok or min(numbers) < 1 or any(n & (n - 1) for n in numbers[:2] + numbers[3:4]):
+            raise BadInputError(
+                f"KVLAB_SPLIT_LAUNCH item {item!r}: expected KIND,CODEC=ROWSxWARPSxSTAGES[xKEYSxPER_SM] with KIND "
+                "few or many, CODEC none or int4, and rows, warps and keys powers of two"
+            )
+        out[(kind, codec == "int4")] = (numbers[0], numbers[1], numbers[2], numbers[3], numbers[4])
+    return out
 
 
 def _splits(programs: int, c: int, device: torch.device, per_sm: int, block_n: int) -> int:
