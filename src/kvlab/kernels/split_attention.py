@@ -5,15 +5,17 @@ one thread block, so a step over an 8B model's 8 KV heads runs 8 blocks on a 132
 32k-token cache at a fraction of the memory bandwidth (measured on an H100: 28.8 ms a token at 32k
 against a 6.6 ms floor). Flash-decoding fixes that by also splitting the keys: each program attends
 its rows to one slice of the cache (online softmax, fp32 accumulation) and writes a partial output with
-its running maximum and sum; a few tensor ops merge the slices. Keys and values are read once and never
+its running maximum and sum; one merge kernel combines the slices. Keys and values are read once and never
 repeated per query head: the rows of one KV head are its query heads' rows stacked (``_grouped_attention``
 in :mod:`kvlab.hf.graphs`).
 
 ``prepare(device)`` (outside any captured region) then ``attend(q, k, v, mask, scale)``: ``q [B, Hkv, R, D]`` with ``R = groups * n`` (row ``i * n + t`` is
 query head ``i`` of token ``t``), ``k, v [B, Hkv, C, D]``, ``mask [B or 1, 1, n, C]`` additive
-(0 or very negative). Every query must see at least one slot. Triton is optional: :func:`prepare`
-says whether this path can run (a CUDA device and Triton importable); the interpreter
-(``TRITON_INTERPRET=1``) runs it on the CPU for tests.
+(0 or very negative). Every query must see at least one slot. ``k`` and ``v`` may be packed int4 rows
+(:func:`int4_rows`), decoded in registers; :func:`write_int4` writes such rows in one kernel. The
+kernels live in ``_split_triton.py``. Triton is optional: :func:`prepare` says whether this path can
+run (a CUDA device and Triton importable); the interpreter (``TRITON_INTERPRET=1``) runs it on the CPU
+for tests (``tests/optional``).
 """
 
 from __future__ import annotations
