@@ -407,3 +407,17 @@ def test_split_launch_overrides_parse_or_are_refused():
     ):
         with pytest.raises(BadInputError, match="KVLAB_SPLIT_LAUNCH item"):
             parse_launches(bad)
+
+
+def test_load_refuses_a_rolling_cache_without_its_sinks_originals(tiny_model):
+    """A RollingCache that holds its sinks but not their original keys on some layer cannot be rolled
+    correctly here (the sinks could never be re-rotated): load() refuses before writing anything."""
+    h = _model(None, "cpu", tiny_model)
+    ref = _reference(h, window=40, sinks=4, chunk=8)
+    h.run(_ids(30), ref, logits_to_keep=1)
+    ref.layers[1].sink_keys = None
+    cache = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8)
+    before = cache.storage["keys"].clone()
+    with pytest.raises(BadInputError, match="original keys"):
+        cache.load(ref)
+    assert cache.tokens_seen == 0 and torch.equal(before, cache.storage["keys"])

@@ -356,9 +356,7 @@ class StaticRollingCache(Cache):
         out = []
         for name in ("keys", "values"):
             src = self.storage[name][:, :, :, :n]
-            out.append(
-                _decode4(*int4_rows(src, self.head_dim), self.dtype) if self.codec == "int4" else src.clone()
-            )
+            out.append(decode_packed(src, self.head_dim, self.dtype) if self.codec == "int4" else src.clone())
         return out[0], out[1]
 
     def _place_sinks(self, start: int) -> None:
@@ -366,10 +364,8 @@ class StaticRollingCache(Cache):
         of every layer (the values too under ``int4``, so re-encoding never compounds)."""
         if self.sink_keys is None:
             return
-        for (
-            run,
-            rope,
-        ) in self._runs:  # rotated into a new tensor, then copied (a strided out= is slow on CPUs)
+        # rotated into a new tensor, then copied (rotate_by's strided out= is slow on CPUs)
+        for run, rope in self._runs:
             k = self.sink_keys[run] if rope is None else rotate_by(self.sink_keys[run], start, rope)
             v = self.sink_values[run] if self.sink_values is not None else None
             self._write_first(run, k, v)
@@ -496,19 +492,22 @@ class StaticRollingCache(Cache):
                     f"load() got keys [{got[0]}, {got[1]}, .., {got[-1]}] for a cache of [{want[0]}, {want[1]}, .., {want[-1]}]"
                 )
         kept, s = cache.kept, min(self.sinks, cache.kept)
+        if s == self.sinks and s and any(la.sink_keys is None for la in theirs_all):
+            raise BadInputError(  # its sinks could never be re-rotated here: refused, not guessed
+                "load() needs a RollingCache holding its sinks' original keys on every layer"
+            )
         start = cache.next_position - kept
         dev = self.device
         window_slots = torch.arange(s, self.capacity, device=dev)[: kept - s]
         index = torch.cat([torch.arange(s, device=dev), window_slots])
+        sink_values = []
         for mine, theirs in zip(self.layers, theirs_all, strict=True):
             k, v = theirs.visible()
             mine._write(index, k.to(dev), v.to(dev))
-        if s == self.sinks and all(la.sink_keys is not None for la in theirs_all):
+            sink_values.append(v[:, :, :s].to(dev, self.dtype))
+        if s == self.sinks and s:
             self.sink_keys = torch.stack([la.sink_keys.to(dev, self.dtype) for la in theirs_all])
-            if self.codec == "int4":
-                self.sink_values = torch.stack(
-                    [la.visible()[1][:, :, :s].to(dev, self.dtype) for la in theirs_all]
-                )
+            self.sink_values = torch.stack(sink_values) if self.codec == "int4" else None
         self.slot_pos.fill_(EMPTY)
         self.slot_pos.index_copy_(0, index, torch.arange(start, start + kept, device=dev))
         self.next_position, self.slots, self.sinks_held = cache.next_position, kept, s
