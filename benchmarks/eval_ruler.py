@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import math
 import os
@@ -242,11 +243,40 @@ def merge(handle: Any, records: Sequence[dict], worker_rows: Sequence[dict]) -> 
     return rows, failed
 
 
+def _gz(path: Path) -> Path:
+    return path.with_name(path.name + ".gz")
+
+
+def read_text(path: Path) -> str:
+    """``path``'s text, or its gzipped copy's (``path.gz``, as :func:`archive` writes it)."""
+    if not path.exists() and _gz(path).exists():
+        return gzip.decompress(_gz(path).read_bytes()).decode()
+    return path.read_text()
+
+
+def exists(path: Path) -> bool:
+    return path.exists() or _gz(path).exists()
+
+
+def archive(run: Path, dest: Path) -> list[Path]:
+    """Keep a run's raw rows where a checkout keeps them: gzipped copies of ``run``'s ``kvlab.json`` (every
+    row and trial record), ``job.json`` and ``kvpress.jsonl`` (the worker's rows) in ``dest``. ``dest`` is a
+    piece like any other: ``--merge dest new_piece ...`` extends the run (benchmarks/out/ is not kept)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in ("kvlab.json", "job.json", "kvpress.jsonl"):
+        if exists(run / name):
+            data = read_text(run / name).encode()
+            _gz(dest / name).write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
+            written.append(_gz(dest / name))
+    return written
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
+    if not exists(path):
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in read_text(path).splitlines():
         if line.strip():
             try:
                 out.append(json.loads(line))
@@ -523,6 +553,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --report-only: the out-dirs of pieces of one run (--first-trial) to report as one",
     )
     ap.add_argument(
+        "--archive",
+        type=Path,
+        help="with --report-only: also write the run's raw rows, gzipped, into this folder (a piece for"
+        " later --merge; keep it in benchmarks/results/raw/)",
+    )
+    ap.add_argument(
         "--timing-runs",
         type=Path,
         nargs="*",
@@ -572,16 +608,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     source = read_text_file(args.haystack) if args.haystack else default_long_text()
     if not args.no_kvpress and args.device != "cpu":
         raise SystemExit("the kvpress worker runs on the CPU beside kvlab: give --no-kvpress with --device")
+    if (args.merge or args.archive) and not args.report_only:
+        raise SystemExit("--merge and --archive report pieces that ran: give them with --report-only")
     # a report of pieces run elsewhere needs only the tokenizer: the model on the CPU
     handle = load_model("smollm2-135m", device="cpu" if args.report_only else args.device, dtype=args.dtype)
     out = args.out_dir
-    if args.merge and not args.report_only:
-        raise SystemExit("--merge reports pieces that ran: give it with --report-only")
     if args.report_only:  # merge what an earlier run of the same arguments left in --out-dir
         if args.merge:
             pieces(args.merge, out)
-        saved = json.loads((out / "kvlab.json").read_text())
-        job = json.loads((out / "job.json").read_text())
+        if args.archive:
+            for path in archive(out, args.archive):
+                print(f"raw rows: {path} ({path.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+        saved = json.loads(read_text(out / "kvlab.json"))
+        job = json.loads(read_text(out / "job.json"))
         if (
             saved.get("argv") is not None
         ):  # the run's own arguments; the report's outputs and timings from now
@@ -691,6 +730,7 @@ _PIECE_ARGS = (  # what may differ between pieces of one run (none changes a row
     "figure",
     "timing_runs",
     "merge",
+    "archive",
     "report_only",
     "no_logits",
     # where a piece ran (recorded with it, and named per piece in the merged report) and the haystack's
@@ -730,7 +770,7 @@ def pieces(dirs: Sequence[Path], out: Path) -> None:
     """Write into ``out`` one run made of the pieces in ``dirs`` (each a run with its own ``--first-trial``):
     the same arguments apart from the trial range, no trial twice; rows, records and the worker's lines
     concatenated, seconds summed. The merged run's arguments say ``--trials`` = the trials per task in all."""
-    saved = [json.loads((d / "kvlab.json").read_text()) for d in dirs]
+    saved = [json.loads(read_text(d / "kvlab.json")) for d in dirs]
     runs = [vars(parse_args(s["argv"])) for s in saved]
     same = [{k: v for k, v in r.items() if k not in _PIECE_ARGS} for r in runs]
     if any(s != same[0] for s in same):
@@ -764,10 +804,10 @@ def pieces(dirs: Sequence[Path], out: Path) -> None:
         ],
     }
     (out / "kvlab.json").write_text(json.dumps(doc) + "\n")
-    (out / "job.json").write_text((dirs[0] / "job.json").read_text())
+    (out / "job.json").write_text(read_text(dirs[0] / "job.json"))
     # the worker's lines (run beside a piece, or later on its trials: run_anchors.py DIR/job.json
     # DIR/kvpress.jsonl): one meta line, every row, one done line only if every piece's worker finished
-    worker = [read_jsonl(d / "kvpress.jsonl") if (d / "kvpress.jsonl").exists() else [] for d in dirs]
+    worker = [read_jsonl(d / "kvpress.jsonl") for d in dirs]
     metas = [w for lines in worker for w in lines if w.get("meta")]
     dones = [next((w for w in lines if w.get("done")), None) for lines in worker]
     rows = [w for lines in worker for w in lines if not w.get("meta") and not w.get("done")]

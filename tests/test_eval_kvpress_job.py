@@ -189,3 +189,30 @@ def test_a_run_in_pieces_equals_the_run(tiny, run, tmp_path):
         f"{MACHINE['device']} ({MACHINE['cpus']} CPU cores, 1 torch thread(s)) for 1 trials per task; "
         "CUDA (NVIDIA H100 80GB HBM3) (32 CPU cores, 4 torch thread(s)) for 1 trials per task"
     )
+
+
+def test_an_archived_run_is_a_piece(tiny, tmp_path):
+    """A merged run kept as gzipped raw rows (--archive: what benchmarks/results/raw/ holds) merges with a
+    later piece exactly as the plain pieces do, and a second archive of the same run is byte-identical."""
+    base = ["--no-kvpress", "--lengths", "200", "--seed", "3"]
+    _piece(tiny, tmp_path / "a", 0, 1, [*base, "--trials", "1"])
+    _piece(tiny, tmp_path / "b", 1, 1, [*base, "--trials", "1", "--first-trial", "1"])
+    (tmp_path / "b" / "kvpress.jsonl").write_text('{"meta": true}\n{"trial": 1, "spec": "kvpress x"}\n')
+    eval_ruler.pieces([tmp_path / "a"], tmp_path / "m")
+    written = eval_ruler.archive(tmp_path / "m", tmp_path / "raw")
+    assert sorted(p.name for p in written) == ["job.json.gz", "kvlab.json.gz", "kvpress.jsonl.gz"]
+    assert not (tmp_path / "raw" / "kvlab.json").exists()
+    again = eval_ruler.archive(tmp_path / "m", tmp_path / "raw2")
+    assert [p.read_bytes() for p in written] == [p.read_bytes() for p in again]
+    eval_ruler.pieces([tmp_path / "raw", tmp_path / "b"], tmp_path / "from_archive")
+    eval_ruler.pieces([tmp_path / "a", tmp_path / "b"], tmp_path / "from_pieces")
+    got, want = (
+        json.loads((tmp_path / d / "kvlab.json").read_text()) for d in ("from_archive", "from_pieces")
+    )
+    drop = ("pieces",)  # which folders the rows came from differs; nothing else may
+    assert {k: v for k, v in got.items() if k not in drop} == {k: v for k, v in want.items() if k not in drop}
+    assert eval_ruler.read_jsonl(tmp_path / "from_archive" / "kvpress.jsonl") == eval_ruler.read_jsonl(
+        tmp_path / "from_pieces" / "kvpress.jsonl"
+    )
+    with pytest.raises(SystemExit, match="overlap"):  # the archive already holds trial 0
+        eval_ruler.pieces([tmp_path / "raw", tmp_path / "a"], tmp_path / "x")

@@ -71,6 +71,23 @@ def test_every_policy_keeps_exactly_the_budget(obs, policy_cls, keep):
 
 
 @pytest.mark.parametrize("policy_cls", ALL, ids=lambda c: c.name)
+def test_an_observation_scores_once_and_evicts_alike(tiny, policy_cls):
+    """Scores derived from an Observation are kept on it (H2O's T x T attention once per context, not once per
+    budget); every budget evicted after that equals the same eviction from a fresh observation."""
+    ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    shared = observe(tiny, ids)
+    for keep in (0.75, 0.5, 0.25):
+        ev = evict(shared, policy_cls(), keep=keep)
+        fresh = evict(observe(tiny, ids), policy_cls(), keep=keep)
+        assert all(torch.equal(a, b) for a, b in zip(ev.valid, fresh.valid, strict=True))
+    views = shared.views
+    assert len(views) == shared.num_layers and evict(shared, policy_cls(), keep=0.5) is not None
+    assert shared.views is views and all(a is b for a, b in zip(shared.views, views, strict=True))
+    if policy_cls is H2O:  # derived once: the memo is what the next eviction reads
+        assert all("received" in v.__dict__ for v in views)
+
+
+@pytest.mark.parametrize("policy_cls", ALL, ids=lambda c: c.name)
 def test_sinks_are_always_kept_when_asked(obs, policy_cls):
     ev = evict(obs, policy_cls(sinks=3), keep=0.1)
     for valid in ev.valid:

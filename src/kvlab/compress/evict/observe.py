@@ -10,7 +10,7 @@ T, head_dim]``; attention ``[batch, q_heads, n_queries, T]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,12 +23,18 @@ from kvlab.rope.spec import rope_for_layer
 
 @dataclass(frozen=True, eq=False)
 class Observation:
-    """A prefilled context: its snapshot, every layer's post-RoPE queries, logits, and the softmax scale."""
+    """A prefilled context: its snapshot, every layer's post-RoPE queries, logits, and the softmax scale.
+
+    ``views`` keeps the per-layer views :func:`~kvlab.compress.evict.select.layer_views` builds, so what a
+    view derives once (H2O's attention received from every query: ``T x T`` per layer) is derived once per
+    context, not once per policy and budget that evicts from it.
+    """
 
     snapshot: KVSnapshot
     queries: tuple[torch.Tensor, ...]
     logits: torch.Tensor
     scaling: float
+    views: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:

@@ -114,17 +114,23 @@ def repack(snapshot: KVSnapshot) -> KVSnapshot:
 
 
 def layer_views(source: KVSnapshot | Observation) -> list[LayerView]:
+    """One view per layer; an Observation's are built once and kept on it (their derived scores with them)."""
     queries: tuple[torch.Tensor | None, ...]
     if isinstance(source, Observation):
+        if source.views:
+            return source.views
         snap, queries, scaling = source.snapshot, source.queries, source.scaling
     elif isinstance(source, KVSnapshot):
         snap, queries, scaling = source, (None,) * source.num_layers, 1.0
     else:
         raise BadInputError(f"evict needs a KVSnapshot or an Observation, got {type(source).__name__}")
-    return [
+    views = [
         LayerView(i, snap.num_layers, k, v, snap.positions, queries[i], scaling)
         for i, (k, v) in enumerate(zip(snap.keys, snap.values, strict=True))
     ]
+    if isinstance(source, Observation):
+        source.views.extend(views)
+    return views
 
 
 def evict(
