@@ -45,3 +45,52 @@ def test_stack_rows_refuses_different_lengths_or_positions(tiny_model):
         stack_rows([a, a.with_positions(a.positions + 3)])
     with pytest.raises(BadInputError):
         stack_rows([])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding-window layers, transformers' own
+def test_live_rows_feed_rewind_and_greedy_equal_fresh_forwards(tiny_model, family):
+    """A live batch (each row copied once, fed in place) gives the logits of a fresh forward over the
+    stacked rows; rewinding to after the question and feeding other tokens equals feeding them first;
+    greedy rows equal generate_rows; the rows' snapshots are not modified."""
+    model = tiny_model(family)
+    a, b = model.prefill(IDS_A).snapshot, model.prefill(IDS_B).snapshot
+    rows = [a, b, hybrid_kv(a, b)]
+    before = [r.keys[0].clone() for r in rows]
+    question, forced = [1, 2, 3], [40, 41, 42, 43]
+    fresh = model.forward([question + forced] * 3, stack_rows(rows)).logits
+    with model.live_rows(rows, room=len(question) + 6) as live:
+        asked = live.feed(question)
+        torch.testing.assert_close(asked, fresh[:, : len(question)], atol=1e-5, rtol=1e-5)
+        got = live.greedy(asked[:, -1], 6)
+        assert live.fed.shape == (3, len(question) + 5)  # the last answer token is never fed
+        live.rewind(len(question))
+        tail = live.feed(forced)
+        torch.testing.assert_close(tail, fresh[:, len(question) :], atol=1e-5, rtol=1e-5)
+        live.rewind(len(question))  # and greedy again from the same point: the same answers
+        assert live.greedy(asked[:, -1], 6) == got
+        with pytest.raises(BadInputError, match="rewind"):
+            live.rewind(len(question) + 7)
+        with pytest.raises(BadInputError, match="rows"):
+            live.feed([[1, 2]] * 2)
+    out = model.forward([question] * 3, stack_rows(rows))
+    assert got == model.generate_rows(out.snapshot, out.logits[:, -1], 6)
+    assert all(torch.equal(r.keys[0], k) for r, k in zip(rows, before, strict=True))
+
+
+def test_live_rows_keep_masked_slots_hidden(tiny_model):
+    """Evicted (masked) rows beside the full one: the live batch's logits equal a forward over the stacked,
+    masked batch, before and after a rewind."""
+    from kvlab.compress.evict import H2O, TOVA, evict, observe
+
+    model = tiny_model("llama")
+    obs = observe(model, IDS_A)
+    rows = [obs.snapshot, evict(obs, H2O(), keep=0.5), evict(obs, TOVA(), keep=0.25)]
+    question, forced = [7, 8], [9, 10, 11]
+    fresh = model.forward([question + forced] * 3, stack_rows(rows)).logits
+    with model.live_rows(rows, room=8) as live:
+        asked = live.feed(question)
+        live.greedy(asked[:, -1], 4)
+        live.rewind(len(question))
+        got = torch.cat([asked, live.feed(forced)], dim=1)
+    torch.testing.assert_close(got, fresh, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got[1], got[0], atol=1e-3)  # the hidden slots changed the answer's logits

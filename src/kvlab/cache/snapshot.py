@@ -369,15 +369,10 @@ def concat(first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:
     )
 
 
-def stack_rows(snapshots: Sequence[KVSnapshot]) -> KVSnapshot:
-    """Caches of equal length and equal positions as the rows of one batch (new tensors).
-
-    Feeding many caches the same tokens in one batched forward streams the weights once instead of
-    once per cache, which is what decoding costs on a CPU. Rows must come from the same model and
-    share their slot positions (a batch has one position per slot).
-    """
+def require_stackable(snapshots: Sequence[KVSnapshot]) -> None:
+    """Refuse caches that cannot be the rows of one batch: another model, or other lengths or positions."""
     if not snapshots:
-        raise BadInputError("stack_rows needs at least one cache")
+        raise BadInputError("stacking caches into a batch needs at least one cache")
     first = snapshots[0]
     for s in snapshots[1:]:
         first.require_compatible(s, "stacking caches into a batch")
@@ -386,6 +381,17 @@ def stack_rows(snapshots: Sequence[KVSnapshot]) -> KVSnapshot:
                 "stacking caches into a batch needs equal lengths and equal slot positions; "
                 f"got {first.describe()} and {s.describe()}"
             )
+
+
+def stack_rows(snapshots: Sequence[KVSnapshot]) -> KVSnapshot:
+    """Caches of equal length and equal positions as the rows of one batch (new tensors).
+
+    Feeding many caches the same tokens in one batched forward streams the weights once instead of
+    once per cache, which is what decoding costs on a CPU. Rows must come from the same model and
+    share their slot positions (a batch has one position per slot).
+    """
+    require_stackable(snapshots)
+    first = snapshots[0]
     return first.replace(
         keys=tuple(torch.cat(layer, dim=0) for layer in zip(*(s.keys for s in snapshots), strict=True)),
         values=tuple(torch.cat(layer, dim=0) for layer in zip(*(s.values for s in snapshots), strict=True)),

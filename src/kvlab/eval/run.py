@@ -17,15 +17,16 @@ prefill into the per-layer K/V its cache would hold after the context:
 * sinks + window (``window:0.5``): the live rolling cache's own layers fed the context;
 * shared budgets (``heads=ada``, ``layers=pyramid``): a ragged cache, run masked.
 
-Every one of them is a :class:`~kvlab.cache.KVSnapshot` that :meth:`~kvlab.model.ModelHandle.forward`
-runs; those of equal length and positions run as the rows of one batch.
+Every one of them is a :class:`~kvlab.cache.KVSnapshot`; those of equal length and positions run as the
+rows of one live batch (:meth:`~kvlab.model.ModelHandle.live_rows`: each row copied once into the batch's
+buffers, every step written in place).
 
 The question and the answer then run on top in full precision (kvpress's convention: the question is
-never compressed), at the positions after the context: greedy decoding
-(:meth:`~kvlab.model.ModelHandle.generate_rows`, each row ending at its first end-of-sequence token)
-gives the scored answer, and one teacher-forced pass over the question plus the *full* cache's answer
-(up to its end-of-sequence token) gives the logits compared with the full cache's (:mod:`kvlab.metrics.divergence`): every policy is measured on
-the same tokens.
+never compressed), at the positions after the context: the question is fed once, greedy decoding
+(:meth:`~kvlab.model.LiveRows.greedy`, each row ending at its first end-of-sequence token) gives the scored
+answer, and after rewinding to the question's end the *full* cache's answer (up to its end-of-sequence
+token) is teacher-forced: the question's logits and the forced answer's are compared with the full cache's
+(:mod:`kvlab.metrics.divergence`), so every policy is measured on the same tokens.
 """
 
 from __future__ import annotations
@@ -303,19 +304,6 @@ def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
     return tokens
 
 
-def _rows_logits(logits: torch.Tensor, rows: int) -> torch.Tensor:
-    """``[rows, n, vocab]`` from :meth:`ModelHandle.forward`'s logits (which drops a batch of one)."""
-    return logits[None] if rows == 1 else logits
-
-
-def _greedy(handle: Any, batch: Any, question: list[int], n_new: int, stop: set[int]) -> list[list[int]]:
-    """Greedy answers of every row of ``batch`` to ``question`` (one batched forward per step)."""
-    rows = batch.batch_size
-    fwd = handle.forward([question] * rows, batch, all_logits=False)
-    first = _rows_logits(fwd.logits, rows)[:, -1]
-    return handle.generate_rows(fwd.snapshot, first, n_new, stop_ids=stop)
-
-
 @torch.no_grad()
 def run_trial(
     handle: Any,
@@ -336,7 +324,7 @@ def run_trial(
     ``external(prefill snapshot)`` adds caches made elsewhere (another library's quantizer): ``{name:
     (snapshot it attends over, K/V bytes it holds)}``, each a row with ``kind`` ``"external"``.
     """
-    from kvlab.cache.snapshot import batchable_groups, stack_rows
+    from kvlab.cache.snapshot import batchable_groups
     from kvlab.compress.evict import Observation, observe
     from kvlab.eval.score import score
     from kvlab.eval.tasks import encoder
@@ -371,20 +359,20 @@ def run_trial(
     groups = batchable_groups({name: c[0] for name, c in caches.items()})
     answers: dict[str, list[int]] = {}
     logits: dict[str, torch.Tensor] = {}
-    batches = []
     for names in groups:  # the full cache's group first: its answer is every row's teacher
         t1 = time.perf_counter()
-        batch = stack_rows([caches[n][0] for n in names]) if len(names) > 1 else caches[names[0]][0]
-        answers.update(zip(names, _greedy(handle, batch, question, n_new, stop), strict=True))
-        batches.append((names, batch, time.perf_counter() - t1))
+        with handle.live_rows([caches[n][0] for n in names], room=len(question) + n_new) as live:
+            asked = live.feed(question)  # [rows, question, vocab]
+            answers.update(zip(names, live.greedy(asked[:, -1], n_new, stop_ids=stop), strict=True))
+            live.rewind(len(question))  # back to after the question: teacher-force the full cache's answer
+            reference = answers["full"]
+            tail = [live.feed(reference[:-1])] if len(reference) > 1 else []
+        out = torch.cat([asked, *tail], dim=1)  # on question + reference[:-1]
+        logits.update(zip(names, out.unbind(0), strict=True))
+        for n in names:
+            seconds[n] += (time.perf_counter() - t1) / len(names)
     reference = answers["full"]
     forced = question + reference[:-1]
-    for names, batch, spent in batches:
-        t1 = time.perf_counter()
-        out = handle.forward([forced] * len(names), batch).logits
-        logits.update(zip(names, _rows_logits(out, len(names)), strict=True))
-        for n in names:
-            seconds[n] += (spent + time.perf_counter() - t1) / len(names)
     if on_reference is not None:
         on_reference(
             {

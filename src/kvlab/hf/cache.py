@@ -13,6 +13,7 @@ given, so :func:`to_hf_cache` copies by default.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -259,6 +260,34 @@ class GrowingLayer(DynamicLayer):
         self._n = end
         self.keys, self.values = k[:, :, :end], v[:, :, :end]
         return self.keys, self.values
+
+    @classmethod
+    def of_rows(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], room: int) -> GrowingLayer:
+        """One layer holding ``keys``/``values`` (``[b_i, H, T, D]`` each) as the rows of one batch, copied
+        once straight into the buffers (no stacked copy in between), with ``room`` slots after them."""
+        layer = cls(room)
+        k0, t = keys[0], keys[0].shape[-2]
+        rows = sum(k.shape[0] for k in keys)
+        layer._k = k0.new_empty((rows, k0.shape[1], t + layer.room, k0.shape[-1]))
+        layer._v = values[0].new_empty((rows, *values[0].shape[1:2], t + layer.room, values[0].shape[-1]))
+        at = 0
+        for k, v in zip(keys, values, strict=True):  # each row copied into its place
+            layer._k[at : at + k.shape[0], :, :t] = k
+            layer._v[at : at + v.shape[0], :, :t] = v
+            at += k.shape[0]
+        layer._n = t
+        layer.device, layer.dtype, layer.is_initialized = k0.device, k0.dtype, True
+        layer.keys, layer.values = layer._k[:, :, :t], layer._v[:, :, :t]
+        return layer
+
+    def rewind(self, n: int) -> None:
+        """Keep the first ``n`` slots; the next update writes from slot ``n`` (in place: a view taken of
+        the slots after ``n`` sees them overwritten, so only the live cache's owner rewinds it)."""
+        if not 0 <= n <= self._n:
+            raise BadInputError(f"cannot rewind a layer of {self._n} slots to {n}")
+        self._n = n
+        if self._k is not None and self._v is not None:
+            self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
 
 
 def growing_cache(snapshot: KVSnapshot | None, config: Any, room: int) -> DynamicCache:

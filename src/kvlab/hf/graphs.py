@@ -29,11 +29,11 @@ from typing import Any, Literal
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.errors import BadInputError
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.hf.static_rolling import StaticRollingCache, decode_packed
+from kvlab.hf.step import grouped_sdpa
 from kvlab.kernels import split_attention
 
 Mode = Literal["auto", "eager", "compile", "cuda-graph"]
@@ -45,22 +45,10 @@ SPLIT_ATTENTION = "kvlab_split"
 def _grouped_attention(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
 ) -> tuple[torch.Tensor, None]:
-    """SDPA with each KV head's query heads stacked along the query axis, so keys and values are read
-    once per KV head and never copied: transformers repeats them per query head (``repeat_kv``) for
-    every masked multi-token forward and every compiled step, which at 32k tokens on an 8B model
-    writes 16 GiB per forward. The same function as SDPA; calls without a 4-D mask go to SDPA."""
-    b, heads, n, d = query.shape
+    """:func:`~kvlab.hf.step.grouped_sdpa`, reading the int4 rows of a StaticRollingCache packed."""
     if key.dtype == torch.uint8:  # int4 rows of a StaticRollingCache read packed: decode them here
-        key, value = (decode_packed(t, d, query.dtype) for t in (key, value))
-    groups = heads // key.shape[1]
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 or groups == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
-    q = query.reshape(b, key.shape[1], groups * n, d)  # head j*groups + i, token t -> row i*n + t
-    mask = attention_mask.repeat(1, 1, groups, 1) if n > 1 else attention_mask
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, key, value, attn_mask=mask, scale=kw.get("scaling")
-    )
-    return out.reshape(b, heads, n, d).transpose(1, 2).contiguous(), None
+        key, value = (decode_packed(t, query.shape[-1], query.dtype) for t in (key, value))
+    return grouped_sdpa(module, query, key, value, attention_mask, **kw)
 
 
 def _split_attention(

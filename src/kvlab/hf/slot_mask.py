@@ -19,10 +19,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.errors import UnsupportedModelError
-from kvlab.hf.step import Step, causal_after, stepping
+from kvlab.hf.step import Step, causal_after, grouped_sdpa, stepping
 
 
 class SlotMaskStep(Step):
@@ -34,18 +33,18 @@ class SlotMaskStep(Step):
     def attend(
         self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
     ) -> tuple[torch.Tensor, Any]:
-        """SDPA with a per-head mask: hidden context slots masked, the new tokens causal."""
+        """SDPA with a per-head mask: hidden context slots masked, the new tokens causal; each KV head's
+        query heads stacked (:func:`~kvlab.hf.step.grouped_sdpa`: the keys and values are never copied)."""
         valid = self.valid[module.layer_idx]
         m = valid.shape[-1]
-        b, heads, q_len, _ = query.shape
+        b, _, q_len, _ = query.shape
         kv_heads, total = key.shape[1], key.shape[-2]
         new = total - m  # the new tokens fed so far, the last q_len of them being these queries
-        ctx = valid.to(query.device).repeat_interleave(heads // kv_heads, dim=1)[:, :, None, :]
-        ctx = ctx.expand(b, heads, q_len, m)
+        ctx = valid.to(query.device)[:, :, None, :].expand(b, kv_heads, q_len, m)
         causal = causal_after(q_len, new, query.device)
-        mask = torch.cat([ctx, causal.expand(b, heads, q_len, new)], dim=-1)
+        mask = torch.cat([ctx, causal.expand(b, kv_heads, q_len, new)], dim=-1)
         kw.pop("is_causal", None)
-        return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kw)
+        return grouped_sdpa(module, query, key, value, mask, **kw)
 
 
 def check_model(model: Any) -> None:

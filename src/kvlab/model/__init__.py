@@ -9,7 +9,7 @@ import torch
 
 from kvlab.errors import KvlabError, ModelNotFoundError
 from kvlab.model.facts import ModelFacts, facts_from_config, load_config_file
-from kvlab.model.handle import Forward, Generation, ModelHandle, as_handle
+from kvlab.model.handle import Forward, Generation, LiveRows, ModelHandle, as_handle
 from kvlab.model.loading import (
     BUNDLED_NAME,
     cache_dir,
@@ -118,6 +118,7 @@ __all__ = [
     "BUNDLED_NAME",
     "Forward",
     "Generation",
+    "LiveRows",
     "ModelFacts",
     "ModelHandle",
     "as_handle",

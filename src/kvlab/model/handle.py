@@ -399,6 +399,30 @@ class ModelHandle:
         with self._hiding(past, False):
             yield feed, latest
 
+    @contextlib.contextmanager
+    def live_rows(self, pasts: Sequence[KVSnapshot], room: int) -> Iterator[LiveRows]:
+        """Caches of equal length and positions (:func:`~kvlab.cache.snapshot.stack_rows`' rule) as the rows
+        of one live batch with ``room`` slots reserved after them: each row is copied once into the
+        batch's buffers, feeds write in place, and :meth:`LiveRows.rewind` drops what was fed after a
+        point without copying (one question, then greedy answers, then back to teacher-force another
+        answer). Masked rows keep their hidden slots hidden throughout; the pasts are not modified."""
+        from kvlab.cache.snapshot import require_stackable
+
+        require_stackable(pasts)
+        for p in pasts:
+            self._check_own(p)
+        live = LiveRows(self, list(pasts), room)
+        if all(p.valid is None for p in pasts):
+            yield live
+            return
+        from kvlab.hf.slot_mask import hidden_slots
+
+        valid = tuple(
+            torch.cat(layer, dim=0) for layer in zip(*(p.valid_layers() for p in pasts), strict=True)
+        )
+        with hidden_slots(self.model, valid):
+            yield live
+
     @torch.no_grad()
     def generate(
         self,
@@ -459,13 +483,8 @@ class ModelHandle:
         logits = first_logits if first_logits.ndim == 2 else first_logits[None]
         if logits.shape[0] != past.batch_size:
             raise BadInputError(f"{logits.shape[0]} logit rows for a cache of batch {past.batch_size}")
-        out: list[list[int]] = [[] for _ in range(past.batch_size)]
-        with self._live_feed(past, max_new_tokens) as (feed, _):
-            for step in decode_loop(feed, logits, max_new_tokens, stop_ids=stop_ids):
-                for r, row in enumerate(out):
-                    if step.tokens[r] is not None:
-                        row.append(step.token(r))
-        return out
+        with self.live_rows([past], max_new_tokens) as live:
+            return live.greedy(logits, max_new_tokens, stop_ids=stop_ids)
 
     def generate_text(self, text: str, max_new_tokens: int = 20, *, chat: bool = False) -> Generation:
         ids = self.encode(text, chat=chat)
@@ -507,6 +526,98 @@ def _held_after(past: KVSnapshot, n_new: int) -> tuple[torch.Tensor, ...] | None
         torch.cat((m, torch.ones(*m.shape[:2], n_new, dtype=torch.bool, device=m.device)), dim=2)
         for m in past.valid
     )
+
+
+class LiveRows:
+    """A live batch of cached rows (:meth:`ModelHandle.live_rows`): ``feed`` tokens, ``rewind`` to a point."""
+
+    def __init__(self, handle: ModelHandle, pasts: list[KVSnapshot], room: int) -> None:
+        self.handle, self.pasts, self.room = handle, pasts, max(int(room), 0)
+        self.start = pasts[0].next_position
+        self.fed = torch.zeros(sum(p.batch_size for p in pasts), 0, dtype=torch.long, device="cpu")  # token ids: host
+        self.cache = self._build()
+
+    def _build(self) -> Any:
+        from kvlab.cache.snapshot import stack_rows
+        from kvlab.hf.cache import GrowingLayer, growing_cache, sliding_windows
+
+        config, pasts = self.handle.config, self.pasts
+        if any(w is not None for w in sliding_windows(config)):  # transformers' own layers: one stacked copy
+            return growing_cache(stack_rows(pasts), config, self.room)
+        check_fits_sliding_windows(config, pasts[0].seq_len + self.room)
+        cache = new_hf_cache(config)
+        if len(cache.layers) != pasts[0].num_layers:
+            raise UnsupportedModelError(
+                f"the model has {len(cache.layers)} cache layers, the snapshot {pasts[0].num_layers}"
+            )
+        cache.layers = [
+            GrowingLayer.of_rows([p.keys[i] for p in pasts], [p.values[i] for p in pasts], self.room)
+            for i in range(len(cache.layers))
+        ]
+        return cache
+
+    def feed(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Every row fed ``tokens`` (``[n]`` for all rows alike, or ``[rows, n]``): float32 logits
+        ``[rows, n, vocab]``, at the positions after what was fed so far."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device="cpu")
+        ids = ids[None].expand(self.fed.shape[0], -1) if ids.ndim == 1 else ids
+        if ids.shape[0] != self.fed.shape[0] or ids.shape[1] == 0:
+            raise BadInputError(
+                f"feed {tuple(ids.shape)} tokens to {self.fed.shape[0]} rows (at least one each)"
+            )
+        at = self.start + self.fed.shape[1]
+        last = at + ids.shape[1] - 1
+        if self.handle.max_positions and last >= self.handle.max_positions:
+            raise BadInputError(
+                f"positions up to {last} exceed the model's maximum of {self.handle.max_positions}"
+            )
+        pos = torch.arange(at, last + 1, device="cpu")
+        out = self.handle.run(ids, self.cache, positions=pos, logits_to_keep=0)
+        self.fed = torch.cat((self.fed, ids), dim=1)
+        return out.logits.float()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per row (``[rows]``): the logits after it, ``[rows, vocab]`` (a ``decode_loop`` feed)."""
+        return self.feed(tokens.detach().to("cpu", torch.long)[:, None])[:, -1]
+
+    def greedy(
+        self,
+        first_logits: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        stop_ids: set[int] | frozenset[int] = frozenset(),
+    ) -> list[list[int]]:
+        """Greedy continuations of every row from ``first_logits [rows, vocab]``, one batched forward per
+        step; a row ends with the first of ``stop_ids`` it picks (kept), the loop when every row has."""
+        last = self.start + self.fed.shape[1] + max_new_tokens - 1
+        if self.handle.max_positions and last >= self.handle.max_positions:
+            raise BadInputError(
+                f"positions up to {last} exceed the model's maximum of {self.handle.max_positions} "
+                f"({max_new_tokens} new tokens starting at position {self.start + self.fed.shape[1]})"
+            )
+        out: list[list[int]] = [[] for _ in range(first_logits.shape[0])]
+        for step in decode_loop(self.step, first_logits, max_new_tokens, stop_ids=stop_ids):
+            for r, row in enumerate(out):
+                if step.tokens[r] is not None:
+                    row.append(step.token(r))
+        return out
+
+    def rewind(self, n: int) -> None:
+        """Forget all but the first ``n`` tokens fed: the next feed goes at their positions again."""
+        from kvlab.hf.cache import GrowingLayer
+
+        if not 0 <= n <= self.fed.shape[1]:
+            raise BadInputError(f"cannot rewind {self.fed.shape[1]} fed tokens to {n}")
+        kept = self.fed[:, :n]
+        if all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
+            for layer in self.cache.layers:
+                layer.rewind(self.pasts[0].seq_len + n)
+            self.fed = kept
+            return
+        self.cache = self._build()  # transformers' own layers (sliding windows): feed the kept tokens again
+        self.fed = self.fed[:, :0]
+        if n:
+            self.feed(kept)
 
 
 class _StopForward(Exception):
