@@ -534,7 +534,9 @@ class LiveRows:
     def __init__(self, handle: ModelHandle, pasts: list[KVSnapshot], room: int) -> None:
         self.handle, self.pasts, self.room = handle, pasts, max(int(room), 0)
         self.start = pasts[0].next_position
-        self.fed = torch.zeros(sum(p.batch_size for p in pasts), 0, dtype=torch.long, device="cpu")  # token ids: host
+        self.fed = torch.zeros(
+            sum(p.batch_size for p in pasts), 0, dtype=torch.long, device="cpu"
+        )  # token ids: host
         self.cache = self._build()
 
     def _build(self) -> Any:
