@@ -358,48 +358,6 @@ class ModelHandle:
         return self.forward([int(token_id)], past, positions=None if position is None else [position])
 
     @contextlib.contextmanager
-    def _live_feed(self, past: KVSnapshot, steps: int) -> Iterator[tuple[Any, Any]]:
-        """A ``feed`` for :func:`kvlab.loop.decode_loop` that extends one live cache of ``past`` (room for
-        ``steps`` tokens, written in place: a step copies its own token, not the cache), and a getter
-        for the snapshot so far; a masked past's slots stay hidden throughout."""
-        from kvlab.hf.cache import growing_cache
-
-        last = past.next_position + steps - 1
-        if self.max_positions and last >= self.max_positions:
-            raise BadInputError(
-                f"positions up to {last} exceed the model's maximum of {self.max_positions} "
-                f"({steps} new tokens starting at position {past.next_position})"
-            )
-        self._check_own(past)
-        cache = growing_cache(past, self.config, steps)
-        fed: list[torch.Tensor] = []
-        start = past.next_position
-
-        def feed(tokens: torch.Tensor) -> torch.Tensor:
-            at = torch.tensor([start + len(fed)], device=self.device)
-            out = self.run(tokens[:, None], cache, positions=at, logits_to_keep=1)
-            fed.append(tokens.detach().to("cpu", torch.long)[:, None])
-            return out.logits[:, -1].float()
-
-        def latest() -> KVSnapshot:
-            n = len(fed)
-            pos = torch.arange(start, start + n, device="cpu")
-            return snapshot_from_hf(
-                cache,
-                copy=True,  # the live layers hold views of larger buffers: the snapshot owns compact tensors
-                token_ids=torch.cat((past.token_ids, *fed), dim=1),
-                positions=torch.cat((past.positions.cpu(), pos)),
-                rope=self.rope,
-                fingerprint=self.fingerprint,
-                model_name=self.name,
-                provenance="computed" if n or past.provenance != "prefill" else "prefill",
-                valid=_held_after(past, n),
-            )
-
-        with self._hiding(past, False):
-            yield feed, latest
-
-    @contextlib.contextmanager
     def live_rows(self, pasts: Sequence[KVSnapshot], room: int) -> Iterator[LiveRows]:
         """Caches of equal length and positions (:func:`~kvlab.cache.snapshot.stack_rows`' rule) as the rows
         of one live batch with ``room`` slots reserved after them: each row is copied once into the
@@ -412,15 +370,12 @@ class ModelHandle:
         for p in pasts:
             self._check_own(p)
         live = LiveRows(self, list(pasts), room)
-        if all(p.valid is None for p in pasts):
+        if live.valid is None:
             yield live
             return
         from kvlab.hf.slot_mask import hidden_slots
 
-        valid = tuple(
-            torch.cat(layer, dim=0) for layer in zip(*(p.valid_layers() for p in pasts), strict=True)
-        )
-        with hidden_slots(self.model, valid):
+        with hidden_slots(self.model, live.valid):
             yield live
 
     @torch.no_grad()
@@ -441,10 +396,11 @@ class ModelHandle:
         if max_new_tokens < 1:
             raise BadInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         eos = self.eos_ids() if stop_at_eos else set()
-        with self._live_feed(past, max_new_tokens) as (feed, latest):
+        with self.live_rows([past], max_new_tokens) as live:
+            live.check_room(max_new_tokens)
             steps = list(
                 decode_loop(
-                    feed,
+                    live.step,
                     first_logits,
                     max_new_tokens,
                     sampling=sampling,
@@ -452,7 +408,7 @@ class ModelHandle:
                     keep_logits=keep_logits,
                 )
             )
-            snapshot = latest()
+            snapshot = live.snapshot()
         out = [s.token(0) for s in steps]
         return Generation(
             token_ids=out,
@@ -534,6 +490,14 @@ class LiveRows:
     def __init__(self, handle: ModelHandle, pasts: list[KVSnapshot], room: int) -> None:
         self.handle, self.pasts, self.room = handle, pasts, max(int(room), 0)
         self.start = pasts[0].next_position
+        #: the rows' hidden slots (per layer ``[rows, Hkv, T]``), None when no row hides any
+        self.valid = (
+            None
+            if all(p.valid is None for p in pasts)
+            else tuple(
+                torch.cat(layer, dim=0) for layer in zip(*(p.valid_layers() for p in pasts), strict=True)
+            )
+        )
         self.fed = torch.zeros(
             sum(p.batch_size for p in pasts), 0, dtype=torch.long, device="cpu"
         )  # token ids: host
@@ -582,6 +546,36 @@ class LiveRows:
         """One token per row (``[rows]``): the logits after it, ``[rows, vocab]`` (a ``decode_loop`` feed)."""
         return self.feed(tokens.detach().to("cpu", torch.long)[:, None])[:, -1]
 
+    def check_room(self, new_tokens: int) -> None:
+        """Refuse, before anything runs, ``new_tokens`` more tokens past the model's last position."""
+        last = self.start + self.fed.shape[1] + new_tokens - 1
+        if self.handle.max_positions and last >= self.handle.max_positions:
+            raise BadInputError(
+                f"positions up to {last} exceed the model's maximum of {self.handle.max_positions} "
+                f"({new_tokens} new tokens starting at position {self.start + self.fed.shape[1]})"
+            )
+
+    def snapshot(self) -> KVSnapshot:
+        """The rows' cache so far as one snapshot that owns compact copies (the live layers are views of
+        larger buffers); masked rows keep their hidden slots, every fed token held."""
+        from kvlab.cache.snapshot import stack_rows
+
+        h, n = self.handle, self.fed.shape[1]
+        past = self.pasts[0] if len(self.pasts) == 1 else stack_rows(self.pasts)
+        return snapshot_from_hf(
+            self.cache,
+            copy=True,
+            token_ids=torch.cat((past.token_ids, self.fed), dim=1),
+            positions=torch.cat(
+                (past.positions.cpu(), torch.arange(self.start, self.start + n, device="cpu"))
+            ),
+            rope=h.rope,
+            fingerprint=h.fingerprint,
+            model_name=h.name,
+            provenance="computed" if n or past.provenance != "prefill" else "prefill",
+            valid=_held_after(past, n),
+        )
+
     def greedy(
         self,
         first_logits: torch.Tensor,
@@ -591,12 +585,7 @@ class LiveRows:
     ) -> list[list[int]]:
         """Greedy continuations of every row from ``first_logits [rows, vocab]``, one batched forward per
         step; a row ends with the first of ``stop_ids`` it picks (kept), the loop when every row has."""
-        last = self.start + self.fed.shape[1] + max_new_tokens - 1
-        if self.handle.max_positions and last >= self.handle.max_positions:
-            raise BadInputError(
-                f"positions up to {last} exceed the model's maximum of {self.handle.max_positions} "
-                f"({max_new_tokens} new tokens starting at position {self.start + self.fed.shape[1]})"
-            )
+        self.check_room(max_new_tokens)
         out: list[list[int]] = [[] for _ in range(first_logits.shape[0])]
         for step in decode_loop(self.step, first_logits, max_new_tokens, stop_ids=stop_ids):
             for r, row in enumerate(out):
