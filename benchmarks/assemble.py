@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,11 +47,29 @@ tests. Re-run everything with `make bench` (each script rewrites its section in
 """
 
 
-def main() -> None:
-    files = {p.stem: p for p in (ROOT / "benchmarks" / "results").glob("*.md")}
+#: a relative link target in a result file (a figure beside it), not a URL, an anchor or an absolute path
+_RELATIVE = re.compile(r"\]\((?![a-z]+:|#|/)([^)\s]+)\)")
+
+
+def rebased(text: str, folder: Path) -> str:
+    """``text`` of a result file in ``folder`` with its relative links made relative to the repository root,
+    where BENCHMARKS.md is (``![..](fig.png)`` -> ``![..](benchmarks/results/fig.png)``)."""
+    prefix = folder.relative_to(ROOT).as_posix()
+    return _RELATIVE.sub(lambda m: f"]({prefix}/{m.group(1)})", text)
+
+
+def assembled() -> tuple[str, list[str]]:
+    """BENCHMARKS.md's text from the result files, and the sections' names in order."""
+    folder = ROOT / "benchmarks" / "results"
+    files = {p.stem: p for p in folder.glob("*.md")}
     names = [n for n in ORDER if n in files] + sorted(n for n in files if n not in ORDER)
-    parts = [HEADER] + [files[n].read_text().strip() + "\n" for n in names]
-    (ROOT / "BENCHMARKS.md").write_text("\n".join(parts))
+    parts = [HEADER] + [rebased(files[n].read_text().strip(), folder) + "\n" for n in names]
+    return "\n".join(parts), names
+
+
+def main() -> None:
+    text, names = assembled()
+    (ROOT / "BENCHMARKS.md").write_text(text)
     print(f"BENCHMARKS.md: {', '.join(names)}")
 
 
