@@ -634,6 +634,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         }
         args._handle = handle
         args._pieces = saved.get("pieces")
+        args._worker_afterwards = saved.get("worker_afterwards", True)  # merges older than the field
         return finish(
             args,
             specs,
@@ -733,6 +734,7 @@ _PIECE_ARGS = (  # what may differ between pieces of one run (none changes a row
     "archive",
     "report_only",
     "no_logits",
+    "no_verify",  # the worker's check of its shared prefill on a piece's first trial: a check, not a row
     # where a piece ran (recorded with it, and named per piece in the merged report) and the haystack's
     # path (its text is checked by sha256 below): pieces of one run may come from a GPU and this CPU
     "device",
@@ -820,6 +822,9 @@ def pieces(dirs: Sequence[Path], out: Path) -> None:
                 "seconds": sum(d["seconds"] for d in dones),
             }
         )
+    # where the worker ran: beside each piece, or afterwards on the ids kvlab's pieces recorded
+    doc["worker_afterwards"] = bool(rows) and "--no-kvpress" in doc["argv"]
+    (out / "kvlab.json").write_text(json.dumps(doc) + "\n")
     if rows and "--no-kvpress" in doc["argv"]:  # the pieces ran kvlab's side; the worker ran on their ids
         doc["argv"] = [a for a in doc["argv"] if a != "--no-kvpress"]
         (out / "kvlab.json").write_text(json.dumps(doc) + "\n")
@@ -1056,8 +1061,13 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
             f"(kvlab only{'' if mach.get('mixed') else f', {args.threads} torch threads'})"
             if args.no_kvpress
             else (
-                f"(kvlab's pieces {kv_s / 60:.1f} min in all; the kvpress worker ran afterwards on the pieces' "
-                f"recorded ids, {len({(r['task'], r['length'], r['trial']) for r in kp_rows})} trials"
+                f"(kvlab's pieces {kv_s / 60:.1f} min in all; the kvpress worker "
+                + (
+                    "ran afterwards on the pieces' recorded ids"
+                    if getattr(args, "_worker_afterwards", True)
+                    else "beside each piece, on the ids it recorded"
+                )
+                + f", {len({(r['task'], r['length'], r['trial']) for r in kp_rows})} trials"
                 + (f", {worker_s / 60:.1f} min)" if worker_s else ", stopped part-way)")
                 if pieces_run
                 else f"(kvlab part {kv_s / 60:.1f} min; kvpress worker "
