@@ -20,6 +20,7 @@ ORDER = [
     "eval_ruler_full_1k",
     "eval_ruler_full_4k",
     "eval_curves_1k",
+    "eval_curves_4k",
     "eval_gpu",
     "eval_batched",
     "hf_quantized_cache",

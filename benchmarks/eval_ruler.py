@@ -1048,7 +1048,12 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
             f"{', '.join(str(p['trials']) for p in pieces_run)}), each its own process, reported as one run by "
             "`--report-only --merge`"
             + (
-                "; the kvpress worker ran on each piece's recorded ids (`benchmarks/anchors/run_anchors.py`)"
+                "; the kvpress worker ran on each piece's recorded ids ("
+                + (
+                    "afterwards: `benchmarks/anchors/run_anchors.py`)"
+                    if getattr(args, "_worker_afterwards", True)
+                    else "beside it, started by the piece)"
+                )
                 if done
                 else ""
             )
