@@ -371,8 +371,7 @@ def run_trial(
         logits.update(zip(names, out.unbind(0), strict=True))
         for n in names:
             seconds[n] += (time.perf_counter() - t1) / len(names)
-    reference = answers["full"]
-    forced = question + reference[:-1]
+    forced = question + answers["full"][:-1]
     if on_reference is not None:
         on_reference(
             {
@@ -380,7 +379,7 @@ def run_trial(
                 "context": ctx,
                 "question": question,
                 "start": len(ctx),
-                "answer": reference,
+                "answer": answers["full"],
                 "max_new_tokens": n_new,
                 "forced": forced,
                 "full_logits": logits["full"],

@@ -290,21 +290,23 @@ class GrowingLayer(DynamicLayer):
             self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
 
 
-def growing_cache(snapshot: KVSnapshot | None, config: Any, room: int) -> DynamicCache:
-    """A transformers cache of ``snapshot`` (or empty) with ``room`` new tokens reserved per layer
-    (:class:`GrowingLayer`), for a decode loop; a model with sliding-window layers gets a plain one.
-    The snapshot's tensors are copied once into the buffers (a masked one too: the caller hides its slots)."""
-    if snapshot is not None:
-        check_fits_sliding_windows(config, snapshot.seq_len + room)
-    cache = new_hf_cache(config)
+def growing_cache(rows: Sequence[KVSnapshot], config: Any, room: int) -> DynamicCache:
+    """A transformers cache of ``rows`` (snapshots of equal length and positions, stacked as one batch)
+    with ``room`` new tokens reserved per layer (:class:`GrowingLayer`), for a decode loop: each row is
+    copied once into the buffers (a masked one too: the caller hides its slots). A model with
+    sliding-window layers gets transformers' own layers over one stacked copy."""
+    from kvlab.cache.snapshot import stack_rows
+
+    check_fits_sliding_windows(config, rows[0].seq_len + room)
     if any(w is not None for w in sliding_windows(config)):
-        return cache if snapshot is None else to_hf_cache(snapshot, config, copy=False, masked=True)
-    cache.layers = [GrowingLayer(room) for _ in cache.layers]
-    if snapshot is not None:
-        if len(cache.layers) != snapshot.num_layers:
-            raise UnsupportedModelError(
-                f"the model has {len(cache.layers)} cache layers, the snapshot {snapshot.num_layers}"
-            )
-        for i, (k, v) in enumerate(zip(snapshot.keys, snapshot.values, strict=True)):
-            cache.update(k, v, i)
+        return to_hf_cache(stack_rows(rows), config, copy=False, masked=True)
+    cache = new_hf_cache(config)
+    if len(cache.layers) != rows[0].num_layers:
+        raise UnsupportedModelError(
+            f"the model has {len(cache.layers)} cache layers, the snapshot {rows[0].num_layers}"
+        )
+    cache.layers = [
+        GrowingLayer.of_rows([r.keys[i] for r in rows], [r.values[i] for r in rows], room)
+        for i in range(len(cache.layers))
+    ]
     return cache

@@ -498,29 +498,13 @@ class LiveRows:
                 torch.cat(layer, dim=0) for layer in zip(*(p.valid_layers() for p in pasts), strict=True)
             )
         )
-        self.fed = torch.zeros(
-            sum(p.batch_size for p in pasts), 0, dtype=torch.long, device="cpu"
-        )  # token ids: host
+        self.fed = torch.zeros(sum(p.batch_size for p in pasts), 0, dtype=torch.long, device="cpu")
         self.cache = self._build()
 
     def _build(self) -> Any:
-        from kvlab.cache.snapshot import stack_rows
-        from kvlab.hf.cache import GrowingLayer, growing_cache, sliding_windows
+        from kvlab.hf.cache import growing_cache
 
-        config, pasts = self.handle.config, self.pasts
-        if any(w is not None for w in sliding_windows(config)):  # transformers' own layers: one stacked copy
-            return growing_cache(stack_rows(pasts), config, self.room)
-        check_fits_sliding_windows(config, pasts[0].seq_len + self.room)
-        cache = new_hf_cache(config)
-        if len(cache.layers) != pasts[0].num_layers:
-            raise UnsupportedModelError(
-                f"the model has {len(cache.layers)} cache layers, the snapshot {pasts[0].num_layers}"
-            )
-        cache.layers = [
-            GrowingLayer.of_rows([p.keys[i] for p in pasts], [p.values[i] for p in pasts], self.room)
-            for i in range(len(cache.layers))
-        ]
-        return cache
+        return growing_cache(self.pasts, self.handle.config, self.room)
 
     def feed(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Every row fed ``tokens`` (``[n]`` for all rows alike, or ``[rows, n]``): float32 logits
