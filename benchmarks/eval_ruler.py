@@ -610,6 +610,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("the kvpress worker runs on the CPU beside kvlab: give --no-kvpress with --device")
     if (args.merge or args.archive) and not args.report_only:
         raise SystemExit("--merge and --archive report pieces that ran: give them with --report-only")
+    if args.archive and args.archive.exists() and not args.archive.is_dir():
+        raise SystemExit(f"--archive {args.archive}: a file is there; give a folder")
     # a report of pieces run elsewhere needs only the tokenizer: the model on the CPU
     handle = load_model("smollm2-135m", device="cpu" if args.report_only else args.device, dtype=args.dtype)
     out = args.out_dir
