@@ -33,3 +33,24 @@ def write_results(name: str, title: str, body: str) -> Path:
     path.write_text(text)
     print(text)
     return path
+
+
+class Refusal(SystemExit):
+    """Bad input to a benchmark script, refused before anything is written: :func:`run_main` prints it as
+    one line on stderr and exits 2 (a plain ``SystemExit("...")`` would exit 1)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def run_main(main, *args) -> None:
+    """Run a script's ``main``; a :class:`Refusal` becomes ``error: <message>`` and exit status 2."""
+    try:
+        main(*args)
+    except Refusal as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -21,6 +21,7 @@ ORDER = [
     "eval_ruler_full_4k",
     "eval_curves_1k",
     "eval_curves_4k",
+    "snapkv_vs_kvpress",
     "eval_gpu",
     "eval_batched",
     "hf_quantized_cache",

@@ -42,6 +42,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _common import Refusal, run_main  # noqa: E402
+
 ROOT = HERE.parent
 OUT = HERE / "out" / "eval_ruler"
 RESULTS = HERE / "results" / "eval_ruler.md"
@@ -58,6 +61,12 @@ FAMILY = {
     "h2o": "H2O",
     "learned": "learned",
     "expected_attention": "ExpectedAttention",
+}
+#: families whose two sides run the same method with different settings (said under the paired table)
+SETTINGS_DIFFER = {
+    "SnapKV": "kvlab's `snapkv` keeps a 32-slot window and observes the last 32 queries (SnapKV's reference "
+    "code); kvpress's `SnapKVPress` defaults to `window_size=64` for both. The scoring is the same: with equal "
+    "windows the two keep the same slots (`benchmarks/results/snapkv_vs_kvpress.md`)",
 }
 
 
@@ -607,11 +616,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     specs = cache_specs(args)
     source = read_text_file(args.haystack) if args.haystack else default_long_text()
     if not args.no_kvpress and args.device != "cpu":
-        raise SystemExit("the kvpress worker runs on the CPU beside kvlab: give --no-kvpress with --device")
+        raise Refusal("the kvpress worker runs on the CPU beside kvlab: give --no-kvpress with --device")
     if (args.merge or args.archive) and not args.report_only:
-        raise SystemExit("--merge and --archive report pieces that ran: give them with --report-only")
+        raise Refusal("--merge and --archive report pieces that ran: give them with --report-only")
     if args.archive and args.archive.exists() and not args.archive.is_dir():
-        raise SystemExit(f"--archive {args.archive}: a file is there; give a folder")
+        raise Refusal(f"--archive {args.archive}: a file is there; give a folder")
     # a report of pieces run elsewhere needs only the tokenizer: the model on the CPU
     handle = load_model("smollm2-135m", device="cpu" if args.report_only else args.device, dtype=args.dtype)
     out = args.out_dir
@@ -778,13 +787,13 @@ def pieces(dirs: Sequence[Path], out: Path) -> None:
     runs = [vars(parse_args(s["argv"])) for s in saved]
     same = [{k: v for k, v in r.items() if k not in _PIECE_ARGS} for r in runs]
     if any(s != same[0] for s in same):
-        raise SystemExit("--merge: the pieces ran with different arguments (beyond --first-trial/--trials)")
+        raise Refusal("--merge: the pieces ran with different arguments (beyond --first-trial/--trials)")
     if len({(s.get("haystack") or {}).get("sha256") for s in saved}) > 1:  # the text, not a note beside it
-        raise SystemExit("--merge: the pieces ran over different haystacks")
+        raise Refusal("--merge: the pieces ran over different haystacks")
     records = [rec for s in saved for rec in s["records"]]
     keys = [rec["key"] for rec in records]
     if len(set(keys)) != len(keys):
-        raise SystemExit("--merge: the pieces overlap (a trial ran twice)")
+        raise Refusal("--merge: the pieces overlap (a trial ran twice)")
     per_task = sum(r["trials"] for r in runs)
     argv = [a for a in saved[0]["argv"]]
     i = argv.index("--trials") if "--trials" in argv else -1
@@ -915,7 +924,9 @@ def paired_lines(rows: Sequence[dict], seed: int) -> list[str]:
             f"| {FAMILY.get(policy, policy)} | {ratio:g} | {len(keys)} | {_fmt(iv, '+.2f')} | {same}/{len(keys)} | "
             f"{mk:.3g} / {mp:.3g} | {dk:.2g} |"
         )
-    return lines
+    shown = {line.split(" | ")[0].removeprefix("| ") for line in lines[2:]}
+    notes = [f"- {fam}: {why}." for fam, why in SETTINGS_DIFFER.items() if fam in shown]
+    return lines + ([""] + notes if notes else [])
 
 
 def trial_seconds(rows: Sequence[dict]) -> dict[tuple[str, str, int], float]:
@@ -1173,4 +1184,4 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

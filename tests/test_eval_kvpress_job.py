@@ -216,3 +216,23 @@ def test_an_archived_run_is_a_piece(tiny, tmp_path):
     )
     with pytest.raises(SystemExit, match="overlap"):  # the archive already holds trial 0
         eval_ruler.pieces([tmp_path / "raw", tmp_path / "a"], tmp_path / "x")
+
+
+def test_a_refused_command_line_is_one_line_and_exit_2(tmp_path):
+    """Bad arguments stop the script before it writes anything: one line on stderr, status 2."""
+    import subprocess
+
+    script = Path(eval_ruler.__file__)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--merge", str(tmp_path), "--out-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        proc.stderr.strip()
+        == "error: --merge and --archive report pieces that ran: give them with --report-only"
+    )
+    assert not out.exists()

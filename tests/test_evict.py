@@ -94,6 +94,36 @@ def test_sinks_are_always_kept_when_asked(obs, policy_cls):
         assert bool(valid[..., :3].all())
 
 
+def snapkv_reference_scores(attentions, kv_heads: int, w: int) -> torch.Tensor:
+    """SnapKV as its reference code (and kvpress's SnapKVPress) computes it, written out from a model's eager
+    attention ``[1, Hq, T, T]`` per layer: the last ``w`` queries' mean attention over the slots before the
+    window, a mean over 5 neighbours with the zero padding counted, averaged over each KV head's query group;
+    the window scored above everything (kept). ``[layers, kv_heads, T]`` in float64."""
+    out = []
+    for a in attentions:
+        t = a.shape[-1]
+        seen = a[0, :, t - w :, : t - w].double().mean(dim=1)  # [Hq, T - w]
+        padded = torch.nn.functional.pad(seen, (2, 2))
+        pooled = sum(padded[:, i : i + t - w] for i in range(5)) / 5
+        per_kv = pooled.view(kv_heads, -1, t - w).mean(dim=1)
+        out.append(torch.nn.functional.pad(per_kv, (0, w), value=float(per_kv.max()) + 1))
+    return torch.stack(out)
+
+
+def test_snapkv_keeps_the_slots_of_snapkvs_reference_algorithm(tiny):
+    ids = torch.randint(0, 512, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    t, w, n_keep = len(ids), 8, 30
+    with tiny.eager_attention():
+        attn = tiny.prefill(ids, output_attentions=True).attentions
+    ev = evict(observe(tiny, ids), SnapKV(window=w, observe=w), n_keep=n_keep)
+    ref = snapkv_reference_scores(attn, ev.keys[0].shape[1], w)
+    for layer in range(len(attn)):
+        for h in range(ref.shape[1]):
+            want = ref[layer, h].topk(n_keep).indices.sort().values.tolist()
+            assert want[-w:] == list(range(t - w, t))
+            assert ev.valid[layer][0, h].nonzero().flatten().tolist() == want, (layer, h)
+
+
 def test_kept_keys_are_the_original_keys(obs):
     ev = evict(obs, SnapKV(), keep=0.5)
     keys, _, slots_per_layer = kept_per_head(ev)

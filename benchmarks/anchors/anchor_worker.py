@@ -20,6 +20,10 @@ inputs (no second tokenizer involved). Two job kinds:
   tokens; the full cache's top-1 agreement with kvlab's full-cache argmax (and, where kvlab saved them,
   KL to kvlab's full logits) checks that both sides run the same model. Output: JSONL, one line per
   (trial, setup), appended as they finish, after a ``meta`` line (versions).
+* ``snapkv_slots`` (``benchmarks/snapkv_vs_kvpress.py``): contexts (ids) and SnapKV window sizes; per
+  context and window, one prefill under ``SnapKVPress(window_size=w)``, each layer's scores as the press
+  computed them and the slots kvpress's own ``ScorerPress.compress`` keeps at each ratio (its
+  ``compute_n_kept`` and ``topk``). Output: one ``torch.save`` file of tensors.
 """
 
 from __future__ import annotations
@@ -148,6 +152,8 @@ def main(job_path: str, out_path: str) -> None:
         job = json.load(f)
     if job.get("kind", "compression") == "ruler":
         return ruler_main(job, out_path)
+    if job["kind"] == "snapkv_slots":
+        return snapkv_slots_main(job, out_path)
     torch.set_num_threads(int(job.get("threads", 1)))
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(job["model_dir"])
@@ -541,6 +547,38 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
             print(f"{head['key']} {s['name']}: FAILED {row['error']}", file=sys.stderr, flush=True)
         rows.append(row)
     return rows
+
+
+def snapkv_slots_main(job: dict, out_path: str) -> None:
+    """SnapKVPress's scores and kept slots per layer (see the module docstring)."""
+    import kvpress
+    from kvpress.utils import compute_n_kept
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    torch.set_num_threads(int(job.get("threads", 1)))
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+    out: dict[str, torch.Tensor] = {}
+    for name, context in job["contexts"].items():
+        for w in job["windows"]:
+            press = kvpress.SnapKVPress(compression_ratio=0.5, window_size=int(w))
+            scores: list[torch.Tensor] = []
+            score = press.score
+
+            def capture(*args, _score=score, _scores=scores, **kwargs):
+                s = _score(*args, **kwargs)
+                _scores.append(s.detach().clone())
+                return s
+
+            press.score = capture
+            with torch.no_grad(), press(model):
+                model.model(input_ids=torch.tensor([context]), past_key_values=DynamicCache())
+            stacked = torch.stack([s[0] for s in scores])  # [layers, kv heads, T]
+            out[f"scores/{name}/{w}"] = stacked
+            for ratio in job["ratios"]:
+                n = compute_n_kept(stacked.shape[-1], float(ratio))
+                out[f"kept/{name}/{w}/{ratio}"] = stacked.topk(n, dim=-1).indices.sort(dim=-1).values
+            print(f"{name} window {w}: {len(scores)} layers", file=sys.stderr, flush=True)
+    torch.save(out, out_path)
 
 
 def ruler_main(job: dict, out_path: str) -> None:

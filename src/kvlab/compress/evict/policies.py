@@ -162,7 +162,13 @@ class H2O(Policy):
 
 @dataclass(frozen=True)
 class SnapKV(Policy):
-    """Attention from the last ``observe`` queries, average-pooled over ``kernel`` neighbours; the window is kept."""
+    """Attention from the last ``observe`` queries, average-pooled over ``kernel`` neighbours; the window is kept.
+
+    As SnapKV's reference code (and kvpress's SnapKVPress) pools: over the slots before the window only, the
+    zero padding counted in each mean. The window's slots keep their raw attention; ``keep_indices`` keeps
+    them whatever they score. kvpress's default window is 64; ``SnapKV(window=64, observe=64)`` keeps the
+    slots it keeps (``benchmarks/results/snapkv_vs_kvpress.md``).
+    """
 
     window: int = 32
     observe: int = 32
@@ -172,9 +178,13 @@ class SnapKV(Policy):
 
     def score(self, view: LayerView) -> torch.Tensor:
         a = view.recent_attention(self.observe)
-        return torch.nn.functional.avg_pool1d(
-            a, self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=False
+        cut = a.shape[-1] - min(self.window, a.shape[-1])
+        if cut == 0:  # every slot is in the window
+            return a
+        pooled = torch.nn.functional.avg_pool1d(
+            a[..., :cut], self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=True
         )
+        return torch.cat([pooled, a[..., cut:]], dim=-1)
 
 
 @dataclass(frozen=True)
