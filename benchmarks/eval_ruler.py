@@ -901,6 +901,7 @@ def paired_lines(rows: Sequence[dict], seed: int) -> list[str]:
         by.setdefault((r["side"], r["policy"], float(r["compression_ratio"])), {})[
             (r["task"], r["length"], r["trial"])
         ] = r
+    shown: set[str] = set()
     lines = [
         "| family | ratio | trials | accuracy kvlab − kvpress [95% CI] | same answer | mean KL kvlab / kvpress | mean abs(ΔKL) |",
         "|---|---:|---:|---|---:|---|---:|",
@@ -920,11 +921,11 @@ def paired_lines(rows: Sequence[dict], seed: int) -> list[str]:
         mk = sum(kv[k]["kld"] for k in fin) / max(len(fin), 1)
         mp = sum(kp[k]["kld"] for k in fin) / max(len(fin), 1)
         dk = sum(abs(kv[k]["kld"] - kp[k]["kld"]) for k in fin) / max(len(fin), 1)
+        shown.add(FAMILY.get(policy, policy))
         lines.append(
             f"| {FAMILY.get(policy, policy)} | {ratio:g} | {len(keys)} | {_fmt(iv, '+.2f')} | {same}/{len(keys)} | "
             f"{mk:.3g} / {mp:.3g} | {dk:.2g} |"
         )
-    shown = {line.split(" | ")[0].removeprefix("| ") for line in lines[2:]}
     notes = [f"- {fam}: {why}." for fam, why in SETTINGS_DIFFER.items() if fam in shown]
     return lines + ([""] + notes if notes else [])
 

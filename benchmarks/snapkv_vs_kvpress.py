@@ -58,25 +58,17 @@ def kvlab_side(handle, ctx: dict[str, list[int]], press: dict[str, torch.Tensor]
     for name, ids in ctx.items():
         views = layer_views(observe(handle, ids))
         t = views[0].seq_len
+        ours = {w: [SnapKV(window=w, observe=w).score(v)[0] for v in views] for w in WINDOWS}
         for kv_w in WINDOWS:  # kvpress's window
+            ref = press[f"scores/{name}/{kv_w}"]  # [layers, heads, T]
+            diffs = [(s - r).abs()[:, : t - kv_w].max() for s, r in zip(ours[kv_w], ref, strict=True)]
+            worst = max(worst, float(max(diffs)))
             for lab_w in WINDOWS:  # kvlab's window
-                policy = SnapKV(window=lab_w, observe=lab_w)
-                scores = [policy.score(v)[0] for v in views]
-                if lab_w == kv_w:
-                    ref = press[f"scores/{name}/{kv_w}"]
-                    worst = max(
-                        worst,
-                        max(
-                            float((s - r).abs()[:, : t - kv_w].max())
-                            for s, r in zip(scores, ref, strict=True)
-                        ),
-                    )
                 for ratio in RATIOS:
                     want = press[f"kept/{name}/{kv_w}/{ratio}"]  # [layers, heads, n]
                     n = want.shape[-1]
                     differ, margin = 0, 0.0
-                    ref = press[f"scores/{name}/{kv_w}"]
-                    for layer, s in enumerate(scores):
+                    for layer, s in enumerate(ours[lab_w]):
                         mine = keep_indices(s[None], n, 0, lab_w)[0]
                         for h in range(mine.shape[0]):
                             a, b = set(mine[h].tolist()), set(want[layer, h].tolist())
