@@ -246,7 +246,7 @@ def merge(handle: Any, records: Sequence[dict], worker_rows: Sequence[dict]) -> 
                 "compared_tokens": w["compared_tokens"],
                 "prefill_s": w["prefill_s"],
                 "seconds": w["seconds"],
-                **{k: w[k] for k in w if k.startswith(("check_", "top1_vs_", "kl_kvlab"))},
+                **{k: w[k] for k in w if k.startswith(("check_", "top1_vs_", "kl_kvlab", "batch_rows"))},
             }
         )
     return rows, failed
@@ -1020,6 +1020,8 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
     checks = [
         r.get("check_max_abs_diff_vs_standalone") for r in kp_rows if "check_max_abs_diff_vs_standalone" in r
     ]
+    kp_trials = {(r["task"], r["length"], r["trial"]) for r in kp_rows}
+    batched = {(r["task"], r["length"], r["trial"]) for r in kp_rows if r.get("batch_rows", 1) > 1}
     n_trials = len(records)
     kv_s, wall = doc["kvlab_seconds"], doc["wall_seconds"]
     worker_s = done["seconds"] if done else None
@@ -1118,6 +1120,13 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
                     f" (checked on the first trial against one standalone `with press(model)` prefill per press: max |ΔK|,|ΔV| "
                     f"= {max(checks):.3g})"
                     if checks
+                    else ""
+                )
+                + (
+                    f"; on {len(batched)} of {len(kp_trials)} trials the presses whose caches "
+                    "have the same shape (one ratio) decoded as the rows of one batch, the others one press at a time "
+                    "(`decode_groups` in `anchor_worker.py`)"
+                    if batched
                     else ""
                 )
                 + "; answers decoded with kvlab's tokenizer and scored with `kvlab.eval.score.score` in kvlab's process; KL "

@@ -14,7 +14,8 @@ inputs (no second tokenizer involved). Two job kinds:
   layer inputs, which is what ``with press(model)`` does, without one prefill per press; the first trial
   is checked against one standalone ``with press(model)`` prefill per setup). Then the question runs
   uncompressed at the positions after the context (kvpress's convention): greedy answer ids (returned for
-  kvlab to decode and score), and one teacher-forced pass over question + the full cache's answer (minus
+  kvlab to decode and score; setups whose caches have the same shape, the presses of one ratio, decode as
+  the rows of one batch, see :func:`decode_groups`), and one teacher-forced pass over question + the full cache's answer (minus
   its last token) gives KL(P_full || P_press) per token, computed here with the float64 formula of
   ``kvlab.metrics.divergence.token_kl``, against this worker's own uncompressed ("full") cache on the same
   tokens; the full cache's top-1 agreement with kvlab's full-cache argmax (and, where kvlab saved them,
@@ -456,10 +457,92 @@ def _cache_bytes(cache) -> int:
     return sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in cache.layers)
 
 
-def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool) -> list[dict]:
-    """Every setup on one trial: answer ids, kept slots, KL / top-1 to this worker's full cache."""
+def decode_groups(caches: dict, masks: dict) -> list[list[str]]:
+    """Setups whose caches can decode as the rows of one batch, in the caches' order.
+
+    Rows of one batch need the same length in every layer (no padding, so no mask changes the
+    arithmetic) and no masked keys (AdaKV's masks live on the attention modules, one set for all rows).
+    The weights are streamed once per step for the whole batch, which is what a decode step costs here."""
+    groups: dict[tuple, list[str]] = {}
+    for name, cache in caches.items():
+        alone = name in masks or _ragged_layers(cache)
+        key = ("alone", name) if alone else tuple(int(layer.keys.shape[-2]) for layer in cache.layers)
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _stacked(model, caches: list):
+    """A new ``DynamicCache`` whose rows are ``caches`` (each of batch 1), layer by layer."""
+    from transformers import DynamicCache
+
+    out = DynamicCache(config=model.config)
+    for i in range(len(caches[0].layers)):
+        keys = torch.cat([c.layers[i].keys for c in caches])
+        values = torch.cat([c.layers[i].values for c in caches])
+        out.update(keys, values, i)
+    return out
+
+
+@torch.no_grad()
+def batched_greedy_until(
+    model, cache, prompt: list[int], start: int, n: int, stop: set[int]
+) -> list[list[int]]:
+    """:func:`greedy_until` for every row of ``cache`` at once: each row's ids end at its first stop id
+    (kept); rows that stopped are fed on (rows never see each other) until all stopped or ``n`` steps."""
+    rows = int(cache.layers[0].keys.shape[0])
+    ids, pos = torch.tensor([prompt] * rows), start
+    out: list[list[int]] = [[] for _ in range(rows)]
+    done = [False] * rows
+    for _ in range(n):
+        position_ids = torch.arange(pos, pos + ids.shape[1])[None].expand(rows, -1)
+        logits = model(
+            input_ids=ids, past_key_values=cache, position_ids=position_ids, logits_to_keep=1
+        ).logits
+        pos += ids.shape[1]
+        nxt = logits[:, -1].argmax(-1).tolist()
+        for r, t in enumerate(nxt):
+            if not done[r]:
+                out[r].append(int(t))
+                done[r] = int(t) in stop
+        if all(done):
+            break
+        ids = torch.tensor(nxt)[:, None]
+    return out
+
+
+@torch.no_grad()
+def batched_forced_logits(model, cache, tokens: list[int], start: int) -> torch.Tensor:
+    rows = int(cache.layers[0].keys.shape[0])
+    pos = torch.arange(start, start + len(tokens))[None].expand(rows, -1)
+    ids = torch.tensor([tokens] * rows)
+    return model(input_ids=ids, past_key_values=cache, position_ids=pos).logits.float()
+
+
+def decode_group(model, caches: dict, names: list[str], masks: dict, question, forced, start, n, stop):
+    """``{name: (answer ids, teacher-forced logits)}`` for one group of :func:`decode_groups`.
+
+    One setup decodes alone, as kvpress's pipeline would (greedy on its cache, the forced pass on a copy);
+    several decode as the rows of one batch built from their caches (theirs are left as they were)."""
     import copy
 
+    if len(names) == 1:
+        cache = caches[names[0]]
+        forced_cache = copy.deepcopy(cache)
+        with masked_keys(model, masks.get(names[0])):
+            answer = greedy_until(model, cache, question, start, n, stop)
+            logits = forced_logits(model, forced_cache, forced, start)
+        return {names[0]: (answer, logits)}
+    group = [caches[name] for name in names]
+    answers = batched_greedy_until(model, _stacked(model, group), question, start, n, stop)
+    logits = batched_forced_logits(model, _stacked(model, group), forced, start)
+    return {name: (answers[r], logits[r]) for r, name in enumerate(names)}
+
+
+def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool) -> list[dict]:
+    """Every setup on one trial: answer ids, kept slots, KL / top-1 to this worker's full cache.
+
+    Setups whose caches have the same shape decode together (:func:`decode_groups`); ``seconds`` of each
+    row is its share of its group's decode time (rows of one trial sum to the trial's decode time)."""
     presses = {s["name"]: make_press(s["press"], s["ratio"]) for s in setups if s["press"] is not None}
     for p in presses.values():
         p.post_init_from_model(model)
@@ -471,37 +554,17 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
     caches, errors = shared_press_prefill(model, ctx, setups, presses, masks)
     prefill_s = time.perf_counter() - t0
     head = {k: trial[k] for k in ("key", "task", "length", "trial", "seed")}
-    rows, ref = [], None
+    rows: dict[str, dict] = {}
     for s in setups:
         row = {**head, "setup": s["name"], "press": s["press"], "ratio": s["ratio"], "prefill_s": prefill_s}
+        rows[s["name"]] = row
         if s["name"] in errors:
             row["error"] = errors[s["name"]]
-            rows.append(row)
             continue
         try:
             cache = caches[s["name"]]
             if verify and s["press"] is not None:  # the shared prefill equals kvpress's own, setup by setup
-                alone = standalone_press_prefill(model, ctx, make_press(s["press"], s["ratio"]))
-                alone_masks = {}
-                for i, attn in enumerate(_attention_layers(model)[1]):
-                    if getattr(attn, "masked_key_indices", None) is not None:
-                        alone_masks[i] = attn.masked_key_indices
-                        attn.masked_key_indices = None
-                ours = masks.get(s["name"], {})
-                if alone_masks.keys() != ours.keys() or any(
-                    set(zip(*(t.tolist() for t in alone_masks[i]), strict=True))
-                    != set(zip(*(t.tolist() for t in ours[i]), strict=True))
-                    for i in ours
-                ):
-                    row["check_masked_keys_differ"] = True
-                row["check_max_abs_diff_vs_standalone"] = max(
-                    max(float((a.keys - b.keys).abs().max()), float((a.values - b.values).abs().max()))
-                    if a.keys.shape == b.keys.shape
-                    else float("inf")
-                    for a, b in zip(cache.layers, alone.layers, strict=True)
-                )
-                del alone
-            t1 = time.perf_counter()  # the check above is not part of the setup's time
+                check_standalone(model, ctx, s, cache, masks, row)
             row["kept_slots"] = _cache_len(cache)
             row["kv_bytes"] = _cache_bytes(cache)  # what it holds (a masking press holds the masked keys too)
             if s["name"] in masks:
@@ -513,14 +576,27 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
                 per_slot = row["kv_bytes"] / max(1, slots)
                 row["masked_slots"] = n_masked
                 row["kv_bytes_unmasked"] = int(row["kv_bytes"] - n_masked * per_slot)
-            forced_cache = copy.deepcopy(cache)
-            with masked_keys(model, masks.get(s["name"])):
-                row["answer_ids"] = greedy_until(
-                    model, cache, question, start, int(trial["max_new_tokens"]), stop
-                )
-                logits = forced_logits(model, forced_cache, forced, start)
-            del forced_cache
-            if s["press"] is None:
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+    live = {name: c for name, c in caches.items() if "error" not in rows[name]}
+    ref = None
+    rows_answer = slice(len(question) - 1, None)
+    for names in decode_groups(live, masks):  # "full" comes first: its logits are the reference
+        t1 = time.perf_counter()
+        try:
+            decoded = decode_group(
+                model, live, names, masks, question, forced, start, int(trial["max_new_tokens"]), stop
+            )
+        except Exception as exc:
+            for name in names:
+                rows[name]["error"] = f"{type(exc).__name__}: {exc}"
+            continue
+        share = (time.perf_counter() - t1) / len(names)
+        for name in names:
+            row, (answer_ids, logits) = rows[name], decoded[name]
+            row["answer_ids"] = answer_ids
+            row["batch_rows"] = len(names)
+            if row["press"] is None:
                 ref = logits
                 kv_argmax = trial.get("kvlab_full_argmax")
                 if kv_argmax is not None:
@@ -530,8 +606,10 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
                 if trial.get("kvlab_full_logits"):
                     theirs = torch.load(trial["kvlab_full_logits"])
                     row["kl_kvlab_full_vs_this_full"] = divergence(theirs, logits)["kl"]
+            if ref is None:
+                row["error"] = "the full cache failed: no reference logits"
+                continue
             div = divergence(ref, logits)
-            rows_answer = slice(len(question) - 1, None)
             div_a = divergence(ref[rows_answer], logits[rows_answer])
             row.update(
                 kld=div["kl"],
@@ -539,14 +617,35 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
                 compared_tokens=div["n"],
                 kld_answer=div_a["kl"],
                 top1_answer=div_a["top1"],
-                seconds=time.perf_counter() - t1,
+                seconds=share,
             )
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"
+    for row in rows.values():
         if "error" in row:
-            print(f"{head['key']} {s['name']}: FAILED {row['error']}", file=sys.stderr, flush=True)
-        rows.append(row)
-    return rows
+            print(f"{head['key']} {row['setup']}: FAILED {row['error']}", file=sys.stderr, flush=True)
+    return list(rows.values())
+
+
+def check_standalone(model, ctx: list[int], setup: dict, cache, masks: dict, row: dict) -> None:
+    """Record how far the shared prefill's cache for ``setup`` is from kvpress's own ``with press(model)``."""
+    alone = standalone_press_prefill(model, ctx, make_press(setup["press"], setup["ratio"]))
+    alone_masks = {}
+    for i, attn in enumerate(_attention_layers(model)[1]):
+        if getattr(attn, "masked_key_indices", None) is not None:
+            alone_masks[i] = attn.masked_key_indices
+            attn.masked_key_indices = None
+    ours = masks.get(setup["name"], {})
+    if alone_masks.keys() != ours.keys() or any(
+        set(zip(*(t.tolist() for t in alone_masks[i]), strict=True))
+        != set(zip(*(t.tolist() for t in ours[i]), strict=True))
+        for i in ours
+    ):
+        row["check_masked_keys_differ"] = True
+    row["check_max_abs_diff_vs_standalone"] = max(
+        max(float((a.keys - b.keys).abs().max()), float((a.values - b.values).abs().max()))
+        if a.keys.shape == b.keys.shape
+        else float("inf")
+        for a, b in zip(cache.layers, alone.layers, strict=True)
+    )
 
 
 def snapkv_slots_main(job: dict, out_path: str) -> None:
