@@ -64,8 +64,8 @@ def test_batched_rows_equal_each_press_decoded_alone(tiny_llama_2x64):
     )
     for name in groups[1]:
         alone = copy.deepcopy(caches[name])
-        answer = anchor_worker.greedy_until(model, alone, question, len(ctx), 6, stop)
-        logits = anchor_worker.forced_logits(model, copy.deepcopy(caches[name]), forced, len(ctx))
+        [answer] = anchor_worker.greedy_until(model, alone, question, len(ctx), 6, stop)
+        [logits] = anchor_worker.forced_logits(model, copy.deepcopy(caches[name]), forced, len(ctx))
         got_answer, got_logits = decoded[name]
         assert got_answer == answer
         assert got_logits.shape == logits.shape
@@ -87,11 +87,9 @@ def test_batched_greedy_stops_each_row_at_its_own_stop_id(tiny_llama_2x64):
         with torch.no_grad():
             model.model(input_ids=torch.tensor([[t + shift for t in ctx]]), past_key_values=cache)
         rows.append(cache)
-    free = [anchor_worker.greedy_until(model, copy.deepcopy(c), [5, 6], 30, 8, set()) for c in rows]
+    free = [anchor_worker.greedy_until(model, copy.deepcopy(c), [5, 6], 30, 8, set())[0] for c in rows]
     stop = {free[0][2]}  # row 0 stops at its third id; row 1 at that id if it ever says it
-    batched = anchor_worker.batched_greedy_until(
-        model, anchor_worker._stacked(model, rows), [5, 6], 30, 8, stop
-    )
+    batched = anchor_worker.greedy_until(model, anchor_worker._stacked(model, rows), [5, 6], 30, 8, stop)
     for got, ids in zip(batched, free, strict=True):
         cut = next((i + 1 for i, t in enumerate(ids) if t in stop), len(ids))
         assert got == ids[:cut]

@@ -422,31 +422,43 @@ def _one_by_one(model, cache, tokens: list[int], start: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_until(model, cache, prompt: list[int], start: int, n: int, stop: set[int]) -> list[int]:
-    """Greedy ids after ``prompt`` (positions from ``start``), at most ``n``, ending at a stop id (kept)."""
-    ids, pos, out = torch.tensor([prompt]), start, []
+def greedy_until(model, cache, prompt: list[int], start: int, n: int, stop: set[int]) -> list[list[int]]:
+    """Greedy ids after ``prompt`` (positions from ``start``) for every row of ``cache``, at most ``n`` each,
+    each row ending at its first stop id (kept); rows that stopped are fed on (rows never see each other)
+    until all stopped. A ragged cache (one row) takes the prompt one token at a time."""
+    rows = int(cache.layers[0].keys.shape[0])
+    ids, pos = torch.tensor([prompt] * rows), start
     if _ragged_layers(cache) and len(prompt) > 1:
         _one_by_one(model, cache, prompt[:-1], start)
         ids, pos = torch.tensor([prompt[-1:]]), start + len(prompt) - 1
+    out: list[list[int]] = [[] for _ in range(rows)]
+    done = [False] * rows
     for _ in range(n):
-        position_ids = torch.arange(pos, pos + ids.shape[1])[None]
+        position_ids = torch.arange(pos, pos + ids.shape[1])[None].expand(rows, -1)
         logits = model(
             input_ids=ids, past_key_values=cache, position_ids=position_ids, logits_to_keep=1
         ).logits
         pos += ids.shape[1]
-        out.append(int(logits[0, -1].argmax()))
-        if out[-1] in stop:
+        nxt = logits[:, -1].argmax(-1).tolist()
+        for r, t in enumerate(nxt):
+            if not done[r]:
+                out[r].append(int(t))
+                done[r] = int(t) in stop
+        if all(done):
             break
-        ids = torch.tensor([[out[-1]]])
+        ids = torch.tensor(nxt)[:, None]
     return out
 
 
 @torch.no_grad()
 def forced_logits(model, cache, tokens: list[int], start: int) -> torch.Tensor:
+    """Teacher-forced logits ``[rows, len(tokens), vocab]`` (float32) over ``tokens`` for every row."""
     if _ragged_layers(cache):
-        return _one_by_one(model, cache, tokens, start)
-    pos = torch.arange(start, start + len(tokens))[None]
-    return model(input_ids=torch.tensor([tokens]), past_key_values=cache, position_ids=pos).logits[0].float()
+        return _one_by_one(model, cache, tokens, start)[None]
+    rows = int(cache.layers[0].keys.shape[0])
+    pos = torch.arange(start, start + len(tokens))[None].expand(rows, -1)
+    ids = torch.tensor([tokens] * rows)
+    return model(input_ids=ids, past_key_values=cache, position_ids=pos).logits.float()
 
 
 def _cache_len(cache) -> int:
@@ -483,58 +495,23 @@ def _stacked(model, caches: list):
     return out
 
 
-@torch.no_grad()
-def batched_greedy_until(
-    model, cache, prompt: list[int], start: int, n: int, stop: set[int]
-) -> list[list[int]]:
-    """:func:`greedy_until` for every row of ``cache`` at once: each row's ids end at its first stop id
-    (kept); rows that stopped are fed on (rows never see each other) until all stopped or ``n`` steps."""
-    rows = int(cache.layers[0].keys.shape[0])
-    ids, pos = torch.tensor([prompt] * rows), start
-    out: list[list[int]] = [[] for _ in range(rows)]
-    done = [False] * rows
-    for _ in range(n):
-        position_ids = torch.arange(pos, pos + ids.shape[1])[None].expand(rows, -1)
-        logits = model(
-            input_ids=ids, past_key_values=cache, position_ids=position_ids, logits_to_keep=1
-        ).logits
-        pos += ids.shape[1]
-        nxt = logits[:, -1].argmax(-1).tolist()
-        for r, t in enumerate(nxt):
-            if not done[r]:
-                out[r].append(int(t))
-                done[r] = int(t) in stop
-        if all(done):
-            break
-        ids = torch.tensor(nxt)[:, None]
-    return out
-
-
-@torch.no_grad()
-def batched_forced_logits(model, cache, tokens: list[int], start: int) -> torch.Tensor:
-    rows = int(cache.layers[0].keys.shape[0])
-    pos = torch.arange(start, start + len(tokens))[None].expand(rows, -1)
-    ids = torch.tensor([tokens] * rows)
-    return model(input_ids=ids, past_key_values=cache, position_ids=pos).logits.float()
-
-
 def decode_group(model, caches: dict, names: list[str], masks: dict, question, forced, start, n, stop):
     """``{name: (answer ids, teacher-forced logits)}`` for one group of :func:`decode_groups`.
 
-    One setup decodes alone, as kvpress's pipeline would (greedy on its cache, the forced pass on a copy);
-    several decode as the rows of one batch built from their caches (theirs are left as they were)."""
+    One setup decodes alone, as kvpress's pipeline would (greedy and the forced pass each on a copy of its
+    cache); several decode as the rows of one batch built from their caches. Either way the setups' own
+    caches are left as they were."""
     import copy
 
     if len(names) == 1:
         cache = caches[names[0]]
-        forced_cache = copy.deepcopy(cache)
         with masked_keys(model, masks.get(names[0])):
-            answer = greedy_until(model, cache, question, start, n, stop)
-            logits = forced_logits(model, forced_cache, forced, start)
-        return {names[0]: (answer, logits)}
-    group = [caches[name] for name in names]
-    answers = batched_greedy_until(model, _stacked(model, group), question, start, n, stop)
-    logits = batched_forced_logits(model, _stacked(model, group), forced, start)
+            answers = greedy_until(model, copy.deepcopy(cache), question, start, n, stop)
+            logits = forced_logits(model, copy.deepcopy(cache), forced, start)
+    else:
+        group = [caches[name] for name in names]
+        answers = greedy_until(model, _stacked(model, group), question, start, n, stop)
+        logits = forced_logits(model, _stacked(model, group), forced, start)
     return {name: (answers[r], logits[r]) for r, name in enumerate(names)}
 
 
