@@ -215,28 +215,41 @@ class Bench:
             ),
         }  # fmt: skip
         table: dict = {}
+        slot_pos = torch.arange(c, device=self.dev)  # a full window; the feed's own slots come last
         for kind, n in (("few", 1), ("many", CHUNK)):
             q = torch.randn(1, 8, 4 * n, 128, generator=g, device=self.dev, dtype=torch.bfloat16)
-            mask = torch.zeros(1, 1, n, c, device=self.dev, dtype=torch.bfloat16)
+            rule = (slot_pos, torch.arange(c - n, c, device=self.dev)[None])
+            visible = slot_pos[None, None, None, :] <= rule[1][:, None, :, None]
+            mask = torch.where(visible, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
             for int4, (kk, vv) in ((False, (k, v)), (True, packed)):
-                times: dict[str, float | str] = {}
-                for shape in shapes[kind]:
+
+                def replayed(
+                    shape: tuple, given: tuple | None, kind=kind, int4=int4, kk=kk, vv=vv, q=q, mask=mask
+                ):
                     sa.LAUNCH[(kind, int4)] = shape
-                    call = functools.partial(sa.attend, q, kk, vv, mask, 0.088)
+                    call = functools.partial(sa.attend, q, kk, vv, mask, 0.088, given)
                     try:
                         for _ in range(3):
                             call()
                         graph = torch.cuda.CUDAGraph()  # replayed: the kernels' time, not Python's
                         with torch.cuda.graph(graph):
                             call()
-                        runs = [self.timed(graph.replay, 20) for _ in range(3)]
-                        times["x".join(map(str, shape))] = round(statistics.median(runs), 4)
+                        return round(statistics.median(self.timed(graph.replay, 20) for _ in range(3)), 4)
                     except Exception as exc:  # a launch this card cannot run (registers, shared memory)
-                        times["x".join(map(str, shape))] = f"{type(exc).__name__}"
+                        return type(exc).__name__
+
+                # the rolling decoder gives the kernel the mask's rule (positions): the sweep times that
+                times = {"x".join(map(str, shape)): replayed(shape, rule) for shape in shapes[kind]}
                 ok = {s_: t for s_, t in times.items() if isinstance(t, float)}
                 best = min(ok, key=ok.__getitem__)
-                sa.LAUNCH[(kind, int4)] = tuple(int(x) for x in best.split("x"))  # type: ignore[assignment]
-                table[f"{kind}{'_int4' if int4 else ''}"] = {"ms": times, "chosen": best}
+                chosen = tuple(int(x) for x in best.split("x"))
+                # paired, same launch: the kernel reading the mask's tiles instead (before this change)
+                table[f"{kind}{'_int4' if int4 else ''}"] = {
+                    "ms": times,
+                    "chosen": best,
+                    "chosen_reading_the_mask_ms": replayed(chosen, None),
+                }
+                sa.LAUNCH[(kind, int4)] = chosen  # type: ignore[assignment]
         return table
 
     # -- decode -------------------------------------------------------------------------------------
@@ -359,24 +372,43 @@ class Bench:
 
         from kvlab.hf.graphs import RollingDecoder
         from kvlab.hf.static_rolling import static_rolling_cache_for
+        from kvlab.kernels import split_attention as sa
 
         h, m = self.handle, self.handle.model
-        cache = static_rolling_cache_for(h, window=L - SINKS, sinks=SINKS, evict_chunk=CHUNK)
-        dec = RollingDecoder(h, cache, mode=mode if self.cuda or mode == "compile" else "eager")  # type: ignore[arg-type]
-        dec.prefill(self.ids(L))
         chunks = self.ids(CHUNK * 8, seed=5).view(8, 1, CHUNK)
-        for i in range(2):  # capture the 64-token feed (the window is full: every feed rolls)
-            dec.feed(chunks[i])
-        rolls = cache.rolls
-        feeds = []
-        for c in chunks[2:]:
-            feeds.append(self.timed(lambda c=c: dec.feed(c), 1))
-        rolled = cache.rolls - rolls
-        if mode == "cuda-graph":
-            self.profile(f"roll_{L}", lambda: dec.feed(chunks[2]))
-            self.profile(f"decode_step_{L}", lambda: dec.feed(chunks[3][:, :1]))
-        dec = cache = None  # free the 32k cache before the prefills
+        run_mode = mode if self.cuda or mode == "compile" else "eager"
+
+        def rolls(tag: str, profile: bool) -> tuple[list[float], int]:
+            cache = static_rolling_cache_for(h, window=L - SINKS, sinks=SINKS, evict_chunk=CHUNK)
+            dec = RollingDecoder(h, cache, mode=run_mode)  # type: ignore[arg-type]
+            dec.prefill(self.ids(L))
+            for i in range(2):  # capture the 64-token feed (the window is full: every feed rolls)
+                dec.feed(chunks[i])
+            before = cache.rolls
+            feeds = [self.timed(lambda c=c: dec.feed(c), 1) for c in chunks[2:]]
+            rolled = cache.rolls - before
+            if profile:
+                self.profile(f"roll{tag}_{L}", lambda: dec.feed(chunks[2]))
+                if mode == "cuda-graph":
+                    self.profile(f"decode_step{tag}_{L}", lambda: dec.feed(chunks[3][:, :1]))
+            return feeds, rolled
+
+        feeds, rolled = rolls("" if mode == "cuda-graph" else f"_{mode}", True)
         self.free()
+        paired: dict = {}
+        if mode == "cuda-graph" and sa.prepare(self.dev):
+            # the same rolls with the kernel reading the mask's tiles (as before it took the positions)
+            given = sa.attend
+            sa.attend = lambda q, k, v, mask, scale, visibility=None: given(q, k, v, mask, scale)
+            try:
+                masked, _ = rolls("_reading_mask", False)
+            finally:
+                sa.attend = given
+            self.free()
+            paired = {
+                "roll_ms_reading_the_mask_median": round(statistics.median(masked), 2),
+                "roll_ms_reading_the_mask_each": [round(x, 2) for x in masked],
+            }
 
         def prefill():
             c = DynamicCache(config=m.config)
@@ -392,6 +424,7 @@ class Bench:
             "reprefill_ms_median": round(pre_ms, 1),
             "reprefill_ms_each": [round(x, 1) for x in prefills],
             "ratio": round(pre_ms / roll_ms, 1),
+            **paired,
         }
 
     def store(self, L: int) -> dict:
@@ -443,7 +476,11 @@ def report(b: Bench) -> str:
                 "merge; rows per program x warps x stages x keys per block x programs per SM; the chosen "
                 "launch is what every row below ran):",
                 "",
-                *(f"- {kind}: chosen {t['chosen']}; {t['ms']}" for kind, t in v.items()),
+                *(
+                    f"- {kind}: chosen {t['chosen']} (the same launch reading the mask's tiles instead of "
+                    f"the positions: {t.get('chosen_reading_the_mask_ms', '—')}); {t['ms']}"
+                    for kind, t in v.items()
+                ),
                 "",
             ]
     for L in b.contexts:
@@ -504,6 +541,12 @@ def report(b: Bench) -> str:
                 f"{'compiled' if 'compile' in key else 'captured'} forward, "
                 f"{v['rolls_in_timed_feeds']} rolls timed): **{v['roll_ms_median']} ms** vs re-prefill of the window "
                 f"{v['reprefill_ms_median']} ms: **{v['ratio']}x cheaper** (each roll: {v['roll_ms_each']} ms)."
+                + (
+                    f" Paired, same run: the kernel reading the mask's tiles instead of the positions, "
+                    f"{v['roll_ms_reading_the_mask_median']} ms a roll ({v['roll_ms_reading_the_mask_each']})."
+                    if "roll_ms_reading_the_mask_median" in v
+                    else ""
+                )
             )
         if key.startswith("first_step_vs_dynamic"):
             lines.append(
@@ -550,7 +593,7 @@ def main() -> None:
     b.section(f"split_launch_{long}", 30, b.split_launch, long)
     b.section(f"rolling_graph_{short}", 15, b.rolling, short, graph, "none", True)
     b.section(f"static_compiled_{short}", 60, b.static_compiled, short)  # the bar's pair, first
-    b.section(f"roll_vs_prefill_{long}", 25, b.roll_vs_prefill, long)
+    b.section(f"roll_vs_prefill_{long}", 35, b.roll_vs_prefill, long)
     b.section(f"dynamic_{short}", 10, b.dynamic, short)
     b.section(f"first_step_vs_dynamic_{short}", 10, b.first_step_vs_dynamic, short)
     b.section(f"rolling_int4_graph_{short}", 15, b.rolling, short, graph, "int4", True)

@@ -11,9 +11,12 @@
 #   OUT=/tmp/out BUDGET=560 bash scripts/gpu_check.sh
 #   (ONLY=section,... runs those benchmark sections; TESTS=EXPR is pytest's -k; RESERVE=seconds kept
 #   for the server check and the tests, which run side by side; SERVE_S bounds the server check)
-# Still to measure (issue 29's roll bar, 85x of 100x on an H100 in run 4): the launch sweep with 128-key
-# blocks and the compiled chunk feed, about 6 minutes with the bar's pair and the int4 row:
-#   OUT=$OUT BUDGET=330 RESERVE=60 ONLY=split_launch_32768,roll_vs_prefill_32768,roll_vs_prefill_compile_32768,rolling_graph_8192,rolling_int4_graph_8192,static_compiled_8192 bash scripts/gpu_check.sh
+# Still to measure (issue 29's roll bar, 85x of 100x on an H100 in run 4): the split kernel given the
+# mask's rule as positions (no mask tiles read; paired in the same run against the mask-reading kernel,
+# in the launch sweep and in the roll), the launch sweep with 128-key blocks and fewer programs per SM,
+# and the compiled chunk feed: about 6 minutes with the bar's pair and the int4 row:
+#   OUT=$OUT BUDGET=420 RESERVE=60 PREFLIGHT_S=240 ONLY=split_launch_32768,roll_vs_prefill_32768,roll_vs_prefill_compile_32768,rolling_graph_8192,rolling_int4_graph_8192,static_compiled_8192 bash scripts/gpu_check.sh
+#   (the preflight has twice the split-kernel cases since the positions path: ~2.5 min of Triton compiles)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvlab-gpu}

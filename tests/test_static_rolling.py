@@ -264,10 +264,13 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
     )
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("int4", [False, True])
-    def test_split_attention_kernel_equals_sdpa(n, length, head_dim, dtype, int4):
+    @pytest.mark.parametrize("positions", [False, True])
+    def test_split_attention_kernel_equals_sdpa(n, length, head_dim, dtype, int4, positions):
         """The Triton split-KV kernel (tuned launch) against SDPA over repeated heads, with masked regions
         that leave whole slices of the cache empty; int4: packed rows decoded inside the kernel against
-        SDPA over the same rows decoded by ``decode_packed``. Tolerance: fp32 accumulation (fp32 inputs:
+        SDPA over the same rows decoded by ``decode_packed``. ``positions``: the kernel is given the
+        rule the mask was made by (slot positions, empty slots included, against each row's query
+        positions) and applies it without reading the mask. Tolerance: fp32 accumulation (fp32 inputs:
         IEEE products; bf16: P rounded to bf16 before P @ V)."""
         if not _has_triton():
             pytest.fail("triton is not importable on this CUDA machine")
@@ -286,9 +289,18 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
             kd, vd = (decode_packed(t, head_dim, dtype) for t in (k, v))
         else:
             kd, vd = k, v
-        visible = torch.rand(b, 1, n, length, generator=g, device="cuda") < 0.7
-        visible[..., 0] = True
-        visible[..., 100:250] = False
+        rule = None
+        if positions:
+            slot_pos = torch.randint(0, 3 * length, (length,), generator=g, device="cuda")
+            slot_pos[100:250] = 1 << 62  # empty slots: whole slices of the cache see nothing
+            slot_pos[0] = 0
+            query_pos = torch.randint(0, 3 * length, (b, n), generator=g, device="cuda")
+            visible = slot_pos[None, None, None, :] <= query_pos[:, None, :, None]
+            rule = (slot_pos, query_pos)
+        else:
+            visible = torch.rand(b, 1, n, length, generator=g, device="cuda") < 0.7
+            visible[..., 0] = True
+            visible[..., 100:250] = False
         mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.float(),
@@ -297,7 +309,7 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
             attn_mask=mask.float(),
             scale=0.1,
         )
-        out = sa.attend(q.reshape(b, h, groups * n, head_dim), k, v, mask, 0.1).reshape(
+        out = sa.attend(q.reshape(b, h, groups * n, head_dim), k, v, mask, 0.1, rule).reshape(
             b, h * groups, n, head_dim
         )
         tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -362,6 +374,55 @@ def test_decoder_steps_use_grouped_attention_and_restore_the_model(tiny_model, m
     dec.feed(_ids(3))
     assert len(calls) == 2  # one step, two layers (the prefill ran the model's own attention)
     assert h.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_split_steps_get_the_rule_their_mask_was_made_by(batch, tiny_model, monkeypatch, one_torch_thread):
+    """The split kernel is handed (slot positions, feed positions) through the model's attention kwargs
+    and then never reads the mask: so at every step of a decode with rolls and re-bases, that rule must
+    give exactly the mask the step built. Run on the CPU with the kernel replaced by SDPA over the mask
+    the rule makes (the kernel itself: tests/optional/test_triton_kernels.py); the logits equal the
+    grouped-SDPA decoder's."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from kvlab.kernels import split_attention
+
+    h = _model(None, "cpu", tiny_model, max_positions=64)
+    seen: list[int] = []
+
+    def attend(q, k, v, mask, scale, visibility=None):
+        assert visibility is not None, "the split attention was not given the rule"
+        slot_pos, query_pos = visibility
+        ruled = slot_pos[None, None, None, :] <= query_pos[:, None, :, None]
+        assert torch.equal(ruled.expand(mask.shape), mask == 0), "the rule and the mask disagree"
+        seen.append(int(query_pos.shape[1]))
+        groups = q.shape[2] // mask.shape[2]
+        b, hk, _, d = q.shape
+        qh = q.reshape(b, hk * groups, -1, d)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=ruled, scale=scale
+        )
+        return out.reshape(q.shape)
+
+    ids = torch.stack([_ids(150, seed=s) for s in range(batch)])
+    logits = {}
+    for split in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(split_attention, "prepare", lambda device, split=split: split)
+            m.setattr(split_attention, "attend", attend)
+            cache = static_rolling_cache_for(h, window=40, sinks=4, evict_chunk=8, batch=batch)
+            dec = RollingDecoder(h, cache, mode="eager")
+            assert dec.attention == ("kvlab_split" if split else "kvlab_grouped")
+            dec.prefill(ids[:, :20])
+            t, rows = 20, []
+            while t < 150:
+                n = 8 if t % 3 == 0 else 1
+                rows.append(dec.feed(ids[:, t : t + n]))
+                t += n
+            logits[split] = torch.cat(rows)
+            assert cache.rolls >= 10 and cache.rebases >= 1
+    assert {1, 8} <= set(seen)  # decode steps and chunk feeds
+    assert float((logits[True] - logits[False]).abs().max()) < LOGIT_TOL
 
 
 @pytest.mark.parametrize("codec", ["none", "int4"])

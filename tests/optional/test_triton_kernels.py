@@ -25,7 +25,10 @@ def _triton_present():
 @pytest.mark.parametrize(("block_r", "head_dim"), [(16, 128), (64, 64), (128, 128)])
 @pytest.mark.parametrize("int4", [False, True])
 @pytest.mark.parametrize("block_n", [64, 128])
-def test_split_attention_compiles_for_sm90(scale, dtype, precision, block_r, head_dim, int4, block_n):
+@pytest.mark.parametrize("positions", [False, True])
+def test_split_attention_compiles_for_sm90(
+    scale, dtype, precision, block_r, head_dim, int4, block_n, positions
+):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -36,7 +39,25 @@ def test_split_attention_compiles_for_sm90(scale, dtype, precision, block_r, hea
     sig.update({name: "*u8" if int4 else f"*{dtype}" for name in ("K", "V")})
     sig.update({name: "*fp16" if int4 else f"*{dtype}" for name in ("KS", "KL", "VS", "VL")})
     sig.update({name: "*fp32" for name in ("ACC", "M", "L")})
-    ints = ("sqb", "sqh", "sqr", "skb", "skh", "skc", "svb", "svh", "svc", "ssb", "ssh", "ssc", "smb", "smr")
+    # without positions, attend() passes the mask for the unread position pointers
+    sig.update({name: "*i64" if positions else f"*{dtype}" for name in ("SLOT_POS", "QUERY_POS")})
+    ints = (
+        "sqb",
+        "sqh",
+        "sqr",
+        "skb",
+        "skh",
+        "skc",
+        "svb",
+        "svh",
+        "svc",
+        "ssb",
+        "ssh",
+        "ssc",
+        "smb",
+        "smr",
+        "spb",
+    )
     sig.update({name: "i32" for name in (*ints, "H", "R", "N_TOK", "C", "CHUNK", "S")})
     constexprs = {
         "BLOCK_R": block_r,
@@ -48,6 +69,7 @@ def test_split_attention_compiles_for_sm90(scale, dtype, precision, block_r, hea
         "GROUP": 32,
         "BROADCAST": int4,
         "G": head_dim // 32,
+        "POSITIONS": positions,
     }
     sig.update({"scale": scale, **dict.fromkeys(constexprs, "constexpr")})
     src = ASTSource(kernels.split_kernel, sig, constexprs=constexprs)
@@ -84,14 +106,23 @@ assert sa.prepare(torch.device("cpu"))
 defaults = dict(sa.LAUNCH)
 g = torch.Generator().manual_seed(0)
 out = []
-for n, length, hd, dtype, int4 in json.loads(sys.argv[1]):
+for n, length, hd, dtype, int4, positions in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     b, h, groups = 2, 2, 4
     q = torch.randn(b, h * groups, n, hd, generator=g).to(dtype)
     k, v = (torch.randn(b, h, length, hd, generator=g).to(dtype) for _ in range(2))
-    visible = torch.rand(b, 1, n, length, generator=g) < 0.7
-    visible[..., 0] = True
-    visible[..., 70:140] = False  # whole slices of the cache see nothing
+    rule = None
+    if positions:  # the rule a rolling cache's mask is made by, given to the kernel instead of the mask
+        slot_pos = torch.randint(0, 3 * length, (length,), generator=g)
+        slot_pos[70:140] = 1 << 62  # empty slots: whole slices of the cache see nothing
+        slot_pos[0] = 0
+        query_pos = torch.randint(0, 3 * length, (positions, n), generator=g)  # one row, or one per batch row
+        visible = slot_pos[None, None, None, :] <= query_pos[:, None, :, None]
+        rule = (slot_pos, query_pos)
+    else:
+        visible = torch.rand(b, 1, n, length, generator=g) < 0.7
+        visible[..., 0] = True
+        visible[..., 70:140] = False  # whole slices of the cache see nothing
     mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)
     if int4:
         k, v = (_pack4(t, 8 if hd < 32 else 32 if hd % 32 == 0 else 16) for t in (k, v))
@@ -105,7 +136,7 @@ for n, length, hd, dtype, int4 in json.loads(sys.argv[1]):
     for launch in (None, (128, 8, 2, 128, 1), (16, 4, 3, 128, 8)):  # the defaults, then 128-key blocks
         if launch:
             sa.LAUNCH.update(dict.fromkeys(list(sa.LAUNCH), launch))
-        got = sa.attend(q.reshape(b, h, groups * n, hd), k, v, mask, 0.1).reshape(b, h * groups, n, hd)
+        got = sa.attend(q.reshape(b, h, groups * n, hd), k, v, mask, 0.1, rule).reshape(b, h * groups, n, hd)
         worst = max(worst, float((got.double() - ref).abs().max()))
     sa.LAUNCH.update(defaults)
     out.append(worst)
@@ -130,22 +161,29 @@ def test_split_attention_interpreted_equals_sdpa():
     """The split kernel and its merge (fp32: IEEE products, fp16: fp32 accumulation) against SDPA in
     float64 over the same keys, read as stored or as packed int4 rows decoded in the kernel (the
     reference decodes the same rows with ``decode_packed``): one decode row, a few, and a 64-token chunk,
-    each under the default launches and under 128-key blocks with one or eight programs per SM."""
+    each under the default launches and under 128-key blocks with one or eight programs per SM; and with
+    the mask's rule given as positions (the kernel then never reads the mask), for one query row of
+    positions or one per batch row, empty slots included."""
     import json
 
-    cases = [
-        (1, 300, 64, "float32", False),
-        (5, 257, 128, "float32", False),
-        (64, 200, 64, "float32", False),
-        (1, 300, 128, "float32", True),
-        (64, 150, 128, "float32", True),
-        (3, 130, 16, "float32", True),
-        (2, 100, 80, "float32", True),  # head_dim 80 in blocks of 128: padded columns stay out of the output
-        (4, 200, 128, "float16", False),
-        (4, 200, 128, "float16", True),
+    cases = [  # (tokens, slots, head_dim, dtype, int4, positions: 0 = read the mask, else query rows)
+        (1, 300, 64, "float32", False, 0),
+        (5, 257, 128, "float32", False, 0),
+        (64, 200, 64, "float32", False, 0),
+        (1, 300, 128, "float32", True, 0),
+        (64, 150, 128, "float32", True, 0),
+        (3, 130, 16, "float32", True, 0),
+        (2, 100, 80, "float32", True, 0),  # head_dim 80 in blocks of 128: padded columns stay out
+        (4, 200, 128, "float16", False, 0),
+        (4, 200, 128, "float16", True, 0),
+        (1, 300, 64, "float32", False, 1),
+        (64, 200, 64, "float32", False, 2),
+        (64, 150, 128, "float32", True, 1),
+        (5, 257, 80, "float32", True, 2),
+        (4, 200, 128, "float16", False, 1),
     ]
     errors = json.loads(_interpret(_INTERPRETED, json.dumps(cases)))
-    for (n, length, hd, dtype, int4), err in zip(cases, errors, strict=True):
+    for (n, length, hd, dtype, int4, _), err in zip(cases, errors, strict=True):
         tol = 1e-5 if dtype == "float32" else 2e-3  # fp16: inputs exact, P rounded to fp16 before P @ V
         assert err < tol, (n, length, hd, dtype, int4, err)
 

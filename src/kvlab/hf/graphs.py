@@ -40,12 +40,14 @@ Mode = Literal["auto", "eager", "compile", "cuda-graph"]
 MODES = ("auto", "eager", "compile", "cuda-graph")
 GROUPED_ATTENTION = "kvlab_grouped"
 SPLIT_ATTENTION = "kvlab_split"
+VISIBILITY = "kvlab_visibility"  # the attention kwarg carrying (slot_pos, positions) to the split kernel
 
 
 def _grouped_attention(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
 ) -> tuple[torch.Tensor, None]:
     """:func:`~kvlab.hf.step.grouped_sdpa`, reading the int4 rows of a StaticRollingCache packed."""
+    kw.pop(VISIBILITY, None)  # the mask says the same
     if key.dtype == torch.uint8:  # int4 rows of a StaticRollingCache read packed: decode them here
         key, value = (decode_packed(t, query.shape[-1], query.dtype) for t in (key, value))
     return grouped_sdpa(module, query, key, value, attention_mask, **kw)
@@ -56,10 +58,13 @@ def _split_attention(
 ) -> tuple[torch.Tensor, None]:
     """The grouped layout attended by :mod:`kvlab.kernels.split_attention` (Triton, CUDA): the cache is
     also split across programs, so a decode step streams it at full occupancy; int4 rows are decoded
-    inside the kernel (no full-precision copy of the window is ever made)."""
+    inside the kernel (no full-precision copy of the window is ever made). ``kvlab_visibility`` (the
+    cache's slot positions and the feed's positions, passed by :class:`RollingDecoder` through the model's
+    attention kwargs): the kernel applies the mask's rule instead of reading the mask."""
     b, heads, n, d = query.shape
     q = query.reshape(b, key.shape[1], heads // key.shape[1] * n, d)
-    out = split_attention.attend(q, key, value, attention_mask, kw.get("scaling") or d**-0.5)
+    scale = kw.get("scaling") or d**-0.5
+    out = split_attention.attend(q, key, value, attention_mask, scale, kw.get(VISIBILITY))
     return out.reshape(b, heads, n, d).transpose(1, 2).contiguous(), None
 
 
@@ -178,7 +183,11 @@ class RollingDecoder:
         """What a graph captures: one forward of the feed in ``_ids[n]`` at ``_pos[n]``."""
         ids, pos = self._ids[n], self._pos[n]
         mask = self.cache.attention_mask(pos, self.handle.dtype)
-        out = self.handle.run(ids, self.cache, positions=pos, attention_mask=mask, logits_to_keep=1)
+        # the split kernel applies the mask's rule from the positions rather than reading the mask
+        extra = {VISIBILITY: (self.cache.slot_pos, pos)} if self.attention == SPLIT_ATTENTION else None
+        out = self.handle.run(
+            ids, self.cache, positions=pos, attention_mask=mask, logits_to_keep=1, attention_kwargs=extra
+        )
         return out.logits[:, -1].float()
 
     def _run(self, n: int) -> torch.Tensor:

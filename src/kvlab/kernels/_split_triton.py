@@ -46,12 +46,20 @@ def load_rows(
 
 @triton.jit
 def split_kernel(
-    Q, K, V, KS, KL, VS, VL, MASK, ACC, M, L,
-    sqb, sqh, sqr, skb, skh, skc, svb, svh, svc, ssb, ssh, ssc, smb, smr,
+    Q, K, V, KS, KL, VS, VL, MASK, SLOT_POS, QUERY_POS, ACC, M, L,
+    sqb, sqh, sqr, skb, skh, skc, svb, svh, svc, ssb, ssh, ssc, smb, smr, spb,
     H, R, N_TOK, C, CHUNK, S, scale,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
     PRECISION: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BROADCAST: tl.constexpr, G: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):  # fmt: skip
+    """Rows ``R`` of one (batch, KV head) against slice ``program_id(2)`` of the slots: the partial
+    output, running maximum and sum (in log2 units: ``exp2`` of scores pre-scaled by log2(e)).
+
+    Which slots a row sees comes from the additive ``MASK`` rows (a ``[BLOCK_R, BLOCK_N]`` tile read per
+    block, as many bytes as the keys), or, with ``POSITIONS``, from the rule that mask was made by:
+    slot ``c`` is visible to token ``t`` when ``SLOT_POS[c] <= QUERY_POS[b, t]`` (``BLOCK_N`` integers a
+    block; the mask is never read)."""
     rblock = tl.program_id(0)  # fastest axis: the row blocks of one slice run side by side (L2 reuse)
     bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,6 +79,10 @@ def split_kernel(
         other=0.0,
     )
     mask_rows = MASK + b * smb + (rows % N_TOK) * smr
+    if POSITIONS:  # each row's query position, once
+        query_pos = tl.load(QUERY_POS + b * spb + rows % N_TOK, mask=row_ok, other=-1)
+    # scale.to: torch.compile passes a Python float as fp64, which would make the running max fp64
+    qk_scale = tl.cast(scale, tl.float32) * 1.4426950408889634  # log2(e): exp2 below, one multiply less
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -84,15 +96,21 @@ def split_kernel(
             K, KS, KL, b * skb + h * skh, sbase, cols, dims, feat, kv_ok, skc, ssc, C,
             INT4, GROUP, D, BROADCAST, G, BLOCK_N, BLOCK_D,
         )  # fmt: skip
-        # scale.to: torch.compile passes a Python float as fp64, which would make the running max fp64
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * tl.cast(scale, tl.float32)
-        bias = tl.load(mask_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        visible = (bias.to(tl.float32) > -1.0e30) & col_ok[None, :]
-        s = tl.where(visible, s + bias.to(tl.float32), float("-inf"))
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+        if POSITIONS:
+            slot_pos = tl.load(SLOT_POS + cols, mask=col_ok, other=0)
+            visible = (slot_pos[None, :] <= query_pos[:, None]) & col_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        else:
+            bias = tl.load(
+                mask_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
+            ).to(tl.float32)
+            visible = (bias > -1.0e30) & col_ok[None, :]
+            s = tl.where(visible, s + bias * 1.4426950408889634, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_rows(
             V, VS, VL, b * svb + h * svh, sbase, cols, dims, feat, kv_ok, svc, ssc, C,
@@ -112,8 +130,8 @@ def merge_kernel(
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
     """One program per (row, batch x head): the ``S`` slices' partial outputs weighted by
-    ``exp(max_slice - max_all)`` (a slice that saw nothing has max -inf: weight 0), ``BLOCK_S`` slices
-    at a time, written in the query's dtype."""
+    ``exp2(max_slice - max_all)`` (maxima in log2 units; a slice that saw nothing has max -inf: weight 0),
+    ``BLOCK_S`` slices at a time, written in the query's dtype."""
     r = tl.program_id(0)
     bh = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
@@ -128,7 +146,7 @@ def merge_kernel(
     for s0 in range(0, S, BLOCK_S):
         ok = s0 + sl < S
         at = (bh * S + s0 + sl) * R + r
-        w = tl.exp(tl.load(M + at, mask=ok, other=float("-inf")) - best)
+        w = tl.exp2(tl.load(M + at, mask=ok, other=float("-inf")) - best)
         den += w * tl.load(L + at, mask=ok, other=0.0)
         part = tl.load(ACC + at[:, None] * BLOCK_D + dims[None, :], mask=ok[:, None], other=0.0)
         num += tl.sum(w[:, None] * part, 0)

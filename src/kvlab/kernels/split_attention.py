@@ -9,9 +9,10 @@ its running maximum and sum; one merge kernel combines the slices. Keys and valu
 repeated per query head: the rows of one KV head are its query heads' rows stacked (``_grouped_attention``
 in :mod:`kvlab.hf.graphs`).
 
-``prepare(device)`` (outside any captured region) then ``attend(q, k, v, mask, scale)``: ``q [B, Hkv, R, D]`` with ``R = groups * n`` (row ``i * n + t`` is
-query head ``i`` of token ``t``), ``k, v [B, Hkv, C, D]``, ``mask [B or 1, 1, n, C]`` additive
-(0 or very negative). Every query must see at least one slot. ``k`` and ``v`` may be packed int4 rows
+``prepare(device)`` (outside any captured region) then ``attend(q, k, v, mask, scale)``:
+``q [B, Hkv, R, D]`` with ``R = groups * n`` (row ``i * n + t`` is query head ``i`` of token ``t``),
+``k, v [B, Hkv, C, D]``, ``mask [B or 1, 1, n, C]`` additive (0 or very negative), or the integer
+positions that mask was made by (``visibility``: compared per block, the mask not read). Every query must see at least one slot. ``k`` and ``v`` may be packed int4 rows
 (:func:`int4_rows`), decoded in registers; :func:`write_int4` writes such rows in one kernel. The
 kernels live in ``_split_triton.py``. Triton is optional: :func:`prepare` says whether this path can
 run (a CUDA device and Triton importable); the interpreter (``TRITON_INTERPRET=1``) runs it on the CPU
@@ -110,15 +111,41 @@ def int4_rows(packed: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Masked attention of ``q [B, Hkv, R, D]`` over ``k, v [B, Hkv, C, D]``; returns ``[B, Hkv, R, D]``.
 
     ``k`` and ``v`` may also be uint8 int4-packed rows (:func:`int4_rows`): the kernel then reads the
-    codes and decodes them in registers, so a step streams 0.31x the bytes and no decoded copy exists."""
+    codes and decodes them in registers, so a step streams 0.31x the bytes and no decoded copy exists.
+
+    ``visibility = (slot_pos [C], query_pos [B or 1, n])`` (integers): the rule ``mask`` was made by
+    (slot ``c`` visible to token ``t`` iff ``slot_pos[c] <= query_pos[t]``, as
+    :meth:`~kvlab.hf.static_rolling.StaticRollingCache.attention_mask` builds it). Given, the kernel
+    tests that rule per block instead of reading the mask (whose tiles are as many bytes as the keys'),
+    and ``mask`` only gives ``n``. The caller vouches that the two agree."""
     b, h, r, d = q.shape
     c = k.shape[2]
     n_tok = mask.shape[2]
+    if visibility is not None:
+        slot_pos, query_pos = visibility
+        if slot_pos.shape != (c,) or query_pos.ndim != 2 or query_pos.shape[1] != n_tok:
+            raise ValueError(
+                f"visibility: slot positions {tuple(slot_pos.shape)} and query positions "
+                f"{tuple(query_pos.shape)} do not fit {c} slots and {n_tok} tokens"
+            )
+        if (
+            query_pos.shape[0] not in (1, b)
+            or slot_pos.dtype != query_pos.dtype
+            or slot_pos.is_floating_point()
+        ):
+            raise ValueError("visibility: integer positions of one dtype, one row or one per batch row")
+        slot_pos = slot_pos if slot_pos.stride(0) == 1 else slot_pos.contiguous()
+        query_pos = query_pos if query_pos.stride(-1) == 1 else query_pos.contiguous()
     int4 = k.dtype == torch.uint8
     block_d = max(16, 1 << (d - 1).bit_length())
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -131,9 +158,11 @@ def attend(
         k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
         ks = kl = vs = vl = k
         group = d
-    mask = mask.to(q.dtype) if mask.dtype != q.dtype else mask
-    if mask.stride(-1) != 1:
-        mask = mask.contiguous()
+    if visibility is None:
+        mask = mask.to(q.dtype) if mask.dtype != q.dtype else mask
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        slot_pos = query_pos = mask  # not read (POSITIONS off): any pointer
     rows_per_program, warps, stages, block_n, per_sm = LAUNCH[("few" if r <= 16 else "many", int4)]
     s = _splits(b * h * -(-r // rows_per_program), c, q.device, per_sm, block_n)
     per = -(-c // s)  # keys per slice, rounded up to whole blocks
@@ -144,16 +173,17 @@ def attend(
     lsum = torch.empty((b * h, s, r), dtype=torch.float32, device=q.device)
     groups = ks.shape[-1] if int4 else 1
     _KERNELS["split"][(-(-r // rows_per_program), b * h, s)](
-        q, k, v, ks, kl, vs, vl, mask, acc, m, lsum,
+        q, k, v, ks, kl, vs, vl, mask, slot_pos, query_pos, acc, m, lsum,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2),
+        query_pos.stride(0) if visibility is not None and query_pos.shape[0] > 1 else 0,
         h, r, n_tok, c, chunk, s, float(scale),
         BLOCK_R=rows_per_program, BLOCK_N=block_n, BLOCK_D=block_d, D=d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INT4=int4, GROUP=group,
         # whole groups broadcast in registers when they tile the block (else one gather per element)
         BROADCAST=int4 and block_d == d and groups & (groups - 1) == 0,
-        G=groups, num_warps=warps, num_stages=stages,
+        G=groups, POSITIONS=visibility is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     out = torch.empty((b * h, r, d), dtype=q.dtype, device=q.device)
     _KERNELS["merge"][(r, b * h)](

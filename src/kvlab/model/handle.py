@@ -290,6 +290,7 @@ class ModelHandle:
         logits_to_keep: int = 0,
         output_attentions: bool = False,
         stop_after_layer: int | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
     ) -> Any:
         """The one call into the model: ``input_ids [batch, n]`` on a live transformers ``cache``.
 
@@ -301,6 +302,8 @@ class ModelHandle:
         (or one per layer type, ``{layer type: mask}``, for hybrid models that accept it).
         ``stop_after_layer=k`` stops the pass after decoder layer ``k - 1`` (the cache then holds the
         new tokens' K/V for the first ``k`` layers) and returns None: a probe at ``k / L`` of the cost.
+        ``attention_kwargs``: extra keyword arguments transformers hands every layer's attention function
+        (for kvlab's own attention functions, :mod:`kvlab.hf.graphs`).
         Writes into ``cache`` (that is what a live cache is for; without one, nothing is cached);
         returns transformers' output.
         """
@@ -313,6 +316,10 @@ class ModelHandle:
         }
         if cache is not None:
             kwargs[self._cache_kwarg] = cache
+        if attention_kwargs:
+            if clash := sorted(set(attention_kwargs) & {"input_ids", "position_ids", "attention_mask"}):
+                raise BadInputError(f"attention_kwargs may not set the model's own arguments {clash}")
+            kwargs.update(attention_kwargs)
         if positions is not None:
             pos = torch.as_tensor(positions, dtype=torch.long, device=self.device)
             kwargs["position_ids"] = (pos[None] if pos.ndim == 1 else pos).expand(ids.shape[0], -1)
