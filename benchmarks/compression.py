@@ -94,6 +94,7 @@ def anchor_job(args) -> dict:
     wins = evaluation_windows(handle, src, args.context, args.continuation, args.windows, args.seed)
     trials = needle_trials(handle, src, args.needle_lengths, args.needle_depths)
     return {
+        "kind": "compression",
         "model_dir": str(bundled_model_dir()),
         "context_tokens": args.context,
         "windows": wins,

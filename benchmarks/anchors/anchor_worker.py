@@ -145,16 +145,24 @@ def decode_ms(model, cache, start: int, steps: int) -> float:
 
 
 def main(job_path: str, out_path: str) -> None:
+    """Run the job at ``job_path`` (its ``kind``: ``compression``, the default, ``ruler`` or
+    ``snapkv_slots``), writing its results to ``out_path``."""
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
     with open(job_path) as f:
         job = json.load(f)
-    if job.get("kind", "compression") == "ruler":
-        return ruler_main(job, out_path)
-    if job["kind"] == "snapkv_slots":
-        return snapkv_slots_main(job, out_path)
+    kind = job.get("kind", "compression")
+    runners = {"compression": compression_main, "ruler": ruler_main, "snapkv_slots": snapkv_slots_main}
+    if kind not in runners:
+        raise SystemExit(f"anchor worker: unknown job kind {kind!r} (one of {', '.join(runners)})")
+    runners[kind](job, out_path)
+
+
+def compression_main(job: dict, out_path: str) -> None:
+    """benchmarks/compression.py's job: perplexity, needle and decode time per press and quanto setup."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     torch.set_num_threads(int(job.get("threads", 1)))
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(job["model_dir"])
