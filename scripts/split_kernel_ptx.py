@@ -15,36 +15,14 @@ from triton.compiler import ASTSource
 
 from kvlab.kernels import _split_triton as kernels
 
-INTS = (
-    "sqb",
-    "sqh",
-    "sqr",
-    "skb",
-    "skh",
-    "skc",
-    "svb",
-    "svh",
-    "svc",
-    "ssb",
-    "ssh",
-    "ssc",
-    "smb",
-    "smr",
-    "spb",
-)
-
 
 def ptx(positions: bool, int4: bool, rows: int, warps: int, stages: int) -> str:
-    sig = {"Q": "*bf16", "MASK": "*bf16", "K": "*u8" if int4 else "*bf16", "V": "*u8" if int4 else "*bf16"}
-    sig.update({n: "*fp16" if int4 else "*bf16" for n in ("KS", "KL", "VS", "VL")})
-    sig.update({n: "*fp32" for n in ("ACC", "M", "L")})
-    sig.update({n: "*i64" if positions else "*bf16" for n in ("SLOT_POS", "QUERY_POS")})
-    sig.update({n: "i32" for n in (*INTS, "H", "R", "N_TOK", "C", "CHUNK", "S")})
+    sig = kernels.split_signature("bf16", int4, positions)
     constexprs = {
         "BLOCK_R": rows, "BLOCK_N": 64, "BLOCK_D": 128, "D": 128, "PRECISION": "tf32", "INT4": int4,
         "GROUP": 32, "BROADCAST": int4, "G": 4, "POSITIONS": positions,
     }  # fmt: skip
-    sig.update({"scale": "fp32", **dict.fromkeys(constexprs, "constexpr")})
+    sig.update(dict.fromkeys(constexprs, "constexpr"))
     src = ASTSource(kernels.split_kernel, sig, constexprs=constexprs)
     opts = {"num_warps": warps, "num_stages": stages}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]

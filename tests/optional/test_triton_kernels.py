@@ -35,30 +35,7 @@ def test_split_attention_compiles_for_sm90(
 
     from kvlab.kernels import _split_triton as kernels
 
-    sig = {name: f"*{dtype}" for name in ("Q", "MASK")}
-    sig.update({name: "*u8" if int4 else f"*{dtype}" for name in ("K", "V")})
-    sig.update({name: "*fp16" if int4 else f"*{dtype}" for name in ("KS", "KL", "VS", "VL")})
-    sig.update({name: "*fp32" for name in ("ACC", "M", "L")})
-    # without positions, attend() passes the mask for the unread position pointers
-    sig.update({name: "*i64" if positions else f"*{dtype}" for name in ("SLOT_POS", "QUERY_POS")})
-    ints = (
-        "sqb",
-        "sqh",
-        "sqr",
-        "skb",
-        "skh",
-        "skc",
-        "svb",
-        "svh",
-        "svc",
-        "ssb",
-        "ssh",
-        "ssc",
-        "smb",
-        "smr",
-        "spb",
-    )
-    sig.update({name: "i32" for name in (*ints, "H", "R", "N_TOK", "C", "CHUNK", "S")})
+    sig = kernels.split_signature(dtype, int4, positions, scale)
     constexprs = {
         "BLOCK_R": block_r,
         "BLOCK_N": block_n,
@@ -71,7 +48,7 @@ def test_split_attention_compiles_for_sm90(
         "G": head_dim // 32,
         "POSITIONS": positions,
     }
-    sig.update({"scale": scale, **dict.fromkeys(constexprs, "constexpr")})
+    sig.update(dict.fromkeys(constexprs, "constexpr"))
     src = ASTSource(kernels.split_kernel, sig, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert "split_kernel" in compiled.asm["ttir"]

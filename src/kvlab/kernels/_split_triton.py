@@ -124,6 +124,23 @@ def split_kernel(
     tl.store(L + out, l_i, mask=row_ok)
 
 
+def split_signature(dtype: str, int4: bool, positions: bool, scale: str = "fp32") -> dict[str, str]:
+    """The argument types of :func:`split_kernel` as ``attend()`` passes them (Triton type names: ``"bf16"``,
+    ``"fp32"``...), for compiling it ahead of time for a target without its GPU (``triton.compile`` of an
+    ``ASTSource``); the constexprs are the caller's. Without ``positions`` the unread position pointers are
+    the mask's."""
+    sig = {name: f"*{dtype}" for name in ("Q", "MASK")}
+    sig.update({name: "*u8" if int4 else f"*{dtype}" for name in ("K", "V")})
+    sig.update({name: "*fp16" if int4 else f"*{dtype}" for name in ("KS", "KL", "VS", "VL")})
+    sig.update({name: "*i64" if positions else f"*{dtype}" for name in ("SLOT_POS", "QUERY_POS")})
+    sig.update({name: "*fp32" for name in ("ACC", "M", "L")})
+    ints = ("sqb", "sqh", "sqr", "skb", "skh", "skc", "svb", "svh", "svc", "ssb", "ssh", "ssc", "smb", "smr", "spb",
+            "H", "R", "N_TOK", "C", "CHUNK", "S")  # fmt: skip
+    sig.update(dict.fromkeys(ints, "i32"))
+    sig["scale"] = scale
+    return sig
+
+
 @triton.jit
 def merge_kernel(
     ACC, M, L, OUT, S, R, sob, sor,
