@@ -425,6 +425,17 @@ def test_split_steps_get_the_rule_their_mask_was_made_by(batch, tiny_model, monk
     assert float((logits[True] - logits[False]).abs().max()) < LOGIT_TOL
 
 
+@pytest.mark.parametrize("name", ["attention_mask", "position_ids", "past_key_values", "logits_to_keep"])
+def test_attention_kwargs_may_not_replace_the_models_own_arguments(name, tiny_model):
+    """``ModelHandle.run(attention_kwargs=)`` adds to what the model gets, never overrides it: a clash is
+    refused in one line before the model (or the cache) is touched."""
+    h = _model(None, "cpu", tiny_model)
+    cache = RollingCache(h.config, h.rope, window=40, sinks=4, evict_chunk=8)
+    with pytest.raises(BadInputError, match=f"own arguments \\['{name}'\\]"):
+        h.run(_ids(5), cache, attention_kwargs={name: None})
+    assert cache.get_seq_length() == 0
+
+
 @pytest.mark.parametrize("codec", ["none", "int4"])
 def test_clone_continues_alike_and_independently(codec, tiny_model, one_torch_thread):
     """A clone in mid-stream (sinks kept, rolls pending) decodes exactly as its original would, and

@@ -12,9 +12,9 @@ in :mod:`kvlab.hf.graphs`).
 ``prepare(device)`` (outside any captured region) then ``attend(q, k, v, mask, scale)``:
 ``q [B, Hkv, R, D]`` with ``R = groups * n`` (row ``i * n + t`` is query head ``i`` of token ``t``),
 ``k, v [B, Hkv, C, D]``, ``mask [B or 1, 1, n, C]`` additive (0 or very negative), or the integer
-positions that mask was made by (``visibility``: compared per block, the mask not read). Every query must see at least one slot. ``k`` and ``v`` may be packed int4 rows
-(:func:`int4_rows`), decoded in registers; :func:`write_int4` writes such rows in one kernel. The
-kernels live in ``_split_triton.py``. Triton is optional: :func:`prepare` says whether this path can
+positions that mask was made by (``visibility``: compared per block, the mask not read). Every query
+must see at least one slot. ``k`` and ``v`` may be packed int4 rows (:func:`int4_rows`), decoded in
+registers; :func:`write_int4` writes such rows in one kernel. The kernels live in ``_split_triton.py``. Triton is optional: :func:`prepare` says whether this path can
 run (a CUDA device and Triton importable); the interpreter (``TRITON_INTERPRET=1``) runs it on the CPU
 for tests (``tests/optional``).
 """

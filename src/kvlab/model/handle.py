@@ -316,10 +316,6 @@ class ModelHandle:
         }
         if cache is not None:
             kwargs[self._cache_kwarg] = cache
-        if attention_kwargs:
-            if clash := sorted(set(attention_kwargs) & {"input_ids", "position_ids", "attention_mask"}):
-                raise BadInputError(f"attention_kwargs may not set the model's own arguments {clash}")
-            kwargs.update(attention_kwargs)
         if positions is not None:
             pos = torch.as_tensor(positions, dtype=torch.long, device=self.device)
             kwargs["position_ids"] = (pos[None] if pos.ndim == 1 else pos).expand(ids.shape[0], -1)
@@ -327,6 +323,11 @@ class ModelHandle:
             kwargs["attention_mask"] = {k: m.to(self.device) for k, m in attention_mask.items()}
         elif attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.device)
+        if attention_kwargs:  # beside the model's own arguments, never in place of one
+            own = {*kwargs, "position_ids", "attention_mask", "output_attentions", "past_key_values"}
+            if clash := sorted(set(attention_kwargs) & own):
+                raise BadInputError(f"attention_kwargs may not set the model's own arguments {clash}")
+            kwargs.update(attention_kwargs)
         # a cache that may re-base (RollingCache) does so only while the model takes positions from it
         choosing = getattr(cache, "choosing_positions", None) if positions is None else None
         with choosing() if choosing is not None else contextlib.nullcontext():
