@@ -709,6 +709,73 @@ def test_lm_eval_local_completions_scores_a_task_as_kvlab_does(server, smollm, t
     print(f"lm-eval vs kvlab: largest difference {worst:.2e} (tolerance {per_token:.2e} per token)")
 
 
+LM_EVAL_GEN_DOCS = [{"question": "Name the capital of France."}, {"question": "What is two plus two?"}]
+LM_EVAL_GEN_TASK = """task: kvlab_tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: ""
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 12
+  do_sample: false
+  temperature: 0
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_lm_eval_chat_completions_generate_until_answers_as_the_server_does(server, smollm, tmp_path):
+    """README's generate_until command: the real ``lm_eval --model local-chat-completions`` with
+    ``--apply_chat_template`` runs a small generation task against the server; each answer it logs is
+    the server's own greedy reply to the same chat message (asked again through the openai client)."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_GEN_DOCS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "kvlab_tiny_gen.yaml").write_text(LM_EVAL_GEN_TASK.format(data=data))
+    model_args = ",".join(
+        [
+            f"base_url=http://127.0.0.1:{server.port}/v1/chat/completions",
+            f"model={MODEL}",
+            f"tokenizer={smollm.tokenizer.name_or_path}",
+            "tokenizer_backend=huggingface",
+            "max_retries=1",
+        ]
+    )
+    env = {
+        **os.environ,
+        "OPENAI_API_KEY": KEY_A,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+    }
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-chat-completions", "--model_args", model_args]
+    cmd += ["--apply_chat_template", "--tasks", "kvlab_tiny_gen", "--include_path", str(tasks)]
+    cmd += ["--output_path", str(tmp_path / "out"), "--log_samples"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (samples,) = (tmp_path / "out").rglob("samples_kvlab_tiny_gen_*.jsonl")
+    logged = sorted(
+        (json.loads(line) for line in samples.read_text().splitlines()), key=lambda s: s["doc_id"]
+    )
+    assert [s["doc_id"] for s in logged] == list(range(len(LM_EVAL_GEN_DOCS)))
+    c = server.client()
+    for s, doc in zip(logged, LM_EVAL_GEN_DOCS, strict=True):
+        (answer,) = s["resps"][0]
+        own = (
+            chat(c, [{"role": "user", "content": doc["question"]}], n=12, stop=["\n\n"])
+            .choices[0]
+            .message.content
+        )
+        assert answer and answer == own, (doc["question"], answer, own)
+
+
 def test_a_conversation_three_times_the_window_rolls_and_keeps_answering(server):
     c = server.client()
     rolls_before = server.metric("kvlab_rolls_total")
