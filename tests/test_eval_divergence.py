@@ -89,12 +89,19 @@ def test_bad_inputs_are_refused():
         divergence_summary([])
 
 
-def test_summary_has_bootstrap_intervals():
-    items = [Divergence(k, t, 10) for k, t in [(0.1, 0.9), (0.2, 0.8), (0.3, 1.0), (0.05, 0.7)]]
+def test_summary_has_intervals_from_five_trials():
+    pairs = [(0.1, 0.9), (0.2, 0.8), (0.3, 1.0), (0.05, 0.7), (0.15, 0.85)]
+    items = [Divergence(k, t, 10) for k, t in pairs]
     s = divergence_summary(items)
-    assert s.kl.value == pytest.approx(0.1625) and s.kl.n == 4
-    assert s.kl.low <= s.kl.value <= s.kl.high
-    assert s.top1.value == pytest.approx(0.85)
-    one = divergence_summary(items[:1])
-    assert one.kl.value == 0.1 and not one.kl.has_interval
+    assert s.kl.value == pytest.approx(0.16) and s.kl.n == 5
+    assert s.kl.low < s.kl.value < s.kl.high
+    assert s.top1.value == pytest.approx(0.85) and s.top1.low < 0.85 < s.top1.high <= 1
+    four = divergence_summary(items[:4])
+    assert four.kl.value == pytest.approx(0.1625) and not four.kl.has_interval
+    assert not four.top1.has_interval
     assert set(s.to_json()) == {"kl", "top1"}
+
+
+def test_top1_agreement_at_every_trial_keeps_a_wilson_interval():
+    s = divergence_summary([Divergence(0.0, 1.0, 10)] * 8)
+    assert s.top1.value == 1.0 and s.top1.high == 1.0 and 0.6 < s.top1.low < 1.0  # not a collapsed [1, 1]

@@ -5,15 +5,12 @@ seed changes (docs/sweeps.md lists them)."""
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvlab.data import Text
-from kvlab.metrics.stats import bootstrap_ci, bootstrap_curve
 from kvlab.study.experiments import registry
 from kvlab.study.experiments._sampling import seeded_order, seeded_text
 
@@ -79,20 +76,6 @@ def test_every_experiment_says_what_its_seed_changes():
     assert set(ON_TINY) | set(ON_BUNDLED) | NEEDS_SHARED == {
         e.name for e in registry().values() if e.in_study
     }
-
-
-def test_no_interval_from_one_sample():
-    one = bootstrap_ci([0.5])
-    assert (
-        one.n == 1
-        and math.isnan(one.low)
-        and one.to_json() == {"value": 0.5, "low": None, "high": None, "n": 1}
-    )
-    assert "no interval" in one.text()
-    two = bootstrap_ci([0.4, 0.6, 0.5, 0.7], seed=1)
-    assert two.n == 4 and two.low < two.value < two.high and two.to_json()["low"] is not None
-    mean, lo, hi = bootstrap_curve(np.array([[1.0, 2.0]]))
-    assert np.isnan(lo).all() and np.isnan(hi).all() and mean.tolist() == [1.0, 2.0]
 
 
 def _grid(path: Path, model: str, experiments: dict[str, dict]) -> Path:

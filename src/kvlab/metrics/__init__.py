@@ -1,7 +1,7 @@
 """Metrics: comparing caches, distributions and generations, and the statistics around them."""
 
 from kvlab.metrics.logits import js_divergence, kl_divergence, logit_cosine, nll, perplexity, topk_overlap
-from kvlab.metrics.stats import Interval, bootstrap_ci, bootstrap_curve
+from kvlab.metrics.stats import Interval, bootstrap_ci, bootstrap_curve, wilson_ci
 from kvlab.metrics.text import agreement_length, distinct_n, longest_repeated_ngram
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "nll",
     "perplexity",
     "topk_overlap",
+    "wilson_ci",
 ]

@@ -10,8 +10,9 @@ uncompressed cache) and ``other`` (Q, from a compressed one). Per token:
 * top-1 agreement: 1.0 where both argmaxes are the same token, else 0.0 (ties go to the lowest index,
   ``torch.argmax``'s rule, on both sides).
 
-:func:`divergence_summary` turns per-trial values into means with bootstrap intervals
-(:func:`kvlab.metrics.stats.bootstrap_ci`: trials are the independent samples).
+:func:`divergence_summary` turns per-trial values into means with intervals over trials (the
+independent samples): a bootstrap for KL (:func:`kvlab.metrics.stats.bootstrap_ci`), a Wilson interval
+for top-1 agreement, a proportion (:func:`kvlab.metrics.stats.wilson_ci`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.errors import BadInputError
-from kvlab.metrics.stats import Interval, bootstrap_ci
+from kvlab.metrics.stats import Interval, bootstrap_ci, wilson_ci
 
 
 def _check_pair(full: torch.Tensor, other: torch.Tensor) -> None:
@@ -81,7 +82,7 @@ def compare_logits(full: torch.Tensor, other: torch.Tensor) -> Divergence:
 
 @dataclass(frozen=True)
 class DivergenceSummary:
-    """Per-trial divergences summarised: mean KL and mean top-1 agreement, each with a bootstrap interval."""
+    """Per-trial divergences summarised: mean KL (bootstrap interval) and mean top-1 agreement (Wilson)."""
 
     kl: Interval
     top1: Interval
@@ -93,11 +94,12 @@ class DivergenceSummary:
 def divergence_summary(
     items: Sequence[Divergence], *, confidence: float = 0.95, seed: int = 0
 ) -> DivergenceSummary:
-    """Means over trials (each trial one sample) with percentile bootstrap intervals; one trial gives a
-    value without an interval (see :class:`~kvlab.metrics.stats.Interval`)."""
+    """Means over trials (each trial one sample): KL with a percentile bootstrap interval, top-1 agreement
+    with a Wilson interval; fewer than 5 trials give values without an interval (see
+    :class:`~kvlab.metrics.stats.Interval`)."""
     if not items:
         raise BadInputError("no divergences to summarise")
     return DivergenceSummary(
         kl=bootstrap_ci([d.kl for d in items], confidence=confidence, seed=seed),
-        top1=bootstrap_ci([d.top1 for d in items], confidence=confidence, seed=seed),
+        top1=wilson_ci([d.top1 for d in items], confidence=confidence),
     )

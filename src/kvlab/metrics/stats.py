@@ -1,8 +1,12 @@
-"""Spread, not anecdotes: bootstrap confidence intervals for means and medians over prompts/windows.
+"""Spread, not anecdotes: confidence intervals for means and medians over prompts/text samples, and
+for proportions.
 
-Intervals come from :func:`scipy.stats.bootstrap` (percentile method, seeded). An interval needs at
-least two samples: one sample has a value and no interval (``low`` and ``high`` are NaN, written as
-``null`` in JSON and as "n = 1, no interval" in the report), never a ``[v, v]`` that looks like certainty.
+Means and medians get a percentile bootstrap (:func:`scipy.stats.bootstrap`, seeded); proportions (shares
+in [0, 1]: accuracies, agreement rates, hit rates) get a Wilson score interval (:func:`wilson_ci`), which
+stays honest at 0/n and n/n where a bootstrap collapses to ``[1, 1]``. An interval needs at least
+:data:`MIN_SAMPLES` samples: fewer have a value and no interval (``low`` and ``high`` are NaN, written as
+``null`` in JSON and as "n = 2, no interval" in the report), never a ``[v, v]`` that looks like
+certainty; so do bounds that come out non-finite.
 """
 
 from __future__ import annotations
@@ -16,14 +20,14 @@ import numpy as np
 
 from kvlab.errors import BadInputError
 
-#: the fewest samples an interval may rest on
-MIN_SAMPLES = 2
+#: the fewest independent samples an interval may rest on (fewer: the value alone, with its n)
+MIN_SAMPLES = 5
 
 
 @dataclass(frozen=True)
 class Interval:
-    """A statistic with its bootstrap interval, over ``n`` independent samples (``low``/``high`` are
-    NaN when ``n`` < :data:`MIN_SAMPLES`: a value without an interval)."""
+    """A statistic with its interval, over ``n`` independent samples (``low``/``high`` are NaN when
+    ``n`` < :data:`MIN_SAMPLES` or the bounds are not finite: a value without an interval)."""
 
     value: float
     low: float
@@ -44,7 +48,7 @@ class Interval:
         }
 
     def bracket(self, fmt: str = ".3g") -> str:
-        """``[low, high]``, or ``(n = 1, no interval)`` when there is none."""
+        """``[low, high]``, or ``(n = 2, no interval)`` when there is none."""
         if not self.has_interval:
             return f"(n = {self.n}, no interval)"
         return f"[{self.low:{fmt}}, {self.high:{fmt}}]"
@@ -100,16 +104,10 @@ def bootstrap_ci(
     (:func:`scipy.stats.bootstrap`).
 
     ``samples`` is ``[n]`` or ``[n, ...]`` (then each sample is first averaged over its remaining axes).
-    NaNs are dropped. One finite sample gives its value and no interval (NaN bounds, ``n = 1``).
+    NaNs are dropped. Fewer than :data:`MIN_SAMPLES` finite samples give the value and no interval (NaN
+    bounds). For a proportion use :func:`wilson_ci`.
     """
-    x = np.asarray(samples, dtype=np.float64)
-    if x.ndim > 1:
-        x = x.reshape(x.shape[0], -1).mean(axis=1)
-    x = x[np.isfinite(x)]
-    if x.size == 0:
-        raise BadInputError("no finite samples to bootstrap")
-    if not 0 < confidence < 1:
-        raise BadInputError(f"confidence must lie in (0, 1), got {confidence}")
+    x = _finite_samples(samples, confidence)
     fn = _statistic(statistic)
     value = float(fn(x))
     if x.size < MIN_SAMPLES:
@@ -117,16 +115,56 @@ def bootstrap_ci(
     if np.all(x == x[0]):  # every resample is the same: the interval is that value, over n samples
         return Interval(value, value, value, int(x.size))
     low, high = _percentile_bootstrap(x, fn, confidence, n_boot, seed)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return Interval(value, math.nan, math.nan, int(x.size))
     return Interval(value, float(low), float(high), int(x.size))
+
+
+def _finite_samples(samples: np.ndarray | list[float], confidence: float) -> np.ndarray:
+    """``samples`` as a 1-D float64 array of its finite values (a sample ``[...]`` is first averaged)."""
+    x = np.asarray(samples, dtype=np.float64)
+    if x.ndim > 1:
+        x = x.reshape(x.shape[0], -1).mean(axis=1)
+    x = x[np.isfinite(x)]
+    if x.size == 0:
+        raise BadInputError("no finite samples for an interval")
+    if not 0 < confidence < 1:
+        raise BadInputError(f"confidence must lie in (0, 1), got {confidence}")
+    return x
+
+
+def wilson_ci(samples: np.ndarray | list[float], *, confidence: float = 0.95) -> Interval:
+    """Wilson score interval of a proportion: the mean of ``samples``, each a share in [0, 1].
+
+    A sample is one 0/1 outcome (a trial found the needle or not) or one independent unit's own share (a
+    text sample's top-1 agreement over its tokens); ``[n, ...]`` samples are first averaged per sample.
+    For 0/1 outcomes this is the textbook Wilson interval for k successes in n; for shares it is
+    conservative (a share's variance is at most p(1 - p)). At 0/n and n/n it keeps its width (0/10:
+    [0, 0.28]), where a bootstrap collapses to ``[0, 0]``. NaNs are dropped; fewer than
+    :data:`MIN_SAMPLES` samples give the value and no interval.
+    """
+    from statistics import NormalDist
+
+    x = _finite_samples(samples, confidence)
+    if np.any((x < 0) | (x > 1)):
+        raise BadInputError("a proportion's samples must lie in [0, 1]")
+    p, n = float(x.mean()), int(x.size)
+    if n < MIN_SAMPLES:
+        return Interval(p, math.nan, math.nan, n)
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), n)
 
 
 def bootstrap_curve(
     samples: np.ndarray, *, confidence: float = 0.95, n_boot: int = 1000, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Mean curve and pointwise bootstrap band of ``samples [n, points]`` (n windows/prompts).
+    """Mean curve and pointwise bootstrap band of ``samples [n, points]`` (n text samples/prompts).
 
-    Returns ``(mean, low, high)``, each ``[points]``; NaNs are ignored per point. With one sample the
-    band is NaN (no band is drawn): a curve from one window has no interval.
+    Returns ``(mean, low, high)``, each ``[points]``; NaNs are ignored per point. With fewer than
+    :data:`MIN_SAMPLES` samples the band is NaN (no band is drawn): such a curve has no interval.
     """
     x = np.asarray(samples, dtype=np.float64)
     if x.ndim != 2 or x.shape[0] == 0:

@@ -6,17 +6,19 @@ import math
 from typing import Any
 
 
-def format_number(x: float, digits: int = 3) -> str:
+def format_number(x: float, digits: int = 3, signed: bool = False) -> str:
+    """``x`` to ``digits`` significant digits (``signed``: with its sign, ``+0.5``); "–" for None/NaN."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
+    sign = "+" if signed else ""
     if isinstance(x, int) and not isinstance(x, bool):
-        return f"{x:,}"
+        return f"{x:{sign},}"
     ax = abs(x)
     if ax != 0 and (ax < 1e-3 or ax >= 1e6):
-        return f"{x:.{max(digits - 1, 1)}e}"
+        return f"{x:{sign}.{max(digits - 1, 1)}e}"
     if ax >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}g}"
+        return f"{x:{sign},.0f}"
+    return f"{x:{sign}.{digits}g}"
 
 
 def format_range(values: list[float], digits: int = 3) -> str:
@@ -29,21 +31,33 @@ def format_range(values: list[float], digits: int = 3) -> str:
     )
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def format_interval(
-    value: Any, low: float | None = None, high: float | None = None, digits: int = 3, n: int | None = None
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    digits: int = 3,
+    n: int | None = None,
+    signed: bool = False,
 ) -> str:
-    """``0.998 [0.997, 0.999] (n = 20)`` from (value, low, high, n), an ``Interval`` or its JSON dict; a
-    value from fewer than 2 samples is ``0.5 (n = 1, no interval)``; a plain number is written alone."""
+    """``0.998 [0.997, 0.999] (n = 20)`` from (value, low, high, n), an ``Interval`` or its JSON dict.
+
+    No interval is written from fewer than :data:`~kvlab.metrics.stats.MIN_SAMPLES` samples or with a
+    missing or non-finite bound: ``0.5 (n = 2, no interval)``, or the value alone when ``n`` is unknown
+    (a plain number). ``signed`` writes every number with its sign (``+1.2 [+0.4, +2]``)."""
+    from kvlab.metrics.stats import MIN_SAMPLES
+
     if isinstance(value, dict) and "value" in value:
         value, low, high, n = value["value"], value.get("low"), value.get("high"), value.get("n", n)
     elif hasattr(value, "value") and hasattr(value, "low"):
         value, low, high, n = value.value, value.low, value.high, value.n
-    text = format_number(value, digits)
-    if n is not None and (n < 2 or low is None or high is None or low != low or high != high):
-        return f"{text} (n = {n}, no interval)"
-    if low is None or high is None:
-        return text
-    bounds = f"{text} [{format_number(low, digits)}, {format_number(high, digits)}]"
+    text = format_number(value, digits, signed)
+    if not (_finite(low) and _finite(high)) or (n is not None and n < MIN_SAMPLES):
+        return text if n is None else f"{text} (n = {n}, no interval)"
+    bounds = f"{text} [{format_number(low, digits, signed)}, {format_number(high, digits, signed)}]"
     return bounds if n is None else f"{bounds} (n = {n})"
 
 
@@ -72,7 +86,7 @@ def num(summary: dict, path: str) -> float | None:
     return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
 
 
-def iv(summary: dict, path: str, digits: int = 3) -> str:
+def iv(summary: dict, path: str, digits: int = 3, signed: bool = False) -> str:
     """The quantity at ``path`` written with its interval (or "–" when the run did not compute it)."""
     x = dig(summary, path)
     if x is None:
@@ -80,7 +94,7 @@ def iv(summary: dict, path: str, digits: int = 3) -> str:
     if isinstance(x, bool):
         return "yes" if x else "no"
     if isinstance(x, int | float | dict) or hasattr(x, "low"):
-        return format_interval(x, digits=digits)
+        return format_interval(x, digits=digits, signed=signed)
     return str(x)
 
 

@@ -1,0 +1,83 @@
+"""The statistics rules, in the one place every experiment inherits them from: no interval from fewer
+than 5 samples or with non-finite bounds, Wilson intervals for proportions (non-degenerate at 0/n and
+n/n), and a formatter that writes "no interval" instead of ``[nan, nan]``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvlab.errors import BadInputError
+from kvlab.metrics.stats import MIN_SAMPLES, Interval, bootstrap_ci, bootstrap_curve, wilson_ci
+from kvlab.study.report.format import format_interval, iv
+
+
+def test_no_interval_from_fewer_than_five_samples():
+    assert MIN_SAMPLES == 5
+    one = bootstrap_ci([0.5])
+    assert one.n == 1 and math.isnan(one.low) and not one.has_interval
+    assert one.to_json() == {"value": 0.5, "low": None, "high": None, "n": 1}
+    assert "no interval" in one.text()
+    four = bootstrap_ci([0.4, 0.6, 0.5, 0.7], seed=1)
+    assert four.n == 4 and four.value == pytest.approx(0.55) and four.to_json()["low"] is None
+    five = bootstrap_ci([0.4, 0.6, 0.5, 0.7, 0.45], seed=1)
+    assert five.n == 5 and five.low < five.value < five.high and five.to_json()["low"] is not None
+
+
+def test_nan_samples_are_dropped_and_count_against_n():
+    x = bootstrap_ci([0.1, float("nan"), 0.2, 0.3, float("nan"), 0.4])
+    assert x.n == 4 and x.value == pytest.approx(0.25) and not x.has_interval
+    with pytest.raises(BadInputError):
+        bootstrap_ci([float("nan"), float("nan")])
+
+
+def test_a_band_needs_five_curves():
+    mean, lo, hi = bootstrap_curve(np.array([[1.0, 2.0]] * 4))
+    assert np.isnan(lo).all() and np.isnan(hi).all() and mean.tolist() == [1.0, 2.0]
+    rng = np.random.default_rng(0)
+    mean, lo, hi = bootstrap_curve(rng.normal(size=(6, 3)))
+    assert np.isfinite(lo).all() and (lo <= mean).all() and (mean <= hi).all()
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "low", "high"),
+    [(0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0), (5, 10, 0.2366, 0.7634), (1, 20, 0.0089, 0.2361)],
+)
+def test_wilson_matches_the_textbook_values(k, n, low, high):
+    got = wilson_ci([1.0] * k + [0.0] * (n - k))
+    assert got.value == pytest.approx(k / n) and got.n == n
+    assert got.low == pytest.approx(low, abs=5e-4) and got.high == pytest.approx(high, abs=5e-4)
+
+
+def test_wilson_at_0_and_n_is_not_degenerate_where_the_bootstrap_is():
+    assert bootstrap_ci([1.0] * 8).low == bootstrap_ci([1.0] * 8).high == 1.0  # why proportions need Wilson
+    for outcomes in ([0.0] * 8, [1.0] * 8):
+        w = wilson_ci(outcomes)
+        assert w.high - w.low > 0.2 and 0.0 <= w.low <= w.high <= 1.0
+        assert format_interval(w).count("[") == 1 and "[1, 1]" not in format_interval(w)
+
+
+def test_wilson_on_shares_and_its_refusals():
+    shares = wilson_ci([0.9, 0.95, 1.0, 0.85, 0.9, np.nan])  # one text sample's own share each
+    assert shares.n == 5 and shares.value == pytest.approx(0.92) and shares.low < 0.92 < shares.high
+    assert not wilson_ci([1.0, 0.0, 1.0, 1.0]).has_interval  # 4 trials
+    with pytest.raises(BadInputError):
+        wilson_ci([0.5, 1.5, 0.2, 0.3, 0.4])
+    with pytest.raises(BadInputError):
+        wilson_ci([])
+
+
+def test_the_formatter_never_writes_nan_or_an_interval_under_five_samples():
+    assert format_interval(Interval(0.5, 0.25, 0.75, 8)) == "0.5 [0.25, 0.75] (n = 8)"
+    assert format_interval(Interval(0.5, 0.25, 0.75, 4)) == "0.5 (n = 4, no interval)"
+    assert format_interval(Interval(0.5, math.nan, math.nan, 20)) == "0.5 (n = 20, no interval)"
+    assert format_interval({"value": 0.5, "low": None, "high": None, "n": 2}) == "0.5 (n = 2, no interval)"
+    assert format_interval(0.5, math.nan, math.inf) == "0.5"
+    assert format_interval(1.5, 0.5, 2.25, n=6, signed=True) == "+1.5 [+0.5, +2.25] (n = 6)"
+    assert iv({"d": {"value": -3.0, "low": None, "high": None, "n": 1}}, "d", signed=True) == (
+        "-3 (n = 1, no interval)"
+    )
+    for text in (format_interval(Interval(math.nan, math.nan, math.nan, 1)), format_interval(math.nan)):
+        assert "nan" not in text.lower()
