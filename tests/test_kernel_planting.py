@@ -15,6 +15,8 @@ import pytest
 import kvlab.compress.quant.attention as qa
 from kvlab import kernels
 
+pytestmark = pytest.mark.process  # C compilers run for every test here
+
 PLANT = r"""
 #include <stdio.h>
 __attribute__((constructor)) static void planted(void) {
@@ -100,3 +102,49 @@ def test_the_kernel_folder_is_created_private(fresh):
     assert folder.stat().st_mode & 0o077 == 0
     for f in folder.iterdir():
         assert f.stat().st_mode & 0o022 == 0
+
+
+def test_a_folder_above_the_cache_others_can_write_is_refused(fresh, monkeypatch):
+    """Someone who can write to a folder above the kernels could rename the kernels' folder away and put
+    their own (with a planted library and a matching record) in its place: such a chain is refused."""
+    above = fresh / "open"
+    above.mkdir()
+    above.chmod(0o777)  # writable by others, not sticky
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(above / "cache"))
+    assert kernels.load(qa.KERNEL) is None
+    assert "not sticky" in (kernels.why_not(qa.KERNEL) or "")
+
+
+def test_a_sticky_folder_above_the_cache_is_accepted(fresh, monkeypatch):
+    above = fresh / "shared-tmp"
+    above.mkdir()
+    above.chmod(0o1777)  # like /tmp: others cannot rename what they do not own
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(above / "cache"))
+    assert kernels.load(qa.KERNEL) is not None
+
+
+def test_a_library_swapped_between_the_check_and_the_load_is_not_loaded(fresh, monkeypatch):
+    """The race of issue 48: the library passes the check, then another file takes its name before the
+    loader opens it. The load hashes the descriptor it maps, so the swapped file is refused."""
+    target = kernels._build(qa.KERNEL)
+    marker = _plant(fresh, fresh / "evil.so")
+    real_build = kernels._build
+
+    def build_then_swap(name):
+        built = real_build(name)
+        os.replace(fresh / "evil.so", built)  # same owner and mode: only the bytes differ
+        return built
+
+    monkeypatch.setattr(kernels, "_build", build_then_swap)
+    assert kernels.load(qa.KERNEL) is None
+    assert "does not match its record" in (kernels.why_not(qa.KERNEL) or "")
+    assert not marker.exists()
+    assert target.exists()
+
+
+def test_the_loader_maps_the_descriptor_it_hashed(fresh, monkeypatch):
+    opened: list[str] = []
+    real_cdll = kernels.ctypes.CDLL
+    monkeypatch.setattr(kernels.ctypes, "CDLL", lambda path: opened.append(path) or real_cdll(path))
+    assert kernels.load(qa.KERNEL) is not None
+    assert len(opened) == 1 and opened[0].startswith("/proc/self/fd/")

@@ -8,9 +8,13 @@ there atomically (a half-written library is never loaded). Without a working com
 :func:`load` returns None and callers keep their tensor-op path: slower, same results.
 
 Loading a shared library runs its code, and the library's name is predictable, so a file planted at
-that name must never be loaded (issue 27). The folder is private (created 0700; one owned by another
-user, or open to others, is refused), and a library is loaded only if it is a regular file we own,
-writable by nobody else, whose SHA-256 equals the one recorded when this user built it. Anything else
+that name must never be loaded (issues 27 and 48). The folder is private (created 0700; one owned by
+another user, or open to others, is refused), and so is every folder above it: each must belong to
+this user or root and be writable by nobody else unless it is sticky (like ``/tmp``), or someone could
+rename the folder away and put their own in its place. A library is loaded only if it is a regular file
+we own, writable by nobody else, whose SHA-256 equals the one recorded when this user built it; on
+Linux the library is loaded from the very file descriptor whose bytes were hashed
+(``/proc/self/fd/N``), so nothing can swap the file between the check and the load. Anything else
 there is discarded and rebuilt.
 """
 
@@ -60,7 +64,7 @@ def load(name: str) -> ctypes.CDLL | None:
             return _LOADED[name]
         lib = None
         try:
-            lib = ctypes.CDLL(str(_build(name)))
+            lib = _load_verified(_build(name))
         except (OSError, subprocess.SubprocessError, RuntimeError) as e:
             _ERRORS[name] = str(e)
         _LOADED[name] = lib
@@ -111,6 +115,7 @@ def _private_dir(path: Path) -> Path:
     """``path`` as a folder only this user can write (created 0700); refused if another user owns it or
     others may write to it (someone else could then plant a library there)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_ancestors(path)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeError(f"{path} is not a folder (a link?); not building kernels there")
@@ -122,6 +127,44 @@ def _private_dir(path: Path) -> Path:
             "not loading kernels from it (chmod 700 it)"
         )
     return path
+
+
+def _check_ancestors(path: Path) -> None:
+    """Refuse ``path`` if a folder above it could be renamed or replaced by someone else: every ancestor
+    (symbolic links resolved) must belong to this user or root, and be writable by nobody else unless
+    its sticky bit is set (then others cannot rename what they do not own)."""
+    me = os.geteuid()
+    for folder in path.resolve().parents:
+        st = os.stat(folder)
+        if st.st_uid not in (me, 0):
+            raise RuntimeError(
+                f"{folder} (above {path}) belongs to another user; not loading kernels under it"
+            )
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise RuntimeError(
+                f"{folder} (above {path}) is writable by others and not sticky (mode "
+                f"{stat.S_IMODE(st.st_mode):o}); not loading kernels under it"
+            )
+
+
+def _load_verified(target: Path) -> ctypes.CDLL:
+    """Load ``target`` after checking its bytes against its record once more, from one open descriptor:
+    on Linux the loader maps ``/proc/self/fd/N``, the very file that was hashed."""
+    record = target.with_suffix(".sha256")
+    fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise RuntimeError(f"{target} is not a private regular file of ours; not loading it")
+        h = hashlib.sha256()
+        for block in iter(lambda: os.read(fd, 1 << 20), b""):
+            h.update(block)
+        if not hmac.compare_digest(record.read_bytes(), h.hexdigest().encode()):
+            raise RuntimeError(f"{target} does not match its record; not loading it")
+        by_fd = Path(f"/proc/self/fd/{fd}")
+        return ctypes.CDLL(str(by_fd if by_fd.exists() else target))
+    finally:
+        os.close(fd)
 
 
 def _trusted(target: Path, record: Path) -> bool:
