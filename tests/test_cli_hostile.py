@@ -176,6 +176,8 @@ CASES = [
     (["roll", "sweep", "-T", "HUGE"], "over the 64.0 MiB limit"),
     (["roll", "sweep", "-T", "FIFO"], "it is a FIFO"),
     (["roll", "long", "-T", "/dev/zero"], "it is a device"),
+    (["roll", "sweep", "-T", "/proc/self/environ"], "kernel pseudo-file"),  # the environment holds keys
+    (["roll", "sweep", "-T", "/sys/kernel/mm/transparent_hugepage/enabled"], "kernel pseudo-file"),
     (["roll", "derotation", "-T", "DIR"], "it is a folder"),
     (["roll", "findings", "-T", "BIN"], "not UTF-8"),
     (["roll", "sweep", "-T", ""], "--text"),

@@ -96,6 +96,7 @@ def read_file_bytes(path: str | Path, *, limit: int | None = None, what: str = "
     path = Path(path)
     hint = " (KVLAB_MAX_TEXT_BYTES sets another)" if limit is None else ""
     limit = max_text_bytes() if limit is None else limit
+    _refuse_pseudo_file(path, what)
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -123,6 +124,20 @@ def read_file_bytes(path: str | Path, *, limit: int | None = None, what: str = "
     if total > limit:
         raise BadInputError(f"{path} grew past the {_size(limit)} limit for a {what} while it was read")
     return b"".join(chunks)
+
+
+#: Kernel pseudo-filesystems: their files look regular and empty to stat, yet hold live process state
+#: (``/proc/self/environ`` has the environment, API keys included), so no report may quote them.
+PSEUDO_ROOTS = (Path("/proc"), Path("/sys"))
+
+
+def _refuse_pseudo_file(path: Path, what: str) -> None:
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise BadInputError(f"cannot read {path}: {exc}") from None
+    if any(real == root or root in real.parents for root in PSEUDO_ROOTS):
+        raise BadInputError(f"{path} is a kernel pseudo-file ({real}), not a {what}")
 
 
 def _check_regular(path: Path, info: os.stat_result, limit: int, what: str, hint: str = "") -> None:
