@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import Counter
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvlab"
@@ -258,8 +259,10 @@ def test_experiment_functions_stay_short():
 
 
 def test_no_private_function_is_left_unused():
-    """A module-level ``_helper`` that nothing references is dead code (or a figure a refactor forgot to call)."""
-    text = "\n".join((SRC / _path(m)).read_text() for m in MODULES)
+    """A module-level ``_helper`` that nothing references is dead code (or a figure a refactor forgot to call).
+    One pass over the source: every maximal run of word characters counted once (what ``\\bname\\b``
+    finds, without one regex over everything per name)."""
+    words = Counter(re.findall(r"\w+", "\n".join((SRC / _path(m)).read_text() for m in MODULES)))
     unused = [
         f"{mod}.{node.name}"
         for mod, tree in MODULES.items()
@@ -268,6 +271,6 @@ def test_no_private_function_is_left_unused():
         and node.name.startswith("_")
         and not node.name.startswith("__")
         and not node.decorator_list  # registered by its decorator (a typer callback, a fixture)
-        and len(re.findall(rf"\b{re.escape(node.name)}\b", text)) < 2
+        and words[node.name] < 2
     ]
     assert not unused, unused
