@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from kvlab.store import KVStore, MemoryTier, StoreUnavailableError, open_store, prefill_with_store
+from kvlab.store.block import Block
+from kvlab.store.keys import block_hash
 from kvlab.store.redis_tier import RedisTier
 from tests.conftest import start_redis_server, stop_process
 
@@ -176,7 +178,8 @@ def test_keys_of_the_wrong_type_are_misses_and_skipped_writes(redis_url, prefix,
     client.delete(f"{prefix}:b:{rep.hashes[1]}")
     client.hset(f"{prefix}:b:{rep.hashes[1]}", "not", "a block")  # a block's key holds a hash
     client.set(f"{prefix}:c:{rep.hashes[1]}", b"not an index")  # the tail's index holds a string
-    reader = KVStore([MemoryTier(), _tier(redis_url, prefix)], block_tokens=8)
+    backoff = 0.5
+    reader = KVStore([MemoryTier(), _tier(redis_url, prefix, backoff_s=backoff)], block_tokens=8)
     with caplog.at_level(logging.WARNING, logger="kvlab.store"):
         m, took = _timed(reader.lookup, ids, reader.namespace(tiny))
     assert m.cached_tokens == 8 and took < BOUND_S  # block 0, and nothing from the wrong keys
@@ -187,41 +190,144 @@ def test_keys_of_the_wrong_type_are_misses_and_skipped_writes(redis_url, prefix,
     assert client.type(f"{prefix}:c:{rep.hashes[1]}") == b"none"
     assert reader.put(snap).blocks_written == 1
     assert _store(redis_url, prefix).lookup(ids, reader.namespace(tiny)).cached_tokens == 16
-    # a write into an index of the wrong type is a skipped write, not an exception
+    # a write into an index of the wrong type is a skipped write, not an exception; it trips the breaker
+    # for writes (the put's two other blocks are skipped without a call) and the wrong key is dropped
     other = _ids(40)[20:]
     root = reader.namespace(tiny).root
     client.set(f"{prefix}:c:{root}", b"not an index")
+    tier = reader.tiers[1]
+    errors = tier.counters.errors
     out, took = _timed(reader.put, tiny.prefill(other).snapshot)
-    assert out.blocks_skipped == 1 and took < BOUND_S and reader.tiers[1].counters.skipped == 1
+    assert out.blocks_skipped == 3 and took < BOUND_S and tier.counters.skipped == 3
+    assert tier.counters.errors == errors + 1 and tier.breaker.is_open("write")
+    assert not tier.breaker.is_open("read") and client.type(f"{prefix}:c:{root}") == b"none"
     pre = prefill_with_store(tiny, reader, other)  # the engine's path: no exception escapes
     assert pre.snapshot.seq_len == len(other)
+    time.sleep(backoff + 0.1)  # the back-off over: the next put probes, and stores
+    fresh = tiny.prefill(other).snapshot
+    assert KVStore([MemoryTier(), tier], block_tokens=8).put(fresh).blocks_written == 3
+
+
+def _big_blocks(n: int) -> list[Block]:
+    """``n`` chained blocks of SmolLM2-135M's geometry (30 layers, 3 KV heads, 64 tokens of head size 64,
+    float32: 2.9 MB each), random K/V: what the server stores for a new prompt."""
+    g = torch.Generator().manual_seed(5)
+    blocks, parent = [], "0" * 64
+    for i in range(n):
+        ids = tuple(range(64 * i, 64 * (i + 1)))
+        h = block_hash(parent, list(ids))
+        kv = [torch.randn(30, 3, 64, 64, generator=g) for _ in range(2)]
+        blocks.append(Block(h, parent, "0" * 64, 64 * i, ids, kv[0], kv[1]))
+        parent = h
+    return blocks
+
+
+def _fill(client) -> None:
+    """``maxmemory`` below what an empty server uses, with the ``noeviction`` policy: every write is OOM."""
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", "1")
+
+
+def test_a_full_redis_fails_fast_trips_the_breaker_and_recovers(own_redis, caplog):
+    """Issue 48: a put refused with OOM cost 9.27 s for 4 blocks, 8.84 s of it redis-py building its error
+    (a pipeline's error quotes its commands, the 2.9 MB value included, through ``textwrap.shorten``), and
+    only a timeout or a lost connection backed off. Now the refusal costs one small command, the breaker
+    holds the next writes back (not the reads: a full Redis still serves them), probes after its back-off,
+    and writes again once Redis has room."""
+    url, _ = own_redis
+    client = redis.Redis.from_url(url)
+    _fill(client)
+    backoff = 1.0
+    tier = _tier(url, backoff_s=backoff)
+    blocks = _big_blocks(4)
+    with caplog.at_level(logging.WARNING, logger="kvlab.store"):
+        cpu, started = time.process_time(), time.perf_counter()
+        tier.put(blocks[0])  # the one call that reaches Redis
+        first_cpu, first = time.process_time() - cpu, time.perf_counter() - started
+        for b in blocks[1:]:
+            tier.put(b)  # held back by the breaker: no call
+        took = time.perf_counter() - started
+    # a refused HSET costs ~2 ms of CPU; the pipeline's error message alone took 0.4 s here (2.2 s in the issue)
+    assert first_cpu < 0.1 and first < BOUND_S and took < BOUND_S, (first_cpu, first, took)
+    c = tier.counters
+    assert (c.errors, c.skipped, c.puts) == (1, 4, 0)
+    assert tier.breaker.is_open("write") and not tier.breaker.is_open("read")
+    failed = [r.getMessage() for r in caplog.records if "OutOfMemoryError" in r.getMessage()]
+    assert len(failed) == 1 and len(failed[0]) < 400 and "Command #" not in failed[0], failed
+    assert not any(r.exc_info for r in caplog.records)
+    assert tier.contains(blocks[0].parent, blocks[0].hash) is False and c.errors == 1  # reads still go out
+    time.sleep(backoff + 0.1)
+    tier.put(blocks[0])  # the probe: still full, so the breaker opens again
+    assert (c.errors, c.skipped) == (2, 5) and tier.breaker.is_open("write")
+    client.config_set("maxmemory", "0")  # room again (as after FLUSHALL or a raised maxmemory)
+    tier.put(blocks[1])
+    assert c.errors == 2 and c.skipped == 6  # still in its back-off: not tried
+    time.sleep(backoff + 0.1)
+    with caplog.at_level(logging.WARNING, logger="kvlab.store"):
+        for b in blocks:
+            tier.put(b)
+    assert (c.errors, c.puts) == (2, 4) and not tier.backing_off
+    assert "answers writes again" in caplog.text
+    reader = _tier(url)
+    assert all(reader.get(b.parent, b.hash) is not None for b in blocks)
 
 
 def test_a_full_redis_costs_no_request(own_redis, tiny, caplog):
-    """``maxmemory`` reached with the default ``noeviction`` policy: every write is refused with OOM."""
+    """The store over a full Redis: puts are skipped (counted), lookups and prefills go on."""
     url, _ = own_redis
     client = redis.Redis.from_url(url)
-    client.config_set("maxmemory-policy", "noeviction")
-    client.config_set("maxmemory", "1")  # below what an empty server uses: every write is OOM
+    _fill(client)
     ids = _ids(20)
     snap = tiny.prefill(ids).snapshot
     st = KVStore([MemoryTier(), _tier(url)], block_tokens=8)
     with caplog.at_level(logging.WARNING, logger="kvlab.store"):
         rep, took = _timed(st.put, snap)
-        assert rep.blocks_skipped == 3 and rep.blocks_written == 0 and took < 3 * BOUND_S
-        fresh = KVStore([MemoryTier(), _tier(url)], block_tokens=8)
+        assert rep.blocks_skipped == 3 and rep.blocks_written == 0 and took < BOUND_S
+        fresh = KVStore([MemoryTier(), _tier(url, backoff_s=0.2)], block_tokens=8)
         pre, _ = _timed(prefill_with_store, tiny, fresh, ids)  # what the server does for a new prompt
         assert pre.stored is not None and pre.stored.blocks_skipped == 3 and pre.cached_tokens == 0
         for _ in range(5):
             assert fresh.put(snap).blocks_skipped == 3
     tier = fresh.tiers[1]
-    assert tier.counters.skipped == 18 and tier.counters.errors == 18
+    assert tier.counters.skipped == 18 and tier.counters.errors == 1  # one refusal, then the breaker
     oom = [r for r in caplog.records if "OutOfMemoryError" in r.getMessage()]
     assert len(oom) == 2 and not any(r.exc_info for r in caplog.records)  # one line per store, no traceback
-    client.config_set("maxmemory", "0")  # room again: the next put stores
+    client.config_set("maxmemory", "0")  # room again: once the back-off is over, the next put stores
+    time.sleep(0.3)
     assert fresh.put(snap).blocks_written == 3
     again = KVStore([MemoryTier(), _tier(url)], block_tokens=8)
     assert again.lookup(ids, again.namespace(tiny)).cached_tokens == 20
+
+
+def test_write_behind_returns_at_once_drops_when_full_and_flushes(own_redis, tiny):
+    """``put_later``: the caller never waits for Redis (here every write is held for 1.5 s by ``CLIENT PAUSE
+    ... WRITE``, reads go on); a queue over ``queue_bytes`` drops the block (counted); the writer thread
+    then writes what was queued. ``KVStore.put(..., write_behind=True)`` reports such blocks as queued."""
+    url, _ = own_redis
+    client = redis.Redis.from_url(url)
+    blocks = _big_blocks(5)
+    tier = RedisTier(url, timeout_s=10, queue_bytes=3 * blocks[0].nbytes)
+    pause_s = 1.5
+    client.client_pause(int(pause_s * 1000), all=False)  # WRITE: writes wait, reads are answered
+    started = time.perf_counter()
+    queued = [tier.put_later(b) for b in blocks]
+    took = time.perf_counter() - started
+    assert queued == [True, True, True, False, False] and took < 0.5, (queued, took)
+    assert tier.put_later(blocks[0]) and tier.pending() == (3, 3 * blocks[0].nbytes)  # queued once
+    assert (tier.counters.dropped, tier.counters.skipped, tier.counters.puts) == (2, 2, 0)
+    assert tier.flush(timeout=30) and tier.pending() == (0, 0)
+    assert time.perf_counter() - started > pause_s * 0.8  # the writes did wait for the pause
+    assert tier.counters.puts == 3 and tier.counters.errors == 0
+    assert [bool(client.exists(f"kvlab:b:{b.hash}")) for b in blocks] == [True] * 3 + [False] * 2
+    # through the store: the blocks are in the memory tier at once and queued for Redis
+    ids = _ids(20)
+    snap = tiny.prefill(ids).snapshot
+    st = KVStore([MemoryTier(), tier], block_tokens=8)
+    rep = st.put(snap, write_behind=True)
+    assert (rep.blocks_queued, rep.blocks_written, rep.blocks_skipped) == (3, 0, 0)
+    assert st.flush(timeout=30)
+    again = KVStore([MemoryTier(), _tier(url)], block_tokens=8)
+    assert again.lookup(ids, again.namespace(tiny)).tier_blocks == {"redis": 3}
 
 
 def test_a_paused_redis_costs_at_most_the_timeout(own_redis, tiny):

@@ -3,29 +3,44 @@
 Keys (``prefix`` defaults to ``kvlab``): ``<prefix>:b:<hash>`` holds a block's bytes (the same
 self-checking safetensors bytes as a disk file, written with one ``SET``, so a reader gets a whole
 block or nothing); ``<prefix>:c:<parent>`` is a hash from child block hash to its token ids (JSON),
-for partial-block matching. Capacity and eviction are Redis's own (``maxmemory`` with an
-``allkeys-lru`` policy); a child entry whose block was evicted is a clean miss and is dropped.
+for partial-block matching. A put writes the index entry first, then the block: a put cut between the
+two leaves an entry without its block, which a lookup takes as a clean miss and the next put of the
+block completes. Capacity and eviction are Redis's own (``maxmemory`` with an ``allkeys-lru`` policy).
 
 Failures never cost a request. An unreachable server raises :class:`StoreUnavailableError` on open;
 after that, on the paths a lookup or a put takes, *every* error redis-py raises (a lost or refused
 connection, a timeout, ``WRONGTYPE`` from a key of the wrong type, ``OOM`` from a full server with the
-``noeviction`` policy, anything else) is a counted miss on a read and a counted skipped write
-(``counters.skipped``) on a put, logged at most once per kind every 30 s, never a traceback per call.
-Every call is bounded: ``timeout_s`` (1 s by default) on each socket read and ``connect_timeout_s`` on
-connecting, with no retries but one reconnect after a dropped connection; and after a timeout or a
-lost connection the tier *backs off* for ``backoff_s`` (5 s by default): reads miss and writes are
-skipped at once, without touching the socket, then one call probes the server again. A paused (SIGSTOP)
-or dead server therefore costs one timeout per back-off, not one per block of every request.
+``noeviction`` policy, ``READONLY`` from a replica, ``MISCONF`` from a server that cannot save, anything
+else) is a counted miss on a read and a counted skipped write (``counters.skipped``) on a put, logged at
+most once per kind every 30 s, never a traceback per call. Every call is bounded: ``timeout_s`` (1 s by
+default) on each socket read and ``connect_timeout_s`` on connecting, with no retries but one reconnect
+after a dropped connection. Every error also trips the tier's one :class:`Breaker`: for ``backoff_s``
+(5 s by default) calls are not made (reads miss, writes are skipped, at once, without touching the
+socket), then one call probes the server again. A timeout or a lost connection stops every call; an error
+reply stops only calls of its kind (a full server refuses writes but still serves reads). So a paused
+(SIGSTOP), dead or full server costs one failed call per back-off, not one per block of every request.
+
+Writes can be made *behind* the caller (:meth:`RedisTier.put_later`, what ``KVStore.put(...,
+write_behind=True)`` uses and ``kvlab serve`` asks for): the block joins a queue bounded by
+``queue_bytes`` that one writer thread empties; a full queue drops the block (``counters.dropped``).
+
+Block writes are single commands, never a pipeline: redis-py rewrites a failed pipeline command's error
+into ``Command # N (<its arguments>) of pipeline caused error`` (``Pipeline.annotate_exception``), joining
+every argument as text and shortening it with ``textwrap.shorten``: seconds of CPU over a block's
+megabytes, on every put refused by a full Redis (issue 48). A single command's error carries only the
+server's reply.
 Maintenance calls (``find``, ``verify``, ``gc``, ``usage``, listing) raise :class:`StoreUnavailableError`
 on any Redis error, which the CLI prints as one line.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -43,6 +58,7 @@ T = TypeVar("T")
 DEFAULT_CONNECT_TIMEOUT_S = 1.0
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_BACKOFF_S = 5.0
+DEFAULT_QUEUE_BYTES = 256 * 2**20  # blocks waiting for the writer thread (a SmolLM2 block: 2.9 MB)
 _MAX_INDEX_ENTRY_BYTES = 1 << 20  # one child's token ids as JSON (a 64-token block: ~500 bytes)
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -58,6 +74,56 @@ def _seconds(name: str, value: float) -> float:
     return float(value)
 
 
+class Breaker:
+    """The one circuit breaker of a :class:`RedisTier`, with a state per kind of call (``read``, ``write``).
+
+    Closed, a call goes to the server. A failure opens it for ``backoff_s``: for every kind after a timeout or
+    a lost connection (the server does not answer), for the failed call's kind after an error reply (a full
+    Redis refuses writes with OOM but still serves reads). While it is open, calls of that kind are not made.
+    Once the back-off has passed, the next call of that kind probes the server, and the others keep waiting
+    for another back-off: the probe's success closes the breaker for its kind, its failure opens it again.
+    Thread-safe (the tier's writer thread and the caller's thread share it).
+    """
+
+    KINDS = ("read", "write")
+
+    def __init__(self, backoff_s: float) -> None:
+        self.backoff_s = backoff_s
+        self.trips = 0  # failures that (re)opened it
+        self._until = dict.fromkeys(self.KINDS, 0.0)  # per kind: 0 closed, else monotonic end of the back-off
+        self._lock = threading.Lock()
+
+    def is_open(self, kind: str | None = None) -> bool:
+        """Whether calls of ``kind`` (of any kind: None) are held back now."""
+        now = time.monotonic()
+        return any(now < self._until[k] for k in ((kind,) if kind else self.KINDS))
+
+    def allow(self, kind: str) -> bool:
+        """Whether a call of ``kind`` may go to the server now (the probe, when the back-off has passed)."""
+        with self._lock:
+            until = self._until[kind]
+            if until == 0.0:
+                return True
+            now = time.monotonic()
+            if now < until:
+                return False
+            self._until[kind] = now + self.backoff_s  # this call probes; the others wait meanwhile
+            return True
+
+    def trip(self, kinds: tuple[str, ...]) -> None:
+        with self._lock:
+            until = time.monotonic() + self.backoff_s
+            for kind in kinds:
+                self._until[kind] = until
+            self.trips += 1
+
+    def close(self, kind: str) -> bool:
+        """A call of ``kind`` succeeded: closed for that kind; True when it was open (the server is back)."""
+        with self._lock:
+            was_open, self._until[kind] = self._until[kind] != 0.0, 0.0
+            return was_open
+
+
 class RedisTier:
     name = "redis"
     persistent = True
@@ -70,6 +136,7 @@ class RedisTier:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         backoff_s: float = DEFAULT_BACKOFF_S,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
     ):
         try:
             import redis
@@ -84,13 +151,23 @@ class RedisTier:
         self.connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s)
         self.timeout_s = _seconds("timeout_s", timeout_s)
         self.backoff_s = _seconds("backoff_s", backoff_s)
+        if isinstance(queue_bytes, bool) or not isinstance(queue_bytes, int) or queue_bytes < 1:
+            raise BadInputError(f"queue_bytes must be a positive number of bytes, got {queue_bytes!r}")
+        self.queue_bytes = queue_bytes
         self.counters = TierCounters()
+        self._counting = threading.Lock()  # counters the writer thread and the caller's thread both move
         self._redis = redis
         self._errors = (redis.RedisError,)  # the base of every error redis-py raises
+        # no answer at all (every kind of call stops); any other error is a reply refusing that call
         self._down: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
-        self._down_until = 0.0  # monotonic time before which the server is not called (back-off)
-        self._failing = False
+        self.breaker = Breaker(self.backoff_s)
         self._log = RateLimitedLog(log)
+        # write-behind: blocks waiting for the writer thread, by hash (a block queued twice is queued once)
+        self._queue: collections.deque[Block] = collections.deque()
+        self._queued: dict[str, int] = {}  # hash -> bytes, until its write is over
+        self._queued_bytes = 0
+        self._queue_cv = threading.Condition()
+        self._writer: threading.Thread | None = None
         try:
             self.client = redis.Redis.from_url(
                 url,
@@ -125,32 +202,42 @@ class RedisTier:
     # -- failure handling --------------------------------------------------------------------------
     @property
     def backing_off(self) -> bool:
-        """True while the tier skips the server after a timeout or a lost connection."""
-        return time.monotonic() < self._down_until
+        """True while the breaker holds some calls back (after a failure, for ``backoff_s``)."""
+        return self.breaker.is_open()
 
-    def _call(self, what: str, fn: Callable[[], T], fallback: T, then: str = "a miss") -> T:
-        """``fn()``, or ``fallback`` when the tier is backing off or Redis fails (counted and logged)."""
-        if self.backing_off:
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counting:
+            setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    def _call(
+        self, what: str, fn: Callable[[], T], fallback: T, then: str = "a miss", kind: str = "read"
+    ) -> T:
+        """``fn()``, or ``fallback`` when the breaker holds calls of ``kind`` back or Redis fails (counted,
+        logged, and the breaker tripped)."""
+        if not self.breaker.allow(kind):
             return fallback
         try:
             out = fn()
         except self._errors as exc:
-            self._failed(what, exc, then)
+            self._failed(what, exc, then, kind)
             return fallback
-        if self._failing:
-            self._failing = False
-            log.warning("kvlab store: Redis at %s answers again", self.url)
+        self._answered(kind)
         return out
 
-    def _failed(self, what: str, exc: BaseException, then: str = "a miss") -> None:
-        self.counters.errors += 1
-        self._failing = True
-        kind = type(exc).__name__
-        if isinstance(exc, self._down):
-            self._down_until = time.monotonic() + self.backoff_s
-            then += f"; Redis is skipped for {self.backoff_s:g} s"
+    def _answered(self, kind: str) -> None:
+        if self.breaker.close(kind):
+            log.warning("kvlab store: Redis at %s answers %ss again", self.url, kind)
+
+    def _failed(self, what: str, exc: BaseException, then: str = "a miss", kind: str = "read") -> None:
+        """Count and log a failed call, and trip the breaker: for every call after no answer (a timeout, a
+        lost connection), for calls of ``kind`` after an error reply (OOM, READONLY, MISCONF, WRONGTYPE...)."""
+        self._count("errors")
+        name = type(exc).__name__
+        silent = isinstance(exc, self._down)
+        self.breaker.trip(Breaker.KINDS if silent else (kind,))
+        then += f"; Redis {'is' if silent else kind + 's are'} skipped for {self.backoff_s:g} s"
         self._log.warn(
-            f"{kind}:{what}", f"kvlab store: Redis at {self.url} failed to {what} ({kind}: {exc}); {then}"
+            f"{name}:{what}", f"kvlab store: Redis at {self.url} failed to {what} ({name}: {exc}); {then}"
         )
 
     def _unavailable(self, exc: Exception) -> StoreUnavailableError:
@@ -167,7 +254,7 @@ class RedisTier:
     def get(self, parent: str, block_hash: str, scratch: Any = None) -> Block | None:
         started = time.perf_counter()
         data: Any = None
-        if not self.backing_off:
+        if self.breaker.allow("read"):
             try:
                 data = self._get_block_bytes(block_hash)
             except self._errors as exc:
@@ -175,6 +262,8 @@ class RedisTier:
                     self._corrupt(block_hash, "the key holds another Redis type than a block's string")
                     return None
                 self._failed("read a block", exc)
+            else:
+                self._answered("read")
         if data is None:
             self.counters.misses += 1
             return None
@@ -200,23 +289,22 @@ class RedisTier:
         log.warning(
             "kvlab store: Redis block %s is corrupt (%s); deleted and treated as a miss", block_hash[:12], why
         )
-        self._call("delete a corrupt block", lambda: self.client.delete(self._bkey(block_hash)), 0, "left")
+        self._call(
+            "delete a corrupt block", lambda: self.client.delete(self._bkey(block_hash)), 0, "left", "write"
+        )
 
     def children(self, parent: str) -> dict[str, tuple[int, ...]]:
         raw: dict = {}
-        if not self.backing_off:
+        if self.breaker.allow("read"):
             try:
                 raw = self.client.hgetall(self._ckey(parent))
             except self._errors as exc:
                 if not self._wrong_type(exc):
                     self._failed("read a block index", exc)
                     return {}
-                self.counters.corrupt += 1  # something else under an index's key: drop it
-                log.warning("kvlab store: Redis index %s is not a hash; deleted", self._ckey(parent)[:40])
-                self._call(
-                    "delete a corrupt index", lambda: self.client.delete(self._ckey(parent)), 0, "left"
-                )
+                self._drop_index(parent)  # something else under an index's key
                 return {}
+            self._answered("read")
         out: dict[str, tuple[int, ...]] = {}
         for k, v in raw.items():
             # a damaged or crafted index entry is a miss (counted), never a crash of the lookup
@@ -250,25 +338,95 @@ class RedisTier:
             self.counters.corrupt += 1
             return None
 
+    def _drop_index(self, parent: str) -> None:
+        self._count("corrupt")
+        log.warning("kvlab store: Redis index %s is not a hash; deleted", self._ckey(parent)[:40])
+        self._call(
+            "delete a corrupt index", lambda: self.client.delete(self._ckey(parent)), 0, "left", "write"
+        )
+
     # -- writes ------------------------------------------------------------------------------------
     def put(self, block: Block) -> list[Block]:
-        """Store the block unless present; a write Redis refuses or cannot take is skipped (counted)."""
+        """Store the block unless present, in the caller's thread; a write Redis refuses or cannot take is
+        skipped (counted). Single commands, never a pipeline (see the module's docstring)."""
 
         def write() -> bool:
             if self.client.exists(self._bkey(block.hash)):
                 return False
-            pipe = self.client.pipeline(transaction=True)
-            pipe.set(self._bkey(block.hash), encode_block(block))
-            pipe.hset(self._ckey(block.parent), block.hash, json.dumps(list(block.token_ids)))
-            pipe.execute()
+            try:  # the index entry first: without its block it is a miss, and the next put completes it
+                self.client.hset(self._ckey(block.parent), block.hash, json.dumps(list(block.token_ids)))
+            except self._errors as exc:
+                if self._wrong_type(exc):  # another type under the index's key: the next put writes it
+                    self._drop_index(block.parent)
+                raise
+            self.client.set(self._bkey(block.hash), encode_block(block))
             return True
 
-        written = self._call("store a block", write, None, "not stored")
+        written = self._call("store a block", write, None, "not stored", "write")
         if written is None:
-            self.counters.skipped += 1
+            self._count("skipped")
         elif written:
-            self.counters.puts += 1
+            self._count("puts")
         return []
+
+    def put_later(self, block: Block) -> bool:
+        """Queue ``block`` for the tier's writer thread (write-behind) and return at once: True when it is
+        queued (or already was). False when it will not be written: the breaker holds writes back (counted
+        in ``skipped``) or the queue already holds ``queue_bytes`` (counted in ``skipped`` and ``dropped``)."""
+        if self.breaker.is_open("write"):
+            self._count("skipped")
+            return False
+        with self._queue_cv:
+            if block.hash in self._queued:
+                return True
+            if self._queued_bytes + block.nbytes > self.queue_bytes:
+                full = True
+            else:
+                full = False
+                self._queue.append(block)
+                self._queued[block.hash] = block.nbytes
+                self._queued_bytes += block.nbytes
+                if self._writer is None:
+                    self._writer = threading.Thread(
+                        target=self._drain, name="kvlab-redis-writer", daemon=True
+                    )
+                    self._writer.start()
+                self._queue_cv.notify()
+        if full:
+            self._count("skipped")
+            self._count("dropped")
+            self._log.warn(
+                "queue-full",
+                f"kvlab store: the Redis write queue holds {self.queue_bytes} bytes; a block was dropped",
+            )
+        return not full
+
+    def _drain(self) -> None:
+        """The writer thread: each queued block through :meth:`put` (the breaker and the counters apply)."""
+        while True:
+            with self._queue_cv:
+                while not self._queue:
+                    self._queue_cv.wait()
+                block = self._queue.popleft()
+            try:
+                self.put(block)
+            except Exception as exc:  # not Redis's (those put counts): the thread must outlive it
+                self._count("skipped")
+                self._log.warn("writer", f"kvlab store: the Redis writer could not store a block ({exc!r})")
+            finally:
+                with self._queue_cv:
+                    self._queued_bytes -= self._queued.pop(block.hash)
+                    self._queue_cv.notify_all()
+
+    def pending(self) -> tuple[int, int]:
+        """``(blocks, bytes)`` queued for the writer thread and not yet written (or refused)."""
+        with self._queue_cv:
+            return len(self._queued), self._queued_bytes
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued block is written or refused; False when ``timeout`` passed first."""
+        with self._queue_cv:
+            return self._queue_cv.wait_for(lambda: not self._queued, timeout)
 
     def delete(self, block_hash: str) -> bool:
         try:

@@ -6,7 +6,8 @@ A lookup walks the prompt's block hashes while some tier has them, then looks fo
 of the last matched block sharing the longest run of the remaining tokens (so a prefix that ends
 inside a block, or is shorter than one, still hits). A block found in a slower tier is promoted to
 the faster ones; a block evicted from a tier is demoted to the next one if that tier lacks it.
-One :class:`KVStore` object is not thread-safe; processes share a store through disk and Redis.
+One :class:`KVStore` object is not thread-safe (the Redis tier's own writer thread, which ``put(...,
+write_behind=True)`` feeds, touches nothing but that tier); processes share a store through disk and Redis.
 
 A tier that fails never fails a lookup: an unreadable, hostile or corrupt block is a miss (reported),
 and a block whose K/V do not have its namespace's geometry (layers, KV heads, K *and* V head size) or
@@ -37,7 +38,7 @@ from kvlab.store.errors import BlockNotFoundError, CorruptBlockError, StoreError
 from kvlab.store.keys import DEFAULT_BLOCK_TOKENS, Namespace, block_hash, geometry_problem, snapshot_geometry
 from kvlab.store.keys import block_hash as _hash_of
 from kvlab.store.memory import MemoryTier
-from kvlab.store.tier import RateLimitedLog, Tier
+from kvlab.store.tier import QueuedWrites, RateLimitedLog, Tier
 
 log = logging.getLogger("kvlab.store")
 
@@ -62,13 +63,16 @@ class Match:
 @dataclass(frozen=True)
 class PutReport:
     """What a put did: blocks written to the store's durable tier (or memory, for a memory-only store),
-    blocks already there, and blocks a durable tier could not take (Redis down, paused or full)."""
+    blocks already there, blocks a durable tier could not take (Redis down, paused or full, or its
+    write-behind queue full), and blocks queued for a durable tier's writer thread (``write_behind``: not
+    yet written when the put returned; a write that fails later counts only in the tier's counters)."""
 
     blocks_written: int
     blocks_present: int
     bytes_written: int
     hashes: tuple[str, ...]
     blocks_skipped: int = 0
+    blocks_queued: int = 0
 
 
 def scheme_ok(url: str) -> bool:
@@ -139,13 +143,74 @@ class KVStore:
         quantization: str | None = None,
         namespace: Namespace | None = None,
         model: Any = None,
+        write_behind: bool = False,
     ) -> PutReport:
         """Store a prefix cache (positions ``0..T-1``, batch 1) as blocks; blocks already stored are skipped.
 
         The stored blocks are copies: later changes to ``snapshot``'s storage cannot reach the store.
         Only exact prefills (provenance ``"prefill"``) enter the exact namespace; with ``model`` the
         snapshot's fingerprint, geometry, dtype and RoPE are also checked against that model.
+        With ``write_behind``, a tier that can write behind the caller (Redis) gets the blocks (and what the
+        memory tier evicts to it) through its queue: this call does not wait for it (``flush`` does).
         """
+        ns = self._put_namespace(snapshot, salt, quantization, namespace, model)
+        ids = snapshot.token_list()
+        parent, info, n = ns.root, ns.info(), self.block_tokens
+        # per block: "written" (it reached the store's durable tier, or memory for a memory-only store: a
+        # re-put from a new process fills its empty memory tier but writes nothing), "queued" (for a durable
+        # tier's writer thread), "skipped" (a durable tier could not take it) or "present"
+        outcomes: list[str] = []
+        hashes = []
+        nbytes = 0
+        for start in range(0, len(ids), n):
+            chunk = ids[start : start + n]
+            h = block_hash(parent, chunk)
+            hashes.append(h)
+            missing = [
+                i for i, t in enumerate(self.tiers) if (i == 0 or t.persistent) and not t.contains(parent, h)
+            ]
+            if not self.write_through:
+                missing = [i for i in missing if i == 0]
+            outcome = "present"
+            if missing:
+                block = Block(
+                    hash=h,
+                    parent=parent,
+                    namespace=ns.root,
+                    start=start,
+                    token_ids=tuple(chunk),
+                    keys=torch.stack([k[0, :, start : start + len(chunk)] for k in snapshot.keys])
+                    .cpu()
+                    .contiguous(),
+                    values=torch.stack([v[0, :, start : start + len(chunk)] for v in snapshot.values])
+                    .cpu()
+                    .contiguous(),
+                    namespace_info=info,
+                )
+                outcome = self._put_block(block, missing, write_behind)
+                nbytes += block.nbytes if outcome == "written" else 0
+            outcomes.append(outcome)
+            if len(chunk) < n:
+                break
+            parent = h
+        skipped = outcomes.count("skipped")
+        if skipped:
+            self._log.warn(
+                "put-skipped",
+                f"kvlab store: {skipped} block(s) of this cache could not be stored (a tier failed; see above)",
+            )
+        written, present, queued = (outcomes.count(k) for k in ("written", "present", "queued"))
+        return PutReport(written, present, nbytes, tuple(hashes), skipped, queued)
+
+    def _put_namespace(
+        self,
+        snapshot: KVSnapshot,
+        salt: str | None,
+        quantization: str | None,
+        namespace: Namespace | None,
+        model: Any,
+    ) -> Namespace:
+        """The namespace ``snapshot`` is put under, once it is checked to belong there (see :meth:`put`)."""
         snapshot.require_unmasked("storing a prefix cache")
         if snapshot.batch_size != 1:
             raise BadInputError(f"the store keeps one sequence per cache; got batch {snapshot.batch_size}")
@@ -173,71 +238,41 @@ class KVStore:
             raise BadInputError(
                 f"namespace block size {ns.block_tokens} differs from the store's {self.block_tokens}"
             )
-        ids = snapshot.token_list()
-        parent, info, n = ns.root, ns.info(), self.block_tokens
-        written = present = skipped = nbytes = 0
-        hashes = []
-        durable = [i for i, t in enumerate(self.tiers) if t.persistent] or [0]
-        for start in range(0, len(ids), n):
-            chunk = ids[start : start + n]
-            h = block_hash(parent, chunk)
-            hashes.append(h)
-            missing = [
-                i for i, t in enumerate(self.tiers) if (i == 0 or t.persistent) and not t.contains(parent, h)
-            ]
-            if not self.write_through:
-                missing = [i for i in missing if i == 0]
-            if missing:
-                block = Block(
-                    hash=h,
-                    parent=parent,
-                    namespace=ns.root,
-                    start=start,
-                    token_ids=tuple(chunk),
-                    keys=torch.stack([k[0, :, start : start + len(chunk)] for k in snapshot.keys])
-                    .cpu()
-                    .contiguous(),
-                    values=torch.stack([v[0, :, start : start + len(chunk)] for v in snapshot.values])
-                    .cpu()
-                    .contiguous(),
-                    namespace_info=info,
-                )
-                failed = set()
-                for i in missing:
-                    before = self.tiers[i].counters.skipped
-                    self._insert(i, block)
-                    if self.tiers[i].counters.skipped > before:  # the tier could not take it (Redis)
-                        failed.add(i)
-                stored = [i for i in missing if i not in failed]
-            else:
-                stored, failed = [], set()
-            # "written" counts what reached the store's durable tier (or memory, for a memory-only
-            # store): a re-put from a new process fills its empty memory tier but writes nothing.
-            if any(i in stored for i in durable):
-                written += 1
-                nbytes += block.nbytes
-            elif any(i in failed for i in durable):
-                skipped += 1
-            else:
-                present += 1
-            if len(chunk) < n:
-                break
-            parent = h
-        if skipped:
-            self._log.warn(
-                "put-skipped",
-                f"kvlab store: {skipped} block(s) of this cache could not be stored (a tier failed; see above)",
-            )
-        return PutReport(written, present, nbytes, tuple(hashes), skipped)
+        return ns
 
-    def _insert(self, index: int, block: Block) -> None:
-        """Put into tier ``index``; demote whatever it evicts to the next tier that lacks it."""
-        for evicted in self.tiers[index].put(block):
+    def _put_block(self, block: Block, missing: list[int], write_behind: bool) -> str:
+        """``block`` into the tiers ``missing`` it; what happened at the durable tier (see :meth:`put`)."""
+        done: dict[int, str] = {i: self._insert(i, block, write_behind) for i in missing}
+        durable = [i for i, t in enumerate(self.tiers) if t.persistent] or [0]
+        for outcome in ("stored", "queued", "skipped"):
+            if any(done.get(i) == outcome for i in durable):
+                return "written" if outcome == "stored" else outcome
+        return "present"
+
+    def _insert(self, index: int, block: Block, write_behind: bool = False) -> str:
+        """Put into tier ``index`` (through its queue with ``write_behind``, when it has one); demote whatever
+        it evicts to the next tier that lacks it. Returns "stored", "queued" or "skipped" (the tier could
+        not take it: Redis down, paused or full)."""
+        tier = self.tiers[index]
+        if write_behind and isinstance(tier, QueuedWrites):
+            return "queued" if tier.put_later(block) else "skipped"
+        before = tier.counters.skipped
+        for evicted in tier.put(block):
             for lower in self.tiers[index + 1 :]:
                 if lower.persistent and not lower.contains(evicted.parent, evicted.hash):
                     lower.counters.demotions_in += 1
-                    self._insert(self.tiers.index(lower), evicted)
+                    self._insert(self.tiers.index(lower), evicted, write_behind)
                     break
+        return "skipped" if tier.counters.skipped > before else "stored"
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every tier's write-behind queue is empty; False when ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(
+            t.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            for t in self.tiers
+            if isinstance(t, QueuedWrites)
+        )
 
     # -- lookup ------------------------------------------------------------------------------------
     def _locate(self, parent: str, h: str) -> int | None:

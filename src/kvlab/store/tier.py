@@ -5,7 +5,8 @@ None on a miss (including a corrupt or unreachable entry, which is counted and r
 returned); ``put`` returns the blocks it evicted so the store can demote them; ``children(parent)``
 lists the blocks stored under a parent with their token ids, which is how a partially matching last
 block is found. A tier that cannot make a write it was asked for (Redis down, paused or full) counts it
-in ``skipped`` instead of raising, so the store can report it.
+in ``skipped`` instead of raising, so the store can report it. A tier that can write behind the caller
+(:class:`QueuedWrites`: Redis) also takes blocks through ``put_later``, which only queues them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvlab.store.block import Block
 
@@ -28,6 +29,7 @@ class TierCounters:
     corrupt: int = 0
     errors: int = 0
     skipped: int = 0
+    dropped: int = 0  # writes a full write-behind queue refused (also counted in skipped)
     promotions_in: int = 0
     demotions_in: int = 0
     bytes_loaded: int = 0
@@ -82,3 +84,14 @@ class Tier(Protocol):
     def delete(self, block_hash: str) -> bool: ...
 
     def usage(self) -> tuple[int, int]: ...
+
+
+@runtime_checkable
+class QueuedWrites(Protocol):
+    """A tier that can write behind the caller: ``put_later`` queues the block for its own writer thread and
+    returns at once (False: it will not be written, and is counted in ``skipped``); ``flush`` waits for
+    the queue to empty (False when ``timeout`` passed first)."""
+
+    def put_later(self, block: Block) -> bool: ...
+
+    def flush(self, timeout: float | None = None) -> bool: ...
