@@ -650,7 +650,9 @@ class Engine:
         )
         assert self.store is not None
         try:
-            self.store.put(snapshot, salt=salt or None, model=self.handle)
+            # Redis writes go through the tier's write-behind queue: a slow or failing Redis never holds
+            # this thread (the blocks are copied into the memory tier here, then queued)
+            self.store.put(snapshot, salt=salt or None, model=self.handle, write_behind=True)
         except StoreError as exc:
             self.store_warnings += 1
             log.warning("kvlab serve: could not store this prompt's blocks (%s); serving it anyway", exc)
