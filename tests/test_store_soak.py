@@ -1,13 +1,17 @@
-"""Soak: 4 processes share one store (disk + Redis) for a minute while a killer SIGKILLs them.
+"""Soak: 4 processes share one store (disk + Redis) while a killer SIGKILLs them mid-operation.
 
 Every process puts and looks up prefixes of a few token sequences whose K/V are a known function of
 the tokens (a prefix cache: slot t depends on tokens 0..t only), so any torn, mixed or misfiled block
-would show up as wrong data. Bounded: ``KVLAB_SOAK_SECONDS`` (default 60) plus a few seconds.
+would show up as wrong data. Bounded by work, not by the clock, so a loaded machine makes it slower but
+never changes its outcome: it runs until the workers did ``KVLAB_SOAK_OPS`` operations (default 10,000)
+and the killer killed ``KVLAB_SOAK_KILLS`` of them (default 16). A worker is killed only once it is
+ready (its imports done, its store open) and has done a random number of operations since, so every
+kill lands mid-put or mid-lookup, never mid-import; the deadlines are on progress (a worker that never
+gets ready, minutes without an operation finishing), not on the run's length.
 """
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import random
@@ -50,7 +54,15 @@ def snapshot(ids: list[int]):
     )
 
 
-def _worker(root: str, redis_url: str, prefix: str, report: str, seed: int, until: float) -> None:
+#: Each worker's counters, in shared memory without a lock (one writer each, and a lock held by a killed
+#: worker would stall everyone): ready (imports done, store open), puts, lookups, served tokens, wrong.
+READY, PUTS, LOOKUPS, SERVED, WRONG = range(5)
+#: Progress deadlines, not run-length ones: a worker's start-up (spawn, torch and kvlab imports, store
+#: open) on a badly loaded machine, and the longest a worker may go without finishing one operation.
+START_S, STALL_S = 600.0, 180.0
+
+
+def _worker(root: str, redis_url: str, prefix: str, seed: int, counts, stop) -> None:
     import logging
 
     from kvlab.store import KVStore
@@ -66,76 +78,118 @@ def _worker(root: str, redis_url: str, prefix: str, report: str, seed: int, unti
         block_tokens=BLOCK,
     )
     ns = st.namespace(snapshot(SEQUENCES[0][:BLOCK]))
-    counts = {"puts": 0, "lookups": 0, "served_tokens": 0, "wrong": 0}
-    while time.time() < until:
+    counts[READY] = 1
+    while not stop.value:
         ids = rng.choice(SEQUENCES)[: rng.randint(BLOCK, 64)]
         if rng.random() < 0.4:
             st.put(snapshot(ids))
-            counts["puts"] += 1
-        else:
-            m = st.lookup(ids, ns)
-            counts["lookups"] += 1
-            if m.snapshot is not None:
-                k, v = expected(ids[: m.cached_tokens])
-                got_k = torch.stack([x[0] for x in m.snapshot.keys])
-                got_v = torch.stack([x[0] for x in m.snapshot.values])
-                if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
-                    counts["wrong"] += 1
-                counts["served_tokens"] += m.cached_tokens
-        if (counts["puts"] + counts["lookups"]) % 20 == 0:
-            Path(report).write_text(json.dumps(counts))
-    Path(report).write_text(json.dumps(counts))
+            counts[PUTS] += 1
+            continue
+        m = st.lookup(ids, ns)
+        if m.snapshot is not None:
+            k, v = expected(ids[: m.cached_tokens])
+            got_k = torch.stack([x[0] for x in m.snapshot.keys])
+            got_v = torch.stack([x[0] for x in m.snapshot.values])
+            if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
+                counts[WRONG] += 1
+            counts[SERVED] += m.cached_tokens
+        counts[LOOKUPS] += 1
+
+
+class _Workers:
+    """Four worker slots on one store: start, wait until ready, kill mid-operation, restart, stop."""
+
+    def __init__(self, root: Path, redis_url: str, prefix: str) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.args = (str(root), redis_url, prefix)
+        self.stop = self.ctx.RawValue("b", 0)
+        self.procs: dict = {}
+        self.counts: dict = {}  # slot -> the live worker's counters
+        self.every: list = []  # every worker's counters, killed ones included
+        self.started: dict = {}  # slot -> when its worker was started
+        self.kills = 0
+
+    def start(self, slot: int) -> None:
+        counts = self.ctx.RawArray("q", 5)
+        p = self.ctx.Process(target=_worker, args=(*self.args, len(self.every) + 1, counts, self.stop))
+        p.start()
+        self.procs[slot], self.counts[slot] = p, counts
+        self.every.append(counts)
+        self.started[slot] = time.monotonic()
+
+    def ops(self, counts=None) -> int:
+        return sum(c[PUTS] + c[LOOKUPS] for c in ([counts] if counts is not None else self.every))
+
+    def total(self, key: int) -> int:
+        return sum(c[key] for c in self.every)
+
+    def _alive(self) -> None:
+        for slot, p in self.procs.items():
+            assert p.exitcode is None, f"worker {slot} exited by itself with code {p.exitcode}"
+
+    def pick(self, rng: random.Random) -> int:
+        """A worker that is ready (imports done, store open), waiting for one if all are starting."""
+        while not (ready := [slot for slot, c in self.counts.items() if c[READY]]):
+            self._alive()
+            late = [s for s, t in self.started.items() if time.monotonic() - t > START_S]
+            assert not late, f"worker(s) {late} not ready {START_S:.0f} s after their start"
+            time.sleep(0.05)
+        return rng.choice(ready)
+
+    def wait_ops(self, n: int, slot: int | None = None) -> None:
+        """Until ``slot``'s worker (or all of them together) did ``n`` operations; fails on a stall."""
+        counts = self.counts[slot] if slot is not None else None
+        last, since = self.ops(counts), time.monotonic()
+        while last < n:
+            self._alive()
+            time.sleep(0.002)
+            if self.ops(counts) != last:
+                last, since = self.ops(counts), time.monotonic()
+            assert time.monotonic() - since < STALL_S, f"no operation finished in {STALL_S:.0f} s: stuck"
+
+    def kill(self, slot: int, after_ops: int) -> None:
+        """SIGKILL ``slot``'s (ready) worker ``after_ops`` operations in (so mid-put or mid-lookup,
+        whatever it is doing), and start a fresh one in its place."""
+        self.wait_ops(after_ops, slot)
+        os.kill(self.procs[slot].pid, signal.SIGKILL)
+        self.procs[slot].join(timeout=60)
+        self.kills += 1
+        self.start(slot)
+
+    def finish(self) -> None:
+        self.stop.value = 1
+        for slot, p in self.procs.items():
+            p.join(timeout=STALL_S)
+            assert p.exitcode == 0, f"worker {slot}: exit code {p.exitcode} after the stop"
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
 
 
 def test_four_processes_disk_and_redis_under_kill_9(tmp_path, redis_url):
-    seconds = float(os.environ.get("KVLAB_SOAK_SECONDS", "60"))
-    procs: dict[int, mp.Process] = {}
+    n_ops = int(os.environ.get("KVLAB_SOAK_OPS", "10000"))
+    n_kills = int(os.environ.get("KVLAB_SOAK_KILLS", "16"))
     prefix = f"kvlabsoak-{os.getpid()}"
+    from kvlab.store import open_store
+
+    open_store(tmp_path / "store")  # create the disk store once
+    workers = _Workers(tmp_path / "store", redis_url, prefix)
     try:
-        from kvlab.store import open_store
-
-        open_store(tmp_path / "store")  # create the disk store once
-        until = time.time() + seconds
-        ctx = mp.get_context("spawn")
-        kills = 0
-        generation = 0
-
-        def start(slot: int) -> None:
-            nonlocal generation
-            generation += 1
-            report = tmp_path / f"report-{slot}-{generation}.json"
-            p = ctx.Process(
-                target=_worker,
-                args=(str(tmp_path / "store"), redis_url, prefix, str(report), generation, until),
-            )
-            p.start()
-            procs[slot] = p
-
         for slot in range(4):
-            start(slot)
+            workers.start(slot)
         rng = random.Random(0)
-        while time.time() < until - 2:
-            time.sleep(rng.uniform(1.0, 3.0))
-            slot = rng.randrange(4)
-            os.kill(procs[slot].pid, signal.SIGKILL)  # mid-write or mid-read, whatever it was doing
-            procs[slot].join(timeout=10)
-            kills += 1
-            start(slot)
-        for p in procs.values():
-            p.join(timeout=seconds + 60)
-            assert p.exitcode == 0
-        totals = {"puts": 0, "lookups": 0, "served_tokens": 0, "wrong": 0}
-        for f in tmp_path.glob("report-*.json"):
-            try:
-                doc = json.loads(f.read_text())
-            except ValueError:  # a report being rewritten when its writer was killed
-                continue
-            for key in totals:
-                totals[key] += doc[key]
-        print(f"soak: {seconds:.0f} s, {kills} kill -9s, {totals}")
-        assert kills >= seconds / 4
-        assert totals["wrong"] == 0, totals
-        assert totals["lookups"] > 50 and totals["puts"] > 20 and totals["served_tokens"] > 0, totals
+        while workers.kills < n_kills:
+            workers.kill(workers.pick(rng), after_ops=rng.randint(5, 60))
+        workers.wait_ops(n_ops)
+        workers.finish()
+        totals = {k: workers.total(i) for k, i in (("puts", PUTS), ("lookups", LOOKUPS), ("served", SERVED))}
+        print(f"soak: {workers.ops()} operations, {workers.kills} kill -9s, {totals}")
+        assert workers.total(WRONG) == 0, workers.total(WRONG)
+        assert totals["lookups"] > n_ops // 4 and totals["puts"] > n_ops // 10, totals
+        assert totals["served"] > 0, totals
         final = open_store(tmp_path / "store", redis_url=redis_url, block_tokens=BLOCK)
         final.tiers[2].prefix = prefix
         report = final.verify()
@@ -145,9 +199,7 @@ def test_four_processes_disk_and_redis_under_kill_9(tmp_path, redis_url):
             k, _ = expected(seq[: m.cached_tokens])
             assert m.snapshot is None or torch.equal(torch.stack([x[0] for x in m.snapshot.keys]), k)
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
+        workers.close()
         import redis
 
         client = redis.Redis.from_url(redis_url)
