@@ -55,3 +55,33 @@ def test_legend_check(tmp_path, outside):
     width = plt.imread(tmp_path / "f.png").shape[1]
     assert (width > 1.3 * fig.get_size_inches()[0] * fig.dpi) == outside  # the outside legend widened it
     plt.close(fig)
+
+
+def test_prose_columns_are_left_aligned_and_numbers_right():
+    from kvlab.study.experiments.base import ExperimentResult, Table
+    from kvlab.study.report.html import render, section_data, tidy_table
+
+    t = Table(
+        "Claims checked",
+        ["claim", "verdict", "measured", "n", "key [95% CI]", "Δ %"],
+        [
+            ["H2O is best at 50%", "holds", "H2O 0.61 vs 0.55", 12, "0.61 [0.4, 0.8] (n = 12)", "+1.5"],
+            ["int4 costs nothing", "does not hold", "KL 0.02 nats", 3, "0.02 (n = 3, no interval)", "–"],
+        ],
+    )
+    assert tidy_table(t)["prose"] == [True, True, True, False, False, False]
+    result = ExperimentResult(name="x", title="x", description="")
+    result.tables.append(t)
+    page = render(
+        "experiment",
+        title="x",
+        subtitle="x",
+        s=section_data(result),
+        smoke=False,
+        glossary_items=[],
+        manifest_line="",
+    )
+    assert '<td class="text">does not hold</td>' in page and '<td class="text">KL 0.02 nats</td>' in page
+    assert "<td>0.02 (n = 3, no interval)</td>" in page and "<td>12</td>" in page
+    assert '<th class="text">measured</th>' in page and "<th>n</th>" in page
+    assert "th.text{text-align:left}" in page  # the header follows its column

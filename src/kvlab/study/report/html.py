@@ -13,6 +13,7 @@ relative path: it opens from disk in any browser and renders in headless Chromiu
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ figure img{max-width:100%;border:1px solid #e6e9ee;border-radius:4px}
 figcaption{font-size:13px;color:#4a5566;margin-top:4px;max-width:720px}
 table{border-collapse:collapse;font-size:13px;margin:6px 0 12px}
 th,td{border:1px solid #e1e5ea;padding:4px 8px;text-align:right;vertical-align:top}th{background:#f0f3f6}
-td:first-child,th:first-child{text-align:left}td.text,td.claim{text-align:left}
+td:first-child,th:first-child{text-align:left}td.text,td.claim,th.text{text-align:left}
 .notes li{font-size:13px;color:#4a5566}.desc{color:#4a5566;font-size:14px}
 code{background:#f0f3f6;padding:1px 4px;border-radius:3px}
 .manifest{font-size:12px;color:#667085}.small{font-size:12px;color:#667085}
@@ -92,6 +93,15 @@ def _empty(cell: str) -> bool:
     return cell.strip() in ("", "–", "—", "-")
 
 
+#: a cell that reads as a number (an interval, a count, a signed percentage, "n = 2, no interval")
+_NUMBER = re.compile(r"^\s*(?:\(n = |[\[(]?[~≈<>≤≥±+\-−]?\s*(?:\d|\.\d|inf\b|nan\b))")
+
+
+def _prose(cells: list[str]) -> bool:
+    """True for a column of words (left-aligned), False for one of numbers (right-aligned)."""
+    return any(not _empty(c) and not _NUMBER.match(c) for c in cells)
+
+
 def _index(cell: Any) -> int | None:
     return cell if isinstance(cell, int) and not isinstance(cell, bool) else None
 
@@ -128,11 +138,13 @@ def tidy_table(table: Table) -> dict[str, Any]:
         caption = (caption + " " if caption else "") + (
             f"Rows identical but for their {table.columns[0]} are merged ({len(table.rows)} rows shown as {len(merged)})."
         )
+    shown = [[r[j] for j in keep if j < len(r)] for r in merged]
     return {
         "title": table.title,
         "caption": caption,
         "columns": [table.columns[j] for j in keep],
-        "rows": [[r[j] for j in keep if j < len(r)] for r in merged],
+        "rows": shown,
+        "prose": [_prose([r[k] for r in shown if k < len(r)]) for k in range(len(keep))],
     }
 
 
