@@ -236,6 +236,8 @@ def build_table(kv: dict, anchors: dict | None) -> tuple[list[list], dict]:
 
 
 def acceptance(kv: dict, checks: dict) -> list[str]:
+    from kvlab.study.report.format import format_interval
+
     c = kv["summary"]["configs"]
     lines = []
 
@@ -253,8 +255,7 @@ def acceptance(kv: dict, checks: dict) -> list[str]:
             )
             lines.append(
                 f"- {verdict(r['ppl_increase_pct'] <= 1.0)}: rotation{sink} int4 perplexity increase "
-                f"{r['ppl_increase_pct']:+.2f}% [{r['ppl_increase_ci'][0]:+.2f}, {r['ppl_increase_ci'][1]:+.2f}] "
-                "(target <= 1%)"
+                f"(%) {format_interval(r['ppl_increase'], signed=True)} (target <= 1%)"
             )
     two = {
         k: v

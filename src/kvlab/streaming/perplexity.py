@@ -452,9 +452,9 @@ TABLE_COLUMNS = [
 
 def _divergence_cells(r: StreamResult, window: int, seed: int) -> dict:
     """Mean KL to the full context (nats) and top-1 agreement over the targets from ``window`` on (where
-    a rolling cache may have evicted), with bootstrap 95% intervals over those targets; {} without a
-    reference."""
-    from kvlab.metrics import bootstrap_ci
+    a rolling cache may have evicted), with 95% intervals over those targets (bootstrap for KL, Wilson
+    for top-1, a proportion); {} without a reference."""
+    from kvlab.metrics import bootstrap_ci, wilson_ci
 
     if r.kl is None or r.top1 is None:
         return {}
@@ -463,7 +463,7 @@ def _divergence_cells(r: StreamResult, window: int, seed: int) -> dict:
         return {}
     return {
         "kl_to_full": bootstrap_ci(r.kl[past], "mean", seed=seed).to_json(),
-        "top1_to_full": bootstrap_ci(r.top1[past], "mean", seed=seed).to_json(),
+        "top1_to_full": wilson_ci(r.top1[past]).to_json(),
     }
 
 

@@ -27,9 +27,10 @@ from kvlab.data import Text, default_long_text, python_docs, read_text_file, tok
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
 from kvlab.metrics.divergence import divergence_summary
+from kvlab.metrics.stats import MIN_SAMPLES
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.format import format_interval, format_number, iv, num
 
 
 def _quant_methods() -> dict[str, tuple[str, dict]]:
@@ -328,11 +329,6 @@ def _timing(ctx, model, context, methods, policies, steps) -> dict[str, float]:
     return out
 
 
-def _ci_pct(increase: np.ndarray) -> tuple[float, float, float]:
-    ci = bootstrap_ci(increase, "mean")
-    return ci.value, ci.low, ci.high
-
-
 def _report(
     ctx, result, configs, names, quality, layer_stats, nbytes, full_bytes, needle, timing, n_ctx, model
 ):
@@ -379,8 +375,7 @@ def _records(result, configs, names, quality, layer_stats, nbytes, full_bytes, n
     base_needle = float(needle["full precision"].mean()) if "full precision" in needle else float("nan")
     for cfg, name in zip(configs, names, strict=True):
         ppl = np.array([np.exp(x.mean()) for x in nll[name]])
-        inc = 100 * (ppl / base_ppl - 1)
-        v, lo, hi = _ci_pct(inc)
+        inc = bootstrap_ci(100 * (ppl / base_ppl - 1), "mean")  # % over windows; none from < 5
         bpt = float(np.mean(nbytes[name])) / n_ctx
         ls = {k: np.array(val) for k, val in layer_stats[name].items() if val}
         nd = float(needle[name].mean()) if name in needle else None
@@ -392,8 +387,8 @@ def _records(result, configs, names, quality, layer_stats, nbytes, full_bytes, n
             "mode": cfg[3],
             "bytes_per_token": bpt,
             "ppl": float(ppl.mean()),
-            "ppl_increase_pct": v,
-            "ppl_increase_ci": [lo, hi],
+            "ppl_increase_pct": inc.value,
+            "ppl_increase": inc.to_json(),  # the same value with its interval (None bounds: no interval)
             "needle_accuracy": nd,
             "needle_relative": (nd / base_needle) if nd is not None and base_needle else None,
             "kl_to_full": ds.kl.to_json(),
@@ -412,24 +407,25 @@ def _records(result, configs, names, quality, layer_stats, nbytes, full_bytes, n
             int(round(bpt)),
             round(8 * bpt / elems_per_token, 2) if cfg[0] != "evict" else None,
             float(ppl.mean()),
-            f"{v:+.2f}% [{lo:+.2f}, {hi:+.2f}]",
+            format_interval(inc, signed=True),
             iv(entry, "kl_to_full"),
             iv(entry, "top1_to_full"),
             entry.get("out_rel_error"),
             entry.get("attn_kl") if cfg[0] != "evict" else entry.get("kept_mass"),
             entry.get("qk_corr") if cfg[0] != "evict" else None,
-            "" if nd is None else f"{nd:.2f}",
+            "" if nd is None else f"{round(nd * len(needle[name]))}/{len(needle[name])}",
         ]
         (rows_e if cfg[0] == "evict" else rows_q).append(row)
         if cfg[0] != "full":
-            points.append((cfg, bpt, v, lo, hi))
+            points.append((cfg, bpt, inc))
     return summary, rows_q, rows_e, points
 
 
 KL_CAPTION = (
     "KL to full: mean per-token KL(full cache || this cache) in nats of the continuation's next-token "
     "distributions, teacher-forced; top-1: share of those tokens whose argmax matches the full cache's "
-    "(95% bootstrap intervals, one sample per window)."
+    "(95% intervals over text samples, one per window: bootstrap for KL and Δ perplexity, Wilson for "
+    "top-1; none from fewer than 5 text samples)."
 )
 
 
@@ -444,7 +440,7 @@ def _tables(rows_q: list, rows_e: list, fp_bpt: float) -> list[Table]:
                 "bytes/token",
                 "bits/element",
                 "perplexity",
-                "Δ perplexity [95% CI]",
+                "Δ perplexity % [95% CI]",
                 "KL to full (nats)",
                 "top-1 agreement",
                 "attn-output rel. error",
@@ -466,7 +462,7 @@ def _tables(rows_q: list, rows_e: list, fp_bpt: float) -> list[Table]:
                 "bytes/token",
                 "bits/element",
                 "perplexity",
-                "Δ perplexity [95% CI]",
+                "Δ perplexity % [95% CI]",
                 "KL to full (nats)",
                 "top-1 agreement",
                 "attn-output rel. error",
@@ -510,26 +506,64 @@ def _timing_table(timing: dict) -> Table:
     )
 
 
+#: where the perplexity-ratio axis may put a labelled tick (x1.05 reads as "5% higher than full precision")
+RATIO_TICKS = (0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 1, 1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2, 3, 5, 10, 20, 50, 100)
+
+
+def _ratio_ticks(lo: float, hi: float) -> list[float]:
+    """Labelled ticks between ``lo`` and ``hi`` (ratios), at least 1/8 of the log span apart, from x1 out."""
+    gap = max(np.log10(hi / lo), 1e-9) / 8
+    kept = [1.0]
+    for side in ([t for t in RATIO_TICKS if t > 1], [t for t in reversed(RATIO_TICKS) if t < 1]):
+        last = 1.0
+        for t in side:
+            if lo <= t <= hi and abs(np.log10(t / last)) >= gap:
+                kept.append(t)
+                last = t
+    return sorted(kept)
+
+
+def _plain_log_axes(ax, ratios: list[float]) -> None:
+    """A log y axis of perplexity ratios labelled x0.9, x1, x1.1, x2 and a log x axis labelled in plain
+    byte counts (no powers of ten to decode)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    lo, hi = min([*ratios, 1.0]) / 1.03, max([*ratios, 1.0]) * 1.05
+    ax.set_yscale("log")
+    ax.set_ylim(lo, hi)
+    ax.yaxis.set_major_locator(FixedLocator(_ratio_ticks(lo, hi)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"×{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.xaxis.set_minor_formatter(
+        FuncFormatter(lambda v, _: f"{v:,.0f}" if f"{v:.0e}"[0] in "25" else "")  # 20, 50, 200, 500...
+    )
+
+
 def _pareto_figure(ctx, points: list, model, n_windows: int):
-    """Perplexity increase vs bytes held per token, every method and budget, with the Pareto front."""
+    """Perplexity relative to full precision vs bytes held per token, every method and budget, with the
+    Pareto front; whiskers only where the interval rests on at least MIN_SAMPLES text samples."""
     import matplotlib.pyplot as plt
 
-    # Pareto: bytes vs perplexity increase
     fig, ax = plt.subplots(figsize=(8, 5))
     kinds: dict[str, list] = {}
-    for cfg, bpt, v, lo, hi in points:
+    for cfg, bpt, inc in points:
         key = (cfg[1] if cfg[0] == "quant" else f"evict: {cfg[1]}") + (
             " (repack)" if cfg[3] == "repack" else ""
         )
-        kinds.setdefault(key, []).append((bpt, v, lo, hi))
+        kinds.setdefault(key, []).append((bpt, 1 + inc.value / 100, inc))
+    shown = []  # every value and whisker end, so the axis holds them all
     for key, pts in kinds.items():
-        pts.sort()
-        x = [p[0] for p in pts]
-        y = [p[1] for p in pts]
+        pts.sort(key=lambda p: p[0])
+        y = np.array([p[1] for p in pts])
+        low = np.array([1 + p[2].low / 100 if p[2].has_interval else p[1] for p in pts])
+        high = np.array([1 + p[2].high / 100 if p[2].has_interval else p[1] for p in pts])
+        shown += [*low, *high]
         ax.errorbar(
-            x,
+            [p[0] for p in pts],
             y,
-            yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+            yerr=[y - low, high - y],
             marker="o" if not key.startswith("evict") else "s",
             ms=4,
             capsize=2,
@@ -537,22 +571,27 @@ def _pareto_figure(ctx, points: list, model, n_windows: int):
             ls="-" if not key.startswith("evict") else "--",
             label=key,
         )
-    front = _pareto([(p[1], p[2]) for p in points])
+    front = _pareto([(bpt, 1 + inc.value / 100) for _, bpt, inc in points])
     if front:
         ax.plot(*zip(*front, strict=True), color="k", lw=2, alpha=0.35, label="Pareto front")
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=1)
-    ax.set_xlabel("bytes held per context token (log)")
-    ax.set_ylabel("perplexity increase vs full precision (%)")
-    ax.set_title(f"Quality vs bytes ({model.facts.name}, {n_windows} windows, 95% bootstrap CI)")
+    ax.axhline(1, color="grey", lw=0.8)
+    _plain_log_axes(ax, shown)
+    ax.set_xlabel("bytes held per context token (log scale)")
+    ax.set_ylabel("perplexity ÷ full precision's (log scale; ×1.1 = 10% higher)")
+    samples = f"{n_windows} text sample{'s' if n_windows != 1 else ''}"
+    spread = (
+        ", 95% bootstrap intervals"
+        if n_windows >= MIN_SAMPLES
+        else f"; no intervals from fewer than {MIN_SAMPLES}"
+    )
+    ax.set_title(f"Quality vs bytes ({model.facts.name}, {samples}{spread})")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3, which="both")
     return ctx.figure(
         "pareto",
         fig,
-        "Continuation perplexity increase vs bytes held per token, "
-        "every method and budget; the black line is the Pareto front.",
+        "Continuation perplexity relative to full precision vs bytes held per token, every method and "
+        "budget (both axes log scale, labelled in plain numbers); the black line is the Pareto front.",
     )
 
 
@@ -586,7 +625,8 @@ def _layer_figure(ctx, configs, names, layer_stats):
     return ctx.figure(
         "per_layer_distortion",
         fig,
-        "Per-layer distortion of the quantizers at the same bit width (mean and 95% band over windows).",
+        "Per-layer distortion of the quantizers at the same bit width (mean over text samples; a 95% "
+        "bootstrap band where there are at least 5).",
     )
 
 
@@ -649,7 +689,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     rows = [("full-precision perplexity", iv(s, "full_precision_ppl"))]
     for name in (b2, e50):
         if name:
-            rows.append((f"{name}: perplexity change %", iv(s, f"configs.{name}.ppl_increase_pct")))
+            rows.append((f"{name}: perplexity change %", iv(s, f"configs.{name}.ppl_increase", signed=True)))
             rows.append((f"{name}: KL to full (nats)", iv(s, f"configs.{name}.kl_to_full")))
             rows.append((f"{name}: top-1 agreement", iv(s, f"configs.{name}.top1_to_full")))
             rows.append((f"{name}: bytes per token", iv(s, f"configs.{name}.bytes_per_token")))

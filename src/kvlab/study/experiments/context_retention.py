@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlab.metrics import bootstrap_ci
+from kvlab.metrics import bootstrap_ci, wilson_ci
 from kvlab.ops.transfer import concat_caches, drop_prefix
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers_grouped, score_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
@@ -46,7 +46,7 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
     keys = [k for k, _ in CONDITIONS]
     exact, nll, inj_vs_text = _measure(ctx, handle, episodes, keys, sinks)
     labels = [lab.replace("4 sinks", f"{sinks} sinks") for _, lab in CONDITIONS]
-    acc = {k: bootstrap_ci(exact[:, j], seed=ctx.seed) for j, k in enumerate(keys)}
+    acc = {k: wilson_ci(exact[:, j]) for j, k in enumerate(keys)}
     mnll = {k: bootstrap_ci(nll[:, j], seed=ctx.seed) for j, k in enumerate(keys)}
     paired = bootstrap_ci(exact[:, keys.index("repos_4")] - exact[:, keys.index("repos_0")], seed=ctx.seed)
     paired_nll = bootstrap_ci(nll[:, keys.index("repos_4")] - nll[:, keys.index("repos_0")], seed=ctx.seed)
@@ -93,7 +93,8 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
         ctx.figure(
             "retention",
             _figure(labels, acc, mnll, len(episodes), handle.name),
-            "Answer accuracy and NLL per condition, bootstrap 95% intervals over facts.",
+            "Answer accuracy (95% Wilson intervals) and NLL (95% bootstrap intervals) per condition, over "
+            "facts; no bar where fewer than 5 facts ran.",
         )
     )
     result.notes.append(
@@ -154,7 +155,7 @@ def _figure(labels, acc, mnll, n, name):
         (axes[1], mnll, "answer NLL (nats)"),
     ):
         vals = np.array([stat[k].value for k in keys])
-        err = np.array(
+        err = np.nan_to_num(  # no interval (NaN bounds): no error bar
             [[stat[k].value - stat[k].low for k in keys], [stat[k].high - stat[k].value for k in keys]]
         )
         ax.bar(
@@ -163,7 +164,7 @@ def _figure(labels, acc, mnll, n, name):
             yerr=err,
             capsize=3,
             color=["#999"] + ["#4c72b0"] * 3 + ["#dd8452"] * 2 + ["#55a868"] * 2,
-            label="mean with 95% bootstrap CI",
+            label="mean with its 95% interval",
         )
         ax.set_xticks(x)
         ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)

@@ -25,6 +25,7 @@ from kvlab.cache.snapshot import KVSnapshot, batchable_groups, stack_rows
 from kvlab.data import python_docs, token_samples
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, distinct_n, kl_divergence, longest_repeated_ngram, nll
+from kvlab.metrics.stats import MIN_SAMPLES
 from kvlab.metrics.text import agreement_length
 from kvlab.ops.transfer import hybrid_kv, reposition, swap_slots
 from kvlab.study.experiments._sampling import seeded_text
@@ -238,14 +239,17 @@ def _figure(names, stats, name, n):
     ):
         v = np.array([s.value for s in stats[m]])
         err = np.array([[s.value - s.low for s in stats[m]], [s.high - s.value for s in stats[m]]])
-        ax.barh(y, v, xerr=err, capsize=2, color="#4c72b0", label="mean, 95% CI")
+        label = (
+            "mean, 95% bootstrap interval" if n >= MIN_SAMPLES else f"mean (no interval: n < {MIN_SAMPLES})"
+        )
+        ax.barh(y, v, xerr=np.nan_to_num(err), capsize=2, color="#4c72b0", label=label)
         ax.set_xlabel(xlab)
         ax.grid(alpha=0.3, axis="x")
         ax.legend(fontsize=7, loc="lower right")
     axes[0].set_yticks(y)
     axes[0].set_yticklabels(names, fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle(f"{name}: K/V swap conditions over {n} windows")
+    fig.suptitle(f"{name}: K/V swap conditions over {n} text samples")
     return fig
 
 

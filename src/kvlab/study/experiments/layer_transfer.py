@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvlab.errors import BadInputError
-from kvlab.metrics import bootstrap_ci, bootstrap_curve
+from kvlab.metrics import bootstrap_ci, bootstrap_curve, wilson_ci
 from kvlab.ops.transfer import transfer_layers
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
@@ -66,7 +66,7 @@ def run(
             for j, (_, layers) in enumerate(conds):
                 exact[i, j], nll[i, j] = done[layers]
             advance(1)
-    acc = [bootstrap_ci(exact[:, j], seed=ctx.seed) for j in range(len(conds))]
+    acc = [wilson_ci(exact[:, j]) for j in range(len(conds))]
     mnll = [bootstrap_ci(nll[:, j], seed=ctx.seed) for j in range(len(conds))]
     result.tables.append(
         Table(
@@ -108,7 +108,8 @@ def run(
                 "per_layer",
                 _figure(exact[:, win], nll[:, win], centres, exact, nll, conds, width, model.name, ctx.seed),
                 f"Retention when only a window of {width} layers carries the fact turn's "
-                "K/V, by window centre; bands are bootstrap 95% intervals.",
+                "K/V, by window centre; bands are 95% intervals (Wilson for accuracy, bootstrap for NLL; "
+                "none from fewer than 5 facts).",
             )
         )
     result.data_sources.append(
@@ -125,9 +126,13 @@ def _figure(ex, nl, centres, exact_all, nll_all, conds, width, name, seed):
         (axes[0], ex, exact_all, "accuracy"),
         (axes[1], nl, nll_all, "answer NLL (nats)"),
     ):
-        mean, lo, hi = bootstrap_curve(data, seed=seed)
+        if data is ex:  # accuracy is a proportion: a Wilson band per window
+            ivs = [wilson_ci(data[:, k]) for k in range(data.shape[1])]
+            mean, lo, hi = (np.array([getattr(i, a) for i in ivs]) for a in ("value", "low", "high"))
+        else:
+            mean, lo, hi = bootstrap_curve(data, seed=seed)
         ax.plot(centres, mean, marker="o", ms=3, label=f"window of {width} layers transferred")
-        ax.fill_between(centres, lo, hi, alpha=0.25, label="95% bootstrap band")
+        ax.fill_between(centres, lo, hi, alpha=0.25, label="95% band")
         for lab, style in (("none", ":"), ("all", "--")):
             j = [c[0] for c in conds].index(lab)
             ax.axhline(full[:, j].mean(), ls=style, color="k", lw=1, label=f"{lab} layers")

@@ -19,7 +19,7 @@ from kvlab.metrics.similarity import compare_caches
 from kvlab.metrics.stats import bootstrap_ci
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.format import format_interval, format_number, iv, num
 
 CONV_ROLLS = (1, 8, 64)
 
@@ -411,8 +411,9 @@ def _last_position_table(data: dict, ns: np.ndarray, plan: Any) -> Table:
             for m, kind in (("k", "roll"), ("kd", "roll"), ("v", "roll"), ("k", "trunc"), ("kd", "trunc")):
                 key = f"{kind}_{m}_last"
                 if key in data:
-                    iv = R.band(curves(data, m, kind)[:, [j]])
-                    row.append(f"{iv['mean'][0]:.4f} [{iv['low'][0]:.4f}, {iv['high'][0]:.4f}]")
+                    c = curves(data, m, kind)[:, [j]]
+                    iv = R.band(c)
+                    row.append(format_interval(iv["mean"][0], iv["low"][0], iv["high"][0], 4, n=c.shape[0]))
                 else:
                     row.append("–")
             rows.append(row)

@@ -27,7 +27,7 @@ from kvlab.ops.perturb import (
 from kvlab.policy import roll_amount
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.format import format_interval, format_number, iv, num
 
 ROLL_FRACTIONS = (0.1, 0.25, 0.5)
 EXCLUDE = (0, 1, 4)
@@ -118,8 +118,13 @@ def _null():
 def _ci(samples: np.ndarray, seed: int) -> dict[str, float]:
     """Bootstrap interval as JSON; NaN (n = 0) when no window has the value (e.g. all slots excluded)."""
     if not np.isfinite(samples).any():
-        return {"value": float("nan"), "low": float("nan"), "high": float("nan"), "n": 0}
+        return {"value": float("nan"), "low": None, "high": None, "n": 0}
     return bootstrap_ci(samples, seed=seed).to_json()
+
+
+def _bound(iv: dict, key: str) -> float:
+    """An interval's ``low``/``high`` for plotting: NaN (nothing drawn) where it has none."""
+    return float("nan") if iv[key] is None else iv[key]
 
 
 def summarise(raw: dict[str, dict[str, list[np.ndarray]]], seed: int = 0) -> dict[str, dict[str, Any]]:
@@ -175,19 +180,19 @@ def _sweep_figure(ctx: ExperimentContext, raw: dict, summ: dict, T: int, model_n
         if m not in raw[rolls[0]]:
             continue
         mean = np.array([summ[rolls[i]][f"{m}_x0"]["value"] for i in order])
-        lo = np.array([summ[rolls[i]][f"{m}_x0"]["low"] for i in order])
-        hi = np.array([summ[rolls[i]][f"{m}_x0"]["high"] for i in order])
+        lo = np.array([_bound(summ[rolls[i]][f"{m}_x0"], "low") for i in order])
+        hi = np.array([_bound(summ[rolls[i]][f"{m}_x0"], "high") for i in order])
         (line,) = ax.plot(counts[order], mean, style, ms=4, label=f"roll: {METRIC_LABELS[m]}")
         ax.fill_between(counts[order], lo, hi, color=line.get_color(), alpha=0.25, lw=0)
     for cond, ls in (("scrambled", "--"), ("unrelated", ":")):
         for m, color in (("k", "C0"), ("v", "C2")):
             iv = summ[cond][f"{m}_x0"]
             ax.axhline(iv["value"], color=color, ls=ls, lw=1, label=f"{cond}: {METRIC_LABELS[m]}")
-            ax.axhspan(iv["low"], iv["high"], color=color, alpha=0.12)
+            ax.axhspan(_bound(iv, "low"), _bound(iv, "high"), color=color, alpha=0.12)
     ax.set_xscale("log")
     ax.set_xlabel("tokens rolled off the front (n)")
     ax.set_ylabel("cosine vs original (mean over layers, heads, slots)")
-    ax.set_title(f"{model_name}: roll sweep over {len(raw[rolls[0]]['k'])} windows of {T} tokens")
+    ax.set_title(f"{model_name}: roll sweep over {len(raw[rolls[0]]['k'])} text samples of {T} tokens")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     return ctx.figure(
@@ -298,7 +303,9 @@ def _overlay_fraction(
         ax.errorbar(
             ns / T,
             [y["value"] for y in ys],
-            yerr=[[y["value"] - y["low"] for y in ys], [y["high"] - y["value"] for y in ys]],
+            yerr=np.nan_to_num(
+                [[y["value"] - _bound(y, "low") for y in ys], [_bound(y, "high") - y["value"] for y in ys]]
+            ),
             fmt="o-",
             color=color,
             ms=4,
@@ -396,7 +403,7 @@ def _similarity_table(raw: dict, summ: dict, T: int, W: int) -> Table:
         row = [cond]
         for m in ("k", "kd", "v", "kc", "vc"):
             iv = summ[cond].get(f"{m}_x0")
-            row.append(f"{iv['value']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}]" if iv else "–")
+            row.append(format_interval(iv, digits=4) if iv else "–")
         row += [
             summ[cond]["k_x1"]["value"],
             summ[cond]["v_x1"]["value"],
@@ -405,7 +412,7 @@ def _similarity_table(raw: dict, summ: dict, T: int, W: int) -> Table:
         ]
         rows.append(row)
     return Table(
-        f"Similarity to the original ({W} windows of {T} tokens; mean [bootstrap 95%])",
+        f"Similarity to the original ({W} text samples of {T} tokens; mean [bootstrap 95%] from 5 samples on)",
         [
             "condition",
             "cos K",

@@ -2,7 +2,7 @@
 
 Every trial of :mod:`kvlab.eval` (needles, variable tracking, common words, QA; the question never
 compressed) runs under the full cache and every policy at every ratio (the fraction of the context
-removed) and every codec, on the same tokens: accuracy with bootstrap intervals over trials, the mean
+removed) and every codec, on the same tokens: accuracy with Wilson intervals over trials, the mean
 per-token KL(full || cache) and top-1 agreement, and the K/V bytes per context token. The section
 checks three claims that can come out false: "H2O is best at 50%", "int4 costs almost nothing" and
 "scores fall steadily with the ratio".
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.metrics.stats import bootstrap_ci
+from kvlab.metrics.stats import bootstrap_ci, wilson_ci
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number
 
@@ -63,9 +63,16 @@ def _specs(s: dict[str, Any]) -> list[Any]:
     return parse_cache_specs(["full", *expand_specs(s["policies"], s["ratios"]), *s["codecs"]])
 
 
-def _mean_iv(values: list[float], seed: int) -> dict | None:
+#: the per-trial quantities that are proportions (shares in [0, 1]): Wilson intervals, not a bootstrap
+PROPORTIONS = ("score", "top1")
+
+
+def _mean_iv(values: list[float], seed: int, proportion: bool = False) -> dict | None:
+    """Mean over trials with its interval (Wilson for a proportion), as JSON; None when nothing is finite."""
     finite = [v for v in values if np.isfinite(v)]
-    return bootstrap_ci(finite, seed=seed).to_json() if finite else None
+    if not finite:
+        return None
+    return (wilson_ci(finite) if proportion else bootstrap_ci(finite, seed=seed)).to_json()
 
 
 def points(rows: list[dict], specs: list[Any], seed: int) -> list[dict]:
@@ -88,10 +95,10 @@ def points(rows: list[dict], specs: list[Any], seed: int) -> list[dict]:
                 "method": m.method or "full",
                 "ratio": m.ratio,
                 "trials": len(rs),
-                "accuracy": _mean_iv([r["score"] for r in rs], seed),
+                "accuracy": _mean_iv([r["score"] for r in rs], seed, proportion=True),
                 "kld": _mean_iv([r["kld"] for r in rs], seed),
                 "kld_infinite": sum(1 for r in rs if r["kld"] == float("inf")),
-                "top1": _mean_iv([r["top1"] for r in rs], seed),
+                "top1": _mean_iv([r["top1"] for r in rs], seed, proportion=True),
                 "bytes_per_token": float(np.mean([r["kv_bytes"] / r["context_tokens"] for r in rs])),
                 "kept_fraction": float(np.mean([r["kept_slots"] / r["context_tokens"] for r in rs])),
             }
@@ -130,10 +137,10 @@ def _tables(pts: list[dict], s: dict[str, Any]) -> list[Table]:
                 title,
                 cols,
                 rows,
-                caption="Accuracy: exact-match score per trial (RULER's rules), mean with a 95% bootstrap "
+                caption="Accuracy: exact-match score per trial (RULER's rules), mean with a 95% Wilson "
                 "interval over trials; KL: mean per-token KL(full || cache) in nats over the question and "
-                "the full cache's answer (teacher-forced); top-1: share of those tokens whose argmax "
-                "matches the full cache's; ratio: fraction of the context removed; bytes / token: K/V "
+                "the full cache's answer (teacher-forced), 95% bootstrap interval; top-1: share of those "
+                "tokens whose argmax matches the full cache's (Wilson); ratio: fraction of the context removed; bytes / token: K/V "
                 "bytes held per context token; kept: share of context slots held.",
             )
         )
@@ -196,7 +203,7 @@ def _accuracy_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any])
         "accuracy_vs_ratio",
         fig,
         "Accuracy per eviction policy against the fraction of the context removed (ratio 0: the full "
-        "cache), with 95% bootstrap bands over trials; every policy answers the same trials.",
+        "cache), with 95% Wilson bands over trials; every policy answers the same trials.",
     )
 
 
@@ -256,8 +263,8 @@ def _kl_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any]):
 
 # -- the claims ---------------------------------------------------------------------------------
 def _pooled(rows: list[dict], spec: str, key: str, seed: int) -> dict | None:
-    """One cache's mean of ``key`` over every task, length and trial, with its bootstrap interval."""
-    return _mean_iv([r[key] for r in rows if r["spec"] == spec], seed)
+    """One cache's mean of ``key`` over every task, length and trial, with its interval."""
+    return _mean_iv([r[key] for r in rows if r["spec"] == spec], seed, proportion=key in PROPORTIONS)
 
 
 def _separate(a: dict | None, b: dict | None) -> bool:
@@ -470,7 +477,7 @@ def _verdict_table(claims: list[dict]) -> Table:
         ["claim", "verdict", "measured", "rule"],
         [[c["claim"], c["verdict"], c["measured"], c["rule"]] for c in claims],
         caption="Each claim's verdict from this run's numbers, by the rule in its row (intervals: 95% "
-        "bootstrap over trials).",
+        "over trials, Wilson for accuracy, bootstrap for KL).",
     )
 
 

@@ -288,12 +288,13 @@ def _ttft_figure(ctx: ExperimentContext, p1: dict) -> Any:
     ax2.axhline(1.0, color="grey", lw=0.8)
     ax2.set_xlabel("shared prefix length (tokens)")
     ax2.set_ylabel("speed-up (full prefill TTFT / hit TTFT)")
-    ax2.set_title("Speed-up from reuse (95% bootstrap CI)")
+    ax2.set_title("Speed-up from reuse")
     ax2.legend(fontsize=8)
     return ctx.figure(
         "ttft_by_tier",
         fig,
-        "Time to first token with the shared prefix loaded from each tier vs a full prefill; bands are 95% bootstrap intervals over prompts.",
+        "Time to first token with the shared prefix loaded from each tier vs a full prefill; bands are 95% "
+        "bootstrap intervals over prompts (none from fewer than 5 prompts).",
     )
 
 
@@ -375,7 +376,8 @@ def run(
                 "Time to first token by tier",
                 ["prefix tokens", "source", "TTFT ms", "low", "high", "speed-up vs full"],
                 ttft_rows,
-                caption="Mean and 95% bootstrap interval over prompts that share the prefix and differ in the question.",
+                caption="Mean and 95% bootstrap interval over prompts that share the prefix and differ in the "
+                "question ('–': fewer than 5 prompts, no interval).",
             ),
             Table(
                 "Non-prefix reuse vs full prefill",

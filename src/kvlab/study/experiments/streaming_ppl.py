@@ -92,29 +92,37 @@ def _figure(ctx: ExperimentContext, results: dict[str, StreamResult], title: str
 
 
 def _bars(ctx: ExperimentContext, rows: list[dict], stem: str):
+    """Perplexity per method on the re-computation subsample, one horizontal bar per (text, window,
+    method) so every label is written whole; the text and window go in the title when there is one."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    labels = [f"{r['source'][:12]} W={r['window']}\n{METHODS[r['method']].label}" for r in rows]
+    groups = list(dict.fromkeys((r["source"], r["window"]) for r in rows))
+    labels = [
+        METHODS[r["method"]].label + ("" if len(groups) == 1 else f" ({r['source']}, window {r['window']})")
+        for r in rows
+    ]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.32 * len(rows)))
     y = np.array([r["ppl_subsample"] for r in rows])
     lo = np.array([r["ppl_subsample_low"] for r in rows])
     hi = np.array([r["ppl_subsample_high"] for r in rows])
-    ax.bar(range(len(rows)), y, color="C0", alpha=0.7, label="perplexity on the re-computation subsample")
+    pos = np.arange(len(rows))[::-1]  # the first row on top
+    ax.barh(pos, y, color="C0", alpha=0.7, label="perplexity on the re-computation subsample")
     ax.errorbar(
-        range(len(rows)),
         y,
-        yerr=[y - lo, hi - y],
+        pos,
+        xerr=np.nan_to_num([y - lo, hi - y]),  # no interval (NaN bounds): no whisker
         fmt="none",
         ecolor="k",
         capsize=2,
-        label="bootstrap 95% CI",
+        label="95% bootstrap interval",
     )
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(labels, rotation=90, fontsize=6)
-    ax.set_ylabel("perplexity")
-    ax.set_title("Perplexity per method on identical targets")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, axis="y")
+    ax.set_yticks(pos)
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_xlabel("perplexity")
+    where = f": {groups[0][0]}, window {groups[0][1]}" if len(groups) == 1 else ""
+    ax.set_title(f"Perplexity per method on identical targets{where}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3, axis="x")
     return ctx.figure(
         stem,
         fig,
@@ -212,7 +220,8 @@ def _table(rows: list[dict], feed: int, n_sub: int, recompute_stride) -> Table:
         "'x re-computation' is exp(mean paired NLL difference) on those targets. 'KL to full': mean "
         "per-token KL(full context || method) in nats (float64) over the targets from the window on "
         "(re-computation: its subsample), 'top-1 agreement' the share whose argmax matches the full "
-        "context's; 95% bootstrap intervals over those targets; '–' where the full context does not fit.",
+        "context's; 95% intervals over those targets (bootstrap for KL, Wilson for top-1); '–' where "
+        "the full context does not fit.",
     )
 
 

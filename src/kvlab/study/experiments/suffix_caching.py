@@ -29,8 +29,10 @@ from kvlab.metrics import (
     logit_cosine,
     longest_repeated_ngram,
     nll,
+    wilson_ci,
 )
 from kvlab.metrics.divergence import compare_logits
+from kvlab.metrics.stats import MIN_SAMPLES
 from kvlab.ops.suffix import (
     recompute_first,
     recompute_most_deviant,
@@ -371,16 +373,19 @@ def _kl_table(stacked: dict, st: Settings, seed: int) -> Table:
     )
 
 
-def _iv(x: np.ndarray, seed: int):
-    """Mean with a bootstrap interval over windows (JSON), or None where nothing was measured."""
+def _iv(x: np.ndarray, seed: int, proportion: bool = False):
+    """Mean with its interval over windows (JSON; Wilson for a proportion, else a bootstrap), or None
+    where nothing was measured."""
     x = x[np.isfinite(x)]
-    return bootstrap_ci(x, "mean", seed=seed).to_json() if x.size else None
+    if not x.size:
+        return None
+    return (wilson_ci(x) if proportion else bootstrap_ci(x, "mean", seed=seed)).to_json()
 
 
 def _verdict(diff: dict | None) -> str:
     """From the paired KL difference rolled - re-prefill (its interval): which is closer to the full context."""
     if diff is None or diff.get("low") is None:
-        return "undecided (fewer than 2 windows)"
+        return f"undecided (no interval: fewer than {MIN_SAMPLES} windows)"
     if diff["high"] < 0:
         return "rolled closer"
     return "re-prefill closer" if diff["low"] > 0 else "undecided"
@@ -389,13 +394,13 @@ def _verdict(diff: dict | None) -> str:
 def _full_table(stacked: dict, st: Settings, seed: int) -> tuple[Table, dict]:
     """The full context, the rolled cache and the re-prefill, each against the full context over every
     continuation token; the summary per cell, with a verdict on the paired difference."""
-    own = {m: _iv(stacked[f"{m}_to_full_full"], seed) for m in ("kl", "top1")}
+    own = {m: _iv(stacked[f"{m}_to_full_full"], seed, m == "top1") for m in ("kl", "top1")}
     rows = [["–", "–", "–", "full context", iv(own, "kl"), iv(own, "top1"), own["kl"]["n"]]]
     summary: dict[str, Any] = {"full": own}
     for i, (spec, n) in enumerate(zip(st.drop_specs, st.drop_n, strict=True)):
         for j, s in enumerate(st.sink_list):
             cell = {
-                c: {m: _iv(stacked[f"{m}_to_full_{c}"][:, i, j], seed) for m in ("kl", "top1")}
+                c: {m: _iv(stacked[f"{m}_to_full_{c}"][:, i, j], seed, m == "top1") for m in ("kl", "top1")}
                 for c in ("rolled", "reprefill")
             }
             if cell["rolled"]["kl"] is None:
@@ -413,7 +418,7 @@ def _full_table(stacked: dict, st: Settings, seed: int) -> tuple[Table, dict]:
         rows,
         caption=f"Per window, the mean over the {st.cont_len} continuation tokens (teacher-forced) of "
         "KL(full context || cache) in nats (float64) and of top-1 agreement with the full context; means "
-        "over windows with 95% bootstrap intervals (one sample per window). The full context against "
+        "over windows with 95% intervals (one sample per window; bootstrap for KL, Wilson for top-1). The full context against "
         "itself is 0 and 1 by construction.",
     )
     return table, summary

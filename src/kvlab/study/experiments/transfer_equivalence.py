@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvlab.data import python_docs, token_samples
-from kvlab.metrics import bootstrap_ci, kl_divergence
+from kvlab.metrics import bootstrap_ci, kl_divergence, wilson_ci
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.format import format_interval, format_number, iv, num
 
 VARIANTS = ("plain", "special token in the middle", "generated tokens kept + special token")
 
@@ -58,8 +58,9 @@ def run(
     rows = []
     for j, v in enumerate(VARIANTS):
         kl = bootstrap_ci(kl_alone[:, j], seed=ctx.seed)
-        t1 = bootstrap_ci(top1_alone[:, j], seed=ctx.seed)
-        rows.append([v, float(maxdiff[:, j].max()), bool(maxdiff[:, j].max() <= tol), str(kl), str(t1)])
+        t1 = wilson_ci(top1_alone[:, j])  # a proportion
+        ok = bool(maxdiff[:, j].max() <= tol)
+        rows.append([v, float(maxdiff[:, j].max()), ok, format_interval(kl), format_interval(t1)])
     result.tables.append(
         Table(
             "Cache injection vs concatenated prefill",

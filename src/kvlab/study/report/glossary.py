@@ -42,8 +42,10 @@ GLOSSARY: tuple[tuple[str, str], ...] = (
     ("top-1", "share of positions where two caches lead to the same most likely next token"),
     (
         "interval",
-        "a 95% bootstrap confidence interval over the samples (texts, windows, prompts or facts), written "
-        "value [low, high] (n = number of samples); a value from one sample has no interval (n = 1, no interval)",
+        "a 95% confidence interval over the samples (text samples, prompts, facts or trials), written "
+        "value [low, high] (n = number of samples): a bootstrap for means and medians, a Wilson interval for "
+        "proportions (accuracy, top-1 agreement); a value from fewer than 5 samples has no interval "
+        "(n = 2, no interval)",
     ),
     (
         "smoke run",
