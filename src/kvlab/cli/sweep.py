@@ -77,7 +77,11 @@ def register(app: typer.Typer) -> None:
         ] = None,
         json_out: JsonOpt = False,
     ) -> None:
-        """Run experiments over a grid of models, texts and seeds; one report with cross-model tables."""
+        """Run experiments over a grid of models, texts and seeds; one report with cross-model tables.
+
+        Progress (cells done of all, elapsed, an estimate of the time left) goes to stderr: a bar on a
+        terminal, one line per finished cell otherwise, nothing with --json."""
+        from kvlab.progress import choose_mode
         from kvlab.study.sweep import run_sweep
 
         log = (lambda msg: None) if json_out else (lambda msg: print(msg, file=sys.stderr))
@@ -88,7 +92,15 @@ def register(app: typer.Typer) -> None:
         # Ray's driver prints worker deaths and logs to stdout: keep stdout for the --json document
         with contextlib.redirect_stdout(sys.stderr):
             result = run_sweep(
-                grid, out, ray=ray, resume=resume, workers=workers, device=device, dtype=dtype, log=log
+                grid,
+                out,
+                ray=ray,
+                resume=resume,
+                workers=workers,
+                device=device,
+                dtype=dtype,
+                log=log,
+                progress=choose_mode(json_out),
             )
         if json_out:
             sys.stdout.write(json.dumps(result, indent=1, default=str) + "\n")

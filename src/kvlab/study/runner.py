@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import json
 import multiprocessing
 import os
+import shutil
 import sys
 import threading
 import time
@@ -34,33 +36,52 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.progress import Progress as RichProgress
 
 from kvlab.errors import BadInputError, KvlabError
+from kvlab.progress import Counter, Estimate, Mode, choose_mode, duration, rich_display
 from kvlab.study.experiments import Experiment, ExperimentContext, ExperimentResult, Progress, registry
+from kvlab.study.experiments.base import Figure, Table
 from kvlab.study.report.html import write_experiment_page, write_study_index
 from kvlab.study.report.writer import manifest, run_dir, to_jsonable, write_result
 
 stderr = Console(stderr=True)
 
 
+class PlainProgress(Progress):
+    """An experiment's progress where stderr is not a terminal: one line as each of its tasks ends."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(None)
+        self.console = console
+
+    @contextmanager
+    def task(self, description: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
+        done, started = [0], time.monotonic()
+
+        def advance(n: int = 1) -> None:
+            done[0] += n
+
+        try:
+            yield advance
+        finally:
+            count = f"{done[0]:,}/{total:,}" if total is not None else f"{done[0]:,}"
+            self.log(f"{description}: {count} in {duration(time.monotonic() - started)}")
+
+    def log(self, message: str) -> None:
+        self.console.print(message, highlight=False, soft_wrap=True)
+
+
 @contextmanager
-def progress_display(enabled: bool = True):
-    """A rich progress display on stderr (so ``--json`` output on stdout stays clean)."""
-    if not enabled:
-        yield Progress(None)
-        return
-    with RichProgress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=stderr,
-        transient=False,
-    ) as p:
-        yield Progress(p)
+def progress_display(enabled: bool = True, *, detail: bool = True) -> Iterator[Progress]:
+    """An experiment's progress on stderr (so ``--json`` output on stdout stays clean): a rich display on
+    a terminal, else (``detail``) one plain line per finished task (:class:`PlainProgress`) or nothing;
+    nothing when not ``enabled`` (``kvlab.progress.choose_mode``)."""
+    mode = choose_mode(not enabled, stderr.file)
+    if mode == "rich":
+        with rich_display(stderr) as p:
+            yield Progress(p)
+    else:
+        yield PlainProgress(stderr) if mode == "plain" and detail else Progress(None)
 
 
 def _manifest_line(m: dict) -> str:
@@ -166,6 +187,20 @@ def default_workers(device: str = "cpu") -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def _selected(only: Sequence[str] | None) -> list[Experiment]:
+    """The study's experiments (or ``only`` these), each after those it ``needs``."""
+    experiments = [e for e in registry().values() if e.in_study]
+    if only:
+        known = {e.name for e in experiments}
+        missing = [n for n in only if n not in known]
+        if missing:
+            raise BadInputError(
+                f"unknown experiment(s) {', '.join(missing)}; known: {', '.join(sorted(known))}"
+            )
+        experiments = [e for e in experiments if e.name in only]
+    return dependencies_first(experiments)
+
+
 def run_study(
     *,
     out: str | Path = "runs",
@@ -177,29 +212,29 @@ def run_study(
     dtype: str = "float32",
     device: str = "cpu",
     workers: int = 1,
+    resume: str | Path | None = None,
 ) -> StudyOutcome:
     """Run every registered experiment (or ``only`` these) into one report folder.
 
     A failing experiment is recorded as a failed section with its error, and the study goes on.
     ``workers > 1`` runs experiments in that many processes at once (see the module docstring); each
     loads its model copy on ``device`` (resolved here once: ``auto`` is CUDA when there is one) in ``dtype``.
+    ``resume`` is the folder of an interrupted study: its sections that finished ok are kept, the others
+    run there, and the report covers them all; a folder made with other settings (model, profile, seed,
+    dtype, device, experiments) is refused in one line before anything runs. Progress (k of n, elapsed,
+    an estimate of what is left: :func:`typical_seconds`) goes to stderr when ``show_progress``.
     """
     from kvlab.model.loading import resolve_device
 
     if workers < 1:
         raise BadInputError(f"--workers must be >= 1, got {workers}")
-    device = resolve_device(device)
-    experiments = [e for e in registry().values() if e.in_study]
-    if only:
-        known = {e.name for e in experiments}
-        missing = [n for n in only if n not in known]
-        if missing:
-            raise BadInputError(
-                f"unknown experiment(s) {', '.join(missing)}; known: {', '.join(sorted(known))}"
-            )
-        experiments = [e for e in experiments if e.name in only]
-    experiments = dependencies_first(experiments)
-    parallel = workers > 1 and len(experiments) > 1
+    settings = {"profile": profile, "seed": seed, "model_spec": model_spec, "dtype": dtype}
+    settings["device"] = resolve_device(device)
+    experiments = _selected(only)
+    names = [e.name for e in experiments]
+    kept = _resumable(Path(resume), {**settings, "experiments": names}) if resume is not None else {}
+    todo = [e for e in experiments if e.name not in kept]
+    parallel = workers > 1 and len(todo) > 1
     # The model is checked before the report folder exists: an unknown model is one error and no
     # report of N identical failures. One process loads it; in parallel each worker loads its own.
     from kvlab.model import load_model
@@ -208,68 +243,227 @@ def run_study(
         (lambda msg: print(msg, file=sys.stderr)) if show_progress else None
     )  # e.g. the first GGUF conversion
     model: Any = None
-    if parallel:
+    if parallel or not todo:
         _check_model(model_spec, dtype, say)
     else:
-        model = load_model(model_spec, dtype=dtype, device=device, progress=say)
+        model = load_model(model_spec, dtype=dtype, device=settings["device"], progress=say)
+    root = _study_folder(out, resume, {**settings, "experiments": names}, [e.name for e in todo])
+    pool = _Workers(min(workers, len(todo)), model_spec, dtype, settings["device"]) if parallel else None
+    by_name = {name: (result, seconds, False) for name, (result, seconds) in kept.items()}
+    t0 = time.perf_counter()
+    mode = choose_mode(not show_progress, stderr.file)
+    with progress_display(show_progress, detail=False) as progress:
+        counter = _study_counter(root, settings, experiments, todo, kept, mode, pool.n if pool else 1)
+        counter.attach(progress._p)
+        workers_text = f" on {pool.n} workers" if pool else ""
+        counter.say(counter.start_line(f"experiments, profile {profile}{workers_text}"))
+        if pool is None:
+            tasks = [(e.name, root / e.name, _upstream(e, kept)) for e in todo]
+            outcomes = _run_in_order(tasks, settings, model, progress)
+        else:
+            outcomes = _run_parallel(
+                todo, root, settings, pool, progress, kept={n: r for n, (r, _) in kept.items()}
+            )
+        for name, outcome in outcomes:
+            by_name[name] = outcome
+            counter.done(name, outcome[1], "failed" if outcome[2] else outcome[0].status)
+    return _write_study(root, experiments, by_name, model, settings, workers, t0, sorted(kept))
+
+
+def _study_counter(
+    root: Path,
+    settings: dict,
+    experiments: list[Experiment],
+    todo: list[Experiment],
+    kept: dict[str, tuple[ExperimentResult, float]],
+    mode: Mode,
+    at_once: int,
+) -> Counter:
+    """The study's experiments done of all (kept sections count as done), with an estimate of the time
+    left from :func:`typical_seconds`; the caller attaches the rich display, if any."""
+    weights, source = typical_seconds(root.parent, settings["profile"], settings["model_spec"], skip=root)
+    running = {e.name for e in todo}
+    for e in todo:  # a typical time that counts on another's memo is no guide without it
+        if e.reuses and e.reuses not in running:
+            weights.pop(e.name, None)
+    return Counter(
+        "study",
+        [e.name for e in experiments],
+        mode=mode,
+        console=stderr,
+        estimate=Estimate(weights, seconds=True, parallel=at_once, source=source),
+        finished={name: seconds for name, (_, seconds) in kept.items()},
+    )
+
+
+def _upstream(exp: Experiment, kept: dict[str, tuple[ExperimentResult, float]]) -> dict[str, dict]:
+    """The summaries of the kept sections (a resumed study) that ``exp`` needs."""
+    return {n: to_jsonable(kept[n][0].summary) for n in exp.needs if n in kept}
+
+
+def _write_study(
+    root: Path,
+    experiments: list[Experiment],
+    by_name: dict[str, tuple[ExperimentResult, float, bool]],
+    model: Any,
+    settings: dict,
+    workers: int,
+    t0: float,
+    resumed: list[str],
+) -> StudyOutcome:
+    """The study's own ``result.json`` and ``index.html`` over every section."""
+    results = [(e.name, by_name[e.name][0]) for e in experiments]
+    seconds = {e.name: by_name[e.name][1] for e in experiments}
+    failed = [e.name for e in experiments if by_name[e.name][2]]
+    model_spec, profile = settings["model_spec"], settings["profile"]
+    where = ExperimentContext(
+        out_dir=root,
+        model_spec=model_spec,
+        dtype=settings["dtype"],
+        device=settings["device"],
+        model_handle=model,
+    )
+    m = manifest(
+        model=model,
+        model_spec=model_spec,
+        profile=profile,
+        seed=settings["seed"],
+        started=t0,
+        extra={"experiments": seconds, "workers": workers, "device": where.device_info()},
+    )
+    if model is None:  # parallel: the model as the workers loaded it (each section's manifest has it)
+        m["model"] = _model_from_sections(root, [name for name, _ in results])
+    summary: dict[str, Any] = {
+        "seconds": seconds,
+        "failed": failed,
+        "workers": workers,
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+    }
+    if resumed:
+        summary["resumed"] = resumed  # sections kept from the interrupted run (wall_seconds: this part)
+    write_result(ExperimentResult(name="study", title="kvlab study", summary=summary), root, m)
+    subtitle = (
+        f"{(m.get('model') or {}).get('name', model_spec)} · profile {profile} · {len(results)} experiments"
+    )
+    write_study_index(root, results, subtitle, _manifest_line(m), profile=profile)
+    return StudyOutcome(run_dir=root, results=results, failed=failed, seconds=seconds)
+
+
+# -- resuming a study, and its estimate --------------------------------------------------------------
+
+#: a study folder's settings, written when it starts; ``--resume`` compares them with the command's
+STUDY_SETTINGS = "settings.json"
+_SETTING_NAMES = {
+    "model_spec": "model (--model)",
+    "profile": "profile (--quick/--full)",
+    "seed": "seed (--seed)",
+    "dtype": "dtype (--dtype)",
+    "device": "device (--device)",
+    "experiments": "experiments (--only)",
+}
+
+
+def _resumable(folder: Path, settings: dict) -> dict[str, tuple[ExperimentResult, float]]:
+    """The sections of the interrupted study in ``folder`` that finished ok, with their seconds. A folder
+    that is not a study's, or whose study ran with other ``settings``, is refused in one line."""
+    path = folder / STUDY_SETTINGS
+    try:
+        stored = json.loads(path.read_text())
+    except FileNotFoundError:
+        what = "no such folder" if not folder.is_dir() else f"not a study folder (no {STUDY_SETTINGS})"
+        raise BadInputError(f"--resume {folder}: {what}") from None
+    except (OSError, ValueError) as exc:
+        raise BadInputError(f"--resume {folder}: cannot read {STUDY_SETTINGS} ({exc})") from None
+    if not isinstance(stored, dict):
+        raise BadInputError(f"--resume {folder}: {STUDY_SETTINGS} is not a study's settings")
+
+    def shown(value: Any) -> str:
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    for key, value in settings.items():
+        if stored.get(key) != value:
+            raise BadInputError(
+                f"--resume {folder}: that study ran with {_SETTING_NAMES[key]} {shown(stored.get(key))}, "
+                f"this command asks for {shown(value)}; resume it with the same settings or start a new study"
+            )
+    kept = {}
+    for name in settings["experiments"]:
+        section = _load_section(folder / name)
+        if section is not None:
+            kept[name] = section
+    return kept
+
+
+def _load_section(folder: Path) -> tuple[ExperimentResult, float] | None:
+    """A finished section (``result.json`` with status ok, and its page) read back, with its seconds."""
+    import numpy as np
+
+    try:
+        doc = json.loads((folder / "result.json").read_text())
+        if doc["status"] != "ok" or not (folder / "index.html").is_file():
+            return None
+        arrays_file = (doc.get("arrays") or {}).get("file")
+        arrays = dict(np.load(folder / arrays_file, allow_pickle=False)) if arrays_file else {}
+        result = ExperimentResult(
+            name=doc["name"],
+            title=doc["title"],
+            summary=doc.get("summary") or {},
+            tables=[Table(t["title"], t["columns"], t["rows"], t.get("caption", "")) for t in doc["tables"]],
+            figures=[Figure(f["file"], f["caption"]) for f in doc["figures"]],
+            arrays=arrays,
+            notes=list(doc["notes"]),
+            data_sources=list(doc.get("data_sources") or []),
+            description=doc.get("description", ""),
+            finding=doc.get("finding") or doc.get("smoke_result") or "",
+            headline=[(str(a), str(b)) for a, b in doc.get("headline") or []],
+        )
+        return result, float(doc["manifest"].get("duration_s", 0.0))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unfinished or unreadable: it runs again
+
+
+def _study_folder(out: str | Path, resume: str | Path | None, settings: dict, todo: list[str]) -> Path:
+    """A new study folder in ``out`` with its settings written, or the ``resume`` folder with the sections
+    that run again emptied (a failed or unfinished section's old files would linger)."""
+    if resume is not None:
+        root = Path(resume)
+        for name in todo:
+            shutil.rmtree(root / name, ignore_errors=True)
+        return root
     try:
         root = run_dir(out, "study")
     except OSError as exc:
         raise BadInputError(
             f"--out {out}: cannot create a report folder there ({exc.strerror or exc})"
         ) from None
-    pool = _Workers(min(workers, len(experiments)), model_spec, dtype, device) if parallel else None
-    by_name: dict[str, tuple[ExperimentResult, float, bool]] = {}
-    t0 = time.perf_counter()
-    with progress_display(show_progress) as progress:
-        with progress.task("study", total=len(experiments)) as advance:
-            settings = {
-                "profile": profile,
-                "seed": seed,
-                "model_spec": model_spec,
-                "dtype": dtype,
-                "device": device,
-            }
-            if pool is None:
-                tasks = [(e.name, root / e.name, {}) for e in experiments]
-                outcomes = _run_in_order(tasks, settings, model, progress)
-            else:
-                outcomes = _run_parallel(experiments, root, settings, pool, progress)
-            for name, outcome in outcomes:
-                by_name[name] = outcome
-                advance(1)
-    results = [(e.name, by_name[e.name][0]) for e in experiments]
-    seconds = {e.name: by_name[e.name][1] for e in experiments}
-    failed = [e.name for e in experiments if by_name[e.name][2]]
-    where = ExperimentContext(
-        out_dir=root, model_spec=model_spec, dtype=dtype, device=device, model_handle=model
-    )
-    m = manifest(
-        model=model,
-        model_spec=model_spec,
-        profile=profile,
-        seed=seed,
-        started=t0,
-        extra={"experiments": seconds, "workers": workers, "device": where.device_info()},
-    )
-    if model is None:  # parallel: the model as the workers loaded it (each section's manifest has it)
-        m["model"] = _model_from_sections(root, [name for name, _ in results])
-    summary = ExperimentResult(
-        name="study",
-        title="kvlab study",
-        summary={
-            "seconds": seconds,
-            "failed": failed,
-            "workers": workers,
-            "wall_seconds": round(time.perf_counter() - t0, 2),
-        },
-    )
-    write_result(summary, root, m)
-    subtitle = (
-        f"{(m.get('model') or {}).get('name', model_spec)} · profile {profile} · {len(results)} experiments"
-    )
-    write_study_index(root, results, subtitle, _manifest_line(m), profile=profile)
-    return StudyOutcome(run_dir=root, results=results, failed=failed, seconds=seconds)
+    (root / STUDY_SETTINGS).write_text(json.dumps(settings, indent=1) + "\n")
+    return root
+
+
+def typical_seconds(
+    folder: Path, profile: str, model_spec: str, skip: Path | None = None
+) -> tuple[dict[str, float], str]:
+    """Typical seconds per experiment for a study's estimate, and where they come from: the newest finished
+    study in ``folder`` with the same profile and model (this machine's own timings; not ``skip``), else
+    :data:`TYPICAL_SECONDS` for the profile (measured on a 2-core CPU), else none (the estimate then
+    starts from the first experiments this study finishes)."""
+    for prev in sorted(Path(folder).glob("study-*"), key=lambda p: p.name, reverse=True)[:50]:
+        if skip is not None and prev.resolve() == Path(skip).resolve():
+            continue
+        try:
+            doc = json.loads((prev / "result.json").read_text())
+            man, summary = doc["manifest"], doc["summary"]
+            if man.get("profile") != profile or man.get("model_spec") != model_spec:
+                continue
+            failed = set(summary.get("failed") or [])
+            found = {k: float(v) for k, v in summary["seconds"].items() if k not in failed}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if found:
+            return found, f"the earlier run {prev.name}"
+    if profile in TYPICAL_SECONDS:
+        return dict(TYPICAL_SECONDS[profile]), f"timings measured {TIMED[profile]}"
+    return {}, ""
 
 
 def _model_from_sections(root: Path, names: list[str]) -> dict | None:
@@ -394,6 +588,22 @@ EXPECTED_SECONDS = {
     "store_reuse": 20, "findings": 14, "inspect": 4, "rope_derotation": 1,
     "ruler": 240,  # estimated from its quick run (not yet timed by benchmarks/study_timing.py)
 }  # fmt: skip
+# Seconds each experiment took in the quick profile, in its worker (benchmarks/results/study_timing_quick.md:
+# 2 workers of 1 torch thread on a 2-core Linux x86_64 CPU, 2026-11-26 08:13 UTC; ruler was not in it).
+QUICK_SECONDS = {
+    "roll_long": 27.6, "compaction": 25.3, "compression": 18.9, "suffix_caching": 16.4,
+    "context_retention": 16.1, "attention": 14.6, "caching_numerics": 14.3, "roll_sweep": 13.7,
+    "kv_swap": 13.1, "store_reuse": 12.2, "streaming_ppl": 11.5, "transfer_equivalence": 8.6,
+    "layer_transfer": 4.9, "inspect": 4.3, "findings": 2.5, "rope_derotation": 0.6, "transplant": 0.1,
+}  # fmt: skip
+#: A study's first estimate per profile, before an earlier run in the same folder says better
+#: (:func:`typical_seconds`); none measured for ``full``. Each is scaled by what the study's finished
+#: experiments took against their entries, so a faster or slower machine corrects it as it goes.
+TYPICAL_SECONDS = {"default": EXPECTED_SECONDS, "quick": QUICK_SECONDS}
+TIMED = {
+    "default": "on a 2-core CPU, 2026-11-25, benchmarks/study_timing.py",
+    "quick": "on a 2-core CPU, 2026-11-26, benchmarks/results/study_timing_quick.md",
+}
 
 
 class _Workers:
@@ -436,15 +646,17 @@ def _run_parallel(
     settings: dict,
     workers: _Workers,
     progress: Progress,
+    kept: dict[str, ExperimentResult] | None = None,
 ) -> Iterator[tuple[str, tuple[ExperimentResult, float, bool]]]:
     """Run ``experiments`` on the ``workers``, longest first (:data:`EXPECTED_SECONDS`), each as soon as
-    what it ``needs`` has finished; yields ``(name, (result, seconds, failed))`` as they finish. A
-    worker that dies fails its experiments (with the reason) and the rest go on in fresh workers."""
+    what it ``needs`` has finished (``kept``: sections a resumed study already holds); yields ``(name,
+    (result, seconds, failed))`` as they finish. A worker that dies fails its experiments (with the
+    reason) and the rest go on in fresh workers."""
     shower = threading.Thread(target=_show_forwarded, args=(workers.queue, progress), daemon=True)
     shower.start()
     names = {e.name for e in experiments}
     pending = sorted(_chains(experiments), key=lambda c: -sum(EXPECTED_SECONDS.get(e.name, 0) for e in c))
-    done: dict[str, ExperimentResult] = {}
+    done: dict[str, ExperimentResult] = dict(kept or {})
     running: dict[cf.Future, list[Experiment]] = {}
 
     def ready(chain: list[Experiment]) -> bool:

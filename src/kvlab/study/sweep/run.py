@@ -6,12 +6,14 @@ import json
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 from kvlab.errors import BadInputError
+from kvlab.progress import Counter, Estimate, Mode, counting
 from kvlab.study.sweep.cells import is_done, load_spec
-from kvlab.study.sweep.grid import cell_key, load_grid
+from kvlab.study.sweep.grid import Cell, cell_key, load_grid
 
 
 def run_sweep(
@@ -24,6 +26,7 @@ def run_sweep(
     device: str | None = None,
     dtype: str | None = None,
     log: Callable[[str], None] = lambda msg: None,
+    progress: Mode = "off",
 ) -> dict:
     """Run every cell of the grid into ``out`` (``out/cells/<cell>/``, ``out/index.html``,
     ``out/result.json``) and return the sweep's result document.
@@ -31,7 +34,9 @@ def run_sweep(
     ``device`` and ``dtype`` (a command line's ``--device``/``--dtype``) override the grid's. Locally the
     device is resolved on this machine (``auto``: CUDA when there is one; one worker on CUDA unless
     ``workers`` says otherwise); on Ray, ``auto`` is ``cuda`` when the cluster has GPUs, and each actor
-    asks Ray for ``gpus_per_actor`` GPUs (1 on CUDA unless the grid says otherwise)."""
+    asks Ray for ``gpus_per_actor`` GPUs (1 on CUDA unless the grid says otherwise). ``progress``
+    (:func:`kvlab.progress.choose_mode`) shows the cells done of all on stderr, with an estimate of the
+    time left (:func:`_cell_counter`)."""
     from kvlab.model.loading import check_device_name, parse_dtype, resolve_device
 
     grid = load_grid(grid_path)
@@ -78,21 +83,22 @@ def run_sweep(
             f"{len(cells)} cells on {device} in {dtype}, {len(cells) - len(todo)} already done, {len(todo)} to run"
         )
         started = time.perf_counter()
+        default = 1 if device.startswith("cuda") else min(len(todo), os.cpu_count() or 1)
+        at_once = int(cluster.cpus) if cluster is not None else workers or default
+        with _cell_counter(cells, todo, progress, at_once, out) as counter:
 
-        def done(doc: dict) -> None:
-            log(
-                f"  {doc['status']:>8}  {doc['model']}  {doc['experiment']}  seed {doc['seed']}  {doc['seconds']} s"
-            )
+            def done(doc: dict) -> None:
+                label = f"{doc['model']} {doc['experiment']} seed {doc['seed']}"
+                counter.done(doc["key"], float(doc["seconds"]), doc["status"], label=label)
 
-        if todo and cluster is not None:
-            from kvlab.study.sweep.ray_backend import run_ray
+            if todo and cluster is not None:
+                from kvlab.study.sweep.ray_backend import run_ray
 
-            run_ray(todo, str(out), cluster, done, gpus_per_actor=gpus)
-        elif todo:
-            from kvlab.study.sweep.local import run_local
+                run_ray(todo, str(out), cluster, done, gpus_per_actor=gpus)
+            elif todo:
+                from kvlab.study.sweep.local import run_local
 
-            default = 1 if device.startswith("cuda") else min(len(todo), os.cpu_count() or 1)
-            run_local(todo, str(out), workers or default, done)
+                run_local(todo, str(out), workers or default, done)
     finally:
         if cluster is not None:
             cluster.close()
@@ -118,3 +124,35 @@ def run_sweep(
     }
     write_sweep_report(out, result)
     return result
+
+
+def _cell_counter(
+    cells: list[Cell], todo: list[Cell], mode: Mode, at_once: int, out: Path
+) -> AbstractContextManager[Counter]:
+    """Cells done of all (those a resumed sweep holds count as done), with an estimate of the time left:
+    each cell weighs its experiment's typical seconds in its profile (``kvlab.study.runner.TYPICAL_SECONDS``),
+    scaled by what the finished cells took (their ``cell.json`` seconds); ``at_once`` cells run together."""
+    from kvlab.study.runner import TYPICAL_SECONDS
+
+    weights = {}
+    for c in cells:
+        typical = TYPICAL_SECONDS.get(c.profile, {}).get(c.experiment)
+        if typical is not None:
+            weights[c.key] = float(typical)
+    waiting, kept = {c.key for c in todo}, {}
+    for c in cells:
+        if c.key not in waiting:
+            try:
+                kept[c.key] = float(
+                    json.loads((out / "cells" / c.folder_name / "cell.json").read_text())["seconds"]
+                )
+            except (OSError, ValueError, KeyError, TypeError):
+                kept[c.key] = weights.get(c.key, 0.0)  # no bearing on the estimate's scale
+    return counting(
+        "sweep",
+        [c.key for c in cells],
+        mode=mode,
+        estimate=Estimate(weights, seconds=True, parallel=max(1, at_once)),
+        finished=kept,
+        detail="cells",
+    )
