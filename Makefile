@@ -1,9 +1,10 @@
 # The two commands a newcomer runs (each sets everything up first, and is safe to re-run):
 #   make study   - the full study on the bundled model, writing an HTML report under runs/
 #   make test    - lint + type check (mypy, library packages) + the test suite
+# (while iterating, `make test-fast`: the tests that load no real model and start no process, minutes)
 VENV := .venv/bin
 
-.PHONY: setup setup-dev test-deps study study-quick test test-gpu test-optional lint typecheck format bench
+.PHONY: setup setup-dev test-deps study study-quick test test-fast test-gpu test-optional lint typecheck format bench
 setup:
 	@bash scripts/install.sh
 
@@ -35,6 +36,12 @@ test-deps:
 # A skipped test fails the run (KVLAB_TEST_NO_SKIPS=1): every test runs, or the run says what is missing.
 test: lint typecheck test-deps
 	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q
+
+# The fast tier, for iteration (CI runs `make test`): every test not marked real_model (loads the bundled
+# model), process (starts a subprocess, server, redis-server, Ray cluster, Chromium or workers) or slow.
+# tests/conftest.py sets and checks those markers. No lint or type check here (`make lint`, `make typecheck`).
+test-fast: setup-dev
+	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q -m "not real_model and not process and not slow"
 
 # The device tests alone (issue 29): every path of the GPU table, the static device check. They run on
 # every device torch sees: on a CPU-only machine on the CPU (with meta as the default device around

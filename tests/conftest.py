@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+pytest_plugins = ["pytester"]  # tests/test_markers.py runs small suites in-process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -214,3 +218,169 @@ def redis_url(tmp_path_factory):
         yield url
     finally:
         stop_process(proc)
+
+
+# --- Markers: the tests `make test-fast` leaves out (pyproject.toml declares them) ----------------------
+# real_model: loads the bundled model. Auto-marked from the ``smollm`` fixture; an unmarked test that
+#   resolves the bundled model in this process fails on the spot (the guard below).
+# process: starts a process (subprocess, a server, redis-server, a Ray cluster, Chromium, workers).
+#   Auto-marked from its fixtures (a fixture whose source starts one); a test whose own code (or a helper
+#   it calls, in tests/) starts one must carry the marker itself, or collection fails.
+REAL_MODEL_FIXTURES = {"smollm"}
+TESTS_DIR = Path(__file__).resolve().parent
+#: Calls that start a process: ``module.function(...)``, ``anything.Process(...)``, ``Popen(...)``.
+SPAWN_FUNCTIONS = {
+    "subprocess": {"run", "Popen", "call", "check_call", "check_output", "getoutput", "getstatusoutput"},
+    "os": {"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "spawnv", "spawnl"},
+    "asyncio": {"create_subprocess_exec", "create_subprocess_shell"},
+    "ray": {"init"},
+}
+SPAWN_METHODS = {"Process", "Pool", "ProcessPoolExecutor"}
+SPAWN_NAMES = {"Popen", "Process", "ProcessPoolExecutor"}
+
+
+def _spawns(call: ast.Call) -> bool:
+    f = call.func
+    if isinstance(f, ast.Name):
+        return f.id in SPAWN_NAMES
+    if not isinstance(f, ast.Attribute):
+        return False
+    if isinstance(f.value, ast.Name) and f.attr in SPAWN_FUNCTIONS.get(f.value.id, ()):
+        return True
+    return f.attr in SPAWN_METHODS
+
+
+def _uses(node: ast.AST) -> tuple[bool, set[str]]:
+    """Whether ``node`` (a top-level def) calls something that starts a process, and the global names it
+    reads (not its parameters, not annotations: a parameter annotated ``Server`` starts nothing)."""
+    params = set()
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = node.args
+        params = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x}
+    annotations = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.arg) and n.annotation is not None:
+            annotations.add(n.annotation)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns is not None:
+            annotations.add(n.returns)
+        elif isinstance(n, ast.AnnAssign):
+            annotations.add(n.annotation)
+    skip = {id(sub) for a in annotations for sub in ast.walk(a)}
+    spawns, names = False, set()
+    for n in ast.walk(node):
+        if id(n) in skip:
+            continue
+        spawns = spawns or (isinstance(n, ast.Call) and _spawns(n))
+        if isinstance(n, ast.Name) and n.id not in params:
+            names.add(n.id)
+    return spawns, names
+
+
+@functools.cache
+def _module_scan(path: str) -> tuple[dict[str, tuple[bool, set[str]]], dict[str, tuple[str, str]]]:
+    """A test source's top-level functions and classes (name -> :func:`_uses`) and what it imports from
+    other modules of the suite (name -> (module, name))."""
+    tree = ast.parse(Path(path).read_text(), filename=path)
+    defs = {
+        node.name: _uses(node)
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+    imports = {
+        (a.asname or a.name): (node.module, a.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.split(".")[0] in ("tests", "conftest")
+        for a in node.names
+    }
+    return defs, imports
+
+
+@functools.cache
+def starts_process(path: str, name: str) -> bool:
+    """Whether top-level ``name`` of the test source ``path`` starts a process, itself or through the
+    functions and classes of the suite it uses (the suite's sources only: a library call that starts
+    workers is not seen, so such a test carries the marker by hand)."""
+    return _starts(path, name, set())
+
+
+def _starts(path: str, name: str, seen: set[tuple[str, str]]) -> bool:
+    if (path, name) in seen or "site-packages" in path or not path.endswith(".py"):
+        return False
+    seen.add((path, name))
+    defs, imports = _module_scan(path)
+    if name in imports:
+        module, attr = imports[name]
+        parts = module.split(".")
+        source = (
+            TESTS_DIR.joinpath(*parts[1:]).with_suffix(".py")
+            if parts[0] == "tests"
+            else TESTS_DIR / "conftest.py"
+        )
+        return source.is_file() and _starts(str(source), attr, seen)
+    if name not in defs:
+        return False
+    spawns, names = defs[name]
+    return spawns or any(_starts(path, n, seen) for n in names - {name})
+
+
+def _fixture_starts_process(item: pytest.Function, name: str) -> bool:
+    defs = item._fixtureinfo.name2fixturedefs.get(name) or ()
+    return any(starts_process(d.func.__code__.co_filename, d.func.__name__) for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    unmarked = []
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        if REAL_MODEL_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.real_model)
+        if any(_fixture_starts_process(item, name) for name in item.fixturenames):
+            item.add_marker(pytest.mark.process)
+        if item.get_closest_marker("process") is None and starts_process(
+            item.function.__code__.co_filename, item.function.__name__
+        ):
+            unmarked.append(item.nodeid)
+    if unmarked:
+        raise pytest.UsageError(
+            f"{len(unmarked)} test(s) start a process but are not marked process "
+            "(add @pytest.mark.process, or pytestmark = pytest.mark.process for the file):\n  "
+            + "\n  ".join(unmarked)
+        )
+
+
+_MAIN_PID = os.getpid()
+_RUNNING: list[pytest.Item] = []
+
+
+def _guard_the_bundled_model() -> None:
+    """Make ``kvlab.model.loading.bundled_model_dir`` (every in-process road to the bundled model) fail a
+    test that is not marked real_model, before it reads anything (once per session)."""
+    from kvlab.model import loading
+
+    if getattr(loading.bundled_model_dir, "kvlab_guard", False):
+        return
+    original = loading.bundled_model_dir
+
+    @functools.wraps(original)
+    def guarded(*args, **kwargs):
+        item = _RUNNING[-1] if _RUNNING and os.getpid() == _MAIN_PID else None
+        if item is not None and item.get_closest_marker("real_model") is None:
+            pytest.fail(f"{item.nodeid} loads the bundled model: mark it real_model", pytrace=False)
+        return original(*args, **kwargs)
+
+    guarded.kvlab_guard = True  # type: ignore[attr-defined]
+    loading.bundled_model_dir = guarded
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _guard_the_bundled_model()
+    _RUNNING.append(item)
+    try:
+        return (yield)
+    finally:
+        _RUNNING.pop()

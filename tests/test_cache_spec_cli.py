@@ -74,6 +74,7 @@ def test_stream_ppl_specs_next_to_the_methods(llama):
         assert "kl_to_full" in r and r["peak_held_bytes"] > 0
 
 
+@pytest.mark.real_model
 def test_generate_cache_json_on_the_bundled_model(capsys):
     from kvlab.cli import main
 
@@ -92,7 +93,11 @@ def test_generate_cache_json_on_the_bundled_model(capsys):
         (["generate", "hi", "--cache", "sinks=4,window=64", "--window", "64"], "drop --window"),
         (["generate", "hi", "--cache", "sinks=4,window=64", "-s", "2"], "drop --sinks"),
         (["generate", "hi", "--cache", "full", "--capture", "compile"], "--capture compile"),
-        (["generate", "hi", "--cache", "sinks=4,window=100000"], "maximum position"),
+        pytest.param(
+            ["generate", "hi", "--cache", "sinks=4,window=100000"],
+            "maximum position",
+            marks=pytest.mark.real_model,
+        ),
         (["stream-ppl", "--cache", "nope"], "unknown item"),
         (["stream-ppl", "--cache", "int4", "--cache", "codec=int4"], "given twice"),
     ],
@@ -105,6 +110,7 @@ def test_bad_cache_options_are_one_line_exit_2(argv, fragment, capsys):
     assert code == 2 and len(err) == 1 and fragment in err[0], err
 
 
+@pytest.mark.real_model
 def test_stream_ppl_cache_on_the_bundled_model(capsys, tmp_path):
     """``kvlab stream-ppl --cache``: an fp8 window (a codec added in one file) is scored next to the
     methods, paired with the full-precision window of the same layout."""

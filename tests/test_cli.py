@@ -63,6 +63,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, args, message):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.process
 def test_cli_process_exit_code_and_no_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvlab", "inspect", "--model", "not/a-model", "--out", str(tmp_path)],

@@ -74,6 +74,7 @@ def where(tmp_path_factory) -> dict[str, str]:
     return {"GRID": str(root / "grid.toml"), "OUT": str(root / "out"), "root": str(root)}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("argv, fragment", CASES, ids=[" ".join(a) for a, _ in CASES])
 def test_bad_device_or_dtype_is_one_line_exit_2_and_writes_nothing(where, argv, fragment):
     argv = [where.get(a, a) for a in argv]

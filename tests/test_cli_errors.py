@@ -146,6 +146,7 @@ def test_bad_command_line_is_one_line_exit_2(runner, argv, fragment):
     assert_one_line_exit_2(runner.result(" ".join(argv)), fragment, usage_ok=argv == ["roll"])
 
 
+@pytest.mark.process
 def test_version_and_help_exit_0(tmp_path):
     version = run_kvlab(["--version"], cwd=tmp_path)
     assert version.returncode == 0 and version.stdout.startswith("kvlab ")
@@ -162,6 +163,7 @@ SAMPLE = [  # forked and real `python -m kvlab` runs agree (the tables fork from
 ]
 
 
+@pytest.mark.process
 def test_forked_cases_match_python_m_kvlab(files, tmp_path):
     (tmp_path / "forked").mkdir()
     forked = Runner(tmp_path / "forked")

@@ -218,6 +218,7 @@ def test_an_archived_run_is_a_piece(tiny, tmp_path):
         eval_ruler.pieces([tmp_path / "raw", tmp_path / "a"], tmp_path / "x")
 
 
+@pytest.mark.process
 def test_a_refused_command_line_is_one_line_and_exit_2(tmp_path):
     """Bad arguments stop the script before it writes anything: one line on stderr, status 2."""
     import subprocess

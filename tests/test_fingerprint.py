@@ -56,6 +56,7 @@ def _writer(memo: str, worker: int, n: int) -> None:
         memo_put(Path(memo), f"w{worker}-{i}", f"digest-{worker}-{i}")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("workers, per_worker", [(4, 40)])
 def test_concurrent_memo_writers_lose_nothing(tmp_path, workers, per_worker):
     memo = tmp_path / "memo" / "digests.json"

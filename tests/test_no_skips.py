@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process  # pytest in a subprocess
+
 
 def _run(tmp_path: Path, no_skips: str | None) -> subprocess.CompletedProcess:
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")

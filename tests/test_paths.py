@@ -38,6 +38,7 @@ def test_contained(tmp_path):
         contained(tmp_path, tmp_path / "link" / "x")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", ["SENTINEL", "../../victim"])
 def test_derivative_name_outside_the_cache_dir_deletes_nothing(tmp_path, name):
     """The old bug: `finetune-derivative --name /abs/path` removed that folder. Now: exit 2, untouched."""

@@ -357,6 +357,7 @@ def test_without_a_compiler_the_kernel_is_absent_and_says_why(monkeypatch, tmp_p
     assert not list(tmp_path.glob("kernels/*.so"))  # nothing half-built left behind
 
 
+@pytest.mark.process  # runs the C compiler
 def test_the_kernel_is_built_once_per_source_and_machine(monkeypatch, tmp_path):
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_LOADED", {})

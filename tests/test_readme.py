@@ -54,6 +54,7 @@ def test_readme_has_snippets_with_outputs():
     assert any(out for _, out in found), "at least one snippet should show its output"
 
 
+@pytest.mark.process
 @pytest.mark.real_model
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(snippets())))

@@ -49,6 +49,7 @@ def _intervals(node, path=""):
             yield from _intervals(v, f"{path}[{i}]")
 
 
+@pytest.mark.real_model  # a quick study on the bundled model
 @pytest.mark.slow
 def test_a_quick_study_is_a_smoke_run_and_nothing_is_labelled_a_finding(quick_study):
     docs = _docs(quick_study)
@@ -66,6 +67,7 @@ def test_a_quick_study_is_a_smoke_run_and_nothing_is_labelled_a_finding(quick_st
         assert ">headline<" not in html, f"{page}: smoke numbers under a 'headline' label"
 
 
+@pytest.mark.real_model  # a quick study on the bundled model
 @pytest.mark.slow
 def test_no_reported_interval_rests_on_fewer_than_two_samples(quick_study):
     problems = []
@@ -85,6 +87,8 @@ def test_no_reported_interval_rests_on_fewer_than_two_samples(quick_study):
     assert problems == []
 
 
+@pytest.mark.real_model  # a quick study on the bundled model
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_first_screen_states_every_verdict_with_its_sample_count(quick_study, tmp_path):
     chromium = _chromium()
@@ -134,6 +138,7 @@ def test_identical_rows_merge_and_empty_columns_go():
     assert "31 rows shown as 2" in out["caption"]
 
 
+@pytest.mark.real_model  # a quick study on the bundled model
 @pytest.mark.slow
 def test_the_cache_quality_claims_follow_the_threads_on_the_first_screen(tmp_path):
     """With the ruler experiment in the run, its claims (computed from its numbers) are the second verdict

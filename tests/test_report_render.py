@@ -56,6 +56,7 @@ def _browser(chromium: str, profile_dir: Path, *args: str) -> subprocess.Complet
     )
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_study_report_renders_in_chromium(smollm, tmp_path):
     chromium = _chromium()

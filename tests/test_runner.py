@@ -41,6 +41,7 @@ def fake_registry(monkeypatch):
     return exps
 
 
+@pytest.mark.real_model  # the study checks the bundled model before it runs
 def test_study_writes_every_section_and_survives_a_failure(tmp_path, fake_registry):
     outcome = runner.run_study(out=tmp_path, profile="quick", show_progress=False)
     assert outcome.failed == ["bad"]
@@ -63,6 +64,7 @@ def test_unknown_profile_and_experiment(tmp_path, fake_registry):
         runner.run_study(out=tmp_path, only=["nope"], show_progress=False)
 
 
+@pytest.mark.real_model
 def test_cli_study_exits_1_when_an_experiment_failed(tmp_path, fake_registry, capsys):
     from kvlab.cli import main
 
@@ -108,6 +110,8 @@ def test_declared_dependencies_run_first_and_are_handed_over(tmp_path, monkeypat
 # -- a study on several workers ------------------------------------------------------------------------
 
 
+@pytest.mark.real_model
+@pytest.mark.process  # a pool of worker processes
 def test_parallel_study_runs_real_experiments_in_worker_processes(tmp_path):
     """Two worker processes (spawned, each with its own model copy): every section is written, in study
     order, and a deterministic experiment reports what it reports when run in this process."""

@@ -116,6 +116,8 @@ def two_seed_cells(tmp_path_factory):
     return cells
 
 
+@pytest.mark.real_model  # a sweep on the bundled model, in worker processes
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_two_seed_sweep_gives_different_point_estimates(two_seed_cells):
     by: dict[str, dict[int, dict]] = {}

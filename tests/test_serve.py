@@ -1079,6 +1079,7 @@ def test_two_replicas_on_one_redis_share_prefixes(tmp_path, redis_url):
         a.stop()
 
 
+@pytest.mark.process
 def test_kill_9_mid_stream_leaves_a_store_that_verifies_and_still_hits(tmp_path):
     store = tmp_path / "store"
     s = Server(tmp_path, "--store", str(store))
@@ -1142,6 +1143,7 @@ def _redis_server(port: int, workdir: Path) -> subprocess.Popen:
     raise RuntimeError("redis-server did not start")
 
 
+@pytest.mark.process
 def test_redis_killed_mid_run_degrades_to_memory_and_recovers(tmp_path):
     port = _free_port()
     redis_proc = _redis_server(port, tmp_path)
@@ -1178,6 +1180,7 @@ def test_redis_killed_mid_run_degrades_to_memory_and_recovers(tmp_path):
         redis_proc.wait()
 
 
+@pytest.mark.process
 def test_a_redis_of_the_wrong_type_full_or_paused_costs_no_request(tmp_path, monkeypatch):
     """Issue 27: WRONGTYPE keys, a full Redis (noeviction) and a paused one (SIGSTOP) are each a miss or a
     skipped write, bounded by the store's timeout, never a failed request."""
@@ -1223,6 +1226,7 @@ def test_a_redis_of_the_wrong_type_full_or_paused_costs_no_request(tmp_path, mon
         redis_proc.wait()
 
 
+@pytest.mark.process
 def test_bad_command_lines_fail_in_one_line_before_anything_is_created(tmp_path):
     def run(*args):
         return subprocess.run(

@@ -233,6 +233,7 @@ def test_a_bad_cache_spec_is_one_line_and_exit_2(runner, argv, fragment):
 
 
 # -- end to end: the bundled SmolLM2 behind `kvlab serve --cache`, through the openai client -------------------
+@pytest.mark.process
 def test_kvlab_serve_cache_serves_a_rolling_coded_conversation_to_the_openai_client(tmp_path):
     from tests.test_serve import Server, converse
 

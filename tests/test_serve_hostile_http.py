@@ -281,6 +281,7 @@ def test_health_stays_open_and_tells_no_tenants_activity(server):
     assert "session" not in data.decode() and "tokens" not in data.decode()
 
 
+@pytest.mark.process
 def test_without_any_key_the_admin_pages_stay_open_and_an_admin_key_alone_closes_them(tmp_path):
     s = Server(tmp_path, keys=(), admin=None)
     try:

@@ -551,6 +551,7 @@ def test_through_the_server_a_tenants_long_or_poisoned_request_leaves_anothers_s
     assert health[0] == 200
 
 
+@pytest.mark.process
 def test_the_command_line_takes_a_vanishing_temperature_and_checks_the_prefill_chunk(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run = [sys.executable, "-m", "kvlab"]

@@ -138,6 +138,7 @@ def test_a_dropped_scored_conversation_leaves_no_query_hook_behind(tiny_model):
 
 
 # -- end to end: the bundled SmolLM2 behind `kvlab serve --cache h2o,...`, through the openai client ----------
+@pytest.mark.process
 def test_kvlab_serve_serves_an_h2o_conversation_within_its_budget_to_the_openai_client(tmp_path):
     from tests.test_serve import Server, converse
 

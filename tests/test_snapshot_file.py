@@ -250,6 +250,7 @@ def _temps(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.endswith(".kvlab.tmp"))
 
 
+@pytest.mark.process
 def test_a_save_killed_mid_write_leaves_the_old_file_and_gc_removes_the_temp(tmp_path, small):
     target = tmp_path / "a.kv.safetensors"
     save_snapshot(small, target)
@@ -271,6 +272,7 @@ def test_a_save_killed_mid_write_leaves_the_old_file_and_gc_removes_the_temp(tmp
     assert main(["gc", str(tmp_path), "--older-than", "nan"]) == 2
 
 
+@pytest.mark.process
 def test_the_next_save_removes_a_dead_writers_temp(tmp_path, small):
     target = tmp_path / "b.kv.safetensors"
     _killed_save(target)
@@ -359,6 +361,7 @@ while True:
 """
 
 
+@pytest.mark.process
 def test_saves_killed_at_random_moments_never_leave_a_wrong_file(tmp_path):
     """A real save loop (two alternating snapshots, 3 MB each) killed with SIGKILL at random times."""
     snaps = [F.small_snapshot(seed=s, layers=4, tokens=3000) for s in (1, 2)]

@@ -66,6 +66,7 @@ def _reader(root: str, seconds: float, result: mp.Queue) -> None:
     os._exit(0)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_concurrent_writers_and_readers_never_see_a_torn_or_mixed_block(tmp_path):
     root = str(tmp_path / "store")
@@ -99,6 +100,7 @@ def _slow_writer(root: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.process
 def test_write_killed_midway_leaves_the_store_valid(tmp_path):
     root = tmp_path / "store"
     disk = DiskTier(root)

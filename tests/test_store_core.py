@@ -51,6 +51,7 @@ def _block(fill: float, n: int = 4, parent: str = "p" * 64, h: str = "h" * 64) -
 
 
 # -- keys ------------------------------------------------------------------------------------------
+@pytest.mark.process
 def test_chain_hashes_are_chained_and_stable_across_processes():
     ns = Namespace(fingerprint="f" * 64, dtype="float32", rope=None, block_tokens=4)
     ids = list(range(10))

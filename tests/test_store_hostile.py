@@ -166,6 +166,7 @@ def _run_kvlab(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.process
 def test_kvlab_store_verify_reports_each_one_in_one_line(tmp_path, tiny, full):
     """One store holding all five, checked by the real command: one line per finding, exit code 1."""
     root = tmp_path / "st"

@@ -77,6 +77,8 @@ def local_run(tmp_path_factory):
     return tmp, result
 
 
+@pytest.mark.real_model  # local_run: a sweep on the bundled model, in worker processes
+@pytest.mark.process
 def test_local_sweep_runs_every_cell_and_writes_one_report(local_run):
     tmp, result = local_run
     out = tmp / "out"
@@ -91,6 +93,8 @@ def test_local_sweep_runs_every_cell_and_writes_one_report(local_run):
     assert {c["model_name"] for c in result["cells"]} >= {"SmolLM2-135M-Instruct"}
 
 
+@pytest.mark.real_model  # local_run: a sweep on the bundled model, in worker processes
+@pytest.mark.process
 def test_resume_runs_only_what_is_missing(local_run, tmp_path):
     tmp, result = local_run
     out = tmp_path / "out"
@@ -142,6 +146,7 @@ def ray_cluster(tmp_path):
         subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120, env=env)
 
 
+@pytest.mark.real_model  # local_run: a sweep on the bundled model, in worker processes
 def test_ray_cluster_gives_the_same_cells_as_local(local_run, ray_cluster):
     tmp, _ = local_run
     out = tmp / "out-ray"
@@ -151,6 +156,7 @@ def test_ray_cluster_gives_the_same_cells_as_local(local_run, ray_cluster):
     assert _summaries(out) == _summaries(tmp / "out")
 
 
+@pytest.mark.real_model  # local_run: a sweep on the bundled model, in worker processes
 def test_a_ray_worker_killed_mid_sweep_is_retried(local_run, ray_cluster, tmp_path):
     tmp, _ = local_run
     out = tmp_path / "out-killed"
@@ -195,6 +201,7 @@ def test_a_ray_worker_killed_mid_sweep_is_retried(local_run, ray_cluster, tmp_pa
     assert _summaries(out) == _summaries(tmp / "out")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -270,6 +277,7 @@ def _one_cell_grid(tmp_path: Path, extra: str = "") -> Path:
     return path
 
 
+@pytest.mark.process
 def test_a_local_sweep_runs_on_its_device_and_resume_never_mixes_dtypes(tmp_path):
     """The grid's dtype reaches the cell's model; resuming with another --dtype re-runs every cell (its
     key changed) instead of taking the other dtype's results, and the same dtype again skips them."""
