@@ -44,6 +44,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvlab.errors import BadInputError
+from kvlab.serve.framing import DEFAULT_MAX_HEAD_BYTES, RequestFraming
 
 log = logging.getLogger("kvlab.serve.connections")
 
@@ -64,10 +65,14 @@ _TIMEOUT = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
     b"content-length: %d\r\n\r\n%s"
 )
+_BAD_FRAMING = (
+    b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
 
 
-def _raw_response(template: bytes, message: str, code: str) -> bytes:
-    error = {"message": message, "type": "server_error", "param": None, "code": code}
+def _raw_response(template: bytes, message: str, code: str, kind: str = "server_error") -> bytes:
+    error = {"message": message, "type": kind, "param": None, "code": code}
     body = json.dumps({"error": error}).encode()
     return template % (len(body), body)
 
@@ -299,6 +304,9 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._closing = False
         self._cycle_seen: object = None
+        # every byte passes the strict framing check before h11 parses it (kvlab.serve.framing)
+        limit = self.config.h11_max_incomplete_event_size
+        self._framing = RequestFraming(DEFAULT_MAX_HEAD_BYTES if limit is None else limit)
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -315,18 +323,43 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
+        if self._closing or self._framing.problem is not None:
             return
         if self.state == IDLE and data:
             self._enter(HEAD)
-        super().data_received(data)
+        checked, problem = self._framing.feed(data)
+        if checked:  # never b"": h11 takes that for the end of the stream
+            super().data_received(checked)
+        if problem is not None:
+            self.guard.count("bad_framing")
+            log.warning("refusing a request with 400: %s", problem, extra={"kind": "framing"})
+            self._refuse_framing()
         self._sync()
 
     # uvicorn hooks
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._unset_keepalive_if_required()  # the idle deadline below replaces uvicorn's keep-alive timer
+        if self._framing.problem is not None:
+            self._refuse_framing()
         self._sync()
+
+    def _refuse_framing(self) -> None:
+        """Answer a request whose framing broke a rule with a 400 and close the connection, once the
+        request before it (whole, and being answered) has its reply: nothing after it is parsed."""
+        cycle, problem = self.cycle, self._framing.problem
+        if self._closing or self.transport is None or self.transport.is_closing() or problem is None:
+            return
+        if cycle is not None and not cycle.response_complete and self.conn.their_state is h11.DONE:
+            return  # on_response_complete comes back here
+        farewell = b""
+        if cycle is None or cycle.response_complete or not cycle.response_started:
+            farewell = _raw_response(
+                _BAD_FRAMING, f"bad request framing: {problem}", "bad_framing", "invalid_request_error"
+            )
+            if cycle is not None:
+                cycle.response_started = True  # nothing else may be written
+        self.close_now(farewell)
 
     # state
     def close_now(self, farewell: bytes = b"") -> None:
@@ -358,7 +391,8 @@ class GuardedH11Protocol(H11Protocol):
         elif self.conn.their_state is h11.SEND_BODY:  # answered before its body ended (a 401, a 413)
             state = BODY
         elif self.conn.their_state is h11.IDLE:
-            state = HEAD if self.state == HEAD or self.conn.trailing_data[0] else IDLE
+            waiting = self.conn.trailing_data[0] or self._framing.held
+            state = HEAD if self.state == HEAD or waiting else IDLE
         else:
             state = ACTIVE
         if state != self.state:
