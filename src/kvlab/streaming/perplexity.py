@@ -36,6 +36,7 @@ from kvlab.hf.masked import accepts_mask_per_layer_type
 from kvlab.hf.rolling_cache import Rebase, RollingCache
 from kvlab.metrics.divergence import token_kl, top1_agreement
 from kvlab.metrics.logits import nll
+from kvlab.metrics.stats import Interval
 from kvlab.model.handle import as_handle
 from kvlab.streaming.masked import evicted_before, masked_rolling_nll
 
@@ -548,16 +549,18 @@ def _ratio_to_fp_window(results: dict[str, StreamResult], name: str, window: int
 
 
 def table_row(row: dict) -> list:
-    """A :func:`summarize` row as the cells of :data:`TABLE_COLUMNS` (numbers left for the renderer)."""
+    """A :func:`summarize` row as the cells of :data:`TABLE_COLUMNS` (numbers left for the renderer; an
+    interval over fewer than 5 subsampled targets is written "(n = 3, no interval)")."""
+    n = row["subsample"]
     return [
         row["source"],
         row["window"],
         METHODS[row["method"]].label,
         row["ppl_all"],
         row["ppl_subsample"],
-        f"[{row['ppl_subsample_low']:.2f}, {row['ppl_subsample_high']:.2f}]",
+        Interval(row["ppl_subsample"], row["ppl_subsample_low"], row["ppl_subsample_high"], n).bracket(".2f"),
         row["ratio_to_recompute"],
-        f"[{row['ratio_low']:.3f}, {row['ratio_high']:.3f}]",
+        Interval(row["ratio_to_recompute"], row["ratio_low"], row["ratio_high"], n).bracket(".3f"),
         row["seconds"],
         row["tokens_per_s"],
         {"masked": "masked forwards", "loop": "a live cache (the loop)"}.get(

@@ -287,7 +287,9 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         (
             f"{r['source']}, W={r['window']}, {'4 sinks + window' if r['method'] == 'sinks4' else 'window only'}: "
             "perplexity / re-computation",
-            format_interval(r["ratio_to_recompute"], r.get("ratio_low"), r.get("ratio_high")),
+            format_interval(
+                r["ratio_to_recompute"], r.get("ratio_low"), r.get("ratio_high"), n=r.get("subsample")
+            ),
         )
         for r in rows_in
     ]
