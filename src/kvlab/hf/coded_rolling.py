@@ -11,7 +11,9 @@ the same ``base``, ``slots``, plan, rolls and re-bases in every layer); only the
 * the newest slots wait in a full-precision tail; like a roll, encoding is decided at the end of an
   update and applied at the start of the next, so a prompt fed in pieces with the roll held
   (:meth:`~kvlab.hf.live_cache.LiveCache.hold_roll`, which also holds the codes) sees its earlier pieces in full
-  precision, as one forward would.
+  precision, as one forward would; and like a roll, a feed longer than the headroom is settled at the
+  end of its own update (encoded, rolled, its tail copied out of the prompt-sized tensor), so no
+  prompt-sized tail outlives its forward (:meth:`~kvlab.hf.rolling_cache.RollingLayer._settle`).
 
 Invariant: codes are stored at their slots' *original* positions (a roll does not move a window key's
 position; a re-base by ``r`` rotates every kept key by ``-r``): the layer keeps ``frame``, the total of
@@ -97,6 +99,21 @@ class CodedRollingLayer(RollingLayer):
             self._encode_ready()
             self.encode_pending = False
         self._apply(self.plan)
+
+    def _moves_held(self) -> bool:
+        """Whether the next update rolls, re-bases or encodes what is held."""
+        return self.plan.pending or self.encode_pending
+
+    def _settle(self) -> None:
+        """What the next update would do first (encode the ready blocks, apply the plan), done now after a
+        feed longer than the headroom, with the tail copied to tensors of its own size: the one it is a
+        slice of is as long as the prompt (``_attend`` returned new tensors, so this forward is unaffected)."""
+        encodes = self.tail_k.shape[-2] - self.tail_slots >= self.block
+        self.settled = self.plan.pending or encodes  # a held piece would see these codes, not the fp tail
+        self._prepare()
+        self._count_plan()
+        self.tail_k, self.tail_v = self.tail_k.clone(), self.tail_v.clone()
+        self.keys, self.values = self.tail_k, self.tail_v
 
     def hold(self) -> None:
         """Cancel the pending roll and keep the tail in full precision through the next forward (a prompt

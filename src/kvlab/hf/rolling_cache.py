@@ -6,8 +6,10 @@ StreamingLLM's policy on transformers 5.x's layer API, built so that a roll cost
   right before the window. ``next_position = base + slots`` is what :meth:`get_seq_length` returns,
   so a model called without ``position_ids`` puts its queries where the cache expects them.
 * Storage is written in place: each layer owns key and value buffers sized for ``sinks + window``
-  plus two eviction chunks. A plain decode step writes only the new token (a ``DynamicCache``
-  concatenates the whole cache every step); views of the buffers are what attention reads.
+  plus one slot (a decode step's token; a sliding layer: its reach plus one eviction chunk). A plain
+  decode step writes only the new token (a ``DynamicCache`` concatenates the whole cache every step);
+  views of the buffers are what attention reads. A larger feed grows them for its forward; the next
+  update shrinks them back.
 * Evicting ``d`` window tokens moves the kept window down once (every ``evict_chunk`` tokens, so the
   copy is amortized) and re-rotates the ``sinks`` sink keys from their stored originals (float64
   angles, never incremental): ``base`` grows by ``d`` and ``next_position`` does not change. RoPE
@@ -19,7 +21,15 @@ StreamingLLM's policy on transformers 5.x's layer API, built so that a roll cost
   re-bases only when ``next_position`` would pass the model's maximum, ``"always"`` after every
   eviction (StreamingLLM's in-cache positions), ``"never"`` not at all.
 * Eviction and re-basing are lazy: decided at the end of a layer's update, applied at the start of
-  its next one; the mask offset accounts for it.
+  its next one; the mask offset accounts for it. One exception keeps memory the policy's: a feed
+  larger than the headroom (a long prompt in one forward, e.g. ``model.generate``'s prefill) is
+  *settled* at the end of its update: the plan is applied into new buffers of the steady size and the
+  prompt-sized ones live on only in the views this forward's attention reads. So between forwards a
+  layer holds at most ``sinks + window + 1`` slots (plus the sinks' original keys), except after a
+  feed of at most ``headroom`` tokens into a full window (how kvlab's loops and the server feed a
+  prompt, holding the roll between pieces: :meth:`~kvlab.hf.live_cache.LiveCache.hold_roll`), which
+  holds ``kept + feed <= sinks + 2 * window`` slots until the next update. A settled roll cannot be
+  held: ``hold_roll`` after such a feed is refused.
 
 Each :class:`RollingLayer` owns its state and follows one immutable :class:`RollRule` (the
 :class:`~kvlab.policy.SinksWindow` policy, the chunk, the re-base mode); layers never reach back
@@ -166,6 +176,7 @@ class RollingLayer(CacheLayerMixin):
         self.tokens_seen = self.rolls = self.rebases = 0
         self.updates = 0  # forwards taken (a checkpoint of the buffers undoes one)
         self.may_rebase = False  # set by the cache while its caller lets it choose positions
+        self.settled = False  # the last update applied its own plan (a long feed: _settle); no hold then
 
     # -- positions -----------------------------------------------------------------------------------
     @property
@@ -198,7 +209,8 @@ class RollingLayer(CacheLayerMixin):
         return -1
 
     def _steady_slots(self) -> int:
-        return int(self.rule.policy.capacity or 0) + 2 * self.rule.evict_chunk
+        """The buffers' size between forwards: the most slots a forward keeps plus a decode step's token."""
+        return int(self.rule.policy.capacity or 0) + 1
 
     # -- the live-layer interface (kvlab.hf.live_cache) --------------------------------------------------
     @property
@@ -216,7 +228,14 @@ class RollingLayer(CacheLayerMixin):
         return torch.arange(self.next_position - self.kept, self.next_position, device="cpu")
 
     def hold(self) -> None:
-        """Cancel the roll the last forward planned, so that the next forward continues it (in place)."""
+        """Cancel the roll the last forward planned, so that the next forward continues it (in place);
+        refused after a feed longer than the headroom, whose roll its update already applied (_settle)."""
+        if self.settled:
+            raise BadInputError(
+                f"the last forward fed more than the rolling cache's headroom ({self.rule.headroom} tokens), so "
+                "its update already rolled the window (no prompt-sized buffer outlives the forward): to hold "
+                f"the roll between the pieces of a prompt, feed pieces of at most {self.rule.headroom} tokens"
+            )
         self.plan = RollPlan()
 
     def seed(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -289,8 +308,7 @@ class RollingLayer(CacheLayerMixin):
         sinks = self.rule.policy.sinks
         if self.sink_keys is None and sinks and total >= sinks:
             self.sink_keys = self.keys[:, :, :sinks].clone()
-        self._advance(n_new)
-        return self.keys, self.values
+        return self._advance(n_new)
 
     def _copy_on_write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Under autograd, write into copies of the buffers: the previous forwards saved views of the old
@@ -302,42 +320,76 @@ class RollingLayer(CacheLayerMixin):
         if key_states.requires_grad or value_states.requires_grad or self._buf_k.requires_grad:
             self._buf_k, self._buf_v = self._buf_k.clone(), self._buf_v.clone()
 
-    def _advance(self, n_new: int) -> None:
+    def _advance(self, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The counts after a feed of ``n_new`` tokens with the pending plan applied, and the next plan
-        (the same in every layer, so every layer makes the same decisions)."""
+        (the same in every layer, so every layer makes the same decisions); then, after a feed longer than
+        the headroom, that plan settled at once (:meth:`_settle`). Returns what this forward attends to."""
+        self._count_plan()
+        self.slots += n_new
+        self.tokens_seen += n_new
+        self.updates += 1
+        self.plan = self.rule.next_plan(self.base, self.slots, self.may_rebase)
+        out = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)  # set by the update
+        self.settled = False
+        if n_new > self.rule.headroom and self._moves_held():
+            self._settle()
+        return out
+
+    def _count_plan(self) -> None:
+        """The counts with the pending plan applied (its slots moved already), and no plan pending."""
         plan = self.plan
         self.rolls += plan.drop > 0
         self.rebases += plan.rebase != 0
         self.base += plan.drop - plan.rebase
-        self.slots += n_new - plan.drop
-        self.tokens_seen += n_new
-        self.updates += 1
-        self.plan = self.rule.next_plan(self.base, self.slots, self.may_rebase)
+        self.slots -= plan.drop
+        self.plan = RollPlan()
 
-    def _apply_plan(self) -> int:
-        """Apply the pending drop and re-base to the buffers in place; returns the slots kept."""
+    def _settle(self) -> None:
+        """Apply the plan now, into new buffers of the steady size: after a long feed (a prompt in one
+        forward) the buffers are prompt-sized, and only this forward's attention, which reads the views
+        the update returned (of the old buffers, left untouched), still needs them. Every layer settles
+        the same feeds (the same count, the same plan), so the layers keep the same counts; the result
+        equals the lazy roll of the next update, bit for bit."""
+        # allocated by the update that is settling
+        old_k, old_v = cast(torch.Tensor, self._buf_k), cast(torch.Tensor, self._buf_v)
+        size = (*old_k.shape[:2], self._steady_slots())
+        into = old_k.new_empty((*size, old_k.shape[-1])), old_v.new_empty((*size, old_v.shape[-1]))
+        self.settled = self.plan.pending
+        held = self._apply_plan(into)
+        self._count_plan()
+        self._buf_k, self._buf_v = into
+        self.keys, self.values = into[0][:, :, :held], into[1][:, :, :held]
+
+    def _apply_plan(self, into: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+        """Apply the pending drop and re-base to the buffers in place, or with the kept slots copied
+        ``into`` other buffers (the old ones left as they are); returns the slots kept."""
         plan = self.plan
-        if not plan.pending:
+        if not plan.pending and into is None:
             return self.slots
         # a roll is planned only by an update, once _reserve has allocated the buffers
         assert self._buf_k is not None and self._buf_v is not None
         s = min(self.rule.policy.sinks, self.slots)
         kept = self.slots - plan.drop
-        if plan.drop:  # overlapping move down: copy the survivors out first (once per evicted chunk)
-            for buf in (self._buf_k, self._buf_v):
-                buf[:, :, s:kept] = buf[:, :, s + plan.drop : self.slots].clone()
+        dst_k, dst_v = into or (self._buf_k, self._buf_v)
+        for src, dst in ((self._buf_k, dst_k), (self._buf_v, dst_v)):
+            if into is not None:
+                dst[:, :, :s] = src[:, :, :s]
+                dst[:, :, s:kept] = src[:, :, s + plan.drop : self.slots]
+            elif plan.drop:  # overlapping move down: copy the survivors out first (once per evicted chunk)
+                dst[:, :, s:kept] = src[:, :, s + plan.drop : self.slots].clone()
         if plan.rebase and self.rope is not None:
-            rotate_by_(self._buf_k[:, :, s:kept], -plan.rebase, self.rope)
-        if s:  # the sinks, rotated from their stored originals straight into place (no drift)
-            self._buf_k[:, :, :s] = self.sinks_at(self.base + plan.drop - plan.rebase)
+            rotate_by_(dst_k[:, :, s:kept], -plan.rebase, self.rope)
+        if s and plan.pending:  # the sinks rotated from their stored originals straight into place (no drift)
+            dst_k[:, :, :s] = self.sinks_at(self.base + plan.drop - plan.rebase)
         return kept
 
     def _reserve(self, need: int, held: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Buffers with room for ``need`` slots: allocated once at the steady-state size, grown for a
-        larger feed (a long prompt under ``model.generate``), shrunk back once the cache has rolled."""
+        larger feed (kept for the feeds that follow it: the pieces of a prompt), shrunk back to the steady
+        size by the first update that fits in it (a decode step)."""
         steady = self._steady_slots()
         cap = 0 if self._buf_k is None else self._buf_k.shape[-2]
-        if need <= cap <= 2 * max(need, steady):
+        if need <= cap and (cap <= steady or need > steady):
             return
         size = max(need, steady)
         shape = (*key_states.shape[:2], size)
@@ -416,6 +468,7 @@ class RollingLayer(CacheLayerMixin):
         self.is_initialized = False
         self.base = self.slots = self.tokens_seen = self.rolls = self.rebases = self.updates = 0
         self.plan = RollPlan()
+        self.settled = False
 
 
 class SlidingRollingLayer(RollingLayer):
@@ -453,7 +506,8 @@ class SlidingRollingLayer(RollingLayer):
         return self._held_next()
 
     def _steady_slots(self) -> int:
-        return self.reach + 2 * self.rule.evict_chunk
+        """Its reach, up to one chunk awaiting a trim, and a decode step's token."""
+        return self.reach + self.rule.evict_chunk
 
     def _moves_held(self) -> bool:
         return self.plan.pending or self._held_next() < self.held
@@ -468,16 +522,7 @@ class SlidingRollingLayer(RollingLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._copy_on_write(key_states, value_states)
-        keep = self._held_next()
-        if keep < self.held:  # the newest `reach` slots move down (once per evicted chunk)
-            assert self._buf_k is not None and self._buf_v is not None  # slots are held in them
-            for buf in (self._buf_k, self._buf_v):
-                buf[:, :, :keep] = buf[:, :, self.held - keep : self.held].clone()
-            self.held = keep
-        plan = self.plan
-        if plan.rebase and self.rope is not None and self.held:
-            assert self._buf_k is not None  # slots are held in it
-            rotate_by_(self._buf_k[:, :, : self.held], -plan.rebase, self.rope)
+        self.held = self._apply_plan()
         total = self.held + n_new
         self._reserve(total, self.held, key_states, value_states)
         assert self._buf_k is not None and self._buf_v is not None  # _reserve allocated them
@@ -485,8 +530,23 @@ class SlidingRollingLayer(RollingLayer):
         self._buf_v[:, :, self.held : total] = value_states
         self.keys, self.values = self._buf_k[:, :, :total], self._buf_v[:, :, :total]
         self.held = total
-        self._advance(n_new)
-        return self.keys, self.values
+        return self._advance(n_new)
+
+    def _apply_plan(self, into: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+        """Trim to the reach (once per chunk) and apply a pending re-base to what is held, in place or
+        copied ``into`` other buffers (the old ones left as they are); returns the slots held."""
+        keep = self._held_next()
+        if into is not None or keep < self.held:  # the newest `reach` slots move down (once per chunk)
+            assert self._buf_k is not None and self._buf_v is not None  # slots are held in them
+            for src, dst in zip((self._buf_k, self._buf_v), into or (self._buf_k, self._buf_v), strict=True):
+                moved = src[:, :, self.held - keep : self.held]
+                dst[:, :, :keep] = moved if into is not None else moved.clone()
+        dst_k = into[0] if into is not None else self._buf_k
+        if self.plan.rebase and self.rope is not None and keep:
+            assert dst_k is not None  # slots are held in it
+            rotate_by_(dst_k[:, :, :keep], -self.plan.rebase, self.rope)
+        self.held = keep
+        return keep
 
     def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` the next forward will see (trim and pending re-base applied); views when
