@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections import Counter
 from pathlib import Path
@@ -16,15 +17,19 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvlab"
 
 
+@functools.cache
 def _modules() -> dict[str, ast.Module]:
+    """Every module of the package, parsed once, when a test first asks (not at collection)."""
     out = {}
     for path in sorted(SRC.rglob("*.py")):
         name = ".".join(("kvlab", *path.relative_to(SRC).with_suffix("").parts))
-        out[name.removesuffix(".__init__")] = ast.parse(path.read_text(), filename=str(path))
+        out[name.removesuffix(".__init__")] = ast.parse(_source(name), filename=str(path))
     return out
 
 
-MODULES = _modules()
+@functools.cache
+def _source(module: str) -> str:
+    return (SRC / _path(module)).read_text()
 
 
 def _imports(tree: ast.Module) -> set[str]:
@@ -47,13 +52,13 @@ def _layer(module: str) -> str:
 
 
 def test_modules_found():
-    assert "kvlab.model.handle" in MODULES and "kvlab.study.runner" in MODULES
+    assert "kvlab.model.handle" in _modules() and "kvlab.study.runner" in _modules()
 
 
 def test_library_never_imports_the_study_or_the_cli():
     bad = [
         f"{mod} imports {imp}"
-        for mod, tree in MODULES.items()
+        for mod, tree in _modules().items()
         if _layer(mod) == "library"
         for imp in _imports(tree)
         if imp.startswith(("kvlab.study", "kvlab.cli"))
@@ -64,7 +69,7 @@ def test_library_never_imports_the_study_or_the_cli():
 def test_study_never_imports_the_cli():
     bad = [
         f"{mod} imports {imp}"
-        for mod, tree in MODULES.items()
+        for mod, tree in _modules().items()
         if _layer(mod) == "study"
         for imp in _imports(tree)
         if imp.startswith("kvlab.cli")
@@ -75,7 +80,7 @@ def test_study_never_imports_the_cli():
 def test_only_the_adapter_touches_transformers_cache_classes():
     bad = [
         f"{mod} imports {imp}"
-        for mod, tree in MODULES.items()
+        for mod, tree in _modules().items()
         if not mod.startswith("kvlab.hf")
         for imp in _imports(tree)
         if imp.startswith("transformers.cache_utils") or imp in ("transformers.DynamicCache",)
@@ -86,7 +91,7 @@ def test_only_the_adapter_touches_transformers_cache_classes():
 def test_only_model_handle_calls_the_model():
     """``x.model(`` outside ``kvlab.model.handle`` would be a second path into the model."""
     bad = []
-    for mod, tree in MODULES.items():
+    for mod, tree in _modules().items():
         if mod == "kvlab.model.handle":
             continue
         for node in ast.walk(tree):
@@ -128,13 +133,13 @@ RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
 
 def test_every_package_has_a_layer():
-    pkgs = {m.split(".")[1] for m in MODULES if m.count(".") >= 1}
+    pkgs = {m.split(".")[1] for m in _modules() if m.count(".") >= 1}
     assert pkgs <= set(RANK), sorted(pkgs - set(RANK))
 
 
 def test_packages_import_only_from_below():
     bad = []
-    for mod, tree in MODULES.items():
+    for mod, tree in _modules().items():
         if mod == "kvlab":
             continue  # the package root re-exports (lazily)
         here = mod.split(".")[1]
@@ -187,9 +192,9 @@ def test_one_thread_local_and_one_eager_attention_function():
     """Per-forward state lives in one thread-local (kvlab.hf.step) and every eager kvlab cache attends
     through one registered attention function; only the captured decode steps (kvlab.hf.graphs) register
     their own, fixed attention (a CUDA graph or a fullgraph compile cannot consult a thread-local)."""
-    locals_ = [m for m in MODULES if "threading.local" in (SRC / _path(m)).read_text()]
+    locals_ = [m for m in _modules() if "threading.local" in _source(m)]
     assert locals_ == ["kvlab.hf.step"], locals_
-    registers = sorted(m for m in MODULES if "AttentionInterface.register(" in (SRC / _path(m)).read_text())
+    registers = sorted(m for m in _modules() if "AttentionInterface.register(" in _source(m))
     assert registers == ["kvlab.hf.graphs", "kvlab.hf.step"], registers
     assert (SRC / "hf/step.py").read_text().count("AttentionInterface.register(") == 1
 
@@ -205,13 +210,13 @@ def test_one_implementation_each():
     gone = {name: _defined(name) for name in GONE}
     assert not any(gone.values()), gone
     # the only sampling and the only multinomial draw are in the decode loop
-    users = [m for m in MODULES if "multinomial(" in (SRC / _path(m)).read_text()]
+    users = [m for m in _modules() if "multinomial(" in _source(m)]
     assert users == ["kvlab.loop"], users
 
 
 def _defined(name: str) -> list[str]:
     pattern = re.compile(rf"^\s*(def|class) {re.escape(name)}\b", re.M)
-    return [mod for mod, _ in MODULES.items() if pattern.search((SRC / _path(mod)).read_text())]
+    return [mod for mod, _ in _modules().items() if pattern.search(_source(mod))]
 
 
 def _path(module: str) -> str:
@@ -232,7 +237,7 @@ def test_no_unreachable_statements():
     """Nothing follows a return/raise/continue/break in the same block (a split function that returns early
     would silently drop the figures or rows after it)."""
     bad = []
-    for mod, tree in MODULES.items():
+    for mod, tree in _modules().items():
         for node in ast.walk(tree):
             for field in ("body", "orelse", "finalbody"):
                 block = getattr(node, field, None)
@@ -249,7 +254,7 @@ def test_experiment_functions_stay_short():
     """Experiments are measure -> records -> tables and figures, each a function under 80 lines."""
     long = [
         f"{mod}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
-        for mod, tree in MODULES.items()
+        for mod, tree in _modules().items()
         if mod.startswith("kvlab.study.experiments")
         for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -262,10 +267,10 @@ def test_no_private_function_is_left_unused():
     """A module-level ``_helper`` that nothing references is dead code (or a figure a refactor forgot to call).
     One pass over the source: every maximal run of word characters counted once (what ``\\bname\\b``
     finds, without one regex over everything per name)."""
-    words = Counter(re.findall(r"\w+", "\n".join((SRC / _path(m)).read_text() for m in MODULES)))
+    words = Counter(re.findall(r"\w+", "\n".join(_source(m) for m in _modules())))
     unused = [
         f"{mod}.{node.name}"
-        for mod, tree in MODULES.items()
+        for mod, tree in _modules().items()
         for node in tree.body
         if isinstance(node, (ast.FunctionDef, ast.ClassDef))
         and node.name.startswith("_")
