@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import functools
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -306,23 +307,47 @@ def starts_process(path: str, name: str) -> bool:
 
 
 def _starts(path: str, name: str, seen: set[tuple[str, str]]) -> bool:
-    if (path, name) in seen or "site-packages" in path or not path.endswith(".py"):
+    if (path, name) in seen or "site-packages" in path or not path.endswith(".py") or not _may_spawn(path):
         return False
     seen.add((path, name))
     defs, imports = _module_scan(path)
     if name in imports:
-        module, attr = imports[name]
-        parts = module.split(".")
-        source = (
-            TESTS_DIR.joinpath(*parts[1:]).with_suffix(".py")
-            if parts[0] == "tests"
-            else TESTS_DIR / "conftest.py"
-        )
-        return source.is_file() and _starts(str(source), attr, seen)
+        source = _suite_source(imports[name][0])
+        return source.is_file() and _starts(str(source), imports[name][1], seen)
     if name not in defs:
         return False
     spawns, names = defs[name]
     return spawns or any(_starts(path, n, seen) for n in names - {name})
+
+
+def _suite_source(module: str) -> Path:
+    """The file of a suite module named in an import (``tests.cli_runner``, ``tests.conftest``, ``conftest``)."""
+    parts = module.split(".")
+    return (
+        TESTS_DIR.joinpath(*parts[1:]).with_suffix(".py")
+        if parts[0] == "tests"
+        else TESTS_DIR / "conftest.py"
+    )
+
+
+@functools.cache
+def _may_spawn(path: str) -> bool:
+    """Whether the source, or a suite module it imports (transitively), so much as names a call that starts
+    a process: the sources that cannot are never parsed (most of the suite; collection stays quick)."""
+    words = [f"{m}.{f}" for m, fs in SPAWN_FUNCTIONS.items() for f in fs] + [*SPAWN_METHODS, *SPAWN_NAMES]
+    todo, seen = [Path(path)], set()
+    while todo:
+        source = todo.pop()
+        if source in seen or not source.is_file():
+            continue
+        seen.add(source)
+        text = source.read_text()
+        if any(w in text for w in words):
+            return True
+        todo += [
+            _suite_source(m) for m in re.findall(r"^\s*from (tests(?:\.\w+)*|conftest) import", text, re.M)
+        ]
+    return False
 
 
 def _fixture_starts_process(item: pytest.Function, name: str) -> bool:
