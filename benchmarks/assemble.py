@@ -30,6 +30,7 @@ ORDER = [
     "serve",
     "serve_fidelity",
     "serve_soak",
+    "serve_redis_full",
     "small_batch_linear",
     "prefill_interleave",
     "transfer",
