@@ -3,27 +3,61 @@
 ``kvlab.compress.quant`` turns a snapshot's K/V into packed codes (``quantize_snapshot``);
 ``kvlab.compress.evict`` keeps a budget of tokens chosen by a policy (``observe`` + ``evict``);
 ``kvlab.hf.compressed_cache.CompressedCache`` runs either inside ``model.generate``.
+
+The names below are imported on first use (PEP 562), so reading a cache spec
+(:mod:`kvlab.compress.spec`) does not import torch. ``kvlab.compress.evict`` is the eviction package
+(its function is ``kvlab.compress.evict.evict``).
 """
 
-from kvlab.compress.evict import (
-    POLICIES,
-    LearnedPolicy,
-    Observation,
-    evict,
-    make_policy,
-    observe,
-)
-from kvlab.compress.quant import (
-    SUPPORTED_BITS,
-    KIVIQuantizer,
-    PerTokenQuantizer,
-    PreRopeQuantizer,
-    QuantizedSnapshot,
-    Quantizer,
-    RotatedQuantizer,
-    make_quantizer,
-    quantize_snapshot,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "POLICIES": "kvlab.compress.evict",
+    "LearnedPolicy": "kvlab.compress.evict",
+    "Observation": "kvlab.compress.evict",
+    "make_policy": "kvlab.compress.evict",
+    "observe": "kvlab.compress.evict",
+    "SUPPORTED_BITS": "kvlab.compress.catalogue",
+    "KIVIQuantizer": "kvlab.compress.quant",
+    "PerTokenQuantizer": "kvlab.compress.quant",
+    "PreRopeQuantizer": "kvlab.compress.quant",
+    "QuantizedSnapshot": "kvlab.compress.quant",
+    "Quantizer": "kvlab.compress.quant",
+    "RotatedQuantizer": "kvlab.compress.quant",
+    "make_quantizer": "kvlab.compress.quant",
+    "quantize_snapshot": "kvlab.compress.quant",
+}
+
+if TYPE_CHECKING:
+    from kvlab.compress.catalogue import SUPPORTED_BITS
+    from kvlab.compress.evict import POLICIES, LearnedPolicy, Observation, make_policy, observe
+    from kvlab.compress.quant import (
+        KIVIQuantizer,
+        PerTokenQuantizer,
+        PreRopeQuantizer,
+        QuantizedSnapshot,
+        Quantizer,
+        RotatedQuantizer,
+        make_quantizer,
+        quantize_snapshot,
+    )
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlab.compress' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "POLICIES",
@@ -36,7 +70,6 @@ __all__ = [
     "QuantizedSnapshot",
     "Quantizer",
     "RotatedQuantizer",
-    "evict",
     "make_policy",
     "make_quantizer",
     "observe",

@@ -19,21 +19,20 @@ The older short forms stay valid: ``int4``, ``kivi:int2`` (a codec alone) and ``
 and the fraction removed; ``window:R`` is sinks + window, ``keynorm`` is ``knorm``).
 
 Layouts are small classes registered by name (:data:`LAYOUTS`); scores and codecs register
-themselves where they are defined, so a new one reaches every command that reads a spec. Parsing
-builds nothing heavy and loads no model; a bad spec is one :class:`~kvlab.errors.BadInputError`
-naming what is known.
+themselves where they are defined and are named in :mod:`kvlab.compress.catalogue`, so a new one
+reaches every command that reads a spec. Parsing builds nothing heavy, loads no model and imports no
+torch (the catalogue names what the registries hold); a bad spec is one
+:class:`~kvlab.errors.BadInputError` naming what is known.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from kvlab.compress.catalogue import CODECS, SCORES, SUPPORTED_BITS, VARIANTS, codec_facts
 from kvlab.errors import BadInputError
-
-if TYPE_CHECKING:
-    from kvlab.compress.quant.methods import Quantizer
 
 #: aliases of score names in specs: ``keynorm`` is kvlab's ``knorm``
 ALIASES = {"keynorm": "knorm"}
@@ -152,10 +151,7 @@ class CachePolicy:
     def codec_name(self) -> str | None:
         if self.codec is None:
             return None
-        from kvlab.compress.quant.methods import QUANTIZERS
-
-        fixed = QUANTIZERS[self.codec].fixed_bits if self.codec in QUANTIZERS else None
-        return self.codec if fixed is not None else f"{self.codec}{self.bits}"
+        return self.codec if codec_facts(self.codec).fixed_bits is not None else f"{self.codec}{self.bits}"
 
     @property
     def spec(self) -> str:
@@ -218,26 +214,10 @@ FULL = CachePolicy()
 
 
 # -- reading specs ------------------------------------------------------------------------------
-def _codecs() -> dict[str, type[Quantizer]]:
-    from kvlab.compress.quant.methods import QUANTIZERS, quantizer_names
-
-    quantizer_names()  # imports codecs/
-    return QUANTIZERS
-
-
-def _scores() -> dict[str, type]:
-    from kvlab.compress.evict import POLICIES
-
-    return POLICIES
-
-
 def known() -> str:
     """What a cache spec may say, in one line (for errors and ``--help``)."""
-    from kvlab.compress.quant.scalar import SUPPORTED_BITS
-
-    codecs = _codecs()
-    names = [k if c.fixed_bits is not None else f"{k}<bits>" for k, c in codecs.items()]
-    scores = [*_scores(), *(f"{a} (= {b})" for a, b in ALIASES.items())]
+    names = [k if c.fixed_bits is not None else f"{k}<bits>" for k, c in CODECS.items()]
+    scores = [*SCORES, *(f"{a} (= {b})" for a, b in ALIASES.items())]
     return (
         f"full; sinks=N,window=N[,chunk=N]; <score>,keep=F|ratio=F|budget=N[,every=N][,sinks=N][,window=N]"
         f"[,heads={'|'.join(HEAD_SHARES)}][,layers={'|'.join(LAYER_SHARES)}] "
@@ -248,23 +228,25 @@ def known() -> str:
 
 
 def _codec(word: str, spec: str) -> tuple[str, int | None]:
-    """``kivi4`` -> ``("kivi", 4)``; ``int4`` -> pertoken; ``fp8`` -> ``("fp8", 8)``; checked."""
-    from kvlab.compress.quant.methods import make_quantizer
-
-    codecs = _codecs()
+    """``kivi4`` -> ``("kivi", 4)``; ``int4`` -> pertoken; ``fp8`` -> ``("fp8", 8)``; checked as
+    :func:`~kvlab.compress.quant.methods.make_quantizer` checks them."""
     word = word.replace(":int", "").replace(":", "")
     if word.startswith("int") and word[3:].isdigit():
         word = "pertoken" + word[3:]
-    if word in codecs and codecs[word].fixed_bits is not None:
-        return word, codecs[word].fixed_bits
+    if word in CODECS and CODECS[word].fixed_bits is not None:
+        return word, CODECS[word].fixed_bits
     m = re.fullmatch(r"([a-z0-9_+]*?[a-z_+])(\d+)", word)
-    if m is None or m.group(1) not in [*codecs, "rotation+qjl"]:
+    if m is None or m.group(1) not in [*CODECS, *VARIANTS]:
         raise BadInputError(f"cache spec '{spec}': unknown codec '{word}'; known: {known()}")
     name, bits = m.group(1), int(m.group(2))
-    try:
-        make_quantizer(name, bits)
-    except BadInputError as exc:
-        raise BadInputError(f"cache spec '{spec}': {exc}") from None
+    fixed = codec_facts(name).fixed_bits
+    if fixed is not None and bits != fixed:
+        raise BadInputError(f"cache spec '{spec}': quantizer '{name}' has {fixed} bits, got {bits}")
+    if bits not in SUPPORTED_BITS:
+        raise BadInputError(
+            f"cache spec '{spec}': unsupported bit width {bits}; choose one of "
+            f"{', '.join(map(str, SUPPORTED_BITS))}"
+        )
     return name, bits
 
 
@@ -306,10 +288,10 @@ def parse(spec: str) -> CachePolicy:
         key, eq, value = item.partition("=")
         if not eq:
             name = ALIASES.get(key, key)
-            if name in _scores() and score is None:
+            if name in SCORES and score is None:
                 score = name
                 continue
-            if "codec" not in opts and (key in _codecs() or re.fullmatch(r"(int|[a-z+]+)\d+", key)):
+            if "codec" not in opts and (key in CODECS or re.fullmatch(r"(int|[a-z+]+)\d+", key)):
                 opts["codec"] = key  # a bare codec name: int4, kivi2, fp8
                 continue
             raise BadInputError(f"cache spec '{spec}': unknown item '{item}'; known: {known()}")
@@ -378,10 +360,6 @@ def _build(spec: str, score: str | None, opts: dict[str, str]) -> CachePolicy:
             ints.get("window"),
             **shares,
         )
-        try:
-            layout.policy()
-        except (BadInputError, TypeError) as exc:
-            raise BadInputError(f"cache spec '{spec}': {exc}") from None
     elif "window" in ints:
         refuse(
             ("keep", "ratio", "budget", "every"),
@@ -391,7 +369,7 @@ def _build(spec: str, score: str | None, opts: dict[str, str]) -> CachePolicy:
             raise BadInputError(f"cache spec '{spec}': window must be >= 1")
         layout = SinksWindowLayout(ints.get("sinks", DEFAULT_SINKS), ints["window"], ints.get("chunk", 0))
         if codec is not None:
-            _check_coded_window(spec, layout, CachePolicy(layout, codec, bits, ints.get("tail")).quantizer())
+            _check_coded_window(spec, CachePolicy(layout, codec, bits, ints.get("tail")))
     else:
         refuse(("keep", "ratio", "budget", "every"), "only apply to a score (e.g. h2o,keep=0.5)")
         refuse(("chunk",), "applies to sinks + window only (add window=N)")
@@ -401,21 +379,23 @@ def _build(spec: str, score: str | None, opts: dict[str, str]) -> CachePolicy:
     return CachePolicy(layout, codec, bits, ints.get("tail"), codec_sinks)
 
 
-def _check_coded_window(spec: str, lay: SinksWindowLayout, codec: Any) -> None:
+def _check_coded_window(spec: str, policy: CachePolicy) -> None:
     """A window over codes must hold at least one block of codes besides its chunk and full-precision tail
     (checked again, for the model's head size, when the cache is built)."""
     import math
 
     from kvlab.policy.window import default_chunk
 
-    block = codec.rolling_block()
-    chunk = block * math.ceil((lay.chunk or default_chunk(lay.window)) / block)
-    need = chunk + block + int(codec.window)
+    lay, facts = policy.layout, codec_facts(str(policy.codec))
+    assert isinstance(lay, SinksWindowLayout)
+    tail = facts.tail if policy.tail is None else policy.tail
+    chunk = facts.block * math.ceil((lay.chunk or default_chunk(lay.window)) / facts.block)
+    need = chunk + facts.block + tail
     if lay.window < need:
         raise BadInputError(
-            f"cache spec '{spec}': a window of {lay.window} over {codec.name} codes holds none: it needs the "
-            f"eviction chunk ({chunk}) + one block of codes ({block}) + the full-precision tail ({codec.window}) "
-            f"= {need} slots (a larger window, chunk=, or tail=)"
+            f"cache spec '{spec}': a window of {lay.window} over {policy.codec_name} codes holds none: it "
+            f"needs the eviction chunk ({chunk}) + one block of codes ({facts.block}) + the full-precision "
+            f"tail ({tail}) = {need} slots (a larger window, chunk=, or tail=)"
         )
 
 

@@ -34,91 +34,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvlab.compress.spec import FULL, CachePolicy, FullLayout, ScoredLayout, known, parse
+from kvlab.compress.spec import CachePolicy, FullLayout, ScoredLayout
 from kvlab.errors import BadInputError
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """One cache policy of a run: ``spec`` as the user wrote it (lower-cased: the column label) and the
-    :class:`~kvlab.compress.spec.CachePolicy` it names (parsed by :func:`kvlab.compress.spec.parse`)."""
-
-    spec: str
-    policy: CachePolicy = FULL
-
-    @property
-    def kind(self) -> str:
-        return self.policy.kind
-
-    @property
-    def method(self) -> str:
-        """The score (eviction) or codec kind (quantization); empty for the full cache."""
-        lay = self.policy.layout
-        return lay.score if isinstance(lay, ScoredLayout) else (self.policy.codec or "")
-
-    @property
-    def ratio(self) -> float:
-        """The fraction of the context removed (eviction with ``keep``), else 0."""
-        lay = self.policy.layout
-        return round(1.0 - lay.keep, 12) if isinstance(lay, ScoredLayout) and lay.keep is not None else 0.0
-
-    @property
-    def bits(self) -> int:
-        return self.policy.bits or 16
-
-    @property
-    def needs_queries(self) -> bool:
-        lay = self.policy.layout
-        return isinstance(lay, ScoredLayout) and lay.policy().needs_queries
-
-    def to_json(self) -> dict:
-        return {**self.policy.to_json(), "spec": self.spec, "policy_spec": self.policy.spec}
-
-
-def known_specs() -> str:
-    """What a cache spec may be, in one line (for errors and help)."""
-    return known()
-
-
-def parse_cache_spec(spec: str) -> CacheSpec:
-    """A cache spec for a run (:func:`kvlab.compress.spec.parse`), checked for what an offline run
-    can do: ``every=`` acts while decoding, and the context is compressed once here."""
-    policy = parse(spec)
-    lay = policy.layout
-    if (
-        isinstance(lay, ScoredLayout)
-        and _shared(policy)
-        and (lay.budget is not None or policy.codec is not None)
-    ):
-        raise BadInputError(
-            f"cache spec '{spec}': shared budgets (heads=, layers=) run in the eval with keep= and no codec"
-        )
-    if isinstance(lay, ScoredLayout) and lay.every:
-        raise BadInputError(
-            f"cache spec '{spec}': every= keeps a budget while decoding; the eval compresses the context "
-            "once (drop every=)"
-        )
-    if isinstance(lay, ScoredLayout) and policy.codec is not None:
-        q = policy.quantizer()
-        if q.token_multiple() > 1 or q.uses_positions:
-            raise BadInputError(
-                f"cache spec '{spec}': the {policy.codec} codec reads slots along tokens or their "
-                "positions, which a scored eviction makes different per head; use int<bits> or fp8 with it"
-            )
-    return CacheSpec(spec.strip().lower(), policy)
-
-
-def _shared(policy: CachePolicy) -> bool:
-    """A scored layout whose budget is shared across KV heads (``heads=ada``) or layers (``layers=pyramid``):
-    the eval holds it as a :class:`~kvlab.compress.evict.budgets.RaggedCache` and runs it through
-    its masked snapshot (:meth:`~kvlab.compress.evict.budgets.RaggedCache.masked`)."""
-    lay = policy.layout
-    return isinstance(lay, ScoredLayout) and (lay.heads, lay.layers) != ("uniform", "uniform")
+from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.eval.specs; run.py re-exports them)
+    CacheSpec,
+    bare_score,
+    expand_specs,
+    known_specs,
+    parse_cache_spec,
+    parse_cache_specs,
+    parse_ratios,
+)
+from kvlab.eval.specs import shared_budget as _shared
 
 
 def _ragged(spec: CacheSpec, source: Any) -> Any:
@@ -128,84 +59,6 @@ def _ragged(spec: CacheSpec, source: Any) -> Any:
     lay = spec.policy.layout
     assert isinstance(lay, ScoredLayout)  # _shared() specs are scored
     return evict_ragged(source, lay.policy(), keep=lay.keep, heads=lay.heads, layers=lay.layers)
-
-
-def parse_cache_specs(specs: Sequence[str]) -> list[CacheSpec]:
-    """Several specs, each parsed once; the same policy twice is refused (it would be a duplicate column)."""
-    parsed = [parse_cache_spec(s) for s in specs]
-    if not parsed:
-        raise BadInputError(f"give at least one cache spec; known: {known()}")
-    seen: set[str] = set()
-    for p in parsed:
-        if p.policy.spec in seen:
-            raise BadInputError(f"cache spec '{p.spec}' is given twice")
-        seen.add(p.policy.spec)
-    return parsed
-
-
-def parse_ratios(text: str) -> list[float]:
-    """``--ratios 0.25,0.5,0.75``: fractions removed, each in [0, 1), none repeated, in the order given."""
-    items = [v.strip() for v in str(text).split(",")]
-    try:
-        ratios = [float(v) for v in items]
-    except ValueError:
-        raise BadInputError(
-            f"ratios {text!r} is not a comma-separated list of fractions (e.g. 0.25,0.5)"
-        ) from None
-    for r in ratios:
-        if not 0.0 <= r < 1.0:  # also refuses nan
-            raise BadInputError(f"ratio {r:g} (the fraction removed) must lie in [0, 1)")
-    if len(set(ratios)) != len(ratios):
-        raise BadInputError(f"ratios {text!r} repeat a ratio")
-    return ratios
-
-
-def bare_score(text: str) -> str | None:
-    """The spec written as key=value items when it names a score and no budget (``snapkv``,
-    ``h2o,sinks=4``; ``window`` is sinks + window), else None: it is complete (or not a score)."""
-    t = text.strip().lower().replace(" ", "")
-    t = "streaming_llm" if t == "window" else t
-    if ":" in t or any(item.partition("=")[0] in ("keep", "ratio", "budget") for item in t.split(",")):
-        return None
-    try:
-        parse(t)
-        return None  # complete as written: full, a codec, sinks + window
-    except BadInputError:
-        pass
-    try:
-        probe = parse(f"{t},ratio=0.5")
-    except BadInputError:
-        return None  # not a score's spec: let the one reader say what is wrong with it
-    return t if isinstance(probe.layout, ScoredLayout) else None
-
-
-def expand_specs(texts: Sequence[str], ratios: Sequence[float] | None) -> list[str]:
-    """Each spec naming a score without a budget, once per ratio (the fraction removed): ``snapkv`` ->
-    ``snapkv:0.25``, ``snapkv:0.5``...; ``h2o,sinks=4`` -> ``h2o,sinks=4,ratio=0.25``... Full specs and
-    codecs pass unchanged. Without ratios the specs pass unchanged (a bare score is then refused by the
-    reader: "give one budget"); ratios with nothing to expand are refused (they would be ignored)."""
-    if not ratios:
-        for text in texts:
-            if bare_score(text) is not None:
-                raise BadInputError(
-                    f"cache spec '{text}': give one budget ({text.strip()}:0.5, keep=F, ratio=F or "
-                    "budget=N) or --ratios 0.25,0.5,0.75"
-                )
-        return list(texts)
-    out, expanded = [], False
-    for text in texts:
-        base = bare_score(text)
-        if base is None:
-            out.append(text)
-            continue
-        expanded, label = True, text.strip().lower().replace(" ", "")  # "window" stays "window:R"
-        out += [f"{base},ratio={r:g}" if "," in base else f"{label}:{r:g}" for r in ratios]
-    if not expanded:
-        raise BadInputError(
-            "--ratios expands a cache spec naming a score without a budget (e.g. --cache snapkv "
-            "--cache h2o); none was given"
-        )
-    return out
 
 
 def _encoded(policy: CachePolicy, snap: Any) -> tuple[Any, int]:

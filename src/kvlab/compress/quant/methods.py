@@ -178,8 +178,9 @@ QUANTIZERS: dict[str, type[Quantizer]] = {}
 class Quantizer:
     """Base: ``bits`` per element, ``group_size`` elements per scale, full-precision ``sinks`` and ``window``.
 
-    A subclass with its own ``kind`` registers itself (the cache-spec parser, the command line and the
-    study read :data:`QUANTIZERS`); ``fixed_bits`` names a codec whose width is part of its kind (fp8).
+    A subclass with its own ``kind`` registers itself (the command line and the study read
+    :data:`QUANTIZERS`; the cache-spec parser reads its entry in :data:`kvlab.compress.catalogue.CODECS`,
+    which a test keeps equal); ``fixed_bits`` names a codec whose width is part of its kind (fp8).
     """
 
     bits: int = 4

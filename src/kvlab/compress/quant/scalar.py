@@ -20,10 +20,10 @@ from functools import lru_cache
 
 import torch
 
+from kvlab.compress.catalogue import SUPPORTED_BITS
 from kvlab.compress.quant.pack import pack_bits, packed_nbytes, unpack_bits
 from kvlab.errors import BadInputError
 
-SUPPORTED_BITS = (2, 3, 4, 8)
 SCALE_DTYPE = torch.float16
 _TINY = 2.0**-14  # smallest normal fp16: a floor for scales of all-zero groups
 

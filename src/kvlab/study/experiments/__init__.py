@@ -1,7 +1,9 @@
 """Experiments: one module each, discovered by their ``EXPERIMENT`` attribute.
 
-To add one, create ``kvlab/study/experiments/<name>.py`` with ``EXPERIMENT = Experiment(...)``; ``kvlab
-study`` and ``kvlab experiments`` pick it up without any other edit.
+To add one, create ``kvlab/study/experiments/<name>.py`` with ``EXPERIMENT = Experiment(...)`` and add
+its name and title to :data:`CATALOGUE`, which ``kvlab experiments`` and the checks of experiment names
+read without importing the modules (they import torch and transformers); tests/test_cheap_paths.py
+checks that the catalogue equals what the modules define.
 """
 
 from __future__ import annotations
@@ -19,6 +21,37 @@ from kvlab.study.experiments.base import (
     Table,
 )
 
+#: every experiment, by name (its module is ``kvlab.study.experiments.<name>``), in study order:
+#: (title, whether a study runs it), as its ``EXPERIMENT`` says
+CATALOGUE: dict[str, tuple[str, bool]] = {
+    "inspect": ("Cache inspection (Phase 1)", True),
+    "roll_sweep": ("Roll sweep and controls", True),
+    "roll_long": ("Roll vs truncate on a long context", True),
+    "rope_derotation": ("RoPE de-rotation and the RoPE predictor", True),
+    "streaming_ppl": ("Streaming perplexity (attention sinks)", True),
+    "suffix_caching": ("Suffix caching with attention sinks", True),
+    "ruler": ("RULER-style accuracy vs compression ratio, and KL to the full cache", True),
+    "attention": ("Attention rows and next-token logits under a roll", True),
+    "store_reuse": ("KV store: prefix reuse across tiers and non-prefix reuse", True),
+    "transfer_equivalence": ("Cache injection equals a concatenated prefill", True),
+    "compaction": ("Compaction: full vs compacted caches, with lexical controls", True),
+    "context_retention": ("Context retention under cache transfer", True),
+    "layer_transfer": ("Which layers carry the fact", True),
+    "kv_swap": ("K/V swap factorial and sink-only swaps", True),
+    "transplant": ("Cache transplant between models and C2C-lite", True),
+    "caching_numerics": ("Numerics of caching vs recomputation", True),
+    "compression": ("Cache compression: quantization and eviction", True),
+    "findings": ("Findings: the thread's claims, checked", True),
+}
+
+
+def check_study_names(names: list[str] | tuple[str, ...]) -> None:
+    """Refuse names that are not experiments a study runs (``kvlab study --only``), without importing them."""
+    known = [n for n, (_, in_study) in CATALOGUE.items() if in_study]
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise BadInputError(f"unknown experiment(s) {', '.join(missing)}; known: {', '.join(sorted(known))}")
+
 
 def registry() -> dict[str, Experiment]:
     """All experiments, by name, in study order."""
@@ -35,19 +68,23 @@ def registry() -> dict[str, Experiment]:
 
 
 def get_experiment(name: str) -> Experiment:
-    reg = registry()
-    if name not in reg:
-        raise BadInputError(f"unknown experiment '{name}'; known: {', '.join(reg)}")
-    return reg[name]
+    """One experiment, importing its module alone."""
+    if name not in CATALOGUE:
+        raise BadInputError(f"unknown experiment '{name}'; known: {', '.join(CATALOGUE)}")
+    exp = importlib.import_module(f"{__name__}.{name}").EXPERIMENT
+    assert isinstance(exp, Experiment) and exp.name == name, name
+    return exp
 
 
 __all__ = [
+    "CATALOGUE",
     "Experiment",
     "ExperimentContext",
     "ExperimentResult",
     "Figure",
     "Progress",
     "Table",
+    "check_study_names",
     "get_experiment",
     "registry",
 ]

@@ -1,8 +1,8 @@
 """What an experiment is: a function from a context (model, profile, output folder) to a result.
 
 Each experiment lives in one module of ``kvlab.study.experiments`` and exposes ``EXPERIMENT``, an
-:class:`Experiment`. The study runner discovers them (no central list to edit), runs them in
-``order``, and the report renders every :class:`ExperimentResult` the same way: summary numbers,
+:class:`Experiment`. The study runner discovers them, runs them in ``order`` (their names and titles
+are also listed in :data:`kvlab.study.experiments.CATALOGUE`, read without importing them), and the report renders every :class:`ExperimentResult` the same way: summary numbers,
 tables, figures with captions, notes, and the raw arrays saved beside them.
 """
 
@@ -12,11 +12,12 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvlab.errors import BadInputError
+
+if TYPE_CHECKING:  # listing experiments (kvlab experiments) imports no numpy
+    import numpy as np
 
 Profile = Literal["quick", "default", "full"]
 PROFILES: tuple[str, ...] = ("quick", "default", "full")
