@@ -9,15 +9,16 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table as RichTable
 
 from kvlab.errors import BadInputError
-from kvlab.study.experiments import Experiment, ExperimentContext, ExperimentResult
-from kvlab.study.report.writer import run_dir, to_jsonable
+
+if TYPE_CHECKING:  # the modules every command imports at start-up stay light (kvlab --help, refusals)
+    from kvlab.study.experiments import Experiment, ExperimentResult
 
 
 def model_spec(value: str | None) -> str | None:
@@ -93,13 +94,60 @@ def dtype_value(value: str | None) -> str | None:
     if not value:
         return value
     from kvlab.errors import KvlabError
-    from kvlab.model.loading import parse_dtype
+    from kvlab.model.loading import dtype_name
 
     try:
-        parse_dtype(value)
+        dtype_name(value)
     except KvlabError as exc:
         raise typer.BadParameter(str(exc)) from None
     return value
+
+
+def _read_cache(value: Any, read: Callable[[list[str]], object]) -> Any:
+    """A ``--cache`` value (one spec or a list) read by ``read``, a library function that imports no torch:
+    a bad spec is one line and exit code 2 while the options are read, before anything loads."""
+    if value is None or value == []:
+        return value
+    from kvlab.errors import KvlabError
+
+    try:
+        read(value if isinstance(value, list) else [value])
+    except KvlabError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def cache_spec(value: str | None) -> str | None:
+    """Typer callback for ``--cache SPEC``: any policy :func:`kvlab.compress.spec.parse` reads."""
+    from kvlab.compress.spec import parse_many
+
+    return _read_cache(value, parse_many)
+
+
+def cache_specs(value: list[str] | None) -> list[str] | None:
+    """Typer callback for a repeatable ``--cache SPEC``: each one read, none twice."""
+    from kvlab.compress.spec import parse_many
+
+    return _read_cache(value, parse_many)
+
+
+def eval_cache_specs(value: list[str] | None) -> list[str] | None:
+    """Typer callback for ``kvlab eval ruler --cache``: what an offline run can do
+    (:func:`kvlab.eval.specs.parse_cache_specs`); a score without a budget (``snapkv``) waits for
+    ``--ratios`` (checked once both are read)."""
+    from kvlab.eval.specs import bare_score, parse_cache_specs
+
+    return _read_cache(
+        value, lambda v: parse_cache_specs([s for s in v if bare_score(s) is None] or ["full"])
+    )
+
+
+def serve_cache_spec(value: str | None) -> str | None:
+    """Typer callback for ``kvlab serve --cache``: a policy the server runs (:func:`kvlab.serve.policy.serve_policy`:
+    a scored layout must keep its budget while decoding, ``every=``)."""
+    from kvlab.serve.policy import serve_policy
+
+    return _read_cache(value, lambda v: serve_policy(v[0]))
 
 
 DEVICE_HELP = "Where the model runs: auto (CUDA when there is a GPU, else cpu), cpu, cuda or cuda:N."
@@ -350,6 +398,8 @@ def run_and_report(
 ) -> ExperimentResult:
     """Run one experiment into ``<out>/<name>-<timestamp>/`` and print a summary (or JSON)."""
     from kvlab.model.loading import check_4bit, resolve_device
+    from kvlab.study.experiments import ExperimentContext
+    from kvlab.study.report.writer import run_dir, to_jsonable
     from kvlab.study.runner import progress_display, run_experiment
 
     device = check_4bit(device) if load_in_4bit else resolve_device(device)  # before anything is written

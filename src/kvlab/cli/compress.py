@@ -33,7 +33,7 @@ def _keeps(value: list[float] | None) -> list[float] | None:
 def _bits(value: list[int] | None) -> list[int] | None:
     """Typer callback: bit widths the quantizers pack (checked before any model loads)."""
     if value:
-        from kvlab.compress.quant.scalar import SUPPORTED_BITS
+        from kvlab.compress.catalogue import SUPPORTED_BITS
 
         for b in value:
             if b not in SUPPORTED_BITS:
@@ -43,23 +43,30 @@ def _bits(value: list[int] | None) -> list[int] | None:
     return value
 
 
+def quant_labels() -> list[str]:
+    """The compression experiment's quantizer labels (its ``QUANT_METHODS``; a test checks): every codec
+    alone and as ``+sinks``, named by :mod:`kvlab.compress.catalogue` (no torch)."""
+    from kvlab.compress.catalogue import CODECS, VARIANTS
+
+    return [label for name in [*CODECS, *VARIANTS] for label in (name, f"{name}+sinks")]
+
+
 def _methods(value: list[str] | None) -> list[str] | None:
     """Typer callback: quantizer names the compression experiment knows, checked before any model loads."""
     if value:
-        from kvlab.study.experiments.compression import QUANT_METHODS
-
-        unknown = [m for m in value if m not in QUANT_METHODS]
+        known = quant_labels()
+        unknown = [m for m in value if m not in known]
         if unknown:
             raise typer.BadParameter(
-                f"unknown quantizer(s) {', '.join(map(repr, unknown))}; known: {', '.join(QUANT_METHODS)}"
+                f"unknown quantizer(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}"
             )
     return value
 
 
 def _policies(value: list[str] | None) -> list[str] | None:
-    """Typer callback: eviction policy names the compression experiment knows."""
+    """Typer callback: eviction policy names the compression experiment knows (its ``POLICY_NAMES``)."""
     if value:
-        from kvlab.study.experiments.compression import POLICY_NAMES
+        from kvlab.compress.catalogue import SCORES as POLICY_NAMES
 
         unknown = [p for p in value if p not in POLICY_NAMES]
         if unknown:

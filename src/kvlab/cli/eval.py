@@ -19,6 +19,7 @@ from kvlab.cli.common import (
     SeedOpt,
     check_output_dir,
     console,
+    eval_cache_specs,
     text_file,
 )
 from kvlab.errors import BadInputError
@@ -27,23 +28,10 @@ from kvlab.errors import BadInputError
 MAX_LENGTH = 1 << 20
 
 
-def _specs(value: list[str] | None) -> list[str] | None:
-    """Typer callback: every ``--cache`` spec parses (one line naming the known forms otherwise); a
-    score without a budget (``snapkv``) waits for ``--ratios`` (checked once both are read)."""
-    if value:
-        from kvlab.eval.run import bare_score, parse_cache_specs
-
-        try:
-            parse_cache_specs([s for s in value if bare_score(s) is None] or ["full"])
-        except BadInputError as exc:
-            raise typer.BadParameter(str(exc)) from None
-    return value
-
-
 def _ratios(value: str | None) -> str | None:
     """Typer callback: fractions removed, comma-separated, each in [0, 1)."""
     if value is not None:
-        from kvlab.eval.run import parse_ratios
+        from kvlab.eval.specs import parse_ratios
 
         try:
             parse_ratios(value)
@@ -118,7 +106,7 @@ def register(app: typer.Typer) -> None:
             list[str] | None,
             typer.Option(
                 "--cache",
-                callback=_specs,
+                callback=eval_cache_specs,
                 help="Cache policy (repeatable): full, <policy>:<fraction removed> (snapkv:0.5, h2o:0.5, "
                 "tova:0.5, keynorm:0.5, window:0.5), int4, int2, <quantizer>:int<bits> (kivi:int2); "
                 "a policy without a ratio (snapkv, h2o) runs at each of --ratios.",
@@ -174,7 +162,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Run RULER-style trials under each cache policy: accuracy, KL and top-1 agreement to the full cache."""
-        from kvlab.eval.run import expand_specs, parse_cache_specs, parse_ratios, run_suite, summarize
+        from kvlab.eval.specs import expand_specs, parse_cache_specs, parse_ratios
         from kvlab.eval.tasks import TASKS
 
         ratio_list = parse_ratios(ratios) if ratios is not None else None
@@ -185,6 +173,7 @@ def register(app: typer.Typer) -> None:
             check_output_dir(out)
         from kvlab import load_model
         from kvlab.data import read_text_file
+        from kvlab.eval.run import run_suite, summarize
 
         haystack_text = read_text_file(haystack).text if haystack is not None else None
         handle = load_model(model, device=device, dtype=dtype)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import DeviceOpt, DtypeOpt, ModelOpt
+from kvlab.cli.common import DeviceOpt, DtypeOpt, ModelOpt, serve_cache_spec
 from kvlab.errors import BadInputError
 
 
@@ -44,6 +44,7 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option(
                 "--cache",
+                callback=serve_cache_spec,
                 help="Cache policy of every conversation, instead of --window/--sinks/--evict-chunk: a sinks + "
                 "window layout, in full precision or over a codec, e.g. sinks=4,window=2048,codec=kivi4 "
                 "(sinks=N,window=N[,chunk=N][,codec=C[,tail=N]]), or a scored layout that keeps its budget "
@@ -147,6 +148,30 @@ def register(app: typer.Typer) -> None:
         every request of a tenant and by every server on the same store. Status page at /, Prometheus
         metrics at /metrics. See docs/serving.md.
         """
+        if cache is not None:
+            given = [
+                o
+                for o, v in (("--window", window), ("--sinks", sinks), ("--evict-chunk", evict_chunk))
+                if v is not None
+            ]
+            if given:
+                raise BadInputError(
+                    f"--cache sets the cache policy itself; drop {', '.join(given)} "
+                    "(or write them into the spec: sinks=N,window=N,chunk=N)"
+                )
+        window = 1024 if window is None else window
+        sinks = 4 if sinks is None else sinks
+        evict_chunk = 64 if evict_chunk is None else evict_chunk
+        keys = tuple(api_key or ()) + tuple(k for k in os.environ.get("KVLAB_API_KEYS", "").split(",") if k)
+        if any(len(k) < 8 or any(c.isspace() for c in k) for k in keys):
+            raise BadInputError("API keys need at least 8 characters and no spaces")
+        admin = admin_key or os.environ.get("KVLAB_ADMIN_KEY") or None
+        if admin is not None and (len(admin) < 8 or any(c.isspace() for c in admin)):
+            raise BadInputError("the admin key needs at least 8 characters and no spaces")
+        if admin is not None and admin in keys:
+            raise BadInputError("the admin key must differ from every API key")
+        _check_can_listen(host, port)
+        # the refusals above read options only: a bad one is one line before torch is imported
         import gc
 
         import uvicorn
@@ -161,34 +186,10 @@ def register(app: typer.Typer) -> None:
             resolve_max_connections,
             setup_logging,
         )
-        from kvlab.serve.engine import Engine, EngineSettings, check_settings, serve_policy
+        from kvlab.serve.engine import Engine, EngineSettings, check_settings
         from kvlab.serve.metrics import Metrics
         from kvlab.store import open_store
 
-        if cache is not None:
-            given = [
-                o
-                for o, v in (("--window", window), ("--sinks", sinks), ("--evict-chunk", evict_chunk))
-                if v is not None
-            ]
-            if given:
-                raise BadInputError(
-                    f"--cache sets the cache policy itself; drop {', '.join(given)} "
-                    "(or write them into the spec: sinks=N,window=N,chunk=N)"
-                )
-            serve_policy(cache)  # one line naming what serve runs, before the model loads
-        window = 1024 if window is None else window
-        sinks = 4 if sinks is None else sinks
-        evict_chunk = 64 if evict_chunk is None else evict_chunk
-        keys = tuple(api_key or ()) + tuple(k for k in os.environ.get("KVLAB_API_KEYS", "").split(",") if k)
-        if any(len(k) < 8 or any(c.isspace() for c in k) for k in keys):
-            raise BadInputError("API keys need at least 8 characters and no spaces")
-        admin = admin_key or os.environ.get("KVLAB_ADMIN_KEY") or None
-        if admin is not None and (len(admin) < 8 or any(c.isspace() for c in admin)):
-            raise BadInputError("the admin key needs at least 8 characters and no spaces")
-        if admin is not None and admin in keys:
-            raise BadInputError("the admin key must differ from every API key")
-        _check_can_listen(host, port)
         conn_limits = ConnectionLimits(
             header_timeout=header_timeout,
             body_timeout=body_timeout,

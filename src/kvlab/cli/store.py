@@ -56,6 +56,16 @@ def parse_bytes(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
+def _size(value: str | None) -> str | None:
+    """Typer callback for ``--max-bytes``: a size :func:`parse_bytes` reads, checked before the store opens."""
+    if value is not None:
+        try:
+            parse_bytes(value)
+        except BadInputError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 def _open(
     store: str | None,
     redis: str | None,
@@ -242,7 +252,11 @@ def register(app: typer.Typer) -> None:
     def gc_cmd(
         max_bytes: Annotated[
             str | None,
-            typer.Option("--max-bytes", help="Evict least recently used blocks down to this size (e.g. 2G)."),
+            typer.Option(
+                "--max-bytes",
+                callback=_size,
+                help="Evict least recently used blocks down to this size (e.g. 2G).",
+            ),
         ] = None,
         store: StoreOpt = None,
         redis: RedisOpt = None,

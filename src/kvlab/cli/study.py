@@ -23,6 +23,19 @@ from kvlab.cli.common import (
 )
 
 
+def _study_names(value: list[str] | None) -> list[str] | None:
+    """Typer callback for ``--only``: experiments a study runs, checked before any import of them."""
+    if value:
+        from kvlab.errors import KvlabError
+        from kvlab.study.experiments import check_study_names
+
+        try:
+            check_study_names(value)
+        except KvlabError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 def register(app: typer.Typer) -> None:
     @app.command("study")
     def study_cmd(
@@ -34,7 +47,8 @@ def register(app: typer.Typer) -> None:
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "float32",
         only: Annotated[
-            list[str] | None, typer.Option("--only", help="Run only these experiments (repeatable).")
+            list[str] | None,
+            typer.Option("--only", callback=_study_names, help="Run only these experiments (repeatable)."),
         ] = None,
         workers: Annotated[
             int | None,
@@ -81,11 +95,11 @@ def register(app: typer.Typer) -> None:
     @app.command("experiments")
     def experiments_cmd() -> None:
         """List the experiments a study runs, in order."""
-        from kvlab.study.experiments import registry
+        from kvlab.study.experiments import CATALOGUE
 
         rt = RichTable(title="experiments", title_justify="left")
         for col in ("name", "title", "in study"):
             rt.add_column(col)
-        for exp in registry().values():
-            rt.add_row(exp.name, exp.title, "yes" if exp.in_study else "no")
+        for name, (title, in_study) in CATALOGUE.items():  # listed without importing them (torch)
+            rt.add_row(name, title, "yes" if in_study else "no")
         console.print(rt)

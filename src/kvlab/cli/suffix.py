@@ -15,6 +15,8 @@ from kvlab.cli.common import (
     DtypeOpt,
     ModelOpt,
     SeedOpt,
+    cache_spec,
+    cache_specs,
     experiment_command,
     finite,
     nonempty_texts,
@@ -55,25 +57,6 @@ def _stream_sinks(value: list[int] | None) -> list[int] | None:
     for v in value or []:
         if v not in (1, 2, 4, 8):
             raise typer.BadParameter(f"{v} is not among the measured sink counts 1, 2, 4, 8")
-    return value
-
-
-def _cache_spec(value: str | None) -> str | None:
-    """Typer callback: ``--cache SPEC`` parses (one line naming the known forms otherwise)."""
-    if value is not None:
-        _cache_specs([value])
-    return value
-
-
-def _cache_specs(value: list[str] | None) -> list[str] | None:
-    """Typer callback: every ``--cache SPEC`` parses, none twice (one line naming the known forms otherwise)."""
-    if value:
-        from kvlab.compress.spec import parse_many
-
-        try:
-            parse_many(value)
-        except BadInputError as exc:
-            raise typer.BadParameter(str(exc)) from None
     return value
 
 
@@ -313,7 +296,7 @@ def register(app: typer.Typer) -> None:
             list[str] | None,
             typer.Option(
                 "--cache",
-                callback=_cache_specs,
+                callback=cache_specs,
                 help=CacheHelp + " (repeatable), scored next to the other methods.",
             ),
         ] = None,
@@ -389,7 +372,7 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option(
                 "--cache",
-                callback=_cache_spec,
+                callback=cache_spec,
                 help=CacheHelp + "; replaces --sinks/--window/--evict-chunk.",
             ),
         ] = None,
