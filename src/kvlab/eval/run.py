@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -293,11 +293,15 @@ def run_suite(
     progress: Callable[[int, int], None] | None = None,
     on_reference: Callable[[dict], None] | None = None,
     external: Callable[[Any], dict[str, tuple[Any, int]]] | None = None,
+    done: Mapping[tuple[str, int, int], list[dict]] | None = None,
+    on_trial: Callable[[tuple[str, int, int], list[dict], float], None] | None = None,
 ) -> list[dict]:
     """Every ``(task, length, trial)`` under every spec: the raw rows (see :func:`run_trial`), with ``trial``.
 
     Trials ``first_trial .. first_trial + trials - 1`` run (each seeded by :func:`trial_seed`), so a long
-    run can be cut into pieces that together equal one run."""
+    run can be cut into pieces that together equal one run. ``done`` holds the rows of trials an earlier,
+    interrupted part ran (by ``(task, length, trial)``): they are not run again, and take their place in
+    the rows. ``on_trial(key, rows, seconds)`` receives each trial this call runs, as it finishes."""
     from kvlab.eval.tasks import TASKS, make_trial
 
     unknown = [t for t in tasks if t not in TASKS]
@@ -307,10 +311,18 @@ def run_suite(
         raise BadInputError(f"trials must be >= 1, got {trials}")
     if first_trial < 0:
         raise BadInputError(f"first_trial must be >= 0, got {first_trial}")
-    total, done, rows = len(tasks) * len(lengths) * trials, 0, []
+    done = done or {}
+    total, rows = len(tasks) * len(lengths) * trials, []
+    count = sum(
+        (t, n, i) in done for t in tasks for n in lengths for i in range(first_trial, first_trial + trials)
+    )
     for name in tasks:
         for length in lengths:
             for i in range(first_trial, first_trial + trials):
+                if (name, length, i) in done:
+                    rows += done[(name, length, i)]
+                    continue
+                t0 = time.perf_counter()
                 trial = make_trial(name, handle, length, trial_seed(seed, i), haystack_text)
                 rows_of_trial = run_trial(
                     handle,
@@ -320,11 +332,13 @@ def run_suite(
                     on_reference=on_reference,
                     external=external,
                 )
-                for row in rows_of_trial:
-                    rows.append({**row, "trial": i})
-                done += 1
+                rows_of_trial = [{**row, "trial": i} for row in rows_of_trial]
+                rows += rows_of_trial
+                if on_trial is not None:
+                    on_trial((name, length, i), rows_of_trial, time.perf_counter() - t0)
+                count += 1
                 if progress is not None:
-                    progress(done, total)
+                    progress(count, total)
     return rows
 
 
