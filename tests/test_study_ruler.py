@@ -169,3 +169,13 @@ def test_bundled_model_smoke(smollm, tmp_path):
     pts = {p["cache"]: p for p in result.summary["points"] if p["task"] == "all"}
     assert pts["int4"]["kld"]["value"] < pts["h2o:0.5"]["kld"]["value"]
     print("\n", *result.notes, sep="\n")
+
+
+def test_claims_say_when_too_few_trials_leave_no_interval():
+    specs = parse_cache_specs(["full", "h2o:0.5", "snapkv:0.5", "int4"])
+    rows = _rows({"full": [(1.0, 0.0)] * 3, "h2o:0.5": [(1.0, 0.1)] * 3, "snapkv:0.5": [(0.0, 0.9)] * 3})
+    h2o = R.claim_h2o(rows, specs, 0, "score")
+    assert "no intervals (fewer than 5 trials)" in h2o["measured"] and "overlap" not in h2o["measured"]
+    rows += _rows({"int4": [(1.0, 0.001)] * 3})
+    int4 = R.claim_int4(rows, specs, 0)
+    assert "equal to its value, which has no interval" in int4["measured"], int4["measured"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.metrics.stats import bootstrap_ci, wilson_ci
+from kvlab.metrics.stats import MIN_SAMPLES, bootstrap_ci, wilson_ci
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number
 
@@ -316,7 +316,13 @@ def claim_h2o(rows: list[dict], specs: list[Any], seed: int, by: str) -> dict:
             if len(tied) > 1 and "h2o" in tied
             else ""
         )
-        + ("; intervals separate" if separated else "; intervals overlap")
+        + (
+            "; intervals separate"
+            if separated
+            else "; intervals overlap"
+            if all((ivs[m] or {}).get("low") is not None for m in ("h2o", other))
+            else f"; no intervals (fewer than {MIN_SAMPLES} trials)"
+        )
     )
     rec = _record(
         cid,
@@ -349,9 +355,14 @@ def claim_int4(rows: list[dict], specs: list[Any], seed: int) -> dict:
     lo = full["low"] if full["low"] is not None else full["value"]
     hi = full["high"] if full["high"] is not None else full["value"]
     kl_ok, acc_ok = _val(kl) < INT4_KL_NEAR_ZERO, lo - 1e-12 <= _val(acc) <= hi + 1e-12
+    where = (
+        f"{'inside' if acc_ok else 'outside'} its interval"
+        if full["low"] is not None
+        else f"{'equal to' if acc_ok else 'not equal to'} its value, which has no interval"
+    )
     measured = (
         f"KL {format_interval(kl)} nats ({'<' if kl_ok else '>='} {INT4_KL_NEAR_ZERO}); accuracy "
-        f"{format_interval(acc)} vs full {format_interval(full)} ({'inside' if acc_ok else 'outside'} its interval)"
+        f"{format_interval(acc)} vs full {format_interval(full)} ({where})"
     )
     rec = _record(
         "int4_free",
