@@ -365,9 +365,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.real_model)
         if any(_fixture_starts_process(item, name) for name in item.fixturenames):
             item.add_marker(pytest.mark.process)
-        if item.get_closest_marker("process") is None and starts_process(
-            item.function.__code__.co_filename, item.function.__name__
-        ):
+        # the test's file and name, not its function's: a decorator (hypothesis' @given) may wrap it
+        if item.get_closest_marker("process") is None and starts_process(str(item.path), item.originalname):
             unmarked.append(item.nodeid)
     if unmarked:
         raise pytest.UsageError(

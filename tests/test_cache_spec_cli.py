@@ -27,6 +27,7 @@ def _generate(handle, spec: str, n: int, prompt: int = 24):
     return cache, held, tokens, peaks
 
 
+@pytest.mark.slow  # generates past the window, seconds each: kept out of `make test-fast` (and the next)
 @pytest.mark.parametrize("spec", ["sinks=4,window=128,codec=kivi4", "sinks=4,window=64,codec=fp8"])
 def test_coded_window_generates_past_the_window_with_bounded_bytes(llama, spec):
     cache, held, tokens, peaks = _generate(llama, spec, 400)
@@ -39,6 +40,7 @@ def test_coded_window_generates_past_the_window_with_bounded_bytes(llama, spec):
     assert held.peak < fp_held.peak * 1.05
 
 
+@pytest.mark.slow
 def test_h2o_every_stays_within_budget(llama):
     cache, held, tokens, peaks = _generate(llama, "h2o,keep=0.5,every=16", 300, prompt=64)
     assert len(tokens) == 300

@@ -72,6 +72,7 @@ class _Watch(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
+@pytest.mark.slow  # 10,000 decode steps, seconds each: kept out of `make test-fast`
 @pytest.mark.parametrize("policy", [H2O(window=4), SnapKV(window=4, observe=8)], ids=lambda p: p.name)
 def test_ten_thousand_tokens_stay_within_budget_plus_one_chunk_at_every_step(one_layer, policy):
     """The acceptance: budget + every slots at most, at every one of 10,000 decode steps, through
