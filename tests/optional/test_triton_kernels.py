@@ -134,6 +134,7 @@ def _interpret(script: str, *args: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.process
 def test_split_attention_interpreted_equals_sdpa():
     """The split kernel and its merge (fp32: IEEE products, fp16: fp32 accumulation) against SDPA in
     float64 over the same keys, read as stored or as packed int4 rows decoded in the kernel (the
@@ -187,6 +188,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.process
 def test_int4_writer_interpreted_writes_the_bytes_of_pack4():
     """The one-kernel int4 writer (what a captured rolling step on CUDA encodes with) writes exactly the
     bytes the torch encoder writes, at the given slots only: fp32 and fp16 inputs, head_dim 128, 80
@@ -229,6 +231,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.process
 def test_decoder_through_the_interpreted_kernel_equals_grouped_sdpa():
     """A whole rolling decode (tiny Llama, fp32, 1- and 8-token feeds, rolls and re-bases) attended by
     the split kernel equals the same decode attended by SDPA: full precision, and int4 where the kernel
