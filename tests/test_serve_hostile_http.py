@@ -23,9 +23,12 @@ COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # the default body limit (1 MiB): the 100,000-deep body fits in it
+    # the default body limit (1 MiB): the 100,000-deep body fits in it. One key may use the whole
+    # batch and queue (a dropped batch of four prompts below); the per-key shares are tests/test_serve_tenants.py's
     s = Server(
-        tmp_path_factory.mktemp("hostile"), "--max-batch", "2", "--max-queue", "4", "--max-tokens", "300"
+        tmp_path_factory.mktemp("hostile"),
+        *("--max-batch", "2", "--max-queue", "4", "--max-tokens", "300"),
+        *("--max-batch-per-key", "2", "--max-open-per-key", "6"),
     )
     yield s
     s.stop()

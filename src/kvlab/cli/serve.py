@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvlab.cli.common import DeviceOpt, DtypeOpt, ModelOpt, serve_cache_spec
 from kvlab.errors import BadInputError
+
+if TYPE_CHECKING:
+    from kvlab.serve.tenants import KeyLimits
 
 
 def register(app: typer.Typer) -> None:
@@ -100,6 +103,50 @@ def register(app: typer.Typer) -> None:
             int, typer.Option("--max-tokens", min=1, help="Largest max_tokens a request may ask for.")
         ] = 2048,
         max_body: Annotated[int, typer.Option("--max-body-bytes", min=1024)] = 1 << 20,
+        max_open_per_key: Annotated[
+            int | None,
+            typer.Option(
+                "--max-open-per-key",
+                min=1,
+                help="Requests one API key may have open (queued + running; each prompt counts); more get 429. "
+                "Default with 2+ keys: (--max-queue + --max-batch) // 2; else no cap of its own.",
+            ),
+        ] = None,
+        max_batch_per_key: Annotated[
+            int | None,
+            typer.Option(
+                "--max-batch-per-key",
+                min=1,
+                help="Requests of one API key served at once. Default with 2+ keys: --max-batch - 1 (a slot "
+                "stays free for the other keys); else no cap of its own.",
+            ),
+        ] = None,
+        max_work_per_key: Annotated[
+            int | None,
+            typer.Option(
+                "--max-work-per-key",
+                min=1,
+                help="Tokens of work one API key may have in flight: prompt tokens + max_tokens of its open "
+                "requests (more: 429; one request over it: 400). Default: 2 x (--max-prompt-tokens + --max-tokens).",
+            ),
+        ] = None,
+        max_logprob_entries: Annotated[
+            int,
+            typer.Option(
+                "--max-logprob-entries",
+                min=1,
+                help="Log-probabilities one request may ask for: scored tokens (echoed prompt, generated) x "
+                "(1 + alternatives); more: 400 before anything is computed.",
+            ),
+        ] = 65536,
+        max_response_bytes: Annotated[
+            int,
+            typer.Option(
+                "--max-response-bytes",
+                min=1024,
+                help="Bytes of one reply (a stream's, all together); a larger reply is an error instead.",
+            ),
+        ] = 8 << 20,
         header_timeout: Annotated[
             float,
             typer.Option(
@@ -188,6 +235,7 @@ def register(app: typer.Typer) -> None:
         )
         from kvlab.serve.engine import Engine, EngineSettings, check_settings
         from kvlab.serve.metrics import Metrics
+        from kvlab.serve.tenants import default_key_limits
         from kvlab.store import open_store
 
         conn_limits = ConnectionLimits(
@@ -198,6 +246,16 @@ def register(app: typer.Typer) -> None:
             max_per_client=max_per_client,
         )
         setup_logging()
+        per_key = default_key_limits(
+            keys=len(set(keys)),
+            max_queue=max_queue,
+            max_batch=max_batch,
+            max_prompt_tokens=max_prompt_tokens,
+            max_tokens=max_tokens,
+            max_open=max_open_per_key,
+            max_batch_per_key=max_batch_per_key,
+            max_work=max_work_per_key,
+        )
         settings = EngineSettings(
             window=window,
             sinks=sinks,
@@ -207,6 +265,9 @@ def register(app: typer.Typer) -> None:
             max_sessions=max_sessions,
             prefill_chunk=prefill_chunk,
             cache=cache,
+            max_open_per_key=per_key.max_open,
+            max_batch_per_key=per_key.max_batch,
+            max_work_per_key=per_key.max_work,
         )
         handle = load_model(model, device=device, dtype=dtype)
         check_settings(handle, settings)  # before the store creates a folder
@@ -218,7 +279,11 @@ def register(app: typer.Typer) -> None:
             api_keys=keys,
             admin_key=admin,
             limits=Limits(
-                max_body_bytes=max_body, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens
+                max_body_bytes=max_body,
+                max_prompt_tokens=max_prompt_tokens,
+                max_tokens=max_tokens,
+                max_logprob_entries=max_logprob_entries,
+                max_response_bytes=max_response_bytes,
             ),
         )
         # The objects that exist now (the model, its tokenizer: some 400,000) never become garbage: keep
@@ -253,6 +318,7 @@ def register(app: typer.Typer) -> None:
             f"idle {idle_timeout:g} s",
             err=True,
         )
+        typer.echo(f"kvlab serve: per API key: {_describe_key_limits(per_key)}", err=True)
         try:
             server.run()
         finally:
@@ -270,3 +336,18 @@ def _check_can_listen(host: str, port: int) -> None:
             s.bind(infos[0][4])
     except OSError as exc:
         raise BadInputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _describe_key_limits(per_key: KeyLimits) -> str:
+    """The per-key caps in words, for the start-up lines."""
+
+    def cap(n: int | None, what: str) -> str:
+        return f"{n} {what}" if n is not None else f"{what}: the server's limit"
+
+    return ", ".join(
+        [
+            cap(per_key.max_open, "requests open"),
+            cap(per_key.max_batch, "running at once"),
+            cap(per_key.max_work, "tokens of work in flight"),
+        ]
+    )

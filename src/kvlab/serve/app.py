@@ -33,7 +33,7 @@ from kvlab.errors import KvlabError
 from kvlab.loop import Sampling
 from kvlab.serve.engine import (
     Engine,
-    QueueFullError,
+    EngineSettings,
     ShuttingDownError,
     check_request_fits,
 )
@@ -42,6 +42,7 @@ from kvlab.serve.engine import (
 )
 from kvlab.serve.metrics import Metrics
 from kvlab.serve.status import status_page
+from kvlab.serve.tenants import KeyLimitError, QueueFullError, WorkTooLargeError, tenant_label
 
 log = logging.getLogger("kvlab.serve")
 
@@ -53,6 +54,10 @@ class Limits:
     max_tokens: int = 2048
     default_max_tokens: int = 256
     retry_after_s: int = 1
+    # log-probabilities one request may ask for: scored tokens x (1 + alternatives); lm-eval's requests
+    # (echo, logprobs=1, max_tokens=1, 2,047-token contexts) fit 16 prompts to a request
+    max_logprob_entries: int = 65536
+    max_response_bytes: int = 8 << 20  # a reply's JSON (or a stream's events, all together)
 
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1] (negative seeds are mapped onto the rest)
@@ -65,10 +70,18 @@ MAX_STOP_CHARS = 256  # per stop string: each is matched against the reply's tai
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, *, type_: str = "invalid_request_error", param=None, code=None
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param=None,
+        code=None,
+        retry_after: int | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
 
 # -- request bodies ------------------------------------------------------------------------------------
@@ -220,8 +233,8 @@ def _unsupported(doc: dict, cls: type[_Common], kind: str) -> dict:
 
 
 def _error(exc: ApiError, headers: dict[str, str] | None = None) -> Response:
-    if exc.status == 429 and isinstance(exc.code, int):
-        headers = {**(headers or {}), "Retry-After": str(exc.code)}
+    if exc.retry_after is not None:
+        headers = {**(headers or {}), "Retry-After": str(exc.retry_after)}
     body = {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
     # ASCII JSON: a message that quotes the request can never fail to encode
     return Response(json.dumps(body), status_code=exc.status, headers=headers, media_type="application/json")
@@ -302,10 +315,10 @@ def create_app(
     admin_only = bool(keys) or admin is not None
     started = time.time()
 
-    def tenant(request: Request) -> str:
-        """The caller's tenant salt (an API key's digest), after checking its key in constant time."""
+    def tenant(request: Request) -> _Caller:
+        """The caller's tenant (its key's salt and label), after checking its key in constant time."""
         if not keys:
-            return ""
+            return _Caller("", "-")
         auth = request.headers.get("authorization", "")
         given = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
         ok = False
@@ -315,7 +328,9 @@ def create_app(
             raise ApiError(
                 401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key"
             )
-        return hashlib.sha256(b"kvlab-tenant|" + given).hexdigest()[:32]
+        return _Caller(
+            hashlib.sha256(b"kvlab-tenant|" + given).hexdigest()[:32], tenant_label(given.decode())
+        )
 
     def is_admin(request: Request) -> bool:
         """Whether the caller may see every tenant's activity: it sent the admin key (``Bearer KEY``, or
@@ -371,73 +386,14 @@ def create_app(
             raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_value")
         return body
 
-    def prepare(body: Any, salt: str, prompt: _Prompt, emit) -> EngineRequest:
-        ids, pinned = prompt.ids, prompt.pinned
-        if len(ids) > limits.max_prompt_tokens:
-            raise ApiError(
-                400,
-                f"{prompt.name} has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}",
-                param=prompt.param,
-                code="context_length_exceeded",
-            )
-        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_new = limits.default_max_tokens if asked is None else asked
-        echo = isinstance(body, CompletionBody) and body.echo
-        if max_new == 0 and not echo:
-            raise ApiError(
-                400,
-                "max_tokens=0 is only for scoring a prompt (with echo)",
-                param="max_tokens",
-                code="invalid_value",
-            )
-        if echo and body.stream:
-            raise ApiError(400, "echo is not supported with stream", param="echo", code="unsupported_value")
-        if isinstance(body, ChatBody):
-            if body.top_logprobs is not None and not body.logprobs:
-                raise ApiError(
-                    400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
-                )
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        else:
-            logprobs = body.logprobs
-        if max_new > limits.max_tokens:
-            raise ApiError(
-                400, f"max_tokens is at most {limits.max_tokens}", param="max_tokens", code="invalid_value"
-            )
-        stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        if len(stops) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise ApiError(
-                400,
-                f"stop: up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters",
-                param="stop",
-                code="invalid_value",
-            )
-        try:
-            check_request_fits(ids, pinned, engine.settings)
-        except KvlabError as exc:
-            raise ApiError(400, str(exc), param=prompt.param) from None
-        salt = salt + ("|" + body.cache_salt if body.cache_salt else "")
-        temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
-        return EngineRequest(
-            ids=ids,
-            max_new_tokens=max_new,
-            sampling=Sampling(temperature=temperature, top_p=body.top_p, seed=body.seed or 0),
-            emit=emit,
-            salt=salt,
-            pinned=pinned,
-            stop_ids=frozenset(engine.handle.eos_ids()),
-            stop_strings=stops,
-            logprobs=logprobs,
-            logprob_stop=isinstance(body, CompletionBody),
-            score_prompt=echo and logprobs is not None,
-        )
-
     async def serve(request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
+        who = ""  # the tenant's label, once its key is checked
         try:
-            salt = tenant(request)
+            caller = tenant(request)
+            who = caller.label
             body = await body_of(request, ChatBody if kind == "chat" else CompletionBody)
-            most = max(1, engine.settings.max_queue)
+            most = _most_prompts(engine.settings)
             # templating and tokenizing a 1 MiB body takes 1-2 s: off the event loop, which keeps answering
             if kind == "chat":
                 prompts = await run_in_threadpool(_encode_chat, engine, body)
@@ -453,25 +409,20 @@ def create_app(
             loop = asyncio.get_running_loop()
             queues: list[asyncio.Queue] = [asyncio.Queue() for _ in prompts]
             reqs = [
-                prepare(body, salt, prompt, lambda ev, q=q: loop.call_soon_threadsafe(q.put_nowait, ev))
+                _prepare(engine, limits, body, caller, prompt, _emitter(loop, q))
                 for prompt, q in zip(prompts, queues, strict=True)
             ]
+            _check_logprob_budget(
+                reqs, limits.max_logprob_entries, "top_logprobs" if kind == "chat" else "logprobs"
+            )
             engine.submit_many(reqs)
-        except ApiError as exc:
-            metrics.requests.labels(endpoint, str(exc.status)).inc()
-            return _error(exc)
         except ClientDisconnect:  # gone while sending its body: nobody reads a reply
-            metrics.requests.labels(endpoint, "499").inc()
+            metrics.request(endpoint, 499, who)
             return Response(status_code=499)
-        except QueueFullError as exc:
-            metrics.requests.labels(endpoint, "429").inc()
-            return _error(ApiError(429, str(exc), type_="rate_limit_error", code=limits.retry_after_s))
-        except ShuttingDownError as exc:
-            metrics.requests.labels(endpoint, "503").inc()
-            return _error(ApiError(503, str(exc), type_="server_error", code="unavailable"))
-        except KvlabError as exc:
-            metrics.requests.labels(endpoint, "400").inc()
-            return _error(ApiError(400, str(exc)))
+        except (ApiError, KvlabError) as exc:
+            err = exc if isinstance(exc, ApiError) else _engine_error(exc, limits.retry_after_s)
+            metrics.request(endpoint, err.status, who)
+            return _error(err)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         meta = {
             "id": rid,
@@ -481,40 +432,32 @@ def create_app(
         }
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            metrics.requests.labels(endpoint, "200").inc()
+            metrics.request(endpoint, 200, who)
+            tok = engine.handle.tokenizer
             return StreamingResponse(
-                _sse(queues[0], reqs[0], kind, meta, include_usage, engine.handle.tokenizer),
+                _sse(queues[0], reqs[0], kind, meta, include_usage, tok, limits.max_response_bytes),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        # wait for every prompt's reply, or for the client to leave: then every prompt is cancelled (one
-        # decoding leaves the batch before the next step; one still queued is dropped unprefilled)
-        collect = asyncio.ensure_future(_collect_all(queues, reqs))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            left = not collect.done()
-            if left:  # the client left (or this handler is being cancelled)
-                for r in reqs:
-                    r.cancelled.set()
-                collect.cancel()
-        if left:
-            metrics.requests.labels(endpoint, "499").inc()
+        collect = await _replies_or_leave(request, queues, reqs)
+        if collect is None:
+            metrics.request(endpoint, 499, who)
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         try:
             done = collect.result()
+            echo = kind == "text" and body.echo
+            results = [
+                _Result(text, finish, info, prompt.ids, prompt.text if echo else None)
+                for prompt, (text, finish, info) in zip(prompts, done, strict=True)
+            ]
+            reply = _bounded_json(
+                _final(kind, meta, results, engine.handle.tokenizer), limits.max_response_bytes
+            )
         except ApiError as exc:
-            metrics.requests.labels(endpoint, str(exc.status)).inc()
+            metrics.request(endpoint, exc.status, who)
             return _error(exc)
-        metrics.requests.labels(endpoint, "200").inc()
-        echo = kind == "text" and body.echo
-        results = [
-            _Result(text, finish, info, prompt.ids, prompt.text if echo else None)
-            for prompt, (text, finish, info) in zip(prompts, done, strict=True)
-        ]
-        return JSONResponse(_final(kind, meta, results, engine.handle.tokenizer))
+        metrics.request(endpoint, 200, who)
+        return reply
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -575,6 +518,131 @@ def create_app(
     return app
 
 
+@dataclass(frozen=True)
+class _Caller:
+    """Who sent a request: its tenant's cache salt and its label (scheduling and metrics)."""
+
+    salt: str  # an API key's digest ("" without keys: one tenant); a request's cache_salt extends it
+    label: str  # kvlab.serve.tenants.tenant_label of the key ("-" without keys)
+
+
+def _prepare(
+    engine: Engine, limits: Limits, body: Any, caller: _Caller, prompt: _Prompt, emit: Callable[[tuple], None]
+) -> EngineRequest:
+    """The engine's request for one prompt of ``body`` (checked against ``limits``; nothing is computed)."""
+    ids, pinned = prompt.ids, prompt.pinned
+    if len(ids) > limits.max_prompt_tokens:
+        raise ApiError(
+            400,
+            f"{prompt.name} has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}",
+            param=prompt.param,
+            code="context_length_exceeded",
+        )
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_new = limits.default_max_tokens if asked is None else asked
+    echo = isinstance(body, CompletionBody) and body.echo
+    if max_new == 0 and not echo:
+        raise ApiError(
+            400,
+            "max_tokens=0 is only for scoring a prompt (with echo)",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    if echo and body.stream:
+        raise ApiError(400, "echo is not supported with stream", param="echo", code="unsupported_value")
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(
+                400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
+            )
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    if max_new > limits.max_tokens:
+        raise ApiError(
+            400, f"max_tokens is at most {limits.max_tokens}", param="max_tokens", code="invalid_value"
+        )
+    stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if len(stops) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(
+            400,
+            f"stop: up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters",
+            param="stop",
+            code="invalid_value",
+        )
+    try:
+        check_request_fits(ids, pinned, engine.settings)
+    except KvlabError as exc:
+        raise ApiError(400, str(exc), param=prompt.param) from None
+    salt = caller.salt + ("|" + body.cache_salt if body.cache_salt else "")
+    temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
+    return EngineRequest(
+        ids=ids,
+        max_new_tokens=max_new,
+        sampling=Sampling(temperature=temperature, top_p=body.top_p, seed=body.seed or 0),
+        emit=emit,
+        salt=salt,
+        pinned=pinned,
+        stop_ids=frozenset(engine.handle.eos_ids()),
+        stop_strings=stops,
+        logprobs=logprobs,
+        logprob_stop=isinstance(body, CompletionBody),
+        score_prompt=echo and logprobs is not None,
+        tenant=caller.label,
+    )
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[tuple], None]:
+    """The engine's ``emit`` for one prompt: its events onto ``queue``, from the worker thread."""
+
+    def emit(event: tuple) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    return emit
+
+
+def _most_prompts(settings: EngineSettings) -> tuple[int, str]:
+    """How many prompts one request may hold, and the option that says so: the queue's size, or a key's
+    share of open requests when that is smaller."""
+    most, why = max(1, settings.max_queue), "--max-queue"
+    if settings.max_open_per_key is not None and settings.max_open_per_key < most:
+        most, why = settings.max_open_per_key, "--max-open-per-key"
+    return most, why
+
+
+def _check_logprob_budget(reqs: list[EngineRequest], limit: int, param: str) -> None:
+    """A 400 naming the limit when the request asks for more than ``limit`` log-probabilities: scored
+    tokens (prompt tokens echoed, tokens generated with logprobs) x (1 + alternatives), over its prompts.
+    Checked before anything is queued, so nothing is computed for it."""
+    asked = sum(
+        ((len(r.ids) if r.score_prompt else 0) + r.max_new_tokens) * (1 + r.logprobs)
+        for r in reqs
+        if r.logprobs is not None
+    )
+    if asked > limit:
+        raise ApiError(
+            400,
+            f"this request asks for {asked} log-probabilities (scored tokens x (1 + alternatives): prompt "
+            f"tokens echoed and tokens generated, over its prompts); this server returns at most {limit} "
+            "per request (--max-logprob-entries): ask for fewer alternatives, tokens or prompts",
+            param=param,
+            code="logprobs_limit_exceeded",
+        )
+
+
+def _bounded_json(doc: dict, limit: int) -> JSONResponse:
+    """``doc`` as a JSON response, or a 400 naming the limit when it holds more than ``limit`` bytes."""
+    reply = JSONResponse(doc)
+    if len(reply.body) > limit:
+        raise ApiError(
+            400,
+            f"the reply holds {len(reply.body)} bytes; this server sends at most {limit} "
+            "(--max-response-bytes): ask for fewer prompts, alternatives or tokens",
+            code="response_too_large",
+        )
+    return reply
+
+
 class _Errors:
     """ASGI middleware: an exception a route lets through is a JSON 500, logged here once (Starlette's
     own handler re-raises it, and uvicorn would log the traceback a second time). The same failure
@@ -631,19 +699,19 @@ class _Prompt:
     param: str
 
 
-def _encode_prompts(engine: Engine, body: CompletionBody, most: int) -> list[_Prompt]:
+def _encode_prompts(engine: Engine, body: CompletionBody, most: tuple[int, str]) -> list[_Prompt]:
     """The prompts of a completion: a text, a list of texts, token ids or a list of token-id lists
-    (at most ``most`` of them, counted before any is encoded).
+    (at most ``most[0]`` of them, counted before any is encoded; ``most[1]`` names the option).
 
     Token ids are used as given (checked against the vocabulary); texts are encoded as
     ``ModelHandle.encode`` does (no special tokens added)."""
     given = body.prompt
     several = isinstance(given, list) and bool(given) and not isinstance(given[0], int)
     items: list[Any] = list(given) if several else [given]
-    if len(items) > most:
+    if len(items) > most[0]:
         raise ApiError(
             400,
-            f"{len(items)} prompts in one request; this server queues at most {most} (--max-queue)",
+            f"{len(items)} prompts in one request; this server queues at most {most[0]} ({most[1]})",
             param="prompt",
             code="invalid_value",
         )
@@ -707,9 +775,14 @@ def _template(tok: Any, messages: list[dict]) -> list[int]:
     return [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
 
 
-def _engine_error(exc: Exception) -> ApiError:
+def _engine_error(exc: Exception, retry_after: int = 1) -> ApiError:
     if isinstance(exc, ShuttingDownError):
         return ApiError(503, str(exc), type_="server_error", code="unavailable")
+    if isinstance(exc, QueueFullError):  # the queue, or the key's share of it (KeyLimitError)
+        code = "per_key_limit" if isinstance(exc, KeyLimitError) else "queue_full"
+        return ApiError(429, str(exc), type_="rate_limit_error", code=code, retry_after=retry_after)
+    if isinstance(exc, WorkTooLargeError):
+        return ApiError(400, str(exc), code="request_too_large")
     if isinstance(exc, KvlabError):
         return ApiError(400, str(exc))
     return ApiError(500, "internal error (logged on the server)", type_="server_error")
@@ -723,6 +796,26 @@ async def _disconnected(request: Request) -> None:
         if message["type"] == "http.disconnect":
             return
         await asyncio.sleep(0.1)  # nothing else should come; never spin on it
+
+
+async def _replies_or_leave(
+    request: Request, queues: list[asyncio.Queue], reqs: list[EngineRequest]
+) -> asyncio.Future | None:
+    """Wait for every prompt's reply (the finished future: its result, or the error it raises), or for the
+    client to leave (None): then every prompt is cancelled (one decoding leaves the batch before the next
+    step; one still queued is dropped unprefilled)."""
+    collect = asyncio.ensure_future(_collect_all(queues, reqs))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        left = not collect.done()
+        if left:  # the client left (or this handler is being cancelled)
+            for r in reqs:
+                r.cancelled.set()
+            collect.cancel()
+    return None if left else collect
 
 
 async def _collect_all(queues: list[asyncio.Queue], reqs: list[EngineRequest]) -> list[tuple[str, str, dict]]:
@@ -873,6 +966,34 @@ def _final(kind: str, meta: dict, results: list[_Result], tok: Any) -> dict:
 
 
 async def _sse(
+    events: asyncio.Queue,
+    req: EngineRequest,
+    kind: str,
+    meta: dict,
+    include_usage: bool,
+    tok: Any,
+    max_bytes: int = Limits.max_response_bytes,
+) -> AsyncIterator[str]:
+    """The reply as server-sent events; a stream that would pass ``max_bytes`` in all ends with an error
+    event naming the limit instead (and its request is cancelled)."""
+    sent = 0
+    try:
+        async for event in _sse_events(events, req, kind, meta, include_usage, tok):
+            sent += len(event.encode())
+            if sent > max_bytes:
+                message = (
+                    f"the reply passed {max_bytes} bytes, the most this server sends (--max-response-bytes); "
+                    "stopped: ask for fewer alternatives or tokens"
+                )
+                error = {"message": message, "type": "invalid_request_error", "code": "response_too_large"}
+                yield "data: " + json.dumps({"error": error}) + "\n\n"
+                return
+            yield event
+    finally:
+        req.cancelled.set()  # a no-op once done; the engine drops the row of a stream cut short
+
+
+async def _sse_events(
     events: asyncio.Queue, req: EngineRequest, kind: str, meta: dict, include_usage: bool, tok: Any
 ) -> AsyncIterator[str]:
     head = {"id": meta["id"], "created": meta["created"], "model": meta["model"]}

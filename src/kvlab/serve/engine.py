@@ -61,14 +61,11 @@ from kvlab.hf.live_cache import LiveCache
 from kvlab.hf.rolling_cache import RollingCache, default_chunk, rolling_cache_for
 from kvlab.loop import Sampling
 from kvlab.serve.policy import serve_policy
+from kvlab.serve.tenants import FairQueue, KeyLimits
 from kvlab.store.errors import StoreError
 from kvlab.store.store import KVStore
 
 log = logging.getLogger("kvlab.serve")
-
-
-class QueueFullError(KvlabError):
-    """More requests are waiting than the server accepts (HTTP 429)."""
 
 
 class ShuttingDownError(KvlabError):
@@ -82,6 +79,11 @@ class EngineSettings:
     evict_chunk: int = 64
     max_batch: int = 4  # requests served at once (prefilling or decoding)
     max_queue: int = 16  # requests waiting beyond those decoding
+    # per tenant (Request.tenant, an API key): requests open, requests running, tokens of work in flight;
+    # None: only the limits above (see kvlab.serve.tenants)
+    max_open_per_key: int | None = None
+    max_batch_per_key: int | None = None
+    max_work_per_key: int | None = None
     max_sessions: int = 64  # idle conversations kept for reuse (least recently used dropped)
     prefill_chunk: int = 256  # prompt tokens computed per worker iteration, between two decode steps
     # a cache spec (kvlab.compress.spec, see serve_policy): a sinks + window layout, with or without a codec,
@@ -211,6 +213,15 @@ class Request:
     score_prompt: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    tenant: str = ""  # whose share it counts in (kvlab.serve.tenants): an API key's label
+
+    @property
+    def cost(self) -> int:
+        """Tokens of work it may take: its prompt and the most it may generate."""
+        return len(self.ids) + self.max_new_tokens
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set()
 
 
 @dataclass
@@ -315,7 +326,7 @@ class Engine:
         # idle sessions, least recently used first; written by the worker, read by the status page
         self.sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._sessions_lock = threading.Lock()
-        self._pending: collections.deque[Request] = collections.deque()
+        self._pending: FairQueue[Request] = FairQueue(max_queue=settings.max_queue, limits=self.key_limits)
         self._prefilling: list[_Prefill] = []  # admitted, their prompts being computed
         self._active: list[_Row] = []  # decoding
         self._admitted = 0  # taken from the queue, not yet prefilling
@@ -336,19 +347,24 @@ class Engine:
         return self.settings.sinks + self.settings.window
 
     def submit(self, req: Request) -> None:
-        """Queue ``req``; raises :class:`QueueFullError` when ``max_queue`` requests already wait."""
+        """Queue ``req``; raises as :meth:`submit_many`."""
         self.submit_many([req])
 
     def submit_many(self, reqs: list[Request]) -> None:
-        """Queue every request of ``reqs`` (a batched completion's prompts) or none: raises
-        :class:`QueueFullError` when the queue has no room for all of them."""
+        """Queue every request of ``reqs`` (a batched completion's prompts, of one tenant) or none: raises
+        :class:`~kvlab.serve.tenants.QueueFullError` when the queue has no room for all of them, its subclass
+        :class:`~kvlab.serve.tenants.KeyLimitError` when their tenant has its share open, and
+        :class:`~kvlab.serve.tenants.WorkTooLargeError` when they could never fit that share."""
         with self._cv:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
-            if len(self._pending) + len(reqs) > self.settings.max_queue:
-                raise QueueFullError(f"{len(self._pending)} requests are already waiting; retry shortly")
-            self._pending.extend(reqs)
+            self._pending.offer(reqs)
             self._cv.notify()
+
+    @property
+    def key_limits(self) -> KeyLimits:
+        s = self.settings
+        return KeyLimits(s.max_open_per_key, s.max_batch_per_key, s.max_work_per_key)
 
     def queue_depth(self) -> int:
         return len(self._pending)
@@ -435,23 +451,23 @@ class Engine:
         torch.set_grad_enabled(False)
         while True:
             with self._cv:
+                # what each tenant has running counts in its share (requests that ended have left)
+                self._pending.running([*(p.req for p in self._prefilling), *(r.req for r in self._active)])
                 while not self._pending and not self._prefilling and not self._active and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
                     gone = ShuttingDownError("the server is shutting down")
                     for req in [
-                        *self._pending,
+                        *self._pending.drain(),
                         *(p.req for p in self._prefilling),
                         *(r.req for r in self._active),
                     ]:
                         _emit(req, ("error", gone))
-                    self._pending.clear()
                     self._prefilling, self._active = [], []
                     return
-                admit: list[Request] = []
+                # the free slots go to the tenants in turn (deficit round-robin), each under its batch share
                 busy = len(self._active) + len(self._prefilling)
-                while self._pending and busy + len(admit) < self.settings.max_batch:
-                    admit.append(self._pending.popleft())
+                admit = self._pending.take(self.settings.max_batch - busy)
                 self._admitted = len(admit)
             for req in admit:
                 try:
@@ -468,15 +484,23 @@ class Engine:
                     self._step()
                 except Exception as exc:  # a fault outside any one row: the rows fail, the worker lives
                     log.exception("decode step failed")
-                    for row in self._active:  # sessions not returned (a cache may hold half a step)
+                    rows, self._active = self._active, []
+                    for row in rows:  # sessions not returned (a cache may hold half a step)
+                        self._release(row.req)
                         _emit(row.req, ("error", exc))
-                    self._active = []
 
     def _fail(self, req: Request, exc: Exception, where: str) -> None:
         """``req`` fails alone: its error is emitted; its session, which may hold half a step, is dropped."""
         if not isinstance(exc, KvlabError):
             log.error("a request failed in its %s", where, exc_info=exc)
+        self._release(req)
         _emit(req, ("error", exc))
+
+    def _release(self, req: Request) -> None:
+        """``req`` no longer counts in its tenant's share: called before its last event, so its client's
+        next request finds the place free (the worker's snapshot of what runs is taken once per iteration)."""
+        with self._cv:
+            self._pending.release(req)
 
     # -- prefill ---------------------------------------------------------------------------------------
     def _admit(self, req: Request) -> _Prefill:
@@ -657,7 +681,7 @@ class Engine:
             "cache": dict(self.cache_info),
         }
         if self.metrics is not None:
-            self.metrics.prefilled(info)
+            self.metrics.prefilled(info, tenant=req.tenant)
         if req.score_prompt:
             info["_prompt_logprobs"] = scores
         # a CPU generator wherever the model runs: Sampling.pick draws from probabilities on the CPU
@@ -741,7 +765,9 @@ class Engine:
                 row.finish = "length"
         if self.metrics is not None:
             first = len(row.out) == 1
-            self.metrics.token(now - (row.req.submitted if first else row.last_step), first=first)
+            self.metrics.token(
+                now - (row.req.submitted if first else row.last_step), first=first, tenant=row.req.tenant
+            )
         row.last_step = now
 
     def _emit_text(self, row: _Row) -> None:
@@ -778,6 +804,7 @@ class Engine:
             events.append(("done", row.finish, row.info, row.text))
         row.session.last_logits = row.logits[0]
         self._return_session(row.session)
+        self._release(row.req)
         for event in events:
             row.req.emit(event)
 
@@ -856,6 +883,10 @@ def check_settings(handle: Any, settings: EngineSettings) -> None:
         raise BadInputError("need max_batch >= 1, max_queue >= 0 and max_sessions >= 1")
     if settings.prefill_chunk < 1:
         raise BadInputError(f"--prefill-chunk must be >= 1, got {settings.prefill_chunk}")
+    for name in ("max_open_per_key", "max_batch_per_key", "max_work_per_key"):
+        value = getattr(settings, name)
+        if value is not None and value < 1:
+            raise BadInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     # builds nothing but the rule (buffers are allocated on first use): raises for a bad window or model
     new_cache(handle, settings)
 

@@ -4,9 +4,11 @@ Counters and histograms are updated as things happen; the gauges (queue, request
 sessions) are read from the engine when ``/metrics`` is scraped, so a scrape shows the state at that
 moment (an idle server reads 0 requests being served).
 
-No label names a tenant, but the totals are everybody's traffic: a server with keys serves
-``/metrics`` only for the admin key. ``kvlab_requests_total`` counts a request whose client left
-before its reply as status 499.
+The ``kvlab_tenant_*`` series are labelled by tenant: a short hash of its API key
+(:func:`kvlab.serve.tenants.tenant_label`, never the key itself; ``-`` on a server without keys), so
+one series per key. The totals are everybody's traffic: a server with keys serves ``/metrics`` only
+for the admin key. ``kvlab_requests_total`` counts a request whose client left before its reply as
+status 499.
 """
 
 from __future__ import annotations
@@ -46,6 +48,18 @@ class Metrics:
             "kvlab_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )
         self.generated = Counter("kvlab_generated_tokens", "Tokens generated", registry=r)
+        self.tenant_requests = Counter(
+            "kvlab_tenant_requests",
+            "HTTP completion requests by tenant (a hash of its API key) and status (429: refused for load)",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "kvlab_tenant_tokens",
+            "Tokens by tenant: prompt tokens computed or reused, tokens generated",
+            ["tenant", "kind"],
+            registry=r,
+        )
         self.queue = Gauge("kvlab_queue_depth", "Requests waiting for a decode slot", registry=r)
         self.active = Gauge(
             "kvlab_active_requests", "Requests being served (prefilling or decoding)", registry=r
@@ -61,18 +75,29 @@ class Metrics:
             "kvlab_device_info", "Where the model runs (always 1)", ["device", "gpu", "dtype"], registry=r
         )
 
-    def prefilled(self, info: dict[str, Any]) -> None:
+    def prefilled(self, info: dict[str, Any], tenant: str = "") -> None:
         self.prompt_tokens.labels("reused").inc(info["cached_tokens"])
         self.prompt_tokens.labels("computed").inc(info["computed_tokens"])
+        if tenant:
+            self.tenant_tokens.labels(tenant, "reused").inc(info["cached_tokens"])
+            self.tenant_tokens.labels(tenant, "computed").inc(info["computed_tokens"])
         self.prefills.labels(info["source"]).inc()
         if info["rolls"]:
             self.rolls.inc(info["rolls"])
         for tier, n in info.get("store_tiers", {}).items():
             self.store_blocks.labels(tier).inc(n)
 
-    def token(self, seconds: float, *, first: bool) -> None:
+    def token(self, seconds: float, *, first: bool, tenant: str = "") -> None:
         (self.ttft if first else self.tpot).observe(max(seconds, 0.0))
         self.generated.inc()
+        if tenant:
+            self.tenant_tokens.labels(tenant, "generated").inc()
+
+    def request(self, endpoint: str, status: int | str, tenant: str = "") -> None:
+        """One completion request's status (its tenant's too, once its key is known)."""
+        self.requests.labels(endpoint, str(status)).inc()
+        if tenant:
+            self.tenant_requests.labels(tenant, str(status)).inc()
 
     def rolled(self, n: int) -> None:
         self.rolls.inc(n)
