@@ -411,7 +411,8 @@ def run_and_report(
         raise BadInputError(
             f"--out {out}: cannot create a run folder there ({exc.strerror or exc})"
         ) from None
-    with progress_display(enabled=not json_out and sys.stderr.isatty()) as progress:
+    # a bar on a terminal, one line per finished loop (stream-ppl's windows ...) off one, nothing with --json
+    with progress_display(enabled=not json_out) as progress:
         ctx = ExperimentContext(
             out_dir=folder,
             profile=profile,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -153,7 +152,21 @@ def register(app: typer.Typer) -> None:
         ] = None,
         out: Annotated[
             Path | None,
-            typer.Option("--out", "-o", help="Folder for ruler.json (raw rows, summary with intervals)."),
+            typer.Option(
+                "--out",
+                "-o",
+                help="Folder for ruler.json (raw rows, summary with intervals); each trial is kept there "
+                "as it finishes (ruler.partial.jsonl), so an interrupted run can be resumed.",
+            ),
+        ] = None,
+        resume: Annotated[
+            Path | None,
+            typer.Option(
+                "--resume",
+                help="Finish the interrupted run whose --out was this folder: skip the trials it kept, run "
+                "the rest, write ruler.json (equal to an uninterrupted run's but for timings). Give the "
+                "same options as the first run (others are refused).",
+            ),
         ] = None,
         model: ModelOpt = "smollm2-135m",
         device: DeviceOpt = "auto",
@@ -161,62 +174,50 @@ def register(app: typer.Typer) -> None:
         seed: SeedOpt = 0,
         json_out: JsonOpt = False,
     ) -> None:
-        """Run RULER-style trials under each cache policy: accuracy, KL and top-1 agreement to the full cache."""
+        """Run RULER-style trials under each cache policy: accuracy, KL and top-1 agreement to the full cache.
+
+        Progress goes to stderr: trials done of all and an estimate of the time left (a bar on a terminal,
+        one line per trial otherwise, nothing with --json)."""
+        from kvlab.eval.resume import run_ruler
         from kvlab.eval.specs import expand_specs, parse_cache_specs, parse_ratios
         from kvlab.eval.tasks import TASKS
+        from kvlab.progress import choose_mode
 
         ratio_list = parse_ratios(ratios) if ratios is not None else None
         specs = parse_cache_specs(expand_specs(cache or ["full"], ratio_list))
         task_names = [t.strip() for t in tasks.split(",")] if tasks else list(TASKS)
         length_list = [int(v) for v in lengths.split(",")]
+        if resume is not None:
+            if out is not None and Path(out).resolve() != Path(resume).resolve():
+                raise BadInputError(f"--resume {resume} finishes the run in that folder; drop --out {out}")
+            out = resume
         if out is not None:
             check_output_dir(out)
-        from kvlab import load_model
         from kvlab.data import read_text_file
-        from kvlab.eval.run import run_suite, summarize
 
         haystack_text = read_text_file(haystack).text if haystack is not None else None
-        handle = load_model(model, device=device, dtype=dtype)
-        t0 = time.perf_counter()
-        total = len(task_names) * len(length_list) * trials
-        with typer.progressbar(length=total, label="ruler", file=sys.stderr, hidden=json_out) as bar:
-            rows = run_suite(
-                handle,
-                specs,
-                tasks=task_names,
-                lengths=length_list,
-                trials=trials,
-                seed=seed,
-                haystack_text=haystack_text,
-                max_new_tokens=max_new_tokens,
-                progress=lambda done, n: bar.update(1),
-            )
-        wall = time.perf_counter() - t0
-        summary = summarize(rows, seed=seed)
-        doc = {
-            "settings": {
-                "model": model,
-                "device": str(handle.device),
-                "dtype": dtype,
-                "caches": [s.to_json() for s in specs],
-                "ratios": ratio_list,
-                "tasks": task_names,
-                "lengths": length_list,
-                "trials": trials,
-                "seed": seed,
-                "haystack": str(haystack) if haystack is not None else "default",
-                "max_new_tokens": max_new_tokens,
-            },
-            "wall_seconds": wall,
-            "summary": summary,
-            "rows": rows,
+        settings = {
+            "model": model,
+            "device": device,  # as the model loads it (run_ruler)
+            "dtype": dtype,
+            "caches": [s.to_json() for s in specs],
+            "ratios": ratio_list,
+            "tasks": task_names,
+            "lengths": length_list,
+            "trials": trials,
+            "seed": seed,
+            "haystack": str(haystack) if haystack is not None else "default",
+            "max_new_tokens": max_new_tokens,
         }
-        if out is not None:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            path = Path(out) / "ruler.json"
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(doc, indent=2) + "\n")
-            tmp.replace(path)
+        doc = run_ruler(
+            settings,
+            specs,
+            out=out,
+            resume=resume is not None,
+            haystack_text=haystack_text,
+            mode=choose_mode(json_out),
+        )
+        summary, rows, wall = doc["summary"], doc["rows"], doc["wall_seconds"]
         if json_out:
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
             return

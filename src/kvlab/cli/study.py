@@ -13,12 +13,14 @@ from kvlab.cli.common import (
     DeviceOpt,
     DtypeOpt,
     FullOpt,
+    JsonOpt,
     ModelOpt,
     OutOpt,
     QuickOpt,
     SeedOpt,
     check_output_dir,
     console,
+    err_console,
     profile_from,
 )
 
@@ -60,16 +62,29 @@ def register(app: typer.Typer) -> None:
                 "(default: one per core, at most 4, and 1 on CUDA; 1 runs them one after another in this process).",
             ),
         ] = None,
+        resume: Annotated[
+            Path | None,
+            typer.Option(
+                "--resume",
+                help="Finish an interrupted study in this folder (runs/study-...): keep the experiments that "
+                "finished ok, run the others, write the report. Give the same model, profile, seed, "
+                "device, dtype and --only as the first run (others are refused).",
+            ),
+        ] = None,
+        json_out: JsonOpt = False,
     ) -> None:
-        """Run every registered experiment on the model and write one HTML report."""
+        """Run every registered experiment on the model and write one HTML report.
+
+        Progress (experiments done of all, elapsed, an estimate of the time left) goes to stderr: a bar
+        on a terminal, one line per finished experiment otherwise, nothing with --json."""
         from kvlab.model.loading import resolve_device
         from kvlab.study.runner import default_workers, run_study
 
         profile = profile_from(quick, full)
         device = resolve_device(device)
         check_output_dir(out)
-        if profile == "full":
-            console.print(
+        if profile == "full" and not json_out:
+            err_console.print(
                 "[yellow]--full runs every experiment at its largest size; expect an hour or more here.[/yellow]"
             )
         outcome = run_study(
@@ -81,7 +96,16 @@ def register(app: typer.Typer) -> None:
             dtype=dtype,
             device=device,
             workers=workers or default_workers(device),
+            resume=resume,
+            show_progress=not json_out,
         )
+        if json_out:
+            import json
+            import sys
+
+            doc = json.loads((outcome.run_dir / "result.json").read_text())
+            sys.stdout.write(json.dumps({**doc, "report_dir": str(outcome.run_dir)}, indent=2) + "\n")
+            raise typer.Exit(1 if outcome.failed else 0)
         rt = RichTable(title="kvlab study", title_justify="left")
         for col in ("experiment", "status", "seconds"):
             rt.add_column(col)
