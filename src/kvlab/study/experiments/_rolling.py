@@ -27,7 +27,6 @@ from kvlab.errors import BadInputError
 from kvlab.metrics.similarity import PreparedCache, compare_caches
 from kvlab.metrics.spectral import rope_pair_energy
 from kvlab.metrics.stats import bootstrap_curve
-from kvlab.paths import shared_data_dir
 from kvlab.study.experiments.base import ExperimentContext
 
 SMALL_ROLLS = (1, 2, 3, 5, 10, 20)
@@ -322,35 +321,45 @@ def long_roll_measure(
 # -- the thread's reference results -----------------------------------------------------------------
 
 
+#: The thread's published numbers as kvlab ships them (the fields it reads from each result file).
+REFERENCE_FILE = Path(__file__).resolve().parents[1] / "data" / "thread_reference.json"
+
+
 @dataclass
 class Reference:
-    """The thread's Qwen2.5 result files, when ``../shared/data/thread-reference`` exists."""
+    """The thread's Qwen2.5 result files (``files``, by the file's name without ``.json``) and the
+    research brief's numbers that no file carries (``brief``), from :data:`REFERENCE_FILE`."""
 
     root: Path | None
     files: dict[str, Any] = field(default_factory=dict)
+    brief: dict[str, Any] = field(default_factory=dict)
 
     def get(self, name: str) -> Any:
-        if self.root is None:
-            return None
-        if name not in self.files:
-            import json
-
-            path = self.root / f"{name}.json"
-            self.files[name] = json.loads(path.read_text()) if path.is_file() else None
-        return self.files[name]
+        return self.files.get(name)
 
     @property
     def note(self) -> str:
         return (
-            "thread reference curves (Qwen2.5) not found: ../shared/data/thread-reference is absent, "
-            "so the overlay plots are skipped"
+            f"thread reference numbers (Qwen2.5) not found: {REFERENCE_FILE} is missing from this "
+            "installation, so the overlay plots are skipped"
+        )
+
+    @property
+    def source(self) -> str:
+        return (
+            "the thread's published Qwen2.5 result files, numbers as kvlab ships them "
+            "(kvlab/study/data/thread_reference.json)"
         )
 
 
 def reference() -> Reference:
-    root = shared_data_dir()
-    path = root / "thread-reference" if root is not None else None
-    return Reference(path if path is not None and path.is_dir() else None)
+    """The shipped copy of the thread's numbers: the one source every experiment compares against."""
+    import json
+
+    if not REFERENCE_FILE.is_file():
+        return Reference(None)
+    doc = json.loads(REFERENCE_FILE.read_text())
+    return Reference(REFERENCE_FILE, doc["files"], doc["research_brief"])
 
 
 # -- plotting -------------------------------------------------------------------------------------

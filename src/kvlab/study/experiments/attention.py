@@ -10,7 +10,6 @@ A window against the next, unrelated window (same positions) gives the baseline.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from kvlab.metrics.attention import (
     roll_alignment,
     stack_attentions,
 )
-from kvlab.paths import shared_data_dir
+from kvlab.study.experiments._rolling import reference
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
@@ -41,7 +40,7 @@ from kvlab.study.report.format import format_number, iv, num
 DEFAULT_ROLLS = (1, 5, 20)
 TOPK_LOGITS = 10
 TOPK_ATTENTION = 5
-REFERENCE_FILE = "thread-reference/results_attention_results_attn_attention_results.json"
+REFERENCE_NAME = "results_attention_results_attn_attention_results"  # the thread's result file
 REFERENCE_PROMPT_TOKENS = 87  # the thread's attention run used its fixed 87-token prompt
 ROW_METRICS = (
     "cos",
@@ -58,12 +57,10 @@ ROW_METRICS = (
 
 
 def load_reference() -> dict[str, Any] | None:
-    """The thread's attention/logit numbers (Qwen2.5-14B, one 87-token prompt), if the shared data is present."""
-    root = shared_data_dir()
-    path = root / REFERENCE_FILE if root else None
-    if path is None or not path.is_file():
+    """The thread's attention/logit numbers (Qwen2.5-14B, one 87-token prompt), from kvlab's shipped copy."""
+    doc = reference().get(REFERENCE_NAME)
+    if doc is None:
         return None
-    doc = json.loads(path.read_text())
     rolls = [int(n) for n in doc["roll_ns"]]
     att = {
         n: {m: np.asarray(v, dtype=np.float64) for m, v in doc["attention"][f"roll_{n}"].items()}
@@ -74,7 +71,7 @@ def load_reference() -> dict[str, Any] | None:
         "attention": att,
         "logit_cos": dict(zip(rolls, doc["logit_cos"], strict=True)),
         "top5_token_overlap": dict(zip(rolls, doc["top5_token_overlap"], strict=True)),
-        "path": str(path),
+        "source": f"{REFERENCE_NAME}.json, as kvlab ships it (kvlab/study/data/thread_reference.json)",
     }
 
 
@@ -121,12 +118,12 @@ def run(
     ref = load_reference()
     if ref is None:
         result.notes.append(
-            "The thread's reference numbers (../shared/data/thread-reference) are absent: no overlay."
+            "The thread's reference numbers (kvlab/study/data/thread_reference.json) are missing from this "
+            "installation: no overlay."
         )
     else:
         result.data_sources.append(
-            f"thread reference (Qwen2.5-14B, one {REFERENCE_PROMPT_TOKENS}-token prompt): "
-            f"{Path(ref['path']).name}"
+            f"thread reference (Qwen2.5-14B, one {REFERENCE_PROMPT_TOKENS}-token prompt): {ref['source']}"
         )
     _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, first_query)
     result.figures.extend(

@@ -20,13 +20,6 @@ from kvlab.study.experiments.base import Experiment, ExperimentContext, Experime
 
 SOURCES = ("roll_sweep", "roll_long", "rope_derotation")
 ATTN_ROLLS = (1, 5, 20)
-# The thread's headline numbers (research brief, section 3), used only where the reference files are absent.
-THREAD_BRIEF = {
-    "v_roll_1_5_20": (0.973, 0.931, 0.903),
-    "k_unrel_scr_roll20": (0.633, 0.664, 0.825),
-    "offset": 0.19,
-    "attention_cos": 0.41,
-}
 
 
 def _last_rows(model: Any, rows: list[list[int]], batch: int = 8) -> np.ndarray:
@@ -199,10 +192,11 @@ def _claim_v(sweep: dict, long: dict, derot: dict, ref14: Any) -> list[dict]:
     v_short = [sweep["conditions"][f"roll_{n}"]["v_x0"] for n in shown]
     v_long = [long["roll_mean"][str(n)]["v"] for n in shown]
     k_long = [long["roll_mean"][str(n)]["k"] for n in shown]
-    thread_v = (
-        [ref14[f"roll_{n}"]["cos_v"]["mean"] for n in (1, 5, 20)]
+    thread = (
+        "/".join(f"{ref14[f'roll_{n}']['cos_v']['mean']:.3f}" for n in (1, 5, 20))
+        + " (Qwen2.5-14B, 87 tokens)"
         if ref14
-        else list(THREAD_BRIEF["v_roll_1_5_20"])
+        else "—"
     )
     holds = min(v_long) >= 0.95 and all(v >= k for v, k in zip(v_long, k_long, strict=True))
     n_last = shown[-1]
@@ -218,7 +212,7 @@ def _claim_v(sweep: dict, long: dict, derot: dict, ref14: Any) -> list[dict]:
             "v_stable",
             f"cos V at n={'/'.join(map(str, shown))}: {'/'.join(f'{v:.3f}' for v in v_long)} ({long['context_tokens']} tokens), "
             f"{'/'.join(format(v['value'], '.3f') for v in v_short)} ({sweep['context_tokens']} tokens)",
-            "/".join(f"{v:.3f}" for v in thread_v) + " (Qwen2.5-14B, 87 tokens)",
+            thread,
             "holds" if holds else "does not hold",
             f"holds if long-context cos V >= 0.95 for n = {'/'.join(map(str, shown))} and V >= raw K at each",
             key,
@@ -244,12 +238,11 @@ def _claim_order(sweep: dict, ref14: Any) -> list[dict]:
         u, s, r = c["unrelated"][f"{m}_x0"], c["scrambled"][f"{m}_x0"], c["roll_20"][f"{m}_x0"]
         ok &= _disjoint(u, s) and _disjoint(s, r)
         parts.append(f"{m.upper()}: {_iv(u)} < {_iv(s)} < {_iv(r)}")
-    if ref14:
-        thread = "K " + " < ".join(
-            f"{ref14[k]['cos_k']['mean']:.3f}" for k in ("unrelated", "scrambled", "roll_20")
-        )
-    else:
-        thread = "K " + " < ".join(str(x) for x in THREAD_BRIEF["k_unrel_scr_roll20"])
+    thread = (
+        "K " + " < ".join(f"{ref14[k]['cos_k']['mean']:.3f}" for k in ("unrelated", "scrambled", "roll_20"))
+        if ref14
+        else "—"
+    )
     return [
         _claim(
             "control_order",
@@ -278,7 +271,7 @@ def _claim_offset(long: dict, ref: R.Reference) -> list[dict]:
             f"slope {fit.slope:.1e}/token, R² {fit.r2:.3f} (Qwen2.5-14B, 2,000 tokens, step 5)"
         )
     else:
-        thread = f"offset ≈{THREAD_BRIEF['offset']}, slope ≈0.004, R² ≈0.001"
+        thread = "—"
     by_end = long.get("difference_by_window_end")
     key = None if by_end is None else {**by_end, "samples": "window ends (a few tokens apart: correlated)"}
     return [
@@ -302,16 +295,18 @@ def _claim_attention(attn: dict, ref: R.Reference) -> list[dict]:
     w, wo = attn["with_sink"].mean(-1), attn["without_sink"].mean(-1)  # [W, N]
     iw, iwo = bootstrap_ci(w.mean(1)), bootstrap_ci(wo.mean(1))
     d = ref.get("results_attention_results_attn_attention_results")
-    thread = (
-        f"≈{THREAD_BRIEF['attention_cos']} at every roll (research brief)"
-        if not d
-        else f"≈{THREAD_BRIEF['attention_cos']} at every roll; reference file: layer-mean cosine "
-        + "/".join(
-            f"{np.mean(d['attention'][f'roll_{n}']['cosine_sim']):.2f}"
-            for n in ATTN_ROLLS
-            if f"roll_{n}" in d["attention"]
+    said = ref.brief.get("attention_row_cosine")
+    parts = [f"≈{said} at every roll (research brief)"] if said is not None else []
+    if d:
+        parts.append(
+            "reference file: layer-mean cosine "
+            + "/".join(
+                f"{np.mean(d['attention'][f'roll_{n}']['cosine_sim']):.2f}"
+                for n in ATTN_ROLLS
+                if f"roll_{n}" in d["attention"]
+            )
         )
-    )
+    thread = "; ".join(parts) or "—"
     verdict = (
         "does not hold"
         if iw.value >= 0.8
@@ -429,7 +424,9 @@ def run(
         f"attention rows: {main.source}, {W} windows of {T} tokens, rolls {ATTN_ROLLS}"
     )
     if ref.root is None:
-        result.notes.append(ref.note + "; the thread's numbers come from the research brief instead.")
+        result.notes.append(ref.note + "; the claims have no thread numbers beside them.")
+    else:
+        result.data_sources.append(f"thread's numbers: {ref.source}")
     return result
 
 
