@@ -51,15 +51,24 @@ def converse(client: openai.OpenAI, turns: int) -> tuple[list[dict], list[dict],
 
 
 class Server:
-    """``kvlab serve`` in a subprocess; ``stop()`` (or ``kill()``) ends it."""
+    """``kvlab serve`` in a subprocess; ``stop()`` (or ``kill()``) ends it. ``prelude``: Python run in the
+    server's process before kvlab's command line (e.g. to make its disk slow)."""
 
     def __init__(
-        self, tmp: Path, *args: str, keys: tuple[str, ...] = (KEY_A, KEY_B), admin: str | None = ADMIN
+        self,
+        tmp: Path,
+        *args: str,
+        keys: tuple[str, ...] = (KEY_A, KEY_B),
+        admin: str | None = ADMIN,
+        prelude: str | None = None,
     ) -> None:
         self.port = _free_port()
         self.admin = admin
         self.log = tmp / f"serve-{self.port}.log"
-        cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(self.port)]
+        launch = (
+            ["-m", "kvlab"] if prelude is None else ["-c", f"{prelude}\nfrom kvlab.cli import entry; entry()"]
+        )
+        cmd = [sys.executable, *launch, "serve", "--port", str(self.port)]
         if "--cache" not in args:  # a cache spec sets the window itself
             cmd += ["--window", str(WINDOW), "--sinks", str(SINKS), "--evict-chunk", str(CHUNK)]
         cmd += list(args)

@@ -187,6 +187,16 @@ def register(app: typer.Typer) -> None:
                 help="Open connections per client address (behind a proxy, raise it to --max-connections).",
             ),
         ] = 64,
+        shutdown_timeout: Annotated[
+            int,
+            typer.Option(
+                "--shutdown-timeout",
+                min=1,
+                max=3600,
+                help="Seconds a SIGTERM (or Ctrl+C) lets the requests running finish; those still running then "
+                "are cut (a stream ends without [DONE]) and the server exits.",
+            ),
+        ] = 30,
     ) -> None:
         """Serve the model over the OpenAI API (chat, completions, streaming) with rolling, shared caches.
 
@@ -300,6 +310,8 @@ def register(app: typer.Typer) -> None:
             log_config=None,  # uvicorn's loggers propagate to setup_logging's rate-limited handler
             log_level="warning",
             access_log=False,
+            # without it, a stream whose client stops reading held the shutdown for ever (its send never ends)
+            timeout_graceful_shutdown=shutdown_timeout,
         )
         server = GuardedServer(config, guard)
         held = (
