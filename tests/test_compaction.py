@@ -1,4 +1,5 @@
-"""Compaction (R11 + B5): building the conditions exactly, and a smoke run on a small conversations file."""
+"""Compaction (R11 + B5): building the conditions exactly, a smoke run on a small conversations file, and
+the conversations a fresh clone makes with its own model (format, determinism, the cache, a full run)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 from kvlab.errors import BadInputError
 from kvlab.metrics.similarity import centroid_cosine
+from kvlab.model.handle import ModelHandle
+from kvlab.study.experiments import _conversations as built
 from kvlab.study.experiments import compaction as comp
 from kvlab.study.experiments import get_experiment
 from kvlab.study.experiments.base import ExperimentContext
@@ -92,6 +95,10 @@ def test_conditions_decompose_exactly(smollm, conversations):
     assert msgs["unrelated"] == comp.parse_turns(conversations[1]["full"])
 
 
+def test_thread_numbers_come_from_the_shipped_reference():
+    assert comp.thread_centroid_v() == {"compacted": 0.85, "unrelated": 0.58}
+
+
 def test_common_suffix():
     assert comp.common_suffix([1, 2, 3], [9, 2, 3]) == 2
     assert comp.common_suffix([1, 2, 3], [1, 2, 3]) == 3
@@ -122,11 +129,118 @@ def test_bad_input(tmp_path, conversations):
         comp.conversation_messages({"full": "User: hi"}, conversations[0])
 
 
-def test_not_applicable_without_conversations(tmp_path, monkeypatch):
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_model):
+    """A tiny random SmolLM2-family model with a byte-level tokenizer and a ChatML template: it writes
+    nonsense, but through exactly the code path the bundled model takes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"]
+    )
+    tok.chat_template = CHATML
+    tiny = tiny_model("smollm2", vocab=len(tok), seed=3)
+    return ModelHandle(tiny.model, tok, name="tiny-chat")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def short_conversations():
+    """Short passages and 8-token replies in this module: the same code path, a fraction of the work
+    (the test tokenizer spends a token on every byte)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(built, "EXCERPT_CHARS", 120)
+        mp.setattr(built, "REPLY_TOKENS", 8)
+        mp.setattr(built, "SUMMARY_TOKENS", 8)
+        yield
+
+
+@pytest.fixture(scope="module")
+def built_cache(chat_model, tmp_path_factory):
+    """A cache folder holding the first 3 conversations ``chat_model`` makes (built once per module)."""
+    folder = tmp_path_factory.mktemp("kvlab-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVLAB_CACHE_DIR", str(folder))
+        convs = built.model_conversations(chat_model, 3)
+    return folder, convs
+
+
+def test_built_conversations_have_the_compaction_format(chat_model, built_cache):
+    convs = built_cache[1]
+    for conv, topic in zip(convs, built.topics()[:3], strict=True):
+        assert conv["topic"] == topic.key
+        full = comp.parse_turns(conv["full"])
+        assert [m["role"] for m in full] == ["user", "assistant"] * 3
+        assert topic.title in full[0]["content"] and topic.prose[:100] in full[0]["content"]
+        assert full[4]["content"] == built.FOLLOW_UP
+        assert all(m["content"] for m in full)
+        header, recent = conv["compacted"].split(built.RECENT_MARKER)
+        assert comp.parse_turns(recent.strip()) == full[-2:]  # the last exchange, verbatim
+        assert header.strip() == f"{built.SUMMARY_LABEL}\n{conv['summary']}"
+    # compacted = summary only + the verbatim tail, token for token, and that tail ends the full chat
+    msgs = comp.conversation_messages(convs[0], convs[1])
+    ids = {k: comp.chat_ids(chat_model, m) for k, m in msgs.items()}
+    assert ids["compacted"][: len(ids["summary_only"])] == ids["summary_only"]
+    rest = len(ids["compacted"]) - len(ids["summary_only"])
+    assert comp.common_suffix(ids["full"], ids["compacted"]) >= rest > 0
+
+
+def test_built_conversations_are_deterministic_and_cached_per_model(
+    chat_model, built_cache, tmp_path, monkeypatch
+):
+    folder, first = built_cache
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path / "a"))
+    built.cache_path(chat_model).parent.mkdir(parents=True)
+    path = built.cache_path(chat_model)
+    path.write_bytes((folder / path.relative_to(tmp_path / "a")).read_bytes())  # a copy to tamper with
+    real_build = built.build_conversation
+
+    def no_build(*_):
+        raise AssertionError("a cached conversation was built again")
+
+    monkeypatch.setattr(built, "build_conversation", no_build)
+    assert built.model_conversations(chat_model, 3) == first
+    assert built.model_conversations(chat_model, 2, order=[2, 0, 1]) == [first[2], first[0]]
+    # another model's (or version's) file under this name is not read as this model's
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "fingerprint": "another model"}))
+    with pytest.raises(AssertionError, match="built again"):
+        built.model_conversations(chat_model, 1)
+    # greedy: an empty cache folder builds the very same conversation again
+    monkeypatch.setattr(built, "build_conversation", real_build)
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path / "b"))
+    assert built.model_conversations(chat_model, 1) == first[:1]
+    assert built.cache_path(chat_model).is_file()
+    with pytest.raises(BadInputError, match="conversations"):
+        built.model_conversations(chat_model, len(built.topics()) + 1)
+
+
+@pytest.mark.slow
+def test_fresh_clone_runs_on_conversations_the_model_makes(chat_model, built_cache, tmp_path, monkeypatch):
+    """No ../shared: the quick profile compares 3 conversations the model made (read back from the
+    cache here), and says so."""
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(built_cache[0]))
     monkeypatch.setattr(comp, "shared_conversations", lambda: None)
-    result = comp.run(ExperimentContext(out_dir=tmp_path))
-    assert result.status == "not_applicable"
-    assert "--conversations" in result.notes[0]
+    ctx = ExperimentContext(out_dir=tmp_path / "run", profile="quick", model_handle=chat_model)
+    result = comp.run(ctx)
+    assert result.status == "ok" and result.summary["conversations"] == 3
+    assert result.data_sources[0].startswith(
+        "conversations made by tiny-chat from Python's documentation"
+    ) and result.data_sources[0].endswith(": 3 conversations, chat template of tiny-chat")
+    assert any("the 3 conversations were made by tiny-chat" in n for n in result.notes)
+    assert result.arrays["centroids"].shape[:2] == (3, len(comp.CONDITIONS))
+    with pytest.raises(BadInputError, match="at least 3"):
+        comp.run(ExperimentContext(out_dir=tmp_path / "two", model_handle=chat_model), limit=2)
 
 
 @pytest.mark.slow

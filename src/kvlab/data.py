@@ -43,22 +43,46 @@ class Text:
     source: str
 
 
+def _prose_lines(body: str) -> list[str]:
+    """The prose lines of one documentation topic: no underlines, grammar productions or indented code."""
+    lines = [ln for ln in body.splitlines() if ln.strip() and not set(ln.strip()) <= set("*=-~^")]
+    return [ln.strip() for ln in lines if not ln.startswith("   ") and "::=" not in ln]
+
+
 def python_docs(min_chars: int = 0) -> Text:
     """Python's reference documentation as prose (topics joined, markup lines dropped)."""
     import pydoc_data.topics as topics
 
-    parts = []
-    for key in sorted(topics.topics):
-        body = topics.topics[key]
-        lines = [ln for ln in body.splitlines() if ln.strip() and not set(ln.strip()) <= set("*=-~^")]
-        # Keep prose lines: drop grammar productions and indented code samples.
-        prose = [ln.strip() for ln in lines if not ln.startswith("   ") and "::=" not in ln]
-        parts.append(" ".join(prose))
+    parts = [" ".join(_prose_lines(topics.topics[key])) for key in sorted(topics.topics)]
     text = "\n\n".join(p for p in parts if p)
     text = re.sub(r"[ \t]+", " ", text)
     if len(text) < min_chars:
         raise BadInputError(f"the Python documentation has {len(text)} characters, fewer than {min_chars}")
     return Text(text=text, source="Python documentation (pydoc_data.topics, shipped with CPython)")
+
+
+@dataclass(frozen=True)
+class DocTopic:
+    """One topic of Python's documentation: its key, its title line and its prose (title excluded)."""
+
+    key: str
+    title: str
+    prose: str
+
+
+def python_doc_topics(min_chars: int = 0) -> list[DocTopic]:
+    """The documentation topics with at least ``min_chars`` characters of prose, sorted by key."""
+    import pydoc_data.topics as topics
+
+    out = []
+    for key in sorted(topics.topics):
+        lines = _prose_lines(topics.topics[key])
+        if len(lines) < 2:
+            continue
+        prose = re.sub(r"[ \t]+", " ", " ".join(lines[1:]))
+        if len(prose) >= min_chars:
+            out.append(DocTopic(key=key, title=lines[0], prose=prose))
+    return out
 
 
 #: The largest text file kvlab reads: 64 MiB (about 16 million tokens, far more than any command uses).

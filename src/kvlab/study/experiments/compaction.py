@@ -23,10 +23,14 @@ import torch
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.data import shared_conversations
-from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
 from kvlab.metrics.similarity import compare_caches, normalise_against_baseline
 from kvlab.rope.ops import remove_rope_stacked
+from kvlab.study.experiments import _conversations as built
+from kvlab.study.experiments._conversations import RECENT_MARKER, chat_ids
+from kvlab.study.experiments._rolling import reference
+from kvlab.study.experiments._sampling import seeded_order
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 
@@ -38,10 +42,16 @@ LABELS = {
     "shuffled_compacted": "compacted, words shuffled",
     "unrelated": "another conversation (unrelated)",
 }
-RECENT_MARKER = "[Recent conversation]"
-# The thread's compaction numbers (Qwen2.5-14B, research brief section 3); no result file carries them.
-THREAD_CENTROID_V = {"compacted": 0.85, "unrelated": 0.58}
 MIN_TAIL_TOKENS = 4
+#: The least margin of compacted over unrelated (raw V centroid cosine) worth splitting into shares;
+#: below it a share is a ratio of noise (3,000% of a -0.002 margin says nothing).
+MIN_MARGIN = 0.01
+
+
+def thread_centroid_v() -> dict[str, float]:
+    """The thread's centroid V cosines (Qwen2.5-14B, 10 UltraChat conversations) from kvlab's shipped copy
+    of its numbers; no result file carries them, the research brief does."""
+    return dict(reference().brief.get("compaction_centroid_v", {}))
 
 
 # -- building the conditions -----------------------------------------------------------------------
@@ -88,18 +98,6 @@ def conversation_messages(
         "shuffled_compacted": [{"role": "user", "content": " ".join(words)}],
         "unrelated": parse_turns(unrelated["full"]),
     }
-
-
-def chat_ids(model: Any, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` through the model's chat template (no generation prompt)."""
-    if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
-        raise UnsupportedModelError("the compaction study needs a tokenizer with a chat template")
-    if not messages:
-        return []
-    ids = model.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
 
 
 def common_suffix(a: list[int], b: list[int]) -> int:
@@ -168,10 +166,7 @@ def run(
         title="Compaction: full vs compacted caches, with lexical controls",
         description=__doc__.strip().split("\n")[0],
     )
-    loaded = _conversations(ctx, result, conversations, limit)
-    if loaded is None:
-        return result
-    convs, source = loaded
+    convs, source = _conversations(ctx, result, conversations, limit)
     handle = ctx.handle()
     N = len(convs)
     result.data_sources.append(f"{source}: {N} conversations, chat template of {handle.name}")
@@ -209,18 +204,15 @@ def run(
     return result
 
 
-def _conversations(ctx: ExperimentContext, result: ExperimentResult, conversations, limit):
-    """The conversations to compare and where they came from; None (and a note) when there are none."""
+def _conversations(
+    ctx: ExperimentContext, result: ExperimentResult, conversations, limit
+) -> tuple[list[dict], str]:
+    """The conversations to compare and where they came from: those given, else the shared UltraChat set,
+    else conversations the model makes from Python's documentation."""
     if conversations is None:
         convs = shared_conversations()
         if convs is None:
-            result.status = "not_applicable"
-            result.notes.append(
-                "The UltraChat compaction set (../shared/data/ultrachat_compaction.json) is absent and kvlab ships no "
-                "compacted conversations of its own. Run `kvlab compaction --conversations FILE` with a JSON list of "
-                "{'full', 'compacted', 'summary'} objects (turns written 'User: ...' / 'Assistant: ...')."
-            )
-            return None
+            return _built_conversations(ctx, result, limit)
         source = "UltraChat compaction set (../shared/data/ultrachat_compaction.json)"
     elif isinstance(conversations, list):
         convs, source = conversations, "conversations passed in"
@@ -236,6 +228,30 @@ def _conversations(ctx: ExperimentContext, result: ExperimentResult, conversatio
     if limit < len(convs):  # the quick profile: the shortest conversations
         convs = sorted(convs, key=lambda c: len(c.get("full", "")))[:limit]
     return convs, source
+
+
+def _built_conversations(ctx: ExperimentContext, result: ExperimentResult, limit: int | None):
+    """Without the shared set: conversations the model makes from Python's documentation (cached)."""
+    n = ctx.count("limit", limit, quick=3, default=10, full=20)
+    if n < 3:
+        raise BadInputError(
+            f"need at least 3 conversations (one to compare, one unrelated, one to centre on), got {n}"
+        )
+    handle = ctx.handle()
+    order = seeded_order(len(built.topics()), ctx.seed)
+    with ctx.progress.task("compaction: making conversations (once per model)", total=n) as advance:
+        convs = built.model_conversations(handle, n, order, advance)
+    result.notes.append(
+        f"No UltraChat set (../shared/data/ultrachat_compaction.json): the {n} conversations were made by "
+        f"{handle.name} itself from Python's documentation, one topic each: two quoted passages with a question, "
+        "then a request for an example, every reply the model's own (greedy); the compacted version is the "
+        "model's summary of the first two exchanges, then the last exchange verbatim. They are kept in "
+        f"{built.cache_path(handle)} and built again only for another model or format version. Every conversation "
+        "asks the same questions about another topic, so 'unrelated' shares the full one's format (a stricter "
+        "control than the UltraChat set's); the thread's conversations were longer and summarised by a stronger "
+        "model, so its numbers are context, not a target."
+    )
+    return convs, built.source(handle)
 
 
 def _token_ids(ctx: ExperimentContext, handle, convs: list[dict]) -> dict[int, dict[str, list[int]]]:
@@ -351,6 +367,7 @@ def _report(ctx, result, name, convs, tokens, tail, sim, pos, curves) -> None:
 def _centroid_table(sim: dict, summary: dict) -> Table:
     """Centroid similarity per condition (raw, centred, vs unrelated); fills ``summary["centroid"]``."""
     u = CONDITIONS.index("unrelated")
+    thread = thread_centroid_v()
     rows = []
     for c, cond in enumerate(CONDITIONS):
         v_raw, k_raw = _per_conv(sim["raw"][:, c, 1]), _per_conv(sim["raw"][:, c, 0])
@@ -372,7 +389,7 @@ def _centroid_table(sim: dict, summary: dict) -> Table:
                 _s(entry["k_derotated"]),
                 _s(entry["k_derotated_centred"]),
                 _s(entry["v_vs_unrelated"]),
-                f"{THREAD_CENTROID_V[cond]:.2f}" if cond in THREAD_CENTROID_V else "",
+                f"{thread[cond]:.2f}" if cond in thread else "",
             ]
         )
     c = CONDITIONS.index("compacted")
@@ -472,10 +489,12 @@ def _confound(result: ExperimentResult, summary: dict, share: np.ndarray) -> Non
         cv[k]["v"]["value"] for k in ("compacted", "verbatim_tail_only", "summary_only", "unrelated")
     )
     margin = v_comp - v_unrel
+    split = margin >= MIN_MARGIN
     summary["confound"] = {
         "tail_share_of_compacted_mean": float(share.mean()),
-        "verbatim_only_share_of_margin": float((v_tail - v_unrel) / margin) if abs(margin) > 1e-12 else None,
-        "summary_only_share_of_margin": float((v_sum - v_unrel) / margin) if abs(margin) > 1e-12 else None,
+        "compacted_margin_over_unrelated": float(margin),
+        "verbatim_only_share_of_margin": float((v_tail - v_unrel) / margin) if split else None,
+        "summary_only_share_of_margin": float((v_sum - v_unrel) / margin) if split else None,
     }
     result.summary.update(summary)
     result.notes.append(
@@ -486,8 +505,9 @@ def _confound(result: ExperimentResult, summary: dict, share: np.ndarray) -> Non
             f"; the verbatim turns alone recover {summary['confound']['verbatim_only_share_of_margin']:.0%} of the "
             f"compacted's margin over unrelated, the summary alone "
             f"{summary['confound']['summary_only_share_of_margin']:.0%}."
-            if abs(margin) > 1e-12
-            else "."
+            if split
+            else f"; compacted is not above unrelated by {MIN_MARGIN} (margin {margin:+.3f}), so the margin is "
+            "not split into shares (the centred cosines separate the conditions better)."
         )
     )
 
@@ -519,7 +539,7 @@ def _centroid_figure(ctx, name, sim, colors):
             err = [[v.value - v.low if v else 0 for v in vals], [v.high - v.value if v else 0 for v in vals]]
             ax.bar(x + off, y, width=0.36, yerr=err, capsize=3, color=colors[j], label=kind)
         if which == 1:
-            for k, val in THREAD_CENTROID_V.items():
+            for k, val in thread_centroid_v().items():
                 ax.plot(
                     CONDITIONS.index(k),
                     val,
@@ -621,7 +641,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
-    seed_changes="the lexical control's word shuffle only; the ten conversations are the whole set, so the main comparisons are the same for every seed",
+    seed_changes="the lexical control's word shuffle; without the shared UltraChat set, also which Python documentation topics the model's own conversations are about (the UltraChat set is always all ten)",
     describe=describe,
     name="compaction",
     title="Compaction: full vs compacted caches, with lexical controls",
