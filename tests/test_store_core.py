@@ -514,3 +514,20 @@ def test_bad_snapshots_are_refused(tiny):
         st.put(snap, namespace=Namespace("0" * 64, "float32", snap.rope, block_tokens=4))
     with pytest.raises(BadInputError):
         KVStore([MemoryTier()], block_tokens=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float64])
+def test_host_copy_is_clone_bit_for_bit_on_strided_slices(dtype):
+    """The store's host copy (numpy, one thread) equals ``clone`` bit for bit, owns its memory, and is
+    contiguous, for the strided block slices a lookup promotes, in every dtype a store holds."""
+    from kvlab.store.store import host_copy
+
+    full = (torch.randn(4, 3, 50, 8) * 100).to(dtype)
+    for piece in (full[:, :, 7:23], full[:, 1:, :, 2:], full.transpose(1, 2), full[0, 0]):
+        copy = host_copy(piece)
+        assert copy.dtype == piece.dtype and copy.shape == piece.shape and copy.is_contiguous()
+        assert torch.equal(copy.view(torch.uint8), piece.clone().view(torch.uint8))
+        assert copy.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+    before = full.clone()
+    host_copy(full[:, :, 7:23]).fill_(0)  # writing the copy leaves the source alone
+    assert torch.equal(full, before)
