@@ -52,16 +52,26 @@ def test_layer_transfer_and_kv_swap(tmp_path, smollm):
     assert abs(a - b) < 1e-3 * max(a, 1e-3)
 
 
-def test_numerics_and_transplant(tmp_path, smollm):
+def test_numerics_and_transplant(tmp_path, smollm, monkeypatch):
+    from kvlab.study.experiments import transplant as tp
+
     num = _run("caching_numerics", tmp_path, smollm, steps=3, prompt_tokens=8, dtypes=("float32", "bfloat16"))
     kl = num.arrays["kl_per_step"]
     names = list(num.arrays["run_names"])
     assert kl.shape == (5, 3) and np.isfinite(kl).all()
     assert kl[names.index("float32/cached")].max() < kl[names.index("bfloat16/cached")].max()
     assert set(num.summary["first_divergence_step"]) == set(names)
+    monkeypatch.setattr(tp, "derivative_info", lambda: None)  # a fresh clone: no fine-tuned derivative
     tr = _run("transplant", tmp_path, smollm, windows=1, length=24)
     assert tr.arrays["random_geometry_ev_k"].shape == (3, 3)
     assert tr.summary["cross_model"] is None  # opt-in: quick never loads Gemma
+    # ... yet a real transplant ran, with the 4-bit-weight copy as the second model
+    assert tr.summary["derivative"]["kind"] == "quantized"
+    assert tr.tables[0].title == "Transplant between the base model and its derivative"
+    assert tr.arrays["docs_base_top1"].shape == (1, 3) and tr.arrays["docs_derivative_kl"].shape == (1, 3)
+    for receiver in ("base", "derivative"):
+        assert tr.summary[f"docs/{receiver}/own cache"]["kl"]["value"] == 0
+        assert tr.summary[f"docs/{receiver}/transplanted"]["kl"]["value"] > 1e-4  # the weights differ
 
 
 def test_transplant_gemma_section_not_applicable_when_absent(tmp_path, smollm, monkeypatch):

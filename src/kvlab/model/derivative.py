@@ -6,6 +6,10 @@ where ``../shared/data`` is present, else the Python documentation or any file g
 different weights: exactly the pair a transplant needs. The result is saved under
 ``cache_dir()/derivatives/<name>`` (never in the repository) with a ``derivative.json`` that
 records the base fingerprint, the text, the steps and the loss curve.
+
+Fine-tuning takes minutes; :func:`quantized_derivative` makes a relative in seconds, in memory: the
+base with its decoder weights rounded to 4 bits. Same tokenizer and geometry again, weights that
+differ by rounding instead of by training.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvlab.errors import BadInputError, ModelNotFoundError
+from kvlab.model.handle import ModelHandle, decoder_layers
 from kvlab.model.loading import cache_dir
 
 DEFAULT_NAME = "smollm2-135m-shakespeare"
@@ -30,6 +35,10 @@ DEFAULT_STEPS = 200
 DEFAULT_SEQ_LEN = 48
 DEFAULT_BATCH = 2
 DEFAULT_LR = 1e-4
+# The quantized derivative: symmetric 4-bit codes, one fp16 scale per 32 weights (like GGUF's Q4_0). Not
+# asymmetric: the bundled weights are Q4_1 (a scale and a minimum per 32), which that grid reproduces.
+QUANT_BITS = 4
+QUANT_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -168,3 +177,27 @@ def finetune_derivative(
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return info
+
+
+def quantized_derivative(
+    base: ModelHandle, *, bits: int = QUANT_BITS, group_size: int = QUANT_GROUP
+) -> ModelHandle:
+    """A copy of ``base`` whose decoder layers' linear weights are rounded to ``bits``-bit symmetric codes
+    in groups of ``group_size`` along each row (:func:`kvlab.compress.quant.scalar.quantize`, round to
+    nearest, one fp16 scale per group), then de-quantized back to ``base``'s dtype.
+
+    Deterministic and quick (no training, nothing saved); embeddings, norms and the tied output head
+    keep the base's weights. ``base`` is never modified.
+    """
+    import copy
+
+    from kvlab.compress.quant.scalar import quantize
+
+    model = copy.deepcopy(base.model)
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            for sub in layer.modules():
+                if isinstance(sub, torch.nn.Linear):
+                    q = quantize(sub.weight, bits, group_size, symmetric=True)
+                    sub.weight.copy_(q.dequantize())
+    return ModelHandle(model, base.tokenizer, name=f"{base.name} ({bits}-bit weights)")

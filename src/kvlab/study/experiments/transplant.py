@@ -1,7 +1,10 @@
 """Transplanting caches between models and a learned linear map between them ("C2C-lite").
 
 Pair: the bundled model and its fine-tuned derivative (``kvlab transfer finetune-derivative``):
-same tokenizer and cache geometry, different weights. For windows of text (context, then a
+same tokenizer and cache geometry, different weights. Where that derivative is not built (it takes
+~7 minutes; ``--full`` builds it), the second model is the quantized derivative instead: the base with
+its decoder weights rounded to 4 bits (:func:`kvlab.model.derivative.quantized_derivative`, seconds,
+in memory), so a fresh clone still measures a real transplant. For windows of text (context, then a
 continuation fed by teacher forcing) each model runs on its own cache and on the other model's
 cache (transplanted), and on the other model's cache passed through a ridge map fitted on separate
 training windows (per layer and KV head, de-rotated keys and values). Reported: top-1 agreement
@@ -28,11 +31,14 @@ from kvlab.metrics import bootstrap_ci, distinct_n, kl_divergence, longest_repea
 from kvlab.metrics.text import agreement_length
 from kvlab.model.derivative import (
     DEFAULT_STEPS,
+    QUANT_BITS,
+    QUANT_GROUP,
     build_command,
     default_training_text,
     derivative_info,
     finetune_derivative,
     load_derivative,
+    quantized_derivative,
 )
 from kvlab.model.loading import GEMMA_ALIASES, GEMMA_INSTALL, GEMMA_NAME, gemma_installed
 from kvlab.ops.crossmodel import apply_cache_map, cache_map_grid, fit_cache_map, layer_ropes, transplant
@@ -43,7 +49,8 @@ from kvlab.study.report.format import format_number, iv, num
 CONDS = ("own cache", "transplanted", "ridge-mapped")
 
 
-def _texts(n: int, length: int, model, seed: int) -> list[tuple[str, list[list[int]]]]:
+def _texts(n: int, length: int, model, seed: int, trained_on_book: bool) -> list[tuple[str, list[list[int]]]]:
+    """Python-docs windows, and Shakespeare windows where ../shared/data has the book."""
     out = []
     docs = seeded_text(python_docs(), seed)
     out.append(
@@ -53,9 +60,8 @@ def _texts(n: int, length: int, model, seed: int) -> list[tuple[str, list[list[i
     book = seeded_text(book, seed) if book is not None else None
     if book is not None:
         ids = model.encode(book.text[len(book.text) // 2 : len(book.text) // 2 + 2 * n * length * 10])
-        out.append(
-            (f"{book.source} (the derivative's training text)", token_samples(ids, length, 2 * n, seed=seed))
-        )
+        label = f"{book.source} (the derivative's training text)" if trained_on_book else book.source
+        out.append((label, token_samples(ids, length, 2 * n, seed=seed)))
     return out
 
 
@@ -130,32 +136,14 @@ def _derivative_section(
     n = ctx.count("windows", windows, quick=2, default=6, full=24)
     length = ctx.count("length", length, quick=40, default=80, full=128)
     cont, gen = ctx.pick(quick=8, default=16), ctx.pick(quick=6, default=16, full=32)
-    info = _derivative(ctx, result, base)
-    if info is None:
-        result.summary["derivative"] = None
-        return
-    deriv = load_derivative(dtype=str(base.dtype).replace("torch.", ""))
-    if info.base_fingerprint != base.fingerprint:
-        result.notes.append(
-            "The derivative was fine-tuned from a different base model than the one loaded now."
-        )
-    result.summary["derivative"] = {
-        "name": info.name,
-        "steps": info.steps,
-        "seq_len": info.seq_len,
-        "batch": info.batch,
-        "learning_rate": info.learning_rate,
-        "text": info.text_source,
-        "build_seconds": info.seconds,
-        "loss_first": info.loss_first,
-        "loss_last": info.loss_last,
-    }
+    deriv, about = _second_model(ctx, result, base)
     first = 0
     rows, ev_rows = [], []
+    trained_on_book = result.summary["derivative"]["kind"] == "fine-tuned"
     with ctx.progress.task("transplant: texts", total=2) as advance:
-        for source, wins in _texts(n, length, base, ctx.seed):
+        for source, wins in _texts(n, length, base, ctx.seed, trained_on_book):
             prefill = _Prefills()  # per text: both directions reuse each model's snapshots
-            tag = "docs" if source.startswith("Python") else "train-text"
+            tag = "docs" if source.startswith("Python") else "train-text" if trained_on_book else "book"
             for rname, receiver, donor in (("derivative", deriv, base), ("base", base, deriv)):
                 _derivative_direction(
                     ctx,
@@ -175,11 +163,52 @@ def _derivative_section(
                     alpha,
                 )
             advance(1)
-    result.tables[first:first] = _derivative_tables(rows, ev_rows, n, length, cont, gen, alpha, info)
+    result.tables[first:first] = _derivative_tables(rows, ev_rows, n, length, cont, gen, alpha, about)
+
+
+def _second_model(ctx: ExperimentContext, result: ExperimentResult, base):
+    """The derivative the transplant pairs with ``base`` and a sentence saying what it is: the fine-tuned
+    one when built (or built by --full), else the quantized one; fills ``summary["derivative"]``."""
+    info = _derivative(ctx, result, base)
+    if info is None:
+        with ctx.progress.task(f"transplant: rounding the derivative's weights to {QUANT_BITS} bits"):
+            deriv = quantized_derivative(base)
+        result.summary["derivative"] = {
+            "name": deriv.name,
+            "kind": "quantized",
+            "bits": QUANT_BITS,
+            "group_size": QUANT_GROUP,
+        }
+        return deriv, (
+            f"Derivative: the base with every decoder weight rounded to {QUANT_BITS}-bit symmetric codes, "
+            f"one scale per {QUANT_GROUP} weights (embeddings and norms kept); the own-cache NLL rows show "
+            "how far that moves the model."
+        )
+    deriv = load_derivative(dtype=str(base.dtype).replace("torch.", ""))
+    if info.base_fingerprint != base.fingerprint:
+        result.notes.append(
+            "The derivative was fine-tuned from a different base model than the one loaded now."
+        )
+    result.summary["derivative"] = {
+        "name": info.name,
+        "kind": "fine-tuned",
+        "steps": info.steps,
+        "seq_len": info.seq_len,
+        "batch": info.batch,
+        "learning_rate": info.learning_rate,
+        "text": info.text_source,
+        "build_seconds": info.seconds,
+        "loss_first": info.loss_first,
+        "loss_last": info.loss_last,
+    }
+    return deriv, (
+        f"Derivative: {info.steps} AdamW steps on {info.batch} x {info.seq_len}-token windows of "
+        f"{info.text_source}, loss {info.loss_first:.2f} -> {info.loss_last:.2f}."
+    )
 
 
 def _derivative_tables(
-    rows, ev_rows, n: int, length: int, cont: int, gen: int, alpha: float, info
+    rows, ev_rows, n: int, length: int, cont: int, gen: int, alpha: float, about: str
 ) -> list[Table]:
     """The transplant table and the ridge maps' explained variance."""
     return [
@@ -199,8 +228,7 @@ def _derivative_tables(
             rows,
             caption=f"Mean [95% bootstrap CI] over {n} test windows of {length} tokens: context, then {cont} true tokens "
             f"teacher-forced, then {gen} greedy tokens. Ridge maps fitted on {n} other windows (alpha {alpha}). "
-            f"Derivative: {info.steps} AdamW steps on {info.batch} x {info.seq_len}-token windows of "
-            f"{info.text_source}, loss {info.loss_first:.2f} -> {info.loss_last:.2f}.",
+            + about,
         ),
         Table(
             "C2C-lite: held-out explained variance (mean over layers and heads)",
@@ -226,8 +254,9 @@ def _derivative(ctx: ExperimentContext, result: ExperimentResult, base):
     if info is None:
         result.notes.append(
             f"The fine-tuned derivative is not built (200 training steps: about 7-8 minutes on one CPU "
-            f"thread), so the base <-> derivative transplant did not run. Build it with: {build_command()} "
-            "(or run with --full, which builds it)"
+            f"thread), so the transplant paired the base with its {QUANT_BITS}-bit-weight derivative instead: "
+            "a relative that differs by rounding, not by training. For the fine-tuned pair build it with: "
+            f"{build_command()} (or run with --full, which builds it)"
         )
         return None
     return info
@@ -536,20 +565,35 @@ def _ev_figure(cmap, title: str):
 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     """Finding and headline numbers for the report, from this run's summary."""
-    parts = [
-        f"A ridge map between two random models of different geometry explains {format_number(num(s, 'random_geometry_ev.k'))} "
+    parts, rows = [], []
+    deriv = s.get("derivative")
+    if deriv:
+        which = "its 4-bit-weight copy" if deriv.get("kind") == "quantized" else "its fine-tuned derivative"
+        own, moved = "docs/base/own cache", "docs/base/transplanted"
+        parts.append(
+            f"Fed the cache of {which} on Python-docs windows, the base model's next-token predictions agree "
+            f"with its own-cache predictions at {format_number(num(s, f'{moved}.top1'))} (KL "
+            f"{format_number(num(s, f'{moved}.kl'))}; NLL of the true text {format_number(num(s, f'{moved}.nll'))} "
+            f"vs {format_number(num(s, f'{own}.nll'))} with its own cache)"
+        )
+        rows += [
+            (f"top-1 agreement, base fed the cache of {which}", iv(s, f"{moved}.top1")),
+            (f"KL(own || transplanted), base fed the cache of {which}", iv(s, f"{moved}.kl")),
+            ("top-1 agreement, derivative fed the base's cache", iv(s, "docs/derivative/transplanted.top1")),
+        ]
+    parts.append(
+        f"a ridge map between two random models of different geometry explains {format_number(num(s, 'random_geometry_ev.k'))} "
         f"of K's variance and {format_number(num(s, 'random_geometry_ev.v'))} of V's on held-out text (a negative value: worse "
         "than predicting the mean, the control that a map learns nothing between unrelated models)"
-    ]
-    if s.get("derivative") is None:
-        parts.append("the fine-tuned derivative was not built, so the same-geometry transplant did not run")
+    )
     if s.get("cross_model") is None:
         parts.append("no second model of another geometry was installed")
-    rows = [
+    rows += [
         ("explained variance of K, random geometry control", iv(s, "random_geometry_ev.k")),
         ("explained variance of V, random geometry control", iv(s, "random_geometry_ev.v")),
     ]
-    return "; ".join(parts) + ".", rows
+    text = "; ".join(parts) + "."
+    return text[0].upper() + text[1:], rows
 
 
 EXPERIMENT = Experiment(
@@ -560,5 +604,5 @@ EXPERIMENT = Experiment(
     run=run,
     order=74,
     description="Use one model's cache in another of the same geometry (the bundled model and a "
-    "fine-tuned derivative), and learned ridge maps between caches.",
+    "fine-tuned or 4-bit-weight derivative), and learned ridge maps between caches.",
 )
