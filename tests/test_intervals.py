@@ -4,7 +4,11 @@ n/n), and a formatter that writes "no interval" instead of ``[nan, nan]``."""
 
 from __future__ import annotations
 
+import html
+import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,3 +85,111 @@ def test_the_formatter_never_writes_nan_or_an_interval_under_five_samples():
     )
     for text in (format_interval(Interval(math.nan, math.nan, math.nan, 1)), format_interval(math.nan)):
         assert "nan" not in text.lower()
+
+
+# -- the scan of a study's output (used on every quick study the suite runs) ------------------------
+#: the names of quantities that are proportions: their intervals must be Wilson, never a collapsed [x, x]
+PROPORTION = re.compile(r"top[-_ ]?1|accuracy|agree|\bhits?\b|hit_rate|found|exact", re.I)
+BRACKET = re.compile(r"\[([^\[\]]*?), ([^\[\]]*?)\](?: \(n = (\d+)\))?")
+
+
+def _walk(node, path=""):
+    if isinstance(node, dict):
+        yield path, node
+        for k, v in node.items():
+            yield from _walk(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, f"{path}[{i}]")
+    else:
+        yield path, node
+
+
+def _text_problems(text: str, where: str, proportion: bool = False) -> list[str]:
+    out = []
+    for m in BRACKET.finditer(text):
+        lo, hi, n = m.group(1), m.group(2), m.group(3)
+        if "nan" in (lo + hi).lower():
+            out.append(f"{where}: a nan interval in {text!r}")
+        if n is not None and int(n) < MIN_SAMPLES:
+            out.append(f"{where}: an interval from n = {n} in {text!r}")
+        if proportion and lo.strip() == hi.strip():
+            out.append(f"{where}: a degenerate proportion interval in {text!r}")
+    for m in re.finditer(r"\(n = (\d+)[,)]", text):
+        if int(m.group(1)) < MIN_SAMPLES and not text[m.start() :].startswith(
+            f"(n = {m.group(1)}, no interval"
+        ):
+            out.append(f"{where}: n = {m.group(1)} without 'no interval' in {text!r}")
+    return out
+
+
+def interval_problems(doc: dict, name: str) -> list[str]:
+    """What breaks the statistics rules in one experiment's result.json: a NaN bound, an interval from
+    fewer than MIN_SAMPLES samples, a collapsed proportion interval, and the same in its tables and
+    headline as the report writes them."""
+    out = []
+    for path, node in _walk(doc.get("summary", {})):
+        where = f"{name}{path}"
+        if isinstance(node, float) and math.isnan(node) and re.search(r"(low|high|_ci)(\b|_|$)", path):
+            out.append(f"{where}: a NaN interval bound")
+        if not isinstance(node, dict) or "low" not in node or "high" not in node:
+            continue
+        lo, hi = node["low"], node["high"]
+        if lo is None and hi is None:
+            continue
+        if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+            out.append(f"{where}: bounds {lo}, {hi}")
+        elif not isinstance(node.get("n"), int) or node["n"] < MIN_SAMPLES:
+            out.append(f"{where}: an interval from n = {node.get('n')}")
+        elif lo == hi and PROPORTION.search(path):
+            out.append(f"{where}: a degenerate proportion interval [{lo}, {hi}]")
+    for label, value in doc.get("headline", []):
+        out += _text_problems(str(value), f"{name} headline {label!r}", bool(PROPORTION.search(label)))
+    for t in doc.get("tables", []):
+        for row in t["rows"]:
+            for col, cell in zip(t["columns"], row, strict=False):
+                where = f"{name} table {t['title']!r}, {col!r}"
+                out += _text_problems(str(cell), where, bool(PROPORTION.search(col)))
+    return out
+
+
+def study_interval_problems(root: Path) -> list[str]:
+    """:func:`interval_problems` of every result.json under ``root``, and NaN intervals in its pages."""
+    out = []
+    for path in sorted(root.rglob("result.json")):
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and "summary" in doc and "tables" in doc:
+            out += interval_problems(doc, path.parent.name)
+    for page in sorted(root.rglob("index.html")):
+        text = html.unescape(re.sub(r"<[^>]+>", " ", page.read_text()))
+        out += [f"{page}: {p}" for p in _text_problems(text, page.parent.name) if "nan" in p]
+    return out
+
+
+def test_the_scan_finds_what_it_looks_for():
+    bad = {
+        "summary": {
+            "kl": {"value": 0.1, "low": 0.05, "high": 0.2, "n": 3},
+            "top1": {"value": 1.0, "low": 1.0, "high": 1.0, "n": 8},
+            "ppl_increase_ci": [float("nan"), float("nan")],
+        },
+        "headline": [("top-1 agreement", "1 [1, 1] (n = 8)")],
+        "tables": [{"title": "t", "columns": ["Δ ppl"], "rows": [["+0.5% [+nan, +nan]"], ["0.4 (n = 2)"]]}],
+    }
+    found = interval_problems(bad, "x")
+    expected = [
+        "x.kl: an interval from n = 3",
+        "x.top1: a degenerate proportion interval",
+        "x.ppl_increase_ci[0]: a NaN interval bound",
+        "x.ppl_increase_ci[1]: a NaN interval bound",
+        "x headline 'top-1 agreement': a degenerate proportion interval",
+        "x table 't', 'Δ ppl': a nan interval",
+        "x table 't', 'Δ ppl': n = 2 without 'no interval'",
+    ]
+    assert len(found) == len(expected) and all(f.startswith(e) for f, e in zip(found, expected, strict=True))
+    good = {
+        "summary": {"kl": Interval(0.1, 0.05, 0.2, 6).to_json(), "top1": wilson_ci([1.0] * 8).to_json()},
+        "headline": [("top-1", format_interval(wilson_ci([1.0] * 8)))],
+        "tables": [{"title": "t", "columns": ["kl"], "rows": [[format_interval(bootstrap_ci([0.1, 0.2]))]]}],
+    }
+    assert interval_problems(good, "x") == []

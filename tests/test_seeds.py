@@ -112,7 +112,8 @@ def two_seed_cells(tmp_path_factory):
     cells = []
     for i, (model, exps) in enumerate(((TINY, ON_TINY), ("smollm2-135m", ON_BUNDLED))):
         grid = _grid(tmp / f"grid{i}.toml", model, {**exps, **{n: {} for n in NEEDS_SHARED if i == 0}})
-        cells += run_sweep(grid, tmp / f"out{i}", workers=2)["cells"]
+        root = tmp / f"out{i}"
+        cells += [{**c, "root": str(root)} for c in run_sweep(grid, root, workers=2)["cells"]]
     return cells
 
 
@@ -135,3 +136,18 @@ def test_a_two_seed_sweep_gives_different_point_estimates(two_seed_cells):
             same.append(name)
     assert same == [], f"seeds 0 and 1 gave the same point estimates in {same}"
     assert set(by) == set(ON_TINY) | set(ON_BUNDLED) | NEEDS_SHARED
+
+
+@pytest.mark.real_model  # a sweep on the bundled model, in worker processes
+@pytest.mark.process
+@pytest.mark.slow
+def test_every_experiments_intervals_keep_the_statistics_rules(two_seed_cells):
+    """Every study experiment, as the sweep wrote it (result.json and its page): no NaN interval, none
+    from fewer than 5 samples, no collapsed proportion interval."""
+    from tests.test_intervals import study_interval_problems
+
+    problems = []
+    for c in two_seed_cells:
+        if c["status"] == "ok":
+            problems += study_interval_problems(Path(c["root"]) / c["folder"])
+    assert problems == []
