@@ -1,5 +1,5 @@
 """A cheap ``kvlab serve`` for fault tests: a tiny random-weight SmolLM2-family model saved as a local model
-folder (``--model PATH``) with a byte-level tokenizer built here (no download, not the bundled model), and
+folder (``--model PATH``) with a character-level tokenizer built here (no download, not the bundled model), and
 helpers to ask it, stream from it and verify its store.
 
 Replies are greedy, so a reply is a function of the prompt's tokens and the cache it was computed from: a
@@ -19,8 +19,9 @@ from pathlib import Path
 
 from tests.conftest import config_path
 
-#: The tokens' special strings: the chat template's two and the end of text (never in a prompt)
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+#: The tokens' special strings: the chat template's two, the end of text and the unknown character (never
+#: in a prompt: the prompts are ASCII)
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -57,9 +58,11 @@ WORDS = [
 
 
 def build_tiny_model(folder: Path) -> Path:
-    """A 2-layer SmolLM2-family model with random weights (seed 0) and a byte-level tokenizer (one token a
-    byte, ChatML template, ``<|im_end|>`` ends a reply), saved where ``kvlab serve --model`` loads it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A 2-layer SmolLM2-family model with random weights (seed 0) and a character-level tokenizer (one
+    token a printable ASCII character or newline, ChatML template, ``<|im_end|>`` ends a reply), saved where
+    ``kvlab serve --model`` loads it. Every token decodes to text that encodes back to it, so a reply sent
+    back in the history continues its session, as with a real model."""
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
@@ -67,16 +70,15 @@ def build_tiny_model(folder: Path) -> Path:
 
     hf_logging.disable_progress_bar()
 
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    for s in SPECIALS:
-        vocab[s] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {c: i for i, c in enumerate(chars + list(SPECIALS))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIALS))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
+        unk_token="<unk>",
         bos_token="<|im_start|>",
         pad_token="<|endoftext|>",
         chat_template=CHAT_TEMPLATE,
@@ -95,7 +97,7 @@ def build_tiny_model(folder: Path) -> Path:
 
 
 def text(seed: int, words: int) -> str:
-    """A deterministic text of ``words`` words (about 6 tokens a word: one token a byte)."""
+    """A deterministic text of ``words`` words (about 6 tokens a word: one token a character)."""
     import random
 
     rng = random.Random(seed)
