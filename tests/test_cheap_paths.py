@@ -101,6 +101,8 @@ REFUSALS = [
     (["store", "gc", "--max-bytes", "lots"], "cannot read a size"),
     (["attention", "--dtype", "float8"], "unknown dtype 'float8'"),
     (["model-path", "--model", ""], "empty model name"),
+    (["attention", "--model", "no-such-org/no-such-model"], "never downloads"),
+    (["serve", "--cache", "sinks=4,window=256", "--model", "/no/such/folder"], "never downloads"),
 ]
 
 

@@ -72,7 +72,7 @@ def test_cli_process_exit_code_and_no_traceback(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr and "kvlab: error:" in proc.stderr
+    assert "Traceback" not in proc.stderr and "kvlab inspect: error:" in proc.stderr
 
 
 @pytest.mark.real_model

@@ -295,6 +295,11 @@ CASES = [
     (["chat", "-w", "0"], "--window"),
     (["chat", "--model", ""], "empty model name"),
     (["chat", "--device", "gpu"], "unknown device"),
+    # -- model-path ---------------------------------------------------------------------------------------
+    (["model-path", "--model", ""], "empty model name"),
+    (["model-path", "--model", "DIR"], "has no config.json"),
+    (["model-path", "--model", "FIFO"], "has no config.json"),
+    (["model-path", "--model", "no-such-org/no-such-model"], "never downloads"),
     # -- transfer -----------------------------------------------------------------------------------------
     (["transfer", "equivalence", "--pairs", "0"], "--pairs"),
     (["transfer", "equivalence", "--pairs", "1000000000"], "--pairs"),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvlab.errors import BadInputError
-from kvlab.study import runner
+from kvlab.study import experiments, runner
 from kvlab.study.experiments import Experiment, ExperimentContext, ExperimentResult, Table
 
 
@@ -38,6 +38,8 @@ def fake_registry(monkeypatch):
         "bad": Experiment("bad", "A failing experiment", bad, order=2),
     }
     monkeypatch.setattr(runner, "registry", lambda: exps)
+    # what `kvlab study --only` checks names against, without importing the experiments
+    monkeypatch.setattr(experiments, "CATALOGUE", {n: (e.title, e.in_study) for n, e in exps.items()})
     return exps
 
 

@@ -220,9 +220,13 @@ BAD = [
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
+    # a model folder that is here (--model is checked while the options are read) but holds no weights:
+    # were a refusal missed, nothing could load
+    model = tmp_path_factory.mktemp("no-weights")
+    (model / "config.json").write_text("{}")
     run = Runner(tmp_path_factory.mktemp("serve-cache-runs"))
     for argv, _ in BAD:
-        run.submit(" ".join(argv), argv + ["--model", "no-such-model", "--port", "1"])
+        run.submit(" ".join(argv), argv + ["--model", str(model), "--port", "1"])
     yield run
     run.close()
 

@@ -22,9 +22,19 @@ if TYPE_CHECKING:  # the modules every command imports at start-up stay light (k
 
 
 def model_spec(value: str | None) -> str | None:
-    """Typer callback: a model spec is not empty (an empty one would be found only once loading)."""
+    """Typer callback: a model spec names a model that is here (the bundled one, a local folder with a
+    config.json, a cached Hugging Face id), checked before anything loads; the bundled model's conversion
+    waits for the command."""
     if value is not None and not value.strip():
         raise typer.BadParameter("an empty model name; use smollm2-135m, a local folder, or a cached HF id")
+    if value is not None:
+        from kvlab.errors import KvlabError
+        from kvlab.model.loading import local_model_dir
+
+        try:
+            local_model_dir(value)
+        except KvlabError as exc:
+            raise typer.BadParameter(str(exc)) from None
     return value
 
 

@@ -232,26 +232,36 @@ def _convert_gguf(gguf: Path, digest: str, target: Path, name: str, say: Any) ->
 
 def resolve_model_dir(spec: str, progress: Any = None) -> tuple[Path, str]:
     """Map a model spec to a local folder and a display name, never touching the network."""
+    local = local_model_dir(spec)
+    if local is not None:
+        return local, local.name if Path(spec).expanduser().exists() else spec
+    if spec.lower() in BUNDLED_ALIASES:
+        return bundled_model_dir(progress), "SmolLM2-135M-Instruct"
+    return gemma_model_dir(progress), "Gemma-3-270M"
+
+
+def local_model_dir(spec: str) -> Path | None:
+    """The folder a model spec names, found without converting or importing anything heavy: a local folder
+    (with a config.json) or a Hugging Face id in the local cache; None for the bundled models (converted
+    on first use by :func:`resolve_model_dir`). A spec found nowhere is one :class:`ModelNotFoundError`
+    (what ``--model`` refuses while the options are read)."""
     if not spec or not spec.strip():
         raise BadInputError(
             "empty model name; use 'smollm2-135m', a local folder, or a Hugging Face id in the local cache"
         )
-    if spec.lower() in BUNDLED_ALIASES:
-        return bundled_model_dir(progress), "SmolLM2-135M-Instruct"
-    if spec.lower() in GEMMA_ALIASES:
-        return gemma_model_dir(progress), "Gemma-3-270M"
+    if spec.lower() in BUNDLED_ALIASES or spec.lower() in GEMMA_ALIASES:
+        return None
     path = Path(spec).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(
                 f"{path} has no config.json; a model folder needs config.json and weights"
             )
-        return path, path.name
+        return path
     try:
         from huggingface_hub import snapshot_download
 
-        local = snapshot_download(spec, local_files_only=True)
-        return Path(local), spec
+        return Path(snapshot_download(spec, local_files_only=True))
     except Exception:
         raise ModelNotFoundError(
             f"model '{spec}' is not the bundled model ({BUNDLED_NAME}), a local folder, or in the local Hugging Face "
