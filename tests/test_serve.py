@@ -1258,7 +1258,7 @@ def test_bad_command_lines_fail_in_one_line_before_anything_is_created(tmp_path)
             (["--port", str(busy.getsockname()[1]), "--store", str(store)], "cannot listen"),
             (["--window", "8", "--sinks", "8", "--store", str(store), "--port", str(_free_port())], "sinks"),
             (["--max-batch", "0"], "--max-batch"),
-            (["--api-key", "short"], "API keys"),
+            (["--api-key", "short"], "API key 1 of 1 needs at least 8 characters"),
             (["--store", "ftp://x", "--port", str(_free_port())], "scheme"),
         ]
         for args, words in cases:

@@ -325,10 +325,19 @@ def test_bad_admin_keys_fail_in_one_line_and_a_good_one_is_never_logged(server):
     for args, env, words in (
         ([], {"KVLAB_ADMIN_KEY": "short"}, "at least 8 characters"),
         (["--api-key", KEY_A, "--admin-key", KEY_A], {}, "must differ"),
+        # headers arrive as Latin-1, keys compare as UTF-8: a non-ASCII key could never match (issue 48)
+        (
+            ["--api-key", KEY_A, "--api-key", "clé-secrète-42"],
+            {},
+            "API key 2 of 2 has '\\xe9', not printable ASCII",
+        ),
+        ([], {"KVLAB_API_KEYS": "tenant-key-\u00a0-1"}, "API key 1 of 1 has a space"),
+        ([], {"KVLAB_ADMIN_KEY": "admin\u2013key-1234"}, "the admin key has '\\u2013'"),
     ):
         done = run(*args, **env)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and words in lines[0], (args, done.stderr[-800:])
+        assert "secrète" not in done.stderr and "tenant-key" not in done.stderr  # keys are never echoed
     assert ADMIN not in server.log.read_text()
 
 

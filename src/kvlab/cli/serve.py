@@ -9,6 +9,7 @@ import typer
 
 from kvlab.cli.common import DeviceOpt, DtypeOpt, ModelOpt, serve_cache_spec
 from kvlab.errors import BadInputError
+from kvlab.serve.keys import check_keys
 
 if TYPE_CHECKING:
     from kvlab.serve.tenants import KeyLimits
@@ -220,13 +221,8 @@ def register(app: typer.Typer) -> None:
         sinks = 4 if sinks is None else sinks
         evict_chunk = 64 if evict_chunk is None else evict_chunk
         keys = tuple(api_key or ()) + tuple(k for k in os.environ.get("KVLAB_API_KEYS", "").split(",") if k)
-        if any(len(k) < 8 or any(c.isspace() for c in k) for k in keys):
-            raise BadInputError("API keys need at least 8 characters and no spaces")
         admin = admin_key or os.environ.get("KVLAB_ADMIN_KEY") or None
-        if admin is not None and (len(admin) < 8 or any(c.isspace() for c in admin)):
-            raise BadInputError("the admin key needs at least 8 characters and no spaces")
-        if admin is not None and admin in keys:
-            raise BadInputError("the admin key must differ from every API key")
+        check_keys(keys, admin)
         _check_can_listen(host, port)
         # the refusals above read options only: a bad one is one line before torch is imported
         import gc

@@ -250,8 +250,17 @@ def _codec(word: str, spec: str) -> tuple[str, int | None]:
     return name, bits
 
 
+#: how numbers in a spec are written: ASCII digits only (Python's int() and float() also take fullwidth and
+#: other Unicode digits, "1_000", "nan" and "inf"; a spec says what it means in one spelling)
+_NUMBER = {int: re.compile(r"[0-9]+"), float: re.compile(r"[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?")}
+#: the longest spec read: a longer one is refused without being echoed back
+MAX_SPEC_CHARS = 256
+
+
 def _number(key: str, value: str, spec: str, kind: type) -> Any:
     try:
+        if not _NUMBER[kind].fullmatch(value):
+            raise ValueError(value)
         v = kind(value)
     except ValueError:
         raise BadInputError(
@@ -280,6 +289,16 @@ def parse(spec: str) -> CachePolicy:
     """The one reader of cache specs (see the module docstring); raises :class:`BadInputError`."""
     if not isinstance(spec, str) or not spec.strip():
         raise BadInputError(f"empty cache spec; known: {known()}")
+    if len(spec) > MAX_SPEC_CHARS:
+        raise BadInputError(
+            f"cache spec '{spec[:40]}...' is {len(spec):,} characters long (at most {MAX_SPEC_CHARS})"
+        )
+    odd = next((i for i, c in enumerate(spec) if not (" " <= c <= "~")), None)
+    if odd is not None:
+        raise BadInputError(
+            f"cache spec '{spec[:40]}{'...' if len(spec) > 40 else ''}': character {odd + 1} "
+            f"({spec[odd]!a}) is not printable ASCII; specs are written in ASCII (e.g. window=256)"
+        )
     text = _legacy(spec.strip().lower().replace(" ", ""), spec)
     if text == "full":
         return FULL

@@ -40,6 +40,7 @@ from kvlab.serve.engine import (
 from kvlab.serve.engine import (
     Request as EngineRequest,
 )
+from kvlab.serve.keys import check_keys
 from kvlab.serve.metrics import Metrics
 from kvlab.serve.status import status_page
 from kvlab.serve.tenants import KeyLimitError, QueueFullError, WorkTooLargeError, tenant_label
@@ -303,8 +304,7 @@ def create_app(
 
     ``admin_key`` opens the status page and ``/metrics``; a server with API keys or an admin key closes
     them to everybody else (tenants' keys included); one with neither leaves them open (local use)."""
-    if admin_key is not None and admin_key in api_keys:
-        raise KvlabError("the admin key must differ from every API key")
+    check_keys(api_keys, admin_key)
     metrics: Metrics = engine.metrics or Metrics()
     engine.metrics = metrics
     _cache_policy_gauge(metrics, engine)
