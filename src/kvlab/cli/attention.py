@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--conversations",
                 callback=json_list_file,
-                help="JSON list of {full, compacted, summary} conversations (default: the shared set).",
+                help="JSON list of {full, compacted, summary} conversations (default: the UltraChat set under ../shared when present, else conversations the model makes from Python's documentation).",
             ),
         ] = None,
         limit: Annotated[

@@ -93,7 +93,7 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
     ) -> dict:
-        """Base <-> fine-tuned derivative cache transplant, and ridge maps between caches (C2C-lite)."""
+        """Base <-> derivative cache transplant (the fine-tuned derivative when built, else a 4-bit copy of the base), and ridge maps between caches (C2C-lite)."""
         options = {"target_model": target_model, "cross_texts": cross_texts}
         return {"windows": windows, **{k: v for k, v in options.items() if v is not None}}
 
