@@ -10,6 +10,7 @@ before and after each step is in the table too: compare wall times only from an 
 
     python3 benchmarks/newcomer_times.py                 # every step (about 12 minutes on 2 idle cores)
     python3 benchmarks/newcomer_times.py --skip install  # reuse this checkout's .venv instead
+    python3 benchmarks/newcomer_times.py --cold-pip      # the install without pip's download cache
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ def readme_snippets() -> list[str]:
     return _SNIPPET.findall((ROOT / "README.md").read_text())
 
 
-def run_steps(clone: Path, skip: set[str]) -> list[Timing]:
+def run_steps(clone: Path, skip: set[str], cold_pip: bool = False) -> list[Timing]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(HF_HUB_OFFLINE="1", KVLAB_SHARED_DATA="none", KVLAB_CACHE_DIR=str(clone / ".kvlab-cache"))
+    if cold_pip:  # every wheel downloaded again, as on a machine that never installed them
+        env["PIP_NO_CACHE_DIR"] = "1"
     rows: list[Timing] = []
     if "install" not in skip:
         rows.append(timed("install", ["bash", "scripts/install.sh"], cwd=clone, env=env))
@@ -87,11 +90,12 @@ def run_steps(clone: Path, skip: set[str]) -> list[Timing]:
     return rows
 
 
-def report(rows: list[Timing], commit: str, skip: set[str]) -> str:
+def report(rows: list[Timing], commit: str, skip: set[str], cold_pip: bool) -> str:
+    flags = "".join(f" --skip {s}" for s in sorted(skip)) + (" --cold-pip" if cold_pip else "")
     lines = [
         "## A newcomer's waits (install, first load, quick study, README snippets)",
         "",
-        f"Command: `python3 benchmarks/newcomer_times.py{''.join(f' --skip {s}' for s in sorted(skip))}` · "
+        f"Command: `python3 benchmarks/newcomer_times.py{flags}` · "
         f"machine: {os.cpu_count()} cores ({platform.machine()}), Python {platform.python_version()}, torch's "
         f"default threads · commit {commit} · date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
         "",
@@ -109,7 +113,13 @@ def report(rows: list[Timing], commit: str, skip: set[str]) -> str:
     lines += [
         "",
         "Steps: `install` is `bash scripts/install.sh` (what `make study` runs first: torch 2.13 CPU, kvlab, "
-        "the bundled model's package); `first_load` is `kvlab.load_model()` with an empty cache folder (it "
+        "the bundled model's package; "
+        + (
+            "every wheel downloaded, pip's cache off"
+            if cold_pip
+            else "pip's download cache as this machine has it"
+        )
+        + "); `first_load` is `kvlab.load_model()` with an empty cache folder (it "
         "converts the bundled GGUF to safetensors once); `later_load` the same call again; `study_quick` is "
         "`kvlab study --quick`; `readme_snippet_N` is README's N-th Python block (0-based).",
     ]
@@ -121,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--skip", action="append", default=[], choices=STEPS, help="a step not to run (repeatable)"
     )
+    ap.add_argument("--cold-pip", action="store_true", help="install without pip's download cache")
     ap.add_argument("--results", default=str(RESULTS))
     args = ap.parse_args(argv)
     commit = subprocess.run(
@@ -129,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvlab-newcomer-") as tmp:
         clone = Path(tmp) / "kvlab"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-        rows = run_steps(clone, set(args.skip))
-    text = report(rows, commit, set(args.skip))
+        rows = run_steps(clone, set(args.skip), args.cold_pip)
+    text = report(rows, commit, set(args.skip), args.cold_pip)
     Path(args.results).write_text(text)
     print(text)
     return 0 if all(r.rc == 0 for r in rows) else 1
