@@ -110,6 +110,7 @@ def test_every_command_that_loads_a_model_takes_device_and_dtype():
 
     no_model = {
         ("experiments",),
+        ("model-path",),  # converts the bundled GGUF on the CPU, loads nothing onto a device
         ("gc",),
         ("store", "get"),
         ("store", "ls"),

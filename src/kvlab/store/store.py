@@ -644,7 +644,7 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" or t.element_size() not in _BITS:
         return t.clone()
     bits = _BITS[t.element_size()]
-    return torch.from_numpy(t.view(bits).numpy().copy()).view(t.dtype)
+    return torch.from_numpy(t.view(bits).numpy().copy()).view(t.dtype)  # device: a host tensor's copy
 
 
 def _assembles_on(device: str | torch.device | None) -> torch.device | None:

@@ -385,7 +385,7 @@ def _iv(x: np.ndarray, seed: int, proportion: bool = False):
 def _verdict(diff: dict | None) -> str:
     """From the paired KL difference rolled - re-prefill (its interval): which is closer to the full context."""
     if diff is None or diff.get("low") is None:
-        return f"undecided (no interval: fewer than {MIN_SAMPLES} windows)"
+        return f"undecided (no interval: fewer than {MIN_SAMPLES} text samples)"
     if diff["high"] < 0:
         return "rolled closer"
     return "re-prefill closer" if diff["low"] > 0 else "undecided"
