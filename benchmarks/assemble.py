@@ -8,6 +8,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = [
     "snapshot_io",
+    "newcomer_times",
+    "test_tiers",
+    "cheap_paths",
     "study_timing",
     "study_timing_quick",
     "rolling",
@@ -27,6 +30,7 @@ ORDER = [
     "hf_quantized_cache",
     "eval_ruler_haystack",
     "store",
+    "store_cold_lookup",
     "serve",
     "serve_fidelity",
     "serve_soak",

@@ -24,7 +24,7 @@ if [ "${1:-}" = "--dev" ]; then
 elif { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; } || { [ -f "$dev_stamp" ] && [ "$(cat "$dev_stamp")" = "$want" ]; }; then
   exit 0
 fi
-echo "installing kvlab and its dependencies into .venv (a minute or two the first time)"
+echo "installing kvlab and its dependencies into .venv (about 40 s when pip's cache holds the wheels; downloading torch takes longer)"
 .venv/bin/pip install -q "torch==2.13.*"
 if [ "${1:-}" = "--dev" ]; then
   .venv/bin/pip install -q -e ".[dev]"

@@ -188,7 +188,7 @@ def bundled_model_dir(progress: Any = None) -> Path:
     if (target / "kvlab-model.json").is_file():
         return target
     say = progress or (lambda msg: None)
-    say(f"converting the bundled SmolLM2-135M GGUF to safetensors once (~20 s) into {target}")
+    say(f"converting the bundled SmolLM2-135M GGUF to safetensors once (about 20 s on 2 cores) into {target}")
     return _convert_gguf(gguf, digest, target, "SmolLM2-135M-Instruct", say)
 
 
