@@ -7,6 +7,8 @@ local folder (``tests/tiny_serve.py``: milliseconds a token, so the faults, not 
 Replies are greedy with log-probabilities, and each is compared token for token (log-probabilities within
 2e-3) with the same request served by a server that reused nothing: a wrong cache served would show there.
 Deadlines are on progress (a stream must end, a block must appear), never on how fast a loaded machine is.
+The store alone under kill -9 (four worker processes on one disk store and Redis, killed mid put and mid
+lookup) is ``tests/test_store_soak.py``; a server killed mid stream, ``tests/test_serve.py``.
 """
 
 from __future__ import annotations
