@@ -10,7 +10,7 @@ import pytest
 
 from kvlab.errors import BadInputError
 from kvlab.study import experiments, runner
-from kvlab.study.experiments import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.experiments import Experiment, ExperimentContext, ExperimentResult, Table, needed
 
 
 def good(ctx: ExperimentContext) -> ExperimentResult:
@@ -91,7 +91,7 @@ def test_declared_dependencies_run_first_and_are_handed_over(tmp_path, monkeypat
         return ExperimentResult(name="base_x", title="base", summary={"value": 7})
 
     def user_run(ctx):
-        seen["summary"], seen["how"] = ctx.needed("base_x")
+        seen["summary"], seen["how"] = needed(ctx, "base_x")
         return ExperimentResult(name="user_x", title="user", summary={"twice": 2 * seen["summary"]["value"]})
 
     base = Experiment(name="base_x", title="base", run=base_run, order=900)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import Any
 
 from kvlab.errors import BadInputError
 from kvlab.study.experiments.base import (
@@ -76,6 +77,35 @@ def get_experiment(name: str) -> Experiment:
     return exp
 
 
+def needed(ctx: ExperimentContext, name: str, **options: Any) -> tuple[dict[str, Any], str]:
+    """The summary of experiment ``name`` that the one running in ``ctx`` declared in ``needs``, and
+    where it came from.
+
+    From this study's run when it ran earlier (the runner passes it in ``ctx.upstream``), else
+    computed now in a ``computed/<name>`` sub-folder with the same model, profile and seed.
+    Experiments never read each other's files.
+    """
+    if name in ctx.upstream:
+        return ctx.upstream[name], f"from this study's {name} section"
+    from kvlab.study.report.writer import to_jsonable
+
+    sub = ExperimentContext(
+        out_dir=ctx.out_dir / "computed" / name,
+        profile=ctx.profile,
+        seed=ctx.seed,
+        model_spec=ctx.model_spec,
+        dtype=ctx.dtype,
+        device=ctx.device,
+        load_in_4bit=ctx.load_in_4bit,
+        progress=ctx.progress,
+        options=dict(options),
+        model_handle=ctx.handle(),
+    )
+    result = get_experiment(name).run(sub, **options)
+    summary = to_jsonable(result.summary) if result.status == "ok" else {}
+    return summary, f"computed here ({ctx.profile} profile)"
+
+
 __all__ = [
     "CATALOGUE",
     "Experiment",
@@ -86,5 +116,6 @@ __all__ = [
     "Table",
     "check_study_names",
     "get_experiment",
+    "needed",
     "registry",
 ]

@@ -146,34 +146,6 @@ class ExperimentContext:
             info["load_in_4bit"] = True
         return info
 
-    def needed(self, name: str, **options: Any) -> tuple[dict[str, Any], str]:
-        """The summary of experiment ``name`` that this one declared in ``needs``, and where it came from.
-
-        From this study's run when it ran earlier (the runner passes it in ``upstream``), else
-        computed now in a ``computed/<name>`` sub-folder with the same model, profile and seed.
-        Experiments never read each other's files.
-        """
-        if name in self.upstream:
-            return self.upstream[name], f"from this study's {name} section"
-        from kvlab.study.experiments import get_experiment
-        from kvlab.study.report.writer import to_jsonable
-
-        sub = ExperimentContext(
-            out_dir=self.out_dir / "computed" / name,
-            profile=self.profile,
-            seed=self.seed,
-            model_spec=self.model_spec,
-            dtype=self.dtype,
-            device=self.device,
-            load_in_4bit=self.load_in_4bit,
-            progress=self.progress,
-            options=dict(options),
-            model_handle=self.handle(),
-        )
-        result = get_experiment(name).run(sub, **options)
-        summary = to_jsonable(result.summary) if result.status == "ok" else {}
-        return summary, f"computed here ({self.profile} profile)"
-
     def pick(self, quick: Any, default: Any, full: Any = None) -> Any:
         """A setting by profile: ``ctx.pick(quick=4, default=20, full=100)``."""
         return {"quick": quick, "default": default, "full": default if full is None else full}[self.profile]
@@ -218,7 +190,7 @@ class Experiment:
     in_study: bool = True
     #: ``describe(summary) -> (finding, headline rows)``: the section's one-sentence answer, from its numbers
     describe: Callable[[dict], tuple[str, list[tuple[str, str]]]] | None = None
-    #: experiments whose summaries this one uses (``ctx.needed(name)``); a study runs them first
+    #: experiments whose summaries this one uses (:func:`kvlab.study.experiments.needed`); a study runs them first
     needs: tuple[str, ...] = ()
     #: an experiment whose in-process measurements this one reuses (a memo of prefills): a study with
     #: several workers runs this one in the same process, right after it

@@ -16,6 +16,7 @@ from kvlab.errors import BadInputError
 from kvlab.metrics import spectral as S
 from kvlab.metrics.stats import bootstrap_ci
 from kvlab.study.experiments import _rolling as R
+from kvlab.study.experiments import needed
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 
 SOURCES = ("roll_sweep", "roll_long", "rope_derotation")
@@ -381,7 +382,7 @@ def run(
         if name == "rope_derotation" and model.rope is None:
             got[name] = {}
             continue
-        got[name], how = ctx.needed(name, **({"text": text} if text else {}))
+        got[name], how = needed(ctx, name, **({"text": text} if text else {}))
         result.data_sources.append(f"{name}: {how}")
     main = R.study_text(ctx, text)
     T = int(ctx.count("attention_context", attention_context, quick=64, default=128, full=128))

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 
-def format_number(x: float, digits: int = 3, signed: bool = False) -> str:
+def format_number(x: float | None, digits: int = 3, signed: bool = False) -> str:
     """``x`` to ``digits`` significant digits (``signed``: with its sign, ``+0.5``); "–" for None/NaN."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
