@@ -310,19 +310,40 @@ def create_app(
     _cache_policy_gauge(metrics, engine)
     app = FastAPI(title="kvlab serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Errors)
-    keys = tuple(k.encode() for k in api_keys)
-    admin = admin_key.encode() if admin_key else None
-    admin_only = bool(keys) or admin is not None
-    started = time.time()
+    server = _Server(engine, metrics, model_id, api_keys, admin_key, limits)
+    _add_completion_routes(app, server)
+    _add_info_routes(app, server)
+    _add_admin_routes(app, server)
+    _add_error_handlers(app)
+    return app
 
-    def tenant(request: Request) -> _Caller:
+
+class _Server:
+    """What the routes share: the engine, the keys, the limits, the metrics and the start time."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: Metrics,
+        model_id: str,
+        api_keys: tuple[str, ...],
+        admin_key: str | None,
+        limits: Limits,
+    ) -> None:
+        self.engine, self.metrics, self.model_id, self.limits = engine, metrics, model_id, limits
+        self.keys = tuple(k.encode() for k in api_keys)
+        self.admin = admin_key.encode() if admin_key else None
+        self.admin_only = bool(self.keys) or self.admin is not None
+        self.started = time.time()
+
+    def tenant(self, request: Request) -> _Caller:
         """The caller's tenant (its key's salt and label), after checking its key in constant time."""
-        if not keys:
+        if not self.keys:
             return _Caller("", "-")
         auth = request.headers.get("authorization", "")
         given = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
         ok = False
-        for k in keys:  # compare against every key: the time taken does not say which key matched
+        for k in self.keys:  # compare against every key: the time taken does not say which key matched
             ok |= hmac.compare_digest(given, k)
         if not ok:
             raise ApiError(
@@ -332,10 +353,10 @@ def create_app(
             hashlib.sha256(b"kvlab-tenant|" + given).hexdigest()[:32], tenant_label(given.decode())
         )
 
-    def is_admin(request: Request) -> bool:
+    def is_admin(self, request: Request) -> bool:
         """Whether the caller may see every tenant's activity: it sent the admin key (``Bearer KEY``, or
         Basic with the key as password, which browsers ask for), or the server has no keys at all."""
-        if not admin_only:
+        if not self.admin_only:
             return True
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         secret = given.strip().encode("latin-1")
@@ -346,28 +367,27 @@ def create_app(
                 secret = b""
         elif scheme.lower() != "bearer":
             secret = b""
-        return admin is not None and hmac.compare_digest(secret, admin)
+        return self.admin is not None and hmac.compare_digest(secret, self.admin)
 
-    def admin_refused() -> Response:
-        why = "send Authorization: Bearer ADMIN_KEY" if admin else "start the server with --admin-key"
+    def admin_refused(self) -> Response:
+        why = "send Authorization: Bearer ADMIN_KEY" if self.admin else "start the server with --admin-key"
         return _error(
             ApiError(401, f"this page needs the admin key ({why})", code="invalid_admin_key"),
             {"WWW-Authenticate": 'Basic realm="kvlab serve admin", charset="UTF-8"'},
         )
 
-    async def body_of(request: Request, cls: type[_Common]) -> Any:
+    async def body_of(self, request: Request, cls: type[_Common]) -> Any:
+        limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-            raise ApiError(413, f"request body over {limits.max_body_bytes} bytes", code="request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
         parts = []
         size = 0
         async for chunk in request.stream():  # ClientDisconnect when the client leaves mid-body
             parts.append(chunk)
             size += len(chunk)
-            if size > limits.max_body_bytes:
-                raise ApiError(
-                    413, f"request body over {limits.max_body_bytes} bytes", code="request_too_large"
-                )
+            if size > limit:
+                raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
         doc = _unsupported(parse_body(b"".join(parts)), cls, "chat" if cls is ChatBody else "text")
         try:
             body = cls.model_validate(doc)
@@ -375,10 +395,10 @@ def create_app(
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise ApiError(422, f"{where}: {first['msg']}", param=where, code="invalid_value") from None
-        if body.model != model_id:
+        if body.model != self.model_id:
             raise ApiError(
                 404,
-                f"the model {body.model!r} does not exist; this server serves {model_id!r}",
+                f"the model {body.model!r} does not exist; this server serves {self.model_id!r}",
                 param="model",
                 code="model_not_found",
             )
@@ -386,13 +406,14 @@ def create_app(
             raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_value")
         return body
 
-    async def serve(request: Request, kind: str) -> Response:
+    async def serve(self, request: Request, kind: str) -> Response:
+        engine, limits, metrics = self.engine, self.limits, self.metrics
         endpoint = "chat" if kind == "chat" else "completions"
         who = ""  # the tenant's label, once its key is checked
         try:
-            caller = tenant(request)
+            caller = self.tenant(request)
             who = caller.label
-            body = await body_of(request, ChatBody if kind == "chat" else CompletionBody)
+            body = await self.body_of(request, ChatBody if kind == "chat" else CompletionBody)
             most = _most_prompts(engine.settings)
             # templating and tokenizing a 1 MiB body takes 1-2 s: off the event loop, which keeps answering
             if kind == "chat":
@@ -427,7 +448,7 @@ def create_app(
         meta = {
             "id": rid,
             "created": int(time.time()),
-            "model": model_id,
+            "model": self.model_id,
             "prompt_tokens": len(prompts[0].ids),
         }
         if body.stream:
@@ -459,51 +480,70 @@ def create_app(
         metrics.request(endpoint, 200, who)
         return reply
 
+
+def _add_completion_routes(app: FastAPI, server: _Server) -> None:
+    """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await serve(request, "chat")
+        return await server.serve(request, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serve(request, "text")
+        return await server.serve(request, "text")
+
+
+def _add_info_routes(app: FastAPI, server: _Server) -> None:
+    """``GET /v1/models`` (a tenant's key) and ``GET /health`` (open)."""
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
-            tenant(request)
+            server.tenant(request)
         except ApiError as exc:
             return _error(exc)
+        created = int(server.started)
         return JSONResponse(
             {
                 "object": "list",
-                "data": [{"id": model_id, "object": "model", "created": int(started), "owned_by": "kvlab"}],
+                "data": [{"id": server.model_id, "object": "model", "created": created, "owned_by": "kvlab"}],
             }
         )
 
     @app.get("/health")
     async def health() -> Response:
+        engine = server.engine
         return JSONResponse(
             {
                 "status": "ok",
-                "model": model_id,
+                "model": server.model_id,
                 "queue": engine.queue_depth(),
                 "decoding": engine.active(),
                 "device": engine.device_info(),
-                "uptime_s": round(time.time() - started, 1),
+                "uptime_s": round(time.time() - server.started, 1),
             }
         )
 
+
+def _add_admin_routes(app: FastAPI, server: _Server) -> None:
+    """``GET /metrics`` (Prometheus) and ``GET /`` (the status page), for the admin key only."""
+
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
-        if not is_admin(request):
-            return admin_refused()
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        if not server.is_admin(request):
+            return server.admin_refused()
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/", response_class=HTMLResponse)
     async def status(request: Request) -> Response:
-        if not is_admin(request):
-            return admin_refused()
-        return HTMLResponse(status_page(model_id, engine.status(), engine.store_stats()))
+        if not server.is_admin(request):
+            return server.admin_refused()
+        engine = server.engine
+        return HTMLResponse(status_page(server.model_id, engine.status(), engine.store_stats()))
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """404 and 405 as OpenAI-style JSON errors."""
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> Response:
@@ -514,8 +554,6 @@ def create_app(
         return _error(
             ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
         )
-
-    return app
 
 
 @dataclass(frozen=True)
