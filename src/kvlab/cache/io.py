@@ -40,6 +40,7 @@ from typing import Any, cast
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvlab.cache.handle_view import HandleView
 from kvlab.cache.snapshot import PROVENANCES, KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError, SnapshotFileError
 from kvlab.rope.spec import rope_from_json
@@ -526,7 +527,7 @@ def read_metadata(path: str | Path) -> dict:
     return meta
 
 
-def _check_model(meta: dict, entries: dict, model: Any, path: Path) -> None:
+def _check_model(meta: dict, entries: dict, model: HandleView, path: Path) -> None:
     facts = model.facts
     if meta["fingerprint"] != model.fingerprint:
         raise IncompatibleCacheError(
@@ -559,7 +560,7 @@ def load_snapshot(
     path: str | Path,
     *,
     expect_fingerprint: str | None = None,
-    model: Any = None,
+    model: HandleView | None = None,
     expect_vocab_size: int | None = None,
     verify: bool = True,
     allow_nonfinite: bool = False,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvlab.cache.handle_view import HandleView
 from kvlab.compress.evict.observe import expand_kv
 from kvlab.metrics.divergence import Divergence, compare_logits
 from kvlab.metrics.logits import nll
@@ -127,7 +128,9 @@ def continuation_quality(
     return continuation_nll(logits, continuation), compare_logits(full_logits, logits)
 
 
-def time_decode_ms(handle: Any, cache: Any, first_token: int, start_position: int, steps: int) -> float:
+def time_decode_ms(
+    handle: HandleView, cache: Any, first_token: int, start_position: int, steps: int
+) -> float:
     """Median milliseconds per greedy decode step on ``cache`` (which it extends), through :func:`kvlab.loop.decode_loop`."""
     from kvlab.loop import decode_loop
 

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -33,7 +33,14 @@ from kvlab.loop import GREEDY, Sampling, decode_loop
 from kvlab.model.facts import ModelFacts, facts_from_config
 from kvlab.rope.spec import Rope, rope_spec_from_model
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kvlab.cache.handle_view import HandleView
+
 TokensLike = str | Sequence[int] | torch.Tensor
+#: what every public entry point that runs a model accepts (see :func:`as_handle`)
+ModelLike: TypeAlias = "ModelHandle | PreTrainedModel"
 
 _VOLATILE_CONFIG_KEYS = {
     "_name_or_path",
@@ -80,7 +87,12 @@ class ModelHandle:
     """A model, its tokenizer (if any) and kvlab's view of it (facts, RoPE spec, fingerprint)."""
 
     def __init__(
-        self, model: Any, tokenizer: Any = None, *, name: str = "", weights_digest: str | None = None
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any = None,
+        *,
+        name: str = "",
+        weights_digest: str | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -611,7 +623,7 @@ def _stop_forward(*_: Any) -> None:
     raise _StopForward
 
 
-def decoder_layers(model: Any) -> Any:
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layers of a transformers causal LM (``model.model.layers``), for hooks."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
@@ -622,7 +634,7 @@ def decoder_layers(model: Any) -> Any:
 _WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def as_handle(model: Any, tokenizer: Any = None) -> ModelHandle:
+def as_handle(model: ModelLike, tokenizer: Any = None) -> ModelHandle:
     """``model`` as a :class:`ModelHandle`: a handle is returned as is; a plain Hugging Face causal LM
     (``PreTrainedModel``) is wrapped once per model object (its fingerprint, which hashes the weights,
     is then computed once), with ``tokenizer`` where text must be encoded. Every public kvlab entry
@@ -638,3 +650,9 @@ def as_handle(model: Any, tokenizer: Any = None) -> ModelHandle:
         handle = ModelHandle(model, tokenizer)
         _WRAPPED[model] = handle
     return handle
+
+
+if TYPE_CHECKING:
+
+    def _a_handle_is_a_view(handle: ModelHandle) -> HandleView:
+        return handle  # mypy checks that ModelHandle satisfies what the layers below it read

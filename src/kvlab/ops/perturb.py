@@ -16,13 +16,16 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError
 from kvlab.policy.window import roll_amount
+
+if TYPE_CHECKING:
+    from kvlab.model.handle import ModelHandle
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,12 @@ def truncate(snapshot: KVSnapshot, n: int | float) -> KVSnapshot:
     return snapshot.slice(0, snapshot.seq_len - roll_amount(n, snapshot.seq_len))
 
 
-def scramble(model: Any, snapshot: KVSnapshot, seed: int = 0, keep_first: int = 0) -> KVSnapshot:
+def scramble(model: ModelHandle, snapshot: KVSnapshot, seed: int = 0, keep_first: int = 0) -> KVSnapshot:
     """Re-prefill a seeded permutation of the snapshot's tokens (same bag of tokens, no order)."""
     return model.prefill(scramble_tokens(snapshot.token_list(), seed, keep_first), all_logits=False).snapshot
 
 
-def unrelated(model: Any, ids: Sequence[int]) -> KVSnapshot:
+def unrelated(model: ModelHandle, ids: Sequence[int]) -> KVSnapshot:
     """Prefill a control text (the caller picks one unrelated to the original)."""
     return model.prefill(check_tokens(ids, "the control text"), all_logits=False).snapshot
 

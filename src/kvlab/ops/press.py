@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -22,7 +21,7 @@ from kvlab.compress.evict.policies import Policy
 from kvlab.errors import BadInputError
 from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.loop import GREEDY, Sampling, decode_loop
-from kvlab.model.handle import as_handle
+from kvlab.model.handle import ModelLike, as_handle
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ class Press:
     def keep(self) -> float:
         return 1.0 - float(self.compression_ratio)
 
-    def cache(self, model: Any) -> CompressedCache:
+    def cache(self, model: ModelLike) -> CompressedCache:
         """A fresh cache that evicts after its first forward (a transformers model or a ModelHandle)."""
         hf = as_handle(model).model
         policy = make_policy(self.policy) if isinstance(self.policy, str) else self.policy
@@ -53,7 +52,7 @@ class Press:
     @torch.no_grad()
     def generate(
         self,
-        model: Any,
+        model: ModelLike,
         context_ids: Sequence[int] | torch.Tensor,
         question_ids: Sequence[int] | torch.Tensor,
         max_new_tokens: int = 32,

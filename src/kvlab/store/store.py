@@ -31,7 +31,7 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError
 from kvlab.metrics.text import agreement_length
-from kvlab.model.handle import as_handle
+from kvlab.model.handle import ModelHandle, ModelLike, as_handle
 from kvlab.store.block import Block, BlockHeader
 from kvlab.store.disk import DECLINED, ReadBuffer
 from kvlab.store.errors import BlockNotFoundError, CorruptBlockError, StoreError
@@ -79,7 +79,7 @@ def scheme_ok(url: str) -> bool:
     return url.lower().startswith(("redis://", "rediss://", "unix://"))
 
 
-def check_snapshot_matches_model(snapshot: KVSnapshot, model: Any) -> None:
+def check_snapshot_matches_model(snapshot: KVSnapshot, model: ModelHandle) -> None:
     """Refuse a snapshot that ``model`` could not have produced: fingerprint, geometry, dtype, RoPE."""
     facts = model.facts
     want = (facts.num_layers, facts.num_kv_heads, facts.head_dim)
@@ -124,7 +124,9 @@ class KVStore:
         self._log = RateLimitedLog(log)
 
     # -- namespaces --------------------------------------------------------------------------------
-    def namespace(self, model: Any, *, salt: str | None = None, quantization: str | None = None) -> Namespace:
+    def namespace(
+        self, model: ModelLike | KVSnapshot, *, salt: str | None = None, quantization: str | None = None
+    ) -> Namespace:
         """The namespace of a ModelHandle's, a Hugging Face model's or a snapshot's caches in this store."""
         if isinstance(model, KVSnapshot):
             return Namespace.for_snapshot(
@@ -142,7 +144,7 @@ class KVStore:
         salt: str | None = None,
         quantization: str | None = None,
         namespace: Namespace | None = None,
-        model: Any = None,
+        model: ModelHandle | None = None,
         write_behind: bool = False,
     ) -> PutReport:
         """Store a prefix cache (positions ``0..T-1``, batch 1) as blocks; blocks already stored are skipped.
@@ -208,7 +210,7 @@ class KVStore:
         salt: str | None,
         quantization: str | None,
         namespace: Namespace | None,
-        model: Any,
+        model: ModelHandle | None,
     ) -> Namespace:
         """The namespace ``snapshot`` is put under, once it is checked to belong there (see :meth:`put`)."""
         snapshot.require_unmasked("storing a prefix cache")

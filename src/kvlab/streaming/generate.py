@@ -14,7 +14,7 @@ import torch
 from kvlab.errors import BadInputError
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.loop import Sampling, decode_loop
-from kvlab.model.handle import as_handle
+from kvlab.model.handle import ModelLike, as_handle
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class StreamEvent:
 
 
 @torch.no_grad()
-def feed(handle, cache: RollingCache, token_ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
+def feed(
+    handle: ModelLike, cache: RollingCache, token_ids: Sequence[int], chunk: int | None = None
+) -> torch.Tensor:
     """Run ``token_ids`` through the cache in pieces of at most ``chunk`` tokens; returns the last ``[vocab]`` logits.
 
     ``handle``: a :class:`~kvlab.model.ModelHandle` or a plain Hugging Face causal LM."""
@@ -48,7 +50,7 @@ def feed(handle, cache: RollingCache, token_ids: Sequence[int], chunk: int | Non
 
 @torch.no_grad()
 def stream_generate(
-    handle,
+    handle: ModelLike,
     cache: RollingCache,
     first_logits: torch.Tensor,
     max_new_tokens: int | None = None,
@@ -103,7 +105,7 @@ class HeldBytes:
 
 @torch.no_grad()
 def policy_generate(
-    handle,
+    handle: ModelLike,
     cache,
     token_ids: Sequence[int],
     max_new_tokens: int | None = None,

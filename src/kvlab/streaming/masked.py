@@ -30,7 +30,7 @@ from kvlab.cache.snapshot import KVSnapshot, concat
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.masked import forward_masked
 from kvlab.metrics.logits import nll
-from kvlab.model.handle import as_handle
+from kvlab.model.handle import ModelHandle, ModelLike, as_handle
 from kvlab.policy.window import SinksWindow
 
 
@@ -55,7 +55,7 @@ def evicted_before(n_queries: int, *, sinks: int, window: int, feed: int, evict_
 
 @torch.no_grad()
 def masked_rolling_nll(
-    handle,
+    handle: ModelLike,
     ids: torch.Tensor,
     *,
     sinks: int,
@@ -148,7 +148,13 @@ def _visible(
     return stream | ((ks < 0) & (kc == d) & (d > 0))
 
 
-def _snapshot(handle, keys, values, tokens: torch.Tensor, positions: torch.Tensor) -> KVSnapshot:
+def _snapshot(
+    handle: ModelHandle,
+    keys: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+) -> KVSnapshot:
     return KVSnapshot(
         keys=keys,
         values=values,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvlab.cache.handle_view import HandleView
 from kvlab.compress.evict.observe import attention_weights, observe
 from kvlab.compress.evict.policies import LayerView, Policy, _group_mean
 from kvlab.compress.evict.select import layer_views
@@ -138,7 +139,12 @@ class LearnedPolicy(Policy):
 
 
 def training_rows(
-    handle: Any, tokens: list[int], context: int, future: int, max_rows_per_head: int = 128, seed: int = 0
+    handle: HandleView,
+    tokens: list[int],
+    context: int,
+    future: int,
+    max_rows_per_head: int = 128,
+    seed: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Features of the first ``context`` slots and their z-scored log future attention.
 
@@ -194,7 +200,7 @@ def fit_mlp(
 
 
 def train_evictor(
-    handle: Any,
+    handle: HandleView,
     texts: list[list[int]],
     *,
     context: int = 512,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvlab.cache.handle_view import HandleView
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import UnsupportedModelError
 from kvlab.rope.ops import apply_rope
@@ -41,7 +42,7 @@ class Observation:
         return self.snapshot.num_layers
 
 
-def attention_modules(model: Any) -> list[Any]:
+def attention_modules(model: torch.nn.Module) -> list[Any]:
     """The self-attention modules in layer order; refuses layouts kvlab cannot re-derive queries for."""
     mods = [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "q_proj")]
     if not mods:
@@ -80,7 +81,7 @@ def attention_weights(
 
 
 @torch.no_grad()
-def observe(handle: Any, tokens: list[int] | torch.Tensor, *, all_logits: bool = False) -> Observation:
+def observe(handle: HandleView, tokens: list[int] | torch.Tensor, *, all_logits: bool = False) -> Observation:
     """Prefill ``tokens`` and capture every layer's queries (the model is left as it was).
 
     ``logits`` are ``[T, vocab]`` with ``all_logits=True``, else only the last row ``[1, vocab]``.
