@@ -90,7 +90,7 @@ def test_serve_runs_sinks_window_specs_only_and_sets_the_window_from_the_spec():
     with pytest.raises(BadInputError, match="per-head budgets"):
         EngineSettings(cache="tova,keep=0.5,every=8,heads=ada")
     scored = EngineSettings(cache="h2o, budget=64, every=16")
-    assert not scored.rolling and scored.cache == "h2o,budget=64,every=16"
+    assert scored.policy.layout.rolls() is None and scored.cache == "h2o,budget=64,every=16"
     with pytest.raises(BadInputError, match="unknown codec"):
         EngineSettings(cache="sinks=4,window=96,codec=nope4")
 

@@ -18,10 +18,11 @@ A policy is named everywhere by one compact spec string (``--cache SPEC``), read
 The older short forms stay valid: ``int4``, ``kivi:int2`` (a codec alone) and ``snapkv:0.5`` (a score
 and the fraction removed; ``window:R`` is sinks + window, ``keynorm`` is ``knorm``).
 
-Layouts are small classes registered by name (:data:`LAYOUTS`); scores and codecs register
-themselves where they are defined and are named in :mod:`kvlab.compress.catalogue`, so a new one
-reaches every command that reads a spec. Parsing builds nothing heavy, loads no model and imports no
-torch (the catalogue names what the registries hold); a bad spec is one
+Layouts are small classes, one file each under :mod:`kvlab.policy.layouts`, registered by name
+(:data:`LAYOUTS`): each reads its own items of a spec and answers what it means (its live cache, its offline
+application, what the eval and the server may do with it); scores and codecs register themselves where they
+are defined and are named in :mod:`kvlab.compress.catalogue`, so a new one reaches every command that reads a
+spec. Parsing builds nothing heavy, loads no model and imports no torch; a bad spec is one
 :class:`~kvlab.errors.BadInputError` naming what is known.
 """
 
@@ -29,93 +30,29 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-from kvlab.compress.catalogue import CODECS, SCORES, SUPPORTED_BITS, VARIANTS, codec_facts
+from kvlab.compress.catalogue import CODECS, SUPPORTED_BITS, VARIANTS, codec_facts
 from kvlab.errors import BadInputError
+from kvlab.policy.layouts import LAYOUTS, Items, Layout
+from kvlab.policy.layouts.base import MAX_INT, number
+from kvlab.policy.layouts.full import FullLayout
+from kvlab.policy.layouts.rolling import DEFAULT_SINKS, SinksWindowLayout
+from kvlab.policy.layouts.scored import ALIASES, HEAD_SHARES, LAYER_SHARES, ScoredLayout
 
-#: aliases of score names in specs: ``keynorm`` is kvlab's ``knorm``
-ALIASES = {"keynorm": "knorm"}
-DEFAULT_SINKS = 4  # a sinks + window layout without ``sinks=`` keeps StreamingLLM's four
-MAX_INT = 2**31 - 1  # slot counts past this are typos, not caches
-KEYS = ("sinks", "window", "keep", "ratio", "budget", "every", "chunk", "codec", "tail", "heads", "layers")
-#: how a scored layout shares its budget: across the KV heads of a layer and across layers
-HEAD_SHARES = ("uniform", "ada")  # ada: AdaKV's top slots over all heads of a layer together
-LAYER_SHARES = ("uniform", "pyramid")  # pyramid: PyramidKV's budgets falling linearly with depth
+if TYPE_CHECKING:
+    from kvlab.compress.quant import Quantizer
 
-
-# -- layouts: which slots stay ------------------------------------------------------------------
-LAYOUTS: dict[str, type[Layout]] = {}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Base: which slots a cache keeps. ``exact`` layouts keep every slot."""
-
-    name: ClassVar[str] = "layout"
-    exact: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            LAYOUTS[cls.name] = cls
-
-    def describe(self) -> str:
-        raise NotImplementedError
+__all__ = [
+    "ALIASES", "DEFAULT_SINKS", "FULL", "HEAD_SHARES", "LAYER_SHARES", "LAYOUTS", "MAX_INT", "CachePolicy",
+    "FullLayout", "Layout", "ScoredLayout", "SinksWindowLayout", "known", "parse", "parse_many",
+]  # fmt: skip
+CODEC_KEYS = ("codec", "tail")  # the policy's own keys; every other key is a layout's
 
 
-@dataclass(frozen=True)
-class FullLayout(Layout):
-    """Every slot stays."""
-
-    name: ClassVar[str] = "full"
-    exact: ClassVar[bool] = True
-
-    def describe(self) -> str:
-        return "every slot"
-
-
-@dataclass(frozen=True)
-class SinksWindowLayout(Layout):
-    """The first ``sinks`` slots and the last ``window``; a full cache evicts ``chunk`` at a time
-    (0: the rolling cache's default for the window)."""
-
-    sinks: int = DEFAULT_SINKS
-    window: int = 0
-    chunk: int = 0
-    name: ClassVar[str] = "sinks_window"
-
-    def describe(self) -> str:
-        return f"{self.sinks} sinks + the last {self.window} slots"
-
-
-@dataclass(frozen=True)
-class ScoredLayout(Layout):
-    """The top-``keep`` (fraction of the prompt) or top-``budget`` slots by ``score`` per KV head;
-    ``every`` re-scores and evicts back to the budget each time that many tokens were added (0: once,
-    after the prefill). ``sinks``/``window`` (None: the score's own) are never evicted."""
-
-    score: str = "h2o"
-    keep: float | None = None
-    budget: int | None = None
-    every: int = 0
-    sinks: int | None = None
-    window: int | None = None
-    heads: str = "uniform"
-    layers: str = "uniform"
-    name: ClassVar[str] = "scored"
-
-    def policy(self) -> Any:
-        """The registered score as a :class:`kvlab.compress.evict.Policy` with these protected slots."""
-        from kvlab.compress.evict import make_policy
-
-        opts = {k: getattr(self, k) for k in ("sinks", "window") if getattr(self, k) is not None}
-        return make_policy(self.score, **opts)
-
-    def describe(self) -> str:
-        size = f"{self.keep:g} of the prompt's slots" if self.keep is not None else f"{self.budget} slots"
-        when = f", re-scored every {self.every} tokens" if self.every else ", once after the prefill"
-        return f"the top {size} by {self.score}{when}"
+def keys() -> tuple[str, ...]:
+    """Every key a spec may give: the layouts' (:attr:`~kvlab.policy.layouts.Layout.keys`) and the codec's."""
+    return tuple(dict.fromkeys(k for c in LAYOUTS.values() for k in (*c.keys, *CODEC_KEYS)))
 
 
 # -- the policy ---------------------------------------------------------------------------------
@@ -140,12 +77,9 @@ class CachePolicy:
 
     @property
     def kind(self) -> str:
-        """``full``, ``quant`` (full layout + codec), ``evict`` (scored), ``window`` (sinks + window)."""
-        if isinstance(self.layout, ScoredLayout):
-            return "evict"
-        if isinstance(self.layout, SinksWindowLayout):
-            return "window"
-        return "full" if self.codec is None else "quant"
+        """The layout's kind (``evict``: scored, ``window``: sinks + window...), else ``full`` or ``quant``
+        (the full layout over a codec)."""
+        return self.layout.kind or ("full" if self.codec is None else "quant")
 
     @property
     def codec_name(self) -> str | None:
@@ -155,25 +89,13 @@ class CachePolicy:
 
     @property
     def spec(self) -> str:
-        lay, parts = self.layout, []
-        if isinstance(lay, SinksWindowLayout):
-            parts += [f"sinks={lay.sinks}", f"window={lay.window}"] + (
-                [f"chunk={lay.chunk}"] if lay.chunk else []
-            )
-        elif isinstance(lay, ScoredLayout):
-            parts.append(lay.score)
-            parts.append(f"keep={lay.keep!r}" if lay.keep is not None else f"budget={lay.budget}")
-            parts += [f"{k}={getattr(lay, k)}" for k in ("sinks", "window") if getattr(lay, k) is not None]
-            parts += [f"{k}={getattr(lay, k)}" for k in ("heads", "layers") if getattr(lay, k) != "uniform"]
-            parts += [f"every={lay.every}"] if lay.every else []
-        elif self.codec_sinks:
-            parts.append(f"sinks={self.codec_sinks}")
+        parts = self.layout.items() + ([f"sinks={self.codec_sinks}"] if self.codec_sinks else [])
         if self.codec is not None:
             parts.append(f"codec={self.codec_name}")
             parts += [f"tail={self.tail}"] if self.tail is not None else []
         return ",".join(parts) or "full"
 
-    def quantizer(self, head_dim: int | None = None) -> Any:
+    def quantizer(self, head_dim: int | None = None) -> Quantizer | None:
         """The codec as a :class:`~kvlab.compress.quant.Quantizer` (None for full precision); with
         ``head_dim`` its group size is cut to the largest that divides a small head."""
         if self.codec is None:
@@ -192,15 +114,7 @@ class CachePolicy:
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"spec": self.spec, "kind": self.kind, "layout": self.layout.name}
-        lay = self.layout
-        if isinstance(lay, SinksWindowLayout):
-            out.update(sinks=lay.sinks, window=lay.window)
-        if isinstance(lay, ScoredLayout):
-            out.update(policy=lay.score, every=lay.every, heads=lay.heads, layers=lay.layers)
-            if lay.keep is not None:
-                out.update(keep=lay.keep, compression_ratio=round(1.0 - lay.keep, 12))
-            else:
-                out.update(budget=lay.budget)
+        out.update(self.layout.fields())
         if self.codec is not None:
             out.update(codec=self.codec_name, quantizer=self.codec, bits=self.bits)
         return out
@@ -215,14 +129,11 @@ FULL = CachePolicy()
 
 # -- reading specs ------------------------------------------------------------------------------
 def known() -> str:
-    """What a cache spec may say, in one line (for errors and ``--help``)."""
+    """What a cache spec may say, in one line (for errors and ``--help``): each layout's syntax, then codecs."""
     names = [k if c.fixed_bits is not None else f"{k}<bits>" for k, c in CODECS.items()]
-    scores = [*SCORES, *(f"{a} (= {b})" for a, b in ALIASES.items())]
     return (
-        f"full; sinks=N,window=N[,chunk=N]; <score>,keep=F|ratio=F|budget=N[,every=N][,sinks=N][,window=N]"
-        f"[,heads={'|'.join(HEAD_SHARES)}][,layers={'|'.join(LAYER_SHARES)}] "
-        f"with score one of {', '.join(scores)}; add codec=<codec>[,tail=N] with codec one of "
-        f"{', '.join(names)} (bits {'/'.join(map(str, SUPPORTED_BITS))}; int<bits> = pertoken), "
+        f"{'; '.join(c.syntax for c in LAYOUTS.values() if c.syntax)}; add codec=<codec>[,tail=N] with codec "
+        f"one of {', '.join(names)} (bits {'/'.join(map(str, SUPPORTED_BITS))}; int<bits> = pertoken), "
         "e.g. sinks=4,window=2048,codec=kivi4 or h2o,keep=0.25,every=256; short forms int4, kivi:int2, snapkv:0.5"
     )
 
@@ -250,25 +161,8 @@ def _codec(word: str, spec: str) -> tuple[str, int | None]:
     return name, bits
 
 
-#: how numbers in a spec are written: ASCII digits only (Python's int() and float() also take fullwidth and
-#: other Unicode digits, "1_000", "nan" and "inf"; a spec says what it means in one spelling)
-_NUMBER = {int: re.compile(r"[0-9]+"), float: re.compile(r"[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?")}
 #: the longest spec read: a longer one is refused without being echoed back
 MAX_SPEC_CHARS = 256
-
-
-def _number(key: str, value: str, spec: str, kind: type) -> Any:
-    try:
-        if not _NUMBER[kind].fullmatch(value):
-            raise ValueError(value)
-        v = kind(value)
-    except ValueError:
-        raise BadInputError(
-            f"cache spec '{spec}': {key}={value} is not {'an integer' if kind is int else 'a number'}"
-        ) from None
-    if kind is int and not 0 <= v <= MAX_INT:
-        raise BadInputError(f"cache spec '{spec}': {key} must lie in [0, {MAX_INT}], got {value}")
-    return v
 
 
 def _legacy(text: str, spec: str) -> str:
@@ -302,120 +196,44 @@ def parse(spec: str) -> CachePolicy:
     text = _legacy(spec.strip().lower().replace(" ", ""), spec)
     if text == "full":
         return FULL
-    score, opts = None, {}
+    word, opts = None, {}
     for item in text.split(","):
         key, eq, value = item.partition("=")
         if not eq:
-            name = ALIASES.get(key, key)
-            if name in SCORES and score is None:
-                score = name
+            if word is None and any(c.takes_word(key) for c in LAYOUTS.values()):
+                word = key  # a layout's name: a score
                 continue
             if "codec" not in opts and (key in CODECS or re.fullmatch(r"(int|[a-z+]+)\d+", key)):
                 opts["codec"] = key  # a bare codec name: int4, kivi2, fp8
                 continue
             raise BadInputError(f"cache spec '{spec}': unknown item '{item}'; known: {known()}")
-        if key not in KEYS:
+        if key not in keys():
             raise BadInputError(
-                f"cache spec '{spec}': unknown key '{key}' (keys: {', '.join(KEYS)}); known: {known()}"
+                f"cache spec '{spec}': unknown key '{key}' (keys: {', '.join(keys())}); known: {known()}"
             )
         if key in opts:
             raise BadInputError(f"cache spec '{spec}': {key} is given twice")
         opts[key] = value
-    return _build(spec, score, opts)
+    return _build(spec, word, opts)
 
 
-def _build(spec: str, score: str | None, opts: dict[str, str]) -> CachePolicy:
-    ints = {
-        k: _number(k, opts[k], spec, int)
-        for k in ("sinks", "window", "budget", "every", "chunk", "tail")
-        if k in opts
-    }
-    fracs = {k: _number(k, opts[k], spec, float) for k in ("keep", "ratio") if k in opts}
+def _build(spec: str, word: str | None, opts: dict[str, str]) -> CachePolicy:
+    """The policy of a spec's items: the codec read here, the layout that claims them reads the rest."""
     codec, bits = _codec(opts["codec"], spec) if "codec" in opts else (None, None)
-    if "tail" in ints and codec is None:
+    tail = number("tail", opts["tail"], spec, int) if "tail" in opts else None
+    if tail is not None and codec is None:
         raise BadInputError(f"cache spec '{spec}': tail= sets a codec's full-precision slots; add codec=")
-
-    def refuse(keys: tuple[str, ...], why: str) -> None:
-        given = [k for k in keys if k in opts]
-        if given:
-            raise BadInputError(f"cache spec '{spec}': {', '.join(given)} {why}")
-
-    layout: Layout
-    codec_sinks = 0
-    if score is None:
-        refuse(("heads", "layers"), "share a score's budget: add a score (e.g. h2o,keep=0.5,heads=ada)")
-    if score is not None:
-        refuse(("chunk",), "applies to sinks + window only")
-        budgets = [k for k in ("keep", "ratio", "budget") if k in opts]
-        if len(budgets) != 1:
-            raise BadInputError(
-                f"cache spec '{spec}': give one budget for '{score}': keep=F, ratio=F or budget=N"
-            )
-        keep = fracs.get("keep")
-        if "ratio" in fracs:
-            if not 0.0 <= fracs["ratio"] < 1.0:
-                raise BadInputError(
-                    f"cache spec '{spec}': ratio (the fraction removed) must lie in [0, 1), got {opts['ratio']}"
-                )
-            keep = 1.0 - fracs["ratio"]
-        if keep is not None and not 0.0 < keep <= 1.0:
-            raise BadInputError(f"cache spec '{spec}': keep must be a fraction in (0, 1], got {opts['keep']}")
-        if "budget" in ints and ints["budget"] < 1:
-            raise BadInputError(f"cache spec '{spec}': budget must be >= 1 slot")
-        shares = {}
-        for key, allowed in (("heads", HEAD_SHARES), ("layers", LAYER_SHARES)):
-            if key in opts:
-                if opts[key] not in allowed:
-                    raise BadInputError(
-                        f"cache spec '{spec}': {key}= is one of {', '.join(allowed)}, got {opts[key]}"
-                    )
-                shares[key] = opts[key]
-        layout = ScoredLayout(
-            score,
-            keep,
-            ints.get("budget"),
-            ints.get("every", 0),
-            ints.get("sinks"),
-            ints.get("window"),
-            **shares,
-        )
-    elif "window" in ints:
-        refuse(
-            ("keep", "ratio", "budget", "every"),
-            "only apply to a score (e.g. h2o,keep=0.5); sinks + window keeps the newest slots",
-        )
-        if ints["window"] < 1:
-            raise BadInputError(f"cache spec '{spec}': window must be >= 1")
-        layout = SinksWindowLayout(ints.get("sinks", DEFAULT_SINKS), ints["window"], ints.get("chunk", 0))
-        if codec is not None:
-            _check_coded_window(spec, CachePolicy(layout, codec, bits, ints.get("tail")))
-    else:
-        refuse(("keep", "ratio", "budget", "every"), "only apply to a score (e.g. h2o,keep=0.5)")
-        refuse(("chunk",), "applies to sinks + window only (add window=N)")
-        if "sinks" in ints and codec is None:
-            raise BadInputError(f"cache spec '{spec}': sinks= alone keeps everything; add window=N or codec=")
-        layout, codec_sinks = FullLayout(), ints.get("sinks", 0)
-    return CachePolicy(layout, codec, bits, ints.get("tail"), codec_sinks)
-
-
-def _check_coded_window(spec: str, policy: CachePolicy) -> None:
-    """A window over codes must hold at least one block of codes besides its chunk and full-precision tail
-    (checked again, for the model's head size, when the cache is built)."""
-    import math
-
-    from kvlab.policy.window import default_chunk
-
-    lay, facts = policy.layout, codec_facts(str(policy.codec))
-    assert isinstance(lay, SinksWindowLayout)
-    tail = facts.tail if policy.tail is None else policy.tail
-    chunk = facts.block * math.ceil((lay.chunk or default_chunk(lay.window)) / facts.block)
-    need = chunk + facts.block + tail
-    if lay.window < need:
-        raise BadInputError(
-            f"cache spec '{spec}': a window of {lay.window} over {policy.codec_name} codes holds none: it "
-            f"needs the eviction chunk ({chunk}) + one block of codes ({facts.block}) + the full-precision "
-            f"tail ({tail}) = {need} slots (a larger window, chunk=, or tail=)"
-        )
+    items = Items(spec, word, opts, codec)
+    cls = next((c for c in LAYOUTS.values() if c.claims(items)), FullLayout)
+    foreign = [k for k in opts if k not in (*cls.keys, *CODEC_KEYS)]
+    if foreign:
+        owner = next(c for c in LAYOUTS.values() if foreign[0] in c.keys)
+        given = [k for k in foreign if k in owner.keys]
+        raise BadInputError(f"cache spec '{spec}': {', '.join(given)} {owner.refusal}")
+    layout = cls.read(items)
+    policy = CachePolicy(layout, codec, bits, tail, layout.codec_sinks(items))
+    layout.check(policy, spec)
+    return policy
 
 
 def parse_many(specs: list[str] | tuple[str, ...]) -> list[CachePolicy]:

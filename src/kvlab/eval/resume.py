@@ -19,10 +19,14 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlab.errors import BadInputError
 from kvlab.progress import Estimate, Mode, counting
+
+if TYPE_CHECKING:
+    from kvlab.eval.specs import CacheSpec
+    from kvlab.model.handle import ModelHandle
 
 PARTIAL = "ruler.partial.jsonl"
 RESULT = "ruler.json"
@@ -144,8 +148,8 @@ def _compare(folder: Path, stored: dict, header: dict, *, skip: Sequence[str]) -
 
 
 def run_kept(
-    handle: Any,
-    specs: Sequence[Any],
+    handle: ModelHandle,
+    specs: Sequence[CacheSpec],
     settings: dict,
     *,
     partial: PartialRun | None,

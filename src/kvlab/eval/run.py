@@ -1,21 +1,12 @@
 """Running trials under cache policies: prefill the context once, compress it, ask the question, score.
 
 For each trial the context is prefilled once (with the queries captured when an attention-based
-eviction policy is asked for: :func:`kvlab.compress.evict.observe`). Each cache policy then turns that
-prefill into the per-layer K/V its cache would hold after the context:
-
-* ``full``: the prefill's K/V as they are;
-* ``<policy>:<ratio>`` (``snapkv:0.5``): :func:`kvlab.compress.evict.evict` with ``keep = 1 - ratio`` (a
-  masked snapshot: each layer's KV heads hold their own slots) —
-  ``ratio`` is the fraction *removed*, kvpress's ``compression_ratio`` and :class:`kvlab.ops.press.Press`'s
-  convention; this is the scoring and selection a :class:`~kvlab.hf.compressed_cache.CompressedCache`
-  applies after its first forward, so the answer equals ``Press(policy, ratio).generate`` (a test checks
-  it); kept keys stay at their original positions;
-* ``int4`` / ``<method>:int<b>`` (``kivi:int2``): :func:`kvlab.compress.quant.quantize_snapshot`
-  with :func:`kvlab.compress.quant.make_quantizer`, dequantized — what the cache attends over after
-  encoding its prompt;
-* sinks + window (``window:0.5``): the live rolling cache's own layers fed the context;
-* shared budgets (``heads=ada``, ``layers=pyramid``): a ragged cache, run masked.
+eviction policy is asked for: :func:`kvlab.compress.evict.observe`). Each cache policy's layout then turns
+that prefill into the per-layer K/V its live cache would hold after the context
+(:meth:`~kvlab.policy.layouts.Layout.apply`): the full cache's K/V as they are, or encoded and decoded
+back over a codec; a scored eviction masked (kept keys at their original positions, the selection a
+:class:`~kvlab.hf.compressed_cache.CompressedCache` makes after its first forward; a shared budget as a
+ragged cache, run masked); sinks + window fed to the live rolling cache's own layers.
 
 Every one of them is a :class:`~kvlab.cache.KVSnapshot`; those of equal length and positions run as the
 rows of one live batch (:meth:`~kvlab.model.ModelHandle.live_rows`: each row copied once into the batch's
@@ -34,11 +25,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvlab.compress.spec import CachePolicy, FullLayout, ScoredLayout
 from kvlab.errors import BadInputError
 from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.eval.specs; run.py re-exports them)
     CacheSpec,
@@ -49,100 +39,20 @@ from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.e
     parse_cache_specs,
     parse_ratios,
 )
-from kvlab.eval.specs import shared_budget as _shared
+
+if TYPE_CHECKING:
+    from kvlab.cache.snapshot import KVSnapshot
+    from kvlab.compress.evict import Observation
+    from kvlab.model.handle import ModelHandle
 
 
-def _ragged(spec: CacheSpec, source: Any) -> Any:
-    """The ragged cache of a shared-budget spec after the context."""
-    from kvlab.compress.evict.budgets import evict_ragged
-
-    lay = spec.policy.layout
-    assert isinstance(lay, ScoredLayout)  # _shared() specs are scored
-    return evict_ragged(source, lay.policy(), keep=lay.keep, heads=lay.heads, layers=lay.layers)
-
-
-def _encoded(policy: CachePolicy, snap: Any) -> tuple[Any, int]:
-    """An evicted (masked) snapshot's kept slots through the policy's codec, encoded and decoded back (what
-    the cache attends over), written into the kept slots of a copy; and the bytes the codes hold. Only
-    per-token codecs reach here (:func:`parse_cache_spec`), so no codec reads positions."""
-    from kvlab.compress.evict import kept_per_head
-    from kvlab.rope.spec import rope_for_layer
-
-    keys, values, slots = kept_per_head(snap)
-    q = policy.quantizer(snap.head_dim)
-    ks, vs, nbytes = [], [], 0
-    for i, (k, v, idx) in enumerate(zip(keys, values, slots, strict=True)):
-        seg = q.encode(k, v, snap.positions.to(idx.device)[idx][0, 0], rope_for_layer(snap.rope, i))
-        dk, dv = seg.decode()
-        at_k = idx[..., None].expand(-1, -1, -1, k.shape[-1])
-        at_v = idx[..., None].expand(-1, -1, -1, v.shape[-1])
-        ks.append(snap.keys[i].clone().scatter_(2, at_k, dk.to(k.dtype)))
-        vs.append(snap.values[i].clone().scatter_(2, at_v, dv.to(v.dtype)))
-        nbytes += seg.nbytes
-    return snap.replace(keys=tuple(ks), values=tuple(vs)), nbytes
-
-
-def _rolled(policy: CachePolicy, snap: Any, handle: Any) -> tuple[Any, int]:
-    """Sinks + window (over codes or not): the context's K/V fed to the live cache's own layers (no model
-    forward: the prompt attends to itself in full precision in the live cache too), so what the question
-    sees is exactly what :func:`kvlab.hf.policy_cache.cache_for` would hold after the context: the sinks
-    re-positioned before the window, whole eviction chunks dropped, codes where the cache keeps codes."""
-    from kvlab.hf.policy_cache import cache_for
-
-    cache = cache_for(policy, handle)
-    for layer, k, v in zip(cache.layers, snap.keys, snap.values, strict=True):
-        layer.update(k, v)
-    kept = cache.kept_layers()
-    n, sinks = cache.kept, min(cache.layers[0].rule.policy.sinks, cache.kept)
-    ids = torch.cat((snap.token_ids[:, :sinks], snap.token_ids[:, snap.seq_len - (n - sinks) :]), dim=1)
-    rolled = snap.replace(
-        keys=tuple(k for k, _ in kept),
-        values=tuple(v for _, v in kept),
-        token_ids=ids,
-        positions=cache.positions(),
-        provenance="rolled",
-    )
-    if policy.codec is not None:
-        return rolled, sum(layer.visible_nbytes() for layer in cache.layers)
-    return rolled, rolled.nbytes
-
-
-def _snapshot(spec: CacheSpec, source: Any, handle: Any = None) -> tuple[Any, int, dict]:
+def _snapshot(
+    spec: CacheSpec, source: KVSnapshot | Observation, handle: ModelHandle
+) -> tuple[Any, int, dict]:
     """The cache of ``spec`` after the context as a :class:`~kvlab.cache.KVSnapshot` the model runs
-    (evictions masked, codecs decoded), the K/V bytes that cache holds, and extra columns.
-
-    ``source`` is an :class:`~kvlab.compress.evict.Observation` or a :class:`~kvlab.cache.KVSnapshot`.
-    """
-    from kvlab.compress.evict import Observation, evict
-    from kvlab.compress.quant import quantize_snapshot
-
-    snap = source.snapshot if isinstance(source, Observation) else source
-    policy, lay = spec.policy, spec.policy.layout
-    if isinstance(lay, FullLayout):
-        if policy.codec is None:
-            return snap, snap.nbytes, {}
-        qs = quantize_snapshot(snap, policy.quantizer(snap.head_dim))
-        return qs.decompress(), qs.nbytes, {}
-    if not isinstance(lay, ScoredLayout):
-        return (*_rolled(policy, snap, handle), {})
-    if _shared(policy):  # per-head / per-layer budgets: a ragged cache, run masked
-        rc = _ragged(spec, source)
-        counts = rc.counts
-        extra = {
-            "kv_bytes_padded": int(rc.padded_nbytes),
-            "kv_bytes_masked": int(rc.masked_nbytes),
-            "kept_per_layer": [sum(c) for c in counts],
-            "kept_per_head_min": min(min(c) for c in counts),
-            "kept_per_head_max": max(max(c) for c in counts),
-        }
-        return rc.masked(snap), rc.nbytes, extra
-    budget = (
-        {"keep": lay.keep} if lay.keep is not None else {"n_keep": min(int(lay.budget or 1), snap.seq_len)}
-    )
-    ev = evict(source, lay.policy(), **budget)
-    if policy.codec is None:
-        return ev, ev.held_nbytes, {}
-    return (*_encoded(policy, ev), {})
+    (evictions masked, codecs decoded), the K/V bytes that cache holds, and extra columns: its layout's
+    offline application (:meth:`~kvlab.policy.layouts.Layout.apply`)."""
+    return spec.policy.layout.apply(spec.policy, source, handle)
 
 
 def _kept(snap: Any) -> int:
@@ -159,7 +69,7 @@ def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
 
 @torch.no_grad()
 def run_trial(
-    handle: Any,
+    handle: ModelHandle,
     trial: Any,
     specs: Sequence[CacheSpec],
     *,
@@ -280,7 +190,7 @@ def trial_seed(seed: int, index: int) -> int:
 
 
 def run_suite(
-    handle: Any,
+    handle: ModelHandle,
     specs: Sequence[CacheSpec],
     *,
     tasks: Sequence[str],

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvlab.compress.catalogue import codec_facts
-from kvlab.compress.spec import FULL, CachePolicy, ScoredLayout, known, parse
+from kvlab.compress.spec import FULL, CachePolicy, known, parse
 from kvlab.errors import BadInputError
 
 
@@ -31,14 +30,12 @@ class CacheSpec:
     @property
     def method(self) -> str:
         """The score (eviction) or codec kind (quantization); empty for the full cache."""
-        lay = self.policy.layout
-        return lay.score if isinstance(lay, ScoredLayout) else (self.policy.codec or "")
+        return str(self.policy.layout.fields().get("policy") or self.policy.codec or "")
 
     @property
     def ratio(self) -> float:
         """The fraction of the context removed (eviction with ``keep``), else 0."""
-        lay = self.policy.layout
-        return round(1.0 - lay.keep, 12) if isinstance(lay, ScoredLayout) and lay.keep is not None else 0.0
+        return float(self.policy.layout.fields().get("compression_ratio", 0.0))
 
     @property
     def bits(self) -> int:
@@ -46,8 +43,7 @@ class CacheSpec:
 
     @property
     def needs_queries(self) -> bool:
-        lay = self.policy.layout
-        return isinstance(lay, ScoredLayout) and lay.policy().needs_queries
+        return self.policy.layout.needs_queries()
 
     def to_json(self) -> dict:
         return {**self.policy.to_json(), "spec": self.spec, "policy_spec": self.policy.spec}
@@ -59,39 +55,11 @@ def known_specs() -> str:
 
 
 def parse_cache_spec(spec: str) -> CacheSpec:
-    """A cache spec for a run (:func:`kvlab.compress.spec.parse`), checked for what an offline run
-    can do: ``every=`` acts while decoding, and the context is compressed once here."""
+    """A cache spec for a run (:func:`kvlab.compress.spec.parse`), checked by its layout for what an offline
+    run can do (:meth:`~kvlab.policy.layouts.Layout.eval_check`: the context is compressed once here)."""
     policy = parse(spec)
-    lay = policy.layout
-    if (
-        isinstance(lay, ScoredLayout)
-        and shared_budget(policy)
-        and (lay.budget is not None or policy.codec is not None)
-    ):
-        raise BadInputError(
-            f"cache spec '{spec}': shared budgets (heads=, layers=) run in the eval with keep= and no codec"
-        )
-    if isinstance(lay, ScoredLayout) and lay.every:
-        raise BadInputError(
-            f"cache spec '{spec}': every= keeps a budget while decoding; the eval compresses the context "
-            "once (drop every=)"
-        )
-    if isinstance(lay, ScoredLayout) and policy.codec is not None:
-        facts = codec_facts(policy.codec)
-        if facts.along_tokens or facts.uses_positions:
-            raise BadInputError(
-                f"cache spec '{spec}': the {policy.codec} codec reads slots along tokens or their "
-                "positions, which a scored eviction makes different per head; use int<bits> or fp8 with it"
-            )
+    policy.layout.eval_check(policy, spec)
     return CacheSpec(spec.strip().lower(), policy)
-
-
-def shared_budget(policy: CachePolicy) -> bool:
-    """A scored layout whose budget is shared across KV heads (``heads=ada``) or layers (``layers=pyramid``):
-    the eval holds it as a :class:`~kvlab.compress.evict.budgets.RaggedCache` and runs it through
-    its masked snapshot (:meth:`~kvlab.compress.evict.budgets.RaggedCache.masked`)."""
-    lay = policy.layout
-    return isinstance(lay, ScoredLayout) and (lay.heads, lay.layers) != ("uniform", "uniform")
 
 
 def parse_cache_specs(specs: Sequence[str]) -> list[CacheSpec]:
@@ -137,10 +105,10 @@ def bare_score(text: str) -> str | None:
     except BadInputError:
         pass
     try:
-        probe = parse(f"{t},ratio=0.5")
+        parse(f"{t},ratio=0.5")  # ratio= is read by a scored layout only
     except BadInputError:
         return None  # not a score's spec: let the one reader say what is wrong with it
-    return t if isinstance(probe.layout, ScoredLayout) else None
+    return t
 
 
 def expand_specs(texts: Sequence[str], ratios: Sequence[float] | None) -> list[str]:

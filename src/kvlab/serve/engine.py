@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,12 +59,17 @@ from kvlab.compress.spec import parse as parse_cache_spec
 from kvlab.errors import BadInputError, KvlabError
 from kvlab.hf.batch import step_rolling_rows_isolated
 from kvlab.hf.live_cache import LiveCache
-from kvlab.hf.rolling_cache import RollingCache, default_chunk, rolling_cache_for
+from kvlab.hf.rolling_cache import RollingCache
 from kvlab.loop import Sampling
+from kvlab.policy.window import default_chunk
 from kvlab.serve.policy import serve_policy
 from kvlab.serve.tenants import FairQueue, KeyLimits
 from kvlab.store.errors import StoreError
 from kvlab.store.store import KVStore
+
+if TYPE_CHECKING:
+    from kvlab.hf.runner import Runner
+    from kvlab.model.handle import ModelHandle
 
 log = logging.getLogger("kvlab.serve")
 
@@ -86,56 +92,43 @@ class EngineSettings:
     max_work_per_key: int | None = None
     max_sessions: int = 64  # idle conversations kept for reuse (least recently used dropped)
     prefill_chunk: int = 256  # prompt tokens computed per worker iteration, between two decode steps
-    # a cache spec (kvlab.compress.spec, see serve_policy): a sinks + window layout, with or without a codec,
-    # sets window, sinks and evict_chunk (its chunk=, else the rolling cache's default for the window); a
-    # scored layout keeping its budget (every=) replaces them
+    # a cache spec (kvlab.compress.spec) its layout lets the server run (serve_policy); it replaces window,
+    # sinks and evict_chunk, which then say its window where it rolls one (the status page shows them)
     cache: str | None = None
 
     def __post_init__(self) -> None:
-        if self.cache is not None:
-            policy = serve_policy(self.cache)
-            lay = policy.layout
-            object.__setattr__(self, "cache", policy.spec)  # canonical: the same policy, the same string
-            if not isinstance(lay, SinksWindowLayout):
-                return
-            object.__setattr__(self, "window", lay.window)
-            object.__setattr__(self, "sinks", lay.sinks)
-            object.__setattr__(self, "evict_chunk", lay.chunk or default_chunk(lay.window))
+        if self.cache is None:
+            return
+        policy = serve_policy(self.cache)
+        object.__setattr__(self, "cache", policy.spec)  # canonical: the same policy, the same string
+        roll = policy.layout.rolls()
+        if roll is not None:
+            object.__setattr__(self, "window", roll.window)
+            object.__setattr__(self, "sinks", roll.sinks)
+            object.__setattr__(self, "evict_chunk", roll.chunk or default_chunk(roll.window))
 
-    @property
+    @functools.cached_property
     def policy(self) -> CachePolicy:
         """The cache policy every session follows (without a spec: full-precision sinks + window)."""
         if self.cache is not None:
             return parse_cache_spec(self.cache)
         return CachePolicy(SinksWindowLayout(self.sinks, self.window, self.evict_chunk))
 
-    @property
-    def rolling(self) -> bool:
-        """Whether every session rolls a sinks + window cache (else it runs a scored layout's budget)."""
-        return isinstance(self.policy.layout, SinksWindowLayout)
 
-
-def head_dim(handle: Any) -> int:
+def head_dim(handle: Runner) -> int:
     """The model's attention head size (what a codec's groups must divide)."""
     cfg = handle.config
     text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
     return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
 
-def new_cache(handle: Any, settings: EngineSettings, sinks: int | None = None) -> LiveCache:
-    """A session's empty cache under ``settings`` (its policy's codec, if any), bound to the model."""
-    if not settings.rolling:
-        from kvlab.hf.policy_cache import cache_for
+def new_cache(handle: ModelHandle, settings: EngineSettings, pinned: int = 0) -> LiveCache:
+    """A session's empty cache under ``settings``, bound to the model, its first ``pinned`` tokens (a system
+    prompt) kept where the policy's layout rolls a window."""
+    from kvlab.hf.policy_cache import cache_for
 
-        cache: LiveCache = cache_for(settings.policy, handle)
-        return cache
-    return rolling_cache_for(
-        handle,
-        window=settings.window,
-        sinks=settings.sinks if sinks is None else sinks,
-        evict_chunk=settings.evict_chunk,
-        codec=settings.policy.quantizer(head_dim(handle)),
-    )
+    cache: LiveCache = cache_for(settings.policy, handle, pinned=pinned)
+    return cache
 
 
 @dataclass
@@ -317,7 +310,9 @@ SCORE_CHUNK = 256
 class Engine:
     """Owns the model, the sessions and the store; serves :class:`Request` s from one worker thread."""
 
-    def __init__(self, handle: Any, settings: EngineSettings, *, store: KVStore | None = None, metrics=None):
+    def __init__(
+        self, handle: ModelHandle, settings: EngineSettings, *, store: KVStore | None = None, metrics=None
+    ):
         check_settings(handle, settings)
         self.handle = handle
         self.settings = settings
@@ -344,7 +339,9 @@ class Engine:
     # -- the public side (any thread) ----------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return self.settings.sinks + self.settings.window
+        """The tokens a rolling window holds (what the store looks up); 0 where the layout keeps a budget."""
+        roll = self.policy.layout.rolls()
+        return roll.sinks + roll.window if roll is not None else 0
 
     def submit(self, req: Request) -> None:
         """Queue ``req``; raises as :meth:`submit_many`."""
@@ -525,9 +522,9 @@ class Engine:
             if req.score_prompt and session.last_logits is not None:  # scores the first new token
                 p.prev = torch.log_softmax(session.last_logits.float(), -1)
         else:
-            rolling = self.settings.rolling  # a scored layout pins nothing (its policy keeps its own sinks)
-            pinned, sinks = (req.pinned, self.settings.sinks) if rolling else (0, 0)
-            cache = new_cache(self.handle, self.settings, sinks=max(sinks, pinned))
+            roll = self.policy.layout.rolls()  # a scored layout pins nothing (its policy keeps its own sinks)
+            pinned, sinks = (req.pinned, roll.sinks) if roll is not None else (0, 0)
+            cache = new_cache(self.handle, self.settings, pinned=pinned)
             session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, pinned, sinks)
             p = _Prefill(req, session, False, "none", 0, 0, t0, collections.deque())
             size = _feed_size(cache, req.score_prompt)
@@ -877,7 +874,7 @@ def _holdback(text: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
-def check_settings(handle: Any, settings: EngineSettings) -> None:
+def check_settings(handle: ModelHandle, settings: EngineSettings) -> None:
     """Refuse settings this model cannot be served with, before anything is created."""
     if settings.max_batch < 1 or settings.max_queue < 0 or settings.max_sessions < 1:
         raise BadInputError("need max_batch >= 1, max_queue >= 0 and max_sessions >= 1")
@@ -895,8 +892,9 @@ def check_request_fits(ids: list[int], pinned: int, settings: EngineSettings) ->
     """Refuse what the engine could not serve faithfully, before it is queued."""
     if not ids:
         raise BadInputError("the prompt is empty")
-    if settings.rolling and pinned >= settings.window // 2:
+    roll = settings.policy.layout.rolls()
+    if roll is not None and pinned >= roll.window // 2:
         raise BadInputError(
             f"the system prompt takes {pinned} tokens; it is pinned in the cache and must stay below half "
-            f"the window ({settings.window // 2}); start the server with a larger --window"
+            f"the window ({roll.window // 2}); start the server with a larger --window"
         )

@@ -202,23 +202,24 @@ def _policy_nll(handle, ids: torch.Tensor, method: StreamMethod, feed: int, path
     """A ``--cache`` spec's NLL: sinks + window in full precision by the masked pass where exact (as the
     ``sinks{s}`` methods), anything else (a codec, a scored layout, full) through its live cache; a
     rolling layout without ``chunk=`` evicts ``feed`` at a time, as the other rolling methods do."""
-    from kvlab.compress.spec import SinksWindowLayout
     from kvlab.hf.policy_cache import cache_for
 
     policy, n = method.policy, ids.shape[1]
-    lay = policy.layout
-    if isinstance(lay, SinksWindowLayout):
-        lay = replace(lay, chunk=lay.chunk or feed)
-        policy = replace(policy, layout=lay)
-        if policy.codec is None and path != "loop" and (path == "masked" or _masked_is_exact(handle, n)):
-            values = masked_rolling_nll(
-                handle, ids[0], sinks=lay.sinks, window=lay.window, feed=feed, evict_chunk=lay.chunk,
-                on_progress=on_chunk, on_logits=tap,
-            )  # fmt: skip
-            dropped = evicted_before(
-                n - 1, sinks=lay.sinks, window=lay.window, feed=feed, evict_chunk=lay.chunk
-            )
-            return values, {"path": "masked", "rolls": int(np.unique(dropped[dropped > 0]).size)}
+    policy = replace(policy, layout=policy.layout.for_feed(feed))
+    roll = policy.layout.rolls()
+    if (
+        roll is not None
+        and policy.codec is None
+        and path != "loop"
+        and (path == "masked" or _masked_is_exact(handle, n))
+    ):
+        sinks, window, chunk = roll
+        values = masked_rolling_nll(
+            handle, ids[0], sinks=sinks, window=window, feed=feed, evict_chunk=chunk, on_progress=on_chunk,
+            on_logits=tap,
+        )  # fmt: skip
+        dropped = evicted_before(n - 1, sinks=sinks, window=window, feed=feed, evict_chunk=chunk)
+        return values, {"path": "masked", "rolls": int(np.unique(dropped[dropped > 0]).size)}
     values, extra = _cache_loop_nll(handle, ids, cache_for(policy, handle), feed, on_chunk, tap)
     return values, {**extra, "path": "loop", "policy": policy.to_json()}
 
@@ -512,20 +513,19 @@ def summarize(results: dict[str, StreamResult], source: str, window: int, seed: 
 def _fp_window_of(results: dict[str, StreamResult], name: str, window: int) -> str | None:
     """The full-precision sinks + window of the same sinks and window as cache spec ``name`` among
     ``results`` (itself a spec, or ``sinks{s}`` at the run's ``window``); None if there is none."""
-    from kvlab.compress.spec import SinksWindowLayout
-
     m = METHODS.get(results[name].method)
     if m is None or m.kind != "policy" or m.policy.codec is None:
         return None
     lay = m.policy.layout
-    if not isinstance(lay, SinksWindowLayout):
+    roll = lay.rolls()
+    if roll is None:
         return None
     for other, r in results.items():
         o = METHODS.get(r.method)
         if o is not None and o.kind == "policy" and o.policy.codec is None and o.policy.layout == lay:
             return other
-    legacy = f"sinks{lay.sinks}"
-    return legacy if legacy in results and lay.window == window and not lay.chunk else None
+    legacy = f"sinks{roll.sinks}"
+    return legacy if legacy in results and roll.window == window and not roll.chunk else None
 
 
 def _ratio_to_fp_window(results: dict[str, StreamResult], name: str, window: int, seed: int) -> dict:

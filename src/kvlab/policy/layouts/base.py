@@ -1,0 +1,181 @@
+"""What a layout is: which slots a cache keeps, and everything that follows from it, asked of the layout.
+
+A layout is a small frozen class registered by ``name`` in :data:`LAYOUTS` (one file each under
+:mod:`kvlab.policy.layouts`; the package imports every file in it, so a new file is a new layout). The spec
+reader (:func:`kvlab.compress.spec.parse`) asks each registered layout whether it ``claims`` a spec's items
+(the full layout is the fallback) and lets it ``read`` them; every caller then asks the layout, never its
+class, what it means:
+
+==============================  ==========================================================================
+``items()`` / ``fields()``      its part of the canonical spec string / of the policy's JSON
+``describe()``                  the slots it keeps, in words
+``check(policy, spec)``         refuse a policy it cannot hold (raised while reading the spec)
+``cache(policy, handle)``       the live cache running it (:func:`kvlab.hf.policy_cache.cache_for`)
+``apply(policy, source, h)``    offline: what that cache holds after a context (the eval's rows)
+``eval_check(policy, spec)``    refuse what a one-shot offline run cannot do
+``serve_check(policy, spec)``   refuse what ``kvlab serve`` cannot run (default: everything)
+``rolls()``                     the sinks, window and chunk of a layout that rolls a window, else None
+``for_feed(feed)``              itself with what a stream fed ``feed`` tokens at a time leaves open set
+==============================  ==========================================================================
+
+Reading a spec imports no torch: the heavy imports sit inside ``cache`` and ``apply``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+from kvlab.errors import BadInputError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kvlab.cache.snapshot import KVSnapshot
+    from kvlab.compress.evict import Observation
+    from kvlab.compress.spec import CachePolicy
+    from kvlab.hf.runner import Runner
+    from kvlab.model.handle import ModelHandle
+
+    Model = Runner | PreTrainedModel  # what a live cache is built for: a kvlab handle or a Hugging Face LM
+    Applied = tuple[
+        KVSnapshot, int, dict
+    ]  # the snapshot a question runs on, the K/V bytes held, extra columns
+
+#: registered layouts by name, in registration order (:meth:`Layout.claims` is asked in this order)
+LAYOUTS: dict[str, type[Layout]] = {}
+MAX_INT = 2**31 - 1  # slot counts past this are typos, not caches
+#: how numbers in a spec are written: ASCII digits only (Python's int() and float() also take fullwidth and
+#: other Unicode digits, "1_000", "nan" and "inf"; a spec says what it means in one spelling)
+_NUMBER = {int: re.compile(r"[0-9]+"), float: re.compile(r"[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?")}
+
+
+def number(key: str, value: str, spec: str, kind: type) -> Any:
+    """``value`` of ``key`` read as ``kind`` (int: a slot count in [0, MAX_INT]; float)."""
+    try:
+        if not _NUMBER[kind].fullmatch(value):
+            raise ValueError(value)
+        v = kind(value)
+    except ValueError:
+        raise BadInputError(
+            f"cache spec '{spec}': {key}={value} is not {'an integer' if kind is int else 'a number'}"
+        ) from None
+    if kind is int and not 0 <= v <= MAX_INT:
+        raise BadInputError(f"cache spec '{spec}': {key} must lie in [0, {MAX_INT}], got {value}")
+    return v
+
+
+@dataclass(frozen=True)
+class Items:
+    """A spec's items as written: ``word`` (a bare name such as a score, or None), ``opts`` (key -> text)
+    and the codec it names (None: full precision)."""
+
+    spec: str
+    word: str | None
+    opts: dict[str, str]
+    codec: str | None = None
+
+    def int(self, key: str, default: int | None = None) -> int | None:
+        return number(key, self.opts[key], self.spec, int) if key in self.opts else default
+
+    def float(self, key: str) -> float | None:
+        return number(key, self.opts[key], self.spec, float) if key in self.opts else None
+
+    def refuse(self, why: str) -> None:
+        raise BadInputError(f"cache spec '{self.spec}': {why}")
+
+
+class Roll(NamedTuple):
+    """A rolling window: the first ``sinks`` slots and the last ``window``, evicting ``chunk`` at a time
+    (0: the rolling cache's default)."""
+
+    sinks: int
+    window: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Base: which slots a cache keeps (module docstring). ``exact`` layouts keep every slot."""
+
+    name: ClassVar[str] = "layout"
+    exact: ClassVar[bool] = False
+    kind: ClassVar[str] = ""  # a report's kind ("": "full", or "quant" over a codec)
+    keys: ClassVar[tuple[str, ...]] = ()  # the spec keys it reads
+    refusal: ClassVar[str] = ""  # why its keys are refused under another layout
+    syntax: ClassVar[str] = ""  # its spec, for known()
+    serves: ClassVar[str] = ""  # what `kvlab serve` runs of it, in words ("": nothing)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            LAYOUTS[cls.name] = cls
+
+    # -- reading ---------------------------------------------------------------------------------
+    @classmethod
+    def takes_word(cls, word: str) -> bool:
+        """Whether a bare item ``word`` names this layout (a score)."""
+        return False
+
+    @classmethod
+    def claims(cls, items: Items) -> bool:
+        """Whether a spec's items name this layout (the full layout is the fallback)."""
+        return False
+
+    @classmethod
+    def read(cls, items: Items) -> Layout:
+        raise NotImplementedError
+
+    def codec_sinks(self, items: Items) -> int:
+        """Full-precision first slots the codec keeps (read from the spec by the full layout only)."""
+        return 0
+
+    def check(self, policy: CachePolicy, spec: str) -> None:
+        """Refuse a policy this layout cannot hold (raised while the spec is read)."""
+
+    # -- naming ----------------------------------------------------------------------------------
+    def items(self) -> list[str]:
+        return []
+
+    def fields(self) -> dict[str, Any]:
+        return {}
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    # -- running ---------------------------------------------------------------------------------
+    def cache(self, policy: CachePolicy, handle: Model, *, packed_path: str = "auto", pinned: int = 0) -> Any:
+        """A new, empty live cache running ``policy`` for ``handle``, bound to the model; ``pinned`` first
+        tokens (a server's system prompt) stay where the layout rolls a window."""
+        raise NotImplementedError
+
+    def apply(self, policy: CachePolicy, source: KVSnapshot | Observation, handle: ModelHandle) -> Applied:
+        """Offline: the snapshot :meth:`cache` holds after the context ``source`` (evictions masked, codecs
+        decoded; an :class:`~kvlab.compress.evict.Observation` where the score reads queries), the K/V bytes
+        it holds, and extra report columns."""
+        raise NotImplementedError
+
+    def needs_queries(self) -> bool:
+        """Whether :meth:`apply` needs the context's queries (an Observation)."""
+        return False
+
+    def eval_check(self, policy: CachePolicy, spec: str) -> None:
+        """Refuse what the eval, which compresses a context once, cannot run."""
+
+    def serve_check(self, policy: CachePolicy, spec: str) -> None:
+        """Refuse what ``kvlab serve`` cannot run: each layout that it can says so (:attr:`serves`)."""
+        raise BadInputError(f"--cache '{spec}' keeps {policy.describe()}; {serve_caches()}")
+
+    def rolls(self) -> Roll | None:
+        """The window a rolling layout keeps (the server pins a system prompt in its sinks), else None."""
+        return None
+
+    def for_feed(self, feed: int) -> Layout:
+        """Itself as a stream fed ``feed`` tokens at a time runs it (a rolling window evicts that many)."""
+        return self
+
+
+def serve_caches() -> str:
+    """What ``kvlab serve --cache`` runs, in words (for the one-line refusal of any other layout)."""
+    return "kvlab serve runs " + ", and ".join(c.serves for c in LAYOUTS.values() if c.serves)
