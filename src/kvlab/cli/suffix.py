@@ -182,7 +182,7 @@ def _generate_policy(ctx: typer.Context, spec: str | None, model: str, capture: 
     ``--sinks/--window/--evict-chunk`` or a captured decode is asked for too, or its window does not fit."""
     if spec is None:
         return None
-    from kvlab.compress.spec import SinksWindowLayout, parse
+    from kvlab.compress.spec import parse
 
     sources = {o: ctx.get_parameter_source(o) for o in ("sinks", "window", "evict_chunk")}
     given = [f"--{o.replace('_', '-')}" for o, src in sources.items() if src and src.name != "DEFAULT"]
@@ -195,8 +195,9 @@ def _generate_policy(ctx: typer.Context, spec: str | None, model: str, capture: 
             f"--capture {capture} runs the plain --sinks/--window cache; drop it with --cache"
         )
     policy = parse(spec)
-    if isinstance(policy.layout, SinksWindowLayout):
-        _check_rolling(model, policy.layout.window, policy.layout.sinks)
+    roll = policy.layout.rolls()
+    if roll is not None:
+        _check_rolling(model, roll.window, roll.sinks)
     return policy
 
 
