@@ -585,39 +585,8 @@ def load_snapshot(
         expect_vocab_size = expect_vocab_size or int(model.facts.vocab_size)
     if expect_vocab_size is not None and (type(expect_vocab_size) is not int or expect_vocab_size < 1):
         raise SnapshotFileError(f"expect_vocab_size must be a positive integer, got {expect_vocab_size!r}")
-    fd = _open_regular(path)
-    try:
-        meta, entries, _ = _read_header(fd, path)
-        _check_meta(meta, str(path))
-        if meta["version"] == 1 and not allow_v1:
-            raise SnapshotFileError(
-                f"{path} is a version-1 snapshot, whose checksum does not cover its metadata; load it with "
-                "allow_v1=True if you trust it and save it again (or re-create it) to get a version-2 file"
-            )
-        _check_tensors(meta, entries, path)
-        if expect_fingerprint is not None and meta["fingerprint"] != expect_fingerprint and not verify:
-            raise IncompatibleCacheError(
-                f"{path} was made by model {meta.get('model_name') or '?'} ({meta['fingerprint'][:12]}), "
-                f"not by the loaded model ({expect_fingerprint[:12]})"
-            )
-        proc = f"/proc/self/fd/{fd}"
-        try:
-            tensors = load_file(proc if os.path.exists(proc) else str(path), device="cpu")
-        except Exception as exc:  # safetensors raises its own and Rust panics; the file is bad either way
-            raise SnapshotFileError(f"{path} is truncated or corrupt ({exc})") from None
-    finally:
-        os.close(fd)
-    for name, e in entries.items():  # what safetensors read is what the header checks saw
-        t = tensors.get(name)
-        if (
-            t is None
-            or list(t.shape) != e["shape"]
-            or t.dtype != _TORCH_DTYPES[e["dtype"]]
-            or len(tensors) != len(entries)
-        ):
-            raise SnapshotFileError(
-                f"{path} is corrupt: tensor {name} does not read back as its header declares"
-            )
+    # unverified, a file of another model is refused before its tensors are read
+    meta, entries, tensors = _read_checked(path, allow_v1, None if verify else expect_fingerprint)
     if verify:
         if meta["version"] == 2:
             if snapshot_digest(meta, tensors) != meta["digest"]:
@@ -626,11 +595,7 @@ def load_snapshot(
                 )
         elif tensors_digest(tensors) != meta["sha256"]:
             raise SnapshotFileError(f"{path} is corrupt: its tensors do not match the checksum in its header")
-    if expect_fingerprint is not None and meta["fingerprint"] != expect_fingerprint:
-        raise IncompatibleCacheError(
-            f"{path} was made by model {meta.get('model_name') or '?'} ({meta['fingerprint'][:12]}), "
-            f"not by the loaded model ({expect_fingerprint[:12]})"
-        )
+    _check_fingerprint(meta, expect_fingerprint, path)
     if model is not None:
         _check_model(meta, entries, model, path)
     _check_values(tensors, meta, path, expect_vocab_size, allow_nonfinite or not verify)
@@ -649,3 +614,48 @@ def load_snapshot(
         )
     except KvlabError as exc:
         raise SnapshotFileError(f"{path} does not hold a valid cache: {exc}") from None
+
+
+def _read_checked(
+    path: Path, allow_v1: bool, expect_fingerprint: str | None
+) -> tuple[dict, dict, dict[str, torch.Tensor]]:
+    """A snapshot file's metadata, tensor entries and tensors (on the host), its header schema-checked and
+    its tensors read back as the header declares; not yet authenticated (see :func:`load_snapshot`)."""
+    fd = _open_regular(path)
+    try:
+        meta, entries, _ = _read_header(fd, path)
+        _check_meta(meta, str(path))
+        if meta["version"] == 1 and not allow_v1:
+            raise SnapshotFileError(
+                f"{path} is a version-1 snapshot, whose checksum does not cover its metadata; load it with "
+                "allow_v1=True if you trust it and save it again (or re-create it) to get a version-2 file"
+            )
+        _check_tensors(meta, entries, path)
+        _check_fingerprint(meta, expect_fingerprint, path)
+        proc = f"/proc/self/fd/{fd}"
+        try:
+            tensors = load_file(proc if os.path.exists(proc) else str(path), device="cpu")
+        except Exception as exc:  # safetensors raises its own and Rust panics; the file is bad either way
+            raise SnapshotFileError(f"{path} is truncated or corrupt ({exc})") from None
+    finally:
+        os.close(fd)
+    for name, e in entries.items():  # what safetensors read is what the header checks saw
+        t = tensors.get(name)
+        if (
+            t is None
+            or list(t.shape) != e["shape"]
+            or t.dtype != _TORCH_DTYPES[e["dtype"]]
+            or len(tensors) != len(entries)
+        ):
+            raise SnapshotFileError(
+                f"{path} is corrupt: tensor {name} does not read back as its header declares"
+            )
+    return meta, entries, tensors
+
+
+def _check_fingerprint(meta: dict, expect_fingerprint: str | None, path: Path) -> None:
+    if expect_fingerprint is not None and meta["fingerprint"] != expect_fingerprint:
+        raise IncompatibleCacheError(
+            f"{path} was made by model {meta.get('model_name') or '?'} ({meta['fingerprint'][:12]}), "
+            f"not by the loaded model ({expect_fingerprint[:12]})"
+        )

@@ -20,12 +20,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvlab.errors import BadInputError, ModelNotFoundError
 from kvlab.model.handle import ModelHandle, decoder_layers
 from kvlab.model.loading import cache_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kvlab.data import Text
 
 DEFAULT_NAME = "smollm2-135m-shakespeare"
 # 200 AdamW steps on 2 x 48-token windows: ~2 s a step on one CPU thread, ~7 minutes in all (the
@@ -78,7 +84,7 @@ def build_command(name: str = DEFAULT_NAME) -> str:
     return "kvlab transfer finetune-derivative" + ("" if name == DEFAULT_NAME else f" --name {name}")
 
 
-def load_derivative(name: str = DEFAULT_NAME, dtype: str = "float32"):
+def load_derivative(name: str = DEFAULT_NAME, dtype: str = "float32") -> ModelHandle:
     """The derivative as a :class:`~kvlab.model.ModelHandle`; raises with the build command if absent."""
     from kvlab.model import load_model
 
@@ -89,7 +95,7 @@ def load_derivative(name: str = DEFAULT_NAME, dtype: str = "float32"):
     return load_model(str(derivative_dir(name)), dtype=dtype)
 
 
-def default_training_text():
+def default_training_text() -> Text:
     """Shakespeare from ``../shared/data`` when present, else the Python documentation (on every machine)."""
     from kvlab.data import python_docs, shared_book
 
@@ -97,7 +103,7 @@ def default_training_text():
 
 
 def finetune_derivative(
-    base,
+    base: ModelHandle,
     text: str,
     *,
     text_source: str,
@@ -127,29 +133,9 @@ def finetune_derivative(
     )
     if ids.numel() < seq_len * 4:
         raise BadInputError(f"the training text has {ids.numel()} tokens; give at least {seq_len * 4}")
-    gen = torch.Generator().manual_seed(seed)
     model = copy.deepcopy(base.model).float().train()
-    model.get_input_embeddings().weight.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
-    losses: list[float] = []
     started = time.perf_counter()
-    for step in range(steps):
-        starts = torch.randint(
-            0, ids.numel() - seq_len, (batch,), generator=gen, device="cpu"
-        )  # seeded host draw
-        x = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
-        lr = learning_rate * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        if progress is not None:
-            progress(step + 1, losses[-1])
+    losses = _train(model, ids, steps, seq_len, batch, learning_rate, seed, progress)
     model.eval()
     target = derivative_dir(name)
     tmp = target.with_name(target.name + ".tmp")
@@ -177,6 +163,42 @@ def finetune_derivative(
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return info
+
+
+def _train(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    steps: int,
+    seq_len: int,
+    batch: int,
+    learning_rate: float,
+    seed: int,
+    progress: Callable[[int, float], None] | None,
+) -> list[float]:
+    """AdamW on seeded random ``seq_len``-token windows of ``ids`` (warm-up then cosine learning rate, the
+    embeddings frozen); the loss of every step."""
+    gen = torch.Generator().manual_seed(seed)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    losses: list[float] = []
+    for step in range(steps):
+        starts = torch.randint(
+            0, ids.numel() - seq_len, (batch,), generator=gen, device="cpu"
+        )  # seeded host draw
+        x = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+        lr = learning_rate * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(step + 1, losses[-1])
+    return losses
 
 
 def quantized_derivative(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -360,47 +360,11 @@ class KVStore:
         checksum verified on the host) and are copied in.
         """
         total = sum(p[3] for p in plan)
+        out = _Output(namespace, total, device)
         scratch = ReadBuffer()
-        out: list[torch.Tensor] = []  # [keys, values] once the first block's header is known
         used: list[str] = []
         served: dict[str, int] = {}
         at = 0
-
-        misfit: list[str] = []  # why the last block offered did not fit (then the lookup stops there)
-
-        def fits(
-            k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype, v_dtype: torch.dtype
-        ) -> bool:
-            """Whether a block's K/V have the namespace's full geometry (layers, KV heads, K and V head
-            sizes) and dtype, and those of the blocks before it; records why not."""
-            misfit.clear()
-            k_geo = (k_shape[0], k_shape[1], k_shape[3]) if len(k_shape) == 4 else tuple(k_shape)
-            v_geo = (v_shape[0], v_shape[1], v_shape[3]) if len(v_shape) == 4 else tuple(v_shape)
-            if namespace.geometry is not None and (
-                k_geo != namespace.geometry or v_geo != namespace.geometry
-            ):
-                misfit.append(
-                    f"K {tuple(k_shape)} / V {tuple(v_shape)}, not the geometry {namespace.geometry}"
-                )
-            elif str(dtype).replace("torch.", "") != namespace.dtype or v_dtype != dtype:
-                misfit.append(f"dtype {dtype}/{v_dtype}, not {namespace.dtype}")
-            elif len(k_shape) != 4 or len(v_shape) != 4:
-                misfit.append(
-                    f"K {tuple(k_shape)} / V {tuple(v_shape)} are not [layers, heads, tokens, head]"
-                )
-            else:
-                if not out:
-                    out.append(_alloc((k_shape[0], k_shape[1], total, k_shape[3]), dtype, device))
-                    out.append(_alloc((v_shape[0], v_shape[1], total, v_shape[3]), dtype, device))
-                keys, values = out
-                if (
-                    k_geo != (keys.shape[0], keys.shape[1], keys.shape[3])
-                    or v_geo != (values.shape[0], values.shape[1], values.shape[3])
-                    or dtype != keys.dtype
-                ):
-                    misfit.append(f"K {tuple(k_shape)} / V {tuple(v_shape)} differ from the blocks before it")
-            return not misfit
-
         # Ask tiers that can (disk: posix_fadvise WILLNEED) to start reading a few blocks ahead, so the
         # device read of block j+1.. overlaps the checksum and copy of block j. No threads involved.
         ahead = 8
@@ -409,82 +373,70 @@ class KVStore:
         for j, (where, parent, h, take) in enumerate(plan):
             if j + ahead < len(plan):
                 self._prefetch(plan[j + ahead])
-            want = tuple(ids[at : at + take])
-            tier = self.tiers[where]
-            block: Block | None = None
-            direct: Any = None
-            if hasattr(tier, "read_into") and device is None:  # reads into host memory only
-
-                def dest(hdr: BlockHeader, at: int = at, take: int = take, want: tuple = want) -> Any:
-                    # None declines: a block of which only part is used (num_tokens > take) takes the
-                    # general path, which copies that part; a mismatching block fails there too. A
-                    # block of another geometry is declined before a byte of its tensors is read.
-                    if (
-                        hdr.namespace != namespace.root
-                        or hdr.start != at
-                        or hdr.num_tokens != take
-                        or hdr.token_ids != want
-                        or not fits(hdr.k.shape, hdr.v.shape, hdr.k.dtype, hdr.v.dtype)
-                    ):
-                        return None
-                    return out[0][:, :, at : at + take], out[1][:, :, at : at + take]
-
-                misfit.clear()
-                direct = tier.read_into(parent, h, dest)
-                if direct == DECLINED and misfit:
-                    self._misfit(tier, parent, h, misfit[0], namespace)
-                    break
-                if isinstance(direct, BlockHeader) and self.promote and where > 0:
-                    block = Block(
-                        direct.hash,
-                        direct.parent,
-                        direct.namespace,
-                        direct.start,
-                        direct.token_ids,
-                        host_copy(out[0][:, :, at : at + take]),
-                        host_copy(out[1][:, :, at : at + take]),
-                        direct.namespace_info,
-                    )
-            if not isinstance(direct, BlockHeader):
-                block, where = self._fetch(where, parent, h, scratch)
-                tier = self.tiers[where]
-                if (
-                    block is None
-                    or block.namespace != namespace.root
-                    or block.start != at
-                    or block.token_ids[:take] != want
-                ):
-                    break
-                if not fits(
-                    tuple(block.keys.shape), tuple(block.values.shape), block.keys.dtype, block.values.dtype
-                ):
-                    self._misfit(tier, parent, h, misfit[0], namespace)
-                    break
-                out[0][:, :, at : at + take].copy_(block.keys[:, :, :take])
-                out[1][:, :, at : at + take].copy_(block.values[:, :, :take])
-                block = _owned(block) if self.promote and where > 0 else None  # the read buffer is reused
+            read = self._read_block(out, where, parent, h, at, tuple(ids[at : at + take]), scratch)
+            if read is None:
+                break
+            tier, where, block = read
             served[tier.name] = served.get(tier.name, 0) + 1
             if block is not None:
                 self._promote(where, block)
             used.append(h)
             at += take
-        if not out or at == 0:
+        if not out.kv or at == 0:
             return None, [], served
-        keys, values = out
+        keys, values = out.kv
         if at < total:  # a planned block vanished or failed its checks: keep what was loaded
             keys, values = host_copy(keys[:, :, :at]), host_copy(values[:, :, :at])
-        snapshot = KVSnapshot(
-            keys=tuple(keys[i].unsqueeze(0) for i in range(keys.shape[0])),
-            values=tuple(values[i].unsqueeze(0) for i in range(values.shape[0])),
-            token_ids=torch.tensor([ids[:at]], dtype=torch.long, device="cpu"),
-            positions=torch.arange(at, device="cpu"),
-            rope=namespace.rope,
-            fingerprint=namespace.fingerprint,
-            model_name=namespace.model_name,
-            # the exact namespace holds only prefills (checked at put); others say what they are
-            provenance="prefill" if namespace.quantization is None else "quantized",
-        )
-        return snapshot, used, served
+        # the exact namespace holds only prefills (checked at put); others say what they are
+        provenance = "prefill" if namespace.quantization is None else "quantized"
+        return _prefix_snapshot(keys, values, ids[:at], namespace, provenance), used, served
+
+    def _read_block(
+        self,
+        out: _Output,
+        where: int,
+        parent: str,
+        h: str,
+        at: int,
+        want: tuple[int, ...],
+        scratch: ReadBuffer,
+    ) -> tuple[Tier, int, Block | None] | None:
+        """Planned block ``h`` (tokens ``want`` at ``at``) into its slice of ``out``: the tier that served it,
+        that tier's index and a copy to promote (None: nothing to promote); None when the block vanished,
+        is invalid or does not fit (the lookup stops there)."""
+        tier, take = self.tiers[where], len(want)
+        block: Block | None = None
+        direct: Any = None
+        if hasattr(tier, "read_into") and out.device is None:  # reads into host memory only
+            out.misfit.clear()
+            direct = tier.read_into(parent, h, out.destination(at, want))
+            if direct == DECLINED and out.misfit:
+                self._misfit(tier, parent, h, out.misfit[0], out.namespace)
+                return None
+            if isinstance(direct, BlockHeader) and self.promote and where > 0:
+                keys, values = out.slice(at, take)
+                header = (direct.hash, direct.parent, direct.namespace, direct.start, direct.token_ids)
+                block = _owned(Block(*header, keys, values, direct.namespace_info))
+        if not isinstance(direct, BlockHeader):
+            block, where = self._fetch(where, parent, h, scratch)
+            tier = self.tiers[where]
+            if (
+                block is None
+                or block.namespace != out.namespace.root
+                or block.start != at
+                or block.token_ids[:take] != want
+            ):
+                return None
+            if not out.fits(
+                tuple(block.keys.shape), tuple(block.values.shape), block.keys.dtype, block.values.dtype
+            ):
+                self._misfit(tier, parent, h, out.misfit[0], out.namespace)
+                return None
+            keys, values = out.slice(at, take)
+            keys.copy_(block.keys[:, :, :take])
+            values.copy_(block.values[:, :, :take])
+            block = _owned(block) if self.promote and where > 0 else None  # the read buffer is reused
+        return tier, where, block
 
     def _misfit(self, tier: Tier, parent: str, h: str, why: str, namespace: Namespace) -> None:
         """A block that passed its checksum but does not have its namespace's geometry or dtype: never
@@ -556,23 +508,19 @@ class KVStore:
             self.malformed += 1
             raise CorruptBlockError(f"block {block_hash[:16]}: unreadable namespace record ({exc})") from None
         at = 0
-        first_k, first_v = chain[0].keys.shape, chain[0].values.shape
+        first_k, first_v = _geometry(chain[0].keys.shape), _geometry(chain[0].values.shape)
         for b in chain:  # every link must be what its hash says, in the namespace it claims
             if (
                 b.keys.dim() != 4
                 or b.values.dim() != 4
-                or (b.keys.shape[0], b.keys.shape[1], b.keys.shape[3]) != (first_k[0], first_k[1], first_k[3])
-                or (b.values.shape[0], b.values.shape[1], b.values.shape[3])
-                != (first_v[0], first_v[1], first_v[3])
+                or _geometry(b.keys.shape) != first_k
+                or _geometry(b.values.shape) != first_v
                 or b.namespace != ns.root
                 or b.start != at
                 or _hash_of(b.parent, b.token_ids) != b.hash
                 or (
                     ns.geometry is not None
-                    and (
-                        (b.keys.shape[0], b.keys.shape[1], b.keys.shape[3]) != ns.geometry
-                        or (b.values.shape[0], b.values.shape[1], b.values.shape[3]) != ns.geometry
-                    )
+                    and (_geometry(b.keys.shape) != ns.geometry or _geometry(b.values.shape) != ns.geometry)
                 )
                 or str(b.keys.dtype).replace("torch.", "") != ns.dtype
                 or b.values.dtype != b.keys.dtype
@@ -616,6 +564,88 @@ class KVStore:
             )
             + f", {self.block_tokens} tokens/block)"
         )
+
+
+class _Output:
+    """A lookup's output K and V (``kv``: allocated once the first block's header is known) and the check that
+    each block fits it; ``misfit`` says why the last block offered did not (then the lookup stops there)."""
+
+    def __init__(self, namespace: Namespace, total: int, device: torch.device | None) -> None:
+        self.namespace, self.total, self.device = namespace, total, device
+        self.kv: list[torch.Tensor] = []
+        self.misfit: list[str] = []
+
+    def fits(
+        self, k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype, v_dtype: torch.dtype
+    ) -> bool:
+        """Whether a block's K/V have the namespace's full geometry (layers, KV heads, K and V head
+        sizes) and dtype, and those of the blocks before it; records why not."""
+        self.misfit.clear()
+        k_geo, v_geo, geometry = _geometry(k_shape), _geometry(v_shape), self.namespace.geometry
+        if geometry is not None and (k_geo != geometry or v_geo != geometry):
+            self.misfit.append(f"K {tuple(k_shape)} / V {tuple(v_shape)}, not the geometry {geometry}")
+        elif str(dtype).replace("torch.", "") != self.namespace.dtype or v_dtype != dtype:
+            self.misfit.append(f"dtype {dtype}/{v_dtype}, not {self.namespace.dtype}")
+        elif len(k_shape) != 4 or len(v_shape) != 4:
+            self.misfit.append(
+                f"K {tuple(k_shape)} / V {tuple(v_shape)} are not [layers, heads, tokens, head]"
+            )
+        else:
+            if not self.kv:
+                self.kv.append(_alloc((k_shape[0], k_shape[1], self.total, k_shape[3]), dtype, self.device))
+                self.kv.append(_alloc((v_shape[0], v_shape[1], self.total, v_shape[3]), dtype, self.device))
+            keys, values = self.kv
+            if k_geo != _geometry(keys.shape) or v_geo != _geometry(values.shape) or dtype != keys.dtype:
+                self.misfit.append(
+                    f"K {tuple(k_shape)} / V {tuple(v_shape)} differ from the blocks before it"
+                )
+        return not self.misfit
+
+    def slice(self, at: int, take: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output's K and V for tokens ``at .. at + take - 1`` (views)."""
+        return self.kv[0][:, :, at : at + take], self.kv[1][:, :, at : at + take]
+
+    def destination(
+        self, at: int, want: tuple[int, ...]
+    ) -> Callable[[BlockHeader], tuple[torch.Tensor, torch.Tensor] | None]:
+        """``DiskTier.read_into``'s ``dest`` for the block planned with tokens ``want`` at ``at``."""
+
+        def dest(hdr: BlockHeader) -> tuple[torch.Tensor, torch.Tensor] | None:
+            # None declines: a block of which only part is used (num_tokens > take) takes the
+            # general path, which copies that part; a mismatching block fails there too. A
+            # block of another geometry is declined before a byte of its tensors is read.
+            if (
+                hdr.namespace != self.namespace.root
+                or hdr.start != at
+                or hdr.num_tokens != len(want)
+                or hdr.token_ids != want
+                or not self.fits(hdr.k.shape, hdr.v.shape, hdr.k.dtype, hdr.v.dtype)
+            ):
+                return None
+            return self.slice(at, len(want))
+
+        return dest
+
+
+def _geometry(shape: Sequence[int]) -> tuple[int, ...]:
+    """(layers, KV heads, head size) of a ``[layers, kv_heads, tokens, head_dim]`` shape; another shape as is."""
+    return (shape[0], shape[1], shape[3]) if len(shape) == 4 else tuple(shape)
+
+
+def _prefix_snapshot(
+    keys: torch.Tensor, values: torch.Tensor, ids: list[int], namespace: Namespace, provenance: str
+) -> KVSnapshot:
+    """The snapshot of a stored prefix: layer views of one ``[layers, kv_heads, T, head_dim]`` K and V."""
+    return KVSnapshot(
+        keys=tuple(keys[i].unsqueeze(0) for i in range(keys.shape[0])),
+        values=tuple(values[i].unsqueeze(0) for i in range(values.shape[0])),
+        token_ids=torch.tensor([ids], dtype=torch.long, device="cpu"),
+        positions=torch.arange(len(ids), device="cpu"),
+        rope=namespace.rope,
+        fingerprint=namespace.fingerprint,
+        model_name=namespace.model_name,
+        provenance=provenance,
+    )
 
 
 def _owned(block: Block) -> Block:
@@ -681,16 +711,7 @@ def _assemble(blocks: list[Block], namespace: Namespace) -> KVSnapshot:
         values[:, :, at : at + b.num_tokens].copy_(b.values)
         ids.extend(b.token_ids)
         at += b.num_tokens
-    return KVSnapshot(
-        keys=tuple(keys[i].unsqueeze(0) for i in range(keys.shape[0])),
-        values=tuple(values[i].unsqueeze(0) for i in range(values.shape[0])),
-        token_ids=torch.tensor([ids], dtype=torch.long, device="cpu"),
-        positions=torch.arange(total, device="cpu"),
-        rope=namespace.rope,
-        fingerprint=namespace.fingerprint,
-        model_name=namespace.model_name,
-        provenance="prefill",
-    )
+    return _prefix_snapshot(keys, values, ids, namespace, "prefill")
 
 
 def default_store_path() -> Path:
