@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import MAX_COUNT, experiment_command, json_list_file, text_file
+from kvlab.cli.common import MAX_COUNT, experiment_command, json_list_file, text_option
 
 
 def register(app: typer.Typer) -> None:
@@ -33,12 +33,7 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option("--context", "-c", min=8, max=MAX_COUNT, help="Tokens per sample (>= 8)."),
         ] = None,
-        text: Annotated[
-            Path | None,
-            typer.Option(
-                "--text", "-T", callback=text_file, help="A UTF-8 text file instead of the default text."
-            ),
-        ] = None,
+        text: Annotated[Path | None, text_option("A UTF-8 text file instead of the default text.")] = None,
     ) -> dict:
         """Attention rows (sink-aware) and next-token logits, original vs rolled, over many windows."""
         return {"rolls": roll or None, "windows": windows, "window_tokens": window_tokens, "text": text}

@@ -19,6 +19,7 @@ from kvlab.errors import BadInputError
 
 if TYPE_CHECKING:  # the modules every command imports at start-up stay light (kvlab --help, refusals)
     from kvlab.study.experiments import Experiment, ExperimentResult
+    from kvlab.study.experiments.base import Profile
 
 
 def model_spec(value: str | None) -> str | None:
@@ -307,12 +308,13 @@ def check_output_file(path: Path, option: str) -> None:
         raise BadInputError(f"{option} {path}: cannot write there ({why})")
 
 
-TextOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--text", "-T", callback=text_file, help="A UTF-8 text file (default: the experiment's own texts)."
-    ),
-]
+def text_option(help: str) -> Any:
+    """``--text/-T``: a UTF-8 text file checked by :func:`text_file` before any work, with a command's own
+    help (``text: Annotated[Path | None, text_option("...")] = None``)."""
+    return typer.Option("--text", "-T", callback=text_file, help=help)
+
+
+TextOpt = Annotated[Path | None, text_option("A UTF-8 text file (default: the experiment's own texts).")]
 SamplesOpt = Annotated[
     int | None,
     typer.Option(
@@ -331,7 +333,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def profile_from(quick: bool, full: bool) -> str:
+def profile_from(quick: bool, full: bool) -> Profile:
     if quick and full:
         raise BadInputError("choose --quick or --full, not both")
     return "quick" if quick else "full" if full else "default"
@@ -399,7 +401,7 @@ def run_and_report(
     out: Path,
     json_out: bool,
     model: str = "smollm2-135m",
-    profile: str = "default",
+    profile: Profile = "default",
     seed: int = 0,
     dtype: str = "float32",
     device: str = "auto",

@@ -18,7 +18,7 @@ from kvlab.cli.common import (
     console,
     experiment_command,
     finite,
-    text_file,
+    text_option,
 )
 
 
@@ -76,130 +76,119 @@ def _policies(value: list[str] | None) -> list[str] | None:
     return value
 
 
+def compress_cmd(
+    text: Annotated[
+        Path | None,
+        text_option(
+            "Text file to measure on (default: Frankenstein if ../shared is present, else the Python docs)."
+        ),
+    ] = None,
+    bits: Annotated[
+        list[int] | None,
+        typer.Option("--bits", min=1, max=16, callback=_bits, help="Bit widths (repeatable): 8, 4, 3, 2."),
+    ] = None,
+    keep: Annotated[
+        list[float] | None,
+        typer.Option(
+            "--keep",
+            callback=_keeps,
+            help="Kept fractions (repeatable), in (0, 1].",
+        ),
+    ] = None,
+    method: Annotated[
+        list[str] | None,
+        typer.Option("--method", callback=_methods, help="Quantizers (repeatable), e.g. rotation+sinks."),
+    ] = None,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option("--policy", callback=_policies, help="Eviction policies (repeatable), e.g. snapkv."),
+    ] = None,
+    windows: Annotated[
+        int | None,
+        typer.Option("--samples", min=1, max=MAX_COUNT, help="Text samples (windows) to average over."),
+    ] = None,
+    context: Annotated[
+        int | None,
+        typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Context tokens per sample."),
+    ] = None,
+) -> dict:
+    """Quantize and evict the KV cache, and measure distortion, perplexity, needle retrieval, bytes and time."""
+    return {
+        "text": text,
+        "bits": bits or None,
+        "keeps": keep or None,
+        "methods": method or None,
+        "policies": policy or None,
+        "windows": windows,
+        "context_tokens": context,
+    }
+
+
+def train_evictor_cmd(
+    windows: Annotated[
+        int,
+        typer.Option(
+            "--samples", min=4, max=MAX_COUNT, help="Training samples (the last quarter is held out)."
+        ),
+    ] = 24,
+    context: Annotated[
+        int, typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Context tokens per sample.")
+    ] = 512,
+    future: Annotated[
+        int,
+        typer.Option("--future", min=1, max=MAX_COUNT, help="Future queries whose attention is the target."),
+    ] = 64,
+    steps: Annotated[int, typer.Option("--steps", min=1, max=MAX_COUNT, help="Optimizer steps.")] = 1500,
+    text: Annotated[
+        Path | None, text_option("Training text (default: the first 150k characters of the Python docs).")
+    ] = None,
+    weights: Annotated[
+        Path | None,
+        typer.Option(
+            "--weights", help="Where to write the weights (default: the packaged kvlab/compress/weights)."
+        ),
+    ] = None,
+    model: ModelOpt = "smollm2-135m",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    seed: SeedOpt = 0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Train the learned eviction policy (a tiny MLP) on the model's own attention; a few minutes on CPU."""
+    import json
+
+    from kvlab.compress.evict.learned import DEFAULT_WEIGHTS, save_weights, train_evictor
+    from kvlab.data import python_docs, read_text_file, token_samples
+    from kvlab.model import load_model
+    from kvlab.study.experiments.compression import TRAIN_CHARS
+
+    # the destination is checked before the model loads, not after minutes of training
+    check_output_file(weights if weights is not None else DEFAULT_WEIGHTS, "--weights")
+    handle = load_model(model, device=device, dtype=dtype)
+    src = read_text_file(text).text if text else python_docs().text[:TRAIN_CHARS]
+    ids = handle.encode(src)
+    wins = token_samples(ids, context + future, windows, seed=seed)
+    trained, report = train_evictor(
+        handle,
+        wins,
+        context=context,
+        future=future,
+        steps=steps,
+        seed=seed,
+        progress=None if json_out else lambda i, n: console.print(f"window {i}/{n}"),
+    )
+    trained.meta["model"] = handle.name
+    trained.meta["model_fingerprint"] = handle.fingerprint
+    trained.meta["text"] = str(text) if text else f"Python docs, first {TRAIN_CHARS} characters"
+    path = save_weights(trained, weights)
+    report["weights"] = str(path)
+    if json_out:
+        print(json.dumps(report, indent=2))
+    else:
+        for k, v in report.items():
+            console.print(f"{k}: {v}")
+
+
 def register(app: typer.Typer) -> None:
-    @experiment_command(app, "compress", "compression")
-    def compress_cmd(
-        text: Annotated[
-            Path | None,
-            typer.Option(
-                "--text",
-                "-T",
-                callback=text_file,
-                help="Text file to measure on (default: Frankenstein "
-                "if ../shared is present, else the Python docs).",
-            ),
-        ] = None,
-        bits: Annotated[
-            list[int] | None,
-            typer.Option(
-                "--bits", min=1, max=16, callback=_bits, help="Bit widths (repeatable): 8, 4, 3, 2."
-            ),
-        ] = None,
-        keep: Annotated[
-            list[float] | None,
-            typer.Option(
-                "--keep",
-                callback=_keeps,
-                help="Kept fractions (repeatable), in (0, 1].",
-            ),
-        ] = None,
-        method: Annotated[
-            list[str] | None,
-            typer.Option("--method", callback=_methods, help="Quantizers (repeatable), e.g. rotation+sinks."),
-        ] = None,
-        policy: Annotated[
-            list[str] | None,
-            typer.Option("--policy", callback=_policies, help="Eviction policies (repeatable), e.g. snapkv."),
-        ] = None,
-        windows: Annotated[
-            int | None,
-            typer.Option("--samples", min=1, max=MAX_COUNT, help="Text samples (windows) to average over."),
-        ] = None,
-        context: Annotated[
-            int | None,
-            typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Context tokens per sample."),
-        ] = None,
-    ) -> dict:
-        """Quantize and evict the KV cache, and measure distortion, perplexity, needle retrieval, bytes and time."""
-        return {
-            "text": text,
-            "bits": bits or None,
-            "keeps": keep or None,
-            "methods": method or None,
-            "policies": policy or None,
-            "windows": windows,
-            "context_tokens": context,
-        }
-
-    @app.command("train-evictor")
-    def train_evictor_cmd(
-        windows: Annotated[
-            int,
-            typer.Option(
-                "--samples", min=4, max=MAX_COUNT, help="Training samples (the last quarter is held out)."
-            ),
-        ] = 24,
-        context: Annotated[
-            int, typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Context tokens per sample.")
-        ] = 512,
-        future: Annotated[
-            int,
-            typer.Option(
-                "--future", min=1, max=MAX_COUNT, help="Future queries whose attention is the target."
-            ),
-        ] = 64,
-        steps: Annotated[int, typer.Option("--steps", min=1, max=MAX_COUNT, help="Optimizer steps.")] = 1500,
-        text: Annotated[
-            Path | None,
-            typer.Option(
-                "--text",
-                "-T",
-                callback=text_file,
-                help="Training text (default: the first 150k characters of the Python docs).",
-            ),
-        ] = None,
-        weights: Annotated[
-            Path | None,
-            typer.Option(
-                "--weights", help="Where to write the weights (default: the packaged kvlab/compress/weights)."
-            ),
-        ] = None,
-        model: ModelOpt = "smollm2-135m",
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "float32",
-        seed: SeedOpt = 0,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Train the learned eviction policy (a tiny MLP) on the model's own attention; a few minutes on CPU."""
-        import json
-
-        from kvlab.compress.evict.learned import DEFAULT_WEIGHTS, save_weights, train_evictor
-        from kvlab.data import python_docs, read_text_file, token_samples
-        from kvlab.model import load_model
-        from kvlab.study.experiments.compression import TRAIN_CHARS
-
-        # the destination is checked before the model loads, not after minutes of training
-        check_output_file(weights if weights is not None else DEFAULT_WEIGHTS, "--weights")
-        handle = load_model(model, device=device, dtype=dtype)
-        src = read_text_file(text).text if text else python_docs().text[:TRAIN_CHARS]
-        ids = handle.encode(src)
-        wins = token_samples(ids, context + future, windows, seed=seed)
-        trained, report = train_evictor(
-            handle,
-            wins,
-            context=context,
-            future=future,
-            steps=steps,
-            seed=seed,
-            progress=None if json_out else lambda i, n: console.print(f"window {i}/{n}"),
-        )
-        trained.meta["model"] = handle.name
-        trained.meta["model_fingerprint"] = handle.fingerprint
-        trained.meta["text"] = str(text) if text else f"Python docs, first {TRAIN_CHARS} characters"
-        path = save_weights(trained, weights)
-        report["weights"] = str(path)
-        if json_out:
-            print(json.dumps(report, indent=2))
-        else:
-            for k, v in report.items():
-                console.print(f"{k}: {v}")
+    experiment_command(app, "compress", "compression")(compress_cmd)
+    app.command("train-evictor")(train_evictor_cmd)

@@ -71,6 +71,71 @@ def _tasks(value: str | None) -> str | None:
     return value
 
 
+CachesOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--cache",
+        callback=eval_cache_specs,
+        help="Cache policy (repeatable): full, <policy>:<fraction removed> (snapkv:0.5, h2o:0.5, "
+        "tova:0.5, keynorm:0.5, window:0.5), int4, int2, <quantizer>:int<bits> (kivi:int2); "
+        "a policy without a ratio (snapkv, h2o) runs at each of --ratios.",
+    ),
+]
+RatiosOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ratios",
+        callback=_ratios,
+        help="Fractions removed, comma-separated (0.25,0.5,0.75): each --cache policy named "
+        "without a ratio runs at each; codecs and complete specs run once.",
+    ),
+]
+LengthsOpt = Annotated[
+    str,
+    typer.Option("--lengths", callback=_lengths, help="Prompt lengths in tokens, comma-separated."),
+]
+TasksOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tasks",
+        callback=_tasks,
+        help="Tasks, comma-separated (default: all): niah_single, niah_multikey, niah_multivalue, vt, cwe, qa.",
+    ),
+]
+TrialsOpt = Annotated[int, typer.Option("--trials", min=1, max=MAX_COUNT, help="Trials per task and length.")]
+HaystackOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--haystack",
+        callback=text_file,
+        help="A UTF-8 text file to hide the facts in (default: Frankenstein if ../shared is present, "
+        "else the Python docs).",
+    ),
+]
+AnswerTokensOpt = Annotated[
+    int | None,
+    typer.Option("--max-new-tokens", "-n", min=1, max=4096, help="Answer tokens (default: each task's own)."),
+]
+RulerOutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        "-o",
+        help="Folder for ruler.json (raw rows, summary with intervals); each trial is kept there "
+        "as it finishes (ruler.partial.jsonl), so an interrupted run can be resumed.",
+    ),
+]
+ResumeOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--resume",
+        help="Finish the interrupted run whose --out was this folder: skip the trials it kept, run "
+        "the rest, write ruler.json (equal to an uninterrupted run's but for timings). Give the "
+        "same options as the first run (others are refused).",
+    ),
+]
+
+
 def _fmt(interval: dict | None, digits: str = ".2f") -> str:
     if interval is None:
         return "-"
@@ -93,136 +158,84 @@ def table_lines(summary: list[dict]) -> list[str]:
     return lines
 
 
+def ruler(
+    cache: CachesOpt = None,
+    ratios: RatiosOpt = None,
+    lengths: LengthsOpt = "1024",
+    tasks: TasksOpt = None,
+    trials: TrialsOpt = 5,
+    haystack: HaystackOpt = None,
+    max_new_tokens: AnswerTokensOpt = None,
+    out: RulerOutOpt = None,
+    resume: ResumeOpt = None,
+    model: ModelOpt = "smollm2-135m",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    seed: SeedOpt = 0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run RULER-style trials under each cache policy: accuracy, KL and top-1 agreement to the full cache.
+
+    Progress goes to stderr: trials done of all and an estimate of the time left (a bar on a terminal,
+    one line per trial otherwise, nothing with --json)."""
+    from kvlab.eval.resume import run_ruler
+    from kvlab.eval.specs import expand_specs, parse_cache_specs, parse_ratios
+    from kvlab.eval.tasks import TASKS
+    from kvlab.progress import choose_mode
+
+    ratio_list = parse_ratios(ratios) if ratios is not None else None
+    specs = parse_cache_specs(expand_specs(cache or ["full"], ratio_list))
+    task_names = [t.strip() for t in tasks.split(",")] if tasks else list(TASKS)
+    length_list = [int(v) for v in lengths.split(",")]
+    if resume is not None:
+        if out is not None and Path(out).resolve() != Path(resume).resolve():
+            raise BadInputError(f"--resume {resume} finishes the run in that folder; drop --out {out}")
+        out = resume
+    if out is not None:
+        check_output_dir(out)
+    from kvlab.data import read_text_file
+
+    haystack_text = read_text_file(haystack).text if haystack is not None else None
+    settings = {
+        "model": model,
+        "device": device,  # as the model loads it (run_ruler)
+        "dtype": dtype,
+        "caches": [s.to_json() for s in specs],
+        "ratios": ratio_list,
+        "tasks": task_names,
+        "lengths": length_list,
+        "trials": trials,
+        "seed": seed,
+        "haystack": str(haystack) if haystack is not None else "default",
+        "max_new_tokens": max_new_tokens,
+    }
+    doc = run_ruler(
+        settings,
+        specs,
+        out=out,
+        resume=resume is not None,
+        haystack_text=haystack_text,
+        mode=choose_mode(json_out),
+    )
+    _print_ruler(doc, out, json_out)
+
+
+def _print_ruler(doc: dict, out: Path | None, json_out: bool) -> None:
+    """The run's document as JSON on stdout, or its summary table and where ruler.json went."""
+    summary, rows, wall = doc["summary"], doc["rows"], doc["wall_seconds"]
+    if json_out:
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return
+    for line in table_lines(summary):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"{len(rows)} rows in {wall:.1f} s" + (f"; wrote {Path(out) / 'ruler.json'}" if out else "")
+    )
+
+
 def register(app: typer.Typer) -> None:
     sub = typer.Typer(
         help="Score cache policies on long-context tasks (RULER-style), with KL to the full cache."
     )
     app.add_typer(sub, name="eval")
-
-    @sub.command("ruler")
-    def ruler(
-        cache: Annotated[
-            list[str] | None,
-            typer.Option(
-                "--cache",
-                callback=eval_cache_specs,
-                help="Cache policy (repeatable): full, <policy>:<fraction removed> (snapkv:0.5, h2o:0.5, "
-                "tova:0.5, keynorm:0.5, window:0.5), int4, int2, <quantizer>:int<bits> (kivi:int2); "
-                "a policy without a ratio (snapkv, h2o) runs at each of --ratios.",
-            ),
-        ] = None,
-        ratios: Annotated[
-            str | None,
-            typer.Option(
-                "--ratios",
-                callback=_ratios,
-                help="Fractions removed, comma-separated (0.25,0.5,0.75): each --cache policy named "
-                "without a ratio runs at each; codecs and complete specs run once.",
-            ),
-        ] = None,
-        lengths: Annotated[
-            str,
-            typer.Option("--lengths", callback=_lengths, help="Prompt lengths in tokens, comma-separated."),
-        ] = "1024",
-        tasks: Annotated[
-            str | None,
-            typer.Option(
-                "--tasks",
-                callback=_tasks,
-                help="Tasks, comma-separated (default: all): niah_single, niah_multikey, niah_multivalue, vt, cwe, qa.",
-            ),
-        ] = None,
-        trials: Annotated[
-            int, typer.Option("--trials", min=1, max=MAX_COUNT, help="Trials per task and length.")
-        ] = 5,
-        haystack: Annotated[
-            Path | None,
-            typer.Option(
-                "--haystack",
-                callback=text_file,
-                help="A UTF-8 text file to hide the facts in (default: Frankenstein if ../shared is present, "
-                "else the Python docs).",
-            ),
-        ] = None,
-        max_new_tokens: Annotated[
-            int | None,
-            typer.Option(
-                "--max-new-tokens", "-n", min=1, max=4096, help="Answer tokens (default: each task's own)."
-            ),
-        ] = None,
-        out: Annotated[
-            Path | None,
-            typer.Option(
-                "--out",
-                "-o",
-                help="Folder for ruler.json (raw rows, summary with intervals); each trial is kept there "
-                "as it finishes (ruler.partial.jsonl), so an interrupted run can be resumed.",
-            ),
-        ] = None,
-        resume: Annotated[
-            Path | None,
-            typer.Option(
-                "--resume",
-                help="Finish the interrupted run whose --out was this folder: skip the trials it kept, run "
-                "the rest, write ruler.json (equal to an uninterrupted run's but for timings). Give the "
-                "same options as the first run (others are refused).",
-            ),
-        ] = None,
-        model: ModelOpt = "smollm2-135m",
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "float32",
-        seed: SeedOpt = 0,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Run RULER-style trials under each cache policy: accuracy, KL and top-1 agreement to the full cache.
-
-        Progress goes to stderr: trials done of all and an estimate of the time left (a bar on a terminal,
-        one line per trial otherwise, nothing with --json)."""
-        from kvlab.eval.resume import run_ruler
-        from kvlab.eval.specs import expand_specs, parse_cache_specs, parse_ratios
-        from kvlab.eval.tasks import TASKS
-        from kvlab.progress import choose_mode
-
-        ratio_list = parse_ratios(ratios) if ratios is not None else None
-        specs = parse_cache_specs(expand_specs(cache or ["full"], ratio_list))
-        task_names = [t.strip() for t in tasks.split(",")] if tasks else list(TASKS)
-        length_list = [int(v) for v in lengths.split(",")]
-        if resume is not None:
-            if out is not None and Path(out).resolve() != Path(resume).resolve():
-                raise BadInputError(f"--resume {resume} finishes the run in that folder; drop --out {out}")
-            out = resume
-        if out is not None:
-            check_output_dir(out)
-        from kvlab.data import read_text_file
-
-        haystack_text = read_text_file(haystack).text if haystack is not None else None
-        settings = {
-            "model": model,
-            "device": device,  # as the model loads it (run_ruler)
-            "dtype": dtype,
-            "caches": [s.to_json() for s in specs],
-            "ratios": ratio_list,
-            "tasks": task_names,
-            "lengths": length_list,
-            "trials": trials,
-            "seed": seed,
-            "haystack": str(haystack) if haystack is not None else "default",
-            "max_new_tokens": max_new_tokens,
-        }
-        doc = run_ruler(
-            settings,
-            specs,
-            out=out,
-            resume=resume is not None,
-            haystack_text=haystack_text,
-            mode=choose_mode(json_out),
-        )
-        summary, rows, wall = doc["summary"], doc["rows"], doc["wall_seconds"]
-        if json_out:
-            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-            return
-        for line in table_lines(summary):
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-        console.print(
-            f"{len(rows)} rows in {wall:.1f} s" + (f"; wrote {Path(out) / 'ruler.json'}" if out else "")
-        )
+    sub.command("ruler")(ruler)

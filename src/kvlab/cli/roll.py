@@ -12,16 +12,12 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import MAX_COUNT, experiment_command, text_file
+from kvlab.cli.common import MAX_COUNT, experiment_command, text_option
 
 TextOpt = Annotated[
     Path | None,
-    typer.Option(
-        "--text",
-        "-T",
-        callback=text_file,
-        help="A UTF-8 text file to study (default: Frankenstein "
-        "when ../shared/data exists, else Python's docs).",
+    text_option(
+        "A UTF-8 text file to study (default: Frankenstein when ../shared/data exists, else Python's docs)."
     ),
 ]
 ContextOpt = Annotated[
@@ -50,7 +46,7 @@ SUBCOMMANDS = {
 
 def _make(roll_app: typer.Typer, sub: str, experiment: str, help_text: str) -> None:
     def command(text: TextOpt = None, context: ContextOpt = None) -> dict:
-        options = {"text": str(text) if text else None}
+        options: dict[str, object] = {"text": str(text) if text else None}
         if experiment != "findings":
             options["context"] = context
         return options

@@ -21,7 +21,7 @@ from kvlab.cli.common import (
     ModelOpt,
     console,
     experiment_command,
-    text_file,
+    text_option,
 )
 from kvlab.errors import BadInputError
 
@@ -134,224 +134,225 @@ def _resolve(st: Any, prefix: str) -> str:
     return found[0]
 
 
+def put_cmd(
+    text: Annotated[str | None, typer.Argument(help="Text to prefill and store.")] = None,
+    file: Annotated[Path | None, text_option("Read the text from a UTF-8 file.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the text as a one-turn chat.")] = False,
+    store: StoreOpt = None,
+    redis: RedisOpt = None,
+    block_tokens: BlockOpt = 64,
+    salt: SaltOpt = None,
+    model: ModelOpt = "smollm2-135m",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    json_out: JsonOpt = False,
+) -> None:
+    """Prefill TEXT and store its cache as blocks (blocks already stored are skipped)."""
+    from kvlab import load_model
+    from kvlab.data import read_text_file
+
+    if (text is None) == (file is None):
+        raise BadInputError("give the text as an argument or with --text, not both or neither")
+    body = read_text_file(file).text if file is not None else text or ""
+    if not body.strip():
+        raise BadInputError("the text is empty")
+    # model and prefill first: a failure there must not leave a new, empty store folder behind
+    h = load_model(model, device=device, dtype=dtype)
+    ids = h.encode(body, chat=chat)
+    snap = h.prefill(ids, all_logits=False).snapshot
+    st = _open(store, redis, create=True, block_tokens=block_tokens)
+    rep = st.put(snap, salt=salt, model=h)
+    _emit(
+        {
+            "store": st.describe(),
+            "tokens": len(ids),
+            "blocks_written": rep.blocks_written,
+            "blocks_present": rep.blocks_present,
+            "blocks_skipped": rep.blocks_skipped,
+            "bytes_written": rep.bytes_written,
+            "last_block": rep.hashes[-1],
+        },
+        json_out,
+    )
+    if rep.blocks_skipped:  # Redis down, paused or full: what was written is intact, the rest is not
+        sys.stderr.write(
+            f"kvlab store put: {rep.blocks_skipped} block(s) could not be stored (a tier failed; "
+            "see the warning above)\n"
+        )
+        raise typer.Exit(1)
+
+
+def get_cmd(
+    block: Annotated[str, typer.Argument(help="Block hash (from `kvlab store ls`).")],
+    out_file: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Write the prefix ending at BLOCK as a snapshot file."),
+    ] = None,
+    store: StoreOpt = None,
+    redis: RedisOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Rebuild the cached prefix that ends with BLOCK (and optionally save it as a .kv.safetensors file)."""
+    from kvlab.cache import save_snapshot
+
+    if out_file is not None and (out_file.is_dir() or not out_file.parent.is_dir()):
+        raise BadInputError(f"--out {out_file}: give a file path in an existing folder")
+    st = _open(store, redis, create=False)
+    full = _resolve(st, block)
+    snap = st.prefix_snapshot(full)
+    doc = {"block": full, "snapshot": snap.describe(), "tokens": snap.seq_len, "bytes": snap.nbytes}
+    if out_file is not None:
+        try:
+            doc["file"] = str(save_snapshot(snap, out_file))
+        except OSError as exc:
+            raise BadInputError(f"cannot write {out_file}: {exc.strerror or exc}") from None
+    _emit(doc, json_out)
+
+
+def ls_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = False) -> None:
+    """List stored blocks (hash, parent, tier, tokens, bytes)."""
+    from kvlab.store.inventory import list_blocks
+
+    rows = list_blocks(_open(store, redis, create=False))
+    if json_out:
+        _emit(rows, True)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"{len(rows)} blocks", title_justify="left")
+    for col in ("tier", "hash", "parent", "start", "tokens", "bytes"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            r["tier"],
+            r["hash"][:16],
+            r["parent"][:16],
+            str(r["start"]),
+            str(r["tokens"]),
+            f"{r['bytes']:,}",
+        )
+    console.print(t)
+
+
+def stats_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = False) -> None:
+    """Blocks and bytes per tier (counters are per process, so they start at zero here)."""
+    _emit(_open(store, redis, create=False).stats(), json_out)
+
+
+def gc_cmd(
+    max_bytes: Annotated[
+        str | None,
+        typer.Option(
+            "--max-bytes",
+            callback=_size,
+            help="Evict least recently used blocks down to this size (e.g. 2G).",
+        ),
+    ] = None,
+    store: StoreOpt = None,
+    redis: RedisOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Remove leftovers of killed writes, evict beyond the cap, drop stale index entries."""
+    st = _open(store, redis, create=False, disk_bytes=max_bytes)
+    _emit(st.gc(), json_out)
+
+
+def verify_cmd(
+    repair: Annotated[bool, typer.Option("--repair", help="Move corrupt blocks to quarantine.")] = False,
+    store: StoreOpt = None,
+    redis: RedisOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check every stored block: checksum, hash chain, namespace, geometry and dtype.
+
+    Anything else where a block belongs (a folder, FIFO, device, symbolic link, an oversized or
+    malformed file) is reported without being read. Exit codes: 0 all good (or every finding
+    repaired with --repair), 1 findings, 2 bad input."""
+    report = _open(store, redis, create=False).verify(repair=repair)
+    if json_out:
+        _emit(report, True)
+    else:  # one line per tier, one line per finding
+        for tier, r in report.items():
+            console.print(
+                f"{tier}: {r['ok']:,} good block(s), {len(r['corrupt']):,} bad, "
+                f"{len(r['temp_files']):,} leftover temp file(s)",
+                markup=False,
+                highlight=False,
+            )
+            for c in r["corrupt"]:
+                where = str(c.get("path") or c.get("key"))
+                why = " ".join(str(c["reason"]).split())
+                console.print(f"  bad {where}: {why}", markup=False, highlight=False, soft_wrap=True)
+            for t in r["temp_files"]:
+                console.print(f"  temp {t}", markup=False, highlight=False, soft_wrap=True)
+    bad = sum(len(r["corrupt"]) for r in report.values())
+    if bad and not repair:
+        sys.stderr.write(
+            f"kvlab store verify: {bad} bad block(s); `kvlab store verify --repair` removes them\n"
+        )
+        raise typer.Exit(1)
+    if bad:
+        sys.stderr.write(f"kvlab store verify: {bad} bad block(s) moved out of the store\n")
+
+
+def generate_cmd(
+    prompt: Annotated[str, typer.Argument(help="Prompt text.")],
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate.")
+    ] = 32,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a one-turn chat.")] = False,
+    no_store: Annotated[
+        bool, typer.Option("--no-store-prompt", help="Only read the store; do not add this prompt.")
+    ] = False,
+    store: StoreOpt = None,
+    redis: RedisOpt = None,
+    block_tokens: BlockOpt = 64,
+    salt: SaltOpt = None,
+    model: ModelOpt = "smollm2-135m",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    json_out: JsonOpt = False,
+) -> None:
+    """Greedy generation that loads the prompt's longest stored prefix and prefills only the rest."""
+    from kvlab import load_model
+    from kvlab.store import reuse_generate
+
+    if not prompt.strip():
+        raise BadInputError("the prompt is empty")
+    handle = load_model(model, device=device, dtype=dtype)  # before the store: a failure here creates nothing
+    st = _open(store, redis, create=True, block_tokens=block_tokens)
+    res = reuse_generate(handle, st, prompt, max_new_tokens, chat=chat, salt=salt, store_prompt=not no_store)
+    m = res.prefill.match
+    _emit(
+        {
+            "text": res.text,
+            "prompt_tokens": m.total_tokens,
+            "cached_tokens": m.cached_tokens,
+            "computed_tokens": m.to_compute,
+            "tiers": m.tier_blocks,
+            "ttft_ms": round(res.prefill.ttft_ms, 2),
+            "lookup_ms": round(res.prefill.lookup_ms, 2),
+            "store": st.describe(),
+        },
+        json_out,
+    )
+
+
+def experiment_cmd(redis: RedisOpt = None) -> dict:
+    """Time to first token with stored prefixes (memory, disk, Redis) and non-prefix reuse quality."""
+    return {"redis_url": redis}
+
+
 def register(app: typer.Typer) -> None:
     store_app = typer.Typer(
         help="A tiered, content-addressed KV cache store (memory, disk, Redis).", no_args_is_help=True
     )
     app.add_typer(store_app, name="store")
-
-    @store_app.command("put")
-    def put_cmd(
-        text: Annotated[str | None, typer.Argument(help="Text to prefill and store.")] = None,
-        file: Annotated[
-            Path | None,
-            typer.Option("--text", "-T", callback=text_file, help="Read the text from a UTF-8 file."),
-        ] = None,
-        chat: Annotated[bool, typer.Option("--chat", help="Wrap the text as a one-turn chat.")] = False,
-        store: StoreOpt = None,
-        redis: RedisOpt = None,
-        block_tokens: BlockOpt = 64,
-        salt: SaltOpt = None,
-        model: ModelOpt = "smollm2-135m",
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "float32",
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Prefill TEXT and store its cache as blocks (blocks already stored are skipped)."""
-        from kvlab import load_model
-        from kvlab.data import read_text_file
-
-        if (text is None) == (file is None):
-            raise BadInputError("give the text as an argument or with --text, not both or neither")
-        body = text if text is not None else read_text_file(file).text
-        if not body.strip():
-            raise BadInputError("the text is empty")
-        # model and prefill first: a failure there must not leave a new, empty store folder behind
-        h = load_model(model, device=device, dtype=dtype)
-        ids = h.encode(body, chat=chat)
-        snap = h.prefill(ids, all_logits=False).snapshot
-        st = _open(store, redis, create=True, block_tokens=block_tokens)
-        rep = st.put(snap, salt=salt, model=h)
-        _emit(
-            {
-                "store": st.describe(),
-                "tokens": len(ids),
-                "blocks_written": rep.blocks_written,
-                "blocks_present": rep.blocks_present,
-                "blocks_skipped": rep.blocks_skipped,
-                "bytes_written": rep.bytes_written,
-                "last_block": rep.hashes[-1],
-            },
-            json_out,
-        )
-        if rep.blocks_skipped:  # Redis down, paused or full: what was written is intact, the rest is not
-            sys.stderr.write(
-                f"kvlab store put: {rep.blocks_skipped} block(s) could not be stored (a tier failed; "
-                "see the warning above)\n"
-            )
-            raise typer.Exit(1)
-
-    @store_app.command("get")
-    def get_cmd(
-        block: Annotated[str, typer.Argument(help="Block hash (from `kvlab store ls`).")],
-        out_file: Annotated[
-            Path | None,
-            typer.Option("--out", "-o", help="Write the prefix ending at BLOCK as a snapshot file."),
-        ] = None,
-        store: StoreOpt = None,
-        redis: RedisOpt = None,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Rebuild the cached prefix that ends with BLOCK (and optionally save it as a .kv.safetensors file)."""
-        from kvlab.cache import save_snapshot
-
-        if out_file is not None and (out_file.is_dir() or not out_file.parent.is_dir()):
-            raise BadInputError(f"--out {out_file}: give a file path in an existing folder")
-        st = _open(store, redis, create=False)
-        full = _resolve(st, block)
-        snap = st.prefix_snapshot(full)
-        doc = {"block": full, "snapshot": snap.describe(), "tokens": snap.seq_len, "bytes": snap.nbytes}
-        if out_file is not None:
-            try:
-                doc["file"] = str(save_snapshot(snap, out_file))
-            except OSError as exc:
-                raise BadInputError(f"cannot write {out_file}: {exc.strerror or exc}") from None
-        _emit(doc, json_out)
-
-    @store_app.command("ls")
-    def ls_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = False) -> None:
-        """List stored blocks (hash, parent, tier, tokens, bytes)."""
-        from kvlab.store.inventory import list_blocks
-
-        rows = list_blocks(_open(store, redis, create=False))
-        if json_out:
-            _emit(rows, True)
-            return
-        from rich.table import Table
-
-        t = Table(title=f"{len(rows)} blocks", title_justify="left")
-        for col in ("tier", "hash", "parent", "start", "tokens", "bytes"):
-            t.add_column(col)
-        for r in rows:
-            t.add_row(
-                r["tier"],
-                r["hash"][:16],
-                r["parent"][:16],
-                str(r["start"]),
-                str(r["tokens"]),
-                f"{r['bytes']:,}",
-            )
-        console.print(t)
-
-    @store_app.command("stats")
-    def stats_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = False) -> None:
-        """Blocks and bytes per tier (counters are per process, so they start at zero here)."""
-        _emit(_open(store, redis, create=False).stats(), json_out)
-
-    @store_app.command("gc")
-    def gc_cmd(
-        max_bytes: Annotated[
-            str | None,
-            typer.Option(
-                "--max-bytes",
-                callback=_size,
-                help="Evict least recently used blocks down to this size (e.g. 2G).",
-            ),
-        ] = None,
-        store: StoreOpt = None,
-        redis: RedisOpt = None,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Remove leftovers of killed writes, evict beyond the cap, drop stale index entries."""
-        st = _open(store, redis, create=False, disk_bytes=max_bytes)
-        _emit(st.gc(), json_out)
-
-    @store_app.command("verify")
-    def verify_cmd(
-        repair: Annotated[bool, typer.Option("--repair", help="Move corrupt blocks to quarantine.")] = False,
-        store: StoreOpt = None,
-        redis: RedisOpt = None,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Check every stored block: checksum, hash chain, namespace, geometry and dtype.
-
-        Anything else where a block belongs (a folder, FIFO, device, symbolic link, an oversized or
-        malformed file) is reported without being read. Exit codes: 0 all good (or every finding
-        repaired with --repair), 1 findings, 2 bad input."""
-        report = _open(store, redis, create=False).verify(repair=repair)
-        if json_out:
-            _emit(report, True)
-        else:  # one line per tier, one line per finding
-            for tier, r in report.items():
-                console.print(
-                    f"{tier}: {r['ok']:,} good block(s), {len(r['corrupt']):,} bad, "
-                    f"{len(r['temp_files']):,} leftover temp file(s)",
-                    markup=False,
-                    highlight=False,
-                )
-                for c in r["corrupt"]:
-                    where = str(c.get("path") or c.get("key"))
-                    why = " ".join(str(c["reason"]).split())
-                    console.print(f"  bad {where}: {why}", markup=False, highlight=False, soft_wrap=True)
-                for t in r["temp_files"]:
-                    console.print(f"  temp {t}", markup=False, highlight=False, soft_wrap=True)
-        bad = sum(len(r["corrupt"]) for r in report.values())
-        if bad and not repair:
-            sys.stderr.write(
-                f"kvlab store verify: {bad} bad block(s); `kvlab store verify --repair` removes them\n"
-            )
-            raise typer.Exit(1)
-        if bad:
-            sys.stderr.write(f"kvlab store verify: {bad} bad block(s) moved out of the store\n")
-
-    @store_app.command("generate")
-    def generate_cmd(
-        prompt: Annotated[str, typer.Argument(help="Prompt text.")],
-        max_new_tokens: Annotated[
-            int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate.")
-        ] = 32,
-        chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a one-turn chat.")] = False,
-        no_store: Annotated[
-            bool, typer.Option("--no-store-prompt", help="Only read the store; do not add this prompt.")
-        ] = False,
-        store: StoreOpt = None,
-        redis: RedisOpt = None,
-        block_tokens: BlockOpt = 64,
-        salt: SaltOpt = None,
-        model: ModelOpt = "smollm2-135m",
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "float32",
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Greedy generation that loads the prompt's longest stored prefix and prefills only the rest."""
-        from kvlab import load_model
-        from kvlab.store import reuse_generate
-
-        if not prompt.strip():
-            raise BadInputError("the prompt is empty")
-        handle = load_model(
-            model, device=device, dtype=dtype
-        )  # before the store: a failure here creates nothing
-        st = _open(store, redis, create=True, block_tokens=block_tokens)
-        res = reuse_generate(
-            handle, st, prompt, max_new_tokens, chat=chat, salt=salt, store_prompt=not no_store
-        )
-        m = res.prefill.match
-        _emit(
-            {
-                "text": res.text,
-                "prompt_tokens": m.total_tokens,
-                "cached_tokens": m.cached_tokens,
-                "computed_tokens": m.to_compute,
-                "tiers": m.tier_blocks,
-                "ttft_ms": round(res.prefill.ttft_ms, 2),
-                "lookup_ms": round(res.prefill.lookup_ms, 2),
-                "store": st.describe(),
-            },
-            json_out,
-        )
-
-    @experiment_command(store_app, "experiment", "store_reuse")
-    def experiment_cmd(redis: RedisOpt = None) -> dict:
-        """Time to first token with stored prefixes (memory, disk, Redis) and non-prefix reuse quality."""
-        return {"redis_url": redis}
+    store_app.command("put")(put_cmd)
+    store_app.command("get")(get_cmd)
+    store_app.command("ls")(ls_cmd)
+    store_app.command("stats")(stats_cmd)
+    store_app.command("gc")(gc_cmd)
+    store_app.command("verify")(verify_cmd)
+    store_app.command("generate")(generate_cmd)
+    experiment_command(store_app, "experiment", "store_reuse")(experiment_cmd)

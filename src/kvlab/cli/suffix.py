@@ -21,8 +21,8 @@ from kvlab.cli.common import (
     finite,
     nonempty_texts,
     roll_specs,
+    text_option,
 )
-from kvlab.cli.common import text_file as text_file_check
 from kvlab.errors import BadInputError
 
 WindowOpt = Annotated[
@@ -177,6 +177,17 @@ def _write_tokens(handle, tokens, stops, *, stream: bool) -> tuple[int, str]:
     return n, handle.decode(done + pending)
 
 
+def _capture_on(capture: str, device: str) -> str:
+    """``--capture`` on ``device``: auto is CUDA graphs on a GPU and none on a CPU; cuda-graph needs a GPU."""
+    from kvlab.model import resolve_device
+
+    if capture == "auto":
+        return "cuda-graph" if str(resolve_device(device)).startswith("cuda") else "off"
+    if capture == "cuda-graph" and not str(resolve_device(device)).startswith("cuda"):
+        raise BadInputError("--capture cuda-graph needs a CUDA device (--device cuda)")
+    return capture
+
+
 def _generate_policy(ctx: typer.Context, spec: str | None, model: str, capture: str):
     """``--cache SPEC`` as a CachePolicy (None without it), refused before the weights load where
     ``--sinks/--window/--evict-chunk`` or a captured decode is asked for too, or its window does not fit."""
@@ -223,7 +234,7 @@ def _generate_with_policy(
         max_new_tokens or None,
         temperature=temperature,
         seed=seed,
-        stop_ids=stops,
+        stop_ids=sorted(stops),
         held=held,
     )
     n, text = _write_tokens(handle, tokens, stops, stream=not json_out)
@@ -240,281 +251,266 @@ def _generate_with_policy(
         )
 
 
-def register(app: typer.Typer) -> None:
-    @experiment_command(app, "stream-ppl", "streaming_ppl")
-    def stream_ppl_cmd(
-        text_file: Annotated[
-            Path | None,
-            typer.Option(
-                "--text",
-                "-T",
-                callback=text_file_check,
-                help="A UTF-8 text file (default: the shared books, else Python's documentation).",
-            ),
-        ] = None,
-        window: Annotated[
-            list[int] | None,
-            typer.Option("--window", "-w", min=1, max=MAX_COUNT, help="Cache window size(s) (repeatable)."),
-        ] = None,
-        sinks: Annotated[
-            list[int] | None,
-            typer.Option(
-                "--sinks", "-s", callback=_stream_sinks, help="Sink counts among 1,2,4,8 (repeatable)."
-            ),
-        ] = None,
-        tokens: Annotated[
-            int | None,
-            typer.Option(
-                "--tokens",
-                min=2,
-                max=MAX_COUNT,
-                help=f"Tokens of the text to stream (at most {MAX_COUNT:,}).",
-            ),
-        ] = None,
-        samples: Annotated[
-            int | None,
-            typer.Option(
-                "--recompute-samples", min=1, max=MAX_COUNT, help="Random targets re-computed exactly."
-            ),
-        ] = None,
-        stride: Annotated[
-            int | None,
-            typer.Option(
-                "--stride",
-                min=1,
-                max=MAX_COUNT,
-                help="Re-compute every STRIDE-th target instead of random samples.",
-            ),
-        ] = None,
-        loop: Annotated[
-            bool,
-            typer.Option(
-                "--loop",
-                help="Feed a real RollingCache token chunk by chunk (the reference) instead of the masked forwards.",
-            ),
-        ] = False,
-        cache: Annotated[
-            list[str] | None,
-            typer.Option(
-                "--cache",
-                callback=cache_specs,
-                help=CacheHelp + " (repeatable), scored next to the other methods.",
-            ),
-        ] = None,
-    ) -> dict:
-        """Perplexity over a text per cache policy: full, window, sinks + window, sliding window re-computed."""
-        return {
-            **({"caches": cache} if cache else {}),
-            "text_file": text_file,
-            "windows": window or None,
-            "sinks": sinks or None,
-            "tokens": tokens,
-            "recompute_samples": samples,
-            "recompute_stride": stride,
-            "loop": loop,
-        }
+def stream_ppl_cmd(
+    text_file: Annotated[
+        Path | None,
+        text_option("A UTF-8 text file (default: the shared books, else Python's documentation)."),
+    ] = None,
+    window: Annotated[
+        list[int] | None,
+        typer.Option("--window", "-w", min=1, max=MAX_COUNT, help="Cache window size(s) (repeatable)."),
+    ] = None,
+    sinks: Annotated[
+        list[int] | None,
+        typer.Option("--sinks", "-s", callback=_stream_sinks, help="Sink counts among 1,2,4,8 (repeatable)."),
+    ] = None,
+    tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--tokens",
+            min=2,
+            max=MAX_COUNT,
+            help=f"Tokens of the text to stream (at most {MAX_COUNT:,}).",
+        ),
+    ] = None,
+    samples: Annotated[
+        int | None,
+        typer.Option("--recompute-samples", min=1, max=MAX_COUNT, help="Random targets re-computed exactly."),
+    ] = None,
+    stride: Annotated[
+        int | None,
+        typer.Option(
+            "--stride",
+            min=1,
+            max=MAX_COUNT,
+            help="Re-compute every STRIDE-th target instead of random samples.",
+        ),
+    ] = None,
+    loop: Annotated[
+        bool,
+        typer.Option(
+            "--loop",
+            help="Feed a real RollingCache token chunk by chunk (the reference) instead of the masked forwards.",
+        ),
+    ] = False,
+    cache: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--cache",
+            callback=cache_specs,
+            help=CacheHelp + " (repeatable), scored next to the other methods.",
+        ),
+    ] = None,
+) -> dict:
+    """Perplexity over a text per cache policy: full, window, sinks + window, sliding window re-computed."""
+    return {
+        **({"caches": cache} if cache else {}),
+        "text_file": text_file,
+        "windows": window or None,
+        "sinks": sinks or None,
+        "tokens": tokens,
+        "recompute_samples": samples,
+        "recompute_stride": stride,
+        "loop": loop,
+    }
 
-    @experiment_command(app, "suffix", "suffix_caching")
-    def suffix_cmd(
-        text_file: Annotated[
-            Path | None,
-            typer.Option(
-                "--text",
-                "-T",
-                callback=text_file_check,
-                help="A UTF-8 text file for the samples (default: a book or Python's documentation).",
-            ),
-        ] = None,
-        windows: Annotated[
-            int | None,
-            typer.Option("--samples", min=1, max=MAX_COUNT, help="Text samples (windows), >= 20 by default."),
-        ] = None,
-        context: Annotated[
-            int | None,
-            typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Tokens per sample before the roll."),
-        ] = None,
-        drop: Annotated[
-            list[str] | None,
-            typer.Option(
-                "--roll",
-                "-r",
-                callback=roll_specs,
-                help="Tokens rolled off: a count or a share like 25% (repeatable).",
-            ),
-        ] = None,
-        sinks: Annotated[
-            list[int] | None,
-            typer.Option("--sinks", "-s", min=0, max=MAX_COUNT, help="Sink counts (repeatable)."),
-        ] = None,
-    ) -> dict:
-        """Suffix caching: roll a cached context with/without sinks vs re-prefill and full context."""
-        return {
-            "text_file": text_file,
-            "windows": windows,
-            "context_tokens": context,
-            "drops": drop or None,
-            "sinks": sinks,
-        }
 
-    @app.command("generate")
-    def generate_cmd(
-        ctx: typer.Context,
-        prompt: Annotated[str, typer.Argument(callback=nonempty_texts, help="Prompt text.")],
-        max_new_tokens: Annotated[
-            int,
-            typer.Option(
-                "--max-new-tokens", "-n", min=0, max=MAX_COUNT, help="Tokens to generate (0 = until Ctrl-C)."
-            ),
-        ] = 200,
-        window: WindowOpt = 512,
-        sinks: SinksOpt = 4,
-        evict_chunk: ChunkOpt = None,
-        cache_spec: Annotated[
-            str | None,
-            typer.Option(
-                "--cache",
-                callback=cache_spec,
-                help=CacheHelp + "; replaces --sinks/--window/--evict-chunk.",
-            ),
-        ] = None,
-        temperature: Annotated[
-            float, typer.Option("--temperature", "-t", min=0.0, callback=finite, help="0 = greedy.")
-        ] = 0.0,
-        chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the chat template.")] = False,
-        stats: Annotated[
-            bool, typer.Option("--stats", help="Print tokens/s, rolls and memory to stderr at the end.")
-        ] = False,
-        json_out: Annotated[
-            bool,
-            typer.Option(
-                "--json",
-                help="Print one JSON document at the end (text, tokens, seconds, the cache policy and "
-                "the bytes it held) instead of streaming the text.",
-            ),
-        ] = False,
-        model: ModelOpt = "smollm2-135m",
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "float32",
-        seed: SeedOpt = 0,
-        capture: Annotated[
-            str,
-            typer.Option(
-                "--capture",
-                callback=_capture_mode,
-                help="Decode steps captured: auto (CUDA graphs on a GPU, none on a CPU), cuda-graph, "
-                "compile (torch.compile), off.",
-            ),
-        ] = "auto",
-    ) -> None:
-        """Stream tokens with constant memory: sinks + a rolling window (or any --cache policy)."""
-        from kvlab.model import load_model, resolve_device
+def suffix_cmd(
+    text_file: Annotated[
+        Path | None,
+        text_option("A UTF-8 text file for the samples (default: a book or Python's documentation)."),
+    ] = None,
+    windows: Annotated[
+        int | None,
+        typer.Option("--samples", min=1, max=MAX_COUNT, help="Text samples (windows), >= 20 by default."),
+    ] = None,
+    context: Annotated[
+        int | None,
+        typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Tokens per sample before the roll."),
+    ] = None,
+    drop: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--roll",
+            "-r",
+            callback=roll_specs,
+            help="Tokens rolled off: a count or a share like 25% (repeatable).",
+        ),
+    ] = None,
+    sinks: Annotated[
+        list[int] | None,
+        typer.Option("--sinks", "-s", min=0, max=MAX_COUNT, help="Sink counts (repeatable)."),
+    ] = None,
+) -> dict:
+    """Suffix caching: roll a cached context with/without sinks vs re-prefill and full context."""
+    return {
+        "text_file": text_file,
+        "windows": windows,
+        "context_tokens": context,
+        "drops": drop or None,
+        "sinks": sinks,
+    }
 
-        policy = _generate_policy(ctx, cache_spec, model, capture)
-        if policy is not None:
-            return _generate_with_policy(
-                policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, device, dtype, seed
-            )
-        mode = capture
-        if capture == "auto":
-            mode = "cuda-graph" if str(resolve_device(device)).startswith("cuda") else "off"
-        if mode == "cuda-graph" and not str(resolve_device(device)).startswith("cuda"):
-            from kvlab.errors import BadInputError
 
-            raise BadInputError("--capture cuda-graph needs a CUDA device (--device cuda)")
-        _check_rolling(model, window, sinks)
-        handle = load_model(model, device=device, dtype=dtype)
-        ids = handle.encode(prompt, chat=chat)
-        tokens, cache = _token_stream(handle, ids, mode, window, sinks, evict_chunk, temperature, seed)
+def generate_cmd(
+    ctx: typer.Context,
+    prompt: Annotated[str, typer.Argument(callback=nonempty_texts, help="Prompt text.")],
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(
+            "--max-new-tokens", "-n", min=0, max=MAX_COUNT, help="Tokens to generate (0 = until Ctrl-C)."
+        ),
+    ] = 200,
+    window: WindowOpt = 512,
+    sinks: SinksOpt = 4,
+    evict_chunk: ChunkOpt = None,
+    cache_spec: Annotated[
+        str | None,
+        typer.Option(
+            "--cache",
+            callback=cache_spec,
+            help=CacheHelp + "; replaces --sinks/--window/--evict-chunk.",
+        ),
+    ] = None,
+    temperature: Annotated[
+        float, typer.Option("--temperature", "-t", min=0.0, callback=finite, help="0 = greedy.")
+    ] = 0.0,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the chat template.")] = False,
+    stats: Annotated[
+        bool, typer.Option("--stats", help="Print tokens/s, rolls and memory to stderr at the end.")
+    ] = False,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print one JSON document at the end (text, tokens, seconds, the cache policy and "
+            "the bytes it held) instead of streaming the text.",
+        ),
+    ] = False,
+    model: ModelOpt = "smollm2-135m",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    seed: SeedOpt = 0,
+    capture: Annotated[
+        str,
+        typer.Option(
+            "--capture",
+            callback=_capture_mode,
+            help="Decode steps captured: auto (CUDA graphs on a GPU, none on a CPU), cuda-graph, "
+            "compile (torch.compile), off.",
+        ),
+    ] = "auto",
+) -> None:
+    """Stream tokens with constant memory: sinks + a rolling window (or any --cache policy)."""
+    from kvlab.model import load_model
+
+    policy = _generate_policy(ctx, cache_spec, model, capture)
+    if policy is not None:
+        return _generate_with_policy(
+            policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, device, dtype, seed
+        )
+    mode = _capture_on(capture, device)
+    _check_rolling(model, window, sinks)
+    handle = load_model(model, device=device, dtype=dtype)
+    ids = handle.encode(prompt, chat=chat)
+    tokens, cache = _token_stream(handle, ids, mode, window, sinks, evict_chunk, temperature, seed)
+    t0 = time.perf_counter()
+    stops = handle.eos_ids() if chat else set()
+    n, text = _write_tokens(handle, tokens(max_new_tokens or None, stops), stops, stream=not json_out)
+    if json_out:
+        import json
+
+        doc = {"text": text, "tokens": n, "seconds": time.perf_counter() - t0, "cache": cache.describe()}
+        sys.stdout.write(json.dumps({**doc, "held_bytes": cache.nbytes}) + "\n")
+    if stats:
+        dt = time.perf_counter() - t0
+        sys.stderr.write(
+            f"[{n} tokens in {dt:.1f} s, {n / max(dt, 1e-9):.1f} tokens/s; {cache.describe()}; "
+            f"cache {cache.nbytes / 2**20:.1f} MiB]\n"
+        )
+
+
+def chat_cmd(
+    window: WindowOpt = 1024,
+    sinks: SinksOpt = 4,
+    evict_chunk: ChunkOpt = None,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", min=1, max=MAX_COUNT, help="Longest reply.")
+    ] = 256,
+    system: Annotated[
+        str, typer.Option("--system", help="System prompt (kept as the sinks' neighbourhood).")
+    ] = "",
+    model: ModelOpt = "smollm2-135m",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+) -> None:
+    """Interactive chat whose context rolls (suffix caching) instead of being re-prefilled. Ctrl-D quits."""
+    from kvlab.model import load_model
+    from kvlab.streaming import stream_generate
+    from kvlab.streaming.generate import feed
+
+    _check_rolling(model, window, sinks, system)
+    handle = load_model(model, device=device, dtype=dtype)
+    if handle.tokenizer is None or not getattr(handle.tokenizer, "chat_template", None):
+        from kvlab.errors import UnsupportedModelError
+
+        raise UnsupportedModelError("kvlab chat needs a tokenizer with a chat template")
+    cache = _rolling(handle, window, sinks, evict_chunk)
+    stops = handle.eos_ids()
+    interactive = sys.stdin.isatty()
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    unterminated = False
+    sys.stderr.write(f"kvlab chat: {handle.name}, {sinks} sinks + window {window} (Ctrl-D to quit)\n")
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        try:
+            line = sys.stdin.readline()
+            line.encode("utf-8")  # undecodable bytes arrive as surrogates under some locales
+        except (UnicodeDecodeError, UnicodeEncodeError) as exc:
+            raise BadInputError(f"stdin is not UTF-8 text (character {exc.start} of a line)") from None
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        # Only the new turn is tokenized and fed: the earlier turns live in the rolling cache.
+        turn = handle.tokenizer.apply_chat_template(
+            history + [{"role": "user", "content": line}], add_generation_prompt=True, tokenize=False
+        )
+        prefix = handle.tokenizer.apply_chat_template(history, tokenize=False) if history else ""
+        new_text = turn[len(prefix) :] if turn.startswith(prefix) else turn
+        new_ids = handle.tokenizer(new_text, add_special_tokens=False)["input_ids"]
+        if unterminated:  # the last reply hit --max-new-tokens: close it as the template would
+            new_ids = [handle.tokenizer.eos_token_id, *new_ids]
+        rolls0, rebases0 = cache.rolls, cache.rebases
         t0 = time.perf_counter()
-        stops = handle.eos_ids() if chat else set()
-        n, text = _write_tokens(handle, tokens(max_new_tokens or None, stops), stops, stream=not json_out)
-        if json_out:
-            import json
-
-            doc = {"text": text, "tokens": n, "seconds": time.perf_counter() - t0, "cache": cache.describe()}
-            sys.stdout.write(json.dumps({**doc, "held_bytes": cache.nbytes}) + "\n")
-        if stats:
-            dt = time.perf_counter() - t0
-            sys.stderr.write(
-                f"[{n} tokens in {dt:.1f} s, {n / max(dt, 1e-9):.1f} tokens/s; {cache.describe()}; "
-                f"cache {cache.nbytes / 2**20:.1f} MiB]\n"
-            )
-
-    @app.command("chat")
-    def chat_cmd(
-        window: WindowOpt = 1024,
-        sinks: SinksOpt = 4,
-        evict_chunk: ChunkOpt = None,
-        max_new_tokens: Annotated[
-            int, typer.Option("--max-new-tokens", "-n", min=1, max=MAX_COUNT, help="Longest reply.")
-        ] = 256,
-        system: Annotated[
-            str, typer.Option("--system", help="System prompt (kept as the sinks' neighbourhood).")
-        ] = "",
-        model: ModelOpt = "smollm2-135m",
-        device: DeviceOpt = "auto",
-        dtype: DtypeOpt = "float32",
-    ) -> None:
-        """Interactive chat whose context rolls (suffix caching) instead of being re-prefilled. Ctrl-D quits."""
-        from kvlab.model import load_model
-        from kvlab.streaming import stream_generate
-        from kvlab.streaming.generate import feed
-
-        _check_rolling(model, window, sinks, system)
-        handle = load_model(model, device=device, dtype=dtype)
-        if handle.tokenizer is None or not getattr(handle.tokenizer, "chat_template", None):
-            from kvlab.errors import UnsupportedModelError
-
-            raise UnsupportedModelError("kvlab chat needs a tokenizer with a chat template")
-        cache = _rolling(handle, window, sinks, evict_chunk)
-        stops = handle.eos_ids()
-        interactive = sys.stdin.isatty()
-        history: list[dict] = [{"role": "system", "content": system}] if system else []
-        unterminated = False
-        sys.stderr.write(f"kvlab chat: {handle.name}, {sinks} sinks + window {window} (Ctrl-D to quit)\n")
-        while True:
-            if interactive:
-                sys.stderr.write("> ")
-                sys.stderr.flush()
-            try:
-                line = sys.stdin.readline()
-                line.encode("utf-8")  # undecodable bytes arrive as surrogates under some locales
-            except (UnicodeDecodeError, UnicodeEncodeError) as exc:
-                raise BadInputError(f"stdin is not UTF-8 text (character {exc.start} of a line)") from None
-            if not line:
+        first = feed(handle, cache, new_ids)
+        reply: list[int] = []
+        unterminated = True
+        for ev in stream_generate(handle, cache, first, max_new_tokens, stop_ids=sorted(stops)):
+            if ev.token_id in stops:
+                unterminated = False
                 break
-            line = line.strip()
-            if not line:
-                continue
-            # Only the new turn is tokenized and fed: the earlier turns live in the rolling cache.
-            turn = handle.tokenizer.apply_chat_template(
-                history + [{"role": "user", "content": line}], add_generation_prompt=True, tokenize=False
-            )
-            prefix = handle.tokenizer.apply_chat_template(history, tokenize=False) if history else ""
-            new_text = turn[len(prefix) :] if turn.startswith(prefix) else turn
-            new_ids = handle.tokenizer(new_text, add_special_tokens=False)["input_ids"]
-            if unterminated:  # the last reply hit --max-new-tokens: close it as the template would
-                new_ids = [handle.tokenizer.eos_token_id, *new_ids]
-            rolls0, rebases0 = cache.rolls, cache.rebases
-            t0 = time.perf_counter()
-            first = feed(handle, cache, new_ids)
-            reply: list[int] = []
-            unterminated = True
-            for ev in stream_generate(handle, cache, first, max_new_tokens, stop_ids=stops):
-                if ev.token_id in stops:
-                    unterminated = False
-                    break
-                reply.append(ev.token_id)
-            dt = time.perf_counter() - t0
-            text = handle.decode(reply).strip()
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-            history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
-            rolled = cache.rolls - rolls0
-            note = f", rolled {rolled}x" if rolled else ""
-            note += f", re-based {cache.rebases - rebases0}x" if cache.rebases > rebases0 else ""
-            sys.stderr.write(
-                f"[{len(reply)} tokens, {len(reply) / max(dt, 1e-9):.1f} tokens/s; {cache.kept} tokens in "
-                f"cache, {cache.tokens_seen} seen{note}]\n"
-            )
-        sys.stderr.write("bye\n")
+            reply.append(ev.token_id)
+        dt = time.perf_counter() - t0
+        text = handle.decode(reply).strip()
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
+        rolled = cache.rolls - rolls0
+        note = f", rolled {rolled}x" if rolled else ""
+        note += f", re-based {cache.rebases - rebases0}x" if cache.rebases > rebases0 else ""
+        sys.stderr.write(
+            f"[{len(reply)} tokens, {len(reply) / max(dt, 1e-9):.1f} tokens/s; {cache.kept} tokens in "
+            f"cache, {cache.tokens_seen} seen{note}]\n"
+        )
+    sys.stderr.write("bye\n")
+
+
+def register(app: typer.Typer) -> None:
+    experiment_command(app, "stream-ppl", "streaming_ppl")(stream_ppl_cmd)
+    experiment_command(app, "suffix", "suffix_caching")(suffix_cmd)
+    app.command("generate")(generate_cmd)
+    app.command("chat")(chat_cmd)
