@@ -112,7 +112,7 @@ def test_another_threads_forward_never_reads_a_steps_caches(tiny_model):
     want = h.run(ids).logits
     before = h.model.config._attn_implementation
     got: list[torch.Tensor] = []
-    close = open_step(h.model, batch._RowsCache(caches))
+    close = open_step(h.model, batch.RowsCache(caches))
     try:
         worker = threading.Thread(target=lambda: got.append(h.run(ids).logits))
         worker.start()

@@ -7,7 +7,7 @@ different positions. The step batches what batching makes cheaper and nothing el
 * **Linear layers run on all rows at once** (the weights are read once per step, not once per row).
   Each row's query sits at its own cache's ``next_position`` (per-row ``position_ids``).
 * **Attention runs per row, on the row's own cache, in place.** A small transformers ``Cache``
-  (:class:`_RowsCache`) hands each row's new K/V to that row's :class:`~kvlab.hf.RollingLayer`
+  (:class:`RowsCache`) hands each row's new K/V to that row's :class:`~kvlab.hf.RollingLayer`
   (which applies its pending roll and writes the token into its buffer), and the step's attention
   (a :class:`~kvlab.hf.step.Step` answering kvlab's one registered attention function; no model code
   is patched) attends each row's single query to that row's visible keys. No row is padded and no cache is copied: a padded
@@ -24,21 +24,23 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.live_cache import LiveCache
-from kvlab.hf.rolling_cache import RollingLayer
 from kvlab.hf.runner import Runner
 from kvlab.hf.step import Step, causal_after, open_step
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
 
-class _RowsCache(Cache, Step):
+class RowsCache(Cache, Step):
     """The cache a batched step gives the model: ``update`` feeds each row's K/V to its own rolling layer.
 
     Row ``r``'s first ``pads[r]`` tokens are padding (a left-padded prompt): they never reach its cache.
@@ -47,7 +49,9 @@ class _RowsCache(Cache, Step):
     function is caught instead of returning logits computed from the new tokens alone.
     """
 
-    def __init__(self, caches: Sequence[Any], pads: Sequence[int] | None = None, outer: Any = None) -> None:
+    def __init__(
+        self, caches: Sequence[LiveCache], pads: Sequence[int] | None = None, outer: LiveCache | None = None
+    ) -> None:
         super().__init__(layers=list(caches[0].layers))
         self.caches = list(caches)
         self.pads = list(pads) if pads is not None else [0] * len(self.caches)
@@ -138,7 +142,7 @@ def _causal_rows_attention(
 
 
 @contextlib.contextmanager
-def _rows_step(model: Any, rows: _RowsCache) -> Iterator[None]:
+def rows_step(model: PreTrainedModel, rows: RowsCache) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for cache in rows.caches:  # each row's query sits at next_position: a re-base may follow
             choosing = getattr(cache, "choosing_positions", None)
@@ -160,19 +164,19 @@ def step_rolling_rows(handle: Runner, caches: Sequence[LiveCache], tokens: Seque
         raise BadInputError(f"need one token per cache, got {len(tokens)} tokens for {len(caches)} caches")
     if len({id(c) for c in caches}) != len(caches):
         raise BadInputError("a cache appears twice in one batched step")
-    layers: list[list[RollingLayer]] = [list(c.layers) for c in caches]
+    layers = [list(c.layers) for c in caches]
     if any(not per_layer[0].is_initialized for per_layer in layers):
         raise BadInputError("every cache must hold a prompt before a batched decode step")
     if len(caches) == 1:
         out = handle.run(torch.tensor([[int(tokens[0])]], device=handle.device), caches[0], logits_to_keep=1)
         return out.logits[:, -1].float()
-    rows = _RowsCache(caches)
+    rows = RowsCache(caches)
     # each row's next position: a rolling cache's (which may re-base), an evicting one's token count
     positions = torch.tensor([[c.get_seq_length()] for c in caches], dtype=torch.long, device=handle.device)
     ids = torch.tensor([[int(t)] for t in tokens], dtype=torch.long, device=handle.device)
     # a prepared 4-D mask keeps transformers from building one (attention is per row and needs none)
     mask = torch.zeros((len(caches), 1, 1, 1), dtype=handle.dtype, device=handle.device)
-    with _rows_step(handle.model, rows):
+    with rows_step(handle.model, rows):
         out = handle.run(ids, rows, positions=positions, attention_mask=mask, logits_to_keep=1)
     if rows.consumed != len(layers[0]) or rows.views:
         raise UnsupportedModelError(
@@ -180,90 +184,6 @@ def step_rolling_rows(handle: Runner, caches: Sequence[LiveCache], tokens: Seque
             "layer, so a batched rolling step cannot run on it (its caches are now inconsistent: discard them)"
         )
     return out.logits[:, -1].float()
-
-
-# -- padded batches under model.generate (a bound cache runs each row on its own cache) ----------------
-
-
-def begin_padded_rows(model: Any, cache: Any, key: str, kwargs: dict) -> tuple[dict, Any] | None:
-    """Set up a forward of a left-padded batch on ``cache`` (bound to ``model``; a
-    :class:`~kvlab.hf.RollingCache` or :class:`~kvlab.hf.CompressedCache`): each row runs on its own
-    cache of the same settings (``cache.rows``) with its pads stripped and its own positions, so
-    every row computes what it would alone (its own sinks, rolls and re-bases; its own eviction, scored
-    by its own queries, at its own budget). Returns the call's new kwargs and a context
-    to close after the forward, or None when the call is not a padded batch (and the cache holds no
-    rows). Refuses right padding and rows of padding only.
-    """
-    ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-    if not hasattr(cache, "start_rows"):
-        return None
-    rows_caches = cache.rows
-    if rows_caches is None:
-        if (
-            not isinstance(mask, torch.Tensor)
-            or mask.dim() != 2
-            or bool(mask.all())
-            or cache.get_seq_length()
-        ):
-            return None  # not padded, or padding on a cache the rows already share: the cache refuses it
-        if not isinstance(ids, torch.Tensor) or ids.shape != mask.shape:
-            raise BadInputError(
-                "a padded batch on a kvlab cache needs input_ids with one mask column per token"
-            )
-        pads = []
-        for row in mask.to(torch.long):
-            p = int((row == 0).sum())
-            if p == row.numel() or not (bool((row[:p] == 0).all()) and bool((row[p:] == 1).all())):
-                raise BadInputError(
-                    "kvlab's caches run left-padded batches only (pads first, then the row's tokens; "
-                    "tokenizer.padding_side = 'left'), and every row needs at least one token"
-                )
-            pads.append(p)
-        rows_caches = cache.start_rows(len(pads))
-    else:
-        if not isinstance(ids, torch.Tensor) or ids.shape[0] != len(rows_caches):
-            raise BadInputError(
-                f"this cache runs {len(rows_caches)} padded rows; the call brings another batch"
-            )
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -ids.shape[-1] :].all()):
-            raise BadInputError("new padding after the prompt: kvlab caches pad only the start of each row")
-        pads = [0] * len(rows_caches)
-    rows = _RowsCache(rows_caches, pads, outer=cache)
-    n = int(ids.shape[-1])
-    positions = torch.zeros((len(pads), n), dtype=torch.long, device=ids.device)
-    for r, (c, p) in enumerate(zip(rows_caches, pads, strict=True)):
-        start = c.get_seq_length()
-        positions[r, p:] = torch.arange(start, start + n - p, device=ids.device)
-    new = {
-        **kwargs,
-        key: rows,
-        "position_ids": positions,
-        # a prepared 4-D mask keeps transformers from building one (attention is per row and needs none)
-        "attention_mask": torch.zeros((len(pads), 1, 1, 1), dtype=model.dtype, device=ids.device),
-    }
-    ctx = _rows_step(model, rows)
-    ctx.__enter__()
-    return new, (ctx, rows, cache)
-
-
-def end_padded_rows(state: Any, out: Any, failed: bool) -> None:
-    """Close what :func:`begin_padded_rows` opened; check every layer attended per row; hand the caller
-    back its own cache in the output (generate carries ``outputs["cache"]`` to the next step)."""
-    ctx, rows, cache = state
-    ctx.__exit__(None, None, None)
-    close = getattr(cache, "close", None)  # the caller's query hooks: the rows evicted with their queries
-    if close is not None:
-        close()
-    if failed:
-        return
-    if rows.consumed != len(rows.row_layers[0]) or rows.views:
-        raise UnsupportedModelError(
-            "the model did not attend through transformers' attention interface in every layer, so a padded "
-            "batch cannot run row by row with it (the cache is now inconsistent: discard it)"
-        )
-    for name in ("cache", "past_key_values"):
-        if isinstance(out, dict) and out.get(name) is rows:
-            out[name] = cache
 
 
 # -- the server's safety nets: a prompt fed in pieces, a failed step undone ------------------------------

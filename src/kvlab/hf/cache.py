@@ -25,9 +25,20 @@ from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.rope.spec import Rope
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's config inside a model's config (a multimodal one nests it; a text one is it)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def head_dim_of(config: Any) -> int:
+    """The size of one attention head's keys (the config's ``head_dim``, else hidden size / heads)."""
+    text = text_config(config)
+    return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+
 def sliding_windows(config: Any) -> list[int | None]:
     """Per layer: the sliding-window size of that layer's attention, or None for full attention."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     n = int(text.num_hidden_layers)
     window = getattr(text, "sliding_window", None)
     types = getattr(text, "layer_types", None)

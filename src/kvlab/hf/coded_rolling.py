@@ -33,10 +33,11 @@ from typing import Any
 import torch
 
 from kvlab.compress.quant.methods import Quantizer, Segment
-from kvlab.errors import BadInputError
-from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
+from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.hf.cache import head_dim_of, sliding_windows
+from kvlab.hf.cache_steps import packed_step
 from kvlab.hf.live_cache import restore_vars
-from kvlab.hf.rolling_cache import RollingLayer, RollPlan, RollRule
+from kvlab.hf.rolling_layer import RollingLayer, RollPlan, RollRule
 from kvlab.rope.fast import rotate_by
 
 
@@ -76,13 +77,7 @@ class CodedRollingLayer(RollingLayer):
 
     # -- the update ----------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n_new = key_states.shape[-2]
-        if rows_at_different_positions(args, kwargs):
-            raise BadInputError(PADDED_BATCH % "RollingCache")
-        self._check_room(n_new)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self.tail_k, self.tail_v = key_states[:, :, :0], value_states[:, :, :0]
+        n_new = self._start_update(key_states, value_states, args, kwargs)
         self._prepare()
         k, v = self._take_sinks(key_states, value_states)
         self.tail_k = torch.cat((self.tail_k, k), dim=-2)
@@ -92,6 +87,10 @@ class CodedRollingLayer(RollingLayer):
         self.keys, self.values = self.tail_k, self.tail_v
         self._advance(n_new)
         return out
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.tail_k, self.tail_v = key_states[:, :, :0], value_states[:, :, :0]
 
     def _prepare(self) -> None:
         """What the last update left pending: encode the tail's ready blocks, then apply the roll."""
@@ -191,8 +190,6 @@ class CodedRollingLayer(RollingLayer):
 
     def _attend(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """What this forward's attention reads: the packed codes (a bound one-token step) or the decoded slots."""
-        from kvlab.hf.compressed_cache import packed_step
-
         step = packed_step(self.rule)
         sinks_k = [self.sink_live] if self.sink_live is not None else []
         sinks_v = [self.sink_values] if self.sink_values is not None else []
@@ -259,8 +256,6 @@ def check_codec(text: Any, rope: Any, codec: Quantizer, *, window: int, chunk: i
     """Refuse a codec the rolling window cannot hold (before anything is built); returns the eviction
     chunk rounded up to whole blocks of codes."""
     from kvlab.compress.quant.attention import PATHS
-    from kvlab.errors import UnsupportedModelError
-    from kvlab.hf.cache import sliding_windows
 
     if not isinstance(codec, Quantizer):
         raise BadInputError(f"codec must be a kvlab Quantizer, got {type(codec).__name__}")
@@ -272,7 +267,7 @@ def check_codec(text: Any, rope: Any, codec: Quantizer, *, window: int, chunk: i
         )
     if codec.sinks:
         raise BadInputError("a rolling window keeps its own sinks in full precision: give the codec sinks=0")
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    head_dim = head_dim_of(text)
     for i in range(int(text.num_hidden_layers)):
         codec.check(head_dim, rope.for_layer(i) if rope is not None else None)
     block = codec.rolling_block()

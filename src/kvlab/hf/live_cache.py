@@ -19,9 +19,11 @@ all it knows of a layer is this interface (each kind of layer implements it):
 ``query_offset()``          where the next queries sit among the slots; ``get_mask_sizes``
 ==========================  ==========================================================================
 
-and the rule answers ``describe()``, ``chooses_positions`` (whether the cache re-positions tokens, so a
-bound forward lets the cache pick its positions) and ``open_step(cache, model, kwargs)`` (the cache's own
-attention for one forward: packed codes, ragged heads; None for SDPA).
+and the rule answers ``describe()``, ``check_seed(n)`` and ``chooses_positions`` (whether the cache
+re-positions tokens, so a bound forward lets the cache pick its positions). A rule only describes its
+storage (``codec``, ``shared`` budgets): the step a bound forward opens for it is chosen on the step side
+(:func:`kvlab.hf.cache_steps.open_cache_step`), and binding a cache to a model is
+:func:`kvlab.hf.binding.bind_to_model`'s.
 
 :class:`~kvlab.hf.rolling_cache.RollingCache`, :class:`~kvlab.hf.compressed_cache.CompressedCache` and
 :class:`FullCache` are thin presets: each validates its arguments and builds its rule and layers (the
@@ -32,7 +34,6 @@ layers). :func:`kvlab.hf.policy_cache.cache_for` picks the preset a policy spec 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +48,7 @@ from transformers.cache_utils import (
 )
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.step import THREAD
-
-Finish = Callable[[Any], None]
+from kvlab.hf.cache import text_config
 
 
 class Bytes(int):
@@ -67,6 +66,7 @@ class LiveCache(Cache):
     keyword arguments, from which :meth:`start_rows` builds each row (``type(self)(config, **preset)``)."""
 
     rule: Any
+    _bound_to: Callable[[], object] | None = None  # the model it is bound to (kvlab.hf.binding), weakly
     # kvlab's layer kinds (each preset narrows it): transformers types the list as its own kinds
     layers: list[Any]  # type: ignore[assignment]
 
@@ -180,7 +180,7 @@ class LiveCache(Cache):
         """Inside, the caller passes no ``position_ids``: the model takes them from :meth:`get_seq_length`,
         so a cache that re-positions tokens (a rolling window) may re-base. :meth:`kvlab.model.ModelHandle.run`
         enters this whenever it is called without positions; ``model.generate`` passes its own positions,
-        so only a bound cache (:meth:`open_forward`) lets it choose them there."""
+        so only a bound cache (:func:`kvlab.hf.binding.bind_to_model`) lets it choose them there."""
         before = [layer.may_rebase for layer in self.layers]
         for layer in self.layers:
             layer.may_rebase = True
@@ -190,11 +190,7 @@ class LiveCache(Cache):
             for layer, was in zip(self.layers, before, strict=True):
                 layer.may_rebase = was
 
-    # -- binding to a model --------------------------------------------------------------------------------
-    def bind(self, model: Any) -> None:
-        """Bind this cache to ``model`` (in place): see :func:`bind_to_model`."""
-        bind_to_model(self, model)
-
+    # -- rows of a padded batch (bound caches: kvlab.hf.binding) ------------------------------------------
     def start_rows(self, n: int) -> list[Any]:
         """Switch this empty cache to ``n`` per-row caches of the same preset (a left-padded batch under
         ``model.generate``): each row keeps, evicts or quantizes its own tokens exactly as it would alone.
@@ -210,47 +206,6 @@ class LiveCache(Cache):
 
     def _new_row(self) -> LiveCache:
         return type(self)(self._config, **self._preset)
-
-    def open_forward(self, model: Any, kwargs: dict) -> tuple[dict, Finish | None] | None:
-        """Called by the bound model's pre-hook for a forward on this cache (not a padded batch): the
-        forward's keyword arguments (changed or not) and what closes it, or None to leave it alone.
-
-        A cache that re-positions tokens (``rule.chooses_positions``) drops the positions a forward brings
-        when they just continue its token count (what ``generate`` passes), so that it chooses them (it may
-        re-base: :meth:`choosing_positions`, for that forward only); positions the caller chose otherwise
-        are left alone. Then the cache's own step (:meth:`begin_step`), if it opens one."""
-        if not self.rule.chooses_positions:
-            own_step = self.begin_step(model, kwargs)
-            return None if own_step is None else (kwargs, own_step)
-        pos = kwargs.get("position_ids")
-        if isinstance(pos, torch.Tensor):
-            rows = pos.reshape(-1, pos.shape[-1])
-            start = self.tokens_seen
-            if not bool((rows == torch.arange(start, start + rows.shape[-1], device=rows.device)).all()):
-                return None  # positions the caller chose: not ours to replace
-        ctx = self.choosing_positions()
-        ctx.__enter__()
-        try:
-            finish_step = self.begin_step(model, kwargs)
-        except BaseException:
-            ctx.__exit__(None, None, None)
-            raise
-
-        def finish(out: Any) -> None:
-            try:
-                if finish_step is not None:
-                    finish_step(out)
-            finally:
-                ctx.__exit__(None, None, None)
-
-        return {**kwargs, "position_ids": None}, finish
-
-    def begin_step(self, model: Any, kwargs: dict) -> Finish | None:
-        """The cache's own attention for this forward (packed codes, ragged heads: the rule's
-        ``open_step``), or None (SDPA). Rows of a padded batch open their own."""
-        if self.rows is not None:
-            return None
-        return self.rule.open_step(self, model, kwargs)
 
     # -- transformers' per-layer questions -----------------------------------------------------------------
     def get_query_offset(self, layer_idx: int = 0) -> int:
@@ -290,9 +245,6 @@ class FullRule:
 
     def check_seed(self, n: int) -> None:
         """Any prefix is taken exactly."""
-
-    def open_step(self, cache: Any, model: Any, kwargs: dict) -> Finish | None:
-        return None
 
 
 class _FullLive:
@@ -369,7 +321,7 @@ class FullCache(LiveCache):
     other kinds (linear attention, indexed attention) is refused: :func:`full_cache_supported` says which."""
 
     def __init__(self, config: Any) -> None:
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         layers = []
         for kind, kwargs in zip(*get_layer_types_and_kwargs(text), strict=True):
             live = _FULL_LAYERS.get(DYNAMIC_LAYER_TYPE_MAPPING[kind])
@@ -388,50 +340,7 @@ class FullCache(LiveCache):
 
 def full_cache_supported(config: Any) -> bool:
     """Whether :class:`FullCache` can wrap this model's dynamic cache (full and sliding layers only)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return all(
         DYNAMIC_LAYER_TYPE_MAPPING.get(kind) in _FULL_LAYERS for kind in get_layer_types_and_kwargs(text)[0]
     )
-
-
-def bind_to_model(cache: Any, model: Any) -> None:
-    """Bind a kvlab cache to ``model``: one forward pre-hook per model (shared by every cache bound to
-    it) lets a left-padded batch run row by row on the cache (``cache.rows``, see
-    :func:`kvlab.hf.batch.begin_padded_rows`) and the cache open its own forward
-    (:meth:`LiveCache.open_forward`). Calls that carry no cache bound to this model pass untouched."""
-    cache._bound_to = weakref.ref(model)
-    if not getattr(model, "_kvlab_rolling_hooks", False):
-        model.register_forward_pre_hook(_open_bound_forward, with_kwargs=True)
-        model.register_forward_hook(_close_bound_forward, with_kwargs=True, always_call=True)
-        model._kvlab_rolling_hooks = True
-
-
-def _open_bound_forward(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of :func:`bind_to_model`."""
-    stack = THREAD.calls
-    stack.append(None)  # one entry per call, pushed first: the post-hook (always called) pops it
-    key = "cache" if "cache" in kwargs else "past_key_values"
-    cache: Any = kwargs.get(key)
-    bound = getattr(cache, "_bound_to", None)
-    if bound is None or bound() is not model:
-        return None
-    from kvlab.hf.batch import begin_padded_rows, end_padded_rows  # batch builds on this module
-
-    padded = begin_padded_rows(model, cache, key, kwargs)
-    if padded is not None:
-        new_kwargs, state = padded
-        stack[-1] = lambda out: end_padded_rows(state, out, failed=out is None)
-        return args, new_kwargs
-    opened = cache.open_forward(model, kwargs)
-    if opened is None:
-        return None
-    new_kwargs, finish = opened
-    stack[-1] = finish
-    return None if new_kwargs is kwargs else (args, new_kwargs)
-
-
-def _close_bound_forward(_model: Any, _args: tuple, _kwargs: dict, out: Any) -> None:
-    stack = THREAD.calls
-    finish = stack.pop() if stack else None
-    if finish is not None:
-        finish(out)

@@ -9,69 +9,28 @@ kvpress's ``AdaKVPress`` (which masks pruned keys and keeps them all).
 
 Data: per layer and KV head a keys, values and positions tensor of its own length. Operations: the
 prefill attends to everything (plain attention) and then selects; each later forward appends its
-tokens to every head and hands the heads to a :class:`RaggedStep` (kvlab's one attention function,
-:mod:`kvlab.hf.step`), which attends each group of query heads over its KV head's slots, the new
-tokens causal among themselves. The cache must be bound to its model (``model=``) so that step opens.
+tokens to every head and hands the heads to a :class:`~kvlab.hf.cache_steps.RaggedStep` (kvlab's one
+attention function, :mod:`kvlab.hf.step`), which attends each group of query heads over its KV head's
+slots, the new tokens causal among themselves. The cache must be bound to its model (``model=``) so that step opens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.compress.evict.budgets import ada_indices
 from kvlab.compress.evict.policies import LayerView
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
-from kvlab.hf.compressed_cache import CompressedLayer
-from kvlab.hf.step import Step, causal_after, current
-
-
-@dataclass(eq=False)
-class RaggedStep(Step):
-    """One forward on a cache whose layers (``layers="pyramid"``) or heads (``heads="ada"``) hold different
-    numbers of slots: the model's one mask (sized by layer 0) cannot fit them, so every layer attends
-    here, its new tokens causal after its own held slots; a ragged layer's per-head keys and values
-    arrive in ``views``."""
-
-    views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
-    consumed: int = 0
-
-    def attend(
-        self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
-    ) -> tuple[torch.Tensor, None] | None:
-        """Each KV head's query group over that head's own slots; the last ``q_len`` slots of every head are
-        the queries' own tokens (causal). A layer without a view: SDPA over its keys, the same causality."""
-        view = self.views.pop(module.layer_idx, None)
-        if view is None:
-            q_len, t = query.shape[2], key.shape[2]
-            mask = None
-            if q_len > 1:
-                mask = causal_after(q_len, t, query.device)
-            kw.pop("is_causal", None)
-            return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kw)
-        ks, vs = view
-        b, heads, q_len, d = query.shape
-        groups = heads // len(ks)
-        scale = kw.get("scaling") or d**-0.5
-        out = query.new_empty((b, q_len, heads, d))
-        for h, (k, v) in enumerate(zip(ks, vs, strict=True)):
-            q = query[:, h * groups : (h + 1) * groups]  # [B, g, q_len, D]
-            scores = (q @ k[:, None].transpose(-1, -2)) * scale  # [B, g, q_len, T_h]
-            if q_len > 1:
-                t = k.shape[-2]
-                scores = scores.masked_fill(~causal_after(q_len, t, q.device), float("-inf"))
-            w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-            out[:, :, h * groups : (h + 1) * groups] = (w @ v[:, None]).transpose(1, 2)
-        self.consumed += 1
-        return out, None
+from kvlab.hf.cache_steps import RaggedStep
+from kvlab.hf.compressed_layer import CompressedLayer
+from kvlab.hf.step import current
 
 
 class RaggedLayer(CompressedLayer):
-    """A :class:`~kvlab.hf.compressed_cache.CompressedLayer` whose eviction shares the layer's budget over
+    """A :class:`~kvlab.hf.compressed_layer.CompressedLayer` whose eviction shares the layer's budget over
     its KV heads (AdaKV) and then stores each head ragged (``head_keys``, ``head_values``,
     ``head_positions``: lists over KV heads)."""
 

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvlab.errors import UnsupportedModelError
+from kvlab.hf.cache_steps import attends_plainly
 from kvlab.hf.step import Step, causal_after, grouped_sdpa, stepping
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class SlotMaskStep(Step):
@@ -47,11 +51,9 @@ class SlotMaskStep(Step):
         return grouped_sdpa(module, query, key, value, mask, **kw)
 
 
-def check_model(model: Any) -> None:
+def check_model(model: PreTrainedModel) -> None:
     """Refuse a model whose attention is not plain softmax over the slots (a mask alone cannot model it)."""
-    from kvlab.hf.compressed_cache import _attends_plainly
-
-    if not _attends_plainly(model):
+    if not attends_plainly(model):
         raise UnsupportedModelError(
             "a masked (evicted) cache runs plain softmax attention (no sliding window, soft-capping or "
             "learned sinks)"
@@ -59,7 +61,7 @@ def check_model(model: Any) -> None:
 
 
 @contextlib.contextmanager
-def hidden_slots(model: Any, valid: Sequence[torch.Tensor]) -> Iterator[None]:
+def hidden_slots(model: PreTrainedModel, valid: Sequence[torch.Tensor]) -> Iterator[None]:
     """The model attending with ``valid``'s False slots hidden (per layer ``[B, Hkv, T]``, the first ``T``
     cached slots), for the forwards run inside."""
     check_model(model)

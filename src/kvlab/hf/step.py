@@ -7,7 +7,7 @@ layer's attention; with no step (another thread's forward on the same model, a m
 it is plain SDPA, so nothing ever reads another forward's state.
 
 Data: one thread-local (:data:`THREAD`) holding the steps in progress (innermost last) and the finish
-callbacks of the bound caches' forward hooks (:mod:`kvlab.hf.rolling_cache`), one entry per hooked call.
+callbacks of the bound caches' forward hooks (:mod:`kvlab.hf.binding`), one entry per hooked call.
 
 Operations: :func:`open_step` switches the model and pushes a step (returning what undoes both);
 :func:`stepping` is the same as a context manager; :func:`current` finds the innermost step of a kind
@@ -23,11 +23,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 KVLAB_ATTENTION = "kvlab"
 
@@ -98,7 +101,7 @@ def current(kind: type[S]) -> S | None:
     return step if isinstance(step, kind) else None
 
 
-def open_step(model: Any, step: Step) -> Callable[[], None]:
+def open_step(model: PreTrainedModel, step: Step) -> Callable[[], None]:
     """Switch ``model`` to :data:`KVLAB_ATTENTION` with ``step`` innermost; returns what undoes both."""
     before = model.config._attn_implementation
     model.set_attn_implementation(KVLAB_ATTENTION)
@@ -112,7 +115,7 @@ def open_step(model: Any, step: Step) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def stepping(model: Any, step: Step) -> Iterator[Step]:
+def stepping(model: PreTrainedModel, step: Step) -> Iterator[Step]:
     """:func:`open_step` for the forwards run inside."""
     close = open_step(model, step)
     try:
