@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -22,14 +23,19 @@ def machine() -> str:
 
 
 def write_results(name: str, title: str, body: str) -> Path:
-    """Write ``benchmarks/results/<name>.md`` with the command, machine and date, and print it."""
+    """Write ``benchmarks/results/<name>.md`` with the command, machine and date, and print it.
+
+    The summary block of the file it replaces is carried over as it was: ``benchmarks/assemble.py`` then
+    refuses it until its figures are the new body's (update the rows, their date and commit)."""
     RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    old = path.read_text() if path.exists() else ""
+    block = re.search(r"<!-- summary -->\n.*?\n<!-- /summary -->\n", old, re.S)
     command = "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     text = (
-        f"## {title}\n\nCommand: `{command}` · machine: {machine()} · "
+        f"## {title}\n\n{block.group(0) + chr(10) if block else ''}Command: `{command}` · machine: {machine()} · "
         f"date: {datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n{body.strip()}\n"
     )
-    path = RESULTS / f"{name}.md"
     path.write_text(text)
     print(text)
     return path

@@ -1,0 +1,74 @@
+"""Every figure README presents as measured is a row of a benchmark summary, with its status (issue 47 item 2).
+
+A measured figure is a number with a unit of time, size, speed or ratio (``62.6 s``, ``0.71x``, ``1379 MB``,
+``95.8%``) in prose, outside code. It must appear in the figure cell of a summary row in
+``benchmarks/results/*.md`` (what BENCHMARKS.md shows): a *current* row, or a row whose status (``code changed
+since``, ``not reproduced``, ``bar not met``) the same paragraph states. A figure kept as history goes in a
+``<details><summary>History ...</summary> ... </details>`` block, which says so to the reader.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import assemble  # noqa: E402
+
+UNIT = r"(?:x|×|ms|µs|s|min|h|MB|MiB|GB|GiB|KB|KiB|tokens/s|CPU-s)\b|%"
+FIGURE = re.compile(rf"(?<![\w.\-/])\d[\d,]*(?:\.\d+)?\s?(?:{UNIT})")
+FENCE = re.compile(r"```.*?```", re.S)
+CODE = re.compile(r"`[^`\n]*`")
+HISTORY = re.compile(r"<details><summary>History.*?</details>", re.S)
+PAGES = [ROOT / "README.md"]
+
+
+def measured_figures(text: str) -> list[tuple[int, str, str]]:
+    """(line, figure, its paragraph) for each measured figure in ``text``'s prose (code and history left out)."""
+    blank = lambda m: "\n" * m.group(0).count("\n")  # noqa: E731 - keeps line numbers
+    prose = HISTORY.sub(blank, FENCE.sub(blank, text))
+    found = []
+    line = 1
+    for paragraph in re.split(r"(\n\s*\n)", prose):
+        for k, row in enumerate(paragraph.splitlines()):
+            found += [(line + k, m.group(0), paragraph) for m in FIGURE.finditer(CODE.sub("", row))]
+        line += paragraph.count("\n")
+    return found
+
+
+def stale_figures(text: str, rows: list[assemble.Row]) -> list[str]:
+    """The figures of ``text`` that no row backs: neither a current row nor one whose status the paragraph says."""
+    stale = []
+    for line, figure, paragraph in measured_figures(text):
+        backing = [r for r in rows if figure in r.figure]
+        if not any(r.status == "current" or r.status in paragraph for r in backing):
+            stale.append(f"line {line}: {figure}")
+    return stale
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_measured_figure_is_a_summary_row(page):
+    rows, _ = assemble.read_results()
+    stale = stale_figures(page.read_text(), rows)
+    assert not stale, f"{page.name} quotes figures that are no summary row (or hide its status): {stale}"
+
+
+def _row(figure: str, status: str) -> assemble.Row:
+    return assemble.Row("speed", "c", figure, "v", "CPU 2 cores", "2026-11-29", "78a62c9", status, "x.md")
+
+
+def test_the_scan_finds_figures_in_prose_only():
+    text = "Took 62.6 s and 0.71x.\n`12.5 s` in code\n```\n9 ms\n```\n<details><summary>History</summary>\n3x\n</details>\n"
+    assert [(n, f) for n, f, _ in measured_figures(text)] == [(1, "62.6 s"), (1, "0.71x")]
+
+
+def test_a_figure_needs_a_current_row_or_its_status_said():
+    rows = [_row("**62.6 s**", "current"), _row("0.86x", "code changed since")]
+    assert stale_figures("It took 62.6 s.", rows) == []
+    assert stale_figures("It was 0.86x.\n\nThe code changed since.", rows) == ["line 1: 0.86x"]
+    assert stale_figures("It was 0.86x (code changed since).", rows) == []
+    assert stale_figures("It took 61 s.", rows) == ["line 1: 61 s"]
