@@ -228,8 +228,8 @@ def run_study(
 
     if workers < 1:
         raise BadInputError(f"--workers must be >= 1, got {workers}")
-    settings = {"profile": profile, "seed": seed, "model_spec": model_spec, "dtype": dtype}
-    settings["device"] = resolve_device(device)
+    device = resolve_device(device)
+    settings = {"profile": profile, "seed": seed, "model_spec": model_spec, "dtype": dtype, "device": device}
     experiments = _selected(only)
     names = [e.name for e in experiments]
     kept = _resumable(Path(resume), {**settings, "experiments": names}) if resume is not None else {}
@@ -246,9 +246,9 @@ def run_study(
     if parallel or not todo:
         _check_model(model_spec, dtype, say)
     else:
-        model = load_model(model_spec, dtype=dtype, device=settings["device"], progress=say)
+        model = load_model(model_spec, dtype=dtype, device=device, progress=say)
     root = _study_folder(out, resume, {**settings, "experiments": names}, [e.name for e in todo])
-    pool = _Workers(min(workers, len(todo)), model_spec, dtype, settings["device"]) if parallel else None
+    pool = _Workers(min(workers, len(todo)), model_spec, dtype, device) if parallel else None
     by_name = {name: (result, seconds, False) for name, (result, seconds) in kept.items()}
     t0 = time.perf_counter()
     mode = choose_mode(not show_progress, stderr.file)
@@ -496,8 +496,12 @@ class _ForwardedProgress(Progress):
     def task(self, description: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
         key = f"{os.getpid()}-{next(self._ids)}"
         self._queue.put(("task", key, description, total))
+
+        def advance(n: int = 1) -> None:
+            self._queue.put(("advance", key, n))
+
         try:
-            yield lambda n=1: self._queue.put(("advance", key, n))
+            yield advance
         finally:
             self._queue.put(("end", key, total))
 
@@ -581,7 +585,7 @@ def _show_forwarded(queue: Any, progress: Progress) -> None:
 # Seconds each experiment took in the default profile (benchmarks/study_timing.py, 2026-11-25): a
 # scheduling hint only, so the longest start first and the workers finish together (the report keeps
 # study order). An experiment without a hint starts after these.
-EXPECTED_SECONDS = {
+EXPECTED_SECONDS: dict[str, float] = {
     "roll_long": 281, "suffix_caching": 102, "attention": 87, "roll_sweep": 85, "transplant": 84,
     "compaction": 83, "caching_numerics": 73, "compression": 72, "context_retention": 61,
     "streaming_ppl": 57, "kv_swap": 43, "layer_transfer": 34, "transfer_equivalence": 27,
@@ -590,7 +594,7 @@ EXPECTED_SECONDS = {
 }  # fmt: skip
 # Seconds each experiment took in the quick profile, in its worker (benchmarks/results/study_timing_quick.md:
 # 2 workers of 1 torch thread on a 2-core Linux x86_64 CPU, 2026-11-26 08:13 UTC; ruler was not in it).
-QUICK_SECONDS = {
+QUICK_SECONDS: dict[str, float] = {
     "roll_long": 27.6, "compaction": 25.3, "compression": 18.9, "suffix_caching": 16.4,
     "context_retention": 16.1, "attention": 14.6, "caching_numerics": 14.3, "roll_sweep": 13.7,
     "kv_swap": 13.1, "store_reuse": 12.2, "streaming_ppl": 11.5, "transfer_equivalence": 8.6,
@@ -599,7 +603,7 @@ QUICK_SECONDS = {
 #: A study's first estimate per profile, before an earlier run in the same folder says better
 #: (:func:`typical_seconds`); none measured for ``full``. Each is scaled by what the study's finished
 #: experiments took against their entries, so a faster or slower machine corrects it as it goes.
-TYPICAL_SECONDS = {"default": EXPECTED_SECONDS, "quick": QUICK_SECONDS}
+TYPICAL_SECONDS: dict[str, dict[str, float]] = {"default": EXPECTED_SECONDS, "quick": QUICK_SECONDS}
 TIMED = {
     "default": "on a 2-core CPU, 2026-11-25, benchmarks/study_timing.py",
     "quick": "on a 2-core CPU, 2026-11-26, benchmarks/results/study_timing_quick.md",

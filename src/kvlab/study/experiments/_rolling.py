@@ -24,15 +24,22 @@ import torch
 
 from kvlab.data import Text, default_long_text, python_docs, read_text_file
 from kvlab.errors import BadInputError
-from kvlab.metrics.similarity import PreparedCache, compare_caches
+from kvlab.metrics.similarity import CacheComparison, PreparedCache, compare_caches
 from kvlab.metrics.spectral import rope_pair_energy
 from kvlab.metrics.stats import bootstrap_curve
-from kvlab.study.experiments.base import ExperimentContext
+from kvlab.study.experiments.base import ExperimentContext, Progress
 
 SMALL_ROLLS = (1, 2, 3, 5, 10, 20)
 FULL_ARRAY_ROLLS = (1, 5, 20)
 SKIP_FRONT_TOKENS = 512
 BUGGY_MAX_ROLL = 20
+
+
+def derotated(c: CacheComparison) -> np.ndarray:
+    """The de-rotated K cosines of a comparison that asked for them between two RoPE caches."""
+    if c.cos_k_derotated is None:
+        raise ValueError("no de-rotated K cosines: the caches have no RoPE or de-rotation was not asked for")
+    return c.cos_k_derotated
 
 
 # -- text -----------------------------------------------------------------------------------------
@@ -228,11 +235,9 @@ def _measure_roll(
     )
     vals = {"k": c.cos_k, "v": c.cos_v}
     if rope is not None:
-        vals["kd"] = c.cos_k_derotated
+        vals["kd"] = derotated(c)
         if n <= BUGGY_MAX_ROLL:  # the thread's mode, reproduced for the small rolls it studied
-            vals["kb"] = compare_caches(
-                base, rolled, idx_a, idx_b, derotate="buggy", l2=False
-            ).cos_k_derotated
+            vals["kb"] = derotated(compare_caches(base, rolled, idx_a, idx_b, derotate="buggy", l2=False))
     w = T - n  # aligned slots inside the window of length `context`
     for m, arr in vals.items():
         out[f"roll_{m}_mean"][j] = arr[..., :w].mean(-1)
@@ -257,7 +262,7 @@ def _measure_roll(
     out["trunc_k_last"][j] = np.moveaxis(t.cos_k, -1, 0)
     out["trunc_v_last"][j] = np.moveaxis(t.cos_v, -1, 0)
     if rope is not None:
-        out["trunc_kd_last"][j] = np.moveaxis(t.cos_k_derotated, -1, 0)
+        out["trunc_kd_last"][j] = np.moveaxis(derotated(t), -1, 0)
     del rolled
 
 
@@ -275,7 +280,11 @@ def _identity(out: dict, j: int, metrics: tuple[str, ...], rope: Any) -> None:
 
 
 def long_roll_measure(
-    model: Any, ids: list[int], plan: LongRollPlan, progress: Any = None, label: str = "long rolls"
+    model: Any,
+    ids: list[int],
+    plan: LongRollPlan,
+    progress: Progress | None = None,
+    label: str = "long rolls",
 ) -> dict[str, np.ndarray]:
     """Every roll/truncate metric of the plan, ``[n, ...]`` arrays (memoised per process).
 
@@ -301,9 +310,7 @@ def long_roll_measure(
     L, H = base_snap.num_layers, base_snap.num_kv_heads
     out = _allocate(plan, base, rope, L, H)
     metrics = ("k", "v", "kd", "kb") if rope is not None else ("k", "v")
-    task = progress.task(label, total=N) if progress is not None else None
-    advance = task.__enter__() if task is not None else (lambda n=1: None)
-    try:
+    with (progress or Progress()).task(label, total=N) as advance:
         for j, n in enumerate(np.asarray(plan.ns)):
             n = int(n)
             if n > 0:
@@ -311,9 +318,6 @@ def long_roll_measure(
             else:
                 _identity(out, j, metrics, rope)
             advance(1)
-    finally:
-        if task is not None:
-            task.__exit__(None, None, None)
     _MEMO[key] = out
     return out
 

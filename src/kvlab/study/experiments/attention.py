@@ -277,9 +277,6 @@ def _window_means(x: np.ndarray) -> np.ndarray:
 
 def _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, first_query) -> None:
     """Summary, the three tables and the sink-artefact note, from the per-window arrays."""
-
-
-def _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, first_query) -> None:
     summary: dict[str, Any] = {
         "rolls": list(rolls),
         "window_tokens": length,

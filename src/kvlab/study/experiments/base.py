@@ -9,6 +9,7 @@ tables, figures with captions, notes, and the raw arrays saved beside them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from kvlab.errors import BadInputError
 
 if TYPE_CHECKING:  # listing experiments (kvlab experiments) imports no numpy
     import numpy as np
+    from rich.progress import Progress as RichProgress
 
 Profile = Literal["quick", "default", "full"]
 PROFILES: tuple[str, ...] = ("quick", "default", "full")
@@ -62,25 +64,28 @@ class ExperimentResult:
     headline: list[tuple[str, str]] = field(default_factory=list)
 
 
+def _no_progress(n: int = 1) -> None:
+    """The ``advance`` of a task that nobody watches."""
+
+
 class Progress:
     """The slice of a rich progress display an experiment may use (a no-op when there is none)."""
 
-    def __init__(self, rich_progress: Any = None):
+    def __init__(self, rich_progress: RichProgress | None = None):
         self._p = rich_progress
 
     @contextlib.contextmanager
     def task(self, description: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
         """``with ctx.progress.task("rolls", total=n) as advance: ... advance(1)``."""
-        if self._p is None:
-            yield lambda n=1: None
+        p = self._p
+        if p is None:
+            yield _no_progress
             return
-        task_id = self._p.add_task(description, total=total)
+        task_id = p.add_task(description, total=total)
         try:
-            yield lambda n=1: self._p.advance(task_id, n)
+            yield functools.partial(p.advance, task_id)
         finally:
-            self._p.update(
-                task_id, completed=total if total is not None else 1, total=total or 1, visible=False
-            )
+            p.update(task_id, completed=total if total is not None else 1, total=total or 1, visible=False)
 
     def log(self, message: str) -> None:
         if self._p is not None:

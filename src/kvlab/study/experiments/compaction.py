@@ -26,6 +26,7 @@ from kvlab.data import shared_conversations
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
 from kvlab.metrics.similarity import compare_caches, normalise_against_baseline
+from kvlab.metrics.stats import Interval
 from kvlab.rope.ops import remove_rope_stacked
 from kvlab.study.experiments import _conversations as built
 from kvlab.study.experiments._conversations import RECENT_MARKER, chat_ids
@@ -307,11 +308,12 @@ def _measure(ctx: ExperimentContext, handle, ids: dict, tail: np.ndarray):
     def prefill(seq: list[int]) -> KVSnapshot | None:
         return handle.prefill(seq, all_logits=False).snapshot if seq else None
 
-    first_full = prev_full = None
+    first_full: KVSnapshot | None = None
+    prev_full: KVSnapshot | None = None
     u = CONDITIONS.index("unrelated")
     with ctx.progress.task("compaction: conversations", total=N) as advance:
         for i in range(N):
-            full = prefill(ids[i]["full"])
+            full = handle.prefill(ids[i]["full"], all_logits=False).snapshot
             full_cent[i] = cache_centroids(full)
             if full.seq_len - tail[i] >= 1:
                 full_pre[i] = cache_centroids(full.slice(0, full.seq_len - int(tail[i])))
@@ -327,7 +329,8 @@ def _measure(ctx: ExperimentContext, handle, ids: dict, tail: np.ndarray):
                 first_full = full
             prev_full = full
             advance(1)
-        measure(0, first_full, u, prev_full, ids[0]["unrelated"])
+        if first_full is not None:
+            measure(0, first_full, u, prev_full, ids[0]["unrelated"])
 
     return cent, pre, full_cent, full_pre, pos, curves
 
@@ -339,7 +342,7 @@ def _per_conv(x: np.ndarray) -> np.ndarray:
         return np.nanmean(x, axis=(-2, -1))
 
 
-def _iv(x: np.ndarray) -> Any:
+def _iv(x: np.ndarray | float) -> Interval | None:
     x = np.asarray(x, dtype=np.float64)
     return bootstrap_ci(x, seed=0) if np.isfinite(x).any() else None
 

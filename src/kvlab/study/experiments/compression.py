@@ -201,7 +201,7 @@ def _measure(ctx: ExperimentContext, handle, wins: list, configs: list, names: l
     cache), bytes held and per-layer distortion of every configuration on every window."""
     nll: dict[str, list] = {n: [] for n in names}
     div: dict[str, list] = {n: [] for n in names}
-    layer_stats = {
+    layer_stats: dict[str, dict[str, list]] = {
         n: {k: [] for k in ("qk_rel_error", "qk_corr", "attn_kl", "out_rel_error", "kept_mass")}
         for n in names
     }
@@ -220,6 +220,8 @@ def _measure(ctx: ExperimentContext, handle, wins: list, configs: list, names: l
             for cfg, name in zip(configs, names, strict=True):
                 keys, values, held, slots, logits = _under(handle, cfg, cobs, cont)
                 full_logits = logits if cfg[0] == "full" else full_logits
+                if full_logits is None:
+                    raise ValueError("the full cache must come first: the others compare to it")
                 token_nll, to_full = continuation_quality(logits, cont, full_logits)
                 nll[name].append(token_nll)
                 div[name].append(to_full)
@@ -288,7 +290,7 @@ def _needle(ctx, model, src, configs, names, lengths, depths, wanted, result) ->
             or c[3] == "keep"
             and c[2] in ctx.pick((4.0, 2.0, 0.5), (4.0, 0.5), (4.0, 2.0, 0.5))
         ]
-    found = {n: [] for _, n in chosen}
+    found: dict[str, list[float]] = {n: [] for _, n in chosen}
     trials = needle_trials(model, src, lengths, depths)
     with ctx.progress.task("compression: needle", total=len(trials) * len(chosen)) as advance:
         for context, question, word in trials:
@@ -653,9 +655,10 @@ def _acceptance(summary: dict) -> None:
         if sel:
             ppl = {k: v["ppl_increase_pct"] for k, v in sel.items()}
             kl = {k: v["kl_to_full"]["value"] for k, v in sel.items()}
-            acc[key] = min(ppl, key=ppl.get)
+            acc[key] = min(ppl, key=ppl.__getitem__)
             acc[f"{key}_ppl_increase_pct"] = min(ppl.values())
-            acc[f"{key}_by_kl"] = min(kl, key=kl.get)  # the same ranking judged in KL to the full cache
+            # the same ranking judged in KL to the full cache
+            acc[f"{key}_by_kl"] = min(kl, key=kl.__getitem__)
             acc[f"{key}_kl"] = min(kl.values())
     summary["acceptance"] = acc
 

@@ -17,7 +17,7 @@ from kvlab.metrics import spectral as S
 from kvlab.metrics.stats import bootstrap_ci
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments import needed
-from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
 
 SOURCES = ("roll_sweep", "roll_long", "rope_derotation")
 ATTN_ROLLS = (1, 5, 20)
@@ -33,7 +33,7 @@ def _last_rows(model: Any, rows: list[list[int]], batch: int = 8) -> np.ndarray:
 
 
 def attention_rows(
-    model: Any, windows: list[list[int]], ns: tuple[int, ...], progress: Any
+    model: Any, windows: list[list[int]], ns: tuple[int, ...], progress: Progress
 ) -> dict[str, np.ndarray]:
     """Cosine of the last query's attention row, original vs rolled, per layer: ``[W, len(ns), layers]``.
 

@@ -33,7 +33,7 @@ def _mb(n: float) -> float:
 
 
 def architecture_table(facts: ModelFacts, rope_summary: str | None) -> Table:
-    rows = [
+    rows: list[list[Any]] = [
         ["architecture", facts.architecture],
         ["layers", facts.num_layers],
         ["query heads", facts.num_attention_heads],

@@ -258,7 +258,9 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     kl = s.get("first_token_kl") or {}
     pick = [k for k in kl if k.startswith(("roll: K orig", "roll: K ref", "sink: naive + ref sink"))]
     both, k_only, v_only = (num(kl, f"sink: naive + ref sink {x}") for x in ("KV", "K", "V"))
-    together = None not in (both, k_only, v_only) and both * 5 < min(k_only, v_only)
+    together = (
+        both is not None and k_only is not None and v_only is not None and both * 5 < min(k_only, v_only)
+    )
     text = (
         f"After a {s.get('roll', '?')}-token roll, swapping in the re-prefilled sink's K and V together brings the "
         f"first-token KL to {format_number(both)} nats, K alone to {format_number(k_only)} and V alone to "

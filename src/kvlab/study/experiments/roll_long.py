@@ -15,10 +15,10 @@ import numpy as np
 
 from kvlab.data import shared_conversations
 from kvlab.metrics import spectral as S
-from kvlab.metrics.similarity import compare_caches
+from kvlab.metrics.similarity import Derotate, compare_caches
 from kvlab.metrics.stats import bootstrap_ci
 from kvlab.study.experiments import _rolling as R
-from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num
 
 CONV_ROLLS = (1, 8, 64)
@@ -42,7 +42,9 @@ def curves(data: dict[str, np.ndarray], metric: str, kind: str = "roll") -> np.n
     return data[f"{kind}_{metric}_last"].mean(axis=(2, 3)).T
 
 
-def conversation_rolls(model: Any, convs: list[dict], ns: tuple[int, ...], cap: int, progress: Any) -> dict:
+def conversation_rolls(
+    model: Any, convs: list[dict], ns: tuple[int, ...], cap: int, progress: Progress
+) -> dict:
     """Roll/truncate at the last position and roll mean over slots, per conversation: ``[C, len(ns)]``."""
     out = {
         k: np.full((len(convs), len(ns)), np.nan)
@@ -63,7 +65,7 @@ def conversation_rolls(model: Any, convs: list[dict], ns: tuple[int, ...], cap: 
             T = len(ids)
             lengths.append(T)
             base = model.prefill(ids, all_logits=False).snapshot
-            derot = "correct" if base.rope is not None else "none"
+            derot: Derotate = "correct" if base.rope is not None else "none"
             for j, n in enumerate(ns):
                 if n >= T // 2:
                     continue
@@ -77,7 +79,7 @@ def conversation_rolls(model: Any, convs: list[dict], ns: tuple[int, ...], cap: 
                 if r.cos_k_derotated is not None:
                     out["roll_kd_last"][c, j] = r.cos_k_derotated[..., -1].mean()
                     out["roll_kd_mean"][c, j] = r.cos_k_derotated.mean()
-                    out["trunc_kd_last"][c, j] = t.cos_k_derotated.mean()
+                    out["trunc_kd_last"][c, j] = R.derotated(t).mean()
             advance(1)
     out["lengths"] = np.asarray(lengths)
     return out
@@ -407,7 +409,7 @@ def _last_position_table(data: dict, ns: np.ndarray, plan: Any) -> Table:
     for n in (1, 2, 3, 5, 10, 20, 64, 256, 1024):
         if n in set(ns.tolist()):
             j = int(np.where(ns == n)[0][0])
-            row = [n]
+            row: list[int | str] = [n]
             for m, kind in (("k", "roll"), ("kd", "roll"), ("v", "roll"), ("k", "trunc"), ("kd", "trunc")):
                 key = f"{kind}_{m}_last"
                 if key in data:

@@ -9,7 +9,6 @@ with the first 0/1/4 aligned slots excluded, and normalised against the unrelate
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ from kvlab.ops.perturb import (
 )
 from kvlab.policy import roll_amount
 from kvlab.study.experiments import _rolling as R
-from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num
 
 ROLL_FRACTIONS = (0.1, 0.25, 0.5)
@@ -43,15 +42,15 @@ METRIC_LABELS = {
 }
 
 
-def conditions(T: int) -> list[tuple[str, str, Any]]:
-    """``(name, kind, amount)`` for every condition of a window of ``T`` tokens."""
-    out = [(f"roll_{n}", "roll", n) for n in R.SMALL_ROLLS if n < T - 1]
+def conditions(T: int) -> list[tuple[str, str, float]]:
+    """``(name, kind, amount)`` for every condition of a window of ``T`` tokens (amount 0 for the controls)."""
+    out: list[tuple[str, str, float]] = [(f"roll_{n}", "roll", n) for n in R.SMALL_ROLLS if n < T - 1]
     out += [(f"roll_{int(f * 100)}pct", "roll", f) for f in ROLL_FRACTIONS]
     out += [("truncate_1", "truncate", 1), ("truncate_25pct", "truncate", 0.25)]
     out += [
-        ("scrambled", "scrambled", None),
-        ("scrambled_by_token", "scrambled_tokens", None),
-        ("unrelated", "unrelated", None),
+        ("scrambled", "scrambled", 0),
+        ("scrambled_by_token", "scrambled_tokens", 0),
+        ("unrelated", "unrelated", 0),
     ]
     return out
 
@@ -59,6 +58,8 @@ def conditions(T: int) -> list[tuple[str, str, Any]]:
 def _measure(a, b, ia, ib) -> dict[str, np.ndarray]:
     c = compare_caches(a, b, ia, ib, derotate="correct")
     cc = compare_caches(a, b, ia, ib, derotate="none", center=True)
+    if c.l2_k is None or c.l2_v is None:
+        raise ValueError("compare_caches left out the L2 arrays it computes by default")
     out = {"k": c.cos_k, "v": c.cos_v, "kc": cc.cos_k, "vc": cc.cos_v, "l2k": c.l2_k, "l2v": c.l2_v}
     if c.cos_k_derotated is not None:
         out["kd"] = c.cos_k_derotated
@@ -70,7 +71,7 @@ def measure_sweep(
     windows: list[list[int]],
     control_windows: list[list[int]],
     seed: int,
-    progress: Any = None,
+    progress: Progress | None = None,
     batch: int = 16,
 ) -> dict[str, dict[str, list[np.ndarray]]]:
     """``{condition: {metric: [per-window [L, H, P] arrays]}}``; each condition is one batched prefill."""
@@ -80,7 +81,7 @@ def measure_sweep(
     origs = R.prefill_rows(model, windows, batch)
     scr_ids = [scramble_tokens(ids, seed=seed * 1000 + w) for w, ids in enumerate(windows)]
     scr = None
-    with progress.task("roll sweep: conditions", total=len(conds)) if progress else _null() as advance:
+    with (progress or Progress()).task("roll sweep: conditions", total=len(conds)) as advance:
         for name, kind, amount in conds:
             if kind == "roll":
                 n = roll_amount(amount, T)
@@ -110,12 +111,7 @@ def measure_sweep(
     return raw
 
 
-@contextlib.contextmanager
-def _null():
-    yield lambda n=1: None
-
-
-def _ci(samples: np.ndarray, seed: int) -> dict[str, float]:
+def _ci(samples: np.ndarray, seed: int) -> dict[str, float | None]:
     """Bootstrap interval as JSON; NaN (n = 0) when no window has the value (e.g. all slots excluded)."""
     if not np.isfinite(samples).any():
         return {"value": float("nan"), "low": None, "high": None, "n": 0}
@@ -139,7 +135,7 @@ def summarise(raw: dict[str, dict[str, list[np.ndarray]]], seed: int = 0) -> dic
                 out[cond][f"{m}_x{k}"] = _ci(per_window, seed)
             per_window = np.array([a.mean() for a in arrs])
             if m in ("k", "v", "kd", "kc", "vc"):
-                normed = normalise_against_baseline(per_window, unrel[m])
+                normed = np.asarray(normalise_against_baseline(per_window, unrel[m]))
                 out[cond][f"{m}_normalised"] = _ci(normed, seed)
     return out
 

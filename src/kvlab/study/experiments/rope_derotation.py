@@ -30,7 +30,7 @@ def derotation_table(data: dict, seed: int = 0) -> tuple[list[list[Any]], dict[s
             continue
         j = ns.index(n)
         row: list[Any] = [n]
-        entry = {}
+        entry: dict[str, Any] = {}
         for m in ("k", "kd", "kb", "v"):
             iv = bootstrap_ci(data[f"roll_{m}_blocks"][j], seed=seed)
             entry[m] = iv.to_json()

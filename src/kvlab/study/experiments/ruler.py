@@ -352,6 +352,8 @@ def claim_int4(rows: list[dict], specs: list[Any], seed: int) -> dict:
         return _record("int4_free", claim, "not tested here", "int4 was not run", rule)
     kl, acc = _pooled(rows, spec, "kld", seed), _pooled(rows, spec, "score", seed)
     full = _pooled(rows, "full", "score", seed)
+    if full is None:
+        raise ValueError("the full cache has no finite score to compare int4's with")
     lo = full["low"] if full["low"] is not None else full["value"]
     hi = full["high"] if full["high"] is not None else full["value"]
     kl_ok, acc_ok = _val(kl) < INT4_KL_NEAR_ZERO, lo - 1e-12 <= _val(acc) <= hi + 1e-12

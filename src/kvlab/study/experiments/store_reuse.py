@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from kvlab.store.blend import blend, correction_by_name
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
+
+if TYPE_CHECKING:
+    from kvlab.store.redis_tier import RedisTier
 
 QUESTIONS_FOR_PREFIX = (
     "\n\nQuestion: What is the main subject of the text above?\nAnswer:",
@@ -112,26 +115,30 @@ def _ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def _tier_stores(tmp: Path, redis_url: str | None, block_tokens: int) -> tuple[dict[str, KVStore], list[str]]:
+def _tier_stores(
+    tmp: Path, redis_url: str | None, block_tokens: int
+) -> tuple[dict[str, KVStore], RedisTier | None, list[str]]:
+    """A store per tier (Redis when ``redis_url`` answers), the Redis tier (to clear), and notes."""
     stores = {
         "memory": KVStore([MemoryTier()], block_tokens=block_tokens),
         "disk": KVStore([DiskTier(tmp / "disk")], block_tokens=block_tokens),
     }
     notes = []
+    redis = None
     if redis_url:
         from kvlab.store.redis_tier import RedisTier
 
         try:
-            stores["redis"] = KVStore(
-                [RedisTier(redis_url, prefix=f"kvlab-exp-{os.getpid()}")], block_tokens=block_tokens
-            )
+            tier = RedisTier(redis_url, prefix=f"kvlab-exp-{os.getpid()}")
+            stores["redis"] = KVStore([tier], block_tokens=block_tokens)
+            redis = tier
         except StoreUnavailableError as exc:
             notes.append(f"Redis tier not measured: {exc}")
     else:
         notes.append(
             "Redis tier not measured: no server given (pass --redis redis://host:port/db or set KVLAB_REDIS_URL)."
         )
-    return stores, notes
+    return stores, redis, notes
 
 
 def prefix_reuse(
@@ -147,7 +154,7 @@ def prefix_reuse(
     if len(ids_all) < max(lengths):
         lengths = [n for n in lengths if n <= len(ids_all)]
     tmp = Path(tempfile.mkdtemp(prefix="kvlab-store-exp-", dir=ctx.out_dir))
-    stores, notes = _tier_stores(tmp, redis_url, block_tokens)
+    stores, redis, notes = _tier_stores(tmp, redis_url, block_tokens)
     tiers = ["full", *stores]
     ttft = {t: np.full((len(lengths), reps), np.nan) for t in tiers}
     max_err = {t: 0.0 for t in stores}
@@ -177,11 +184,10 @@ def prefix_reuse(
                         )
                     advance(1)
     finally:
-        if "redis" in stores:
-            r_tier = stores["redis"].tiers[0]
-            keys = list(r_tier.client.scan_iter(f"{r_tier.prefix}:*"))
+        if redis is not None:
+            keys = list(redis.client.scan_iter(f"{redis.prefix}:*"))
             if keys:
-                r_tier.client.delete(*keys)
+                redis.client.delete(*keys)
         shutil.rmtree(tmp, ignore_errors=True)
     return {
         "lengths": lengths,
@@ -212,7 +218,7 @@ def nonprefix_reuse(
         for m in modes
     }
     ref = {k: np.zeros(len(items)) for k in ("nll", "correct", "ms")}
-    options = {"epic": {"k": epic_k}, "cacheblend": {"ratio": ratio}}
+    options: dict[str, dict[str, float]] = {"epic": {"k": epic_k}, "cacheblend": {"ratio": ratio}}
     corrections = {m: correction_by_name(m, **options.get(m, {})) for m in modes}
     with ctx.progress.task("non-prefix reuse", total=len(items)) as advance:
         for i, (doc, qi) in enumerate(items):

@@ -235,7 +235,7 @@ def _kl_notes(rows: list[dict]) -> list[str]:
             if (r["source"], r["window"]) == key and "kl_to_full" in r and r["method"] != "full"
         }
         if kl:
-            best = min(kl, key=kl.get)
+            best = min(kl, key=kl.__getitem__)
             others = [
                 f"{METHODS[m].label} {kl[m]:.3g}" for m in ("window", "sinks4") if m in kl and m != best
             ]

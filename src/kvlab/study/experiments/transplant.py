@@ -23,6 +23,8 @@ de-rotation uses its per-layer-type RoPE (local 1e4 / global 1e6).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import torch
 
@@ -45,6 +47,10 @@ from kvlab.ops.crossmodel import apply_cache_map, cache_map_grid, fit_cache_map,
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
+
+if TYPE_CHECKING:
+    from kvlab.cache.snapshot import KVSnapshot
+    from kvlab.model.handle import ModelHandle
 
 CONDS = ("own cache", "transplanted", "ridge-mapped")
 
@@ -78,6 +84,14 @@ class _Prefills:
         return self._memo[key]
 
 
+def _continue(
+    receiver: ModelHandle, past: KVSnapshot, f: list[int], gen: int
+) -> tuple[torch.Tensor, list[int]]:
+    """``receiver``'s logits over the true continuation ``f`` from ``past``, and its greedy ``gen`` tokens after."""
+    out = receiver.extend(past, f)
+    return out.logits[:-1], receiver.generate(out.snapshot, out.logits[-1], gen, stop_at_eos=False).token_ids
+
+
 def _pair_metrics(
     receiver, donor, test: list[list[int]], cont: int, gen: int, cmap, prefill=None
 ) -> dict[str, np.ndarray]:
@@ -89,13 +103,9 @@ def _pair_metrics(
         own = prefill(receiver, c)
         d_snap = prefill(donor, c)
         pasts = (own, transplant(d_snap, donor, receiver), apply_cache_map(cmap, d_snap, receiver))
-        own_logits, own_gen = None, None
-        for j, past in enumerate(pasts):
-            out = receiver.extend(past, f)
-            logits = out.logits[:-1]
-            g = receiver.generate(out.snapshot, out.logits[-1], gen, stop_at_eos=False).token_ids
-            if j == 0:
-                own_logits, own_gen = logits, g
+        runs = [_continue(receiver, past, f, gen) for past in pasts]
+        own_logits, own_gen = runs[0]
+        for j, (logits, g) in enumerate(runs):
             m["top1"][i, j] = float((logits.argmax(-1) == own_logits.argmax(-1)).double().mean())
             m["kl"][i, j] = float(kl_divergence(own_logits, logits).mean())
             m["nll"][i, j] = float(nll(logits, torch.tensor(f[1:], device=logits.device)).mean())
@@ -138,7 +148,8 @@ def _derivative_section(
     cont, gen = ctx.pick(quick=8, default=16), ctx.pick(quick=6, default=16, full=32)
     deriv, about = _second_model(ctx, result, base)
     first = 0
-    rows, ev_rows = [], []
+    rows: list[list[Any]] = []
+    ev_rows: list[list[Any]] = []
     trained_on_book = result.summary["derivative"]["kind"] == "fine-tuned"
     with ctx.progress.task("transplant: texts", total=2) as advance:
         for source, wins in _texts(n, length, base, ctx.seed, trained_on_book):
@@ -273,6 +284,8 @@ def _derivative_direction(
         [prefill(receiver, w) for w in test[:2]],
         alpha=alpha,
     )
+    if cmap.ev_k_identity is None or cmap.ev_v_identity is None:
+        raise ValueError("a derivative shares its base's geometry: its cache map has identity EVs")
     met = _pair_metrics(receiver, donor, test, cont, gen, cmap, prefill)
     for j, cond in enumerate(CONDS):
         ci = {k: bootstrap_ci(v[:, j], seed=ctx.seed) for k, v in met.items()}

@@ -109,7 +109,9 @@ def write_result(result: ExperimentResult, out_dir: Path, manifest_data: dict) -
     arrays_file = None
     if result.arrays:
         arrays_file = "arrays.npz"
-        np.savez_compressed(out_dir / arrays_file, **{k: np.asarray(v) for k, v in result.arrays.items()})
+        arrays = {k: np.asarray(v) for k, v in result.arrays.items()}
+        # numpy's stub types **kwds against its allow_pickle flag too
+        np.savez_compressed(out_dir / arrays_file, **arrays)  # type: ignore[arg-type]
     # A quick-profile result is a smoke run: its sentence is kept as ``smoke_result``, never as a finding.
     smoke = manifest_data.get("profile") == "quick"
     doc = {

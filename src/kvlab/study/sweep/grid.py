@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.errors import BadInputError, KvlabError
+from kvlab.study.experiments.base import PROFILES, Experiment, Profile
 
-PROFILES = ("quick", "default", "full")
 GRID_KEYS = ("models", "texts", "experiments", "seeds", "profile", "device", "dtype", "gpus_per_actor")
 TEXT_OPTIONS = ("text_file", "text")  # how experiments name their text-file option
 #: A grid file is a few lines; one over 1 MiB is not a grid.
@@ -46,7 +46,7 @@ class Cell:
     options: dict[str, Any]
     seed: int
     text: str | None
-    profile: str
+    profile: Profile
     key: str = ""
     device: str = "cpu"
     dtype: str = "float32"
@@ -95,7 +95,7 @@ class Grid:
     texts: tuple[str, ...]
     experiments: tuple[tuple[str, dict[str, Any]], ...]
     seeds: tuple[int, ...]
-    profile: str
+    profile: Profile
     source: Path
     cells: tuple[Cell, ...] = field(default=())
     #: where cells run: auto (CUDA when there is one), cpu, cuda or cuda:N; and the model's dtype
@@ -105,17 +105,64 @@ class Grid:
     gpus_per_actor: float | None = None
 
 
-def _text_option(experiment) -> str | None:
+def _text_option(experiment: Experiment) -> str | None:
     params = inspect.signature(experiment.run).parameters
     return next((name for name in TEXT_OPTIONS if name in params), None)
 
 
 def load_grid(path: str | Path) -> Grid:
     """Parse and validate ``path``; cells are listed without keys (keys need the models' fingerprints)."""
-    from kvlab.data import read_user_text
-    from kvlab.study.experiments import registry
-
     path = Path(path)
+    doc = _read_grid(path)
+    models = _models(path, doc)
+    text_paths = _texts(path, doc)
+    seeds = doc.get("seeds", [0])
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(type(s) is int and 0 <= s <= MAX_SEED for s in seeds)
+    ):
+        raise BadInputError(f"{path}: 'seeds' must be a non-empty list of integers from 0 to 2**32 - 1")
+    profile = doc.get("profile", "quick")
+    if profile not in PROFILES:
+        raise BadInputError(f"{path}: 'profile' must be one of {', '.join(PROFILES)}")
+    device, dtype, gpus = _placement(path, doc)
+    parsed, text_option = _experiments(path, doc)
+    _check_tiny_models(path, models)
+    per_model = len(parsed) * max(1, len(text_paths)) * len(seeds)
+    if len(models) * per_model > MAX_CELLS:
+        raise BadInputError(
+            f"{path}: the grid expands into {len(models) * per_model:,} cells, more than {MAX_CELLS:,}; "
+            "split it into smaller sweeps"
+        )
+    cells = []
+    for model in models:
+        for name, options in parsed:
+            opt = text_option[name]
+            for text in text_paths if (text_paths and opt) else [None]:
+                for seed in seeds:
+                    full = dict(options)
+                    if text is not None and opt is not None:
+                        full[opt] = text
+                    cells.append(Cell(model, name, full, seed, text, profile))
+    return Grid(
+        tuple(models),
+        tuple(text_paths),
+        tuple(parsed),
+        tuple(seeds),
+        profile,
+        path,
+        tuple(cells),
+        device=device,
+        dtype=dtype,
+        gpus_per_actor=gpus,
+    )
+
+
+def _read_grid(path: Path) -> dict[str, Any]:
+    """The grid file's TOML, with no keys but :data:`GRID_KEYS`."""
+    from kvlab.data import read_user_text
+
     if not path.exists():
         raise BadInputError(f"no grid file at {path}")
     source = read_user_text(path, limit=MAX_GRID_BYTES, what="grid file (TOML)")
@@ -128,6 +175,10 @@ def load_grid(path: str | Path) -> Grid:
     unknown = set(doc) - set(GRID_KEYS)
     if unknown:
         raise BadInputError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
+    return doc
+
+
+def _models(path: Path, doc: dict[str, Any]) -> list[str]:
     models = doc.get("models")
     if (
         not isinstance(models, list)
@@ -135,6 +186,13 @@ def load_grid(path: str | Path) -> Grid:
         or not all(isinstance(m, str) and m.strip() for m in models)
     ):
         raise BadInputError(f"{path}: 'models' must be a non-empty list of model specs")
+    return models
+
+
+def _texts(path: Path, doc: dict[str, Any]) -> list[str]:
+    """The grid's text files, resolved against its folder; each must be a readable text file."""
+    from kvlab.data import read_user_text
+
     texts = doc.get("texts", [])
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise BadInputError(f"{path}: 'texts' must be a list of text files")
@@ -148,17 +206,16 @@ def load_grid(path: str | Path) -> Grid:
         except BadInputError as exc:
             raise BadInputError(f"{path}: texts: {exc}") from None
         text_paths.append(str(p.resolve()))
-    seeds = doc.get("seeds", [0])
-    if (
-        not isinstance(seeds, list)
-        or not seeds
-        or not all(type(s) is int and 0 <= s <= MAX_SEED for s in seeds)
-    ):
-        raise BadInputError(f"{path}: 'seeds' must be a non-empty list of integers from 0 to 2**32 - 1")
-    profile = doc.get("profile", "quick")
-    if profile not in PROFILES:
-        raise BadInputError(f"{path}: 'profile' must be one of {', '.join(PROFILES)}")
-    device, dtype, gpus = _placement(path, doc)
+    return text_paths
+
+
+def _experiments(
+    path: Path, doc: dict[str, Any]
+) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, str | None]]:
+    """``(name, options)`` of every ``[[experiments]]`` table, each option checked against the
+    experiment's signature; and the name of each experiment's text-file option (None: it takes none)."""
+    from kvlab.study.experiments import registry
+
     known = registry()
     exps = doc.get("experiments")
     if not isinstance(exps, list) or not exps:
@@ -182,6 +239,11 @@ def load_grid(path: str | Path) -> Grid:
             raise BadInputError(f"{path}: experiment {e['name']} has no option(s) {', '.join(bad)}")
         _check_options(f"{path}: experiment {e['name']}", known[e["name"]].run, options)
         parsed.append((e["name"], dict(options)))
+    return parsed, {name: _text_option(known[name]) for name, _ in parsed}
+
+
+def _check_tiny_models(path: Path, models: list[str]) -> None:
+    """Each ``tiny:<config.json>`` model names a config file that loads."""
     for m in models:
         if m.startswith("tiny:"):
             config = m.removeprefix("tiny:")
@@ -193,34 +255,6 @@ def load_grid(path: str | Path) -> Grid:
                 load_config_file(config)
             except KvlabError as exc:
                 raise BadInputError(f"{path}: tiny model: {exc}") from None
-    per_model = len(parsed) * max(1, len(text_paths)) * len(seeds)
-    if len(models) * per_model > MAX_CELLS:
-        raise BadInputError(
-            f"{path}: the grid expands into {len(models) * per_model:,} cells, more than {MAX_CELLS:,}; "
-            "split it into smaller sweeps"
-        )
-    cells = []
-    for model in models:
-        for name, options in parsed:
-            opt = _text_option(known[name])
-            for text in text_paths if (text_paths and opt) else [None]:
-                for seed in seeds:
-                    full = dict(options)
-                    if text is not None:
-                        full[opt] = text
-                    cells.append(Cell(model, name, full, seed, text, profile))
-    return Grid(
-        tuple(models),
-        tuple(text_paths),
-        tuple(parsed),
-        tuple(seeds),
-        profile,
-        path,
-        tuple(cells),
-        device=device,
-        dtype=dtype,
-        gpus_per_actor=gpus,
-    )
 
 
 def _check_options(where: str, run: Any, options: dict[str, Any]) -> None:

@@ -186,7 +186,9 @@ def run_ray(
     refs = []
     for (spec, device, dtype), group in by_model.items():
         actors = [
-            CellWorker.options(**options).remote(spec, device, dtype) for _ in range(min(per, len(group)))
+            # Ray's stub types a @ray.remote class as the class itself, without .options
+            CellWorker.options(**options).remote(spec, device, dtype)  # type: ignore[attr-defined]
+            for _ in range(min(per, len(group)))
         ]
         refs += [actors[i % len(actors)].run.remote(c.to_json(), out_root) for i, c in enumerate(group)]
     results = []

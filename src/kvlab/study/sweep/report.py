@@ -21,8 +21,8 @@ def parse_value(text: str) -> tuple[float, float | None, float | None] | None:
     m = _NUMBER.match(str(text))
     if not m:
         return None
-    f = [float(g.replace(",", "")) if g else None for g in m.groups()]
-    return f[0], f[1], f[2]
+    low, high = (float(g.replace(",", "")) if g else None for g in m.groups()[1:])
+    return float(m.group(1).replace(",", "")), low, high
 
 
 def chart_label(labels: list[str], cells: list[dict]) -> str | None:
@@ -92,7 +92,7 @@ def write_sweep_report(out: Path, result: dict) -> Path:
             rows.append("<tr>" + "".join(f"<td>{v}</td>" for v in cols) + "</tr>")
         label = chart_label(labels, cells)
         plot = _plot(out, name, label, cells) if label else None
-        if plot:
+        if label and plot:
             fig = (
                 f'<figure><img src="{plot}" alt="{html.escape(name)}"><figcaption>{html.escape(label)}, by model '
                 "and seed (bars: the headline value; whiskers: its 95% interval where it has one)</figcaption></figure>"

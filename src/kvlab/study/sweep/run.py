@@ -8,12 +8,15 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvlab.errors import BadInputError
 from kvlab.progress import Counter, Estimate, Mode, counting
 from kvlab.study.sweep.cells import is_done, load_spec
-from kvlab.study.sweep.grid import Cell, cell_key, load_grid
+from kvlab.study.sweep.grid import Cell, Grid, cell_key, load_grid
+
+if TYPE_CHECKING:
+    from kvlab.study.sweep.ray_backend import RayCluster
 
 
 def run_sweep(
@@ -37,7 +40,7 @@ def run_sweep(
     asks Ray for ``gpus_per_actor`` GPUs (1 on CUDA unless the grid says otherwise). ``progress``
     (:func:`kvlab.progress.choose_mode`) shows the cells done of all on stderr, with an estimate of the
     time left (:func:`_cell_counter`)."""
-    from kvlab.model.loading import check_device_name, parse_dtype, resolve_device
+    from kvlab.model.loading import check_device_name, parse_dtype
 
     grid = load_grid(grid_path)
     device = check_device_name(device) if device else grid.device
@@ -51,27 +54,15 @@ def run_sweep(
         )
     if workers is not None and workers < 1:
         raise BadInputError(f"--workers must be >= 1, got {workers}")
-    cluster: Any = None
-    gpus = 0.0
+    cluster: RayCluster | None = None
     if ray:
-        from kvlab.study.sweep.ray_backend import RayCluster, check_ray_device, gpus_per_actor_for
+        from kvlab.study.sweep.ray_backend import RayCluster, check_ray_device
 
         check_ray_device(device)
         cluster = RayCluster(ray)
     try:
-        if cluster is not None:
-            device = cluster.device_for(device)
-            gpus = gpus_per_actor_for(device, grid.gpus_per_actor)
-            cluster.check_gpus(gpus)
-            here = "cpu"  # the driver only reads fingerprints; the actors load their own copies
-        else:
-            device = here = resolve_device(device)
-        fingerprints = {}
-        for spec in grid.models:  # loading validates every model before anything is written
-            fingerprints[spec] = load_spec(spec, here, dtype).fingerprint
-        cells = [
-            c.placed(cell_key(c, fingerprints[c.model], device, dtype), device, dtype) for c in grid.cells
-        ]
+        device, gpus, here = _devices(cluster, device, grid.gpus_per_actor)
+        cells = _keyed_cells(grid, here, device, dtype)
         try:
             (out / "cells").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -83,33 +74,13 @@ def run_sweep(
             f"{len(cells)} cells on {device} in {dtype}, {len(cells) - len(todo)} already done, {len(todo)} to run"
         )
         started = time.perf_counter()
-        default = 1 if device.startswith("cuda") else min(len(todo), os.cpu_count() or 1)
-        at_once = int(cluster.cpus) if cluster is not None else workers or default
-        with _cell_counter(cells, todo, progress, at_once, out) as counter:
-
-            def done(doc: dict) -> None:
-                label = f"{doc['model']} {doc['experiment']} seed {doc['seed']}"
-                counter.done(doc["key"], float(doc["seconds"]), doc["status"], label=label)
-
-            if todo and cluster is not None:
-                from kvlab.study.sweep.ray_backend import run_ray
-
-                run_ray(todo, str(out), cluster, done, gpus_per_actor=gpus)
-            elif todo:
-                from kvlab.study.sweep.local import run_local
-
-                run_local(todo, str(out), workers or default, done)
+        _run_cells(cells, todo, out, cluster, device, gpus, workers, progress)
     finally:
         if cluster is not None:
             cluster.close()
-    docs = []
-    for c in cells:
-        try:
-            docs.append(json.loads((out / "cells" / c.folder_name / "cell.json").read_text()))
-        except (OSError, ValueError):
-            docs.append({**c.to_json(), "status": "missing", "summary": {}, "headline": [], "finding": ""})
     from kvlab.study.sweep.report import write_sweep_report
 
+    docs = [_cell_doc(out, c) for c in cells]
     result = {
         "grid": str(grid.source),
         "backend": f"ray:{ray}" if ray else "local",
@@ -124,6 +95,66 @@ def run_sweep(
     }
     write_sweep_report(out, result)
     return result
+
+
+def _devices(cluster: RayCluster | None, device: str, asked_gpus: float | None) -> tuple[str, float, str]:
+    """The cells' device, the GPUs each Ray actor asks for (0 locally), and the device this process
+    loads the models on to read their fingerprints."""
+    if cluster is None:
+        from kvlab.model.loading import resolve_device
+
+        device = resolve_device(device)
+        return device, 0.0, device
+    from kvlab.study.sweep.ray_backend import gpus_per_actor_for
+
+    device = cluster.device_for(device)
+    gpus = gpus_per_actor_for(device, asked_gpus)
+    cluster.check_gpus(gpus)
+    return device, gpus, "cpu"  # the driver only reads fingerprints; the actors load their own copies
+
+
+def _keyed_cells(grid: Grid, here: str, device: str, dtype: str) -> list[Cell]:
+    """The grid's cells, keyed and placed; loading each model (on ``here``) validates it before anything
+    is written."""
+    fingerprints = {spec: load_spec(spec, here, dtype).fingerprint for spec in grid.models}
+    return [c.placed(cell_key(c, fingerprints[c.model], device, dtype), device, dtype) for c in grid.cells]
+
+
+def _run_cells(
+    cells: list[Cell],
+    todo: list[Cell],
+    out: Path,
+    cluster: RayCluster | None,
+    device: str,
+    gpus: float,
+    workers: int | None,
+    progress: Mode,
+) -> None:
+    """Run ``todo`` on the Ray ``cluster`` or in local worker processes, counting cells done of all."""
+    default = 1 if device.startswith("cuda") else min(len(todo), os.cpu_count() or 1)
+    at_once = int(cluster.cpus) if cluster is not None else workers or default
+    with _cell_counter(cells, todo, progress, at_once, out) as counter:
+
+        def done(doc: dict) -> None:
+            label = f"{doc['model']} {doc['experiment']} seed {doc['seed']}"
+            counter.done(doc["key"], float(doc["seconds"]), doc["status"], label=label)
+
+        if todo and cluster is not None:
+            from kvlab.study.sweep.ray_backend import run_ray
+
+            run_ray(todo, str(out), cluster, done, gpus_per_actor=gpus)
+        elif todo:
+            from kvlab.study.sweep.local import run_local
+
+            run_local(todo, str(out), workers or default, done)
+
+
+def _cell_doc(out: Path, c: Cell) -> dict:
+    """A cell's ``cell.json``, or a ``missing`` record where it wrote none."""
+    try:
+        return json.loads((out / "cells" / c.folder_name / "cell.json").read_text())
+    except (OSError, ValueError):
+        return {**c.to_json(), "status": "missing", "summary": {}, "headline": [], "finding": ""}
 
 
 def _cell_counter(
