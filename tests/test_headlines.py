@@ -24,6 +24,11 @@ FIGURE = re.compile(rf"(?<![\w.\-/])\d[\d,]*(?:\.\d+)?\s?(?:{UNIT})")
 FENCE = re.compile(r"```.*?```", re.S)
 CODE = re.compile(r"`[^`\n]*`")
 HISTORY = re.compile(r"<details><summary>History.*?</details>", re.S)
+#: not measurements: a confidence level, and a bar, limit or setting named as such just before the number
+LEVEL = re.compile(r"9[059]% (?:confidence|interval|bootstrap|Wilson|CI)")
+SETTING = re.compile(
+    r"(?:\b(?:bar|target|goal|limit|default|defaults to|at most|up to|budget of|cap(?:ped)? at):?|[≤<≥>])\s*$"
+)
 PAGES = [ROOT / "README.md"]
 
 
@@ -35,7 +40,13 @@ def measured_figures(text: str) -> list[tuple[int, str, str]]:
     line = 1
     for paragraph in re.split(r"(\n\s*\n)", prose):
         for k, row in enumerate(paragraph.splitlines()):
-            found += [(line + k, m.group(0), paragraph) for m in FIGURE.finditer(CODE.sub("", row))]
+            prose_row = CODE.sub("", row)
+            found += [
+                (line + k, m.group(0), paragraph)
+                for m in FIGURE.finditer(prose_row)
+                if not LEVEL.match(prose_row, m.start())
+                and not SETTING.search(prose_row[max(0, m.start() - 20) : m.start()])
+            ]
         line += paragraph.count("\n")
     return found
 
@@ -64,6 +75,8 @@ def _row(figure: str, status: str) -> assemble.Row:
 def test_the_scan_finds_figures_in_prose_only():
     text = "Took 62.6 s and 0.71x.\n`12.5 s` in code\n```\n9 ms\n```\n<details><summary>History</summary>\n3x\n</details>\n"
     assert [(n, f) for n, f, _ in measured_figures(text)] == [(1, "62.6 s"), (1, "0.71x")]
+    settings = "95% intervals; a bar of ≤ 2x; the default 256 MiB; at most 4 s; target 10x; limit: 5 s"
+    assert measured_figures(settings) == []
 
 
 def test_a_figure_needs_a_current_row_or_its_status_said():
