@@ -9,7 +9,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -21,6 +21,20 @@ if TYPE_CHECKING:  # the modules every command imports at start-up stay light (k
     from kvlab.study.experiments import Experiment, ExperimentResult
     from kvlab.study.experiments.base import Profile
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def refuse_errors(read: Callable[[T], R], value: T) -> R:
+    """``read(value)``, a :class:`~kvlab.errors.KvlabError` it raises turned into a usage error: one line
+    and exit code 2 while the options are read, before any work."""
+    from kvlab.errors import KvlabError
+
+    try:
+        return read(value)
+    except KvlabError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
 
 def model_spec(value: str | None) -> str | None:
     """Typer callback: a model spec names a model that is here (the bundled one, a local folder with a
@@ -29,13 +43,9 @@ def model_spec(value: str | None) -> str | None:
     if value is not None and not value.strip():
         raise typer.BadParameter("an empty model name; use smollm2-135m, a local folder, or a cached HF id")
     if value is not None:
-        from kvlab.errors import KvlabError
         from kvlab.model.loading import local_model_dir
 
-        try:
-            local_model_dir(value)
-        except KvlabError as exc:
-            raise typer.BadParameter(str(exc)) from None
+        refuse_errors(local_model_dir, value)
     return value
 
 
@@ -75,13 +85,9 @@ def device_name_value(value: str | None) -> str | None:
     the cluster's GPUs): its form only, here; where it runs checks the rest."""
     if value is None:
         return None
-    from kvlab.errors import KvlabError
     from kvlab.model.loading import check_device_name
 
-    try:
-        return check_device_name(value)
-    except KvlabError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    return refuse_errors(check_device_name, value)
 
 
 def device_value(value: str | None) -> str | None:
@@ -90,13 +96,9 @@ def device_value(value: str | None) -> str | None:
     the device count is one line and exit code 2. ``auto`` stays ``auto`` (the library resolves it)."""
     name = device_name_value(value)
     if name is not None and name.startswith("cuda"):
-        from kvlab.errors import KvlabError
         from kvlab.model.loading import resolve_device
 
-        try:
-            resolve_device(name)
-        except KvlabError as exc:
-            raise typer.BadParameter(str(exc)) from None
+        refuse_errors(resolve_device, name)
     return name
 
 
@@ -104,13 +106,9 @@ def dtype_value(value: str | None) -> str | None:
     """Typer callback for ``--dtype``: a dtype the model can be loaded in, checked before any work."""
     if not value:
         return value
-    from kvlab.errors import KvlabError
     from kvlab.model.loading import dtype_name
 
-    try:
-        dtype_name(value)
-    except KvlabError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    refuse_errors(dtype_name, value)
     return value
 
 
@@ -119,12 +117,7 @@ def _read_cache(value: Any, read: Callable[[list[str]], object]) -> Any:
     a bad spec is one line and exit code 2 while the options are read, before anything loads."""
     if value is None or value == []:
         return value
-    from kvlab.errors import KvlabError
-
-    try:
-        read(value if isinstance(value, list) else [value])
-    except KvlabError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    refuse_errors(read, value if isinstance(value, list) else [value])
     return value
 
 

@@ -16,6 +16,7 @@ from kvlab.cli.common import (
     QuickOpt,
     dtype_value,
     nonempty_texts,
+    refuse_errors,
     run_and_report,
 )
 from kvlab.errors import BadInputError
@@ -38,13 +39,9 @@ def _config(value: Path | None) -> Path | None:
     missing or non-regular file, a size beyond reason, a model that keeps no KV cache)."""
     if value is None:
         return None
-    from kvlab.errors import KvlabError
     from kvlab.model.facts import load_config_file
 
-    try:
-        load_config_file(value)
-    except KvlabError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    refuse_errors(load_config_file, value)
     return value
 
 

@@ -22,19 +22,16 @@ from kvlab.cli.common import (
     console,
     err_console,
     profile_from,
+    refuse_errors,
 )
 
 
 def _study_names(value: list[str] | None) -> list[str] | None:
     """Typer callback for ``--only``: experiments a study runs, checked before any import of them."""
     if value:
-        from kvlab.errors import KvlabError
         from kvlab.study.experiments import check_study_names
 
-        try:
-            check_study_names(value)
-        except KvlabError as exc:
-            raise typer.BadParameter(str(exc)) from None
+        refuse_errors(check_study_names, value)
     return value
 
 
