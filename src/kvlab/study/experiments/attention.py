@@ -163,7 +163,9 @@ def _samples(
             f"window_tokens {length} must be below the model's maximum of {handle.max_positions}"
         )
     wins = token_samples(ids, length, n_windows, seed=ctx.seed)
-    result.data_sources.append(f"{source.source}: {n_windows} windows of {length} tokens (of {len(ids):,})")
+    result.data_sources.append(
+        f"{source.source}: {n_windows} text samples of {length} tokens (of {len(ids):,})"
+    )
 
     return wins
 
@@ -189,7 +191,7 @@ def _measure(ctx: ExperimentContext, handle, wins: list, rolls, length: int, fir
     logit_base = {m: np.full(W, np.nan) for m in ("cos", "js", "kl", "topk")}
 
     first_att, first_logits, prev_att, prev_logits = None, None, None, None
-    with handle.eager_attention(), ctx.progress.task("attention: windows", total=W * (R + 1)) as advance:
+    with handle.eager_attention(), ctx.progress.task("attention: text samples", total=W * (R + 1)) as advance:
         for w, win in enumerate(wins):
             orig = handle.forward(win, output_attentions=True)
             att_o = stack_attentions(orig.attentions)
@@ -370,7 +372,7 @@ def _unrelated_rows(summary: dict, att_rows: list, logit_rows: list, base: dict,
     biv = {m: bootstrap_ci(_window_means(base[m]), seed=0) for m in ROW_METRICS}
     att_rows.append(
         [
-            "unrelated window",
+            "unrelated sample",
             _interval_str(biv["cos"]),
             _interval_str(biv["cos_rest"]),
             _interval_str(biv["js"]),
@@ -384,7 +386,7 @@ def _unrelated_rows(summary: dict, att_rows: list, logit_rows: list, base: dict,
     lb = {m: bootstrap_ci(logit_base[m], seed=0) for m in logit_base}
     logit_rows.append(
         [
-            "unrelated window",
+            "unrelated sample",
             _interval_str(lb["cos"]),
             _interval_str(lb["js"]),
             _interval_str(lb["kl"]),
@@ -401,7 +403,7 @@ def _unrelated_rows(summary: dict, att_rows: list, logit_rows: list, base: dict,
 
 def _attention_table(att_rows: list, first_query: int) -> Table:
     return Table(
-        "Attention rows, original vs rolled (mean over layers, heads and aligned queries; 95% CI over windows)",
+        "Attention rows, original vs rolled (mean over layers, heads and aligned queries; 95% CI over text samples)",
         [
             "roll n",
             "cos, all aligned keys",
@@ -439,7 +441,7 @@ def _sink_table(sink_rows: list) -> Table:
 
 def _logit_table(logit_rows: list) -> Table:
     return Table(
-        "Next-token logits at the last position (95% CI over windows)",
+        "Next-token logits at the last position (95% CI over text samples)",
         [
             "condition",
             "cosine",
@@ -450,7 +452,7 @@ def _logit_table(logit_rows: list) -> Table:
             "thread top-5 overlap",
         ],
         logit_rows,
-        caption="Thread numbers are from one prompt (no interval). Unrelated: two different windows.",
+        caption="Thread numbers are from one prompt (no interval). Unrelated: two different text samples.",
     )
 
 
@@ -481,7 +483,7 @@ def _layer_panel(ax, metric, title, ylabel, ref_key, rows, base, ref, rolls):
         )
         ax.fill_between(depth, lo, hi, color=colors[r % len(colors)], alpha=0.25)
     mean, lo, hi = bootstrap_curve(np.nanmean(base[metric], axis=-1))
-    ax.plot(depth, mean, color="grey", ls="--", label="unrelated window")
+    ax.plot(depth, mean, color="grey", ls="--", label="unrelated sample")
     ax.fill_between(depth, lo, hi, color="grey", alpha=0.2)
     if ref is not None and ref_key:
         for r, n in enumerate(rolls):
@@ -535,7 +537,7 @@ def _layer_figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, r
             rolls,
         )
         fig.suptitle(
-            f"{name}: attention rows, original vs rolled, per layer ({rows['cos'].shape[0]} windows × "
+            f"{name}: attention rows, original vs rolled, per layer ({rows['cos'].shape[0]} text samples × "
             f"{length} tokens, 95% bands)"
         )
         figs.append(
@@ -634,13 +636,13 @@ def _figure_5(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, l
             yerr=[[i.value - i.low for i in ivs], [i.high - i.value for i in ivs]],
             marker="o",
             capsize=3,
-            label=f"this model ({length}-token windows, 95% CI)",
+            label=f"this model ({length}-token text samples, 95% CI)",
         )
         b = bootstrap_ci(logit_base[metric], seed=0)
         if metric == "cos":  # far below the rolls: say it instead of squashing the axis
-            ax.plot([], [], " ", label=f"unrelated windows: {b.text('.2f')}")
+            ax.plot([], [], " ", label=f"unrelated samples: {b.text('.2f')}")
         else:
-            ax.axhline(b.value, color="grey", ls="--", label="unrelated windows")
+            ax.axhline(b.value, color="grey", ls="--", label="unrelated samples")
             ax.axhspan(b.low, b.high, color="grey", alpha=0.2)
         ref_key = "logit_cos" if metric == "cos" else "top5_token_overlap"
         if ref is not None:
@@ -671,7 +673,7 @@ def _figure_5(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, l
             label=label,
         )
     axes[1].axhline(
-        bootstrap_ci(logit_base["js"]).value, color="grey", ls="--", label="JS, unrelated windows"
+        bootstrap_ci(logit_base["js"]).value, color="grey", ls="--", label="JS, unrelated samples"
     )
     axes[1].set_xscale("log")
     axes[1].set_yscale("log")
@@ -708,7 +710,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
-    seed_changes="where in the text the windows are cut (the text starts at a paragraph the seed picks)",
+    seed_changes="where in the text the text samples are cut (the text starts at a paragraph the seed picks)",
     describe=describe,
     name="attention",
     title="Attention rows and next-token logits under a roll",

@@ -146,7 +146,7 @@ def run(
     wins = evaluation_windows(handle, src, n_ctx, n_cont, n_win, ctx.seed)
     result.arrays["window_token_ids"] = np.array(wins)
     result.data_sources.append(
-        f"{src.source}: {n_win} windows of {n_ctx} context + {n_cont} continuation tokens"
+        f"{src.source}: {n_win} text samples of {n_ctx} context + {n_cont} continuation tokens"
     )
     configs: list[tuple[str, str, float, str]] = [("full", "none", 0.0, "keep")]
     configs += [("quant", m, float(b), "keep") for m in methods for b in _widths(m, bits)]
@@ -207,7 +207,7 @@ def _measure(ctx: ExperimentContext, handle, wins: list, configs: list, names: l
     }
     nbytes: dict[str, list] = {n: [] for n in names}
     full_bytes = []
-    with ctx.progress.task("compression: windows", total=len(wins) * len(configs)) as advance:
+    with ctx.progress.task("compression: text samples", total=len(wins) * len(configs)) as advance:
         for w in wins:
             obs = observe(handle, w)
             cobs = _ctx_observation(obs, n_ctx)
@@ -426,59 +426,43 @@ def _records(result, configs, names, quality, layer_stats, nbytes, full_bytes, n
 KL_CAPTION = (
     "KL to full: mean per-token KL(full cache || this cache) in nats of the continuation's next-token "
     "distributions, teacher-forced; top-1: share of those tokens whose argmax matches the full cache's "
-    "(95% intervals over text samples, one per window: bootstrap for KL and Δ perplexity, Wilson for "
+    "(95% intervals over text samples: bootstrap for KL and Δ perplexity, Wilson for "
     "top-1; none from fewer than 5 text samples)."
+)
+
+
+#: the columns the quantization and eviction tables share, after the method
+_QUALITY_COLUMNS = (
+    "bytes/token",
+    "bits/element",
+    "perplexity",
+    "Δ perplexity % [95% CI]",
+    "KL to full (nats)",
+    "top-1 agreement",
+    "attn-output rel. error",
 )
 
 
 def _tables(rows_q: list, rows_e: list, fp_bpt: float) -> list[Table]:
     """The quantization and eviction tables."""
-    tables = []
-    tables.append(
+    return [
         Table(
             "Quantization",
-            [
-                "method",
-                "bytes/token",
-                "bits/element",
-                "perplexity",
-                "Δ perplexity % [95% CI]",
-                "KL to full (nats)",
-                "top-1 agreement",
-                "attn-output rel. error",
-                "attention KL (nats)",
-                "q·k correlation",
-                "needle accuracy",
-            ],
+            ["method", *_QUALITY_COLUMNS, "attention KL (nats)", "q·k correlation", "needle accuracy"],
             rows_q,
             caption=f"Bytes/token count packed codes, fp16 scales/zero points and full-precision slots "
             f"(fp32 cache: {fp_bpt:.0f}). Errors use the continuation's queries, averaged over layers. "
             + KL_CAPTION,
-        )
-    )
-    tables.append(
+        ),
         Table(
             "Eviction",
-            [
-                "policy / kept",
-                "bytes/token",
-                "bits/element",
-                "perplexity",
-                "Δ perplexity % [95% CI]",
-                "KL to full (nats)",
-                "top-1 agreement",
-                "attn-output rel. error",
-                "attention mass kept",
-                "q·k correlation",
-                "needle accuracy",
-            ],
+            ["policy / kept", *_QUALITY_COLUMNS, "attention mass kept", "q·k correlation", "needle accuracy"],
             rows_e,
             caption="Per layer and KV head, the kept slots keep their original RoPE positions ('repack': "
             "re-rotated to 0..n-1, and the next query follows them); bytes/token per original token. "
             + KL_CAPTION,
-        )
-    )
-    return tables
+        ),
+    ]
 
 
 def _timing_table(timing: dict) -> Table:
@@ -700,7 +684,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
-    seed_changes="where in the text the evaluation windows are cut",
+    seed_changes="where in the text the evaluation text samples are cut",
     describe=describe,
     name="compression",
     title="Cache compression: quantization and eviction",

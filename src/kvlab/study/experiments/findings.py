@@ -207,7 +207,7 @@ def _claim_v(sweep: dict, long: dict, derot: dict, ref14: Any) -> list[dict]:
             "samples": f"blocks of a {derot['context_tokens']}-token context",
         }
     else:
-        key = {**v_short[-1], "samples": f"windows of {sweep['context_tokens']} tokens"}
+        key = {**v_short[-1], "samples": f"text samples of {sweep['context_tokens']} tokens"}
     return [
         _claim(
             "v_stable",
@@ -250,8 +250,8 @@ def _claim_order(sweep: dict, ref14: Any) -> list[dict]:
             "; ".join(parts) + " (unrelated / scrambled / roll 20)",
             thread,
             "holds" if ok else "does not hold",
-            f"holds if the bootstrap 95% intervals are ordered and disjoint for both K and V over {sweep['windows']} windows",
-            {**c["roll_20"]["k_x0"], "samples": f"windows of {sweep['context_tokens']} tokens"},
+            f"holds if the bootstrap 95% intervals are ordered and disjoint for both K and V over {sweep['windows']} text samples",
+            {**c["roll_20"]["k_x0"], "samples": f"text samples of {sweep['context_tokens']} tokens"},
             f"raw K cosine, roll 20 (scrambled {c['scrambled']['k_x0']['value']:.3f}, unrelated {c['unrelated']['k_x0']['value']:.3f})",
         )
     ]
@@ -319,12 +319,12 @@ def _claim_attention(attn: dict, ref: R.Reference) -> list[dict]:
         _claim(
             "attention_disrupted",
             f"last-query row cosine with the new sink {_iv(iw.to_json())}, without it {_iv(iwo.to_json())} "
-            f"(mean over layers, n={'/'.join(map(str, ATTN_ROLLS))}, {w.shape[0]} windows)",
+            f"(mean over layers, n={'/'.join(map(str, ATTN_ROLLS))}, {w.shape[0]} text samples)",
             thread,
             verdict,
             "does not hold if the cosine with the sink is >= 0.8; artefact if it is low but >= 0.8 and 0.1 "
             "higher once the new sink's slot is dropped; else holds",
-            {**iwo.to_json(), "samples": f"windows of {int(attn['tokens'])} tokens"},
+            {**iwo.to_json(), "samples": f"text samples of {int(attn['tokens'])} tokens"},
             f"attention-row cosine without the new sink (with it: {iw.value:.3f})",
         )
     ]
@@ -418,11 +418,11 @@ def run(
             "attention_rows",
             _attention_figure(ctx, attn, model.name),
             "Low attention-row cosine comes from the rolled cache's new sink; "
-            "without that slot the rows agree (bands: bootstrap 95% over windows).",
+            "without that slot the rows agree (bands: bootstrap 95% over text samples).",
         )
     )
     result.data_sources.append(
-        f"attention rows: {main.source}, {W} windows of {T} tokens, rolls {ATTN_ROLLS}"
+        f"attention rows: {main.source}, {W} text samples of {T} tokens, rolls {ATTN_ROLLS}"
     )
     if ref.root is None:
         result.notes.append(ref.note + "; the claims have no thread numbers beside them.")
@@ -449,7 +449,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
-    seed_changes="the attention-row windows, and through roll_sweep, roll_long and rope_derotation their samples",
+    seed_changes="the attention-row text samples, and through roll_sweep, roll_long and rope_derotation their samples",
     describe=describe,
     name="findings",
     title="Findings: the thread's claims, checked",

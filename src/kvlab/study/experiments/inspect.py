@@ -363,8 +363,8 @@ def _measure_prompts(ctx: ExperimentContext, handle, prompts: list[str], n_gen: 
 
 def _prompt_tables(rows: list, layers_meta: list, n_gen: int) -> list[Table]:
     """The prompts' cache table and the first prompt's per-layer tensors."""
-    tables = []
-    tables.append(
+    first = layers_meta[0]
+    return [
         Table(
             "Cache for the Phase 1 prompts",
             [
@@ -379,10 +379,7 @@ def _prompt_tables(rows: list, layers_meta: list, n_gen: int) -> list[Table]:
             ],
             rows,
             caption="Measured bytes/token come from the snapshot's tensors and must equal the formula.",
-        )
-    )
-    first = layers_meta[0]
-    tables.append(
+        ),
         Table(
             f"Per-layer cache tensors for {first['prompt']!r}",
             ["layer", "key shape", "value shape", "key dtype", "value dtype"],
@@ -391,9 +388,8 @@ def _prompt_tables(rows: list, layers_meta: list, n_gen: int) -> list[Table]:
                 for m in first["layers"]
             ],
             caption="[batch, kv_heads, cached tokens, head_dim]; every prompt's layers are in result.json.",
-        )
-    )
-    return tables
+        ),
+    ]
 
 
 def _sinks(ctx: ExperimentContext, result: ExperimentResult, handle) -> dict:

@@ -133,13 +133,15 @@ def run(
     length = ctx.count("length", length, quick=40, default=64, full=128)
     gen_tokens = ctx.count("gen_tokens", gen_tokens, quick=8, default=16, full=32)
     if not 1 <= roll < length - 8:
-        raise BadInputError(f"roll must lie in [1, {length - 9}] for windows of {length} tokens, got {roll}")
+        raise BadInputError(
+            f"roll must lie in [1, {length - 9}] for text samples of {length} tokens, got {roll}"
+        )
     handle = ctx.handle()
     text = seeded_text(python_docs(), ctx.seed)
     ids = handle.encode(text.text[: (n_win + 1) * length * 8])
     wins = token_samples(ids, length, n_win + 1, seed=ctx.seed)
     per: list[dict[str, dict]] = []
-    with ctx.progress.task("kv swap: windows", total=n_win) as advance:
+    with ctx.progress.task("kv swap: text samples", total=n_win) as advance:
         for w in range(n_win):
             per.append(_window_conditions(handle, wins[w], wins[w + 1], roll, gen_tokens))
             advance(1)
@@ -171,10 +173,10 @@ def run(
             "kv_swap",
             _figure(names, stats, handle.name, n_win),
             "First-token KL, reference NLL and distinct-2 per K/V condition, "
-            "bootstrap 95% intervals over windows.",
+            "bootstrap 95% intervals over text samples.",
         )
     )
-    result.data_sources.append(f"{text.source}: {n_win + 1} windows of {length} tokens")
+    result.data_sources.append(f"{text.source}: {n_win + 1} text samples of {length} tokens")
     return result
 
 
@@ -198,9 +200,9 @@ def _tables(
                 "tokens agreeing with ref",
             ],
             rows,
-            caption=f"Mean [95% bootstrap CI] over {n_win} windows of {length} tokens; roll/truncate by {roll}; "
+            caption=f"Mean [95% bootstrap CI] over {n_win} text samples of {length} tokens; roll/truncate by {roll}; "
             f"{gen_tokens} greedy tokens. 'naive' = original keys re-rotated to 0.. with original values "
-            "(slot 0 never was a sink). Cross-text reference: window x's own cache.",
+            "(slot 0 never was a sink). Cross-text reference: sample x's own cache.",
         )
     )
     tables.append(
@@ -208,15 +210,15 @@ def _tables(
             "Cross-text: first-token KL against each text's own cache",
             ["condition", "KL vs x's cache", "KL vs y's cache"],
             [[c, stats["first_token_kl"][names.index(c)].value, cross_kl_y[c]] for c in cross_kl_y],
-            caption="Which cache does a K/V hybrid behave like? Mean over windows.",
+            caption="Which cache does a K/V hybrid behave like? Mean over text samples.",
         )
     )
     tables.append(
         Table(
-            "Example continuations (window 0)",
+            "Example continuations (text sample 0)",
             ["condition", "greedy continuation"],
             [[c, handle.decode(per[0][c]["tokens"])] for c in names],
-            caption="One window, for reading; the statistics above are over all windows.",
+            caption="One text sample, for reading; the statistics above are over all of them.",
         )
     )
     return tables
@@ -276,7 +278,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
-    seed_changes="where in the Python docs the windows are cut",
+    seed_changes="where in the Python docs the text samples are cut",
     describe=describe,
     name="kv_swap",
     title="K/V swap factorial and sink-only swaps",

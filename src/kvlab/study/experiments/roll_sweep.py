@@ -215,7 +215,7 @@ def _layer_figure(ctx: ExperimentContext, raw: dict, model_name: str):
         ax.legend(fontsize=7)
     fig.suptitle(f"{model_name}: per-layer similarity to the original")
     return ctx.figure(
-        "per_layer", fig, "Per-layer cosine for rolls and controls (bands: bootstrap 95% over windows)."
+        "per_layer", fig, "Per-layer cosine for rolls and controls (bands: bootstrap 95% over text samples)."
     )
 
 
@@ -346,7 +346,7 @@ def run(
     T = int(ctx.count("context", context, quick=96, default=128, full=256))
     W = int(ctx.count("windows", windows, quick=4, default=20, full=50))
     if T < 24:
-        raise BadInputError(f"the roll sweep needs windows of at least 24 tokens, got {T}")
+        raise BadInputError(f"the roll sweep needs text samples of at least 24 tokens, got {T}")
     main = R.study_text(ctx, text)
     wins, ctrls, ctrl_source = _samples(ctx, handle, main, T, W)
     raw = measure_sweep(handle, wins, ctrls, ctx.seed, ctx.progress)
@@ -367,10 +367,13 @@ def run(
     }
     result.arrays.update(_arrays(raw))
     result.figures.extend(_figures(ctx, raw, summ, T, handle.name, ref))
-    result.data_sources += [f"{main.source}: {W} windows of {T} tokens", f"unrelated control: {ctrl_source}"]
+    result.data_sources += [
+        f"{main.source}: {W} text samples of {T} tokens",
+        f"unrelated control: {ctrl_source}",
+    ]
     result.notes.append(
-        "Full [window, layer, head, slot] cosines for K, de-rotated K and V are saved as float16 in "
-        "arrays.npz; centred cosines and L2 as [window, layer, head] means."
+        "Full [sample, layer, head, slot] cosines for K, de-rotated K and V are saved as float16 in "
+        "arrays.npz; centred cosines and L2 as [sample, layer, head] means."
     )
     return result
 
@@ -383,7 +386,7 @@ def _samples(ctx: ExperimentContext, handle, main, T: int, W: int):
     ctrl_text = R.control_text(main)
     if ctrl_text is main:
         ctrl_ids_all = ids[len(ids) // 2 :] + ids[: len(ids) // 2]  # distant windows of the same corpus
-        ctrl_source = f"{main.source}, windows half the corpus away"
+        ctrl_source = f"{main.source}, text samples half the corpus away"
     else:
         ctrl_ids_all = R.encode_long(handle, ctrl_text, T * W, max_chars=T * W * 12)
         ctrl_source = ctrl_text.source
@@ -468,7 +471,7 @@ def _thread_table(ref, summ: dict) -> Table:
             "this model cos V",
         ],
         rrows,
-        caption="Thread: one 87-token prompt, one run; this model: mean over windows.",
+        caption="Thread: one 87-token prompt, one run; this model: mean over text samples.",
     )
 
 
@@ -504,7 +507,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
-    seed_changes="where in the text the windows and the control windows are cut, and the scramble",
+    seed_changes="where in the text the text samples and the control samples are cut, and the scramble",
     describe=describe,
     name="roll_sweep",
     title="Roll sweep and controls",

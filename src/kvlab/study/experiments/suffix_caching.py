@@ -294,7 +294,9 @@ def run(
     handle = ctx.handle()
     st = settings(ctx, windows, context_tokens, drops, sinks)
     passages, source = _passages(handle, ctx, st.ctx_len, st.cont_len, st.n_windows, text_file)
-    result.data_sources.append(f"{source}: {len(passages)} windows of {st.ctx_len} + {st.cont_len} tokens")
+    result.data_sources.append(
+        f"{source}: {len(passages)} text samples of {st.ctx_len} + {st.cont_len} tokens"
+    )
     per, rec_rows, thread = measure(handle, ctx, st, passages)
     keys = [k for k in per[0] if isinstance(per[0][k], np.ndarray)]
     stacked = {k: np.stack([p[k] for p in per]) for k in keys}  # [windows, drops, sinks]
@@ -364,7 +366,7 @@ def _kl_table(stacked: dict, st: Settings, seed: int) -> Table:
             "median KL full->re-prefill",
             "NLL rolled",
             "NLL re-prefill",
-            "windows",
+            "samples",
         ],
         rows,
         caption=f"First-token KL in nats (reference first). NLL: teacher-forced mean NLL of the true {st.cont_len}-token "
@@ -414,11 +416,11 @@ def _full_table(stacked: dict, st: Settings, seed: int) -> tuple[Table, dict]:
                 rows.append([spec, n, s, label, iv(cell[c], "kl"), iv(cell[c], "top1"), cell[c]["kl"]["n"]])
     table = Table(
         "Rolled cache and re-prefill against the full context, every continuation token",
-        ["drop", "n", "sinks", "cache", "KL to full (nats)", "top-1 agreement", "windows"],
+        ["drop", "n", "sinks", "cache", "KL to full (nats)", "top-1 agreement", "samples"],
         rows,
-        caption=f"Per window, the mean over the {st.cont_len} continuation tokens (teacher-forced) of "
+        caption=f"Per text sample, the mean over the {st.cont_len} continuation tokens (teacher-forced) of "
         "KL(full context || cache) in nats (float64) and of top-1 agreement with the full context; means "
-        "over windows with 95% intervals (one sample per window; bootstrap for KL, Wilson for top-1). The full context against "
+        "over text samples with 95% intervals (bootstrap for KL, Wilson for top-1). The full context against "
         "itself is 0 and 1 by construction.",
     )
     return table, summary
@@ -430,7 +432,7 @@ def _kl_note(summary_kl: dict) -> str:
     verdicts = "; ".join(f"{k}: {v['verdict']}" for k, v in cells.items())
     return (
         "Is the rolled cache closer to the full context than a re-prefill, in KL over every continuation "
-        f"token (paired difference, 95% interval over windows)? {verdicts or 'no cells measured'}."
+        f"token (paired difference, 95% interval over text samples)? {verdicts or 'no cells measured'}."
     )
 
 
@@ -492,7 +494,7 @@ def _greedy_table(stacked: dict, st: Settings, seed: int) -> Table:
             "distinct-2 re-prefill",
             "longest repeat rolled",
             "longest repeat re-prefill",
-            "windows",
+            "samples",
         ],
         grows,
         caption="Agreement = tokens until the rolled cache's greedy continuation first differs from the re-prefill's.",
@@ -530,7 +532,7 @@ def _recompute_table(rec_rows: list[dict], st: Settings, seed: int) -> tuple[Tab
             "95% CI",
             "compute / re-prefill",
             "gap closed per unit compute",
-            "windows",
+            "samples",
         ],
         rrows,
         caption="'first' recomputes the first k window slots (one k-token prefill); 'probe' the k slots whose "
@@ -567,7 +569,7 @@ def _kl_figure(ctx: ExperimentContext, stacked: dict, drop_specs: list[str], sin
         "kl_by_drop",
         fig,
         "Median first-token KL between the rolled cache and an exact re-prefill, "
-        "per drop and sink count (bootstrap 95% bands over windows).",
+        "per drop and sink count (bootstrap 95% bands over text samples).",
     )
 
 
@@ -609,7 +611,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     shares = s.get("share_rolled_closer_to_full", {}) or {}
     rows = [(f"KL without sinks / with sinks ({k})", iv(ratios, k)) for k in ratios]
     rows += [
-        (f"share of windows where the rolled cache is closer to the full context ({k})", iv(shares, k))
+        (f"share of text samples where the rolled cache is closer to the full context ({k})", iv(shares, k))
         for k in shares
     ]
     rows += [

@@ -102,7 +102,7 @@ def run(
             "'transfer effect' the original run measured, KL against B without A.",
         )
     )
-    result.data_sources.append(f"{text.source}: {n} windows of {a_tokens + b_tokens} tokens")
+    result.data_sources.append(f"{text.source}: {n} text samples of {a_tokens + b_tokens} tokens")
     return result
 
 

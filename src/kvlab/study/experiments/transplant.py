@@ -135,7 +135,7 @@ def run(
     _cross_geometry_section(ctx, result, base, target, alpha, cross_texts)
     _derivative_section(ctx, result, base, windows, length, alpha)
     result.data_sources.append(
-        "Python documentation windows; Shakespeare windows when ../shared/data is present"
+        "Python documentation text samples; Shakespeare text samples when ../shared/data is present"
     )
     return result
 
@@ -237,8 +237,8 @@ def _derivative_tables(
                 "tokens agreeing with own generation",
             ],
             rows,
-            caption=f"Mean [95% bootstrap CI] over {n} test windows of {length} tokens: context, then {cont} true tokens "
-            f"teacher-forced, then {gen} greedy tokens. Ridge maps fitted on {n} other windows (alpha {alpha}). "
+            caption=f"Mean [95% bootstrap CI] over {n} test text samples of {length} tokens: context, then {cont} true tokens "
+            f"teacher-forced, then {gen} greedy tokens. Ridge maps fitted on {n} other text samples (alpha {alpha}). "
             + about,
         ),
         Table(
@@ -584,7 +584,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         which = "its 4-bit-weight copy" if deriv.get("kind") == "quantized" else "its fine-tuned derivative"
         own, moved = "docs/base/own cache", "docs/base/transplanted"
         parts.append(
-            f"Fed the cache of {which} on Python-docs windows, the base model's next-token predictions agree "
+            f"Fed the cache of {which} on Python-docs text samples, the base model's next-token predictions agree "
             f"with its own-cache predictions at {format_number(num(s, f'{moved}.top1'))} (KL "
             f"{format_number(num(s, f'{moved}.kl'))}; NLL of the true text {format_number(num(s, f'{moved}.nll'))} "
             f"vs {format_number(num(s, f'{own}.nll'))} with its own cache)"
@@ -610,7 +610,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 
 EXPERIMENT = Experiment(
-    seed_changes="where in the texts the windows are cut, and the cross-model passages",
+    seed_changes="where in the texts the text samples are cut, and the cross-model passages",
     describe=describe,
     name="transplant",
     title="Cache transplant between models and C2C-lite",

@@ -54,7 +54,7 @@ GLOSSARY: tuple[tuple[str, str], ...] = (
     ),
     (
         "seed",
-        "chooses which samples are drawn (where in the text windows and prompts come from, which facts); "
+        "chooses which samples are drawn (where in the text the samples and prompts come from, which facts); "
         "seed 0 is the reference draw, and other seeds are replicates",
     ),
     (
