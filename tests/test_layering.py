@@ -117,7 +117,7 @@ def test_the_checker_sees_a_direct_model_call():
 # Packages in layers: each imports only from layers below it (and itself).
 LAYERS = [
     {"errors"},
-    {"paths", "loop", "rope", "progress"},
+    {"paths", "loop", "rope", "progress", "probe"},
     {"data", "cache", "kernels"},
     {"metrics", "policy"},
     {"compress"},
