@@ -1,6 +1,6 @@
 """Does rolling the window change where the model looks and what it predicts? Sink-aware.
 
-For many windows of a long text, the window and the window without its first n tokens are run
+For many samples of a long text, the sample and the sample without its first n tokens are run
 with eager attention. Attention rows of aligned queries are compared over aligned keys (original
 slots n..T-1 against rolled 0..T-n-1), once with every aligned key and once without the first one
 (the rolled run's new attention sink), each row renormalised. The sink mass is reported on its own.
@@ -306,7 +306,7 @@ def _summarise(result, rolls, rows, base, logit, logit_base, ref, L, length, fir
 
 
 def _roll_rows(summary: dict, rolls, rows: dict, logit: dict, ref) -> tuple[list, list, list]:
-    """Per roll: intervals over windows for attention rows, sink mass and logits (and the thread's numbers)."""
+    """Per roll: intervals over text samples for attention rows, sink mass and logits (and the thread's numbers)."""
     att_rows, sink_rows, logit_rows = [], [], []
     for r, n in enumerate(rolls):
         iv = {m: bootstrap_ci(_window_means(rows[m][:, r]), seed=0) for m in ROW_METRICS}

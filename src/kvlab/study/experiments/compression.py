@@ -98,7 +98,7 @@ def needle_prompts(
 def evaluation_windows(
     model: Any, src: Text, n_ctx: int, n_cont: int, n_win: int, seed: int
 ) -> list[list[int]]:
-    """``n_win`` token windows of ``n_ctx + n_cont`` tokens, evenly spread over ``src``."""
+    """``n_win`` text samples of ``n_ctx + n_cont`` tokens, evenly spread over ``src``."""
     ids = model.encode(src.text[: (n_ctx + n_cont) * n_win * 8 + 40_000])
     return token_samples(ids, n_ctx + n_cont, n_win, seed=seed)
 
@@ -377,7 +377,7 @@ def _records(result, configs, names, quality, layer_stats, nbytes, full_bytes, n
     base_needle = float(needle["full precision"].mean()) if "full precision" in needle else float("nan")
     for cfg, name in zip(configs, names, strict=True):
         ppl = np.array([np.exp(x.mean()) for x in nll[name]])
-        inc = bootstrap_ci(100 * (ppl / base_ppl - 1), "mean")  # % over windows; none from < 5
+        inc = bootstrap_ci(100 * (ppl / base_ppl - 1), "mean")  # % over text samples; none from < 5
         bpt = float(np.mean(nbytes[name])) / n_ctx
         ls = {k: np.array(val) for k, val in layer_stats[name].items() if val}
         nd = float(needle[name].mean()) if name in needle else None

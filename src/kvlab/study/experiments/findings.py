@@ -388,7 +388,9 @@ def run(
     T = int(ctx.count("attention_context", attention_context, quick=64, default=128, full=128))
     W = int(ctx.count("attention_windows", attention_windows, quick=3, default=20, full=40))
     if max(ATTN_ROLLS) + 2 >= T:
-        raise BadInputError(f"attention windows need more than {max(ATTN_ROLLS) + 2} tokens, got {T}")
+        raise BadInputError(
+            f"attention-row text samples need more than {max(ATTN_ROLLS) + 2} tokens, got {T}"
+        )
     from kvlab.data import token_samples
 
     ids = R.encode_long(model, main, T * W, max_chars=T * W * 12)

@@ -1,6 +1,6 @@
 """K/V swap factorial and sink-only swaps: which of K and V makes a moved cache loop?
 
-For windows of prose ``x`` (cache over ``x[:-1]``, then ``x[-1]`` is fed and the model continues):
+For text samples of prose ``x`` (cache over ``x[:-1]``, then ``x[-1]`` is fed and the model continues):
 
 * roll by n: reference = re-prefill of ``x[n:]``. Keys from {original slots n.. at their original
   positions, the same keys re-rotated to 0.., the reference} x values from {original, reference}.

@@ -1,4 +1,4 @@
-"""Roll sweep, controls and sink-aware similarity, over many windows of one text.
+"""Roll sweep, controls and sink-aware similarity, over many samples of one text.
 
 For each window of ``T`` tokens: the original cache, the re-prefilled rolls (n = 1, 2, 3, 5, 10, 20
 and 10/25/50% of the window), two truncations (cache slices), a seeded scramble and an unrelated
@@ -124,7 +124,7 @@ def _bound(iv: dict, key: str) -> float:
 
 
 def summarise(raw: dict[str, dict[str, list[np.ndarray]]], seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Mean and bootstrap 95% interval over windows of every (condition, metric, excluded slots)."""
+    """Mean and bootstrap 95% interval over text samples of every (condition, metric, excluded slots)."""
     out: dict[str, dict[str, Any]] = {}
     unrel = {m: np.array([a.mean() for a in raw["unrelated"][m]]) for m in raw["unrelated"]}
     for cond, metrics in raw.items():

@@ -1,6 +1,6 @@
 """Suffix caching, measured: roll a context forward, keep the cached K/V, fix positions — with and without sinks.
 
-For each passage (the thread-style prompt and >= 20 windows of book text) the context is prefilled,
+For each passage (the thread-style prompt and >= 20 samples of book text) the context is prefilled,
 rolled by ``n`` tokens with ``s`` sinks kept, and compared with the exact re-prefill of the rolled
 text and with the full context (never rolled): first-token KL and logit cosine, teacher-forced NLL
 of the true continuation, greedy agreement and degeneration. The rolled cache and the re-prefill are
@@ -376,7 +376,7 @@ def _kl_table(stacked: dict, st: Settings, seed: int) -> Table:
 
 
 def _iv(x: np.ndarray, seed: int, proportion: bool = False):
-    """Mean with its interval over windows (JSON; Wilson for a proportion, else a bootstrap), or None
+    """Mean with its interval over text samples (JSON; Wilson for a proportion, else a bootstrap), or None
     where nothing was measured."""
     x = x[np.isfinite(x)]
     if not x.size:

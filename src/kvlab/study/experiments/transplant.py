@@ -72,7 +72,7 @@ def _texts(n: int, length: int, model, seed: int, trained_on_book: bool) -> list
 
 
 class _Prefills:
-    """Snapshots of (model, token ids), computed once: both transplant directions read the same windows."""
+    """Snapshots of (model, token ids), computed once: both transplant directions read the same samples."""
 
     def __init__(self) -> None:
         self._memo: dict = {}
@@ -213,7 +213,7 @@ def _second_model(ctx: ExperimentContext, result: ExperimentResult, base):
         "loss_last": info.loss_last,
     }
     return deriv, (
-        f"Derivative: {info.steps} AdamW steps on {info.batch} x {info.seq_len}-token windows of "
+        f"Derivative: {info.steps} AdamW steps on {info.batch} x {info.seq_len}-token samples of "
         f"{info.text_source}, loss {info.loss_first:.2f} -> {info.loss_last:.2f}."
     )
 
