@@ -132,3 +132,14 @@ def test_bad_input_exits_2_with_one_line_before_any_request(argv, names, tmp_pat
     assert len(err.strip().splitlines()) == 1 and names in err, err
     assert fake.requests == 0
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_server_that_cannot_be_reached_exits_2(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, out, err, heavy = run_cli(["probe", f"http://127.0.0.1:{port}"], tmp_path)
+    assert code == 2 and out == "" and "cannot reach" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "runs").exists()
