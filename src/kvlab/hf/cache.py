@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
@@ -23,6 +23,9 @@ from transformers.cache_utils import DynamicLayer
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.rope.spec import Rope
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def text_config(config: Any) -> Any:
@@ -101,7 +104,7 @@ def rows_at_different_positions(args: tuple, kwargs: dict) -> bool:
     return t is not None and t.shape[0] > 1 and bool((t[1:] != t[:1]).any())
 
 
-def cache_argument(model: Any) -> str:  # a model or a model class
+def cache_argument(model: PreTrainedModel | type[PreTrainedModel]) -> str:
     """The keyword a model's ``forward`` / ``generate`` takes its cache by: ``cache`` (transformers >= 5.24)
     or ``past_key_values`` (before; deprecated in 5.24, removed in 5.40). Use as
     ``model.generate(ids, **{cache_argument(model): cache})`` to work on both sides of the rename."""

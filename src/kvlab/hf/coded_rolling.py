@@ -25,9 +25,10 @@ each update builds new tensors and lists, so a checkpoint of the layer's attribu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -222,28 +223,28 @@ class CodedRollingLayer(RollingLayer):
         return self.layer_index
 
     # -- inspection ----------------------------------------------------------------------------------
-    def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys, values)`` as the next forward will see them (pending roll applied), decoded; new tensors."""
-        saved = dict(vars(self))
+    @contextlib.contextmanager
+    def _prepared(self) -> Iterator[None]:
+        """Inside: the layer as its next update finds it (the pending codes and roll applied); then put back."""
+        put_back = restore_vars(self)
         try:
             self._prepare()
+            yield
+        finally:
+            put_back()
+
+    def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` as the next forward will see them (pending roll applied), decoded; new tensors."""
+        with self._prepared():
             codes = self.decoded_codes()
             ks = [t for t in (self.sink_live, codes[0] if codes else None, self.tail_k) if t is not None]
             vs = [t for t in (self.sink_values, codes[1] if codes else None, self.tail_v) if t is not None]
             return torch.cat(ks, dim=-2).clone(), torch.cat(vs, dim=-2).clone()
-        finally:
-            vars(self).clear()
-            vars(self).update(saved)
 
     def visible_nbytes(self) -> int:
         """Bytes held once the pending roll is applied (what the next forward's cache holds)."""
-        saved = dict(vars(self))
-        try:
-            self._prepare()
+        with self._prepared():
             return self.nbytes
-        finally:
-            vars(self).clear()
-            vars(self).update(saved)
 
     def reset(self) -> None:
         super().reset()

@@ -32,6 +32,7 @@ from transformers import AttentionInterface
 
 from kvlab.errors import BadInputError
 from kvlab.hf.rolling_cache import RollingCache
+from kvlab.hf.runner import Runner
 from kvlab.hf.static_rolling import StaticRollingCache, decode_packed
 from kvlab.hf.step import grouped_sdpa
 from kvlab.kernels import split_attention
@@ -101,7 +102,7 @@ class RollingDecoder:
 
     def __init__(
         self,
-        handle: Any,
+        handle: Runner,
         cache: StaticRollingCache,
         *,
         mode: Mode = "auto",

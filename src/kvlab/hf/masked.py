@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
@@ -19,11 +19,15 @@ from transformers.cache_utils import CacheLayerMixin
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import hf_cache_layers, new_hf_cache, sliding_windows, to_hf_cache
+from kvlab.hf.runner import Runner
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @torch.no_grad()
 def forward_masked(
-    handle: Any, past: KVSnapshot | None, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
+    handle: Runner, past: KVSnapshot | None, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
     """Run ``ids [n]`` at RoPE ``positions [n]`` on top of ``past`` (None: nothing) with an explicit visibility mask.
 
@@ -83,7 +87,7 @@ def forward_masked(
     return keys, values, out.logits[0].float()
 
 
-def accepts_mask_per_layer_type(model: Any) -> bool:
+def accepts_mask_per_layer_type(model: PreTrainedModel) -> bool:
     """Whether the model's decoder takes ``attention_mask`` as ``{layer type: prepared mask}`` (transformers'
     hybrid decoders, e.g. Gemma-2/3, Qwen2, Cohere-2, GPT-OSS, do; read from the decoder's own code)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
@@ -102,7 +106,7 @@ def _forward_takes_mask_dict(cls: type[torch.nn.Module]) -> bool:
 
 @torch.no_grad()
 def first_layers_kv(
-    handle: Any, past: KVSnapshot | None, ids: torch.Tensor, positions: torch.Tensor, num_layers: int
+    handle: Runner, past: KVSnapshot | None, ids: torch.Tensor, positions: torch.Tensor, num_layers: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K/V ``[1, kv_heads, n, head_dim]`` of the new tokens in the first ``num_layers`` layers only.
 

@@ -48,10 +48,6 @@ class RaggedLayer(CompressedLayer):
         return max(k.shape[-2] for k in self.head_keys)
 
     @property
-    def held_per_head(self) -> list[int]:
-        return [k.shape[-2] for k in self.head_keys] if self.evicted else []
-
-    @property
     def nbytes(self) -> int:
         if not self.evicted:
             return super().nbytes

@@ -20,7 +20,7 @@ maximum length" reminder: it counts generated tokens, not positions.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.binding import bind_to_model
@@ -28,9 +28,13 @@ from kvlab.hf.cache import sliding_windows, text_config
 from kvlab.hf.coded_rolling import CodedRollingLayer, check_codec
 from kvlab.hf.live_cache import LiveCache
 from kvlab.hf.rolling_layer import Rebase, RollingLayer, RollPlan, RollRule, SlidingRollingLayer
+from kvlab.hf.runner import Runner
 from kvlab.policy.window import SinksWindow, default_chunk
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, rope_spec_from_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "RollRule",
@@ -96,24 +100,14 @@ class RollingCache(LiveCache):
         codec: Any = None,
         packed_path: str = "auto",
     ) -> None:
-        evict_chunk = default_chunk(window) if evict_chunk is None else evict_chunk
         text = text_config(config)
-        if codec is not None:
-            evict_chunk = check_codec(
-                text, rope, codec, window=window, chunk=evict_chunk, packed_path=packed_path
-            )
+        rule = roll_rule(text, rope, window, sinks, evict_chunk, max_position, rebase, codec, packed_path)
         n_layers = int(text.num_hidden_layers)
-        max_pos = int(max_position or getattr(text, "max_position_embeddings", 0) or 0)
-        _validate(
-            text, rope, window=window, sinks=sinks, evict_chunk=evict_chunk, max_pos=max_pos, rebase=rebase
-        )
         per_layer = getattr(rope, "layers", None)
         if per_layer is not None and len(per_layer) != n_layers:
             raise BadInputError(
                 f"the per-layer RoPE covers {len(per_layer)} layers, the model has {n_layers}"
             )
-        assert rope is not None  # _validate refused None
-        rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase, codec, packed_path)
         # a sliding layer the rolling window covers stores only what it can reach (hybrid models)
         layers: list[RollingLayer] = [
             SlidingRollingLayer(rule, i, w) if w is not None and window >= w else RollingLayer(rule, i)
@@ -125,8 +119,8 @@ class RollingCache(LiveCache):
             "rope": rope,
             "window": window,
             "sinks": sinks,
-            "evict_chunk": evict_chunk,
-            "max_position": max_pos or None,
+            "evict_chunk": rule.evict_chunk,
+            "max_position": rule.max_position or None,
             "rebase": rebase,
             "codec": codec,
             "packed_path": packed_path,
@@ -158,7 +152,32 @@ class RollingCache(LiveCache):
         return -1
 
 
-def _validate(text: Any, rope: Rope | None, *, window, sinks, evict_chunk, max_pos, rebase) -> None:
+def roll_rule(
+    text: Any,
+    rope: Rope | None,
+    window: int,
+    sinks: int,
+    evict_chunk: int | None,
+    max_position: int | None,
+    rebase: Rebase,
+    codec: Any = None,
+    packed_path: str = "auto",
+) -> RollRule:
+    """The rule of a rolling cache (:class:`RollingCache`, :class:`~kvlab.hf.static_rolling.StaticRollingCache`)
+    for a model's text config: the eviction chunk defaulted (rounded up to whole blocks of a codec's
+    codes), the maximum position the config's unless given; settings it cannot honour refused."""
+    evict_chunk = default_chunk(window) if evict_chunk is None else evict_chunk
+    if codec is not None:
+        evict_chunk = check_codec(
+            text, rope, codec, window=window, chunk=evict_chunk, packed_path=packed_path
+        )
+    max_pos = int(max_position or getattr(text, "max_position_embeddings", 0) or 0)
+    _validate(rope, window=window, sinks=sinks, evict_chunk=evict_chunk, max_pos=max_pos, rebase=rebase)
+    assert rope is not None  # _validate refused None
+    return RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase, codec, packed_path)
+
+
+def _validate(rope: Rope | None, *, window, sinks, evict_chunk, max_pos, rebase) -> None:
     """Refuse settings a rolling cache cannot honour, before anything is built."""
     if rope is None:
         raise UnsupportedModelError(
@@ -186,7 +205,7 @@ def _validate(text: Any, rope: Rope | None, *, window, sinks, evict_chunk, max_p
 
 
 def rolling_cache_for(
-    handle: Any,
+    handle: Runner | PreTrainedModel,
     *,
     window: int,
     sinks: int = 4,
@@ -201,14 +220,16 @@ def rolling_cache_for(
     bound to the model (:func:`~kvlab.hf.binding.bind_to_model`) so that
     ``model.generate(..., cache=rolling_cache_for(model, ...))`` re-bases positions too and runs forever
     without passing the model's maximum."""
-    model = handle
-    if hasattr(handle, "rope") and hasattr(handle, "max_positions"):
-        rope, max_pos, model = handle.rope, handle.max_positions, handle.model
-        if rope is None and getattr(handle, "rope_problem", None):
-            raise UnsupportedModelError(handle.rope_problem)
+    if hasattr(handle, "rope") and hasattr(handle, "max_positions"):  # a kvlab handle
+        runner = cast(Runner, handle)
+        rope, max_pos, model = runner.rope, runner.max_positions, runner.model
+        problem = getattr(runner, "rope_problem", None)
+        if rope is None and problem:
+            raise UnsupportedModelError(problem)
     elif hasattr(handle, "config") and callable(getattr(handle, "forward", None)):  # a PreTrainedModel
-        text = handle.config.get_text_config(decoder=True)
-        rope, max_pos = rope_spec_from_model(handle), int(getattr(text, "max_position_embeddings", 0) or 0)
+        model = cast("PreTrainedModel", handle)
+        text = model.config.get_text_config(decoder=True)
+        rope, max_pos = rope_spec_from_model(model), int(getattr(text, "max_position_embeddings", 0) or 0)
     else:
         raise BadInputError(
             f"rolling_cache_for needs a kvlab ModelHandle or a Hugging Face causal LM, got {type(handle).__name__}"

@@ -397,32 +397,6 @@ class RollingLayer(CacheLayerMixin):
             "positions), or pass rebase='never' to let positions grow past the maximum knowingly."
         )
 
-    def _rolled_with(
-        self, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[sinks | kept window | new]`` keys and values with the pending plan applied."""
-        # keys and values are None only before the first update (where this fails as it always did)
-        keys, values, plan = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values), self.plan
-        if not plan.pending:
-            return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
-        s = min(self.rule.policy.sinks, self.slots)
-        window_k = keys[:, :, s + plan.drop :]
-        sinks = [self.sinks_at(self.base + plan.drop - plan.rebase)] if s else []
-        if plan.rebase:  # rotate straight into the output: the re-base replaces this step's copy
-            kept = s + window_k.shape[-2]
-            full_k = keys.new_empty((*keys.shape[:2], kept + key_states.shape[-2], keys.shape[-1]))
-            if s:
-                full_k[:, :, :s] = sinks[0]
-            if self.rope is None:
-                full_k[:, :, s:kept] = window_k
-            else:
-                rotate_by(window_k, -plan.rebase, self.rope, out=full_k[:, :, s:kept])
-            full_k[:, :, kept:] = key_states
-        else:  # one concatenation, like every step
-            full_k = torch.cat([*sinks, window_k, key_states], dim=-2)
-        full_v = torch.cat([values[:, :, :s], values[:, :, s + plan.drop :], value_states], dim=-2)
-        return full_k, full_v
-
     def sinks_at(self, base: int) -> torch.Tensor:
         """The sink keys rotated from their stored originals (one rotation, no drift) to ``base ..``."""
         if self.sink_keys is None:
@@ -430,16 +404,23 @@ class RollingLayer(CacheLayerMixin):
         return self.sink_keys if self.rope is None else rotate_by(self.sink_keys, base, self.rope)
 
     def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys, values)`` as the next forward will see them (pending roll applied).
+        """``(keys, values)`` as the next forward will see them: ``[sinks | kept window]``, pending roll applied.
 
         New tensors when a roll is pending, else views of the layer's buffers, which the next update
         overwrites in place (copy them to keep them; :meth:`RollingCache.kept_layers` does).
         """
-        # keys and values are None only before the first update (where this fails as it always did)
-        keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)
-        empty = keys[:, :, :0]
-        k, v = self._rolled_with(empty, values[:, :, :0])
-        return (keys, values) if not self.plan.pending else (k, v)
+        keys, values, plan = self.keys, self.values, self.plan
+        if keys is None or values is None:
+            raise BadInputError("the cache is empty: nothing to read")
+        if not plan.pending:
+            return keys, values
+        s = min(self.rule.policy.sinks, self.slots)
+        window_k = keys[:, :, s + plan.drop :]
+        if plan.rebase and self.rope is not None:
+            window_k = rotate_by(window_k, -plan.rebase, self.rope)
+        sinks = [self.sinks_at(self.base + plan.drop - plan.rebase)] if s else []
+        k = torch.cat([*sinks, window_k], dim=-2)
+        return k, torch.cat([values[:, :, :s], values[:, :, s + plan.drop :]], dim=-2)
 
     def reset(self) -> None:
         self.keys = self.values = self.sink_keys = None

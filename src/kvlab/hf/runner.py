@@ -1,13 +1,11 @@
 """What the adapter layer reads from a :class:`~kvlab.model.ModelHandle`, as a ``typing.Protocol``.
 
 ``kvlab.hf`` sits below ``kvlab.model`` (``tests/test_layering.py``), so it cannot import
-``ModelHandle``; functions here that only ever get one (:func:`kvlab.hf.batch.step_rolling_rows`,
-:func:`~kvlab.hf.batch.step_rolling_rows_isolated`) take a :class:`Runner` instead, so the type checker
-sees every member they read. Functions that also take a plain Hugging Face model
-(:func:`~kvlab.hf.rolling_cache.rolling_cache_for`, :func:`~kvlab.hf.policy_cache.cache_for`) keep
-``Any``, but what they read from a handle is named here too, so a rename on ``ModelHandle`` cannot
-silently send a handle down their plain-model path. ``ModelHandle`` satisfies it structurally
-(``tests/test_runner_protocol.py``).
+``ModelHandle``; every function here that gets one takes a :class:`Runner` instead (``Runner |
+PreTrainedModel`` where a plain Hugging Face model is taken too, e.g.
+:func:`~kvlab.hf.rolling_cache.rolling_cache_for`), so the type checker sees every member read and a
+rename on ``ModelHandle`` cannot silently send a handle down a plain-model path. ``ModelHandle``
+satisfies it structurally (``tests/test_runner_protocol.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +21,9 @@ from kvlab.rope.spec import Rope
 class Runner(Protocol):
     """A model runner as ``kvlab.hf`` uses it: exactly the members read from a handle there.
 
-    * ``model``, ``device``, ``dtype``, ``run``: :func:`kvlab.hf.batch.step_rolling_rows`;
+    * ``model``, ``device``, ``dtype``, ``run``: :func:`kvlab.hf.batch.step_rolling_rows`,
+      :class:`kvlab.hf.graphs.RollingDecoder` (``run``'s ``attention_kwargs``);
+    * ``config``, ``fingerprint``, ``run`` (with ``stop_after_layer``): :mod:`kvlab.hf.masked`;
     * ``model``, ``config``, ``rope``, ``max_positions``, ``rope_problem``:
       :func:`kvlab.hf.rolling_cache.rolling_cache_for` (and through it
       :func:`kvlab.hf.policy_cache.cache_for`, which reads ``model`` and ``config``).
@@ -56,6 +56,11 @@ class Runner(Protocol):
     @property
     def max_positions(self) -> int: ...
 
+    @property
+    def fingerprint(self) -> str:
+        """The model's identity (architecture, config, weights): a snapshot from another is refused."""
+        ...
+
     def run(
         self,
         input_ids: torch.Tensor,
@@ -64,6 +69,8 @@ class Runner(Protocol):
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
         logits_to_keep: int = 0,
+        stop_after_layer: int | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
     ) -> Any:
         """One forward of ``input_ids`` on a live ``cache`` (:meth:`kvlab.model.ModelHandle.run`)."""
         ...

@@ -42,11 +42,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import sliding_windows
-from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, RollRule, _validate, default_chunk
+from kvlab.hf.cache import head_dim_of, sliding_windows, text_config
+from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, roll_rule
+from kvlab.hf.runner import Runner
 from kvlab.kernels import split_attention
 from kvlab.kernels.split_attention import int4_rows
-from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope, RopeSpec
 
@@ -233,13 +233,9 @@ class StaticRollingCache(Cache):
         codec: Codec = "none",
         group: int = 32,
     ) -> None:
-        evict_chunk = default_chunk(window) if evict_chunk is None else evict_chunk
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        max_pos = int(max_position or getattr(text, "max_position_embeddings", 0) or 0)
-        _validate(
-            text, rope, window=window, sinks=sinks, evict_chunk=evict_chunk, max_pos=max_pos, rebase=rebase
-        )
-        assert rope is not None  # _validate refused None
+        text = text_config(config)
+        self.rule = roll_rule(text, rope, window, sinks, evict_chunk, max_position, rebase)
+        rope, evict_chunk = self.rule.rope, self.rule.evict_chunk
         if any(w is not None for w in sliding_windows(text)):
             raise UnsupportedModelError(
                 "StaticRollingCache supports models whose layers all attend globally; this one has "
@@ -248,12 +244,11 @@ class StaticRollingCache(Cache):
         if codec not in ("none", "int4"):
             raise BadInputError(f"codec must be 'none' or 'int4', got {codec!r}")
         heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        head_dim = head_dim_of(text)
         if codec == "int4" and (group < 2 or head_dim % group or group % 2):
             raise BadInputError(f"int4 group {group} must be even and divide head_dim {head_dim}")
         if batch < 1:
             raise BadInputError(f"batch must be >= 1, got {batch}")
-        self.rule = RollRule(SinksWindow(sinks, window), rope, evict_chunk, max_pos, rebase)
         self.dtype, self.device = dtype, torch.device(device)
         self.codec, self.group, self.batch = codec, int(group), int(batch)
         self.capacity = sinks + window + evict_chunk
@@ -590,7 +585,7 @@ class StaticRollingCache(Cache):
 
 
 def static_rolling_cache_for(
-    handle: Any,
+    handle: Runner,
     *,
     window: int,
     sinks: int = 4,
