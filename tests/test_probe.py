@@ -85,30 +85,26 @@ def test_a_correct_per_tenant_cache_is_clean_and_the_probe_imports_no_torch(fake
     assert (tmp_path / "report" / "report.html").is_file()
 
 
-def test_kvlab_serve_is_clean(tmp_path, capsys):
-    tiny = str(build_tiny_model(tmp_path / "tiny"))
-    server = Server(tmp_path, "--model", tiny, "--cache", "sinks=4,window=512")
-    try:
-        url = f"http://127.0.0.1:{server.port}/v1"
-        args = (
-            "--api-key",
-            KEY_A,
-            "--api-key",
-            KEY_B,
-            "--context",
-            "1024",
-            *QUICK[:2],
-            "--prefix-words",
-            "64",
-        )
-        code, report = probe(capsys, url, tmp_path, *args)
-    finally:
-        server.stop()
+@pytest.fixture(scope="module")
+def kvlab_serve(tmp_path_factory):
+    """``kvlab serve`` on a tiny random model (sinks + a 512-token window, the memory store), two keys."""
+    tmp = tmp_path_factory.mktemp("probe-serve")
+    server = Server(tmp, "--model", str(build_tiny_model(tmp / "tiny")), "--cache", "sinks=4,window=512")
+    yield f"http://127.0.0.1:{server.port}/v1"
+    server.stop()
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_kvlab_serve_is_clean(kvlab_serve, api, tmp_path, capsys):
+    keys = ("--api-key", KEY_A, "--api-key", KEY_B)
+    args = (*keys, "--api", api, "--context", "1024", "--prefix-words", "64", "--max-tokens", "8")
+    code, report = probe(capsys, kvlab_serve, tmp_path, *args)  # 8 trials a side (the default)
     assert code == 0, report["findings"]
     assert verdicts(report) == dict.fromkeys(verdicts(report), "ok"), verdicts(report)
     assert "past the limit" in report["sections"][2]["summary"]  # kvlab serve rolls, it does not refuse
     hits = report["sections"][1]["rows"]
-    assert all(r["warm_cached"] > 0 for r in hits)  # the prefix hits were hits
+    assert all(r["warm_cached"] > 0 and r["cold_cached"] < 16 for r in hits)  # hits and misses, as meant
+    assert all(r["cold_logprobs"] for r in report["sections"][0]["rows"])  # log-probabilities compared
 
 
 BAD = [

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvlab.errors import BadInputError, KvlabError
@@ -41,15 +41,6 @@ class Reply:
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error is None
-
-    def row(self) -> dict[str, object]:
-        """The reply as a report row (text and tokens cut to stay readable)."""
-        row = asdict(self)
-        row["seconds"] = round(self.seconds, 4)
-        row["text"] = self.text[:120]
-        row["tokens"] = list(self.tokens[:24])
-        row["logprobs"] = [round(x, 5) for x in self.logprobs[:24]]
-        return row
 
 
 def base_url(url: str) -> str:

@@ -3,7 +3,7 @@ a request's time is mostly its prompt's prefill).
 
 Each trial takes a fresh long prefix P (a nonce, then ``prefix_words`` words) and times four requests:
 ``cold_a`` (tenant A asks P+q0: nothing cached), ``own`` (A asks P+q1: A's own prefix hit), and, with a
-second key, in random order, ``other`` (tenant B asks P+q2: A's prefix) and ``cold_b`` (B asks a fresh
+second key, in alternating order, ``other`` (tenant B asks P+q2: A's prefix) and ``cold_b`` (B asks a fresh
 prefix of the same length). ``floor``: five one-line prompts, the server's fixed cost.
 
 * :func:`isolation`: ``other`` significantly faster than ``cold_b`` (one-sided Mann-Whitney U below
@@ -17,7 +17,6 @@ prefix of the same length). ``floor``: five one-line prompts, the server's fixed
 
 from __future__ import annotations
 
-import random
 import statistics
 
 from kvlab.probe.checks import nonce, question, words
@@ -40,9 +39,10 @@ def _row(trial: int, arm: str, reply: Reply) -> Row:
     }
 
 
-def collect(client: Client, cfg: ProbeConfig, log: Log, seed: int = 0) -> list[Row]:
-    """The timed requests of every trial (see the module's docstring), one row each."""
-    rng = random.Random(seed)
+def collect(client: Client, cfg: ProbeConfig, log: Log) -> list[Row]:
+    """The timed requests of every trial (see the module's docstring), one row each. B's two requests
+    alternate which goes first, so neither arm gains from its place (a server may still be busy with the
+    request before)."""
     a, b = cfg.tenant_a, cfg.tenant_b
     rows = [_row(-1, "floor", client.ask(a, nonce() + "Say hello.", 1)) for _ in range(5)]
     text = words(500, cfg.prefix_words)
@@ -53,8 +53,9 @@ def collect(client: Client, cfg: ProbeConfig, log: Log, seed: int = 0) -> list[R
         rows.append(_row(t, "own", client.ask(a, shared + question(1), 1)))
         if b is not None:
             pair = [("other", shared), ("cold_b", nonce() + text)]
-            rng.shuffle(pair)
-            rows += [_row(t, arm, client.ask(b, head + question(2), 1)) for arm, head in pair]
+            rows += [
+                _row(t, arm, client.ask(b, head + question(2), 1)) for arm, head in pair[:: 1 - 2 * (t % 2)]
+            ]
     return rows
 
 
