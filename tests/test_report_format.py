@@ -11,8 +11,25 @@ import pytest  # noqa: E402
 
 from kvlab.metrics.stats import Interval  # noqa: E402
 from kvlab.study.experiments import registry  # noqa: E402
-from kvlab.study.report.format import dig, format_interval, format_range, iv, legends_clipped, num  # noqa: E402
+from kvlab.study.report.format import dig, format_interval, format_range, iv, num  # noqa: E402
 from kvlab.study.report.glossary import GLOSSARY, glossary_html  # noqa: E402
+
+
+def legends_clipped(fig) -> list[str]:
+    """Titles of the legends of ``fig`` that would not lie wholly inside its tight bounding box when
+    saved with ``bbox_inches="tight"`` (an empty list means every legend is fully visible)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.get_tightbbox(renderer)  # inches
+    dpi = fig.dpi
+    x0, y0, x1, y1 = box.x0 * dpi, box.y0 * dpi, box.x1 * dpi, box.y1 * dpi
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
+    clipped = []
+    for leg in legends:
+        e = leg.get_window_extent(renderer)
+        if e.x0 < x0 - 1 or e.y0 < y0 - 1 or e.x1 > x1 + 1 or e.y1 > y1 + 1:
+            clipped.append(leg.get_title().get_text() or "legend")
+    return clipped
 
 
 def test_one_interval_format_for_every_shape():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import replace
 from typing import Any
 
 from kvlab.errors import BadInputError
@@ -89,18 +90,8 @@ def needed(ctx: ExperimentContext, name: str, **options: Any) -> tuple[dict[str,
         return ctx.upstream[name], f"from this study's {name} section"
     from kvlab.study.report.writer import to_jsonable
 
-    sub = ExperimentContext(
-        out_dir=ctx.out_dir / "computed" / name,
-        profile=ctx.profile,
-        seed=ctx.seed,
-        model_spec=ctx.model_spec,
-        dtype=ctx.dtype,
-        device=ctx.device,
-        load_in_4bit=ctx.load_in_4bit,
-        progress=ctx.progress,
-        options=dict(options),
-        model_handle=ctx.handle(),
-    )
+    out_dir = ctx.out_dir / "computed" / name
+    sub = replace(ctx, out_dir=out_dir, options=dict(options), model_handle=ctx.handle(), upstream={})
     result = get_experiment(name).run(sub, **options)
     summary = to_jsonable(result.summary) if result.status == "ok" else {}
     return summary, f"computed here ({ctx.profile} profile)"

@@ -96,20 +96,3 @@ def iv(summary: dict, path: str, digits: int = 3, signed: bool = False) -> str:
     if isinstance(x, int | float | dict) or hasattr(x, "low"):
         return format_interval(x, digits=digits, signed=signed)
     return str(x)
-
-
-def legends_clipped(fig: Any) -> list[str]:
-    """Titles of the legends of ``fig`` that would not lie wholly inside its tight bounding box when
-    saved with ``bbox_inches="tight"`` (an empty list means every legend is fully visible)."""
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    box = fig.get_tightbbox(renderer)  # inches
-    dpi = fig.dpi
-    x0, y0, x1, y1 = box.x0 * dpi, box.y0 * dpi, box.x1 * dpi, box.y1 * dpi
-    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
-    clipped = []
-    for leg in legends:
-        e = leg.get_window_extent(renderer)
-        if e.x0 < x0 - 1 or e.y0 < y0 - 1 or e.x1 > x1 + 1 or e.y1 > y1 + 1:
-            clipped.append(leg.get_title().get_text() or "legend")
-    return clipped
