@@ -220,13 +220,6 @@ class KVSnapshot:
     def token_list(self, row: int = 0) -> list[int]:
         return [int(t) for t in self.token_ids[row].tolist()]
 
-    def stacked_keys(self) -> torch.Tensor:
-        """All layers' keys as one ``[layers, batch, kv_heads, T, head_dim]`` tensor (a copy)."""
-        return torch.stack(self.keys)
-
-    def stacked_values(self) -> torch.Tensor:
-        return torch.stack(self.values)
-
     # -- pure operations -----------------------------------------------------------------------
     @property
     def is_prefill(self) -> bool:

@@ -47,10 +47,6 @@ class CacheComparison:
     positions_a: np.ndarray
     positions_b: np.ndarray
 
-    @property
-    def num_positions(self) -> int:
-        return self.cos_k.shape[-1]
-
     def arrays(self, prefix: str = "") -> dict[str, np.ndarray]:
         """Every field as a named array (for ``ExperimentResult.arrays``)."""
         out = {}

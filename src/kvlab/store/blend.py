@@ -174,14 +174,3 @@ def blend(handle: ModelHandle, pieces: Sequence[Piece], correction: Correction |
     if snap is None:
         raise BadInputError("every piece was empty")
     return Blended(snap, chunk_tokens, recomputed, fresh, (time.perf_counter() - started) * 1000)
-
-
-def chunk_cache(handle: ModelHandle, store: Any, ids: Sequence[int]) -> KVSnapshot:
-    """The standalone cache of a chunk (positions ``0..n-1``), from the store when stored, else computed and stored."""
-    from kvlab.store.reuse import prefill_with_store
-
-    ids = [int(t) for t in ids]
-    match = store.lookup(ids, store.namespace(handle), device=handle.device)
-    if match.snapshot is not None and match.cached_tokens == len(ids):
-        return match.snapshot
-    return prefill_with_store(handle, store, ids).snapshot

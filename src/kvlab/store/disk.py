@@ -250,6 +250,14 @@ class DiskTier:
         self._quarantine(path, f"{file_kind(mode)}, not a block file")
         return False
 
+    def _failed(self, path: Path, exc: CorruptBlockError | OSError) -> None:
+        """A read that failed, a miss: a corrupt block is quarantined, an I/O error reported."""
+        if isinstance(exc, CorruptBlockError):
+            self._quarantine(path, str(exc))
+        else:
+            self._unreadable(path, exc)
+        self.counters.misses += 1
+
     def _unreadable(self, path: Path, exc: OSError | str) -> None:
         self.counters.errors += 1
         why = exc if isinstance(exc, str) else (exc.strerror or str(exc))
@@ -378,13 +386,8 @@ class DiskTier:
         except FileNotFoundError:
             self.counters.misses += 1
             return None
-        except CorruptBlockError as exc:
-            self._quarantine(path, str(exc))
-            self.counters.misses += 1
-            return None
-        except OSError as exc:
-            self._unreadable(path, exc)
-            self.counters.misses += 1
+        except (CorruptBlockError, OSError) as exc:
+            self._failed(path, exc)
             return None
         try:
             try:
@@ -407,14 +410,9 @@ class DiskTier:
                     raise CorruptBlockError("the file is shorter than its header says")
                 if hasher.hexdigest() != hdr.checksum:
                     raise CorruptBlockError(f"block {block_hash[:12]} failed its {hdr.algorithm} checksum")
-            except CorruptBlockError as exc:
-                self._quarantine(path, str(exc))
-                self.counters.misses += 1
-                return None
-            except OSError as exc:
+            except (CorruptBlockError, OSError) as exc:
                 # an I/O error mid-read: the destination holds garbage, the caller drops it (None)
-                self._unreadable(path, exc)
-                self.counters.misses += 1
+                self._failed(path, exc)
                 return None
             if time.time() - st.st_mtime >= TOUCH_SECONDS:  # mtime = last use (LRU order for eviction)
                 with contextlib.suppress(OSError):

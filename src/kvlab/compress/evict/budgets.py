@@ -48,14 +48,6 @@ ALPHA_SAFEGUARD = 0.20  # kvpress AdaKVPress's default
 BETA = 20  # kvpress PyramidKVPress's default
 
 
-def protected_slots(length: int, n_keep: int, sinks: int, window: int) -> int:
-    """Slots :func:`keep_indices` forces into a budget of ``n_keep`` of ``length``: sinks + the window it leaves."""
-    sink_end, window_start = SinksWindow(sinks, max(0, min(window, n_keep - min(sinks, length)))).bounds(
-        length
-    )
-    return sink_end + (length - window_start)
-
-
 def pyramid_counts(
     num_layers: int, length: int, n_keep: int, *, protected: int = 0, beta: float = BETA
 ) -> list[int]:

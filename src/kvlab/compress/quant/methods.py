@@ -432,7 +432,3 @@ def make_quantizer(method: str, bits: int | None = None, **options) -> Quantizer
     if bits is None:
         raise BadInputError(f"quantizer '{method}' needs a bit width")
     return cls(bits=bits, **options)
-
-
-def bits_per_element(nbytes: int, numel: int) -> float:
-    return 8.0 * nbytes / numel if numel else math.nan
