@@ -19,15 +19,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import assemble  # noqa: E402
 
-UNIT = r"(?:x|×|ms|µs|s|min|h|MB|MiB|GB|GiB|KB|KiB|tokens/s|CPU-s)\b|%"
-FIGURE = re.compile(rf"(?<![\w.\-/])\d[\d,]*(?:\.\d+)?\s?(?:{UNIT})")
+NUM = r"\d+(?:,\d{3})*(?:\.\d+)?"
+UNIT = r"(?:x|ms|µs|s|sec|seconds?|min|minutes?|h|hours?|MB|MiB|GB|GiB|KB|KiB|tokens/s|CPU-s)\b|%"
+#: a number or a range of two (``0.5-0.8 s``, ``1.15–1.21x``) and its unit; ``2×`` a ratio, ``6 × 128`` a product
+FIGURE = re.compile(rf"(?<![\w.\-–/]){NUM}(?:\s?[-–]\s?{NUM})?(?:×|\s?(?:{UNIT}))")
 FENCE = re.compile(r"```.*?```", re.S)
 CODE = re.compile(r"`[^`\n]*`")
 HISTORY = re.compile(r"<details><summary>History.*?</details>", re.S)
 #: not measurements: a confidence level, and a bar, limit or setting named as such just before the number
 LEVEL = re.compile(r"9[059]% (?:confidence|interval|bootstrap|Wilson|CI)")
 SETTING = re.compile(
-    r"(?:\b(?:bar|target|goal|limit|default|defaults to|at most|up to|budget of|cap(?:ped)? at):?|[≤<≥>])\s*$"
+    r"(?:\b(?:bar|target|goal|limit|default|defaults to|at most|at least|up to|budget of|cap(?:ped)? at|more than"
+    r"|less than|past|within|over|under):?|[≤<≥>])\s*$"
 )
 PAGES = [ROOT / "README.md"]
 
@@ -38,7 +41,8 @@ def measured_figures(text: str) -> list[tuple[int, str, str]]:
     prose = HISTORY.sub(blank, FENCE.sub(blank, text))
     found = []
     line = 1
-    for paragraph in re.split(r"(\n\s*\n)", prose):
+    # a paragraph ends at a blank line, and each list item is one of its own
+    for paragraph in re.split(r"(\n\s*\n|\n(?=\s*(?:[-*+]|\d+\.)\s))", prose):
         for k, row in enumerate(paragraph.splitlines()):
             prose_row = CODE.sub("", row)
             found += [
@@ -55,7 +59,8 @@ def stale_figures(text: str, rows: list[assemble.Row]) -> list[str]:
     """The figures of ``text`` that no row backs: neither a current row nor one whose status the paragraph says."""
     stale = []
     for line, figure, paragraph in measured_figures(text):
-        backing = [r for r in rows if figure in r.figure]
+        whole = re.compile(rf"(?<![\d.,]){re.escape(figure)}(?![\d])")  # 1 s is not in 93.1 s
+        backing = [r for r in rows if whole.search(r.figure)]
         if not any(r.status == "current" or r.status in paragraph for r in backing):
             stale.append(f"line {line}: {figure}")
     return stale
@@ -85,3 +90,11 @@ def test_a_figure_needs_a_current_row_or_its_status_said():
     assert stale_figures("It was 0.86x.\n\nThe code changed since.", rows) == ["line 1: 0.86x"]
     assert stale_figures("It was 0.86x (code changed since).", rows) == []
     assert stale_figures("It took 61 s.", rows) == ["line 1: 61 s"]
+    assert stale_figures("It took 2.6 s.", rows) == ["line 1: 2.6 s"]  # a whole figure, not a tail of one
+    bullets = "- It was 0.86x.\n- The code changed since."
+    assert stale_figures(bullets, rows) == ["line 1: 0.86x"]  # each list item is its own paragraph
+
+
+def test_ranges_words_and_signs_count():
+    text = "From 0.5-0.8 s, then 1.15–1.21x; about 11 minutes; ≈ 2× faster; 6 × 128 tokens."
+    assert [f for _, f, _ in measured_figures(text)] == ["0.5-0.8 s", "1.15–1.21x", "11 minutes", "2×"]
