@@ -67,7 +67,10 @@ def _table(rows: list[dict[str, object]]) -> str:
         return "<p><em>no rows</em></p>"
     cols = list(dict.fromkeys(k for r in rows for k in r))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    cell = {c: (_verdict if c == "verdict" else _cell) for c in cols}  # verdicts coloured
+    body = "".join(
+        "<tr>" + "".join(f"<td>{cell[c](r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
