@@ -128,7 +128,7 @@ def prefix_hits(client: Client, cfg: ProbeConfig, log: Log) -> Section:
     prefix hit); A's P+s2 must answer as B's did."""
     title = "Prefix hits"
     if cfg.tenant_b is None:
-        why = "needs a second --api-key: a cold answer must come from a tenant whose cache holds no prefix"
+        why = "needs a second --api-key: a prompt's cold answer must be asked before its prefix is cached"
         return Section("prefix_hits", title, "skipped", why)
     lengths = sorted({max(8, cfg.prefix_words // 8), max(8, cfg.prefix_words // 2), cfg.prefix_words})
     rows = []
