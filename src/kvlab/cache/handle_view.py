@@ -72,14 +72,10 @@ class HandleView(Protocol):
     def rope(self) -> Rope | None: ...
 
     @property
-    def config(self) -> Any:
-        """The Hugging Face model's config."""
-        ...
+    def config(self) -> Any: ...  # the Hugging Face model's config
 
     @property
-    def model(self) -> torch.nn.Module:
-        """The Hugging Face model."""
-        ...
+    def model(self) -> torch.nn.Module: ...  # the Hugging Face model
 
     def prefill(self, tokens: list[int] | torch.Tensor, *, all_logits: bool = ...) -> Prefilled: ...
 

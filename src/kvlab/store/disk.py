@@ -250,13 +250,15 @@ class DiskTier:
         self._quarantine(path, f"{file_kind(mode)}, not a block file")
         return False
 
-    def _failed(self, path: Path, exc: CorruptBlockError | OSError) -> None:
-        """A read that failed, a miss: a corrupt block is quarantined, an I/O error reported."""
+    def _failed(self, path: Path, exc: CorruptBlockError | OSError, quarantine: bool = True) -> str | None:
+        """A block read that failed: why, for a corrupt block (quarantined with ``quarantine``); None for
+        an I/O error (reported)."""
         if isinstance(exc, CorruptBlockError):
-            self._quarantine(path, str(exc))
-        else:
-            self._unreadable(path, exc)
-        self.counters.misses += 1
+            if quarantine:
+                self._quarantine(path, str(exc))
+            return str(exc)
+        self._unreadable(path, exc)
+        return None
 
     def _unreadable(self, path: Path, exc: OSError | str) -> None:
         self.counters.errors += 1
@@ -388,6 +390,7 @@ class DiskTier:
             return None
         except (CorruptBlockError, OSError) as exc:
             self._failed(path, exc)
+            self.counters.misses += 1
             return None
         try:
             try:
@@ -413,6 +416,7 @@ class DiskTier:
             except (CorruptBlockError, OSError) as exc:
                 # an I/O error mid-read: the destination holds garbage, the caller drops it (None)
                 self._failed(path, exc)
+                self.counters.misses += 1
                 return None
             if time.time() - st.st_mtime >= TOUCH_SECONDS:  # mtime = last use (LRU order for eviction)
                 with contextlib.suppress(OSError):
@@ -452,22 +456,12 @@ class DiskTier:
             fd, st = open_block_file(path)
         except FileNotFoundError:
             return None
-        except CorruptBlockError as exc:
-            if quarantine:
-                self._quarantine(path, str(exc))
-            return str(exc)
-        except OSError as exc:
-            self._unreadable(path, exc)
-            return None
+        except (CorruptBlockError, OSError) as exc:
+            return self._failed(path, exc, quarantine)
         try:
             return read_header_at(fd, st.st_size)
-        except CorruptBlockError as exc:
-            if quarantine:
-                self._quarantine(path, str(exc))
-            return str(exc)
-        except OSError as exc:
-            self._unreadable(path, exc)
-            return None
+        except (CorruptBlockError, OSError) as exc:
+            return self._failed(path, exc, quarantine)
         finally:
             os.close(fd)
 
