@@ -294,9 +294,9 @@ def test_bound_cache_over_many_segments_equals_its_own_decoded_history(tiny_mode
     step's logits equal attention over what this same cache held before it, decoded. (Compared with a
     second, unbound cache instead, the two drift apart once rounding-level differences in a layer's K/V
     flip one code: see test_a_rounding_level_input_difference_can_move_a_code_by_a_whole_step.)"""
-    import kvlab.hf.compressed_cache as cc
+    import kvlab.hf.compressed_layer as cl
 
-    monkeypatch.setattr(cc, "DECODE_BLOCK", 4)
+    monkeypatch.setattr(cl, "DECODE_BLOCK", 4)
     h = tiny_model("llama")
     ids = torch.randint(0, h.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(6))
     cache = CompressedCache(h.config, quantizer=BOUND["pertoken"], model=h.model, packed_path=path)

@@ -20,21 +20,18 @@ Data: the cache's ``_bound_to``; the model's two hooks; one entry per hooked cal
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.batch import RowsCache, rows_step
-from kvlab.hf.cache_steps import open_cache_step
+from kvlab.hf.cache_steps import Finish, open_cache_step
 from kvlab.hf.live_cache import LiveCache
 from kvlab.hf.step import THREAD
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-Finish = Callable[[Any], None]
 
 
 def bind_to_model(cache: LiveCache, model: PreTrainedModel) -> None:
@@ -88,10 +85,9 @@ def _open_forward(
     A cache that re-positions tokens (``rule.chooses_positions``) drops the positions a forward brings
     when they just continue its token count (what ``generate`` passes), so that it chooses them (it may
     re-base: :meth:`~kvlab.hf.live_cache.LiveCache.choosing_positions`, for that forward only); positions
-    the caller chose otherwise are left alone. Then the cache's own step, if it opens one (rows of a
-    padded batch open their own)."""
+    the caller chose otherwise are left alone. Then the cache's own step, if its storage needs one."""
     if not cache.rule.chooses_positions:
-        own_step = _begin_step(cache, model, kwargs)
+        own_step = open_cache_step(cache, model, kwargs)
         return None if own_step is None else (kwargs, own_step)
     pos = kwargs.get("position_ids")
     if isinstance(pos, torch.Tensor):
@@ -102,7 +98,7 @@ def _open_forward(
     ctx = cache.choosing_positions()
     ctx.__enter__()
     try:
-        finish_step = _begin_step(cache, model, kwargs)
+        finish_step = open_cache_step(cache, model, kwargs)
     except BaseException:
         ctx.__exit__(None, None, None)
         raise
@@ -115,10 +111,6 @@ def _open_forward(
             ctx.__exit__(None, None, None)
 
     return {**kwargs, "position_ids": None}, finish
-
-
-def _begin_step(cache: LiveCache, model: PreTrainedModel, kwargs: dict) -> Finish | None:
-    return None if cache.rows is not None else open_cache_step(cache, model, kwargs)
 
 
 # -- padded batches under model.generate (a bound cache runs each row on its own cache) ----------------
