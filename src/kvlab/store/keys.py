@@ -24,6 +24,7 @@ from kvlab.errors import BadInputError
 from kvlab.rope.spec import Rope, rope_from_json
 
 if TYPE_CHECKING:
+    from kvlab.cache.snapshot import KVSnapshot
     from kvlab.model.handle import ModelHandle
 
 # v2: the namespace hashes the cache geometry, so a snapshot of another shape can never share a root.
@@ -81,7 +82,7 @@ class Namespace:
     @classmethod
     def for_snapshot(
         cls,
-        snapshot: Any,
+        snapshot: KVSnapshot,
         *,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         quantization: str | None = None,
@@ -169,13 +170,13 @@ def block_problem(block: Any) -> str | None:
     return None
 
 
-def snapshot_geometry(snapshot: Any) -> tuple[int, int, int]:
+def snapshot_geometry(snapshot: KVSnapshot) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of a snapshot's cache (of its keys; see :func:`geometry_problem`)."""
     k = snapshot.keys[0]
     return (len(snapshot.keys), int(k.shape[1]), int(k.shape[3]))
 
 
-def geometry_problem(snapshot: Any, geometry: tuple[int, int, int] | None, dtype: str) -> str | None:
+def geometry_problem(snapshot: KVSnapshot, geometry: tuple[int, int, int] | None, dtype: str) -> str | None:
     """Why ``snapshot``'s K and V cannot be blocks of a namespace of ``geometry`` and ``dtype``, or None.
 
     Every layer's K and V must be ``[batch, heads, T, head]`` with the namespace's layers, KV heads and
