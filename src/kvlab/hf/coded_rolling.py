@@ -1,6 +1,6 @@
 """Sinks + a rolling window over a quantized history: a :class:`RollingLayer` whose window is stored as codes.
 
-The counts, decisions and positions are the rolling cache's own (:class:`~kvlab.hf.rolling_cache.RollRule`:
+The counts, decisions and positions are the rolling cache's own (:class:`~kvlab.hf.rolling_layer.RollRule`:
 the same ``base``, ``slots``, plan, rolls and re-bases in every layer); only the storage differs:
 
 * the sinks stay in full precision, re-rotated from their stored originals as in every rolling layer;
@@ -13,7 +13,7 @@ the same ``base``, ``slots``, plan, rolls and re-bases in every layer); only the
   (:meth:`~kvlab.hf.live_cache.LiveCache.hold_roll`, which also holds the codes) sees its earlier pieces in full
   precision, as one forward would; and like a roll, a feed longer than the headroom is settled at the
   end of its own update (encoded, rolled, its tail copied out of the prompt-sized tensor), so no
-  prompt-sized tail outlives its forward (:meth:`~kvlab.hf.rolling_cache.RollingLayer._settle`).
+  prompt-sized tail outlives its forward (:meth:`~kvlab.hf.rolling_layer.RollingLayer._settle`).
 
 Invariant: codes are stored at their slots' *original* positions (a roll does not move a window key's
 position; a re-base by ``r`` rotates every kept key by ``-r``): the layer keeps ``frame``, the total of

@@ -1,8 +1,8 @@
 """One live cache: a transformers ``Cache`` whose layers own their state and follow one rule.
 
 Invariant: every layer of a :class:`LiveCache` follows the same rule object (``rule``: a
-:class:`~kvlab.hf.rolling_cache.RollRule` for sinks + window, with or without a codec; a
-:class:`~kvlab.hf.compressed_cache.CompressionRule` for scored layouts, codecs and shared budgets; a
+:class:`~kvlab.hf.rolling_layer.RollRule` for sinks + window, with or without a codec; a
+:class:`~kvlab.hf.compressed_layer.CompressionRule` for scored layouts, codecs and shared budgets; a
 :class:`FullRule` for the full cache), holds only what that rule keeps, and answers every question
 about its contents itself. The cache adds nothing of its own but the plumbing every kind shares, once;
 all it knows of a layer is this interface (each kind of layer implements it):

@@ -3,7 +3,7 @@
 :class:`~kvlab.hf.RollingCache` keeps slot ``i`` at position ``base + i`` and moves its window down
 once per eviction chunk; its counts are Python integers that change every step. Both are fine eagerly
 and both defeat ``torch.compile`` and CUDA graphs (a graph replays fixed kernels on fixed addresses).
-:class:`StaticRollingCache` follows the *same* :class:`~kvlab.hf.rolling_cache.RollRule` — the same
+:class:`StaticRollingCache` follows the *same* :class:`~kvlab.hf.rolling_layer.RollRule` — the same
 sinks, window, eviction chunks, re-bases and sink placement, so every forward sees the same tokens at
 the same relative positions — with a storage built for capture:
 
