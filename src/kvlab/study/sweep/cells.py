@@ -8,14 +8,17 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvlab.study.sweep.grid import Cell
 
-_MODELS: dict[tuple[str, str, str], Any] = {}  # per worker process: each model is loaded once
+if TYPE_CHECKING:
+    from kvlab.model.handle import ModelHandle
+
+_MODELS: dict[tuple[str, str, str], ModelHandle] = {}  # per worker process: each model is loaded once
 
 
-def load_spec(spec: str, device: str = "cpu", dtype: str = "float32") -> Any:
+def load_spec(spec: str, device: str = "cpu", dtype: str = "float32") -> ModelHandle:
     """A ModelHandle for ``spec`` on ``device`` in ``dtype``: ``tiny:<config.json>`` (random weights,
     seed 0, the bundled model's tokenizer so text experiments run) or anything ``load_model`` takes."""
     from kvlab.model.loading import parse_dtype, resolve_device
