@@ -111,6 +111,7 @@ def test_every_command_that_loads_a_model_takes_device_and_dtype():
     no_model = {
         ("experiments",),
         ("model-path",),  # converts the bundled GGUF on the CPU, loads nothing onto a device
+        ("probe",),  # an HTTP client of another server: loads no model
         ("gc",),
         ("store", "get"),
         ("store", "ls"),
