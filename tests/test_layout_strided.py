@@ -1,5 +1,5 @@
 """The strided layout (``stride=N,recent=N``), a layout written in one file
-(``src/kvlab/policy/layouts/strided.py``), through every command that reads a cache spec: the spec reader,
+(``src/kvlab/compress/layouts/strided.py``), through every command that reads a cache spec: the spec reader,
 ``generate``, stream-ppl, the eval and ``kvlab serve`` (which refuses it in one line). Exact where exactness
 is defined: ``stride=1`` is the full cache bit for bit, and the live cache holds exactly the slots its
 offline application keeps, with the same logits on top."""
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kvlab.compress.evict import kept_per_head
+from kvlab.compress.layouts import LAYOUTS
 from kvlab.compress.spec import parse
 from kvlab.errors import BadInputError
 from kvlab.eval.run import parse_cache_spec, parse_cache_specs, run_trial
 from kvlab.hf.policy_cache import cache_for
-from kvlab.policy.layouts import LAYOUTS
 from kvlab.streaming.generate import HeldBytes, policy_generate
 from kvlab.streaming.perplexity import streaming_perplexity, summarize
 from tests.tolerances import assert_forward_close

@@ -9,7 +9,7 @@ import torch
 
 from kvlab.compress.evict import POLICIES, kept_per_head, observe
 from kvlab.compress.quant.methods import QUANTIZERS, quantizer_names
-from kvlab.eval.run import _snapshot, parse_cache_spec
+from kvlab.eval.run import parse_cache_spec
 from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.hf.policy_cache import cache_for
 from tests.tolerances import assert_forward_close
@@ -46,7 +46,7 @@ def _offline(h, spec_text: str, n_ctx: int):
     ).tolist()
     ctx, question = ids[:n_ctx], ids[n_ctx:]
     source = observe(h, ctx) if spec.needs_queries else h.prefill(ctx, all_logits=False).snapshot
-    offline, nbytes, _ = _snapshot(spec, source, h)
+    offline, nbytes, _ = spec.policy.layout.apply(spec.policy, source, h)
     return spec, ctx, question, offline, nbytes
 
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from kvlab.errors import BadInputError
+from kvlab.hf.cache import head_dim_of
 from kvlab.hf.rolling_cache import rolling_cache_for
 from kvlab.loop import GREEDY
-from kvlab.serve.engine import Engine, EngineSettings, Request, check_settings, head_dim, serve_policy
+from kvlab.serve.engine import Engine, EngineSettings, Request, check_settings, serve_policy
 from kvlab.serve.metrics import Metrics
 from kvlab.store import open_store
 from kvlab.streaming.generate import feed
@@ -58,7 +59,11 @@ def _ask(engine: Engine, ids: list[int], n: int, salt: str = "") -> dict:
 def _coded_cache(handle):
     policy = serve_policy(SPEC)
     return rolling_cache_for(
-        handle, window=WINDOW, sinks=SINKS, evict_chunk=CHUNK, codec=policy.quantizer(head_dim(handle))
+        handle,
+        window=WINDOW,
+        sinks=SINKS,
+        evict_chunk=CHUNK,
+        codec=policy.quantizer(head_dim_of(handle.config)),
     )
 
 
@@ -145,7 +150,7 @@ def test_a_conversation_over_a_coded_window_equals_the_hand_fed_cache_and_stays_
         # bounded: never more than the sinks + window + one chunk in full precision would take ...
         text = h.config
         kv_heads = text.num_key_value_heads
-        fp_slot = text.num_hidden_layers * 2 * kv_heads * head_dim(h) * 4  # bytes of one float32 slot
+        fp_slot = text.num_hidden_layers * 2 * kv_heads * head_dim_of(text) * 4  # bytes of one float32 slot
         assert max(sizes) <= (SINKS + WINDOW + CHUNK) * fp_slot
         # ... and no more late in the conversation than once the window first filled
         assert max(sizes[3:]) <= max(sizes[:3])

@@ -172,13 +172,13 @@ def test_a_row_that_fails_inside_the_batched_forward_fails_alone(tiny_model, mon
     prompts, n = [_ids(70, 4), _ids(25, 5), _ids(10, 6)], 30
     with _engine(h, max_batch=3) as e:
         made: list = []
-        real_for = engine_mod.rolling_cache_for
+        real_for = engine_mod.cache_for
 
         def cache_for(*args, **kw):
             made.append(real_for(*args, **kw))
             return made[-1]
 
-        monkeypatch.setattr(engine_mod, "rolling_cache_for", cache_for)
+        monkeypatch.setattr(engine_mod, "cache_for", cache_for)
         real_update = RollingLayer.update
 
         def update(self, key_states, value_states, *args, **kw):

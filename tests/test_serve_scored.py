@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from kvlab.compress.spec import parse
+from kvlab.hf.cache import head_dim_of
 from kvlab.hf.policy_cache import cache_for
 from kvlab.loop import GREEDY
-from kvlab.serve.engine import Engine, EngineSettings, Request, head_dim
+from kvlab.serve.engine import Engine, EngineSettings, Request
 from tests.test_serve_cache_spec import _ids, _Reply
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -79,7 +80,7 @@ def test_a_scored_conversation_equals_its_cache_fed_by_hand_and_stays_within_bud
             rolls += info["rolls"]
             ids = ids + out
         assert rolls > 0 and mine.cache.evictions == rolls
-        fp_slot = h.config.num_hidden_layers * 2 * h.config.num_key_value_heads * head_dim(h) * 4
+        fp_slot = h.config.num_hidden_layers * 2 * h.config.num_key_value_heads * head_dim_of(h.config) * 4
         assert mine.cache.nbytes <= (BUDGET + EVERY) * fp_slot
         (row,) = [s for s in e.status()["sessions"] if s["state"] == "idle"]
         assert row["window"] == BUDGET + EVERY and row["kept"] == mine.cache.kept and row["pinned"] == 0

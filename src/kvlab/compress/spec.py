@@ -18,7 +18,7 @@ A policy is named everywhere by one compact spec string (``--cache SPEC``), read
 The older short forms stay valid: ``int4``, ``kivi:int2`` (a codec alone) and ``snapkv:0.5`` (a score
 and the fraction removed; ``window:R`` is sinks + window, ``keynorm`` is ``knorm``).
 
-Layouts are small classes, one file each under :mod:`kvlab.policy.layouts`, registered by name
+Layouts are small classes, one file each under :mod:`kvlab.compress.layouts`, registered by name
 (:data:`LAYOUTS`): each reads its own items of a spec and answers what it means (its live cache, its offline
 application, what the eval and the server may do with it); scores and codecs register themselves where they
 are defined and are named in :mod:`kvlab.compress.catalogue`, so a new one reaches every command that reads a
@@ -29,102 +29,26 @@ spec. Parsing builds nothing heavy, loads no model and imports no torch; a bad s
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 from kvlab.compress.catalogue import CODECS, SUPPORTED_BITS, VARIANTS, codec_facts
+from kvlab.compress.layouts import LAYOUTS, Items
+from kvlab.compress.layouts.base import CachePolicy as CachePolicy  # re-exported
+from kvlab.compress.layouts.base import number
+from kvlab.compress.layouts.full import FullLayout
+from kvlab.compress.layouts.rolling import SinksWindowLayout as SinksWindowLayout  # re-exported
+from kvlab.compress.layouts.scored import ScoredLayout as ScoredLayout  # re-exported
 from kvlab.errors import BadInputError
-from kvlab.policy.layouts import LAYOUTS, Items, Layout
-from kvlab.policy.layouts.base import MAX_INT, number
-from kvlab.policy.layouts.full import FullLayout
-from kvlab.policy.layouts.rolling import DEFAULT_SINKS, SinksWindowLayout
-from kvlab.policy.layouts.scored import ALIASES, HEAD_SHARES, LAYER_SHARES, ScoredLayout
 
-if TYPE_CHECKING:
-    from kvlab.compress.quant import Quantizer
-
-__all__ = [
-    "ALIASES", "DEFAULT_SINKS", "FULL", "HEAD_SHARES", "LAYER_SHARES", "LAYOUTS", "MAX_INT", "CachePolicy",
-    "FullLayout", "Layout", "ScoredLayout", "SinksWindowLayout", "known", "parse", "parse_many",
-]  # fmt: skip
 CODEC_KEYS = ("codec", "tail")  # the policy's own keys; every other key is a layout's
 
 
 def keys() -> tuple[str, ...]:
-    """Every key a spec may give: the layouts' (:attr:`~kvlab.policy.layouts.Layout.keys`) and the codec's."""
+    """Every key a spec may give: the layouts' (:attr:`~kvlab.compress.layouts.Layout.keys`) and the codec's."""
     return tuple(dict.fromkeys(k for c in LAYOUTS.values() for k in (*c.keys, *CODEC_KEYS)))
 
 
-# -- the policy ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CachePolicy:
-    """A layout x a codec (None: full precision) x when it acts (in the layout: ``every``, ``chunk``).
-
-    ``spec`` is the canonical string (same policy, same string: the store's namespace and the report
-    labels use it); :meth:`to_json` is what a response or report says the cache held.
-    """
-
-    layout: Layout = field(default_factory=FullLayout)
-    codec: str | None = None  # codec kind, e.g. "kivi"
-    bits: int | None = None
-    tail: int | None = None  # full-precision newest slots of the codec (None: the codec's default)
-    codec_sinks: int = 0  # full-precision first slots of a codec over the full layout
-
-    @property
-    def exact(self) -> bool:
-        """Holds every slot in full precision: its outputs equal the model's own."""
-        return self.layout.exact and self.codec is None
-
-    @property
-    def kind(self) -> str:
-        """The layout's kind (``evict``: scored, ``window``: sinks + window...), else ``full`` or ``quant``
-        (the full layout over a codec)."""
-        return self.layout.kind or ("full" if self.codec is None else "quant")
-
-    @property
-    def codec_name(self) -> str | None:
-        if self.codec is None:
-            return None
-        return self.codec if codec_facts(self.codec).fixed_bits is not None else f"{self.codec}{self.bits}"
-
-    @property
-    def spec(self) -> str:
-        parts = self.layout.items() + ([f"sinks={self.codec_sinks}"] if self.codec_sinks else [])
-        if self.codec is not None:
-            parts.append(f"codec={self.codec_name}")
-            parts += [f"tail={self.tail}"] if self.tail is not None else []
-        return ",".join(parts) or "full"
-
-    def quantizer(self, head_dim: int | None = None) -> Quantizer | None:
-        """The codec as a :class:`~kvlab.compress.quant.Quantizer` (None for full precision); with
-        ``head_dim`` its group size is cut to the largest that divides a small head."""
-        if self.codec is None:
-            return None
-        import math
-
-        from kvlab.compress.quant.methods import make_quantizer
-
-        opts: dict[str, Any] = {"sinks": self.codec_sinks}
-        if self.tail is not None:
-            opts["window"] = self.tail
-        q = make_quantizer(self.codec, self.bits, **opts)
-        if head_dim is not None and head_dim % q.group_size:
-            q = make_quantizer(self.codec, self.bits, **opts, group_size=math.gcd(q.group_size, head_dim))
-        return q
-
-    def to_json(self) -> dict:
-        out: dict[str, Any] = {"spec": self.spec, "kind": self.kind, "layout": self.layout.name}
-        out.update(self.layout.fields())
-        if self.codec is not None:
-            out.update(codec=self.codec_name, quantizer=self.codec, bits=self.bits)
-        return out
-
-    def describe(self) -> str:
-        stored = "full precision" if self.codec is None else f"{self.codec_name} codes"
-        return f"{self.layout.describe()}, in {stored}"
-
-
-FULL = CachePolicy()
+FULL = CachePolicy(FullLayout())
 
 
 # -- reading specs ------------------------------------------------------------------------------
@@ -236,7 +160,7 @@ def _build(spec: str, word: str | None, opts: dict[str, str]) -> CachePolicy:
     return policy
 
 
-def parse_many(specs: list[str] | tuple[str, ...]) -> list[CachePolicy]:
+def parse_many(specs: Sequence[str]) -> list[CachePolicy]:
     """Several specs, each parsed once; the same policy twice is refused (a duplicate column)."""
     parsed = [parse(s) for s in specs]
     if not parsed:

@@ -3,7 +3,7 @@
 For each trial the context is prefilled once (with the queries captured when an attention-based
 eviction policy is asked for: :func:`kvlab.compress.evict.observe`). Each cache policy's layout then turns
 that prefill into the per-layer K/V its live cache would hold after the context
-(:meth:`~kvlab.policy.layouts.Layout.apply`): the full cache's K/V as they are, or encoded and decoded
+(:meth:`~kvlab.compress.layouts.Layout.apply`): the full cache's K/V as they are, or encoded and decoded
 back over a codec; a scored eviction masked (kept keys at their original positions, the selection a
 :class:`~kvlab.hf.compressed_cache.CompressedCache` makes after its first forward; a shared budget as a
 ragged cache, run masked); sinks + window fed to the live rolling cache's own layers.
@@ -34,25 +34,13 @@ from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.e
     CacheSpec,
     bare_score,
     expand_specs,
-    known_specs,
     parse_cache_spec,
     parse_cache_specs,
     parse_ratios,
 )
 
 if TYPE_CHECKING:
-    from kvlab.cache.snapshot import KVSnapshot
-    from kvlab.compress.evict import Observation
     from kvlab.model.handle import ModelHandle
-
-
-def _snapshot(
-    spec: CacheSpec, source: KVSnapshot | Observation, handle: ModelHandle
-) -> tuple[Any, int, dict]:
-    """The cache of ``spec`` after the context as a :class:`~kvlab.cache.KVSnapshot` the model runs
-    (evictions masked, codecs decoded), the K/V bytes that cache holds, and extra columns: its layout's
-    offline application (:meth:`~kvlab.policy.layouts.Layout.apply`)."""
-    return spec.policy.layout.apply(spec.policy, source, handle)
 
 
 def _kept(snap: Any) -> int:
@@ -108,7 +96,9 @@ def run_trial(
     caches, seconds = {}, {}
     for spec in order:
         t1 = time.perf_counter()
-        caches[spec.spec] = _snapshot(spec, source, handle)
+        caches[spec.spec] = spec.policy.layout.apply(
+            spec.policy, source, handle
+        )  # the cache after the context
         seconds[spec.spec] = time.perf_counter() - t1
     labels = {s.spec: s.to_json() for s in order}
     if external is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvlab.compress.spec import FULL, CachePolicy, known, parse
+from kvlab.compress.spec import FULL, CachePolicy, parse, parse_many
 from kvlab.errors import BadInputError
 
 
@@ -49,30 +49,19 @@ class CacheSpec:
         return {**self.policy.to_json(), "spec": self.spec, "policy_spec": self.policy.spec}
 
 
-def known_specs() -> str:
-    """What a cache spec may be, in one line (for errors and help)."""
-    return known()
-
-
 def parse_cache_spec(spec: str) -> CacheSpec:
     """A cache spec for a run (:func:`kvlab.compress.spec.parse`), checked by its layout for what an offline
-    run can do (:meth:`~kvlab.policy.layouts.Layout.eval_check`: the context is compressed once here)."""
+    run can do (:meth:`~kvlab.compress.layouts.Layout.eval_check`: the context is compressed once here)."""
     policy = parse(spec)
     policy.layout.eval_check(policy, spec)
     return CacheSpec(spec.strip().lower(), policy)
 
 
 def parse_cache_specs(specs: Sequence[str]) -> list[CacheSpec]:
-    """Several specs, each parsed once; the same policy twice is refused (it would be a duplicate column)."""
-    parsed = [parse_cache_spec(s) for s in specs]
-    if not parsed:
-        raise BadInputError(f"give at least one cache spec; known: {known()}")
-    seen: set[str] = set()
-    for p in parsed:
-        if p.policy.spec in seen:
-            raise BadInputError(f"cache spec '{p.spec}' is given twice")
-        seen.add(p.policy.spec)
-    return parsed
+    """Several specs, none given twice (a duplicate column) and at least one (:func:`~kvlab.compress.spec.parse_many`),
+    each checked for the eval."""
+    parse_many(specs)
+    return [parse_cache_spec(s) for s in specs]
 
 
 def parse_ratios(text: str) -> list[float]:

@@ -1,5 +1,5 @@
 """The live cache a :class:`~kvlab.compress.spec.CachePolicy` names: one constructor for every spec, which
-asks the policy's layout (:mod:`kvlab.policy.layouts`) to build it.
+asks the policy's layout (:mod:`kvlab.compress.layouts`) to build it.
 
 ``cache_for(parse("sinks=4,window=2048,codec=kivi4"), model)`` returns a cache ready for
 ``model.generate(..., cache=...)``, kvlab's own loop or the server, bound to its model (each layout's file
@@ -32,9 +32,21 @@ def model_parts(
         raise BadInputError(
             f"cache_for needs a kvlab ModelHandle or a Hugging Face causal LM, got {type(handle).__name__}"
         )
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    return config, model, policy.quantizer(head_dim)
+    from kvlab.hf.cache import head_dim_of
+
+    return config, model, policy.quantizer(head_dim_of(config))
+
+
+def full_cache(config: PretrainedConfig) -> Any:
+    """The full layout's live cache: a :class:`~kvlab.hf.live_cache.FullCache` where kvlab wraps the model's
+    layers, else (linear attention) transformers' own ``DynamicCache``."""
+    from kvlab.hf.live_cache import FullCache, full_cache_supported
+
+    if full_cache_supported(config):
+        return FullCache(config)
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
 
 
 def cache_for(
@@ -42,7 +54,7 @@ def cache_for(
 ) -> Any:
     """A new, empty live cache running ``policy`` (a :class:`CachePolicy` or its spec string) for
     ``handle`` (a :class:`~kvlab.model.ModelHandle`, read as a :class:`~kvlab.hf.runner.Runner`, or a Hugging
-    Face causal LM), bound to the model: its layout builds it (:meth:`~kvlab.policy.layouts.Layout.cache`;
+    Face causal LM), bound to the model: its layout builds it (:meth:`~kvlab.compress.layouts.Layout.cache`;
     ``pinned`` first tokens stay where the layout rolls a window)."""
     if isinstance(policy, str):
         policy = parse(policy)

@@ -59,6 +59,7 @@ from kvlab.compress.spec import parse as parse_cache_spec
 from kvlab.errors import BadInputError, KvlabError
 from kvlab.hf.batch import step_rolling_rows_isolated
 from kvlab.hf.live_cache import LiveCache
+from kvlab.hf.policy_cache import cache_for
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.loop import Sampling
 from kvlab.policy.window import default_chunk
@@ -68,7 +69,6 @@ from kvlab.store.errors import StoreError
 from kvlab.store.store import KVStore
 
 if TYPE_CHECKING:
-    from kvlab.hf.runner import Runner
     from kvlab.model.handle import ModelHandle
 
 log = logging.getLogger("kvlab.serve")
@@ -113,22 +113,6 @@ class EngineSettings:
         if self.cache is not None:
             return parse_cache_spec(self.cache)
         return CachePolicy(SinksWindowLayout(self.sinks, self.window, self.evict_chunk))
-
-
-def head_dim(handle: Runner) -> int:
-    """The model's attention head size (what a codec's groups must divide)."""
-    cfg = handle.config
-    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-    return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-
-
-def new_cache(handle: ModelHandle, settings: EngineSettings, pinned: int = 0) -> LiveCache:
-    """A session's empty cache under ``settings``, bound to the model, its first ``pinned`` tokens (a system
-    prompt) kept where the policy's layout rolls a window."""
-    from kvlab.hf.policy_cache import cache_for
-
-    cache: LiveCache = cache_for(settings.policy, handle, pinned=pinned)
-    return cache
 
 
 @dataclass
@@ -524,7 +508,7 @@ class Engine:
         else:
             roll = self.policy.layout.rolls()  # a scored layout pins nothing (its policy keeps its own sinks)
             pinned, sinks = (req.pinned, roll.sinks) if roll is not None else (0, 0)
-            cache = new_cache(self.handle, self.settings, pinned=pinned)
+            cache = cache_for(self.policy, self.handle, pinned=pinned)
             session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, pinned, sinks)
             p = _Prefill(req, session, False, "none", 0, 0, t0, collections.deque())
             size = _feed_size(cache, req.score_prompt)
@@ -885,7 +869,7 @@ def check_settings(handle: ModelHandle, settings: EngineSettings) -> None:
         if value is not None and value < 1:
             raise BadInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     # builds nothing but the rule (buffers are allocated on first use): raises for a bad window or model
-    new_cache(handle, settings)
+    cache_for(settings.policy, handle)
 
 
 def check_request_fits(ids: list[int], pinned: int, settings: EngineSettings) -> None:

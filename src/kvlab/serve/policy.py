@@ -1,6 +1,6 @@
 """Which cache policies ``kvlab serve`` runs: read and checked without torch, so ``kvlab serve --cache``
 refuses one it cannot run before anything loads. Each layout says whether the server runs it
-(:meth:`~kvlab.policy.layouts.Layout.serve_check`)."""
+(:meth:`~kvlab.compress.layouts.Layout.serve_check`)."""
 
 from __future__ import annotations
 

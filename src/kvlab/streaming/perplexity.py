@@ -37,7 +37,7 @@ from kvlab.hf.rolling_cache import Rebase, RollingCache
 from kvlab.metrics.divergence import token_kl, top1_agreement
 from kvlab.metrics.logits import nll
 from kvlab.metrics.stats import Interval
-from kvlab.model.handle import as_handle
+from kvlab.model.handle import ModelHandle, ModelLike, as_handle
 from kvlab.streaming.masked import evicted_before, masked_rolling_nll
 
 
@@ -144,7 +144,7 @@ class _LogitsTap:
 
 
 def _rolling_nll(
-    handle,
+    handle: ModelHandle,
     ids: torch.Tensor,
     window: int,
     method: StreamMethod,
@@ -174,7 +174,7 @@ def _canonical(method: str) -> str:
 
 
 def _cache_loop_nll(
-    handle, ids: torch.Tensor, cache, feed: int, on_chunk, on_logits=None
+    handle: ModelHandle, ids: torch.Tensor, cache, feed: int, on_chunk, on_logits=None
 ) -> tuple[np.ndarray, dict]:
     """Feed ``ids`` ``feed`` tokens per forward through a live ``cache`` (a RollingCache, coded or not,
     or any cache :func:`kvlab.hf.policy_cache.cache_for` makes), scoring each next token; extra: the
@@ -198,7 +198,9 @@ def _cache_loop_nll(
     return torch.cat(out).cpu().numpy(), {**extra, "held_bytes": held_bytes(cache), "peak_held_bytes": peak}
 
 
-def _policy_nll(handle, ids: torch.Tensor, method: StreamMethod, feed: int, path: str, on_chunk, tap):
+def _policy_nll(
+    handle: ModelHandle, ids: torch.Tensor, method: StreamMethod, feed: int, path: str, on_chunk, tap
+):
     """A ``--cache`` spec's NLL: sinks + window in full precision by the masked pass where exact (as the
     ``sinks{s}`` methods), anything else (a codec, a scored layout, full) through its live cache; a
     rolling layout without ``chunk=`` evicts ``feed`` at a time, as the other rolling methods do."""
@@ -207,24 +209,26 @@ def _policy_nll(handle, ids: torch.Tensor, method: StreamMethod, feed: int, path
     policy, n = method.policy, ids.shape[1]
     policy = replace(policy, layout=policy.layout.for_feed(feed))
     roll = policy.layout.rolls()
-    if (
-        roll is not None
-        and policy.codec is None
-        and path != "loop"
-        and (path == "masked" or _masked_is_exact(handle, n))
-    ):
-        sinks, window, chunk = roll
-        values = masked_rolling_nll(
-            handle, ids[0], sinks=sinks, window=window, feed=feed, evict_chunk=chunk, on_progress=on_chunk,
-            on_logits=tap,
-        )  # fmt: skip
-        dropped = evicted_before(n - 1, sinks=sinks, window=window, feed=feed, evict_chunk=chunk)
-        return values, {"path": "masked", "rolls": int(np.unique(dropped[dropped > 0]).size)}
+    masked = roll is not None and policy.codec is None and path != "loop"
+    if masked and (path == "masked" or _masked_is_exact(handle, n)):
+        return _masked_nll(handle, ids, roll.sinks, roll.window, feed, roll.chunk, on_chunk, tap)
     values, extra = _cache_loop_nll(handle, ids, cache_for(policy, handle), feed, on_chunk, tap)
     return values, {**extra, "path": "loop", "policy": policy.to_json()}
 
 
-def _full_nll(handle, ids: torch.Tensor, feed: int, on_chunk, on_logits=None) -> np.ndarray:
+def _masked_nll(
+    handle: ModelHandle, ids: torch.Tensor, sinks: int, window: int, feed: int, chunk: int, on_chunk, tap
+):
+    """A sinks + window stream's NLL by the masked single pass, and how many rolls it stood for."""
+    values = masked_rolling_nll(
+        handle, ids[0], sinks=sinks, window=window, feed=feed, evict_chunk=chunk, on_progress=on_chunk,
+        on_logits=tap,
+    )  # fmt: skip
+    dropped = evicted_before(ids.shape[1] - 1, sinks=sinks, window=window, feed=feed, evict_chunk=chunk)
+    return values, {"path": "masked", "rolls": int(np.unique(dropped[dropped > 0]).size)}
+
+
+def _full_nll(handle: ModelHandle, ids: torch.Tensor, feed: int, on_chunk, on_logits=None) -> np.ndarray:
     from kvlab.hf.cache import new_hf_cache
 
     cache = new_hf_cache(handle.config)
@@ -242,7 +246,13 @@ def _full_nll(handle, ids: torch.Tensor, feed: int, on_chunk, on_logits=None) ->
 
 
 def _recompute_nll(
-    handle, ids: torch.Tensor, window: int, targets: np.ndarray, batch: int, on_chunk, on_logits=None
+    handle: ModelHandle,
+    ids: torch.Tensor,
+    window: int,
+    targets: np.ndarray,
+    batch: int,
+    on_chunk,
+    on_logits=None,
 ) -> np.ndarray:
     """Each target ``t`` predicted from a fresh prefill of ``ids[t - window : t]`` (batched)."""
     out = []
@@ -258,7 +268,7 @@ def _recompute_nll(
     return torch.cat(out).cpu().numpy()
 
 
-def _masked_is_exact(handle, n: int) -> bool:
+def _masked_is_exact(handle: ModelHandle, n: int) -> bool:
     """Where the masked path computes what the cache computes: RoPE that shifts exactly, every position
     of the stream within the model's range (the cache would re-base), and sliding-window layers only
     where each can get its own mask (all layers alike, or a decoder taking one mask per layer type)."""
@@ -273,7 +283,7 @@ def _masked_is_exact(handle, n: int) -> bool:
 
 @torch.no_grad()
 def stream_nll(
-    handle,
+    handle: ModelLike,
     token_ids: Sequence[int],
     method: str,
     *,
@@ -341,18 +351,7 @@ def stream_nll(
             path == "auto" and m.rebase != "always" and _masked_is_exact(handle, n)
         )
         if use_mask:
-            values = masked_rolling_nll(
-                handle,
-                ids[0],
-                sinks=m.sinks,
-                window=window,
-                feed=feed,
-                evict_chunk=chunk,
-                on_progress=on_progress,
-                on_logits=tap,
-            )
-            dropped = evicted_before(n - 1, sinks=m.sinks, window=window, feed=feed, evict_chunk=chunk)
-            extra = {"path": "masked", "rolls": int(np.unique(dropped[dropped > 0]).size)}
+            values, extra = _masked_nll(handle, ids, m.sinks, window, feed, chunk, on_progress, tap)
         else:
             values, extra = _rolling_nll(handle, ids, window, m, feed, chunk, on_progress, tap)
             extra["path"] = "loop"
@@ -364,7 +363,7 @@ def stream_nll(
 
 
 def streaming_perplexity(
-    handle,
+    handle: ModelLike,
     token_ids: Sequence[int],
     *,
     window: int,

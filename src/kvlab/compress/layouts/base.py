@@ -1,7 +1,7 @@
 """What a layout is: which slots a cache keeps, and everything that follows from it, asked of the layout.
 
 A layout is a small frozen class registered by ``name`` in :data:`LAYOUTS` (one file each under
-:mod:`kvlab.policy.layouts`; the package imports every file in it, so a new file is a new layout). The spec
+:mod:`kvlab.compress.layouts`; the package imports every file in it, so a new file is a new layout). The spec
 reader (:func:`kvlab.compress.spec.parse`) asks each registered layout whether it ``claims`` a spec's items
 (the full layout is the fallback) and lets it ``read`` them; every caller then asks the layout, never its
 class, what it means:
@@ -15,10 +15,11 @@ class, what it means:
 ``eval_check(policy, spec)``    refuse what a one-shot offline run cannot do
 ``serve_check(policy, spec)``   refuse what ``kvlab serve`` cannot run (default: everything)
 ``rolls()``                     the sinks, window and chunk of a layout that rolls a window, else None
-``for_feed(feed)``              itself with what a stream fed ``feed`` tokens at a time leaves open set
+``for_feed(feed)``              itself as a stream fed ``feed`` tokens at a time runs it
 ==============================  ==========================================================================
 
-Reading a spec imports no torch: the heavy imports sit inside ``cache`` and ``apply``.
+A :class:`CachePolicy` is a layout x a codec. Reading a spec imports no torch: the heavy imports sit inside
+``cache`` and ``apply``, which are also the only places a layout reaches the layers above it (``kvlab.hf``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
+from kvlab.compress.catalogue import codec_facts
 from kvlab.errors import BadInputError
 
 if TYPE_CHECKING:
@@ -34,14 +36,13 @@ if TYPE_CHECKING:
 
     from kvlab.cache.snapshot import KVSnapshot
     from kvlab.compress.evict import Observation
-    from kvlab.compress.spec import CachePolicy
+    from kvlab.compress.quant import Quantizer
     from kvlab.hf.runner import Runner
     from kvlab.model.handle import ModelHandle
 
     Model = Runner | PreTrainedModel  # what a live cache is built for: a kvlab handle or a Hugging Face LM
-    Applied = tuple[
-        KVSnapshot, int, dict
-    ]  # the snapshot a question runs on, the K/V bytes held, extra columns
+    Source = KVSnapshot | Observation  # a context's snapshot, or an Observation (with its queries)
+    Applied = tuple[KVSnapshot, int, dict]  # the snapshot a question runs on, K/V bytes held, extra columns
 
 #: registered layouts by name, in registration order (:meth:`Layout.claims` is asked in this order)
 LAYOUTS: dict[str, type[Layout]] = {}
@@ -150,7 +151,7 @@ class Layout:
         tokens (a server's system prompt) stay where the layout rolls a window."""
         raise NotImplementedError
 
-    def apply(self, policy: CachePolicy, source: KVSnapshot | Observation, handle: ModelHandle) -> Applied:
+    def apply(self, policy: CachePolicy, source: Source, handle: ModelHandle) -> Applied:
         """Offline: the snapshot :meth:`cache` holds after the context ``source`` (evictions masked, codecs
         decoded; an :class:`~kvlab.compress.evict.Observation` where the score reads queries), the K/V bytes
         it holds, and extra report columns."""
@@ -174,6 +175,81 @@ class Layout:
     def for_feed(self, feed: int) -> Layout:
         """Itself as a stream fed ``feed`` tokens at a time runs it (a rolling window evicts that many)."""
         return self
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """A layout x a codec (None: full precision) x when it acts (in the layout: ``every``, ``chunk``).
+
+    ``spec`` is the canonical string (same policy, same string: the store's namespace and the report
+    labels use it); :meth:`to_json` is what a response or report says the cache held.
+    """
+
+    layout: Layout
+    codec: str | None = None  # codec kind, e.g. "kivi"
+    bits: int | None = None
+    tail: int | None = None  # full-precision newest slots of the codec (None: the codec's default)
+    codec_sinks: int = 0  # full-precision first slots of a codec over the full layout
+
+    @property
+    def exact(self) -> bool:
+        """Holds every slot in full precision: its outputs equal the model's own."""
+        return self.layout.exact and self.codec is None
+
+    @property
+    def kind(self) -> str:
+        """The layout's kind (``evict``: scored, ``window``: sinks + window...), else ``full`` or ``quant``
+        (the full layout over a codec)."""
+        return self.layout.kind or ("full" if self.codec is None else "quant")
+
+    @property
+    def codec_name(self) -> str | None:
+        if self.codec is None:
+            return None
+        return self.codec if codec_facts(self.codec).fixed_bits is not None else f"{self.codec}{self.bits}"
+
+    @property
+    def spec(self) -> str:
+        parts = self.layout.items() + ([f"sinks={self.codec_sinks}"] if self.codec_sinks else [])
+        if self.codec is not None:
+            parts.append(f"codec={self.codec_name}")
+            parts += [f"tail={self.tail}"] if self.tail is not None else []
+        return ",".join(parts) or "full"
+
+    def quantizer(self, head_dim: int | None = None) -> Quantizer | None:
+        """The codec as a :class:`~kvlab.compress.quant.Quantizer` (None for full precision); with
+        ``head_dim`` its group size is cut to the largest that divides a small head."""
+        if self.codec is None:
+            return None
+        import math
+
+        from kvlab.compress.quant.methods import make_quantizer
+
+        opts: dict[str, Any] = {"sinks": self.codec_sinks}
+        if self.tail is not None:
+            opts["window"] = self.tail
+        q = make_quantizer(self.codec, self.bits, **opts)
+        if head_dim is not None and head_dim % q.group_size:
+            q = make_quantizer(self.codec, self.bits, **opts, group_size=math.gcd(q.group_size, head_dim))
+        return q
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"spec": self.spec, "kind": self.kind, "layout": self.layout.name}
+        out.update(self.layout.fields())
+        if self.codec is not None:
+            out.update(codec=self.codec_name, quantizer=self.codec, bits=self.bits)
+        return out
+
+    def describe(self) -> str:
+        stored = "full precision" if self.codec is None else f"{self.codec_name} codes"
+        return f"{self.layout.describe()}, in {stored}"
+
+
+def context(source: Source) -> KVSnapshot:
+    """The context's snapshot (an :class:`~kvlab.compress.evict.Observation` carries one with its queries)."""
+    from kvlab.compress.evict import Observation
+
+    return source.snapshot if isinstance(source, Observation) else source
 
 
 def serve_caches() -> str:

@@ -14,15 +14,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvlab.compress.catalogue import SCORES, codec_facts
+from kvlab.compress.layouts.base import Items, Layout, context
 from kvlab.errors import BadInputError
-from kvlab.policy.layouts.base import Items, Layout
 
 if TYPE_CHECKING:
     from kvlab.cache.snapshot import KVSnapshot
-    from kvlab.compress.evict import Observation, Policy
-    from kvlab.compress.spec import CachePolicy
+    from kvlab.compress.evict import Policy
+    from kvlab.compress.layouts.base import Applied, CachePolicy, Model, Source
     from kvlab.model.handle import ModelHandle
-    from kvlab.policy.layouts.base import Applied, Model
 
 #: aliases of score names in specs: ``keynorm`` is kvlab's ``knorm``
 ALIASES = {"keynorm": "knorm"}
@@ -162,12 +161,12 @@ class ScoredLayout(Layout):
     def needs_queries(self) -> bool:
         return self.policy().needs_queries
 
-    def apply(self, policy: CachePolicy, source: KVSnapshot | Observation, handle: ModelHandle) -> Applied:
+    def apply(self, policy: CachePolicy, source: Source, handle: ModelHandle) -> Applied:
         """The evicted context as a masked snapshot (a shared budget: a ragged cache, run masked), its kept
         slots through the codec where there is one."""
-        from kvlab.compress.evict import Observation, evict
+        from kvlab.compress.evict import evict
 
-        snap = source.snapshot if isinstance(source, Observation) else source
+        snap = context(source)
         if self.shared:
             from kvlab.compress.evict.budgets import evict_ragged
 

@@ -10,14 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvlab.policy.layouts.base import Items, Layout
+from kvlab.compress.layouts.base import Items, Layout, context
 
 if TYPE_CHECKING:
-    from kvlab.cache.snapshot import KVSnapshot
-    from kvlab.compress.evict import Observation
-    from kvlab.compress.spec import CachePolicy
+    from kvlab.compress.layouts.base import Applied, CachePolicy, Model, Source
     from kvlab.model.handle import ModelHandle
-    from kvlab.policy.layouts.base import Applied, Model
 
 
 @dataclass(frozen=True)
@@ -42,26 +39,19 @@ class FullLayout(Layout):
         return "every slot"
 
     def cache(self, policy: CachePolicy, handle: Model, *, packed_path: str = "auto", pinned: int = 0) -> Any:
-        from kvlab.hf.policy_cache import model_parts
+        from kvlab.hf.policy_cache import full_cache, model_parts
 
         config, model, codec = model_parts(policy, handle)
-        if codec is not None:
-            from kvlab.hf.compressed_cache import CompressedCache
+        if codec is None:
+            return full_cache(config)
+        from kvlab.hf.compressed_cache import CompressedCache
 
-            return CompressedCache(config, quantizer=codec, model=model, packed_path=packed_path)
-        from kvlab.hf.live_cache import FullCache, full_cache_supported
+        return CompressedCache(config, quantizer=codec, model=model, packed_path=packed_path)
 
-        if full_cache_supported(config):
-            return FullCache(config)
-        from transformers import DynamicCache
-
-        return DynamicCache(config=config)  # layers kvlab does not wrap (linear attention): transformers' own
-
-    def apply(self, policy: CachePolicy, source: KVSnapshot | Observation, handle: ModelHandle) -> Applied:
-        from kvlab.compress.evict import Observation
+    def apply(self, policy: CachePolicy, source: Source, handle: ModelHandle) -> Applied:
         from kvlab.compress.quant import quantize_snapshot
 
-        snap = source.snapshot if isinstance(source, Observation) else source
+        snap = context(source)
         codec = policy.quantizer(snap.head_dim)
         if codec is None:
             return snap, snap.nbytes, {}

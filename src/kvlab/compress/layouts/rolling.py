@@ -14,14 +14,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvlab.compress.catalogue import codec_facts
-from kvlab.policy.layouts.base import Items, Layout, Roll
+from kvlab.compress.layouts.base import Items, Layout, Roll, context
 
 if TYPE_CHECKING:
-    from kvlab.cache.snapshot import KVSnapshot
-    from kvlab.compress.evict import Observation
-    from kvlab.compress.spec import CachePolicy
+    from kvlab.compress.layouts.base import Applied, CachePolicy, Model, Source
     from kvlab.model.handle import ModelHandle
-    from kvlab.policy.layouts.base import Applied, Model
 
 DEFAULT_SINKS = 4  # a sinks + window layout without ``sinks=`` keeps StreamingLLM's four
 
@@ -100,15 +97,13 @@ class SinksWindowLayout(Layout):
             packed_path=packed_path,
         )
 
-    def apply(self, policy: CachePolicy, source: KVSnapshot | Observation, handle: ModelHandle) -> Applied:
+    def apply(self, policy: CachePolicy, source: Source, handle: ModelHandle) -> Applied:
         """The context's K/V fed to the live cache's own layers (no model forward: the prompt attends to
         itself in full precision in the live cache too): the sinks re-positioned before the window, whole
         eviction chunks dropped, codes where the cache keeps codes."""
         import torch
 
-        from kvlab.compress.evict import Observation
-
-        snap = source.snapshot if isinstance(source, Observation) else source
+        snap = context(source)
         cache = self.cache(policy, handle)
         for layer, k, v in zip(cache.layers, snap.keys, snap.values, strict=True):
             layer.update(k, v)

@@ -17,16 +17,13 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvlab.policy.layouts.base import Items, Layout
+from kvlab.compress.layouts.base import Items, Layout, context
 
 if TYPE_CHECKING:
     import torch
 
-    from kvlab.cache.snapshot import KVSnapshot
-    from kvlab.compress.evict import Observation
-    from kvlab.compress.spec import CachePolicy
+    from kvlab.compress.layouts.base import Applied, CachePolicy, Model, Source
     from kvlab.model.handle import ModelHandle
-    from kvlab.policy.layouts.base import Applied, Model
 
 
 @dataclass(frozen=True)
@@ -61,8 +58,8 @@ class StridedLayout(Layout):
             )
 
     def serve_check(self, policy: CachePolicy, spec: str) -> None:
+        from kvlab.compress.layouts.base import serve_caches
         from kvlab.errors import BadInputError
-        from kvlab.policy.layouts.base import serve_caches
 
         raise BadInputError(
             f"--cache '{spec}' keeps {self.describe()}: a conversation's cache would grow without end (one slot "
@@ -87,13 +84,11 @@ class StridedLayout(Layout):
 
         return _cache_class()(model_parts(policy, handle)[0], self)
 
-    def apply(self, policy: CachePolicy, source: KVSnapshot | Observation, handle: ModelHandle) -> Applied:
+    def apply(self, policy: CachePolicy, source: Source, handle: ModelHandle) -> Applied:
         """The context's snapshot with only the kept slots valid (at their original positions)."""
         import torch
 
-        from kvlab.compress.evict import Observation
-
-        snap = source.snapshot if isinstance(source, Observation) else source
+        snap = context(source)
         keep = self.kept(torch.arange(snap.seq_len), snap.seq_len)
         valid = tuple(keep.to(k.device).expand(*k.shape[:2], -1).clone() for k in snap.keys)
         masked = snap.replace(valid=valid, provenance="edited")
@@ -104,13 +99,13 @@ class StridedLayout(Layout):
 def _cache_class() -> type:
     """The live cache's classes, defined on first use (they import torch; reading a spec must not)."""
     import torch
-    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer, get_layer_types_and_kwargs
 
     from kvlab.errors import BadInputError, UnsupportedModelError
-    from kvlab.hf.live_cache import FullLayer, FullRule, LiveCache
+    from kvlab.hf.cache import sliding_windows
+    from kvlab.hf.live_cache import FullLayer, FullRule, LiveCache, full_cache_supported
 
     class StridedLayer(FullLayer):
-        """One full-attention layer: transformers' own update, then the slots that fall out gathered away."""
+        """One full-attention layer: transformers' own update (FullLayer's), then the slots that fall out gathered away."""
 
         def __init__(self, layout: StridedLayout) -> None:
             super().__init__()
@@ -118,7 +113,7 @@ def _cache_class() -> type:
             self.pos = torch.zeros(0, dtype=torch.long)  # original positions of the held slots (host)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kw: Any) -> Any:
-            keys, values = DynamicLayer.update(self, key_states, value_states, *args, **kw)
+            keys, values = super().update(key_states, value_states, *args, **kw)
             n = key_states.shape[-2]
             self.seen += n
             pos = torch.cat((self.pos, torch.arange(self.seen - n, self.seen)))
@@ -158,12 +153,11 @@ def _cache_class() -> type:
         """Transformers' dynamic layers that keep a strided layout's slots (full-attention models only)."""
 
         def __init__(self, config: Any, layout: StridedLayout) -> None:
-            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-            kinds = get_layer_types_and_kwargs(text)[0]
-            if any(DYNAMIC_LAYER_TYPE_MAPPING.get(k) is not DynamicLayer for k in kinds):
+            windows = sliding_windows(config)
+            if not full_cache_supported(config) or any(windows):
                 raise UnsupportedModelError("a strided cache runs on models whose layers all attend fully")
             super().__init__(
-                [StridedLayer(layout) for _ in kinds], StridedRule(layout), config, {"layout": layout}
+                [StridedLayer(layout) for _ in windows], StridedRule(layout), config, {"layout": layout}
             )
 
     return StridedCache
