@@ -6,6 +6,8 @@ offline application keeps, with the same logits on top."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -100,30 +102,35 @@ def test_generate_runs_it_and_stride_one_generates_as_full(llama):
     assert held.peak < generate("full", 60)[2].peak * 33 / 84 * 1.1  # the slots held, not every token
 
 
-def test_generate_cli_json(capsys, tmp_path):
-    import json
-
-    from kvlab.cli import main
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
     from tests.tiny_serve import build_tiny_model
 
-    model = build_tiny_model(tmp_path / "tiny")
-    argv = [
-        "generate",
-        "once upon a time",
-        "-n",
-        "6",
-        "--cache",
-        SPEC,
-        "--json",
-        "--model",
-        str(model),
-        "--device",
-        "cpu",
-    ]
-    code = main(argv)
-    assert code in (0, None)
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def test_generate_cli_json(capsys, model_dir):
+    from kvlab.cli import main
+
+    argv = ["generate", "once upon a time", "-n", "6", "--cache", SPEC, "--json", "--model", model_dir]
+    assert main([*argv, "--device", "cpu"]) in (0, None)
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["tokens"] == 6 and doc["policy"]["spec"] == SPEC and doc["policy"]["kind"] == "strided"
+
+
+def test_eval_cli(capsys, model_dir, tmp_path):
+    """``kvlab eval ruler --cache stride=...``: a column next to the full cache; ``stride=1`` is the full one."""
+    from kvlab.cli import main
+
+    argv = ["eval", "ruler", "--model", model_dir, "--cache", "full", "--cache", "stride=1,recent=0", "--cache",
+            SPEC, "--lengths", "600", "--tasks", "niah_single", "--trials", "1", "-n", "4", "--out", str(tmp_path),
+            "--device", "cpu"]  # fmt: skip
+    assert main(argv) in (0, None)
+    rows = {r["spec"]: r for r in json.loads((tmp_path / "ruler.json").read_text())["rows"]}
+    full, same, strided = rows["full"], rows["stride=1,recent=0"], rows[SPEC]
+    assert same["output"] == full["output"] and same["kld"] == 0 and same["kv_bytes"] == full["kv_bytes"]
+    n = strided["context_tokens"]
+    assert strided["kind"] == "strided" and strided["kept_slots"] == len(range(0, n - 16, 4)) + 16
 
 
 def test_stream_ppl_scores_it_and_stride_one_scores_as_full(llama):
