@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvlab.compress.layouts.base import context
 from kvlab.errors import BadInputError
 from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.eval.specs; run.py re-exports them)
     CacheSpec,
@@ -40,7 +41,11 @@ from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.e
 )
 
 if TYPE_CHECKING:
+    from kvlab.cache.snapshot import KVSnapshot
+    from kvlab.compress.layouts.base import Source
     from kvlab.model.handle import ModelHandle
+
+    External = Callable[[KVSnapshot], dict[str, tuple[KVSnapshot, int]]]  # caches made elsewhere, by name
 
 
 def _kept(snap: Any) -> int:
@@ -55,6 +60,54 @@ def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
     return tokens
 
 
+def _caches(
+    handle: ModelHandle, specs: Sequence[CacheSpec], source: Source, external: External | None
+) -> tuple:
+    """Each spec's cache after the context (its layout applied offline: :meth:`~kvlab.compress.layouts.Layout.apply`),
+    the full cache first, then the external ones: ``{name: (snapshot, K/V bytes, extra columns)}``, the
+    seconds each took and each row's labels."""
+    order = [CacheSpec("full"), *(s for s in specs if s.kind != "full")]
+    caches, seconds = {}, {}
+    for spec in order:
+        t1 = time.perf_counter()
+        caches[spec.spec] = spec.policy.layout.apply(spec.policy, source, handle)
+        seconds[spec.spec] = time.perf_counter() - t1
+    labels = {s.spec: s.to_json() for s in order}
+    if external is not None:
+        t1 = time.perf_counter()
+        made = external(context(source))
+        for name, (snap, nbytes) in made.items():
+            if name in caches:
+                raise BadInputError(f"external cache '{name}' repeats a cache spec's name")
+            caches[name], seconds[name] = (snap, nbytes, {}), (time.perf_counter() - t1) / len(made)
+            labels[name] = {"kind": "external", "spec": name, "policy_spec": name}
+    return caches, seconds, labels
+
+
+def _answer(
+    handle: ModelHandle, caches: dict, seconds: dict, question: list[int], n_new: int, stop: set[int]
+) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    """Each cache's greedy answer, and its logits on the question and the full cache's answer (teacher-forced),
+    batched over the caches of equal length and positions; each batch's seconds shared among its rows."""
+    from kvlab.cache.snapshot import batchable_groups
+
+    answers: dict[str, list[int]] = {}
+    logits: dict[str, torch.Tensor] = {}
+    for names in batchable_groups({name: c[0] for name, c in caches.items()}):  # the full cache's group first
+        t1 = time.perf_counter()
+        with handle.live_rows([caches[n][0] for n in names], room=len(question) + n_new) as live:
+            asked = live.feed(question)  # [rows, question, vocab]
+            answers.update(zip(names, live.greedy(asked[:, -1], n_new, stop_ids=stop), strict=True))
+            live.rewind(len(question))  # back to after the question: teacher-force the full cache's answer
+            reference = answers["full"]
+            tail = [live.feed(reference[:-1])] if len(reference) > 1 else []
+        out = torch.cat([asked, *tail], dim=1)  # on question + reference[:-1]
+        logits.update(zip(names, out.unbind(0), strict=True))
+        for n in names:
+            seconds[n] += (time.perf_counter() - t1) / len(names)
+    return answers, logits
+
+
 @torch.no_grad()
 def run_trial(
     handle: ModelHandle,
@@ -63,7 +116,7 @@ def run_trial(
     *,
     max_new_tokens: int | None = None,
     on_reference: Callable[[dict], None] | None = None,
-    external: Callable[[Any], dict[str, tuple[Any, int]]] | None = None,
+    external: External | None = None,
 ) -> list[dict]:
     """One row per spec: the answer, its score, and KL / top-1 against the full cache on the same tokens.
 
@@ -75,11 +128,8 @@ def run_trial(
     ``external(prefill snapshot)`` adds caches made elsewhere (another library's quantizer): ``{name:
     (snapshot it attends over, K/V bytes it holds)}``, each a row with ``kind`` ``"external"``.
     """
-    from kvlab.cache.snapshot import batchable_groups
-    from kvlab.compress.evict import Observation, observe
-    from kvlab.eval.score import score
+    from kvlab.compress.evict import observe
     from kvlab.eval.tasks import encoder
-    from kvlab.metrics.divergence import compare_logits
 
     encode = encoder(handle)
     ctx, question = encode(trial.context), encode(trial.question)
@@ -92,38 +142,8 @@ def run_trial(
     )
     prefill_s = time.perf_counter() - t0
     stop = handle.eos_ids()
-    order = [CacheSpec("full"), *(s for s in specs if s.kind != "full")]
-    caches, seconds = {}, {}
-    for spec in order:
-        t1 = time.perf_counter()
-        caches[spec.spec] = spec.policy.layout.apply(
-            spec.policy, source, handle
-        )  # the cache after the context
-        seconds[spec.spec] = time.perf_counter() - t1
-    labels = {s.spec: s.to_json() for s in order}
-    if external is not None:
-        t1 = time.perf_counter()
-        made = external(source.snapshot if isinstance(source, Observation) else source)
-        for name, (snap, nbytes) in made.items():
-            if name in caches:
-                raise BadInputError(f"external cache '{name}' repeats a cache spec's name")
-            caches[name], seconds[name] = (snap, nbytes, {}), (time.perf_counter() - t1) / len(made)
-            labels[name] = {"kind": "external", "spec": name, "policy_spec": name}
-    groups = batchable_groups({name: c[0] for name, c in caches.items()})
-    answers: dict[str, list[int]] = {}
-    logits: dict[str, torch.Tensor] = {}
-    for names in groups:  # the full cache's group first: its answer is every row's teacher
-        t1 = time.perf_counter()
-        with handle.live_rows([caches[n][0] for n in names], room=len(question) + n_new) as live:
-            asked = live.feed(question)  # [rows, question, vocab]
-            answers.update(zip(names, live.greedy(asked[:, -1], n_new, stop_ids=stop), strict=True))
-            live.rewind(len(question))  # back to after the question: teacher-force the full cache's answer
-            reference = answers["full"]
-            tail = [live.feed(reference[:-1])] if len(reference) > 1 else []
-        out = torch.cat([asked, *tail], dim=1)  # on question + reference[:-1]
-        logits.update(zip(names, out.unbind(0), strict=True))
-        for n in names:
-            seconds[n] += (time.perf_counter() - t1) / len(names)
+    caches, seconds, labels = _caches(handle, specs, source, external)
+    answers, logits = _answer(handle, caches, seconds, question, n_new, stop)
     forced = question + answers["full"][:-1]
     if on_reference is not None:
         on_reference(
@@ -138,14 +158,11 @@ def run_trial(
                 "full_logits": logits["full"],
             }
         )
-    answer_rows = slice(len(question) - 1, None)
     rows = []
     for name in caches:
         if name == "full" and not any(s.kind == "full" for s in specs):
             continue
         snap, nbytes, extra = caches[name]
-        div = compare_logits(logits["full"], logits[name])
-        div_answer = compare_logits(logits["full"][answer_rows], logits[name][answer_rows])
         text = handle.decode(_until_stop(answers[name], stop))
         rows.append(
             {
@@ -158,20 +175,32 @@ def run_trial(
                 "kept_slots": _kept(snap),
                 "kv_bytes": int(nbytes),
                 **extra,
-                "output": text,
-                "answers": list(trial.answers),
-                "rule": trial.rule,
-                "score": score(text, trial.answers, trial.rule),
-                "kld": div.kl,
-                "top1": div.top1,
-                "kld_answer": div_answer.kl,
-                "top1_answer": div_answer.top1,
-                "compared_tokens": div.n,
+                **_measures(trial, text, logits["full"], logits[name], len(question)),
                 "prefill_s": prefill_s,
                 "seconds": seconds[name],
             }
         )
     return rows
+
+
+def _measures(trial: Any, text: str, full: torch.Tensor, logits: torch.Tensor, n_question: int) -> dict:
+    """A row's answer and score, and its KL / top-1 against the full cache's logits (all, and the answer's)."""
+    from kvlab.eval.score import score
+    from kvlab.metrics.divergence import compare_logits
+
+    answer_rows = slice(n_question - 1, None)
+    div, div_answer = compare_logits(full, logits), compare_logits(full[answer_rows], logits[answer_rows])
+    return {
+        "output": text,
+        "answers": list(trial.answers),
+        "rule": trial.rule,
+        "score": score(text, trial.answers, trial.rule),
+        "kld": div.kl,
+        "top1": div.top1,
+        "kld_answer": div_answer.kl,
+        "top1_answer": div_answer.top1,
+        "compared_tokens": div.n,
+    }
 
 
 def trial_seed(seed: int, index: int) -> int:
@@ -192,7 +221,7 @@ def run_suite(
     max_new_tokens: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     on_reference: Callable[[dict], None] | None = None,
-    external: Callable[[Any], dict[str, tuple[Any, int]]] | None = None,
+    external: External | None = None,
     done: Mapping[tuple[str, int, int], list[dict]] | None = None,
     on_trial: Callable[[tuple[str, int, int], list[dict], float], None] | None = None,
 ) -> list[dict]:
