@@ -36,7 +36,7 @@ def test_the_spec_reader_finds_it_in_the_registry():
     assert p.layout.name == "strided" and isinstance(p.layout, LAYOUTS["strided"])
     assert p.spec == SPEC and p.kind == "strided" and not p.exact
     assert p.to_json() == {"spec": SPEC, "kind": "strided", "layout": "strided", "stride": 4, "recent": 16}
-    assert p.describe() == "every 4th slot + the last 16 slots, in full precision"
+    assert p.describe() == "one slot in 4 + the last 16 slots, in full precision"
     for bad, message in [
         ("stride=0", "stride must be >= 1"),
         ("stride=4,window=8", "stride apply to a strided layout only"),
@@ -173,4 +173,8 @@ def test_serve_refuses_it_in_one_line(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     code = main(["serve", "--cache", SPEC, "--model", str(tmp_path), "--port", "1"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert code == 2 and len(err) == 1 and "grow without end (one slot in 4)" in err[0], err
+    assert (
+        code == 2
+        and len(err) == 1
+        and "keeps one slot in 4 + the last 16 slots: a conversation's cache would grow" in err[0]
+    ), err

@@ -17,7 +17,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvlab.compress.layouts.base import Items, Layout, context
+from kvlab.compress.layouts.base import Items, Layout, context, serve_caches
+from kvlab.errors import BadInputError
 
 if TYPE_CHECKING:
     import torch
@@ -51,19 +52,13 @@ class StridedLayout(Layout):
 
     def check(self, policy: CachePolicy, spec: str) -> None:
         if policy.codec is not None:
-            from kvlab.errors import BadInputError
-
             raise BadInputError(
                 f"cache spec '{spec}': a strided layout keeps its slots in full precision (drop codec=)"
             )
 
     def serve_check(self, policy: CachePolicy, spec: str) -> None:
-        from kvlab.compress.layouts.base import serve_caches
-        from kvlab.errors import BadInputError
-
         raise BadInputError(
-            f"--cache '{spec}' keeps {self.describe()}: a conversation's cache would grow without end (one slot "
-            f"in {self.stride}); {serve_caches()}"
+            f"--cache '{spec}' keeps {self.describe()}: a conversation's cache would grow without end; {serve_caches()}"
         )
 
     def items(self) -> list[str]:
@@ -73,7 +68,7 @@ class StridedLayout(Layout):
         return {"stride": self.stride, "recent": self.recent}
 
     def describe(self) -> str:
-        return f"every {self.stride}th slot + the last {self.recent} slots"
+        return f"one slot in {self.stride} + the last {self.recent} slots"
 
     def kept(self, positions: torch.Tensor, seen: int) -> torch.Tensor:
         """Which of the slots at ``positions`` stay after ``seen`` tokens (a bool tensor like ``positions``)."""
@@ -100,7 +95,7 @@ def _cache_class() -> type:
     """The live cache's classes, defined on first use (they import torch; reading a spec must not)."""
     import torch
 
-    from kvlab.errors import BadInputError, UnsupportedModelError
+    from kvlab.errors import UnsupportedModelError
     from kvlab.hf.cache import sliding_windows
     from kvlab.hf.live_cache import FullLayer, FullRule, LiveCache, full_cache_supported
 
