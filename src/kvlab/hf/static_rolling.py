@@ -35,15 +35,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import head_dim_of, sliding_windows, text_config
-from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, roll_rule
+from kvlab.hf.live_cache import Bytes, LiveCache
+from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, RollRule, roll_rule
 from kvlab.hf.runner import Runner
 from kvlab.kernels import split_attention
 from kvlab.kernels.split_attention import int4_rows
@@ -95,18 +96,21 @@ def decode_packed(packed: torch.Tensor, head_dim: int, dtype: torch.dtype) -> to
     return _decode4(*int4_rows(packed, head_dim), dtype)
 
 
-class StaticRollingLayer(CacheLayerMixin):
+class RingLayer(CacheLayerMixin):
     """One layer's fixed buffers: slots ``[0, sinks)`` the sinks, the rest a ring (see the module).
 
-    Holds storage only; every count lives in the :class:`StaticRollingCache` (all layers make the same
-    decisions). ``sink_keys`` are the sinks' keys as first computed (positions ``0 ..``), re-rotated
-    into place at every roll, so they never drift. ``rope``: this layer's RoPE (None: keys carry no
-    position and are never rotated).
+    A layer kind of :class:`~kvlab.hf.live_cache.LiveCache` (as transformers' ``StaticLayer`` is of its
+    ``Cache``): it holds storage only, and answers the live-layer questions (``kept``, ``tokens_seen``,
+    ``visible()``...) from the counts its :class:`StaticRollingCache` keeps once for every layer (all layers
+    make the same decisions; the cache keeps the sinks' original keys, re-rotated into place at every roll,
+    so they never drift). ``rope``: this layer's RoPE (None: keys carry
+    no position and are never rotated).
     """
 
     is_compileable = True
     is_sliding = False
     is_croppable = False
+    may_rebase = True  # the ring always picks its positions (its decoder passes them)
 
     def __init__(self, owner: StaticRollingCache, rope: RopeSpec | None, index: int) -> None:
         super().__init__()
@@ -121,15 +125,6 @@ class StaticRollingLayer(CacheLayerMixin):
             self.keys, self.values = o.storage["keys"][index], o.storage["values"][index]
         self.dtype, self.device = o.dtype, o.device
         self.is_initialized = True
-
-    @property
-    def sink_keys(self) -> torch.Tensor | None:
-        """The sinks' keys as first computed (positions ``0 ..``): a view of the cache's stored originals."""
-        return None if self.owner.sink_keys is None else self.owner.sink_keys[self.index]
-
-    @property
-    def sink_values(self) -> torch.Tensor | None:
-        return None if self.owner.sink_values is None else self.owner.sink_values[self.index]
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a step reads or writes (views of the cache's storage)."""
@@ -186,6 +181,45 @@ class StaticRollingLayer(CacheLayerMixin):
         keys, values = self.read()
         return keys.index_select(2, slots), values.index_select(2, slots)
 
+    # -- the live-layer interface (kvlab.hf.live_cache), from the cache's counts ------------------------
+    @property
+    def kept(self) -> int:
+        return self.owner.slots - self.owner.plan.drop
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.owner.seen
+
+    @property
+    def evictions(self) -> int:
+        return self.owner.rolls
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's slots (the sinks' originals and the slot positions are the cache's)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers()[:2])
+
+    def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values in position order as the next forward will see them (new tensors; decoded with
+        ``int4``; a pending roll applied): comparable with a :class:`RollingCache` layer's."""
+        o = self.owner
+        k, v = self.read_slots(o.visible_slots())
+        s = min(o.sinks_held, k.shape[-2])
+        if o.plan.pending and s and o.sink_keys is not None:
+            start, sinks = o.next_position - o.plan.rebase - self.kept, o.sink_keys[self.index]
+            k[:, :, :s] = sinks if self.rope is None else rotate_by(sinks, start, self.rope)
+        if o.plan.rebase and self.rope is not None:
+            rotate_by_(k[:, :, s:], -o.plan.rebase, self.rope)
+        return k, v
+
+    def kept_positions(self) -> torch.Tensor:
+        """``[kept]`` RoPE positions of the kept slots as the next forward sees them, on the host."""
+        end = self.owner.next_position - self.owner.plan.rebase
+        return torch.arange(end - self.kept, end, device="cpu")
+
+    def query_offset(self) -> int:
+        return self.owner.next_position  # unused: the decoder passes the mask (slot order is not position)
+
     def get_seq_length(self) -> int:
         return self.owner.next_position
 
@@ -195,14 +229,34 @@ class StaticRollingLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
-    def nbytes(self) -> int:
-        stored = [self.k_packed, self.v_packed] if self.owner.codec == "int4" else [self.keys, self.values]
-        extra = [t for t in (self.sink_keys, self.sink_values) if t is not None]
-        return sum(t.numel() * t.element_size() for t in [*stored, *extra])
+    def checkpoint(self) -> Callable[[], None]:
+        raise BadInputError("a StaticRollingCache has no checkpoints (it writes every layer in place)")
+
+    def hold(self) -> None:
+        raise BadInputError(
+            "a StaticRollingCache takes a prompt through RollingDecoder.prefill, not in held pieces"
+        )
+
+    def seed(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise BadInputError("a StaticRollingCache takes a prefix through load(), not seed()")
+
+    def close(self) -> None:
+        """Nothing held outside the cache."""
+
+    def describe_state(self) -> str:
+        o, end = self.owner, self.owner.next_position - self.owner.plan.rebase
+        codec = f"int4 rows in groups of {o.group}, " if o.codec == "int4" else ""
+        return (
+            f"{codec}{self.kept} kept, positions {end - self.kept}..{end - 1}, "
+            f"{o.seen} seen, {o.rolls} rolls, {o.rebases} re-bases"
+        )
 
 
-class StaticRollingCache(Cache):
+class StaticRollingCache(LiveCache):
     """Sinks + a rolling window in fixed buffers: :class:`RollingCache`'s rule, a capturable step.
+
+    A :class:`~kvlab.hf.live_cache.LiveCache` of :class:`RingLayer` s: it reports as every live cache does
+    (``kept``, ``tokens_seen``, ``evictions``, ``nbytes``, ``positions()``, ``kept_layers()``, ``describe()``).
 
     Args:
         config: the model config (layer count, KV heads, head size).
@@ -216,6 +270,9 @@ class StaticRollingCache(Cache):
     One feed holds at most ``evict_chunk`` tokens (the ring's spare room); longer prompts are fed in
     pieces or through a :class:`RollingCache` first (:meth:`load`). Not thread-safe.
     """
+
+    layers: list[RingLayer]  # type: ignore[assignment]  # ours, typed as ours
+    rule: RollRule
 
     def __init__(
         self,
@@ -277,25 +334,19 @@ class StaticRollingCache(Cache):
                 self._runs[-1] = (slice(self._runs[-1][0].start, i + 1), spec)
             else:
                 self._runs.append((slice(i, i + 1), spec))
-        layers: list[Any] = [StaticRollingLayer(self, specs[i], i) for i in range(n_layers)]
-        super().__init__(layers=layers)
-        self.layers: list[StaticRollingLayer] = layers  # type: ignore[assignment]  # ours, typed as ours
-        # host-side counts (the same meaning as RollingCache's, kept once for all layers)
+        # host-side counts (the same meaning as RollingCache's, kept once for all layers: they answer from them)
         self.next_position = 0  # RoPE position of the next token
         self.slots = 0  # tokens held, including those a pending drop will remove
         self.plan = RollPlan()
         self.sinks_held = 0
         self.tail = 0  # ring index of the oldest window token
         self._fed = (0, 0)  # (tokens, of which into the sinks) of the feed prepare() announced
-        self.tokens_seen = self.rolls = self.rebases = 0
+        self.seen = self.rolls = self.rebases = 0  # tokens fed, window rolls, re-bases
+        super().__init__([RingLayer(self, specs[i], i) for i in range(n_layers)], self.rule, text, {})
 
     sinks = property(lambda self: self.rule.policy.sinks)
     window = property(lambda self: self.rule.policy.window)
     evict_chunk = property(lambda self: self.rule.evict_chunk)
-
-    @property
-    def kept(self) -> int:
-        return self.slots - self.plan.drop
 
     # -- the step's device inputs ---------------------------------------------------------------------
     def write_index(self, n: int) -> torch.Tensor:
@@ -392,7 +443,7 @@ class StaticRollingCache(Cache):
         """Before a feed of ``n`` tokens: apply the pending plan, point :meth:`write_index` ``(n)`` at the
         slots the feed fills and record their positions in ``slot_pos``; returns the ``[n]`` positions
         (a new tensor on the cache's device). Host side; small kernels, no synchronisation."""
-        if n < 1 or (n > self.rule.evict_chunk and not (self.tokens_seen == 0 and n <= self.capacity)):
+        if n < 1 or (n > self.rule.evict_chunk and not (self.empty and n <= self.capacity)):
             raise BadInputError(
                 f"a StaticRollingCache takes feeds of 1 to evict_chunk ({self.rule.evict_chunk}) tokens, got {n}"
             )
@@ -421,7 +472,7 @@ class StaticRollingCache(Cache):
         self.sinks_held += into_sinks
         self.slots += n
         self.next_position += n
-        self.tokens_seen += n
+        self.seen += n
         self.plan = self.rule.next_plan(self.next_position - self.slots, self.slots, True)
 
     def _apply_plan(self) -> None:
@@ -475,16 +526,12 @@ class StaticRollingCache(Cache):
         theirs_all: list[Any] = cache.layers
         if len(theirs_all) != len(self.layers):
             raise BadInputError(f"load() got {len(theirs_all)} layers for {len(self.layers)}")
-        for mine, theirs in zip(self.layers, theirs_all, strict=True):  # checked before anything is written
-            want = (
-                mine.read()[0].shape
-                if self.codec == "none"
-                else (*mine.k_codes.shape[:-1], 2 * mine.k_codes.shape[-1])
-            )
+        want = (self.batch, self.storage["keys"].shape[2], self.head_dim)
+        for theirs in theirs_all:  # checked before anything is written
             got = theirs.keys.shape
-            if (got[0], got[1], got[-1]) != (want[0], want[1], want[-1]):
+            if (got[0], got[1], got[-1]) != want:
                 raise BadInputError(
-                    f"load() got keys [{got[0]}, {got[1]}, .., {got[-1]}] for a cache of [{want[0]}, {want[1]}, .., {want[-1]}]"
+                    f"load() got keys [{got[0]}, {got[1]}, .., {got[-1]}] for a cache of [{want[0]}, {want[1]}, .., {want[2]}]"
                 )
         kept, s = cache.kept, min(self.sinks, cache.kept)
         if s == self.sinks and s and any(la.sink_keys is None for la in theirs_all):
@@ -506,7 +553,7 @@ class StaticRollingCache(Cache):
         self.slot_pos.fill_(EMPTY)
         self.slot_pos.index_copy_(0, index, torch.arange(start, start + kept, device=dev))
         self.next_position, self.slots, self.sinks_held = cache.next_position, kept, s
-        self.tail, self.tokens_seen = 0, cache.tokens_seen
+        self.tail, self.seen = 0, cache.tokens_seen
         self.rolls, self.rebases = cache.rolls, cache.rebases
         self.plan = self.rule.next_plan(start, kept, True)
         return self
@@ -519,28 +566,10 @@ class StaticRollingCache(Cache):
         twin.sink_keys = None if self.sink_keys is None else self.sink_keys.clone()
         twin.sink_values = None if self.sink_values is None else self.sink_values.clone()
         twin.slot_pos, twin._write_index = self.slot_pos.clone(), {}
-        twin.layers = [StaticRollingLayer(twin, la.rope, i) for i, la in enumerate(self.layers)]
+        twin.layers = [RingLayer(twin, la.rope, i) for i, la in enumerate(self.layers)]
         return twin
 
-    def kept_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``[(keys, values)]`` per layer in position order, as the next forward will see them (copies;
-        decoded with ``int4``; a pending roll applied) — comparable with :meth:`RollingCache.kept_layers`."""
-        order = self._visible_slots()
-        out = []
-        for layer in self.layers:
-            k, v = layer.read_slots(order)
-            s = min(self.sinks_held, order.numel())
-            if self.plan.pending and s and layer.sink_keys is not None:
-                start = self.next_position - self.plan.rebase - self.kept
-                k[:, :, :s] = (
-                    layer.sink_keys if layer.rope is None else rotate_by(layer.sink_keys, start, layer.rope)
-                )
-            if self.plan.rebase and layer.rope is not None:
-                rotate_by_(k[:, :, s:], -self.plan.rebase, layer.rope)
-            out.append((k, v))
-        return out
-
-    def _visible_slots(self) -> torch.Tensor:
+    def visible_slots(self) -> torch.Tensor:
         """Slot indices of the kept tokens in position order (sinks, then the ring from its tail)."""
         s = self.sinks_held
         window = self.kept - s
@@ -548,40 +577,14 @@ class StaticRollingCache(Cache):
         ring = self.sinks + (first + torch.arange(window, device=self.device)) % self.ring
         return torch.cat([torch.arange(s, device=self.device), ring])
 
-    def positions(self) -> torch.Tensor:
-        """``[kept]`` RoPE positions of the kept slots as the next forward sees them (on the host, as
-        :meth:`RollingCache.positions`)."""
-        end = self.next_position - self.plan.rebase
-        return torch.arange(end - self.kept, end, device="cpu")
+    def _check_rows(self) -> None:
+        raise BadInputError("a StaticRollingCache feeds its rows in lockstep (batch=), not as a padded batch")
 
-    # -- transformers' Cache questions ----------------------------------------------------------------
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.next_position
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.capacity, 0
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self.capacity
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise UnsupportedModelError(
-            "a StaticRollingCache cannot be cropped (it has forgotten evicted tokens)"
-        )
-
-    def nbytes(self) -> int:
-        """Bytes held: every layer's buffers (codes, scales) and stored sink keys, plus the slot positions."""
-        return sum(layer.nbytes() for layer in self.layers) + self.slot_pos.numel() * 8
-
-    def describe(self) -> str:
-        end = self.next_position - self.plan.rebase
-        return (
-            f"StaticRollingCache(sinks={self.sinks}, window={self.window}, chunk={self.evict_chunk}, "
-            f"codec={self.codec}: {self.kept} kept, positions {end - self.kept}..{end - 1}, "
-            f"{self.tokens_seen} seen, {self.rolls} rolls, {self.rebases} re-bases)"
-        )
-
-    __repr__ = describe
+    @property
+    def nbytes(self) -> Bytes:
+        """Bytes held: every layer's buffers (codes, scales), the sinks' stored originals, the slot positions."""
+        shared = [t for t in (self.sink_keys, self.sink_values, self.slot_pos) if t is not None]
+        return Bytes(super().nbytes + sum(t.numel() * t.element_size() for t in shared))
 
 
 def static_rolling_cache_for(
