@@ -84,7 +84,7 @@ class StridedLayout(Layout):
         import torch
 
         snap = context(source)
-        keep = self.kept(torch.arange(snap.seq_len), snap.seq_len)
+        keep = self.kept(torch.arange(snap.seq_len, device="cpu"), snap.seq_len)
         valid = tuple(keep.to(k.device).expand(*k.shape[:2], -1).clone() for k in snap.keys)
         masked = snap.replace(valid=valid, provenance="edited")
         return masked, masked.held_nbytes, {}
@@ -105,13 +105,15 @@ def _cache_class() -> type:
         def __init__(self, layout: StridedLayout) -> None:
             super().__init__()
             self.layout, self.seen, self.evictions = layout, 0, 0
-            self.pos = torch.zeros(0, dtype=torch.long)  # original positions of the held slots (host)
+            self.pos = torch.zeros(
+                0, dtype=torch.long, device="cpu"
+            )  # original positions of the held slots (host)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kw: Any) -> Any:
             keys, values = super().update(key_states, value_states, *args, **kw)
             n = key_states.shape[-2]
             self.seen += n
-            pos = torch.cat((self.pos, torch.arange(self.seen - n, self.seen)))
+            pos = torch.cat((self.pos, torch.arange(self.seen - n, self.seen, device="cpu")))
             keep = self.layout.kept(pos, self.seen)
             if not bool(keep.all()):
                 at = keep.nonzero().squeeze(-1).to(keys.device)
