@@ -45,6 +45,9 @@ ChunkOpt = Annotated[
 ]
 
 
+CAPTURED = ("cuda-graph", "compile")  # --capture values that run the ring, also for a --cache spec
+
+
 def _capture_mode(value: str) -> str:
     """Typer callback: ``--capture``'s choices, checked before any model loads."""
     if value not in ("auto", "off", "cuda-graph", "compile"):
@@ -129,9 +132,7 @@ def _token_stream(
     from kvlab.hf.static_rolling import static_rolling_cache_for
     from kvlab.loop import Sampling, decode_loop
 
-    static = static_rolling_cache_for(
-        handle, window=window, sinks=sinks, evict_chunk=None if chunk is None else min(chunk, window)
-    )
+    static = static_rolling_cache_for(handle, window=window, sinks=sinks, evict_chunk=chunk)
     dec = RollingDecoder(handle, static, mode=mode)  # type: ignore[arg-type]
     first = dec.prefill(ids)[0]
 
@@ -190,7 +191,8 @@ def _capture_on(capture: str, device: str) -> str:
 
 def _generate_policy(ctx: typer.Context, spec: str | None, model: str, capture: str):
     """``--cache SPEC`` as a CachePolicy (None without it), refused before the weights load where
-    ``--sinks/--window/--evict-chunk`` or a captured decode is asked for too, or its window does not fit."""
+    ``--sinks/--window/--evict-chunk`` are given too, its window does not fit, or ``--capture`` asks for
+    a captured decode the spec's cache has none of (:func:`_captured_roll`)."""
     if spec is None:
         return None
     from kvlab.compress.spec import parse
@@ -201,15 +203,29 @@ def _generate_policy(ctx: typer.Context, spec: str | None, model: str, capture: 
         raise BadInputError(
             f"--cache names the whole cache policy; drop {', '.join(given)} (e.g. --cache sinks=4,window=512)"
         )
-    if capture in ("cuda-graph", "compile"):
-        raise BadInputError(
-            f"--capture {capture} runs the plain --sinks/--window cache; drop it with --cache"
-        )
     policy = parse(spec)
-    roll = policy.layout.rolls()
+    roll = _captured_roll(policy, spec, capture) if capture in CAPTURED else policy.layout.rolls()
     if roll is not None:
         _check_rolling(model, roll.window, roll.sinks)
     return policy
+
+
+def _captured_roll(policy, spec: str, capture: str):
+    """The window a captured decode of ``--cache SPEC`` rolls: its steps run on the ring
+    (:class:`~kvlab.hf.static_rolling.StaticRollingCache`, the dense rolling cache's rule in fixed buffers),
+    which holds sinks + a window in the model's dtype; any other spec is refused in one line naming why."""
+    roll = policy.layout.rolls()
+    if roll is None:
+        raise BadInputError(
+            f"--capture {capture} runs sinks + window caches (--cache sinks=N,window=M[,chunk=K]); "
+            f"'{spec}' keeps {policy.describe()}: drop --capture"
+        )
+    if policy.codec is not None:
+        raise BadInputError(
+            f"--capture {capture} holds the window in the model's dtype: {policy.codec_name} codes (written a "
+            "block at a time behind full-precision sinks and tail) have no captured step; drop codec= or --capture"
+        )
+    return roll
 
 
 def _generate_with_policy(
@@ -396,8 +412,8 @@ def generate_cmd(
         typer.Option(
             "--capture",
             callback=_capture_mode,
-            help="Decode steps captured: auto (CUDA graphs on a GPU, none on a CPU), cuda-graph, "
-            "compile (torch.compile), off.",
+            help="Decode steps captured: auto (CUDA graphs on a GPU, none on a CPU; none with --cache), "
+            "cuda-graph, compile (torch.compile; with --cache, a sinks + window spec), off.",
         ),
     ] = "auto",
 ) -> None:
@@ -405,15 +421,20 @@ def generate_cmd(
     from kvlab.model import load_model
 
     policy = _generate_policy(ctx, cache_spec, model, capture)
-    if policy is not None:
+    if policy is not None and capture not in CAPTURED:
         return _generate_with_policy(
             policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, device, dtype, seed
         )
     mode = _capture_on(capture, device)
-    _check_rolling(model, window, sinks)
+    roll = None if policy is None else policy.layout.rolls()
+    if roll is None:
+        _check_rolling(model, window, sinks)
+        chunk = None if evict_chunk is None else min(evict_chunk, window)
+    else:  # a captured spec (checked by _generate_policy): its window on the ring
+        sinks, window, chunk = roll.sinks, roll.window, roll.chunk or None
     handle = load_model(model, device=device, dtype=dtype)
     ids = handle.encode(prompt, chat=chat)
-    tokens, cache = _token_stream(handle, ids, mode, window, sinks, evict_chunk, temperature, seed)
+    tokens, cache = _token_stream(handle, ids, mode, window, sinks, chunk, temperature, seed)
     t0 = time.perf_counter()
     stops = handle.eos_ids() if chat else set()
     n, text = _write_tokens(handle, tokens(max_new_tokens or None, stops), stops, stream=not json_out)
@@ -421,6 +442,7 @@ def generate_cmd(
         import json
 
         doc = {"text": text, "tokens": n, "seconds": time.perf_counter() - t0, "cache": cache.describe()}
+        doc.update({"policy": policy.to_json()} if policy is not None else {})
         sys.stdout.write(json.dumps({**doc, "held_bytes": cache.nbytes}) + "\n")
     if stats:
         dt = time.perf_counter() - t0
