@@ -13,39 +13,23 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from transformers import LlamaConfig
 
 from kvlab.hf.graphs import RollingDecoder
 from kvlab.hf.rolling_cache import rolling_cache_for
 from kvlab.hf.static_rolling import static_rolling_cache_for
-from kvlab.model.random import tiny_random_model
 
 TOL = 2e-5  # fp32 logits of O(1): RoPE at other absolute positions moves keys by ~1e-7 relative
-SINKS, WINDOW, CHUNK, STEPS = 2, 12, 2, 460  # a roll every 2 tokens: 220 rolls; maximum 96: re-bases
-
-
-def _model():
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-        max_position_embeddings=96,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    return tiny_random_model(cfg, head_dim=16, layers=2)
+SINKS, WINDOW, CHUNK, STEPS = 2, 12, 2, 460  # a roll every 2 tokens: 220 rolls
+ROLL = {"window": WINDOW, "sinks": SINKS, "evict_chunk": CHUNK, "max_position": 96}  # re-bases too
 
 
 @pytest.mark.parametrize("mode", ["eager", "compile"])
-def test_ring_logits_equal_the_dense_rolling_cache(mode, one_torch_thread):
+def test_ring_logits_equal_the_dense_rolling_cache(mode, tiny_llama_2x64, one_torch_thread):
     """Prefill 10 tokens, then one token per step: every step's logits within 2e-5, the same counts,
-    positions and kept K/V at the end, and the same report but for the storage's own words."""
-    h = _model()
+    positions and kept K/V at the end, and the same report."""
+    h = tiny_llama_2x64
     ids = torch.randint(0, 512, (STEPS,), generator=torch.Generator().manual_seed(0))
-    dense = rolling_cache_for(h, window=WINDOW, sinks=SINKS, evict_chunk=CHUNK)
-    ring = static_rolling_cache_for(h, window=WINDOW, sinks=SINKS, evict_chunk=CHUNK)
+    dense, ring = rolling_cache_for(h, **ROLL), static_rolling_cache_for(h, **ROLL)
     dec = RollingDecoder(h, ring, mode=mode)  # type: ignore[arg-type]
     h.run(ids[:10], dense, logits_to_keep=1)
     dec.prefill(ids[:10])
