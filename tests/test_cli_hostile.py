@@ -391,6 +391,12 @@ CASES = [
     (["sweep", "GRID_DEVICE_INT"], "'device' must be a string"),
     (["sweep", "GRID_NO_EXPERIMENTS"], "at least one [[experiments]]"),
     (["sweep", "GRID_EXPERIMENT_NO_NAME"], "needs name"),
+    # -- probe (an HTTP client: refused before any request) ---------------------------------------------------
+    (["probe", "ftp://x"], "must be http(s)://HOST"),
+    (["probe", "notaurl"], "must be http(s)://HOST"),
+    (["probe", "http://127.0.0.1:9", "--trials", "2"], "--trials must be 5..500"),
+    (["probe", "http://127.0.0.1:9", "--api", "nope"], "--api must be chat or completions"),
+    (["probe", "http://127.0.0.1:9", "--tolerance", "-1"], "--tolerance must be a number"),
     # -- gc, store put -T (the text reader is shared) --------------------------------------------------------
     (["gc", "FIFO"], "is not a folder or a file"),
     (["gc", "/dev/zero"], "is not a folder or a file"),
