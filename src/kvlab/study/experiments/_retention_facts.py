@@ -116,7 +116,6 @@ class Episode:
     neutral_fact: list[int]  # same length as ``fact``: the fact's words replaced by neutral text
     question: list[int]
     answer: list[int]
-    answer_text: str
 
 
 def _render(tok: Any, messages: list[dict], generation_prompt: bool) -> str:
@@ -179,7 +178,6 @@ def build_episodes(model: Any, n: int | None = None, seed: int = 0) -> list[Epis
                 neutral_fact=neutral,
                 question=pieces[2],
                 answer=enc(" " + answer),
-                answer_text=answer,
             )
         )
     if not episodes:

@@ -42,18 +42,10 @@ TOPK_LOGITS = 10
 TOPK_ATTENTION = 5
 REFERENCE_NAME = "results_attention_results_attn_attention_results"  # the thread's result file
 REFERENCE_PROMPT_TOKENS = 87  # the thread's attention run used its fixed 87-token prompt
-ROW_METRICS = (
-    "cos",
-    "cos_rest",
-    "js",
-    "js_rest",
-    "topk",
-    "topk_rest",
-    "sink_a",
-    "sink_b",
-    "first_aligned_a",
-    "aligned_mass_a",
-)
+#: the attention-row comparisons the table shows, with and without the new sink
+ROW_COLUMNS = ("cos", "cos_rest", "js", "js_rest", "topk", "topk_rest")
+ROW_METRICS = (*ROW_COLUMNS, "sink_a", "sink_b", "first_aligned_a", "aligned_mass_a")
+LOGIT_METRICS = ("cos", "js", "kl", "topk")
 
 
 def load_reference() -> dict[str, Any] | None:
@@ -187,8 +179,8 @@ def _measure(ctx: ExperimentContext, handle, wins: list, rolls, length: int, fir
     rows_last = {m: np.full((W, R, L, H), np.nan) for m in ROW_METRICS}
     per_query = {m: np.full((W, R, length), np.nan) for m in ("cos", "cos_rest")}
     base = {m: np.full((W, L, H), np.nan) for m in ROW_METRICS}
-    logit = {m: np.full((W, R), np.nan) for m in ("cos", "js", "kl", "topk")}
-    logit_base = {m: np.full(W, np.nan) for m in ("cos", "js", "kl", "topk")}
+    logit = {m: np.full((W, R), np.nan) for m in LOGIT_METRICS}
+    logit_base = {m: np.full(W, np.nan) for m in LOGIT_METRICS}
 
     first_att, first_logits, prev_att, prev_logits = None, None, None, None
     with handle.eager_attention(), ctx.progress.task("attention: text samples", total=W * (R + 1)) as advance:
@@ -331,19 +323,7 @@ def _roll_rows(summary: dict, rolls, rows: dict, logit: dict, ref) -> tuple[list
                 "top5_token_overlap": ref_tok,
             }
         summary["by_roll"][str(n)] = entry
-        att_rows.append(
-            [
-                n,
-                _interval_str(iv["cos"]),
-                _interval_str(iv["cos_rest"]),
-                _interval_str(iv["js"]),
-                _interval_str(iv["js_rest"]),
-                _interval_str(iv["topk"]),
-                _interval_str(iv["topk_rest"]),
-                _fmt(ref_cos),
-                _fmt(ref_js),
-            ]
-        )
+        att_rows.append([n, *(_interval_str(iv[m]) for m in ROW_COLUMNS), _fmt(ref_cos), _fmt(ref_js)])
         sink_rows.append(
             [
                 n,
@@ -354,15 +334,7 @@ def _roll_rows(summary: dict, rolls, rows: dict, logit: dict, ref) -> tuple[list
             ]
         )
         logit_rows.append(
-            [
-                f"roll {n}",
-                _interval_str(lv["cos"]),
-                _interval_str(lv["js"]),
-                _interval_str(lv["kl"]),
-                _interval_str(lv["topk"]),
-                _fmt(ref_logit),
-                _fmt(ref_tok),
-            ]
+            [f"roll {n}", *(_interval_str(lv[m]) for m in LOGIT_METRICS), _fmt(ref_logit), _fmt(ref_tok)]
         )
     return att_rows, sink_rows, logit_rows
 
@@ -370,31 +342,9 @@ def _roll_rows(summary: dict, rolls, rows: dict, logit: dict, ref) -> tuple[list
 def _unrelated_rows(summary: dict, att_rows: list, logit_rows: list, base: dict, logit_base: dict) -> None:
     """The unrelated-window baseline rows (appended) and summary entry."""
     biv = {m: bootstrap_ci(_window_means(base[m]), seed=0) for m in ROW_METRICS}
-    att_rows.append(
-        [
-            "unrelated sample",
-            _interval_str(biv["cos"]),
-            _interval_str(biv["cos_rest"]),
-            _interval_str(biv["js"]),
-            _interval_str(biv["js_rest"]),
-            _interval_str(biv["topk"]),
-            _interval_str(biv["topk_rest"]),
-            "",
-            "",
-        ]
-    )
+    att_rows.append(["unrelated sample", *(_interval_str(biv[m]) for m in ROW_COLUMNS), "", ""])
     lb = {m: bootstrap_ci(logit_base[m], seed=0) for m in logit_base}
-    logit_rows.append(
-        [
-            "unrelated sample",
-            _interval_str(lb["cos"]),
-            _interval_str(lb["js"]),
-            _interval_str(lb["kl"]),
-            _interval_str(lb["topk"]),
-            "",
-            "",
-        ]
-    )
+    logit_rows.append(["unrelated sample", *(_interval_str(lb[m]) for m in LOGIT_METRICS), "", ""])
     summary["unrelated"] = {
         **{f"attention_{m}": biv[m].to_json() for m in ROW_METRICS},
         **{f"logits_{m}": lb[m].to_json() for m in lb},

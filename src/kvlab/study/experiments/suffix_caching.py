@@ -541,6 +541,18 @@ def _recompute_table(rec_rows: list[dict], st: Settings, seed: int) -> tuple[Tab
     return table, rrows, arrays
 
 
+def _drop_axes(ax: Any, drop_specs: list[str], ylabel: str, title: str) -> None:
+    """What both figures share: one tick per drop, a log KL axis, labels, legend and grid."""
+    ax.set_xticks(np.arange(len(drop_specs)))
+    ax.set_xticklabels(drop_specs)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens dropped (n)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+
+
 def _kl_figure(ctx: ExperimentContext, stacked: dict, drop_specs: list[str], sink_list: list[int]):
     import matplotlib.pyplot as plt
 
@@ -557,14 +569,12 @@ def _kl_figure(ctx: ExperimentContext, stacked: dict, drop_specs: list[str], sin
             hi.append(c.high if c else np.nan)
         ax.plot(x, med, marker="o", label=f"{s} sinks")
         ax.fill_between(x, lo, hi, alpha=0.2)
-    ax.set_xticks(x)
-    ax.set_xticklabels(drop_specs)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens dropped (n)")
-    ax.set_ylabel("median first-token KL to re-prefill (nats)")
-    ax.set_title("Suffix caching: rolled cache vs exact re-prefill")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
+    _drop_axes(
+        ax,
+        drop_specs,
+        "median first-token KL to re-prefill (nats)",
+        "Suffix caching: rolled cache vs exact re-prefill",
+    )
     return ctx.figure(
         "kl_by_drop",
         fig,
@@ -589,14 +599,12 @@ def _closer_figure(ctx: ExperimentContext, stacked: dict, drop_specs: list[str],
         marker="s",
         label="re-prefill of the rolled text",
     )
-    ax.set_xticks(x)
-    ax.set_xticklabels(drop_specs)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens dropped (n)")
-    ax.set_ylabel("median first-token KL from full context (nats)")
-    ax.set_title("Which is closer to the never-rolled model?")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
+    _drop_axes(
+        ax,
+        drop_specs,
+        "median first-token KL from full context (nats)",
+        "Which is closer to the never-rolled model?",
+    )
     return ctx.figure(
         "closer_to_full",
         fig,
