@@ -26,7 +26,10 @@ the same relative positions — with a storage built for capture:
   write index at the next free ring slots. Each of these is a handful of small kernels with Python
   integers as arguments: no host synchronisation.
 
-The cache does not build its own mask or positions inside the model: the caller
+The ring is a storage kind, not another cache: a :class:`~kvlab.hf.live_cache.LiveCache` whose layers are
+:class:`RingLayer` s (as transformers' ``StaticLayer`` is a layer kind of its ``Cache``), reporting as
+every live cache does; its counts are kept once, on the cache, and every layer answers from them.
+It does not build its own mask or positions inside the model: the caller
 (:class:`kvlab.hf.graphs.RollingDecoder`) passes ``position_ids`` and the 4-D mask explicitly.
 Sliding-window layers are refused (use :class:`RollingCache`).
 """
@@ -97,14 +100,9 @@ def decode_packed(packed: torch.Tensor, head_dim: int, dtype: torch.dtype) -> to
 
 
 class RingLayer(CacheLayerMixin):
-    """One layer's fixed buffers: slots ``[0, sinks)`` the sinks, the rest a ring (see the module).
-
-    A layer kind of :class:`~kvlab.hf.live_cache.LiveCache` (as transformers' ``StaticLayer`` is of its
-    ``Cache``): it holds storage only, and answers the live-layer questions (``kept``, ``tokens_seen``,
-    ``visible()``...) from the counts its :class:`StaticRollingCache` keeps once for every layer (all layers
-    make the same decisions; the cache keeps the sinks' original keys, re-rotated into place at every roll,
-    so they never drift). ``rope``: this layer's RoPE (None: keys carry
-    no position and are never rotated).
+    """One layer's fixed buffers: slots ``[0, sinks)`` the sinks, the rest a ring (see the module). It holds
+    storage only and answers the live-layer questions from its cache's counts (all layers make the same
+    decisions). ``rope``: this layer's RoPE (None: keys carry no position and are never rotated).
     """
 
     is_compileable = True
@@ -255,8 +253,7 @@ class RingLayer(CacheLayerMixin):
 class StaticRollingCache(LiveCache):
     """Sinks + a rolling window in fixed buffers: :class:`RollingCache`'s rule, a capturable step.
 
-    A :class:`~kvlab.hf.live_cache.LiveCache` of :class:`RingLayer` s: it reports as every live cache does
-    (``kept``, ``tokens_seen``, ``evictions``, ``nbytes``, ``positions()``, ``kept_layers()``, ``describe()``).
+    It reports as every live cache does (``kept``, ``tokens_seen``, ``evictions``, ``nbytes``, ``describe()``...).
 
     Args:
         config: the model config (layer count, KV heads, head size).
@@ -512,14 +509,10 @@ class StaticRollingCache(LiveCache):
         tokens had been fed here; the eager cache is not modified. Returns self. In place."""
         if self.tokens_seen:
             raise BadInputError("load() needs an empty StaticRollingCache")
-        if cache.rule.policy != self.rule.policy or cache.evict_chunk != self.evict_chunk:
+        if cache.rule != self.rule:  # the same RoPE and maximum too: positions mean the same
             raise BadInputError(
-                f"load() needs the same sinks, window and chunk: {cache.describe()} vs sinks={self.sinks}, "
-                f"window={self.window}, chunk={self.evict_chunk}"
-            )
-        if cache.rule != self.rule:  # same RoPE, maximum and re-base mode too: positions mean the same
-            raise BadInputError(
-                f"load() needs the same rule (RoPE, maximum position, re-base): {cache.describe()}"
+                "load() needs the same rule (the same sinks, window, chunk, re-base, RoPE and maximum "
+                f"position): {cache.describe()} into {self.describe()}"
             )
         if getattr(cache, "rows", None) is not None or not cache.tokens_seen:
             raise BadInputError("load() takes a RollingCache that has been fed one unpadded batch")
