@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -301,7 +302,9 @@ def _fmt(iv: dict | None, digits: str = ".2f") -> str:
     if iv is None:
         return "—"
     if iv["low"] is None or (isinstance(iv["low"], float) and math.isnan(iv["low"])):
-        return f"{iv['value']:{digits}}"
+        return (
+            f"{iv['value']:{digits}} (n = {iv['n']}, no interval)" if "n" in iv else f"{iv['value']:{digits}}"
+        )
     return f"{iv['value']:{digits}} [{iv['low']:{digits}}, {iv['high']:{digits}}]"
 
 
@@ -350,8 +353,9 @@ def table_lines(summary: Sequence[dict]) -> list[str]:
 
 
 def pooled(rows: Sequence[dict], seed: int) -> list[dict]:
-    """Accuracy / KL / top-1 per (side, cache, length) pooled over tasks (one sample per task trial)."""
-    from kvlab.metrics.stats import bootstrap_ci
+    """Accuracy / KL / top-1 per (side, cache, length) pooled over tasks (one sample per task trial), with the
+    eval's own intervals (:func:`kvlab.eval.run.interval`: Wilson for accuracy)."""
+    from kvlab.eval.run import interval
 
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -362,7 +366,7 @@ def pooled(rows: Sequence[dict], seed: int) -> list[dict]:
 
         def iv(key: str, rs=rs) -> dict | None:
             vals = [r[key] for r in rs if r[key] is not None and math.isfinite(r[key])]
-            return bootstrap_ci(vals, seed=seed).to_json() if vals else None
+            return interval(vals, seed, share=key == "score")
 
         out.append(
             {
@@ -377,6 +381,44 @@ def pooled(rows: Sequence[dict], seed: int) -> list[dict]:
             }
         )
     return out
+
+
+def _paired(a: dict, b: dict, seed: int) -> tuple[dict | None, str]:
+    """Mean of a − b over the trials both have, its bootstrap interval, and what the interval says."""
+    from kvlab.metrics.stats import bootstrap_ci
+
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        return None, "no common trials"
+    iv = bootstrap_ci([a[k] - b[k] for k in keys], seed=seed).to_json()
+    if iv["low"] is None:
+        return iv, f"n = {len(keys)}, no interval"
+    return iv, "lower" if iv["high"] < 0 else "higher" if iv["low"] > 0 else "no difference seen"
+
+
+def ranking_lines(rows: Sequence[dict], seed: int) -> list[str]:
+    """Each side's caches per length ranked by pooled accuracy, as paired differences over the same trials: to
+    that side's full cache and to the cache ranked just above, each with its interval and the verdict it gives."""
+    by: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        side, name, ratio = _cache_key(r)
+        label = name if name == "full" or math.isnan(ratio) else f"{name} @ {ratio:g}"
+        by.setdefault((side, r["length"]), {}).setdefault(label, {})[(r["task"], r["trial"])] = r["score"]
+    lines = [
+        "| length | side | rank | cache | n | accuracy | Δ to full [95% CI] | verdict | Δ to the one above [95% CI] | verdict |",
+        "|---:|---|---:|---|---:|---:|---|---|---|---|",
+    ]
+    for (side, length), caches in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0] != "kvlab")):
+        ranked = sorted(caches.items(), key=lambda kv: (-sum(kv[1].values()) / len(kv[1]), kv[0]))
+        full = caches.get("full", {})
+        for rank, (label, scores) in enumerate(ranked, 1):
+            to_full, says_full = _paired(scores, full, seed) if label != "full" else (None, "—")
+            to_above, says_above = _paired(scores, ranked[rank - 2][1], seed) if rank > 1 else (None, "—")
+            lines.append(
+                f"| {length} | {side} | {rank} | {label} | {len(scores)} | {sum(scores.values()) / len(scores):.2f} | "
+                f"{_fmt(to_full, '+.3f')} | {says_full} | {_fmt(to_above, '+.3f')} | {says_above} |"
+            )
+    return lines
 
 
 def pooled_lines(pool: Sequence[dict]) -> list[str]:
@@ -456,7 +498,7 @@ def figure(pool: Sequence[dict], path: Path, title: str) -> None:
         n = max((s["trials"] for s in at), default=0)
         ax.set_title(f"{length} tokens ({n} task-trials per point)")
         ax.set_xlabel("compression ratio (fraction of the context removed)")
-        ax.set_ylabel("accuracy, all tasks pooled (95% bootstrap CI)")
+        ax.set_ylabel("accuracy, all tasks pooled (Wilson 95% CI)")
         ax.set_ylim(-0.03, 1.03)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
@@ -568,6 +610,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         " later --merge; keep it in benchmarks/results/raw/)",
     )
     ap.add_argument(
+        "--raw",
+        type=Path,
+        help="with --report-only: the folder of raw rows the report names (e.g. benchmarks/results/raw/X)",
+    )
+    ap.add_argument(
         "--timing-runs",
         type=Path,
         nargs="*",
@@ -638,6 +685,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             run_args = parse_args(saved["argv"])
             run_args.results, run_args.figure = args.results, args.figure
             run_args.timing_runs, run_args.out_dir = args.timing_runs, args.out_dir
+            run_args.raw = args.raw
             args, specs = run_args, cache_specs(run_args)
         args._machine = saved.get("machine")
         args._haystack = saved.get("haystack") or {
@@ -1006,6 +1054,16 @@ def estimate_lines(
     ]
 
 
+def _raw_rows_line(folder: Path) -> str:
+    where = folder.resolve()
+    if where.is_relative_to(ROOT):
+        return (
+            f"Raw rows: `{where.relative_to(ROOT)}/` (`result.json`, or the archived `kvlab.json.gz` + "
+            "`kvpress.jsonl.gz` + `job.json.gz`; job: `job.json` + `trials.jsonl`)."
+        )
+    return "Raw rows: `result.json` in the run's `--out-dir` (a scratch folder outside the repository)."
+
+
 def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_before, argv) -> None:
     rows, summary, pool = doc["rows"], doc["summary"], doc["pooled"]
     meta, done = doc["worker_meta"], doc["worker_done"]
@@ -1037,7 +1095,7 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
             else "benchmarks/eval_ruler.py",
             *(sys.argv[1:] if argv is None else argv),
         ]
-    )
+    ).replace(f"{ROOT}/", "")  # paths relative to the repository, never this machine's
     title = (
         f"SmolLM2-135M-Instruct, {n_trials} trials ({args.trials} per task x {len(args.task_list)} tasks x "
         f"{len(args.length_list)} lengths), seed {args.seed}; kvlab solid, kvpress dashed"
@@ -1170,6 +1228,12 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
         "",
         *pooled_lines(pool),
         "",
+        "Ranking, paired: each side's caches by pooled accuracy, with the difference to that side's full cache and "
+        "to the cache ranked just above, over the trials both ran (bootstrap 95% interval of the per-trial "
+        "differences; *lower* or *higher* only when the interval excludes 0):",
+        "",
+        *ranking_lines(rows, args.seed),
+        "",
         *(
             []
             if args.no_kvpress
@@ -1181,14 +1245,18 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
                 "",
             ]
         ),
-        "Per task (accuracy with 95% bootstrap interval over trials; KL in nats per token over question + answer):",
+        "Per task (accuracy with a Wilson 95% interval over trials; KL in nats per token over question + answer "
+        "and top-1 with bootstrap intervals):",
         "",
         *table_lines(summary),
         "",
-        f"Raw rows: `{args.out_dir.relative_to(ROOT) if args.out_dir.is_relative_to(ROOT) else args.out_dir}/result.json` "
-        "(job: `job.json` + `trials.jsonl`; worker output `kvpress.jsonl`, log `kvpress.log`).",
+        _raw_rows_line(getattr(args, "raw", None) or args.out_dir),
     ]
     args.results.parent.mkdir(parents=True, exist_ok=True)
+    old = args.results.read_text() if args.results.exists() else ""
+    block = re.search(r"<!-- summary -->\n.*?\n<!-- /summary -->\n", old, re.S)
+    if block:  # carried over for its rows to be updated: assemble.py refuses figures the new body lacks
+        md[1:1] = ["", block.group(0).rstrip("\n")]
     args.results.write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -193,3 +193,40 @@ def test_the_scan_finds_what_it_looks_for():
         "tables": [{"title": "t", "columns": ["kl"], "rows": [[format_interval(bootstrap_ci([0.1, 0.2]))]]}],
     }
     assert interval_problems(good, "x") == []
+
+
+def test_the_eval_reports_accuracy_with_wilson_and_ranks_caches_paired():
+    """`kvlab eval`'s summary (and the benchmark's report) give accuracy at 0/n a real interval, and the
+    ranking compares each cache with the full cache and its neighbour on the same trials."""
+    import sys
+
+    from kvlab.eval.run import summarize
+
+    rows = [
+        {
+            "task": "vt",
+            "spec": spec,
+            "length": 1024,
+            "trial": t,
+            "score": score(t),
+            "kld": 0.1,
+            "top1": 0.9,
+            "kld_answer": 0.1,
+            "seconds": 1.0,
+        }
+        for spec, score in (("full", lambda t: 1.0), ("h2o", lambda t: float(t % 2)), ("int2", lambda t: 0.0))
+        for t in range(10)
+    ]
+    acc = {s["cache"]: s["accuracy"] for s in summarize(rows)}
+    assert acc["int2"]["value"] == 0 and acc["int2"]["high"] > 0.2  # Wilson at 0/10: [0, 0.28], not [0, 0]
+    assert acc["full"]["low"] < 0.8 and acc["full"]["high"] == pytest.approx(1.0)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import eval_ruler
+
+    for r in rows:
+        r.update(side="kvlab", kind="full" if r["spec"] == "full" else "quant")
+    table = eval_ruler.ranking_lines(rows, seed=0)
+    ranked = [line.split(" | ")[3] for line in table[2:]]
+    assert ranked == ["full", "h2o", "int2"]
+    assert "lower" in table[3] and "lower" in table[4]  # h2o below full, int2 below h2o: intervals exclude 0

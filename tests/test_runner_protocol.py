@@ -8,7 +8,17 @@ import inspect
 from kvlab.hf.runner import Runner
 from kvlab.model.handle import ModelHandle
 
-MEMBERS = {"model", "config", "device", "dtype", "rope", "rope_problem", "max_positions", "fingerprint", "run"}
+MEMBERS = {
+    "model",
+    "config",
+    "device",
+    "dtype",
+    "rope",
+    "rope_problem",
+    "max_positions",
+    "fingerprint",
+    "run",
+}
 
 
 def _members() -> set[str]:

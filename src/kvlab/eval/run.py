@@ -271,17 +271,20 @@ def run_suite(
     return rows
 
 
-def _interval(values: Sequence[float], seed: int) -> dict | None:
-    """The mean with its bootstrap interval (JSON), or None when no value is finite."""
-    from kvlab.metrics.stats import bootstrap_ci
+def interval(values: Sequence[float], seed: int, *, share: bool = False) -> dict | None:
+    """The mean with its 95% interval (JSON), or None when no value is finite. A ``share`` (accuracy: each
+    trial's score in [0, 1], mostly 0 or 1) gets Wilson's interval, which keeps its width at 0/n and n/n where a
+    bootstrap collapses to a point; any other mean (KL, top-1 agreement per token) a bootstrap over trials.
+    Fewer than 5 finite values: the value and no interval."""
+    from kvlab.metrics.stats import bootstrap_ci, wilson_ci
 
     if not any(math.isfinite(v) for v in values):
         return None
-    return bootstrap_ci(list(values), seed=seed).to_json()
+    return (wilson_ci(list(values)) if share else bootstrap_ci(list(values), seed=seed)).to_json()
 
 
 def summarize(rows: Sequence[dict], *, seed: int = 0) -> list[dict]:
-    """Per (task, cache, length): accuracy, KL and top-1 means with bootstrap intervals over trials."""
+    """Per (task, cache, length): accuracy (Wilson interval), KL and top-1 (bootstrap intervals) over trials."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["task"], r["spec"], r["length"]), []).append(r)
@@ -294,11 +297,11 @@ def summarize(rows: Sequence[dict], *, seed: int = 0) -> list[dict]:
                 "cache": spec,
                 "length": length,
                 "trials": len(rs),
-                "accuracy": _interval([r["score"] for r in rs], seed),
-                "kld": _interval(kld, seed),
+                "accuracy": interval([r["score"] for r in rs], seed, share=True),
+                "kld": interval(kld, seed),
                 "kld_infinite": sum(1 for k in kld if k == float("inf")),
-                "top1": _interval([r["top1"] for r in rs], seed),
-                "kld_answer": _interval([r["kld_answer"] for r in rs], seed),
+                "top1": interval([r["top1"] for r in rs], seed),
+                "kld_answer": interval([r["kld_answer"] for r in rs], seed),
                 "seconds": sum(r["seconds"] for r in rs),
             }
         )
