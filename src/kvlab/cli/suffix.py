@@ -228,6 +228,16 @@ def _captured_roll(policy, spec: str, capture: str):
     return roll
 
 
+def _rolled_window(policy, model: str, window: int, sinks: int, chunk: int | None):
+    """``(window, sinks, chunk)`` of a captured ``--cache`` spec (checked by :func:`_generate_policy`), else
+    of ``--window/--sinks/--evict-chunk``, refused here where the model cannot honour them."""
+    roll = None if policy is None else policy.layout.rolls()
+    if roll is not None:
+        return roll.window, roll.sinks, roll.chunk or None
+    _check_rolling(model, window, sinks)
+    return window, sinks, None if chunk is None else min(chunk, window)
+
+
 def _generate_with_policy(
     policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, device, dtype, seed
 ) -> None:
@@ -426,12 +436,7 @@ def generate_cmd(
             policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, device, dtype, seed
         )
     mode = _capture_on(capture, device)
-    roll = None if policy is None else policy.layout.rolls()
-    if roll is None:
-        _check_rolling(model, window, sinks)
-        chunk = None if evict_chunk is None else min(evict_chunk, window)
-    else:  # a captured spec (checked by _generate_policy): its window on the ring
-        sinks, window, chunk = roll.sinks, roll.window, roll.chunk or None
+    window, sinks, chunk = _rolled_window(policy, model, window, sinks, evict_chunk)
     handle = load_model(model, device=device, dtype=dtype)
     ids = handle.encode(prompt, chat=chat)
     tokens, cache = _token_stream(handle, ids, mode, window, sinks, chunk, temperature, seed)
