@@ -367,6 +367,10 @@ def _report(ctx, result, name, convs, tokens, tail, sim, pos, curves) -> None:
     result.figures.extend(_figures(ctx, name, sim, curves))
 
 
+#: the centroid table's similarity columns (V and de-rotated K, raw and centred)
+CENTROID_COLUMNS = ("v", "v_centred", "k_derotated", "k_derotated_centred")
+
+
 def _centroid_table(sim: dict, summary: dict) -> Table:
     """Centroid similarity per condition (raw, centred, vs unrelated); fills ``summary["centroid"]``."""
     u = CONDITIONS.index("unrelated")
@@ -384,40 +388,16 @@ def _centroid_table(sim: dict, summary: dict) -> Table:
             "v_vs_unrelated": _iv(v_norm) if cond != "unrelated" else None,
         }
         summary["centroid"][cond] = {k: (v.to_json() if v else None) for k, v in entry.items()}
-        rows.append(
-            [
-                LABELS[cond],
-                _s(entry["v"]),
-                _s(entry["v_centred"]),
-                _s(entry["k_derotated"]),
-                _s(entry["k_derotated_centred"]),
-                _s(entry["v_vs_unrelated"]),
-                f"{thread[cond]:.2f}" if cond in thread else "",
-            ]
-        )
+        cells = [_s(entry[k]) for k in (*CENTROID_COLUMNS, "v_vs_unrelated")]
+        rows.append([LABELS[cond], *cells, f"{thread[cond]:.2f}" if cond in thread else ""])
     c = CONDITIONS.index("compacted")
-    pre_v, pre_vc = _per_conv(sim["pretail_raw"][:, c, 1]), _per_conv(sim["pretail_centred"][:, c, 1])
-    pre_k, pre_kc = _per_conv(sim["pretail_raw"][:, c, 0]), _per_conv(sim["pretail_centred"][:, c, 0])
+    sides = zip(CENTROID_COLUMNS, ((1, "raw"), (1, "centred"), (0, "raw"), (0, "centred")), strict=True)
+    pre = {k: _iv(_per_conv(sim[f"pretail_{kind}"][:, c, which])) for k, (which, kind) in sides}
     summary["centroid"]["compacted_summary_region"] = {
-        k: (iv.to_json() if iv else None)
-        for k, iv in (
-            ("v", _iv(pre_v)),
-            ("v_centred", _iv(pre_vc)),
-            ("k_derotated", _iv(pre_k)),
-            ("k_derotated_centred", _iv(pre_kc)),
-        )
+        k: (iv.to_json() if iv else None) for k, iv in pre.items()
     }
-    rows.append(
-        [
-            "compacted without its verbatim tail vs the full history before it",
-            _s(_iv(pre_v)),
-            _s(_iv(pre_vc)),
-            _s(_iv(pre_k)),
-            _s(_iv(pre_kc)),
-            "",
-            "",
-        ]
-    )
+    cells = [_s(pre[k]) for k in CENTROID_COLUMNS]
+    rows.append(["compacted without its verbatim tail vs the full history before it", *cells, "", ""])
     return Table(
         "Centroid similarity to the full conversation (mean over layers and KV heads; 95% CI over conversations)",
         [
@@ -435,22 +415,17 @@ def _centroid_table(sim: dict, summary: dict) -> Table:
     )
 
 
+#: the tail table's columns, after the condition
+TAIL_COLUMNS = ("cos_v", "cos_kd", "cos_k", "cos_v_centred", "cos_kd_centred")
+
+
 def _tail_table(pos: dict, tail: np.ndarray, summary: dict) -> Table:
     """Position-wise similarity on the shared verbatim tail; fills ``summary["tail"]``."""
     trows = []
     for c, cond in enumerate(CONDITIONS):
         ivs = {k: _iv(_per_conv(v[:, c])) for k, v in pos.items()}
         summary["tail"][cond] = {k: (v.to_json() if v else None) for k, v in ivs.items()}
-        trows.append(
-            [
-                LABELS[cond],
-                _s(ivs["cos_v"]),
-                _s(ivs["cos_kd"]),
-                _s(ivs["cos_k"]),
-                _s(ivs["cos_v_centred"]),
-                _s(ivs["cos_kd_centred"]),
-            ]
-        )
+        trows.append([LABELS[cond], *(_s(ivs[k]) for k in TAIL_COLUMNS)])
     return Table(
         "Position-wise on the shared verbatim tail (last tokens of each cache vs the full cache's last tokens)",
         [
