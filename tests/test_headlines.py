@@ -1,4 +1,4 @@
-"""Every figure README presents as measured is a row of a benchmark summary, with its status (issue 47 item 2).
+"""Every figure README and docs/ present as measured is a row of a benchmark summary, with its status (issue 47 item 2).
 
 A measured figure is a number with a unit of time, size, speed or ratio (``62.6 s``, ``0.71x``, ``1379 MB``,
 ``95.8%``) in prose, outside code. It must appear in the figure cell of a summary row in
@@ -32,7 +32,7 @@ SETTING = re.compile(
     r"(?:\b(?:bar|target|goal|limit|default|defaults to|at most|at least|up to|budget of|cap(?:ped)? at|more than"
     r"|less than|past|within|over|under):?|[≤<≥>])\s*$"
 )
-PAGES = [ROOT / "README.md"]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def measured_figures(text: str) -> list[tuple[int, str, str]]:
