@@ -16,19 +16,15 @@ def _init() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def run_local(cells: Sequence[Cell], out_root: str, workers: int, done: Callable[[dict], None]) -> list[dict]:
+def run_local(cells: Sequence[Cell], out_root: str, workers: int, done: Callable[[dict], None]) -> None:
+    """Run ``cells`` here one after another, or in ``workers`` spawned processes; ``done`` gets each
+    cell's document as it finishes."""
     if workers <= 1:
-        out = []
         for c in cells:
-            out.append(run_cell(c.to_json(), out_root))
-            done(out[-1])
-        return out
-    results = []
+            done(run_cell(c.to_json(), out_root))
+        return
     with ProcessPoolExecutor(
         max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_init
     ) as pool:
-        futures = [pool.submit(run_cell, c.to_json(), out_root) for c in cells]
-        for f in as_completed(futures):
-            results.append(f.result())
-            done(results[-1])
-    return results
+        for f in as_completed([pool.submit(run_cell, c.to_json(), out_root) for c in cells]):
+            done(f.result())

@@ -148,11 +148,10 @@ def run_ray(
     out_root: str,
     cluster: RayCluster,
     done: Callable[[dict], None],
-    actors_per_model: int = 0,
     gpus_per_actor: float = 0.0,
-) -> list[dict]:
+) -> None:
     """Run ``cells`` on ``cluster``: per model, actors that keep it loaded on the cells' device, each
-    asking Ray for :func:`actor_options`; returns the cells' documents as they finish."""
+    asking Ray for :func:`actor_options`; ``done`` gets each cell's document as it finishes."""
     ray = cluster.ray
     cluster.check_gpus(gpus_per_actor)
 
@@ -181,7 +180,7 @@ def run_ray(
     by_model: dict[tuple[str, str, str], list[Cell]] = {}
     for c in cells:
         by_model.setdefault((c.model, c.device, c.dtype), []).append(c)
-    per = actors_per_model or max(1, slots // max(1, len(by_model)))
+    per = max(1, slots // max(1, len(by_model)))
     options = actor_options(gpus_per_actor)
     refs = []
     for (spec, device, dtype), group in by_model.items():
@@ -191,10 +190,7 @@ def run_ray(
             for _ in range(min(per, len(group)))
         ]
         refs += [actors[i % len(actors)].run.remote(c.to_json(), out_root) for i, c in enumerate(group)]
-    results = []
     pending = list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
-        results.append(ray.get(ready[0]))
-        done(results[-1])
-    return results
+        done(ray.get(ready[0]))
