@@ -39,8 +39,14 @@ from rich.console import Console
 
 from kvlab.errors import BadInputError, KvlabError
 from kvlab.progress import Counter, Estimate, Mode, choose_mode, duration, rich_display
-from kvlab.study.experiments import Experiment, ExperimentContext, ExperimentResult, Progress, registry
-from kvlab.study.experiments.base import Figure, Table
+from kvlab.study.experiments import (
+    Experiment,
+    ExperimentContext,
+    ExperimentResult,
+    check_study_names,
+    registry,
+)
+from kvlab.study.experiments.base import Figure, Progress, Table
 from kvlab.study.report.html import write_experiment_page, write_study_index
 from kvlab.study.report.writer import manifest, run_dir, to_jsonable, write_result
 
@@ -191,12 +197,7 @@ def _selected(only: Sequence[str] | None) -> list[Experiment]:
     """The study's experiments (or ``only`` these), each after those it ``needs``."""
     experiments = [e for e in registry().values() if e.in_study]
     if only:
-        known = {e.name for e in experiments}
-        missing = [n for n in only if n not in known]
-        if missing:
-            raise BadInputError(
-                f"unknown experiment(s) {', '.join(missing)}; known: {', '.join(sorted(known))}"
-            )
+        check_study_names(only, [e.name for e in experiments])
         experiments = [e for e in experiments if e.name in only]
     return dependencies_first(experiments)
 

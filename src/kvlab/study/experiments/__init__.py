@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -47,9 +48,11 @@ CATALOGUE: dict[str, tuple[str, bool]] = {
 }
 
 
-def check_study_names(names: list[str] | tuple[str, ...]) -> None:
-    """Refuse names that are not experiments a study runs (``kvlab study --only``), without importing them."""
-    known = [n for n, (_, in_study) in CATALOGUE.items() if in_study]
+def check_study_names(names: Sequence[str], known: Sequence[str] | None = None) -> None:
+    """Refuse names that are not experiments a study runs (``kvlab study --only``): ``known``, else those
+    of :data:`CATALOGUE` (no experiment module is imported)."""
+    if known is None:
+        known = [n for n, (_, in_study) in CATALOGUE.items() if in_study]
     missing = [n for n in names if n not in known]
     if missing:
         raise BadInputError(f"unknown experiment(s) {', '.join(missing)}; known: {', '.join(sorted(known))}")
