@@ -218,4 +218,4 @@ def test_learned_policy_weights_load_and_round_trip(tiny, obs, tmp_path):
     assert report["test_rows"] > 0 and set(report) >= {"test_spearman", "test_spearman_received_only"}
     with pytest.raises(BadInputError, match="train-evictor"):
         load_weights(str(tmp_path / "missing.json"))
-    assert set(POLICIES) == {c.name for c in BUILT_IN} | {"random_sinks"}  # + the one-file example
+    assert set(POLICIES) == {c.name for c in BUILT_IN} | {"random_sinks", "kvzip"}  # + the one-file methods

@@ -15,7 +15,18 @@ from dataclasses import dataclass
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 #: every eviction score by the name a spec uses, in registration order (built-ins, then ``methods/``)
-SCORES = ("window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "random", "learned", "random_sinks")
+SCORES = (
+    "window",
+    "streaming_llm",
+    "h2o",
+    "snapkv",
+    "tova",
+    "knorm",
+    "random",
+    "learned",
+    "kvzip",
+    "random_sinks",
+)
 
 
 @dataclass(frozen=True)

@@ -265,7 +265,7 @@ def evict_ragged(
     """:func:`kvlab.compress.evict.evict` with shared budgets: a :class:`RaggedCache` holding ``n_keep`` slots
     per head and layer on average (``keep`` or ``n_keep`` as there), chosen by ``policy`` and shared as
     ``heads`` (``uniform`` | ``ada``) and ``layers`` (``uniform`` | ``pyramid``) say."""
-    views = layer_views(source)
+    views = layer_views(source, policy)
     snap = source.snapshot if isinstance(source, Observation) else source
     n = budget_slots(snap.seq_len, keep, n_keep)
     idx = allocate(

@@ -6,20 +6,41 @@ for any subset of queries without asking transformers for ``[L, H, T, T]`` atten
 
 Shapes: queries per layer ``[batch, q_heads, T, head_dim]`` (post-RoPE); keys ``[batch, kv_heads,
 T, head_dim]``; attention ``[batch, q_heads, n_queries, T]``.
+
+A score that reads another pass than the prompt's own (KVzip's reconstruction) names its tokens with
+:meth:`~kvlab.compress.evict.policies.Policy.probe_ids`; :meth:`Observation.probe` runs that pass through
+the handle the observation was made with, once per probe, and keeps it (a :class:`Probe`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvlab.cache.handle_view import HandleView
+from kvlab.cache.handle_view import HandleView, Prefilled
 from kvlab.cache.snapshot import KVSnapshot
-from kvlab.errors import UnsupportedModelError
+from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import rope_for_layer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, eq=False)
+class Probe:
+    """An extra pass a score asked for: ``ids`` fed right after the context (one prefill of context + ids,
+    so every probe token attends to the whole context and to the probe tokens before it).
+
+    Per layer: ``queries [B, Hq, n, D]`` of the ``n`` probe tokens (post-RoPE, at positions ``T..T+n-1``)
+    and ``keys [B, Hkv, T + n, D]``, the context's keys then the probe's, from that same prefill.
+    """
+
+    ids: tuple[int, ...]
+    queries: tuple[torch.Tensor, ...]
+    keys: tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,7 +49,8 @@ class Observation:
 
     ``views`` keeps the per-layer views :func:`~kvlab.compress.evict.select.layer_views` builds, so what a
     view derives once (H2O's attention received from every query: ``T x T`` per layer) is derived once per
-    context, not once per policy and budget that evicts from it.
+    context, not once per policy and budget that evicts from it. ``handle`` (set by :func:`observe`) runs
+    the extra passes scores ask for (:meth:`probe`); ``probes`` keeps them by their tokens.
     """
 
     snapshot: KVSnapshot
@@ -36,10 +58,35 @@ class Observation:
     logits: torch.Tensor
     scaling: float
     views: list = field(default_factory=list, repr=False, compare=False)
+    handle: HandleView | None = field(default=None, repr=False, compare=False)
+    probes: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:
         return self.snapshot.num_layers
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The handle's tokenizer, where it has one (a probe's text is encoded with it)."""
+        return getattr(self.handle, "tokenizer", None)
+
+    def probe(self, ids: list[int]) -> Probe:
+        """The pass of ``ids`` right after this context (run once per ``ids``, then kept): one prefill of
+        context + ids through the handle this observation was made with."""
+        key = tuple(int(i) for i in ids)
+        if key not in self.probes:
+            if self.handle is None or not key:
+                raise BadInputError(
+                    "this score reads an extra pass after the context: observe the context with "
+                    "kvlab.compress.observe(handle, tokens) (it keeps the handle) and give it tokens"
+                )
+            if self.snapshot.batch_size != 1:
+                raise BadInputError("an extra pass after the context runs on one sequence (batch 1)")
+            context = self.snapshot.token_ids[0].tolist()
+            fwd, queries, _ = _capture(self.handle, [*context, *key], all_logits=False)
+            t = self.snapshot.seq_len
+            self.probes[key] = Probe(key, tuple(q[:, :, t:] for q in queries), fwd.snapshot.keys)
+        return self.probes[key]
 
 
 def attention_modules(model: torch.nn.Module) -> list[Any]:
@@ -86,6 +133,15 @@ def observe(handle: HandleView, tokens: list[int] | torch.Tensor, *, all_logits:
 
     ``logits`` are ``[T, vocab]`` with ``all_logits=True``, else only the last row ``[1, vocab]``.
     """
+    fwd, queries, scaling = _capture(handle, tokens, all_logits=all_logits)
+    return Observation(fwd.snapshot, queries, fwd.logits, scaling, handle=handle)
+
+
+@torch.no_grad()
+def _capture(
+    handle: HandleView, tokens: list[int] | torch.Tensor, *, all_logits: bool
+) -> tuple[Prefilled, tuple[torch.Tensor, ...], float]:
+    """A prefill of ``tokens``, every layer's post-RoPE queries from it, and the softmax scale."""
     mods = attention_modules(handle.model)
     rope = handle.rope
     captured: list[torch.Tensor] = []
@@ -103,5 +159,4 @@ def observe(handle: HandleView, tokens: list[int] | torch.Tensor, *, all_logits:
         q = q.view(b, t, -1, d).transpose(1, 2)
         spec = rope_for_layer(rope, i)  # hybrid models rotate each layer type with its own base
         queries.append(apply_rope(q, snap.positions, spec).float() if spec is not None else q.float())
-    scaling = float(getattr(mods[0], "scaling", d**-0.5))
-    return Observation(snapshot=snap, queries=tuple(queries), logits=fwd.logits, scaling=scaling)
+    return fwd, tuple(queries), float(getattr(mods[0], "scaling", d**-0.5))

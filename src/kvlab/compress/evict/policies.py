@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvlab.compress.evict.observe import attention_weights
+from kvlab.compress.evict.observe import Probe, attention_weights
 from kvlab.errors import BadInputError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(eq=False)
@@ -33,6 +37,8 @@ class LayerView:
     ``query_slots [n]``: the slot each query sits at (it sees slots ``0..slot``, the causal mask); None
     means the queries are the context's own, one per slot (``n == T``). A live cache that evicts while
     decoding carries only the queries fed since its last eviction, at the last ``n`` slots.
+    ``probe``: the extra pass the policy asked for (:meth:`Policy.probe_ids`), all layers' (read
+    ``probe.queries[layer]``); None where none was run (a live cache runs none).
     """
 
     layer: int
@@ -43,6 +49,7 @@ class LayerView:
     queries: torch.Tensor | None = None
     scaling: float = 1.0
     query_slots: torch.Tensor | None = None
+    probe: Probe | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -129,6 +136,13 @@ class Policy:
 
     def score(self, view: LayerView) -> torch.Tensor:
         raise NotImplementedError
+
+    def probe_ids(self, context: list[int], tokenizer: PreTrainedTokenizerBase | None) -> list[int] | None:
+        """Tokens of an extra pass to feed right after the ``context`` (its ids) before scoring, or None
+        (the default: the context's own queries suffice). Offline, :func:`~kvlab.compress.evict.evict`
+        runs it through the :class:`~kvlab.compress.evict.Observation`'s handle and hands it to
+        :meth:`score` as ``view.probe``; ``tokenizer`` is the model's (None when it has none)."""
+        return None
 
 
 @dataclass(frozen=True)

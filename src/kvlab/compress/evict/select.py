@@ -8,6 +8,8 @@ source's ``next_position``. :func:`repack` re-rotates them to ``0..n_keep-1`` pe
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvlab.cache.snapshot import KVSnapshot
@@ -113,8 +115,22 @@ def repack(snapshot: KVSnapshot) -> KVSnapshot:
     )
 
 
-def layer_views(source: KVSnapshot | Observation) -> list[LayerView]:
-    """One view per layer; an Observation's are built once and kept on it (their derived scores with them)."""
+def layer_views(source: KVSnapshot | Observation, policy: Policy | None = None) -> list[LayerView]:
+    """One view per layer; an Observation's are built once and kept on it (their derived scores with them).
+
+    With a ``policy`` that asks for an extra pass (:meth:`~kvlab.compress.evict.Policy.probe_ids`) and an
+    Observation, the pass is run (once per Observation and tokens) and each view carries it (``probe``)."""
+    views = _views(source)
+    if policy is None or not isinstance(source, Observation):
+        return views
+    ids = policy.probe_ids(source.snapshot.token_ids[0].tolist(), source.tokenizer)
+    if ids is None:
+        return views
+    probe = source.probe(ids)
+    return [dataclasses.replace(v, probe=probe) for v in views]
+
+
+def _views(source: KVSnapshot | Observation) -> list[LayerView]:
     queries: tuple[torch.Tensor | None, ...]
     if isinstance(source, Observation):
         if source.views:
@@ -150,7 +166,7 @@ def evict(
     is what a compacting cache keeps of it. Attention-based policies need an :class:`Observation` (from
     :func:`observe`); key-only policies also accept a plain snapshot.
     """
-    views = layer_views(source)
+    views = layer_views(source, policy)
     snap = source.snapshot if isinstance(source, Observation) else source
     snap.require_unmasked("scoring slots for eviction")
     n = budget_slots(snap.seq_len, keep, n_keep)

@@ -80,6 +80,7 @@ def _ctx_observation(obs: Observation, n_ctx: int) -> Observation:
         tuple(q[:, :, :n_ctx] for q in obs.queries),
         obs.logits[:n_ctx],
         obs.scaling,
+        handle=obs.handle,  # a score's extra pass after the context (kvzip) runs through it
     )
 
 
