@@ -50,6 +50,7 @@ class HandleView(Protocol):
 
     * ``name``, ``fingerprint``, ``facts``, ``dtype``, ``device``, ``rope``: :func:`load_snapshot`'s model check;
     * ``model``, ``rope``, ``prefill``: :func:`kvlab.compress.observe` (and the evictor training over it);
+      ``run``, ``config``: a score's extra pass after an observed context (:meth:`~kvlab.compress.Observation.probe`);
     * ``run``, ``device``, ``config``: :func:`kvlab.compress.measure.time_decode_ms`.
     """
 
@@ -80,7 +81,12 @@ class HandleView(Protocol):
     def prefill(self, tokens: list[int] | torch.Tensor, *, all_logits: bool = ...) -> Prefilled: ...
 
     def run(
-        self, input_ids: torch.Tensor, cache: Any = None, *, positions: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        cache: Any = None,
+        *,
+        positions: torch.Tensor | None = None,
+        logits_to_keep: int = ...,
     ) -> Any:
         """One forward of ``input_ids`` on a live ``cache`` (:meth:`kvlab.model.ModelHandle.run`)."""
         ...

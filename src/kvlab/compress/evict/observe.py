@@ -14,28 +14,31 @@ the handle the observation was made with, once per probe, and keeps it (a :class
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from kvlab.cache.handle_view import HandleView, Prefilled
+from kvlab.cache.handle_view import HandleView
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.rope.ops import apply_rope
-from kvlab.rope.spec import rope_for_layer
+from kvlab.rope.spec import Rope, rope_for_layer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+R = TypeVar("R")
+
 
 @dataclass(frozen=True, eq=False)
 class Probe:
-    """An extra pass a score asked for: ``ids`` fed right after the context (one prefill of context + ids,
-    so every probe token attends to the whole context and to the probe tokens before it).
+    """An extra pass a score asked for: ``ids`` fed right after the context, on its cache (every probe
+    token attends to the whole context and to the probe tokens before it).
 
     Per layer: ``queries [B, Hq, n, D]`` of the ``n`` probe tokens (post-RoPE, at positions ``T..T+n-1``)
-    and ``keys [B, Hkv, T + n, D]``, the context's keys then the probe's, from that same prefill.
+    and ``keys [B, Hkv, T + n, D]``, the context's keys (the observed ones) then the probe's.
     """
 
     ids: tuple[int, ...]
@@ -71,8 +74,8 @@ class Observation:
         return getattr(self.handle, "tokenizer", None)
 
     def probe(self, ids: list[int]) -> Probe:
-        """The pass of ``ids`` right after this context (run once per ``ids``, then kept): one prefill of
-        context + ids through the handle this observation was made with."""
+        """The pass of ``ids`` right after this context (run once per ``ids``, then kept), attending to the
+        observed K/V, through the handle this observation was made with."""
         key = tuple(int(i) for i in ids)
         if key not in self.probes:
             if self.handle is None or not key:
@@ -82,10 +85,7 @@ class Observation:
                 )
             if self.snapshot.batch_size != 1:
                 raise BadInputError("an extra pass after the context runs on one sequence (batch 1)")
-            context = self.snapshot.token_ids[0].tolist()
-            fwd, queries, _ = _capture(self.handle, [*context, *key], all_logits=False)
-            t = self.snapshot.seq_len
-            self.probes[key] = Probe(key, tuple(q[:, :, t:] for q in queries), fwd.snapshot.keys)
+            self.probes[key] = _probe_pass(self.handle, self.snapshot, key)
         return self.probes[key]
 
 
@@ -133,30 +133,52 @@ def observe(handle: HandleView, tokens: list[int] | torch.Tensor, *, all_logits:
 
     ``logits`` are ``[T, vocab]`` with ``all_logits=True``, else only the last row ``[1, vocab]``.
     """
-    fwd, queries, scaling = _capture(handle, tokens, all_logits=all_logits)
-    return Observation(fwd.snapshot, queries, fwd.logits, scaling, handle=handle)
+    mods = attention_modules(handle.model)
+    fwd, raw = _capturing(mods, lambda: handle.prefill(tokens, all_logits=all_logits))
+    snap = fwd.snapshot
+    queries = _rotated(raw, snap.positions, handle.rope, snap.head_dim)
+    return Observation(snap, queries, fwd.logits, _scaling(mods, snap.head_dim), handle=handle)
 
 
 @torch.no_grad()
-def _capture(
-    handle: HandleView, tokens: list[int] | torch.Tensor, *, all_logits: bool
-) -> tuple[Prefilled, tuple[torch.Tensor, ...], float]:
-    """A prefill of ``tokens``, every layer's post-RoPE queries from it, and the softmax scale."""
+def _probe_pass(handle: HandleView, snap: KVSnapshot, ids: tuple[int, ...]) -> Probe:
+    """``ids`` fed after ``snap`` (at the positions after it, attending to every slot): their queries and
+    every layer's keys, the snapshot's then theirs. ``snap`` is left as it was (the pass concatenates)."""
+    from kvlab.hf.cache import hf_cache_layers, to_hf_cache
+
+    cache = to_hf_cache(snap, handle.config, copy=False)
+    start = snap.next_position
+    positions = torch.arange(start, start + len(ids), device="cpu")
+    ask = torch.tensor([ids], dtype=torch.long)
     mods = attention_modules(handle.model)
-    rope = handle.rope
+    _, raw = _capturing(mods, lambda: handle.run(ask, cache, positions=positions, logits_to_keep=1))
+    keys = tuple(k for k, _ in hf_cache_layers(cache))
+    return Probe(ids, _rotated(raw, positions, handle.rope, snap.head_dim), keys)
+
+
+def _capturing(mods: list[Any], run: Callable[[], R]) -> tuple[R, list[torch.Tensor]]:
+    """``run()`` with every layer's ``q_proj`` output captured (read-only hooks, removed after)."""
     captured: list[torch.Tensor] = []
     hooks = [m.q_proj.register_forward_hook(lambda _m, _i, out: captured.append(out.detach())) for m in mods]
     try:
-        fwd = handle.prefill(tokens, all_logits=all_logits)
+        return run(), captured
     finally:
         for h in hooks:
             h.remove()
-    snap = fwd.snapshot
-    d = snap.head_dim
+
+
+def _rotated(
+    raw: list[torch.Tensor], positions: torch.Tensor, rope: Rope | None, head_dim: int
+) -> tuple[torch.Tensor, ...]:
+    """``q_proj`` outputs ``[B, n, Hq * D]`` as post-RoPE queries ``[B, Hq, n, D]`` (float32)."""
     queries = []
-    for i, q in enumerate(captured):
+    for i, q in enumerate(raw):
         b, t, _ = q.shape
-        q = q.view(b, t, -1, d).transpose(1, 2)
+        q = q.view(b, t, -1, head_dim).transpose(1, 2)
         spec = rope_for_layer(rope, i)  # hybrid models rotate each layer type with its own base
-        queries.append(apply_rope(q, snap.positions, spec).float() if spec is not None else q.float())
-    return fwd, tuple(queries), float(getattr(mods[0], "scaling", d**-0.5))
+        queries.append(apply_rope(q, positions, spec).float() if spec is not None else q.float())
+    return tuple(queries)
+
+
+def _scaling(mods: list[Any], head_dim: int) -> float:
+    return float(getattr(mods[0], "scaling", head_dim**-0.5))

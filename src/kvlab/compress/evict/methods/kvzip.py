@@ -6,7 +6,7 @@ No question takes part, so the slots kept serve whatever question comes later (a
 reused by requests whose questions differ). kvpress ships the method as ``KVzipPress``.
 
 The pass is a :class:`~kvlab.compress.evict.observe.Probe` (:meth:`KVzip.probe_ids`), run offline through
-the :class:`~kvlab.compress.evict.Observation`'s handle: one prefill of context + repeat prompt + context.
+the :class:`~kvlab.compress.evict.Observation`'s handle: the repeat prompt and the context fed on its cache.
 A live cache runs no such pass, so it refuses this score in one line rather than score by other queries.
 """
 
