@@ -1,6 +1,6 @@
 # The two commands a newcomer runs (each sets everything up first, and is safe to re-run):
 #   make study   - the full study on the bundled model, writing an HTML report under runs/
-#   make test    - lint + type check (mypy, library packages) + the test suite
+#   make test    - lint + type check (mypy, every package) + the test suite
 # (while iterating, `make test-fast`: the tests that load no real model and start no process, minutes)
 VENV := .venv/bin
 
@@ -22,7 +22,7 @@ lint: setup-dev
 	$(VENV)/ruff check src tests benchmarks
 	$(VENV)/ruff format --check src tests benchmarks
 
-# mypy over the library packages ([tool.mypy] in pyproject.toml; the study and the CLI are not checked).
+# mypy over every package, the study and the CLI included ([tool.mypy] in pyproject.toml).
 typecheck: setup-dev
 	$(VENV)/mypy
 

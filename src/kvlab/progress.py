@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Literal, TextIO
+from typing import IO, Literal
 
 from rich.console import Console
 from rich.progress import (
@@ -37,7 +37,7 @@ from rich.text import Text
 Mode = Literal["rich", "plain", "off"]
 
 
-def choose_mode(quiet: bool = False, stream: TextIO | None = None) -> Mode:
+def choose_mode(quiet: bool = False, stream: IO[str] | None = None) -> Mode:
     """``off`` when ``quiet`` (``--json``), ``rich`` when ``stream`` (stderr) is a terminal, else ``plain``."""
     if quiet:
         return "off"
