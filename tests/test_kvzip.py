@@ -87,15 +87,27 @@ def test_budgets_are_kept(tiny, budget):
 
 
 def test_spec_spellings_and_refusals(tiny):
+    from kvlab.compress.catalogue import OFFLINE_SCORES
+    from kvlab.compress.evict import POLICIES
     from kvlab.eval.run import parse_cache_spec
+    from kvlab.hf.compressed_cache import CompressedCache
     from kvlab.hf.policy_cache import cache_for
+    from kvlab.serve.policy import serve_policy
 
+    # the catalogue's offline-only scores are the registered ones that ask for an extra pass
+    assert set(OFFLINE_SCORES) == {n for n, p in POLICIES.items() if p().probe_ids([0], None) is not None}
     a, b = parse_cache_spec("kvzip,keep=0.25"), parse_cache_spec("kvzip:0.75")
     assert a.policy.layout == b.policy.layout and a.needs_queries
     with pytest.raises(BadInputError, match="reconstruction pass"):  # a bare snapshot has no pass to run
         evict(tiny.prefill(_ids(20, 6, 512)).snapshot, KVzip(), keep=0.5)
-    live = cache_for("kvzip,keep=0.5", tiny)
-    with pytest.raises(BadInputError, match="live cache cannot run it"):  # never scored by other queries
+    # live: refused where the spec is read (serve, before a model loads) and where the cache is built
+    with pytest.raises(BadInputError, match="live cache cannot run it"):
+        serve_policy("kvzip,budget=64,every=16")
+    with pytest.raises(BadInputError, match="live cache cannot run it"):
+        cache_for("kvzip,keep=0.5", tiny)
+    # a CompressedCache built by hand with the policy: refused at the prefill, never scored by other queries
+    live = CompressedCache(tiny.config, policy=KVzip(), keep=0.5, model=tiny.model)
+    with pytest.raises(BadInputError, match="live cache cannot run it"):
         tiny.run(torch.tensor([_ids(20, 6, 512)]), live)
     live.close()
 

@@ -27,6 +27,9 @@ SCORES = (
     "kvzip",
     "random_sinks",
 )
+#: scores that read an extra pass after the context (``Policy.probe_ids``: KVzip's reconstruction), which
+#: runs offline only (``evict`` on an Observation, ``kvlab eval``): no live cache can run them yet
+OFFLINE_SCORES = ("kvzip",)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvlab.compress.catalogue import SCORES, codec_facts
+from kvlab.compress.catalogue import OFFLINE_SCORES, SCORES, codec_facts
 from kvlab.compress.layouts.base import Items, Layout, context
 from kvlab.errors import BadInputError
 
@@ -144,6 +144,7 @@ class ScoredLayout(Layout):
         from kvlab.hf.compressed_cache import CompressedCache
         from kvlab.hf.policy_cache import model_parts
 
+        self._refuse_offline_score(policy.spec)
         config, model, codec = model_parts(policy, handle)
         budget: dict[str, Any] = {"keep": self.keep} if self.keep is not None else {"budget": self.budget}
         return CompressedCache(
@@ -207,9 +208,17 @@ class ScoredLayout(Layout):
                 "positions, which a scored eviction makes different per head; use int<bits> or fp8 with it"
             )
 
+    def _refuse_offline_score(self, spec: str) -> None:
+        if self.score in OFFLINE_SCORES:
+            raise BadInputError(
+                f"cache spec '{spec}': {self.score} scores slots by an extra pass after the context, which runs "
+                "offline only (kvlab eval, kvlab.compress.evict); a live cache cannot run it yet"
+            )
+
     def serve_check(self, policy: CachePolicy, spec: str) -> None:
         """A conversation grows without end: the budget must be kept while decoding (``every=``), uniform over
-        the heads (a per-head cache cannot join a batched decode step)."""
+        the heads (a per-head cache cannot join a batched decode step); a score must run live."""
+        self._refuse_offline_score(spec)
         if not self.every:
             raise BadInputError(
                 f"--cache '{spec}': a conversation grows without end, so a scored layout must keep its budget "
