@@ -19,6 +19,20 @@ if TYPE_CHECKING:
     from kvlab.serve.tenants import KeyLimits
 
 
+def _fraction(value: float) -> float:
+    """Typer callback: a share in [0, 1] (NaN refused too), read before anything loads."""
+    if not 0.0 <= value <= 1.0:
+        raise typer.BadParameter(f"a fraction in [0, 1], got {value}")
+    return value
+
+
+def _wait_seconds(value: float) -> float:
+    """Typer callback: seconds in [0, 60] (NaN refused too)."""
+    if not 0.0 <= value <= 60.0:
+        raise typer.BadParameter(f"seconds in [0, 60], got {value}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
     """``kvlab serve``'s options: each field is one option, declared by its annotation (the command's
@@ -61,6 +75,23 @@ class ServeOptions:
             "while decoding, e.g. h2o,budget=1024,every=64. See docs/serving.md.",
         ),
     ] = None
+    fidelity_sample: Annotated[
+        float,
+        typer.Option(
+            "--fidelity-sample",
+            callback=_fraction,
+            help="Share of responses scored against the exact full cache (KL and top-1 agreement per response, "
+            'computed at low priority; a request asks with "kvlab": {"fidelity": true}). See docs/serving.md.',
+        ),
+    ] = 0.0
+    fidelity_wait: Annotated[
+        float,
+        typer.Option(
+            "--fidelity-wait",
+            callback=_wait_seconds,
+            help="Seconds a scored reply (not streamed) waits for its score; later, kvlab.fidelity_url gives it.",
+        ),
+    ] = 0.5
     api_key: Annotated[
         list[str] | None,
         typer.Option(
@@ -282,6 +313,8 @@ def _settings(o: ServeOptions, keys: tuple[str, ...]) -> tuple[EngineSettings, K
         max_sessions=o.max_sessions,
         prefill_chunk=o.prefill_chunk,
         cache=o.cache,
+        fidelity_sample=o.fidelity_sample,
+        fidelity_wait_s=o.fidelity_wait,
         max_open_per_key=per_key.max_open,
         max_batch_per_key=per_key.max_batch,
         max_work_per_key=per_key.max_work,

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import math
+import random
 import re
 import time
 import traceback
@@ -25,7 +26,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -90,6 +91,14 @@ class ApiError(Exception):
 # nothing kvlab computes), accepted only at its neutral value (_NEUTRAL), or refused with a 400 that names
 # it (unknown fields too): a client asking for tools, a response format or penalties gets an error, never
 # a plain reply that silently ignored what it asked for.
+class _Extension(BaseModel):
+    """The body's ``kvlab`` field: what this server adds to the OpenAI API."""
+
+    model_config = ConfigDict(extra="forbid")
+    # score this response against the exact full cache (kvlab.serve.fidelity); null: the server's sampling
+    fidelity: StrictBool | None = None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
@@ -103,6 +112,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
+    kvlab: _Extension | None = None
 
 
 class _Part(BaseModel):
@@ -313,6 +323,7 @@ def create_app(
     server = _Server(engine, metrics, model_id, api_keys, admin_key, limits)
     _add_completion_routes(app, server)
     _add_info_routes(app, server)
+    _add_fidelity_route(app, server)
     _add_admin_routes(app, server)
     _add_error_handlers(app)
     return app
@@ -436,7 +447,7 @@ class _Server:
             _check_logprob_budget(
                 reqs, limits.max_logprob_entries, "top_logprobs" if kind == "chat" else "logprobs"
             )
-            engine.submit_many(reqs)
+            fid = _submit(engine, body, caller, reqs)
         except ClientDisconnect:  # gone while sending its body: nobody reads a reply
             metrics.request(endpoint, 499, who)
             return Response(status_code=499)
@@ -471,9 +482,8 @@ class _Server:
                 _Result(text, finish, info, prompt.ids, prompt.text if echo else None)
                 for prompt, (text, finish, info) in zip(prompts, done, strict=True)
             ]
-            reply = _bounded_json(
-                _final(kind, meta, results, engine.handle.tokenizer), limits.max_response_bytes
-            )
+            doc = await _scored(engine, fid, _final(kind, meta, results, engine.handle.tokenizer))
+            reply = _bounded_json(doc, limits.max_response_bytes)
         except ApiError as exc:
             metrics.request(endpoint, exc.status, who)
             return _error(exc)
@@ -523,6 +533,28 @@ def _add_info_routes(app: FastAPI, server: _Server) -> None:
                 "uptime_s": round(time.time() - server.started, 1),
             }
         )
+
+
+def _add_fidelity_route(app: FastAPI, server: _Server) -> None:
+    """``GET /v1/fidelity/{id}``: a scored response's fidelity for the key that asked it: 200 with the score
+    (or why none was computed), 202 while it is being scored; 404 for an unknown or expired id and for
+    another key's (whose existence it does not reveal)."""
+
+    @app.get("/v1/fidelity/{fid}")
+    async def fidelity(fid: str, request: Request) -> Response:
+        try:
+            caller = server.tenant(request)
+        except ApiError as exc:
+            return _error(exc)
+        known, result = server.engine.fidelity.read(fid, caller.salt)
+        if not known:
+            message = f"no fidelity record {fid[:80]!r} for this key (unknown, expired, or another key's)"
+            return _error(ApiError(404, message, param="id", code="fidelity_not_found"))
+        head = {"id": fid, "object": "kvlab.fidelity"}
+        if result is None:
+            return JSONResponse({**head, "status": "pending"}, status_code=202, headers={"Retry-After": "1"})
+        status = "skipped" if "skipped" in result else "done"
+        return JSONResponse({**head, "status": status, "fidelity": result})
 
 
 def _add_admin_routes(app: FastAPI, server: _Server) -> None:
@@ -628,6 +660,50 @@ def _prepare(
         score_prompt=echo and logprobs is not None,
         tenant=caller.label,
     )
+
+
+def _submit(engine: Engine, body: Any, caller: _Caller, reqs: list[EngineRequest]) -> str | None:
+    """Queue ``reqs`` (:meth:`Engine.submit_many`), scored for fidelity or not (:func:`_choose_fidelity`);
+    the fidelity record's id, or None."""
+    fid = _choose_fidelity(engine, body, caller, reqs)
+    try:
+        engine.submit_many(reqs)
+    except KvlabError:
+        if fid is not None:
+            engine.fidelity.discard(fid)
+        raise
+    return fid
+
+
+async def _scored(engine: Engine, fid: str | None, doc: dict) -> dict:
+    """``doc`` with ``usage.fidelity`` when its response is scored and the score is ready within
+    ``--fidelity-wait`` (else its ``kvlab.fidelity_url`` gives it later)."""
+    if fid is not None:
+        result = await engine.fidelity.wait(fid, engine.settings.fidelity_wait_s)
+        if result is not None:
+            doc["usage"]["fidelity"] = result
+    return doc
+
+
+def _choose_fidelity(engine: Engine, body: Any, caller: _Caller, reqs: list[EngineRequest]) -> str | None:
+    """Whether this response is scored for fidelity (``kvlab.fidelity`` in the body, else sampled at
+    ``--fidelity-sample``): its record's id on the engine's board (set on its one request), or None. Only a
+    request of one prompt that generates is scored; asking otherwise is a 400."""
+    asked = body.kvlab.fidelity if body.kvlab is not None else None
+    one = len(reqs) == 1 and reqs[0].max_new_tokens > 0
+    if asked and not one:
+        raise ApiError(
+            400,
+            "kvlab.fidelity scores one generated response: send one prompt with max_tokens >= 1",
+            param="kvlab.fidelity",
+            code="unsupported_value",
+        )
+    chosen = asked if asked is not None else one and random.random() < engine.settings.fidelity_sample
+    if not chosen:
+        return None
+    fid = engine.fidelity.open(caller.salt)
+    reqs[0].fidelity = fid
+    return fid
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[tuple], None]:

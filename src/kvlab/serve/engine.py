@@ -63,6 +63,7 @@ from kvlab.hf.policy_cache import cache_for
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.loop import Sampling
 from kvlab.policy.window import default_chunk
+from kvlab.serve.fidelity import FidelityBoard, ScoringJob, skipped
 from kvlab.serve.policy import serve_policy
 from kvlab.serve.tenants import FairQueue, KeyLimits
 from kvlab.store.errors import StoreError
@@ -95,6 +96,14 @@ class EngineSettings:
     # a cache spec (kvlab.compress.spec) its layout lets the server run (serve_policy); it replaces window,
     # sinks and evict_chunk, which then say its window where it rolls one (the status page shows them)
     cache: str | None = None
+    # fidelity per response (kvlab.serve.fidelity): the share of responses scored against the exact full cache,
+    # how long a scored non-streaming reply waits for its score, the teacher-forced tokens a scoring pass
+    # computes between two decode steps while any request is live (none in an iteration that computes a
+    # prompt; --prefill-chunk when nothing else runs), and the memory the scored responses' kept logits may take
+    fidelity_sample: float = 0.0
+    fidelity_wait_s: float = 0.5
+    fidelity_chunk: int = 32
+    fidelity_memory_mb: int = 512
 
     def __post_init__(self) -> None:
         if self.cache is None:
@@ -191,6 +200,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     tenant: str = ""  # whose share it counts in (kvlab.serve.tenants): an API key's label
+    fidelity: str | None = None  # score the response (kvlab.serve.fidelity): its record's id on the board
 
     @property
     def cost(self) -> int:
@@ -217,6 +227,7 @@ class _Row:
     unsent: list[LogProb] = field(default_factory=list)  # those not yet attached to an emitted chunk
     entry: LogProb | None = None  # the last picked token's (when reported)
     last_step: float = field(default_factory=time.perf_counter)
+    served: list[torch.Tensor] | None = None  # a scored response: each pick's [vocab] logits (on the CPU)
 
 
 @dataclass
@@ -315,6 +326,11 @@ class Engine:
         self.policy = settings.policy
         # what each response's kvlab field says the cache held: the policy, and whether it is exact
         self.cache_info = {**self.policy.to_json(), "exact": self.policy.exact}
+        # fidelity per response: the records (any thread), the answered responses waiting to be scored and the
+        # bytes of kept logits reserved by scored requests, by record id (the worker's)
+        self.fidelity = FidelityBoard()
+        self._scoring: collections.deque[ScoringJob] = collections.deque()
+        self._reserved: dict[str, int] = {}
         if metrics is not None:
             metrics.watch(self)
         self._thread = threading.Thread(target=self._work, name="kvlab-engine", daemon=True)
@@ -434,7 +450,9 @@ class Engine:
             with self._cv:
                 # what each tenant has running counts in its share (requests that ended have left)
                 self._pending.running([*(p.req for p in self._prefilling), *(r.req for r in self._active)])
-                while not self._pending and not self._prefilling and not self._active and not self._stopping:
+                while not (
+                    self._pending or self._prefilling or self._active or self._scoring or self._stopping
+                ):
                     self._cv.wait()
                 if self._stopping:
                     gone = ShuttingDownError("the server is shutting down")
@@ -443,8 +461,11 @@ class Engine:
                         *(p.req for p in self._prefilling),
                         *(r.req for r in self._active),
                     ]:
+                        self._unscored(req, "the server is shutting down")
                         _emit(req, ("error", gone))
-                    self._prefilling, self._active = [], []
+                    for job in self._scoring:
+                        self._end_job(job, skipped("the server is shutting down", job.tokens, job.policy))
+                    self._prefilling, self._active, self._scoring = [], [], collections.deque()
                     return
                 # the free slots go to the tenants in turn (deficit round-robin), each under its batch share
                 busy = len(self._active) + len(self._prefilling)
@@ -454,12 +475,13 @@ class Engine:
                 try:
                     if not req.cancelled.is_set():
                         self._prefilling.append(self._admit(req))
+                    else:
+                        self._unscored(req, "the request was cancelled")
                 except Exception as exc:  # a bad request must never kill the worker
                     self._fail(req, exc, "prefill")
                 finally:
                     self._admitted -= 1
-            if self._prefilling:
-                self._prefill_some()
+            spent = self._prefill_some() if self._prefilling else 0
             if self._active:
                 try:
                     self._step()
@@ -468,13 +490,18 @@ class Engine:
                     rows, self._active = self._active, []
                     for row in rows:  # sessions not returned (a cache may hold half a step)
                         self._release(row.req)
+                        self._unscored(row.req, "the request failed")
                         _emit(row.req, ("error", exc))
+            if self._scoring and not spent:  # live work first: never in an iteration that computed a prompt
+                live = self._active or self._prefilling or self._pending
+                self._score_some(self.settings.fidelity_chunk if live else self.settings.prefill_chunk)
 
     def _fail(self, req: Request, exc: Exception, where: str) -> None:
         """``req`` fails alone: its error is emitted; its session, which may hold half a step, is dropped."""
         if not isinstance(exc, KvlabError):
             log.error("a request failed in its %s", where, exc_info=exc)
         self._release(req)
+        self._unscored(req, "the request failed")
         _emit(req, ("error", exc))
 
     def _release(self, req: Request) -> None:
@@ -541,9 +568,9 @@ class Engine:
         at = match.cached_tokens if match.snapshot is not None else 0
         return _Head(list(head), at, match.snapshot, dict(match.tier_blocks))
 
-    def _prefill_some(self) -> None:
+    def _prefill_some(self) -> int:
         """Spend this iteration's budget of prompt tokens: shortest remaining prompt first (a short prompt is
-        not held behind a long one; the long one takes what the short ones leave)."""
+        not held behind a long one; the long one takes what the short ones leave). Returns the tokens spent."""
         budget = self.settings.prefill_chunk
         for p in sorted(self._prefilling, key=lambda p: p.remaining):
             try:
@@ -557,6 +584,7 @@ class Engine:
                 self._prefilling.remove(p)
                 if p.taken and p.fed == 0:  # untouched: the idle session it was goes back
                     self._return_session(p.session)
+                self._unscored(p.req, "the request was cancelled")
                 continue  # else dropped: its cache may end in the middle of a held roll
             if p.remaining == 0:
                 self._prefilling.remove(p)
@@ -566,6 +594,7 @@ class Engine:
                     self._fail(p.req, exc, "prefill")
             if budget <= 0:
                 break
+        return self.settings.prefill_chunk - budget
 
     def _piece(self, p: _Prefill, budget: int) -> int:
         """Compute the next piece of ``p``'s prompt, at most ``budget`` tokens; returns how many."""
@@ -669,6 +698,9 @@ class Engine:
         gen = None if req.sampling.greedy else torch.Generator().manual_seed(req.sampling.seed)
         assert p.logits is not None
         row = _Row(req, session, p.logits[None], gen, info)
+        if req.fidelity is not None:
+            info["fidelity_url"] = f"/v1/fidelity/{req.fidelity}"
+            row.served = self._reserve(req)
         if req.max_new_tokens == 0:  # scoring a prompt: nothing to generate
             req.emit(("start", info))
             row.finish = "length"
@@ -733,6 +765,8 @@ class Engine:
         """Pick ``row``'s next token from its logits and report it."""
         tok = int(row.req.sampling.pick(row.logits, row.generator)[0])
         row.out.append(tok)
+        if row.served is not None:  # the distribution this token was picked from, for its fidelity score
+            row.served.append(row.logits[0].to("cpu", torch.float32, copy=True))
         row.entry = None
         if row.req.logprobs is not None and (tok not in row.req.stop_ids or row.req.logprob_stop):
             row.entry = _logprob(torch.log_softmax(row.logits[0].float(), -1), tok, row.req.logprobs)
@@ -786,8 +820,76 @@ class Engine:
         row.session.last_logits = row.logits[0]
         self._return_session(row.session)
         self._release(row.req)
+        self._to_score(row)
         for event in events:
             row.req.emit(event)
+
+    # -- fidelity per response (kvlab.serve.fidelity) ----------------------------------------------------
+    def _reserve(self, req: Request) -> list[torch.Tensor] | None:
+        """Room for a scored request's kept logits (``max_new_tokens`` rows of the vocabulary), or None (the
+        response is then not scored, and its record says why) when the scored responses' would pass
+        ``fidelity_memory_mb``."""
+        assert req.fidelity is not None
+        need = req.max_new_tokens * int(self.handle.config.vocab_size) * 4
+        if sum(self._reserved.values()) + need > self.settings.fidelity_memory_mb * 2**20:
+            self._unscored(req, "too many responses waiting to be scored (fidelity memory full)")
+            return None
+        self._reserved[req.fidelity] = need
+        return []
+
+    def _unscored(self, req: Request, why: str) -> None:
+        """``req``'s response will not be scored: its record says why, its reserved memory is freed."""
+        if req.fidelity is not None:
+            self._reserved.pop(req.fidelity, None)
+            self.fidelity.finish(req.fidelity, skipped(why, 0, self.policy.spec))
+
+    def _to_score(self, row: _Row) -> None:
+        """Queue an answered scored response for scoring (a cancelled or empty one is not scored)."""
+        req = row.req
+        if req.fidelity is None:
+            return
+        if row.served is None or row.finish == "cancelled" or not row.served:
+            self._unscored(req, "the request was cancelled" if row.finish == "cancelled" else "no tokens")
+            return
+        served = torch.stack(row.served)
+        job = ScoringJob(
+            req.fidelity,
+            [*req.ids, *row.out[:-1]],
+            len(req.ids) - 1,
+            served,
+            self.policy.spec,
+            self._reserved.pop(req.fidelity, 0),
+        )
+        row.served = None
+        why = job.refusal(self.handle)
+        if why is not None:
+            self._end_job(job, skipped(why, job.tokens, job.policy))
+            return
+        self._reserved[job.fid] = job.reserved  # held until the job ends
+        self._scoring.append(job)
+
+    def _score_some(self, budget: int) -> None:
+        """Teacher-force up to ``budget`` tokens of the oldest answered scored response through its full cache;
+        record its score once every token is fed. A failure skips that response alone."""
+        job = self._scoring[0]
+        try:
+            while budget > 0 and not job.finished:
+                budget -= job.feed(self.handle, budget)
+            if not job.finished:
+                return
+            result = job.result()
+        except Exception as exc:
+            log.error("scoring a response's fidelity failed", exc_info=exc)
+            result = skipped("scoring failed (logged on the server)", job.tokens, job.policy)
+        self._scoring.popleft()
+        self._end_job(job, result)
+
+    def _end_job(self, job: ScoringJob, result: dict[str, Any]) -> None:
+        self._reserved.pop(job.fid, None)
+        job.cache, job.full = None, []
+        self.fidelity.finish(job.fid, result)
+        if self.metrics is not None and "kl" in result:
+            self.metrics.fidelity(result)
 
     # -- sessions --------------------------------------------------------------------------------------
     def _take_session(self, ids: list[int], salt: str, scored: int | None = None) -> Session | None:
@@ -868,6 +970,10 @@ def check_settings(handle: ModelHandle, settings: EngineSettings) -> None:
         value = getattr(settings, name)
         if value is not None and value < 1:
             raise BadInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not 0.0 <= settings.fidelity_sample <= 1.0:  # NaN too
+        raise BadInputError(f"--fidelity-sample must lie in [0, 1], got {settings.fidelity_sample}")
+    if not settings.fidelity_wait_s >= 0 or settings.fidelity_chunk < 1 or settings.fidelity_memory_mb < 1:
+        raise BadInputError("need fidelity_wait_s >= 0, fidelity_chunk >= 1 and fidelity_memory_mb >= 1")
     # builds nothing but the rule (buffers are allocated on first use): raises for a bad window or model
     cache_for(settings.policy, handle)
 

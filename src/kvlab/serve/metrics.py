@@ -13,11 +13,14 @@ status 499.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_KL = (1e-6, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)  # nats
+_SHARE = (0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0)
 
 
 class Metrics:
@@ -71,6 +74,20 @@ class Metrics:
         self.store_memory_bytes = Gauge(
             "kvlab_store_memory_bytes", "K/V bytes the store's memory tier holds", registry=r
         )
+        self.fidelity_kl = Histogram(
+            "kvlab_fidelity_kl",
+            "Scored responses' mean KL(full cache || served) per token, nats, by cache policy",
+            ["policy"],
+            buckets=_KL,
+            registry=r,
+        )
+        self.fidelity_top1 = Histogram(
+            "kvlab_fidelity_top1",
+            "Scored responses' top-1 agreement with the full cache, by cache policy",
+            ["policy"],
+            buckets=_SHARE,
+            registry=r,
+        )
         self.device_info = Gauge(
             "kvlab_device_info", "Where the model runs (always 1)", ["device", "gpu", "dtype"], registry=r
         )
@@ -98,6 +115,12 @@ class Metrics:
         self.requests.labels(endpoint, str(status)).inc()
         if tenant:
             self.tenant_requests.labels(tenant, str(status)).inc()
+
+    def fidelity(self, result: dict[str, Any]) -> None:
+        """A scored response's ``kl`` and ``top1`` (:mod:`kvlab.serve.fidelity`), under its ``policy``."""
+        kl = result["kl"]
+        self.fidelity_kl.labels(result["policy"]).observe(math.inf if kl is None else kl)
+        self.fidelity_top1.labels(result["policy"]).observe(result["top1"])
 
     def rolled(self, n: int) -> None:
         self.rolls.inc(n)
