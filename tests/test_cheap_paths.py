@@ -90,6 +90,8 @@ REFUSALS = [
     (["eval", "ruler", "--cache", "h2o,keep=0.5,every=32"], "compresses the context once"),
     (["eval", "ruler", "--cache", "h2o,keep=0.5,codec=kivi4"], "reads slots along tokens"),
     (["eval", "ruler", "--cache", "snapkv"], "give one budget"),
+    (["eval", "ruler", "--positions", "gapless"], "unknown positions convention(s) 'gapless'"),
+    (["eval", "ruler", "--cache", "h2o,keep=0.5,heads=ada", "--positions", "cache"], "a shared budget"),
     (["serve", "--cache", "bogus"], "unknown item 'bogus'"),
     (["serve", "--cache", "snapkv:0.5"], "add every=N"),
     (["serve", "--cache", "h2o,budget=64,every=8,heads=ada"], "per-head budgets"),

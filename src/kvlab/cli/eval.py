@@ -136,6 +136,29 @@ ResumeOpt = Annotated[
 ]
 
 
+def _positions(value: str) -> str:
+    """Typer callback: one of the conventions of :mod:`kvlab.eval.positions`."""
+    from kvlab.eval.positions import check_positions
+
+    try:
+        check_positions([value])
+    except BadInputError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+PositionsOpt = Annotated[
+    str,
+    typer.Option(
+        "--positions",
+        callback=_positions,
+        help="The RoPE positions an eviction's kept keys carry: original (with gaps, the question at the "
+        "context's length T; the default), contiguous (re-rotated to 0..k-1, the question still at T) or "
+        "cache (re-rotated to 0..k-1, the question at k: StreamingLLM's positions within the cache).",
+    ),
+]
+
+
 def _fmt(interval: dict | None, digits: str = ".2f") -> str:
     if interval is None:
         return "-"
@@ -152,10 +175,16 @@ def table_lines(summary: list[dict]) -> list[str]:
     ]
     for s in sorted(summary, key=lambda s: (s["task"], s["length"])):
         lines.append(
-            f"| {s['task']} | {s['length']} | {s['cache']} | {s['trials']} | {_fmt(s['accuracy'])} | "
+            f"| {s['task']} | {s['length']} | {_cache_label(s)} | {s['trials']} | {_fmt(s['accuracy'])} | "
             f"{_fmt(s['kld'], '.3g')} | {_fmt(s['top1'])} | {s['seconds']:.1f} |"
         )
     return lines
+
+
+def _cache_label(row: dict) -> str:
+    """A summary row's cache, with its positions convention when it is not the default."""
+    moved = row.get("positions") not in (None, "original")
+    return f"{row['cache']} @{row['positions']}" if moved else row["cache"]
 
 
 def ruler(
@@ -168,6 +197,7 @@ def ruler(
     max_new_tokens: AnswerTokensOpt = None,
     out: RulerOutOpt = None,
     resume: ResumeOpt = None,
+    positions: PositionsOpt = "original",
     model: ModelOpt = "smollm2-135m",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
@@ -178,6 +208,7 @@ def ruler(
 
     Progress goes to stderr: trials done of all and an estimate of the time left (a bar on a terminal,
     one line per trial otherwise, nothing with --json)."""
+    from kvlab.eval.positions import DEFAULT, check_positions
     from kvlab.eval.resume import run_ruler
     from kvlab.eval.specs import expand_specs, parse_cache_specs, parse_ratios
     from kvlab.eval.tasks import TASKS
@@ -185,6 +216,7 @@ def ruler(
 
     ratio_list = parse_ratios(ratios) if ratios is not None else None
     specs = parse_cache_specs(expand_specs(cache or ["full"], ratio_list))
+    check_positions([positions], specs)
     task_names = [t.strip() for t in tasks.split(",")] if tasks else list(TASKS)
     length_list = [int(v) for v in lengths.split(",")]
     if resume is not None:
@@ -208,6 +240,7 @@ def ruler(
         "seed": seed,
         "haystack": str(haystack) if haystack is not None else "default",
         "max_new_tokens": max_new_tokens,
+        **({"positions": positions} if positions != DEFAULT else {}),  # a default run's settings as before
     }
     doc = run_ruler(
         settings,

@@ -7,7 +7,8 @@ is written and the partial file removed, so a partial file means an unfinished r
 reads it, skips the trials it holds and runs the rest: the final ``ruler.json`` equals an uninterrupted
 run's except for the timings (rows' ``seconds`` and ``prefill_s``, summaries' ``seconds``,
 ``wall_seconds``: the sum of the kept trials' and this part's). A run with other settings (model,
-dtype, device, caches, ratios, tasks, lengths, trials, seed, haystack and its text, answer tokens) is
+dtype, device, caches, ratios, tasks, lengths, trials, seed, haystack and its text, answer tokens,
+positions) is
 refused in one line, as is a fresh run into a folder holding an unfinished one.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvlab.errors import BadInputError
+from kvlab.eval.positions import DEFAULT
 from kvlab.progress import Estimate, Mode, counting
 
 if TYPE_CHECKING:
@@ -99,7 +101,8 @@ class PartialRun:
 
     def check_device(self, device: str) -> None:
         """Refuse a resumed run on another device than its first part's (one line, nothing written)."""
-        _compare(self.folder, self.header, {"settings": {"device": device}}, skip=())
+        was = {"settings": {"device": (self.header.get("settings") or {}).get("device")}}
+        _compare(self.folder, was, {"settings": {"device": device}}, skip=())
 
     def _rewrite(self, docs: list[dict]) -> None:
         tmp = self.path.with_name(f".{PARTIAL}.tmp")
@@ -137,7 +140,8 @@ class PartialRun:
 def _compare(folder: Path, stored: dict, header: dict, *, skip: Sequence[str]) -> None:
     """One line naming the first setting of ``header`` that ``stored`` (the first part's) ran otherwise."""
     was, now = stored.get("settings") or {}, header.get("settings") or {}
-    for key, value in now.items():
+    for key in {**now, **was}:  # a setting only one of them names (positions) differs too
+        value = now.get(key)
         if key not in skip and was.get(key) != value:
             raise BadInputError(
                 f"--resume {folder}: that run had {key} {was.get(key)!r}, this command asks for {value!r}; "
@@ -198,6 +202,7 @@ def run_kept(
             max_new_tokens=settings["max_new_tokens"],
             done={k: r for k, (r, _) in kept.items()},
             on_trial=on_trial,
+            positions=[settings.get("positions", DEFAULT)],
         )
     return rows, sum(s for _, s in kept.values()) + time.perf_counter() - t0
 

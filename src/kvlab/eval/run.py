@@ -6,7 +6,8 @@ that prefill into the per-layer K/V its live cache would hold after the context
 (:meth:`~kvlab.compress.layouts.Layout.apply`): the full cache's K/V as they are, or encoded and decoded
 back over a codec; a scored eviction masked (kept keys at their original positions, the selection a
 :class:`~kvlab.hf.compressed_cache.CompressedCache` makes after its first forward; a shared budget as a
-ragged cache, run masked); sinks + window fed to the live rolling cache's own layers.
+ragged cache, run masked); sinks + window fed to the live rolling cache's own layers. An eviction's kept
+keys may instead be re-rotated to contiguous positions (:mod:`kvlab.eval.positions`, ``--positions``).
 
 Every one of them is a :class:`~kvlab.cache.KVSnapshot`; those of equal length and positions run as the
 rows of one live batch (:meth:`~kvlab.model.ModelHandle.live_rows`: each row copied once into the batch's
@@ -31,6 +32,7 @@ import torch
 
 from kvlab.compress.layouts.base import context
 from kvlab.errors import BadInputError
+from kvlab.eval.positions import DEFAULT, check_positions, place
 from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.eval.specs; run.py re-exports them)
     CacheSpec,
     bare_score,
@@ -61,25 +63,41 @@ def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
 
 
 def _caches(
-    handle: ModelHandle, specs: Sequence[CacheSpec], source: Source, external: External | None
+    handle: ModelHandle,
+    specs: Sequence[CacheSpec],
+    source: Source,
+    external: External | None,
+    positions: Sequence[str] = (DEFAULT,),
 ) -> tuple:
     """Each spec's cache after the context (its layout applied offline: :meth:`~kvlab.compress.layouts.Layout.apply`),
-    the full cache first, then the external ones: ``{name: (snapshot, K/V bytes, extra columns)}``, the
-    seconds each took and each row's labels."""
+    the full cache first, then the external ones: ``{name: (snapshot, K/V bytes, extra columns, the position
+    the question starts at)}``, the seconds each took and each row's labels. An eviction (a masked snapshot)
+    is placed under each of ``positions`` (:func:`kvlab.eval.positions.place`: one cache each, named
+    ``spec @convention`` but for ``original``, labelled ``positions``)."""
     order = [CacheSpec("full"), *(s for s in specs if s.kind != "full")]
-    caches, seconds = {}, {}
+    caches, seconds, labels = {}, {}, {}
     for spec in order:
         t1 = time.perf_counter()
-        caches[spec.spec] = spec.policy.layout.apply(spec.policy, source, handle)
-        seconds[spec.spec] = time.perf_counter() - t1
-    labels = {s.spec: s.to_json() for s in order}
+        snap, nbytes, extra = spec.policy.layout.apply(spec.policy, source, handle)
+        took = time.perf_counter() - t1
+        if not snap.is_masked:
+            caches[spec.spec], seconds[spec.spec] = (snap, nbytes, extra, snap.next_position), took
+            labels[spec.spec] = spec.to_json()
+            continue
+        for convention in positions:
+            name = spec.spec if convention == DEFAULT else f"{spec.spec} @{convention}"
+            t2 = time.perf_counter()
+            placed, start = place(snap, convention)
+            caches[name], seconds[name] = (placed, nbytes, extra, start), took + time.perf_counter() - t2
+            labels[name] = {**spec.to_json(), "positions": convention}
     if external is not None:
         t1 = time.perf_counter()
         made = external(context(source))
         for name, (snap, nbytes) in made.items():
             if name in caches:
                 raise BadInputError(f"external cache '{name}' repeats a cache spec's name")
-            caches[name], seconds[name] = (snap, nbytes, {}), (time.perf_counter() - t1) / len(made)
+            caches[name] = (snap, nbytes, {}, snap.next_position)
+            seconds[name] = (time.perf_counter() - t1) / len(made)
             labels[name] = {"kind": "external", "spec": name, "policy_spec": name}
     return caches, seconds, labels
 
@@ -88,14 +106,19 @@ def _answer(
     handle: ModelHandle, caches: dict, seconds: dict, question: list[int], n_new: int, stop: set[int]
 ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
     """Each cache's greedy answer, and its logits on the question and the full cache's answer (teacher-forced),
-    batched over the caches of equal length and positions; each batch's seconds shared among its rows."""
+    batched over the caches of equal length, positions and question start; each batch's seconds shared
+    among its rows."""
     from kvlab.cache.snapshot import batchable_groups
 
     answers: dict[str, list[int]] = {}
     logits: dict[str, torch.Tensor] = {}
-    for names in batchable_groups({name: c[0] for name, c in caches.items()}):  # the full cache's group first
+    starts: dict[int, dict[str, KVSnapshot]] = {}  # the full cache's start first
+    for name, c in caches.items():
+        starts.setdefault(c[3], {})[name] = c[0]
+    groups = [(start, names) for start, named in starts.items() for names in batchable_groups(named)]
+    for start, names in groups:  # the full cache's group first
         t1 = time.perf_counter()
-        with handle.live_rows([caches[n][0] for n in names], room=len(question) + n_new) as live:
+        with handle.live_rows([caches[n][0] for n in names], room=len(question) + n_new, start=start) as live:
             asked = live.feed(question)  # [rows, question, vocab]
             answers.update(zip(names, live.greedy(asked[:, -1], n_new, stop_ids=stop), strict=True))
             live.rewind(len(question))  # back to after the question: teacher-force the full cache's answer
@@ -117,6 +140,7 @@ def run_trial(
     max_new_tokens: int | None = None,
     on_reference: Callable[[dict], None] | None = None,
     external: External | None = None,
+    positions: Sequence[str] = (DEFAULT,),
 ) -> list[dict]:
     """One row per spec: the answer, its score, and KL / top-1 against the full cache on the same tokens.
 
@@ -126,11 +150,14 @@ def run_trial(
     once per step for all of them; a row's ``seconds`` is its share of its batch plus its own
     compression. ``on_reference`` receives the ids run and the full cache's answer and logits.
     ``external(prefill snapshot)`` adds caches made elsewhere (another library's quantizer): ``{name:
-    (snapshot it attends over, K/V bytes it holds)}``, each a row with ``kind`` ``"external"``.
+    (snapshot it attends over, K/V bytes it holds)}``, each a row with ``kind`` ``"external"``. An
+    eviction gives one row per convention of ``positions`` (:mod:`kvlab.eval.positions`), all on the
+    same kept slots.
     """
     from kvlab.compress.evict import observe
     from kvlab.eval.tasks import encoder
 
+    check_positions(positions, specs)
     encode = encoder(handle)
     ctx, question = encode(trial.context), encode(trial.question)
     n_new = int(max_new_tokens or trial.max_new_tokens)
@@ -142,7 +169,7 @@ def run_trial(
     )
     prefill_s = time.perf_counter() - t0
     stop = handle.eos_ids()
-    caches, seconds, labels = _caches(handle, specs, source, external)
+    caches, seconds, labels = _caches(handle, specs, source, external, positions)
     answers, logits = _answer(handle, caches, seconds, question, n_new, stop)
     forced = question + answers["full"][:-1]
     if on_reference is not None:
@@ -162,7 +189,7 @@ def run_trial(
     for name in caches:
         if name == "full" and not any(s.kind == "full" for s in specs):
             continue
-        snap, nbytes, extra = caches[name]
+        snap, nbytes, extra, _ = caches[name]
         text = handle.decode(_until_stop(answers[name], stop))
         rows.append(
             {
@@ -224,13 +251,15 @@ def run_suite(
     external: External | None = None,
     done: Mapping[tuple[str, int, int], list[dict]] | None = None,
     on_trial: Callable[[tuple[str, int, int], list[dict], float], None] | None = None,
+    positions: Sequence[str] = (DEFAULT,),
 ) -> list[dict]:
     """Every ``(task, length, trial)`` under every spec: the raw rows (see :func:`run_trial`), with ``trial``.
 
     Trials ``first_trial .. first_trial + trials - 1`` run (each seeded by :func:`trial_seed`), so a long
     run can be cut into pieces that together equal one run. ``done`` holds the rows of trials an earlier,
     interrupted part ran (by ``(task, length, trial)``): they are not run again, and take their place in
-    the rows. ``on_trial(key, rows, seconds)`` receives each trial this call runs, as it finishes."""
+    the rows. ``on_trial(key, rows, seconds)`` receives each trial this call runs, as it finishes.
+    ``positions``: see :func:`run_trial`."""
     from kvlab.eval.tasks import TASKS, make_trial
 
     unknown = [t for t in tasks if t not in TASKS]
@@ -260,6 +289,7 @@ def run_suite(
                     max_new_tokens=max_new_tokens,
                     on_reference=on_reference,
                     external=external,
+                    positions=positions,
                 )
                 rows_of_trial = [{**row, "trial": i} for row in rows_of_trial]
                 rows += rows_of_trial
@@ -284,17 +314,19 @@ def interval(values: Sequence[float], seed: int, *, share: bool = False) -> dict
 
 
 def summarize(rows: Sequence[dict], *, seed: int = 0) -> list[dict]:
-    """Per (task, cache, length): accuracy (Wilson interval), KL and top-1 (bootstrap intervals) over trials."""
+    """Per (task, cache, positions, length): accuracy (Wilson interval), KL and top-1 (bootstrap intervals)
+    over trials; ``positions`` only for an eviction's rows (:mod:`kvlab.eval.positions`)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["task"], r["spec"], r["length"]), []).append(r)
+        groups.setdefault((r["task"], r["spec"], r.get("positions"), r["length"]), []).append(r)
     out = []
-    for (task_name, spec, length), rs in groups.items():
+    for (task_name, spec, positions, length), rs in groups.items():
         kld = [r["kld"] for r in rs]
         out.append(
             {
                 "task": task_name,
                 "cache": spec,
+                **({"positions": positions} if positions is not None else {}),
                 "length": length,
                 "trials": len(rs),
                 "accuracy": interval([r["score"] for r in rs], seed, share=True),

@@ -378,18 +378,21 @@ class ModelHandle:
         return self.forward([int(token_id)], past, positions=None if position is None else [position])
 
     @contextlib.contextmanager
-    def live_rows(self, pasts: Sequence[KVSnapshot], room: int) -> Iterator[LiveRows]:
+    def live_rows(
+        self, pasts: Sequence[KVSnapshot], room: int, *, start: int | None = None
+    ) -> Iterator[LiveRows]:
         """Caches of equal length and positions (:func:`~kvlab.cache.snapshot.stack_rows`' rule) as the rows
         of one live batch with ``room`` slots reserved after them: each row is copied once into the
         batch's buffers, feeds write in place, and :meth:`LiveRows.rewind` drops what was fed after a
         point without copying (one question, then greedy answers, then back to teacher-force another
-        answer). Masked rows keep their hidden slots hidden throughout; the pasts are not modified."""
+        answer). Masked rows keep their hidden slots hidden throughout; the pasts are not modified. The
+        first token fed goes at ``start`` (default: the pasts' ``next_position``)."""
         from kvlab.cache.snapshot import require_stackable
 
         require_stackable(pasts)
         for p in pasts:
             self._check_own(p)
-        live = LiveRows(self, list(pasts), room)
+        live = LiveRows(self, list(pasts), room, start)
         if live.valid is None:
             yield live
             return
@@ -507,9 +510,11 @@ def _held_after(past: KVSnapshot, n_new: int) -> tuple[torch.Tensor, ...] | None
 class LiveRows:
     """A live batch of cached rows (:meth:`ModelHandle.live_rows`): ``feed`` tokens, ``rewind`` to a point."""
 
-    def __init__(self, handle: ModelHandle, pasts: list[KVSnapshot], room: int) -> None:
+    def __init__(
+        self, handle: ModelHandle, pasts: list[KVSnapshot], room: int, start: int | None = None
+    ) -> None:
         self.handle, self.pasts, self.room = handle, pasts, max(int(room), 0)
-        self.start = pasts[0].next_position
+        self.start = pasts[0].next_position if start is None else int(start)
         #: the rows' hidden slots (per layer ``[rows, Hkv, T]``), None when no row hides any
         self.valid = (
             None
