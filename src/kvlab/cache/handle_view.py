@@ -50,7 +50,7 @@ class HandleView(Protocol):
 
     * ``name``, ``fingerprint``, ``facts``, ``dtype``, ``device``, ``rope``: :func:`load_snapshot`'s model check;
     * ``model``, ``rope``, ``prefill``: :func:`kvlab.compress.observe` (and the evictor training over it);
-      ``run``, ``config``: a score's extra pass after an observed context (:meth:`~kvlab.compress.Observation.probe`);
+      ``forward``: a score's extra pass after an observed context (:meth:`~kvlab.compress.Observation.probe`);
     * ``run``, ``device``, ``config``: :func:`kvlab.compress.measure.time_decode_ms`.
     """
 
@@ -80,13 +80,14 @@ class HandleView(Protocol):
 
     def prefill(self, tokens: list[int] | torch.Tensor, *, all_logits: bool = ...) -> Prefilled: ...
 
+    def forward(
+        self, tokens: list[int] | torch.Tensor, past: KVSnapshot | None = ..., *, all_logits: bool = ...
+    ) -> Prefilled:
+        """``tokens`` fed after ``past`` (:meth:`kvlab.model.ModelHandle.forward`): its snapshot holds both."""
+        ...
+
     def run(
-        self,
-        input_ids: torch.Tensor,
-        cache: Any = None,
-        *,
-        positions: torch.Tensor | None = None,
-        logits_to_keep: int = ...,
+        self, input_ids: torch.Tensor, cache: Any = None, *, positions: torch.Tensor | None = None
     ) -> Any:
         """One forward of ``input_ids`` on a live ``cache`` (:meth:`kvlab.model.ModelHandle.run`)."""
         ...

@@ -143,17 +143,12 @@ def observe(handle: HandleView, tokens: list[int] | torch.Tensor, *, all_logits:
 @torch.no_grad()
 def _probe_pass(handle: HandleView, snap: KVSnapshot, ids: tuple[int, ...]) -> Probe:
     """``ids`` fed after ``snap`` (at the positions after it, attending to every slot): their queries and
-    every layer's keys, the snapshot's then theirs. ``snap`` is left as it was (the pass concatenates)."""
-    from kvlab.hf.cache import hf_cache_layers, to_hf_cache
-
-    cache = to_hf_cache(snap, handle.config, copy=False)
-    start = snap.next_position
-    positions = torch.arange(start, start + len(ids), device="cpu")
-    ask = torch.tensor([ids], dtype=torch.long)
+    every layer's keys, the snapshot's then theirs. ``snap`` is left as it was."""
     mods = attention_modules(handle.model)
-    _, raw = _capturing(mods, lambda: handle.run(ask, cache, positions=positions, logits_to_keep=1))
-    keys = tuple(k for k, _ in hf_cache_layers(cache))
-    return Probe(ids, _rotated(raw, positions, handle.rope, snap.head_dim), keys)
+    fwd, raw = _capturing(mods, lambda: handle.forward(list(ids), snap, all_logits=False))
+    out = fwd.snapshot
+    queries = _rotated(raw, out.positions[snap.seq_len :], handle.rope, snap.head_dim)
+    return Probe(ids, queries, out.keys)
 
 
 def _capturing(mods: list[Any], run: Callable[[], R]) -> tuple[R, list[torch.Tensor]]:
