@@ -30,8 +30,6 @@ from kvlab.hf.cache import new_hf_cache
 from kvlab.metrics.divergence import compare_logits
 
 if TYPE_CHECKING:
-    from transformers import DynamicCache
-
     from kvlab.model.handle import ModelHandle
 
 #: records kept (pending, done or skipped); the oldest is dropped beyond it (its URL then answers 404)
@@ -121,7 +119,7 @@ class ScoringJob:
     policy: str
     reserved: int  # bytes of the engine's fidelity memory this job holds until it ends
     at: int = 0  # tokens of ``ids`` fed
-    cache: DynamicCache | None = None
+    cache: object | None = None  # the full cache (kvlab.hf.cache.new_hf_cache) while being fed
     full: list[torch.Tensor] = field(default_factory=list)
 
     @property
