@@ -18,6 +18,7 @@ import pytest
 from kvlab.compress.spec import parse
 from kvlab.loop import GREEDY
 from kvlab.serve.engine import Engine, EngineSettings, Request
+from kvlab.serve.fidelity import ScoringJob
 from tests.test_cheap_paths import run_cli
 from tests.test_serve import ADMIN, KEY_A, KEY_B, Server
 from tests.tiny_serve import Stream, build_tiny_model, text
@@ -72,6 +73,42 @@ def test_the_engine_scores_a_conversation_against_its_full_cache(tiny_model, spe
             assert max(kls) > 0, kls
         else:
             assert max(kls) <= 1e-6, kls
+    finally:
+        engine.stop()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_scoring_feeds_at_most_its_chunk_between_decode_steps_while_a_request_decodes(
+    tiny_model, monkeypatch
+):
+    """The low-priority bound: while another request decodes, each worker iteration teacher-forces at most
+    ``fidelity_chunk`` tokens; the score still completes, and the decoding request is served in full."""
+    h = tiny_model("llama")
+    engine = Engine(h, EngineSettings(cache=H2O, fidelity_chunk=4))
+    budgets: list[tuple[int, bool]] = []
+    feed = ScoringJob.feed
+
+    def spy(job: ScoringJob, handle, budget: int) -> int:
+        budgets.append((budget, bool(engine._active)))
+        return feed(job, handle, budget)
+
+    monkeypatch.setattr(ScoringJob, "feed", spy)
+    try:
+        fid = engine.fidelity.open("")
+        scored, other = _Events(), _Events()
+        engine.submit(
+            Request(ids=list(range(1, 120)), max_new_tokens=3, sampling=GREEDY, emit=scored, fidelity=fid)
+        )
+        engine.submit(Request(ids=list(range(5, 40)), max_new_tokens=80, sampling=GREEDY, emit=other))
+        assert scored.done_ev.wait(60) and other.done_ev.wait(60)
+        assert isinstance(other.info, dict) and other.info["completion_tokens"] == 80
+        deadline = time.monotonic() + 60
+        while engine.fidelity.read(fid, "")[1] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.fidelity.read(fid, "")[1]["tokens"] == 3
+        live = [b for b, decoding in budgets if decoding]
+        assert live and max(live) <= 4, budgets
     finally:
         engine.stop()
 
