@@ -48,6 +48,7 @@ ON_BUNDLED = {
     "transplant": {},
     "caching_numerics": {"steps": 3, "dtypes": ["float64", "float32"]},
     "ruler": {},  # its quick profile: one needle task at 256 tokens, 2 trials
+    "positions": {},  # its quick profile: snapkv at 0.5, one needle task at 160 tokens, 5 trials
 }
 # Its ten shared conversations are the whole set: only its lexical control is drawn by the seed, and
 # without ../shared it does not run at all (not applicable).

@@ -34,6 +34,7 @@ CATALOGUE: dict[str, tuple[str, bool]] = {
     "streaming_ppl": ("Streaming perplexity (attention sinks)", True),
     "suffix_caching": ("Suffix caching with attention sinks", True),
     "ruler": ("RULER-style accuracy vs compression ratio, and KL to the full cache", True),
+    "positions": ("Positions after eviction: original, re-rotated contiguous, within the cache", True),
     "attention": ("Attention rows and next-token logits under a roll", True),
     "store_reuse": ("KV store: prefix reuse across tiers and non-prefix reuse", True),
     "transfer_equivalence": ("Cache injection equals a concatenated prefill", True),

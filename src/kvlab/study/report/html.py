@@ -256,25 +256,13 @@ def verdicts_data(results: Sequence[tuple[str, ExperimentResult]], smoke: bool) 
 
 def quality_verdicts_data(results: Sequence[tuple[str, ExperimentResult]], smoke: bool) -> dict[str, Any]:
     """The first screen's second table: the cache-quality claims the RULER-style yardstick judged (the
-    ruler experiment's records, computed from its numbers); empty when it did not run or failed."""
-    found = {r.name: r for _, r in results}.get("ruler")
-    records = (found.summary.get("claims") or []) if found is not None and found.status == "ok" else []
+    ruler and positions experiments' records, computed from their numbers); empty when neither ran."""
+    present = {r.name: r for _, r in results}
     claims = []
-    for c in records:
-        key, samples = _key_text(c.get("key"))
-        outcome = c["outcome"]
-        claims.append(
-            {
-                "claim": c["claim"],
-                "outcome": outcome,
-                "css": OUTCOME_CSS[outcome],
-                "tested": outcome != "not tested here",
-                "note": c["measured"],
-                "key": key if key != "—" or outcome == "not tested here" else "",
-                "samples": samples,
-                "evidence": [("#ruler", found.title)] if found is not None else [],
-            }
-        )
+    for name in ("ruler", "positions"):
+        found = present.get(name)
+        if found is not None and found.status == "ok":
+            claims += _quality_claims(found)
     held = sum(1 for c in claims if c["outcome"] == "holds")
     failed = sum(1 for c in claims if c["outcome"] == "does not hold")
     sentence = (
@@ -288,6 +276,27 @@ def quality_verdicts_data(results: Sequence[tuple[str, ExperimentResult]], smoke
             "Smoke verdicts (quick profile, few trials; not findings): " + sentence[0].lower() + sentence[1:]
         )
     return {"claims": claims, "sentence": sentence}
+
+
+def _quality_claims(found: ExperimentResult) -> list[dict[str, Any]]:
+    """One experiment's claim records as the first screen's rows, linking to its section."""
+    claims = []
+    for c in found.summary.get("claims") or []:
+        key, samples = _key_text(c.get("key"))
+        outcome = c["outcome"]
+        claims.append(
+            {
+                "claim": c["claim"],
+                "outcome": outcome,
+                "css": OUTCOME_CSS[outcome],
+                "tested": outcome != "not tested here",
+                "note": c["measured"],
+                "key": key if key != "—" or outcome == "not tested here" else "",
+                "samples": samples,
+                "evidence": [(f"#{found.name}", found.title)],
+            }
+        )
+    return claims
 
 
 def page_html(
