@@ -130,3 +130,23 @@ def test_resume_refuses_another_convention(tmp_path):
     with pytest.raises(BadInputError, match="positions 'cache'"):
         _compare(tmp_path, stored, {"settings": {"model": "m"}}, skip=())
     _compare(tmp_path, {"settings": {"model": "m"}}, {"settings": {"model": "m"}}, skip=())
+
+
+def test_the_cli_runs_a_convention_and_records_it(handle, tmp_path, monkeypatch, capsys):
+    import json
+
+    import kvlab
+    from kvlab.cli import main
+
+    monkeypatch.setattr(kvlab, "load_model", lambda *a, **k: handle)
+    args = ["eval", "ruler", "--cache", "full", "--cache", "h2o:0.5", "--lengths", "160", "--tasks", "vt"]
+    args += ["--trials", "2", "--max-new-tokens", "3", "--device", "cpu"]
+    assert main([*args, "--positions", "cache", "--out", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "| vt | 160 | h2o:0.5 @cache | 2 |" in out
+    doc = json.loads((tmp_path / "c" / "ruler.json").read_text())
+    assert doc["settings"]["positions"] == "cache"
+    assert {r.get("positions") for r in doc["rows"]} == {None, "cache"}
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0  # the default: today's settings, no key
+    assert "| vt | 160 | h2o:0.5 | 2 |" in capsys.readouterr().out
+    assert "positions" not in json.loads((tmp_path / "a" / "ruler.json").read_text())["settings"]
