@@ -45,10 +45,21 @@ def settings(ctx: ExperimentContext, opts: dict[str, Any]) -> dict[str, Any]:
     for key in ("scores", "tasks"):
         if isinstance(s[key], str):
             s[key] = [v.strip() for v in s[key].split(",") if v.strip()]
+    s["scores"] = _distinct(s["scores"])
     for key, kind in (("ratios", float), ("lengths", int)):
         if isinstance(s[key], str | int | float):
             s[key] = [kind(v) for v in str(s[key]).split(",")]
     return s
+
+
+def _distinct(scores: list[str]) -> list[str]:
+    """The scores less those another one already names (``window`` is ``streaming_llm``)."""
+    from kvlab.eval.run import parse_cache_spec
+
+    seen: dict[str, str] = {}
+    for score in scores:
+        seen.setdefault(parse_cache_spec(f"{score}:0.5").policy.spec, score)
+    return list(seen.values())
 
 
 def _iv(values: list[float], seed: int, proportion: bool = False) -> dict | None:
