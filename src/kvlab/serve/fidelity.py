@@ -2,7 +2,7 @@
 
 A scored response (``kvlab serve --fidelity-sample``, or a body's ``"kvlab": {"fidelity": true}``) keeps
 the logits each of its tokens was picked from (the served side). Once it is answered, its conversation's
-prompt and reply are teacher-forced through a full-precision full cache (a transformers ``DynamicCache``:
+prompt and reply are teacher-forced through a full-precision full cache (:func:`kvlab.hf.cache.new_hf_cache`:
 no window, no eviction, no codec) a piece at a time, at low priority (:class:`ScoringJob`, run by the
 engine's worker when no prompt is being computed), and each response token's two distributions are
 compared (:func:`kvlab.metrics.divergence.compare_logits`: mean ``KL(full || served)`` in nats and top-1
