@@ -40,7 +40,7 @@ def settings(ctx: ExperimentContext, opts: dict[str, Any]) -> dict[str, Any]:
         "tasks": opts.get("tasks")
         or ctx.pick(["niah_single"], ["niah_single", "vt"], ["niah_single", "vt", "qa"]),
         "trials": ctx.count("trials", opts.get("trials"), quick=5, default=10, full=50),
-        "max_new_tokens": opts.get("max_new_tokens") or ctx.pick(4, 16, None),
+        "max_new_tokens": opts.get("max_new_tokens") or ctx.pick(10, 16, None),
     }
     for key in ("scores", "tasks"):
         if isinstance(s[key], str):
