@@ -9,7 +9,8 @@ import inspect
 from kvlab.cache.handle_view import HandleView
 from kvlab.model.handle import ModelHandle
 
-MEMBERS = {"name", "fingerprint", "facts", "dtype", "device", "rope", "config", "model", "prefill", "run"}
+METHODS = ("prefill", "run", "forward")  # forward: a score's extra pass over a snapshot (kvzip)
+MEMBERS = {"name", "fingerprint", "facts", "dtype", "device", "rope", "config", "model", *METHODS}
 
 
 def test_the_protocol_names_what_the_lower_layers_read():
@@ -20,9 +21,9 @@ def test_a_model_handle_is_a_view(tiny_model):
     h = tiny_model("llama")
     assert isinstance(h, ModelHandle) and isinstance(h, HandleView)
     assert not isinstance(h.model, HandleView)  # a plain Hugging Face model is not (no prefill, facts, ...)
-    for name in sorted(MEMBERS - {"prefill", "run"}):
+    for name in sorted(MEMBERS - set(METHODS)):
         assert not inspect.ismethod(getattr(h, name)), name
-    for method in ("prefill", "run"):
+    for method in METHODS:
         theirs = inspect.signature(getattr(ModelHandle, method)).parameters
         ours = inspect.signature(getattr(HandleView, method)).parameters
         assert all(n in theirs or "kw" in theirs for n in ours), method
