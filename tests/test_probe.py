@@ -139,3 +139,15 @@ def test_a_server_that_cannot_be_reached_exits_2(tmp_path):
     code, out, err, heavy = run_cli(["probe", f"http://127.0.0.1:{port}"], tmp_path)
     assert code == 2 and out == "" and "cannot reach" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_empty_first_turn_is_the_models_and_an_empty_turn_past_the_limit_a_finding():
+    from kvlab.probe.checks import _context_verdict
+
+    def row(turn: int, tokens: int, answer: str) -> dict:
+        return {"turn": turn, "status": 200, "prompt_tokens": tokens, "answer": answer, "error": ""}
+
+    first = _context_verdict([row(0, 40, "")], limit=1024, estimate=40)
+    assert first.verdict == "skipped" and "not tested" in first.summary
+    past = _context_verdict([row(0, 40, "a"), row(1, 600, "b"), row(2, 1200, " ")], limit=1024, estimate=1200)
+    assert past.verdict == "finding" and "three" not in past.summary and "in a row" in past.summary

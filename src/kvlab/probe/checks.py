@@ -176,10 +176,16 @@ def _context_row(turn: int, words_sent: int, reply: Reply) -> dict[str, object]:
     }
 
 
+#: an empty answer is asked again with another question this many times before it counts: a model may end a
+#: reply at once (a random-weight one often does), and one empty reply says nothing about the server
+EMPTY_RETRIES = 2
+
+
 def context(client: Client, cfg: ProbeConfig, limit: int, log: Log, max_turns: int = 8) -> Section:
     """One conversation: a short first turn (its usage gives the tokens a word, over-estimated by the
     prompt's overhead), then about half of ``limit`` a turn, until two replies have counted more prompt
-    tokens than ``limit`` (by the usage; else by the estimate), the server refuses, or ``max_turns``."""
+    tokens than ``limit`` (by the usage; else by the estimate), the server refuses, or ``max_turns``. A turn
+    answered with an empty text is asked again with another question (:data:`EMPTY_RETRIES`)."""
     messages: list[Message] = []
     rows: list[dict[str, object]] = []
     per_word: float | None = None  # tokens a word, from the first reply's usage (1.5 until then)
@@ -188,9 +194,15 @@ def context(client: Client, cfg: ProbeConfig, limit: int, log: Log, max_turns: i
         log(f"correctness: long conversation, turn {turn + 1} (limit {limit} tokens)")
         chunk = 32 if per_word is None else max(8, int(limit / 2 / per_word))  # turn 0 calibrates
         head = nonce() if turn == 0 else ""
-        messages.append({"role": "user", "content": head + words(300 + turn, chunk) + question(turn)})
         sent += chunk
-        reply = client.chat(cfg.tenant_a, messages, cfg.max_tokens)
+        for ask in range(
+            EMPTY_RETRIES + 1
+        ):  # an empty answer once is the model's; the same question asked anew
+            text = head + words(300 + turn, chunk) + question(turn + 100 * ask)
+            reply = client.chat(cfg.tenant_a, [*messages, {"role": "user", "content": text}], cfg.max_tokens)
+            if not reply.ok or reply.text.strip():
+                break
+        messages.append({"role": "user", "content": text})
         rows.append(_context_row(turn, sent, reply))
         if not reply.ok or not reply.text.strip():
             break
@@ -215,7 +227,13 @@ def _context_verdict(rows: list[dict[str, object]], limit: int, estimate: float)
         summary = f"turn {last['turn']} failed: HTTP {status or 'none'} ({str(last['error'])[:120]})"
         return Section("context", title, "finding", summary, stats | {"behaviour": "fails"}, rows)
     if not str(last["answer"]).strip():
-        summary = f"turn {last['turn']} answered with an empty text"
+        tries = EMPTY_RETRIES + 1
+        if (
+            int(str(last["prompt_tokens"] or 0)) <= limit and len(rows) == 1
+        ):  # not past the limit: the model's
+            summary = f"the model answered the first turn with an empty text {tries} times: the limit was not tested"
+            return Section("context", title, "skipped", summary, stats | {"behaviour": "empty"}, rows)
+        summary = f"turn {last['turn']} answered with an empty text, {tries} questions in a row"
         return Section("context", title, "finding", summary, stats | {"behaviour": "empty"}, rows)
     counted = max(int(str(r["prompt_tokens"] or 0)) for r in rows)
     if estimate <= 1.5 * limit and counted <= limit:
