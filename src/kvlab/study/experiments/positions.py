@@ -185,6 +185,7 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
     from kvlab.errors import BadInputError
     from kvlab.eval.positions import CONVENTIONS
     from kvlab.eval.run import expand_specs, parse_cache_specs, run_suite
+    from kvlab.study.experiments.ruler import haystack
 
     unknown = set(opts) - {"scores", "ratios", "lengths", "tasks", "trials", "max_new_tokens"}
     if unknown:
@@ -192,13 +193,7 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
     result = ExperimentResult(name="positions", title=TITLE, description=__doc__.strip().split("\n")[0])
     s = settings(ctx, opts)
     specs = parse_cache_specs(["full", *expand_specs(s["scores"], s["ratios"])])
-    haystack = None
-    if text_file is not None:
-        from kvlab.data import read_text_file
-
-        text = read_text_file(text_file)
-        haystack = text.text
-        result.data_sources.append(f"haystack: {text.source}")
+    hay = haystack(text_file, result)
     handle = ctx.handle()
     total = len(s["tasks"]) * len(s["lengths"]) * s["trials"]
     with ctx.progress.task(f"positions: {len(specs) - 1} evictions x 3", total=total) as advance:
@@ -209,7 +204,7 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
             lengths=s["lengths"],
             trials=s["trials"],
             seed=ctx.seed,
-            haystack_text=haystack,
+            haystack_text=hay,
             max_new_tokens=s["max_new_tokens"],
             progress=lambda done, n: advance(1),
             positions=CONVENTIONS,

@@ -426,7 +426,8 @@ def _arrays(rows: list[dict]) -> dict[str, np.ndarray]:
     return out
 
 
-def _haystack(ctx: ExperimentContext, text_file: str | Path | None, result: ExperimentResult) -> str | None:
+def haystack(text_file: str | Path | None, result: ExperimentResult) -> str | None:
+    """The text facts are hidden in (None: kvlab's default), named in ``result``'s data sources."""
     if text_file is None:
         result.data_sources.append("haystack: kvlab's default long text (kvlab.eval.tasks)")
         return None
@@ -447,7 +448,7 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
     result = ExperimentResult(name="ruler", title=TITLE, description=__doc__.strip().split("\n")[0])
     s = settings(ctx, opts)
     specs = _specs(s)
-    haystack = _haystack(ctx, text_file, result)
+    hay = haystack(text_file, result)
     handle = ctx.handle()
     total = len(s["tasks"]) * len(s["lengths"]) * s["trials"]
     with ctx.progress.task(f"ruler: {len(specs)} caches", total=total) as advance:
@@ -458,7 +459,7 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
             lengths=s["lengths"],
             trials=s["trials"],
             seed=ctx.seed,
-            haystack_text=haystack,
+            haystack_text=hay,
             max_new_tokens=s["max_new_tokens"],
             progress=lambda done, n: advance(1),
         )
