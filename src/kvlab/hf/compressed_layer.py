@@ -203,6 +203,25 @@ class CompressedLayer(DynamicLayer):
     def seed(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.update(k, v)
 
+    def seed_kept(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, seen: int) -> None:
+        """Slots kept out of a ``seen``-token prefix (original ``positions [1, Hkv, n]``) into this empty layer, as
+        if it had evicted them itself after a prefill of those tokens (a codec encodes them as it would then)."""
+        n = int(k.shape[-2])
+        self.budget = self.rule.budget_for(seen, self.index)
+        if n > int(self.budget):
+            raise BadInputError(f"seed_kept(): {n} slots are more than this cache's budget of {self.budget}")
+        self.lazy_initialization(k, v)
+        self.seen, self.most_held = seen, n
+        if self.rule.quantizer is None:
+            self.keys, self.values = k, v
+        else:
+            self._keep_encoded(k, v, torch.arange(n, device=k.device).expand(1, k.shape[1], n))
+        self.positions = positions.cpu().clone()
+        self.evicted, self.evictions = True, int(n < seen)
+        self.pending_queries, self.recent_queries, self.fresh = None, [], 0
+        if self.rule.every is None:
+            self.remove_hook()
+
     def close(self) -> None:
         self.remove_hook()
 

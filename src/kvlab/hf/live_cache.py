@@ -34,7 +34,7 @@ layers). :func:`kvlab.hf.policy_cache.cache_for` picks the preset a policy spec 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +143,34 @@ class LiveCache(Cache):
         self.rule.check_seed(n)
         for layer, (k, v) in zip(self.layers, layers, strict=True):
             layer.seed(k, v)
+
+    def seed_kept(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], seen: int) -> None:
+        """Load what a cache keeps of a ``seen``-token prefix into this empty cache: per layer the kept keys and
+        values ``[1, Hkv, n, D]`` and their original positions ``[1, Hkv, n]`` (strictly increasing per head, in
+        ``[0, seen)``), as if it had fed those tokens and evicted the rest itself. A cache that keeps every
+        slot, or that cannot hold that many, refuses before anything changes. The server starts a conversation
+        from a shared compressed prefix with it (:meth:`~kvlab.compress.layouts.Layout.compress_prefix`)."""
+        if not self.empty:
+            raise BadInputError(f"seed_kept() needs an empty {type(self).__name__}")
+        if len(layers) != len(self.layers) or not hasattr(self.layers[0], "seed_kept"):
+            raise BadInputError(
+                f"seed_kept() cannot fill this {type(self).__name__} with {len(layers)} layers"
+            )
+        for k, v, pos in layers:
+            n = int(k.shape[-2])
+            if (
+                k.shape[0] != 1
+                or v.shape[:3] != k.shape[:3]
+                or tuple(pos.shape) != tuple(k.shape[:3])
+                or n < 1
+            ):
+                raise BadInputError(
+                    "seed_kept() takes one row: keys, values [1, Hkv, n, D], positions [1, Hkv, n]"
+                )
+            if bool((pos[..., 1:] <= pos[..., :-1]).any()) or int(pos.min()) < 0 or int(pos.max()) >= seen:
+                raise BadInputError(f"seed_kept(): positions must increase per head within [0, {seen})")
+        for layer, (k, v, pos) in zip(self.layers, layers, strict=True):
+            layer.seed_kept(k, v, pos, seen)
 
     def hold_roll(self) -> None:
         """Let the next forward continue the last one (in place): a prompt fed in pieces with this called

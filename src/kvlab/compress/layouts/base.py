@@ -16,6 +16,9 @@ class, what it means:
 ``serve_check(policy, spec)``   refuse what ``kvlab serve`` cannot run (default: everything)
 ``rolls()``                     the sinks, window and chunk of a layout that rolls a window, else None
 ``for_feed(feed)``              itself as a stream fed ``feed`` tokens at a time runs it
+``compresses_prefix(n)``        whether a server compresses a shared prefix of ``n`` tokens once (and reuses it)
+``compress_prefix(h, ids)``     that prefix compressed: per layer kept K/V and original positions
+``live()``                      itself as one conversation's live cache runs it (without what is shared)
 ==============================  ==========================================================================
 
 A :class:`CachePolicy` is a layout x a codec. Reading a spec imports no torch: the heavy imports sit inside
@@ -24,6 +27,7 @@ A :class:`CachePolicy` is a layout x a codec. Reading a spec imports no torch: t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -32,6 +36,7 @@ from kvlab.compress.catalogue import codec_facts
 from kvlab.errors import BadInputError
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
 
     from kvlab.cache.snapshot import KVSnapshot
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
     Model = Runner | PreTrainedModel  # what a live cache is built for: a kvlab handle or a Hugging Face LM
     Source = KVSnapshot | Observation  # a context's snapshot, or an Observation (with its queries)
     Applied = tuple[KVSnapshot, int, dict]  # the snapshot a question runs on, K/V bytes held, extra columns
+    # per layer: kept keys, values [1, Hkv, n, D] and their original positions [1, Hkv, n]
+    Kept = tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
 
 #: registered layouts by name, in registration order (:meth:`Layout.claims` is asked in this order)
 LAYOUTS: dict[str, type[Layout]] = {}
@@ -176,6 +183,20 @@ class Layout:
         """Itself as a stream fed ``feed`` tokens at a time runs it (a rolling window evicts that many)."""
         return self
 
+    def compresses_prefix(self, n: int) -> bool:
+        """Whether a server compresses a shared prefix (a system prompt) of ``n`` tokens once, alone, and starts
+        every conversation that shares it from the result (an exact layout shares exact prefixes instead)."""
+        return False
+
+    def compress_prefix(self, handle: ModelHandle, ids: list[int]) -> Kept:
+        """The shared prefix ``ids`` compressed (:meth:`compresses_prefix`): per layer the kept keys and values
+        ``[1, Hkv, n, D]`` in full precision and their original positions ``[1, Hkv, n]``."""
+        raise NotImplementedError
+
+    def live(self) -> Layout:
+        """Itself as one conversation's live cache runs it (what is shared between conversations left out)."""
+        return self
+
 
 @dataclass(frozen=True)
 class CachePolicy:
@@ -232,6 +253,10 @@ class CachePolicy:
         if head_dim is not None and head_dim % q.group_size:
             q = make_quantizer(self.codec, self.bits, **opts, group_size=math.gcd(q.group_size, head_dim))
         return q
+
+    def live(self) -> CachePolicy:
+        """Itself as one conversation's live cache runs it (:meth:`Layout.live`)."""
+        return dataclasses.replace(self, layout=self.layout.live())
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"spec": self.spec, "kind": self.kind, "layout": self.layout.name}

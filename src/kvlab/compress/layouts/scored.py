@@ -4,12 +4,16 @@ decoding.
 ``h2o,keep=0.25`` keeps the top quarter of the prompt's slots (``ratio=0.75``: the fraction removed;
 ``budget=N``: a slot count); ``every=256`` keeps that budget while decoding; ``sinks=``/``window=`` are
 never evicted; ``heads=ada`` / ``layers=pyramid`` share the budget across a layer's heads or across layers.
+``prefix=SCORE`` (``kvlab serve`` only) names the score that compresses a conversation's shared system prompt
+once, alone, to the budget (default: the layout's own score), so every request sharing it starts from the same
+compressed prefix (:meth:`ScoredLayout.compress_prefix`; stored under the policy, never as an exact prefix).
 Live it is a :class:`~kvlab.hf.compressed_cache.CompressedCache`; offline :func:`kvlab.compress.evict.evict`
 masks the same slots (a ragged cache for shared budgets), survivors through the codec where there is one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -20,7 +24,7 @@ from kvlab.errors import BadInputError
 if TYPE_CHECKING:
     from kvlab.cache.snapshot import KVSnapshot
     from kvlab.compress.evict import Policy
-    from kvlab.compress.layouts.base import Applied, CachePolicy, Model, Source
+    from kvlab.compress.layouts.base import Applied, CachePolicy, Kept, Model, Source
     from kvlab.model.handle import ModelHandle
 
 #: aliases of score names in specs: ``keynorm`` is kvlab's ``knorm``
@@ -44,6 +48,7 @@ class ScoredLayout(Layout):
     window: int | None = None
     heads: str = "uniform"
     layers: str = "uniform"
+    prefix: str | None = None  # the score that compresses a served system prompt (None: ``score``)
     name: ClassVar[str] = "scored"
     kind: ClassVar[str] = "evict"
     keys: ClassVar[tuple[str, ...]] = (
@@ -55,16 +60,18 @@ class ScoredLayout(Layout):
         "every",
         "heads",
         "layers",
+        "prefix",
     )
     refusal: ClassVar[str] = "only apply to a score (e.g. h2o,keep=0.5)"
     syntax: ClassVar[str] = (
         f"<score>,keep=F|ratio=F|budget=N[,every=N][,sinks=N][,window=N]"
-        f"[,heads={'|'.join(HEAD_SHARES)}][,layers={'|'.join(LAYER_SHARES)}] with score one of "
+        f"[,heads={'|'.join(HEAD_SHARES)}][,layers={'|'.join(LAYER_SHARES)}][,prefix=<score>] with score one of "
         + ", ".join([*SCORES, *(f"{a} (= {b})" for a, b in ALIASES.items())])
     )
     serves: ClassVar[str] = (
         "scored eviction that keeps its budget while decoding (POLICY,budget=N|keep=F,every=N"
-        "[,layers=pyramid][,codec=C], e.g. h2o,budget=1024,every=64)"
+        "[,layers=pyramid][,codec=C][,prefix=SCORE], e.g. h2o,budget=1024,every=64; a system prompt longer "
+        "than the budget is compressed once, alone, and shared)"
     )
 
     @classmethod
@@ -94,6 +101,9 @@ class ScoredLayout(Layout):
         for key, allowed in (("heads", HEAD_SHARES), ("layers", LAYER_SHARES)):
             if key in opts and opts[key] not in allowed:
                 items.refuse(f"{key}= is one of {', '.join(allowed)}, got {opts[key]}")
+        prefix = ALIASES.get(opts["prefix"], opts["prefix"]) if "prefix" in opts else None
+        if prefix is not None and prefix not in SCORES:
+            items.refuse(f"prefix= names a score ({', '.join(SCORES)}), got {opts['prefix']}")
         return cls(
             score,
             keep,
@@ -103,14 +113,17 @@ class ScoredLayout(Layout):
             items.int("window"),
             opts.get("heads", "uniform"),
             opts.get("layers", "uniform"),
+            prefix,
         )
 
     def policy(self) -> Policy:
         """The registered score as a :class:`kvlab.compress.evict.Policy` with these protected slots."""
         from kvlab.compress.evict import make_policy
 
-        opts = {k: getattr(self, k) for k in ("sinks", "window") if getattr(self, k) is not None}
-        return make_policy(self.score, **opts)
+        return make_policy(self.score, **self._protected())
+
+    def _protected(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in ("sinks", "window") if getattr(self, k) is not None}
 
     @property
     def shared(self) -> bool:
@@ -121,7 +134,8 @@ class ScoredLayout(Layout):
         parts = [self.score, f"keep={self.keep!r}" if self.keep is not None else f"budget={self.budget}"]
         parts += [f"{k}={getattr(self, k)}" for k in ("sinks", "window") if getattr(self, k) is not None]
         parts += [f"{k}={getattr(self, k)}" for k in ("heads", "layers") if getattr(self, k) != "uniform"]
-        return parts + ([f"every={self.every}"] if self.every else [])
+        parts += [f"every={self.every}"] if self.every else []
+        return parts + ([f"prefix={self.prefix}"] if self.prefix is not None else [])
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -130,6 +144,8 @@ class ScoredLayout(Layout):
             "heads": self.heads,
             "layers": self.layers,
         }
+        if self.prefix is not None:
+            out["prefix"] = self.prefix
         if self.keep is not None:
             return {**out, "keep": self.keep, "compression_ratio": round(1.0 - self.keep, 12)}
         return {**out, "budget": self.budget}
@@ -137,7 +153,8 @@ class ScoredLayout(Layout):
     def describe(self) -> str:
         size = f"{self.keep:g} of the prompt's slots" if self.keep is not None else f"{self.budget} slots"
         when = f", re-scored every {self.every} tokens" if self.every else ", once after the prefill"
-        return f"the top {size} by {self.score}{when}"
+        shared = f"; a shared system prompt compressed once by {self.prefix}" if self.prefix else ""
+        return f"the top {size} by {self.score}{when}{shared}"
 
     def cache(self, policy: CachePolicy, handle: Model, *, packed_path: str = "auto", pinned: int = 0) -> Any:
         """A :class:`~kvlab.hf.compressed_cache.CompressedCache` (nothing pinned: the score's own sinks stay)."""
@@ -145,6 +162,11 @@ class ScoredLayout(Layout):
         from kvlab.hf.policy_cache import model_parts
 
         self._refuse_offline_score(policy.spec)
+        if self.prefix is not None:
+            raise BadInputError(
+                f"cache spec '{policy.spec}': prefix= says how kvlab serve compresses a shared system prompt; "
+                "a cache of its own shares no prefix: drop prefix="
+            )
         config, model, codec = model_parts(policy, handle)
         budget: dict[str, Any] = {"keep": self.keep} if self.keep is not None else {"budget": self.budget}
         return CompressedCache(
@@ -161,6 +183,36 @@ class ScoredLayout(Layout):
 
     def needs_queries(self) -> bool:
         return self.policy().needs_queries
+
+    # -- a shared prefix (kvlab serve's system prompt), compressed once ------------------------------------
+    def live(self) -> Layout:
+        return dataclasses.replace(self, prefix=None)
+
+    def _prefix_keep(self, n: int) -> int:
+        from kvlab.compress.evict.select import budget_slots
+
+        return budget_slots(n, self.keep) if self.keep is not None else min(int(self.budget or 1), n)
+
+    def compresses_prefix(self, n: int) -> bool:
+        return self.every > 0 and self.layers == self.heads == "uniform" and self._prefix_keep(n) < n
+
+    def compress_prefix(self, handle: ModelHandle, ids: list[int]) -> Kept:
+        """``ids`` alone, evicted to the budget by the prefix score (``prefix=``, else the layout's own) as the
+        eval evicts a context (:func:`kvlab.compress.evict.evict`), in full precision: per layer the kept
+        keys and values ``[1, Hkv, n, D]`` and their original positions ``[1, Hkv, n]``."""
+        from kvlab.compress.evict import evict, make_policy, observe
+        from kvlab.compress.evict.select import kept_per_head
+
+        score = make_policy(self.prefix or self.score, **self._protected())
+        source = (
+            observe(handle, ids) if score.needs_queries else handle.prefill(ids, all_logits=False).snapshot
+        )
+        ev = evict(source, score, n_keep=self._prefix_keep(len(ids)))
+        keys, values, slots = kept_per_head(ev)
+        return tuple(
+            (k, v, ev.positions.to(idx.device)[idx].cpu())
+            for k, v, idx in zip(keys, values, slots, strict=True)
+        )
 
     def apply(self, policy: CachePolicy, source: Source, handle: ModelHandle) -> Applied:
         """The evicted context as a masked snapshot (a shared budget: a ragged cache, run masked), its kept
@@ -192,6 +244,11 @@ class ScoredLayout(Layout):
         return (*_encoded(policy, ev), {})
 
     def eval_check(self, policy: CachePolicy, spec: str) -> None:
+        if self.prefix is not None:
+            raise BadInputError(
+                f"cache spec '{spec}': prefix= is how kvlab serve compresses a shared system prompt; the eval "
+                "compresses each context by the layout's score: name that score instead"
+            )
         if self.shared and (self.budget is not None or policy.codec is not None):
             raise BadInputError(
                 f"cache spec '{spec}': shared budgets (heads=, layers=) run in the eval with keep= and no codec"
@@ -228,6 +285,11 @@ class ScoredLayout(Layout):
             raise BadInputError(
                 f"--cache '{spec}': per-head budgets (heads={self.heads}) cannot join a batched decode step; "
                 "use per-layer budgets (layers=pyramid) or uniform ones"
+            )
+        if self.prefix is not None and self.layers != "uniform":
+            raise BadInputError(
+                f"--cache '{spec}': prefix= compresses a system prompt to one budget for every layer; drop "
+                f"layers={self.layers} or prefix="
             )
 
 
