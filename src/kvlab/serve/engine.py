@@ -33,6 +33,9 @@ instead of failing. With a cache spec (``EngineSettings.cache``, ``kvlab serve -
   forward (a long prompt holds the other rows' next token for that long), nothing is pinned (the policy
   scores the system prompt like any token, and its own sinks keep the first tokens), and the store is not
   used (an attention-scored eviction cannot start from a stored prefix: it scores the prompt's queries).
+  A system prompt longer than the budget is the exception: it is compressed once, alone, by the layout's
+  prefix score, stored under the policy and shared by every conversation that starts with it
+  (:mod:`kvlab.serve.prefixes`); the rest of the first prompt follows in one forward.
 
 ``rolls`` in each response's ``kvlab`` field counts the times a conversation's cache dropped tokens: a roll
 of the window, or an eviction back to the budget.
@@ -65,6 +68,7 @@ from kvlab.loop import Sampling
 from kvlab.policy.window import default_chunk
 from kvlab.serve.fidelity import FidelityBoard, ScoringJob, skipped
 from kvlab.serve.policy import serve_policy
+from kvlab.serve.prefixes import SharedPrefixes
 from kvlab.serve.tenants import FairQueue, KeyLimits
 from kvlab.store.errors import StoreError
 from kvlab.store.store import KVStore
@@ -261,6 +265,8 @@ class _Prefill:
     t0: float
     forwards: collections.deque[list[int]]
     head: _Head | None = None  # the store's part, computed before ``forwards``
+    shared: list[int] | None = None  # a system prompt to start from compressed (kvlab.serve.prefixes), first
+    prefix: dict[str, object] | None = None  # what loading it did (reported in the response)
     tiers: dict[str, int] = field(default_factory=dict)
     at: int = 0  # tokens of ``forwards[0]`` fed
     fed: int = 0
@@ -324,6 +330,7 @@ class Engine:
         self._stopping = False
         self.store_warnings = 0
         self.policy = settings.policy
+        self.prefixes = SharedPrefixes.make(self.policy, handle, store)
         # what each response's kvlab field says the cache held: the policy, and whether it is exact
         self.cache_info = {**self.policy.to_json(), "exact": self.policy.exact}
         # fidelity per response: the records (any thread), the answered responses waiting to be scored and the
@@ -535,11 +542,14 @@ class Engine:
         else:
             roll = self.policy.layout.rolls()  # a scored layout pins nothing (its policy keeps its own sinks)
             pinned, sinks = (req.pinned, roll.sinks) if roll is not None else (0, 0)
-            cache = cache_for(self.policy, self.handle, pinned=pinned)
+            cache = cache_for(self.policy.live(), self.handle, pinned=pinned)
             session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, pinned, sinks)
             p = _Prefill(req, session, False, "none", 0, 0, t0, collections.deque())
             size = _feed_size(cache, req.score_prompt)
-            if req.score_prompt or size is None:  # computed here (the store keeps no scores; see above)
+            if not req.score_prompt and self.prefixes.applies(req.pinned, len(req.ids)):
+                p.shared = req.ids[: req.pinned]  # compressed once and shared (kvlab.serve.prefixes)
+                p.forwards.append(req.ids[req.pinned :])
+            elif req.score_prompt or size is None:  # computed here (the store keeps no scores; see above)
                 p.forwards.extend(_pieces(req.ids, size))
             else:
                 head, rest = req.ids[: self.capacity], req.ids[self.capacity :]
@@ -551,6 +561,7 @@ class Engine:
                     p.forwards.extend(_pieces(head, size))
                 p.forwards.extend(_pieces(rest, size))
         p.total = sum(len(f) for f in p.forwards) + (len(p.head.ids) - p.head.at if p.head else 0)
+        p.total += len(p.shared or ())
         return p
 
     def _lookup(self, head: list[int], salt: str) -> _Head | None:
@@ -598,6 +609,13 @@ class Engine:
 
     def _piece(self, p: _Prefill, budget: int) -> int:
         """Compute the next piece of ``p``'s prompt, at most ``budget`` tokens; returns how many."""
+        if p.shared is not None:  # the whole shared prefix, loaded or computed (counted against the budget)
+            info = self.prefixes.load(p.session.cache, p.shared, p.req.salt)
+            n, p.shared, p.prefix = len(p.shared), None, info
+            p.fed += n
+            if info["source"] != "computed":
+                p.cached, p.source = n, "compressed-prefix"
+            return n
         head = p.head
         if head is not None and head.at < len(head.ids):
             piece = head.ids[head.at : head.at + budget]
@@ -689,6 +707,7 @@ class Engine:
             "prefill_ms": round((time.perf_counter() - p.t0) * 1000, 2),
             "store_tiers": p.tiers,
             "cache": dict(self.cache_info),
+            **({"compressed_prefix": p.prefix} if p.prefix is not None else {}),
         }
         if self.metrics is not None:
             self.metrics.prefilled(info, tenant=req.tenant)
@@ -975,7 +994,7 @@ def check_settings(handle: ModelHandle, settings: EngineSettings) -> None:
     if not settings.fidelity_wait_s >= 0 or settings.fidelity_chunk < 1 or settings.fidelity_memory_mb < 1:
         raise BadInputError("need fidelity_wait_s >= 0, fidelity_chunk >= 1 and fidelity_memory_mb >= 1")
     # builds nothing but the rule (buffers are allocated on first use): raises for a bad window or model
-    cache_for(settings.policy, handle)
+    cache_for(settings.policy.live(), handle)
 
 
 def check_request_fits(ids: list[int], pinned: int, settings: EngineSettings) -> None:

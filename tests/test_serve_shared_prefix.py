@@ -1,0 +1,129 @@
+"""``kvlab serve --cache POLICY,budget=N,every=N[,prefix=SCORE]``: a system prompt longer than the budget is
+compressed once, alone, stored under the policy and shared by every conversation that starts with it
+(:mod:`kvlab.serve.prefixes`). Each answer equals a cache built by hand from the compressed prefix; a hit
+equals a miss; another server on the same store folder starts from the stored record; a tampered record is
+recomputed, never served; a different policy or tenant never sees it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.compress.spec import parse
+from kvlab.hf.policy_cache import cache_for
+from kvlab.loop import GREEDY
+from kvlab.serve.engine import Engine, EngineSettings, Request
+from kvlab.store import open_store
+from tests.test_serve_cache_spec import _ids, _Reply
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SPEC = "h2o,budget=24,every=8"
+PINNED = 50
+
+
+def _ask(engine: Engine, ids: list[int], n: int = 6, salt: str = "", pinned: int = PINNED) -> dict:
+    reply = _Reply()
+    engine.submit(
+        Request(ids=list(ids), max_new_tokens=n, sampling=GREEDY, emit=reply, salt=salt, pinned=pinned)
+    )
+    return reply.done()
+
+
+def _by_hand(h, spec: str, system: list[int], rest: list[int], n: int = 6) -> tuple[list[int], int]:
+    """The compressed prefix seeded by hand, the rest fed in one forward, then greedy steps."""
+    policy = parse(spec)
+    cache = cache_for(policy.live(), h)
+    cache.seed_kept(policy.layout.compress_prefix(h, system), len(system))
+    out: list[int] = []
+    with torch.no_grad():
+        logits = h.run(torch.tensor([rest]), cache, logits_to_keep=1).logits[0, -1]
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = h.run(torch.tensor([out[-1:]]), cache, logits_to_keep=1).logits[0, -1]
+    kept = cache.kept
+    cache.close()
+    return out, kept
+
+
+@pytest.mark.parametrize("spec", [SPEC, f"{SPEC},prefix=kvzip", "knorm,keep=0.5,every=8,codec=int8"])
+def test_conversations_sharing_a_system_prompt_start_from_one_compressed_prefix(tiny_model, tmp_path, spec):
+    h = tiny_model("llama")
+    system = _ids(PINNED, 1)
+    e = Engine(h, EngineSettings(cache=spec), store=open_store(tmp_path / "store"))
+    try:
+        infos = [_ask(e, system + _ids(9, 10 + i)) for i in range(3)]
+        for i, info in enumerate(infos):
+            out, kept = _by_hand(h, spec, system, _ids(9, 10 + i))
+            assert info["completion_ids"] == out, i
+            cp = info["compressed_prefix"]
+            assert cp["tokens"] == PINNED and cp["policy"] == parse(spec).spec
+            assert cp["source"] == ("computed" if i == 0 else "memory")
+            assert info["source"] == ("none" if i == 0 else "compressed-prefix")
+            assert info["cached_tokens"] == (0 if i == 0 else PINNED)
+            assert info["kept_tokens"] == kept < PINNED + 9 + 6
+        assert e.prefixes.counts == {"computed": 1, "reused": 2, "warnings": 0}
+    finally:
+        e.stop()
+    # another server on the same folder (a replica, or a restart) starts from the stored record
+    e2 = Engine(h, EngineSettings(cache=spec), store=open_store(tmp_path / "store"))
+    try:
+        info = _ask(e2, system + _ids(9, 10))
+        assert info["compressed_prefix"]["source"] == "disk"
+        assert info["completion_ids"] == infos[0]["completion_ids"]
+    finally:
+        e2.stop()
+
+
+def test_another_policy_or_tenant_never_sees_the_compressed_prefix(tiny_model, tmp_path):
+    h = tiny_model("llama")
+    system, q = _ids(PINNED, 1), _ids(9, 10)
+    store = tmp_path / "store"
+    for spec, salt, source in (
+        (SPEC, "a", "computed"),
+        (SPEC, "a", "memory"),
+        (SPEC, "b", "computed"),  # another tenant's salt
+        (f"{SPEC},prefix=kvzip", "a", "computed"),  # another policy
+    ):
+        e = Engine(h, EngineSettings(cache=spec), store=open_store(store))
+        try:
+            if source == "memory":
+                _ask(e, system + q, salt=salt)
+            info = _ask(e, system + q, salt=salt)
+            assert info["compressed_prefix"]["source"] == source, (spec, salt)
+        finally:
+            e.stop()
+
+
+def test_a_tampered_compressed_prefix_is_recomputed_not_served(tiny_model, tmp_path):
+    h = tiny_model("llama")
+    system, q = _ids(PINNED, 1), _ids(9, 10)
+    e = Engine(h, EngineSettings(cache=SPEC), store=open_store(tmp_path / "store"))
+    try:
+        first = _ask(e, system + q)
+    finally:
+        e.stop()
+    (record,) = [f for f in (tmp_path / "store" / "compressed").rglob("*") if f.is_file()]
+    data = bytearray(record.read_bytes())
+    data[-20] ^= 0x40  # one bit of a tensor
+    record.write_bytes(bytes(data))
+    e = Engine(h, EngineSettings(cache=SPEC), store=open_store(tmp_path / "store"))
+    try:
+        info = _ask(e, system + q)
+        assert info["compressed_prefix"]["source"] == "computed"
+        assert info["completion_ids"] == first["completion_ids"]
+        assert e.prefixes.store is not None and e.prefixes.store.counters.rejected >= 1
+    finally:
+        e.stop()
+
+
+def test_a_short_system_prompt_or_an_exact_layout_is_not_compressed(tiny_model):
+    h = tiny_model("llama")
+    for spec, pinned in ((SPEC, 20), ("sinks=4,window=96", PINNED)):
+        e = Engine(h, EngineSettings(cache=spec))
+        try:
+            info = _ask(e, _ids(PINNED, 1) + _ids(9, 10), pinned=pinned)
+            assert "compressed_prefix" not in info
+        finally:
+            e.stop()
