@@ -3,7 +3,8 @@
 ``open_store(path)`` gives a :class:`KVStore`; ``store.put(snapshot)`` stores a prefix cache as
 content-addressed blocks; ``store.lookup(ids, store.namespace(handle))`` returns the longest stored
 prefix; :func:`reuse_generate` does both around a generation; :func:`fork` continues one shared
-context many ways; :mod:`kvlab.store.blend` reuses stored chunks at other positions (non-prefix).
+context many ways; :mod:`kvlab.store.blend` reuses stored chunks at other positions (non-prefix);
+:class:`CompressedPrefixes` keeps compressed prefixes in their own namespace, never served as exact.
 """
 
 from kvlab.store.blend import (
@@ -16,6 +17,7 @@ from kvlab.store.blend import (
     correction_by_name,
 )
 from kvlab.store.block import Block
+from kvlab.store.compressed import CompressedPrefix, CompressedPrefixes
 from kvlab.store.disk import DiskTier
 from kvlab.store.errors import (
     BlockNotFoundError,
@@ -40,6 +42,8 @@ __all__ = [
     "blend",
     "correction_by_name",
     "BlockNotFoundError",
+    "CompressedPrefix",
+    "CompressedPrefixes",
     "CorruptBlockError",
     "DiskTier",
     "KVStore",
