@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import uuid
 
 import pytest
@@ -372,3 +373,21 @@ def test_failing_tiers_cost_misses_and_counted_puts_never_errors(redis_url, rpre
     assert s["put_failures"] == 2 and s["misses"] == 1 and s["errors"] == 1 and "not stored" in caplog.text
     assert cp.get(ns, POLICY, ids) is not None  # memory still holds it
     assert CompressedPrefixes(store).get(ns, POLICY, ids) is None  # a fresh one: both tiers miss, no error
+
+
+def test_disk_records_are_capped_least_recently_used_first(disk_store, tmp_path):
+    import os
+
+    ns = _ns()
+    prefixes = [_prefix(_ids(seed=s)) for s in range(3)]
+    size = len(encode(ns, "0" * 64, prefixes[0]))
+    cp = CompressedPrefixes(disk_store, disk_bytes=2 * size + 200)
+    paths = [_path(disk_store, cp, ns, p.ids) for p in prefixes]
+    now = time.time()
+    for p, path, age in zip(prefixes[:2], paths, (200, 100), strict=False):
+        cp.put(ns, p)
+        os.utime(path, (now - age, now - age))
+    reader = CompressedPrefixes(open_store(tmp_path / "store", block_tokens=8))
+    assert reader.get(ns, POLICY, prefixes[0].ids) is not None  # a read makes the oldest the newest
+    cp.put(ns, prefixes[2])
+    assert [p.exists() for p in paths] == [True, False, True] and cp.stats()["evictions"] == 1

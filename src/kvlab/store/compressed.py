@@ -305,20 +305,15 @@ class CompressedPrefixes:
             atomic_write_bytes(self.folder / f"{key}{SUFFIX}", data)
         except OSError as exc:
             return self._put_failed("disk", exc.strerror or str(exc))
-        files = []
         with contextlib.suppress(OSError):  # the record is written; eviction tries again on the next put
-            for e in os.scandir(self.folder):
-                with contextlib.suppress(FileNotFoundError):  # another process evicted it
-                    if e.name.endswith(SUFFIX) and e.is_file(follow_symlinks=False):
-                        files.append((e.stat().st_mtime, e.stat().st_size, e.path))
-        total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
-            if total <= self.disk_bytes:
-                break
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            files = sorted((p.stat().st_mtime, p.stat().st_size, p) for p in self.folder.glob(f"*{SUFFIX}"))
+            total = sum(size for _, size, _ in files)
+            for _, size, p in files:
+                if total <= self.disk_bytes:
+                    break
+                p.unlink(missing_ok=True)
+                total -= size
                 self.counters.evictions += 1
-            total -= size
 
     # -- Redis and failures ------------------------------------------------------------------------
     def _redis(self, what: str, key: str, data: bytes = b"") -> object:
