@@ -62,6 +62,7 @@ FAMILY = {
     "h2o": "H2O",
     "learned": "learned",
     "expected_attention": "ExpectedAttention",
+    "kvzip": "KVzip",
 }
 #: families whose two sides run the same method with different settings (said under the paired table)
 SETTINGS_DIFFER = {
@@ -206,6 +207,10 @@ def until_stop(tokens: Sequence[int], stop: set[int]) -> list[int]:
 # -- merging the worker's rows: decoded and scored in kvlab's process ----------------------------------
 
 
+#: the worker's fields a merged row keeps as they are (checks; what a masking press keeps; KVzip's prefix)
+_PASSED = ("check_", "top1_vs_", "kl_kvlab", "batch_rows", "kvzip_", "kept_per", "masked")
+
+
 def merge(handle: Any, records: Sequence[dict], worker_rows: Sequence[dict]) -> tuple[list[dict], list[dict]]:
     """The worker's rows as kvlab-style rows (``side: kvpress``), answers decoded with kvlab's tokenizer and
     scored with :func:`kvlab.eval.score.score`; and the rows that failed (with their error)."""
@@ -247,7 +252,7 @@ def merge(handle: Any, records: Sequence[dict], worker_rows: Sequence[dict]) -> 
                 "compared_tokens": w["compared_tokens"],
                 "prefill_s": w["prefill_s"],
                 "seconds": w["seconds"],
-                **{k: w[k] for k in w if k.startswith(("check_", "top1_vs_", "kl_kvlab", "batch_rows"))},
+                **{k: w[k] for k in w if k.startswith(_PASSED)},
             }
         )
     return rows, failed
@@ -957,7 +962,7 @@ def paired_lines(rows: Sequence[dict], seed: int) -> list[str]:
     for (side, policy, ratio), kv in sorted(by.items(), key=lambda kv: (FAMILY.get(kv[0][1], ""), kv[0][2])):
         if side != "kvlab":
             continue
-        press = next((p for p in PRESSES if FAMILY.get(p) == FAMILY.get(policy)), None)
+        press = next((p for p in (*PRESSES, "kvzip") if FAMILY.get(p) == FAMILY.get(policy)), None)
         kp = by.get(("kvpress", press, ratio), {})
         keys = sorted(set(kv) & set(kp))
         if not keys:

@@ -12,7 +12,10 @@ inputs (no second tokenizer involved). Two job kinds:
   (ended by ``{"end": true}``). Per trial the context is prefilled ONCE with every press hooked in (see
   :func:`shared_press_prefill`: each press's own ``forward_hook`` compresses its own cache from the same
   layer inputs, which is what ``with press(model)`` does, without one prefill per press; the first trial
-  is checked against one standalone ``with press(model)`` prefill per setup). Then the question runs
+  is checked against one standalone ``with press(model)`` prefill per setup). A press that wraps the
+  prefill itself (``kvzip``: KVzipPress runs its reconstruction pass as ``with press(model)`` is left, and
+  masks the (head, slot) pairs it drops) takes its own prefill that way (:data:`OWN_PREFILL`; its row says
+  ``prefill: own``; ``kept_per_layer`` counts what each layer attends over). Then the question runs
   uncompressed at the positions after the context (kvpress's convention): greedy answer ids (returned for
   kvlab to decode and score; setups whose caches have the same shape, the presses of one ratio, decode as
   the rows of one batch, see :func:`decode_groups`), and one teacher-forced pass over question + the full cache's answer (minus
@@ -29,6 +32,7 @@ inputs (no second tokenizer involved). Two job kinds:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -70,10 +74,16 @@ def make_press(name: str, ratio: float):
         "knorm": kvpress.KnormPress,
         "streaming_llm": kvpress.StreamingLLMPress,
         "pyramidkv": kvpress.PyramidKVPress,
+        "kvzip": kvpress.KVzipPress,  # wraps the prefill itself: OWN_PREFILL
     }
     if name == "adakv_snapkv":  # per-head budgets (AdaKV) over SnapKV's scores; masks, frees nothing
         return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio))
     return cls[name](compression_ratio=ratio)
+
+
+#: presses that wrap the prefill themselves (KVzipPress: its reconstruction pass runs when ``with press(model)``
+#: is left), so they cannot share :func:`shared_press_prefill`; each takes its own (:func:`own_prefills`)
+OWN_PREFILL = frozenset({"kvzip"})
 
 
 def make_cache(model, setup: dict):
@@ -398,15 +408,94 @@ def masked_count(layer_masks: dict | None) -> int:
     return sum(int(m[0].numel()) for m in (layer_masks or {}).values())
 
 
+def cache_facts(cache, layer_masks: dict | None) -> dict:
+    """What a setup's cache keeps: ``kept_slots`` (layer 0's length), ``kv_bytes`` held (a masking press holds
+    its masked keys too), ``kept_per_layer`` (the (head, slot) pairs each layer attends over: held less
+    masked, summed over batch rows and KV heads); for a masking press also ``masked_slots`` and
+    ``kv_bytes_unmasked`` (the bytes of what it keeps)."""
+    held = [int(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]) for layer in cache.layers]
+    masks = layer_masks or {}
+    out = {
+        "kept_slots": _cache_len(cache),
+        "kv_bytes": _cache_bytes(cache),
+        "kept_per_layer": [n - (int(masks[i][0].numel()) if i in masks else 0) for i, n in enumerate(held)],
+    }
+    if layer_masks is not None:
+        n_masked = masked_count(layer_masks)
+        out["masked_slots"] = n_masked
+        out["kv_bytes_unmasked"] = int(out["kv_bytes"] - n_masked * out["kv_bytes"] / max(1, sum(held)))
+    return out
+
+
+@functools.cache
+def chat_header(model_dir: str) -> tuple[int, ...]:
+    """The ids KVzipPress counts as its ``prefix_length``: the chat template's text before a user message,
+    derived as KVzipPress derives it (kvpress's pipeline puts the context in that message)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.chat_template is None:
+        return ()
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "dummy context"}],
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=False,
+    )
+    return tuple(tok.encode(text.split("dummy context")[0], add_special_tokens=False))
+
+
 @torch.no_grad()
-def standalone_press_prefill(model, context: list[int], press):
-    """kvpress's own way: ``with press(model):`` around the context forward (the check of the shared one)."""
+def standalone_press_prefill(model, context: list[int], press, info: dict | None = None):
+    """kvpress's own way: ``with press(model):`` around the context forward (the check of the shared one, and
+    the prefill of an OWN_PREFILL press, whose reconstruction pass runs on this cache as the block is left).
+
+    KVzipPress takes its context's first ``prefix_length`` ids (the chat header, :func:`chat_header`) as no
+    content: never scored, so evicted first, apart from its 4 sinks. Its reconstruction then starts at that
+    offset. kvlab's contexts carry no header, so it is set to 0 unless the ids do begin with the header;
+    ``info`` receives both values (``kvzip_prefix_kvpress``, ``kvzip_prefix_used``)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     with press(model):
         model.model(input_ids=torch.tensor([context]), past_key_values=cache)
+        n = getattr(press, "prefix_length", None)
+        if n is not None:  # KVzipPress: set in __call__ before the forward, read after it
+            if tuple(context[:n]) != chat_header(model.config.name_or_path):
+                press.prefix_length = 0
+            if info is not None:
+                info.update(kvzip_prefix_kvpress=n, kvzip_prefix_used=press.prefix_length)
     return cache
+
+
+def take_masks(model) -> dict:
+    """``{layer: masked (batch, head, slot) indices}`` a press left on the attention modules, cleared there."""
+    out = {}
+    for i, attn in enumerate(_attention_layers(model)[1]):
+        if getattr(attn, "masked_key_indices", None) is not None:
+            out[i] = attn.masked_key_indices
+            attn.masked_key_indices = None
+    return out
+
+
+def own_prefills(model, ctx: list[int], setups: list[dict], presses: dict, caches: dict, masks: dict) -> dict:
+    """Each OWN_PREFILL setup's cache (into ``caches``) and masks (into ``masks``) from its own
+    :func:`standalone_press_prefill`; returns ``{setup name: row fields}`` (``prefill: own``, its
+    ``prefill_s``, KVzip's prefix, or ``error``)."""
+    out: dict[str, dict] = {}
+    for s in setups:
+        if s["press"] not in OWN_PREFILL:
+            continue
+        row = out[s["name"]] = {"prefill": "own"}
+        t0 = time.perf_counter()
+        try:
+            caches[s["name"]] = standalone_press_prefill(model, ctx, presses[s["name"]], row)
+            masks[s["name"]] = take_masks(model)
+        except Exception as exc:  # one failing press must not cost the others their rows
+            take_masks(model)
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        row["prefill_s"] = time.perf_counter() - t0
+    return out
 
 
 def _ragged_layers(cache) -> bool:
@@ -526,8 +615,10 @@ def decode_group(model, caches: dict, names: list[str], masks: dict, question, f
 def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool) -> list[dict]:
     """Every setup on one trial: answer ids, kept slots, KL / top-1 to this worker's full cache.
 
-    Setups whose caches have the same shape decode together (:func:`decode_groups`); ``seconds`` of each
-    row is its share of its group's decode time (rows of one trial sum to the trial's decode time)."""
+    The hook presses share one prefill (``prefill: shared``), an OWN_PREFILL press takes its own (``prefill:
+    own``, its ``prefill_s``); all then decode alike. Setups whose caches have the same shape decode
+    together (:func:`decode_groups`); ``seconds`` of each row is its share of its group's decode time plus
+    its own prefill, if any (so the shared ``prefill_s`` and the rows' ``seconds`` sum to the trial's time)."""
     presses = {s["name"]: make_press(s["press"], s["ratio"]) for s in setups if s["press"] is not None}
     for p in presses.values():
         p.post_init_from_model(model)
@@ -536,31 +627,30 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
     start, stop = len(ctx), set(job["stop_ids"])
     t0 = time.perf_counter()
     masks: dict = {}
-    caches, errors = shared_press_prefill(model, ctx, setups, presses, masks)
-    prefill_s = time.perf_counter() - t0
+    hooked = [s for s in setups if s["press"] not in OWN_PREFILL]
+    caches, errors = shared_press_prefill(model, ctx, hooked, presses, masks)
+    shared = {"prefill": "shared", "prefill_s": time.perf_counter() - t0}
+    own = own_prefills(model, ctx, setups, presses, caches, masks)
     head = {k: trial[k] for k in ("key", "task", "length", "trial", "seed")}
     rows: dict[str, dict] = {}
     for s in setups:
-        row = {**head, "setup": s["name"], "press": s["press"], "ratio": s["ratio"], "prefill_s": prefill_s}
+        row = {
+            **head,
+            "setup": s["name"],
+            "press": s["press"],
+            "ratio": s["ratio"],
+            **own.get(s["name"], shared),
+        }
         rows[s["name"]] = row
         if s["name"] in errors:
             row["error"] = errors[s["name"]]
+        if "error" in row:
             continue
         try:
             cache = caches[s["name"]]
-            if verify and s["press"] is not None:  # the shared prefill equals kvpress's own, setup by setup
+            if verify and s["press"] is not None and row["prefill"] == "shared":  # equals kvpress's own?
                 check_standalone(model, ctx, s, cache, masks, row)
-            row["kept_slots"] = _cache_len(cache)
-            row["kv_bytes"] = _cache_bytes(cache)  # what it holds (a masking press holds the masked keys too)
-            if s["name"] in masks:
-                n_masked = masked_count(masks[s["name"]])
-                slots = sum(
-                    int(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2])
-                    for layer in cache.layers
-                )
-                per_slot = row["kv_bytes"] / max(1, slots)
-                row["masked_slots"] = n_masked
-                row["kv_bytes_unmasked"] = int(row["kv_bytes"] - n_masked * per_slot)
+            row.update(cache_facts(cache, masks.get(s["name"])))
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
     live = {name: c for name, c in caches.items() if "error" not in rows[name]}
@@ -583,14 +673,7 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
             row["batch_rows"] = len(names)
             if row["press"] is None:
                 ref = logits
-                kv_argmax = trial.get("kvlab_full_argmax")
-                if kv_argmax is not None:
-                    row["top1_vs_kvlab_full"] = float(
-                        (logits.argmax(-1) == torch.tensor(kv_argmax)).double().mean()
-                    )
-                if trial.get("kvlab_full_logits"):
-                    theirs = torch.load(trial["kvlab_full_logits"])
-                    row["kl_kvlab_full_vs_this_full"] = divergence(theirs, logits)["kl"]
+                row.update(full_checks(trial, logits))
             if ref is None:
                 row["error"] = "the full cache failed: no reference logits"
                 continue
@@ -602,7 +685,7 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
                 compared_tokens=div["n"],
                 kld_answer=div_a["kl"],
                 top1_answer=div_a["top1"],
-                seconds=share,
+                seconds=share + (row["prefill_s"] if row["prefill"] == "own" else 0.0),
             )
     for row in rows.values():
         if "error" in row:
@@ -610,14 +693,21 @@ def ruler_trial(model, job: dict, trial: dict, setups: list[dict], verify: bool)
     return list(rows.values())
 
 
+def full_checks(trial: dict, logits: torch.Tensor) -> dict:
+    """This worker's full cache against kvlab's: top-1 agreement with kvlab's argmax, KL to its saved logits."""
+    out = {}
+    if trial.get("kvlab_full_argmax") is not None:
+        agree = logits.argmax(-1) == torch.tensor(trial["kvlab_full_argmax"])
+        out["top1_vs_kvlab_full"] = float(agree.double().mean())
+    if trial.get("kvlab_full_logits"):
+        out["kl_kvlab_full_vs_this_full"] = divergence(torch.load(trial["kvlab_full_logits"]), logits)["kl"]
+    return out
+
+
 def check_standalone(model, ctx: list[int], setup: dict, cache, masks: dict, row: dict) -> None:
     """Record how far the shared prefill's cache for ``setup`` is from kvpress's own ``with press(model)``."""
     alone = standalone_press_prefill(model, ctx, make_press(setup["press"], setup["ratio"]))
-    alone_masks = {}
-    for i, attn in enumerate(_attention_layers(model)[1]):
-        if getattr(attn, "masked_key_indices", None) is not None:
-            alone_masks[i] = attn.masked_key_indices
-            attn.masked_key_indices = None
+    alone_masks = take_masks(model)
     ours = masks.get(setup["name"], {})
     if alone_masks.keys() != ours.keys() or any(
         set(zip(*(t.tolist() for t in alone_masks[i]), strict=True))

@@ -3,7 +3,8 @@
 ``python3 benchmarks/anchors/run_anchors.py JOB.json OUT.json`` creates ``benchmarks/out/anchors-venv``
 with kvpress 0.5.5, transformers 5.2.0, optimum-quanto 0.2.7 and torch 2.13 from pip (kvpress pins
 ``transformers<5.3``, so it cannot share kvlab's environment), then runs ``anchor_worker.py`` in it with one
-torch thread. ``benchmarks/compression.py`` writes the job and merges the output.
+torch thread. ``benchmarks/compression.py`` writes the job and merges the output; :func:`ruler_rows` runs
+presses (KVzip by default) on given token ids from Python and returns the worker's rows.
 """
 
 from __future__ import annotations
@@ -68,6 +69,48 @@ def start(job: Path, out: Path, log: Path) -> subprocess.Popen:
 def run(job: Path, out: Path) -> None:
     py = ensure_venv()
     subprocess.run([str(py), str(HERE / "anchor_worker.py"), str(job), str(out)], check=True, env=_env())
+
+
+def ruler_rows(
+    model_dir: str | Path,
+    trials: list[tuple[list[int], list[int], list[int]]],
+    ratios: list[float],
+    *,
+    stop_ids: list[int],
+    presses: tuple[str, ...] = ("kvzip",),
+    max_new_tokens: int = 32,
+    workdir: Path | None = None,
+) -> list[dict]:
+    """kvpress ``presses`` at ``ratios`` (fractions removed) on ``trials`` of ``(context ids, question ids,
+    reference answer ids)``: the worker's ``ruler`` rows (job, rows and log kept in ``workdir`` if given).
+
+    One row per trial and setup (``full``, then ``PRESS:RATIO``); ``trial`` is the trial's index. The
+    reference answer is teacher-forced (minus its last id) after the question for KL / top-1 against the
+    worker's own full cache; ``answer_ids`` is each setup's greedy answer (``stop_ids`` end it, kept).
+    """
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(workdir or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        job = {
+            "kind": "ruler",
+            "model_dir": str(model_dir),
+            "presses": list(presses),
+            "ratios": [float(r) for r in ratios],
+            "stop_ids": [int(i) for i in stop_ids],
+            "threads": 1,
+            "trials": [
+                {"key": f"trial/{i}", "task": "", "length": len(ctx), "trial": i, "seed": 0, "context": ctx}
+                | {"question": q, "answer": a, "max_new_tokens": max_new_tokens}
+                for i, (ctx, q, a) in enumerate(trials)
+            ],
+        }
+        (folder / "job.json").write_text(json.dumps(job))
+        run(folder / "job.json", folder / "rows.jsonl")
+        lines = (folder / "rows.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if not (r.get("meta") or r.get("done"))]
 
 
 if __name__ == "__main__":
