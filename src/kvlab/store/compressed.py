@@ -186,11 +186,11 @@ def decode(data: bytes, namespace: Namespace, policy: str, ids: tuple[int, ...])
 
 
 class CompressedPrefixes:
-    """Compressed prefixes beside a :class:`KVStore`: in memory, and in its disk and Redis tiers if it has them.
+    """Compressed prefixes beside a :class:`KVStore`: in memory, and in its disk and Redis tiers if any.
 
-        ``memory_bytes`` caps the K/V held in memory; ``disk_bytes`` caps the files in ``<folder>/compressed/``
-        (default: the disk tier's cap); least recently used first out. The memory dict is locked, so threads may
-    share one object (its counters may then miss a count).
+    ``memory_bytes`` caps the K/V held in memory, ``disk_bytes`` the files in ``<folder>/compressed/``
+    (default: the disk tier's cap); least recently used first out. The memory dict is locked, so threads
+    may share one object (its counters may then miss a count).
     """
 
     def __init__(
@@ -213,7 +213,7 @@ class CompressedPrefixes:
     def get(
         self, namespace: Namespace, policy: str, ids: Sequence[int], *, device: Device = None
     ) -> CompressedPrefix | None:
-        """A copy of the stored prefix on ``device`` (default: the host), or None; a tier never raises here."""
+        """A copy of the stored prefix on ``device`` (default: the host), or None; never raises for a tier."""
         want = tuple(int(t) for t in ids)
         key = prefix_key(namespace, policy, want)
         with self._lock:
@@ -240,7 +240,7 @@ class CompressedPrefixes:
         return None
 
     def put(self, namespace: Namespace, prefix: CompressedPrefix) -> None:
-        """Store a copy of ``prefix`` in every tier; BadInputError (nothing stored) if it does not fit ``namespace``."""
+        """A copy of ``prefix`` into every tier; BadInputError (nothing stored) for a misfit."""
         host = _copy(prefix, "cpu")
         problem = prefix_problem(host, namespace)
         if problem:
@@ -339,7 +339,7 @@ class CompressedPrefixes:
         )
 
     def _reject(self, tier: str, key: str, why: str) -> None:
-        """A record that is not what its key says: counted, logged, deleted (a delete that fails is ignored)."""
+        """A record that is not what its key says: counted, logged, deleted (a failed delete is ignored)."""
         self.counters.rejected += 1
         self._log.warn(f"rejected:{tier}", f"kvlab store: compressed prefix {key[:12]} refused ({why})")
         if tier == "disk" and self.folder is not None:
