@@ -1,6 +1,6 @@
 """The strided layout (``stride=N,recent=N``), a layout written in one file
 (``src/kvlab/compress/layouts/strided.py``), through every command that reads a cache spec: the spec reader,
-``generate``, stream-ppl, the eval and ``kvlab serve`` (which refuses it in one line). Exact where exactness
+``generate``, stream-ppl, the eval and ``kvlab serve`` (tests/test_serve_strided.py). Exact where exactness
 is defined: ``stride=1`` is the full cache bit for bit, and the live cache holds exactly the slots its
 offline application keeps, with the same logits on top."""
 
@@ -162,19 +162,16 @@ def test_the_eval_runs_it_and_stride_one_is_the_reference(llama):
     assert strided["kv_bytes"] < rows["full"]["kv_bytes"]
 
 
-def test_serve_refuses_it_in_one_line(capsys, tmp_path):
-    """A conversation's strided cache grows without bound (one slot in ``stride``): the server refuses it
-    while the options are read, before anything loads."""
+def test_serve_takes_it_and_refuses_a_codec_in_one_line(capsys, tmp_path):
+    """``kvlab serve`` runs it (its conversations: tests/test_serve_strided.py) and names it among what it
+    serves; a strided layout over a codec is still refused while the options are read, before anything loads."""
     from kvlab.cli import main
+    from kvlab.compress.layouts.base import serve_caches
     from kvlab.serve.engine import EngineSettings
 
-    with pytest.raises(BadInputError, match="kvlab serve runs sinks \\+ window caches"):
-        EngineSettings(cache=SPEC)
+    assert EngineSettings(cache=" Stride=4, recent=16 ").cache == SPEC
+    assert "strided caches (stride=N,recent=N" in serve_caches()
     (tmp_path / "config.json").write_text("{}")
-    code = main(["serve", "--cache", SPEC, "--model", str(tmp_path), "--port", "1"])
+    code = main(["serve", "--cache", f"{SPEC},codec=int4", "--model", str(tmp_path), "--port", "1"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert (
-        code == 2
-        and len(err) == 1
-        and "keeps one slot in 4 + the last 16 slots: a conversation's cache would grow" in err[0]
-    ), err
+    assert code == 2 and len(err) == 1 and "a strided layout keeps its slots in full precision" in err[0], err

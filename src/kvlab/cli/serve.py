@@ -71,8 +71,9 @@ class ServeOptions:
             callback=serve_cache_spec,
             help="Cache policy of every conversation, instead of --window/--sinks/--evict-chunk: a sinks + "
             "window layout, in full precision or over a codec, e.g. sinks=4,window=2048,codec=kivi4 "
-            "(sinks=N,window=N[,chunk=N][,codec=C[,tail=N]]), or a scored layout that keeps its budget "
-            "while decoding, e.g. h2o,budget=1024,every=64. See docs/serving.md.",
+            "(sinks=N,window=N[,chunk=N][,codec=C[,tail=N]]), a scored layout that keeps its budget "
+            "while decoding, e.g. h2o,budget=1024,every=64, or a strided layout, e.g. stride=4,recent=64. "
+            "See docs/serving.md.",
         ),
     ] = None
     fidelity_sample: Annotated[

@@ -641,7 +641,7 @@ def _prepare(
             code="invalid_value",
         )
     try:
-        check_request_fits(ids, pinned, engine.settings)
+        check_request_fits(ids, pinned, engine.settings, max_new, engine.handle.max_positions)
     except KvlabError as exc:
         raise ApiError(400, str(exc), param=prompt.param) from None
     salt = caller.salt + ("|" + body.cache_salt if body.cache_salt else "")

@@ -35,7 +35,12 @@ instead of failing. With a cache spec (``EngineSettings.cache``, ``kvlab serve -
   used (an attention-scored eviction cannot start from a stored prefix: it scores the prompt's queries).
   A system prompt longer than the budget is the exception: it is compressed once, alone, by the layout's
   prefix score, stored under the policy and shared by every conversation that starts with it
-  (:mod:`kvlab.serve.prefixes`); the rest of the first prompt follows in one forward.
+  (:mod:`kvlab.serve.prefixes`); the rest of the first prompt follows in one forward;
+* a strided layout, e.g. ``stride=4,recent=64``: one slot in ``stride`` plus the most recent, fed like a scored
+  layout (each new part in one forward, nothing pinned, no store). Its cache grows with the conversation, but
+  its slots, like a scored layout's, keep their original positions: a request whose conversation would pass
+  the model's position limit is refused (:func:`check_request_fits`), which bounds the cache
+  (:meth:`~kvlab.compress.layouts.Layout.held_at_most`).
 
 ``rolls`` in each response's ``kvlab`` field counts the times a conversation's cache dropped tokens: a roll
 of the window, or an eviction back to the budget.
@@ -146,22 +151,29 @@ class Session:
     last_logits: torch.Tensor | None = None
     # each id's log-probability where a request computed it (scoring or logprobs), else None; parallel to ids
     scores: list[LogProb | None] = field(default_factory=list)
+    # the most slots its cache holds where only the model's position limit bounds it (Layout.held_at_most)
+    most: int | None = None
 
     def scored(self, top: int) -> bool:
         """Whether every token but the first has a stored score with at least ``top`` alternatives."""
         return all(e is not None and len(e[2]) >= top for e in self.scores[1:])
 
-    def layout(self) -> dict[str, int]:
+    def layout(self) -> dict[str, Any]:
         """The cache's slots: ``sinks`` (the attention sinks), ``pinned`` (the system prompt's tokens, which
         start with the sinks when it is longer), the ``window`` it keeps (a scored layout: its budget plus
-        ``every``, the most it holds) and how many slots it ``kept``."""
+        ``every``; a layout bounded by the position limit: ``most``, and ``keeps`` its rule in words) and how
+        many slots it ``kept``."""
         c = self.cache
+        extra: dict[str, Any] = {}
         if isinstance(c, RollingCache):
             window = int(c.window)
+        elif self.most is not None:
+            window, extra = self.most, {"keeps": c.rule.describe()}
         else:  # a scored layout's budget is set by its first prompt (keep=) or given (budget=)
             window = int(c.layers[0].budget or c.kept) + int(c.rule.every or 0)
         return {
-            "budget": not isinstance(c, RollingCache),
+            **extra,
+            "budget": not isinstance(c, RollingCache) and self.most is None,
             "sinks": min(self.sinks, c.kept),
             "pinned": min(self.pinned, c.kept),
             "window": window,
@@ -544,6 +556,7 @@ class Engine:
             pinned, sinks = (req.pinned, roll.sinks) if roll is not None else (0, 0)
             cache = cache_for(self.policy.live(), self.handle, pinned=pinned)
             session = Session(uuid.uuid4().hex[:12], req.salt, [], cache, pinned, sinks)
+            session.most = self.policy.layout.held_at_most(self.handle.max_positions)
             p = _Prefill(req, session, False, "none", 0, 0, t0, collections.deque())
             size = _feed_size(cache, req.score_prompt)
             if not req.score_prompt and self.prefixes.applies(req.pinned, len(req.ids)):
@@ -995,13 +1008,28 @@ def check_settings(handle: ModelHandle, settings: EngineSettings) -> None:
         raise BadInputError("need fidelity_wait_s >= 0, fidelity_chunk >= 1 and fidelity_memory_mb >= 1")
     # builds nothing but the rule (buffers are allocated on first use): raises for a bad window or model
     cache_for(settings.policy.live(), handle)
+    if settings.policy.layout.held_at_most(handle.max_positions) is not None and not handle.max_positions:
+        raise BadInputError(
+            f"--cache '{settings.policy.spec}' keeps a share of every token: its cache is bounded by the model's "
+            "position limit, which this model's config does not state (max_position_embeddings)"
+        )
 
 
-def check_request_fits(ids: list[int], pinned: int, settings: EngineSettings) -> None:
-    """Refuse what the engine could not serve faithfully, before it is queued."""
+def check_request_fits(
+    ids: list[int], pinned: int, settings: EngineSettings, max_new: int = 0, max_positions: int = 0
+) -> None:
+    """Refuse what the engine could not serve faithfully, before it is queued. A layout that does not roll
+    keeps its slots at their original positions (a scored or strided one): the conversation, ``ids`` and the
+    ``max_new`` tokens it may add, must end within the model's ``max_positions`` (0: not stated)."""
     if not ids:
         raise BadInputError("the prompt is empty")
     roll = settings.policy.layout.rolls()
+    if roll is None and max_positions and len(ids) + max_new > max_positions:
+        raise BadInputError(
+            f"{len(ids)} prompt tokens and max_tokens {max_new} need positions up to {len(ids) + max_new - 1}, "
+            f"past the model's last ({max_positions - 1}); --cache '{settings.policy.spec}' keeps original "
+            "positions, so a conversation ends there: ask for fewer tokens or start a new conversation"
+        )
     if roll is not None and pinned >= roll.window // 2:
         raise BadInputError(
             f"the system prompt takes {pinned} tokens; it is pinned in the cache and must stay below half "

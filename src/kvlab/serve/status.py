@@ -31,6 +31,8 @@ def describe_layout(layout: dict[str, Any]) -> str:
     sinks, pinned, kept = layout["sinks"], layout["pinned"], layout["kept"]
     if layout.get("budget"):  # a scored layout: kept by score, at most the budget + every
         return f"{kept} kept by score, at most {layout['window']} (budget + every)"
+    if layout.get("keeps"):  # a layout that keeps a share of every token: the position limit bounds it
+        return f"{kept} kept ({layout['keeps']}), at most {layout['window']} (at the model's position limit)"
     window = max(0, kept - max(sinks, pinned))
     if pinned > sinks:
         where = f" (the sinks and {pinned - sinks} more)" if sinks else ""

@@ -15,6 +15,7 @@ class, what it means:
 ``eval_check(policy, spec)``    refuse what a one-shot offline run cannot do
 ``serve_check(policy, spec)``   refuse what ``kvlab serve`` cannot run (default: everything)
 ``rolls()``                     the sinks, window and chunk of a layout that rolls a window, else None
+``held_at_most(limit)``         the most slots a cache that only the model's position limit bounds holds
 ``for_feed(feed)``              itself as a stream fed ``feed`` tokens at a time runs it
 ``compresses_prefix(n)``        whether a server compresses a shared prefix of ``n`` tokens once (and reuses it)
 ``compress_prefix(h, ids)``     that prefix compressed: per layer kept K/V and original positions
@@ -177,6 +178,12 @@ class Layout:
 
     def rolls(self) -> Roll | None:
         """The window a rolling layout keeps (the server pins a system prompt in its sinks), else None."""
+        return None
+
+    def held_at_most(self, limit: int) -> int | None:
+        """The most slots one conversation's live cache holds where nothing but the model's position limit
+        (``limit`` positions) bounds it: a layout that keeps a share of every token it sees (a server serves it
+        only within that limit). None where a window or a budget bounds the cache."""
         return None
 
     def for_feed(self, feed: int) -> Layout:

@@ -7,8 +7,10 @@ forward sees itself whole. ``stride=1`` keeps every slot (the full cache, bit fo
 
 Live it is a :class:`StridedCache` (transformers' dynamic layers that gather the kept slots after each
 update); offline (:meth:`StridedLayout.apply`) the context's snapshot is masked to the same slots. This file
-is the whole layout: the spec reader, the eval, ``kvlab generate`` and stream-ppl find it in the registry;
-``kvlab serve`` refuses it (a conversation's cache would grow without bound).
+is the whole layout: the spec reader, the eval, ``kvlab generate``, stream-ppl and ``kvlab serve`` find it in
+the registry. A conversation's cache grows with it (one slot in ``stride``), but its slots keep their original
+positions, so the model's position limit ends a conversation: ``kvlab serve`` refuses a request that would pass
+it, and each conversation holds at most :meth:`StridedLayout.held_at_most` slots.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvlab.compress.layouts.base import Items, Layout, context, serve_caches
+from kvlab.compress.layouts.base import Items, Layout, context
 from kvlab.errors import BadInputError
 
 if TYPE_CHECKING:
@@ -38,6 +40,10 @@ class StridedLayout(Layout):
     keys: ClassVar[tuple[str, ...]] = ("stride", "recent")
     refusal: ClassVar[str] = "apply to a strided layout only (e.g. stride=4,recent=64)"
     syntax: ClassVar[str] = "stride=N,recent=N"
+    serves: ClassVar[str] = (
+        "strided caches (stride=N,recent=N, e.g. stride=4,recent=64: one slot in N plus the last N, at their "
+        "original positions; a conversation ends at the model's position limit, which bounds its cache)"
+    )
 
     @classmethod
     def claims(cls, items: Items) -> bool:
@@ -57,9 +63,12 @@ class StridedLayout(Layout):
             )
 
     def serve_check(self, policy: CachePolicy, spec: str) -> None:
-        raise BadInputError(
-            f"--cache '{spec}' keeps {self.describe()}: a conversation's cache would grow without end; {serve_caches()}"
-        )
+        """Served: a codec is refused while the spec is read (:meth:`check`), a model with sliding or
+        non-attention layers when the server builds its first cache."""
+
+    def held_at_most(self, limit: int) -> int:
+        """The slots held after ``limit`` tokens (the count only grows with the tokens seen)."""
+        return len(range(0, max(0, limit - self.recent), self.stride)) + min(self.recent, limit)
 
     def items(self) -> list[str]:
         return [f"stride={self.stride}", f"recent={self.recent}"]
