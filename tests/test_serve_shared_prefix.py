@@ -127,3 +127,36 @@ def test_a_short_system_prompt_or_an_exact_layout_is_not_compressed(tiny_model):
             assert "compressed_prefix" not in info
         finally:
             e.stop()
+
+
+@pytest.mark.process
+def test_kvlab_serve_shares_a_compressed_document_with_the_openai_client(tmp_path):
+    """End to end on the bundled model: two conversations with one long system message and different questions;
+    the second starts from the first's compressed document (KVzip), the metrics count it."""
+    from tests.test_serve import Server
+
+    spec = "h2o,budget=48,every=32,prefix=kvzip"
+    server = Server(tmp_path, "--cache", spec, "--max-tokens", "8", keys=(), admin=None)
+    try:
+        client = server.client("none")
+        document = " ".join(
+            f"Room {i} of the museum holds a painting of a {w}." for i, w in enumerate("abcdefghij")
+        )
+        infos = []
+        for question in ("Which room holds the painting of a c?", "Which room holds the painting of a g?"):
+            reply = client.chat.completions.create(
+                model="smollm2-135m",
+                messages=[{"role": "system", "content": document}, {"role": "user", "content": question}],
+                max_tokens=8,
+                temperature=0,
+            )
+            infos.append(reply.model_extra["kvlab"])
+        first, second = (info["compressed_prefix"] for info in infos)
+        assert first["source"] == "computed" and second["source"] == "memory"
+        assert first["tokens"] == second["tokens"] > 48 and first["kept"] == second["kept"] == 48
+        assert infos[1]["source"] == "compressed-prefix" and infos[1]["cached_tokens"] == second["tokens"]
+        page = server.get("/metrics")[2].decode()
+        assert 'kvlab_compressed_prefixes_total{source="memory"} 1.0' in page
+        assert 'kvlab_compressed_prefixes_total{source="computed"} 1.0' in page
+    finally:
+        server.stop()

@@ -47,6 +47,12 @@ class Metrics:
         self.store_blocks = Counter(
             "kvlab_store_hit_blocks", "Store blocks loaded, by tier", ["tier"], registry=r
         )
+        self.compressed_prefixes = Counter(
+            "kvlab_compressed_prefixes",
+            "Shared system prompts started from compressed, by where the compressed prefix came from",
+            ["source"],
+            registry=r,
+        )
         self.requests = Counter(
             "kvlab_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )
@@ -103,6 +109,8 @@ class Metrics:
             self.rolls.inc(info["rolls"])
         for tier, n in info.get("store_tiers", {}).items():
             self.store_blocks.labels(tier).inc(n)
+        if "compressed_prefix" in info:
+            self.compressed_prefixes.labels(info["compressed_prefix"]["source"]).inc()
 
     def token(self, seconds: float, *, first: bool, tenant: str = "") -> None:
         (self.ttft if first else self.tpot).observe(max(seconds, 0.0))
