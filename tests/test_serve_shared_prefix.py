@@ -118,6 +118,47 @@ def test_a_tampered_compressed_prefix_is_recomputed_not_served(tiny_model, tmp_p
         e.stop()
 
 
+def test_replicas_on_one_redis_share_the_compressed_prefix_and_a_tampered_one_is_recomputed(
+    tiny_model, redis_url
+):
+    """Two servers on one Redis (no shared folder): the second starts from the first's record; a record
+    changed in Redis is a miss, recomputed to the same answer, never served."""
+    import uuid
+
+    import redis
+
+    from kvlab.store.memory import MemoryTier
+    from kvlab.store.redis_tier import RedisTier
+    from kvlab.store.store import KVStore
+
+    h = tiny_model("llama")
+    system, q = _ids(PINNED, 1), _ids(9, 10)
+    prefix = f"kvlabtest-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(redis_url)
+    answers, sources = [], []
+    try:
+        for step in range(3):
+            store = KVStore([MemoryTier(), RedisTier(redis_url, prefix=prefix)])
+            e = Engine(h, EngineSettings(cache=SPEC), store=store)
+            try:
+                info = _ask(e, system + q)
+            finally:
+                e.stop()
+            answers.append(info["completion_ids"])
+            sources.append(info["compressed_prefix"]["source"])
+            if step == 1:  # flip one byte of the stored record
+                (key,) = [k for k in client.scan_iter(f"{prefix}:compressed:*")]
+                data = bytearray(client.get(key))
+                data[-7] ^= 0x01
+                client.set(key, bytes(data))
+        assert sources == ["computed", "redis", "computed"]
+        assert answers[0] == answers[1] == answers[2]
+    finally:
+        keys = list(client.scan_iter(f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+
+
 def test_a_short_system_prompt_or_an_exact_layout_is_not_compressed(tiny_model):
     h = tiny_model("llama")
     for spec, pinned in ((SPEC, 20), ("sinks=4,window=96", PINNED)):
