@@ -64,7 +64,7 @@ class StridedLayout(Layout):
 
     def serve_check(self, policy: CachePolicy, spec: str) -> None:
         """Served: a codec is refused while the spec is read (:meth:`check`), a model with sliding or
-        non-attention layers when the server builds its first cache."""
+        non-attention layers when the engine starts (it builds a cache), one without a position limit too."""
 
     def held_at_most(self, limit: int) -> int:
         """The slots held after ``limit`` tokens (the count only grows with the tokens seen)."""
