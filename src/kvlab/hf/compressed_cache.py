@@ -192,6 +192,11 @@ def _check_shares(
         )
     if (heads, layers) == ("uniform", "uniform"):
         return
+    if heads == "global":
+        raise BadInputError(
+            "heads=global runs offline only (kvlab eval): it ranks every layer's scores together, and a live "
+            "cache evicts each layer inside the forward, before the later layers are scored"
+        )
     if policy is None:
         raise BadInputError("shared budgets (heads=, layers=) need an eviction policy (policy=...)")
     if model is None:  # layers and heads hold different counts: they attend through kvlab's step

@@ -2,7 +2,7 @@
 that holds only those slots.
 
 A uniform eviction (:func:`kvlab.compress.evict.evict`) keeps the same ``n_keep`` slots per layer and KV
-head. Two published ways to share a budget instead:
+head. Three published ways to share a budget instead:
 
 * ``heads="ada"`` — AdaKV (Feng et al. 2024, arXiv:2407.11550; kvpress ``AdaKVPress``): in one layer, the
   top ``n_keep * H`` slots over all KV heads together, each head first guaranteed its protected slots
@@ -17,14 +17,21 @@ head. Two published ways to share a budget instead:
   kvpress falls back to a uniform budget because ``min`` is below its window, kvlab raises ``min`` to the
   protected slots (sinks + window) instead, so the pyramid stays; rounding is by largest remainder, so the
   layers' budgets sum to ``n_keep * L`` exactly.
+* ``heads="global"`` — kvpress ``KVzipPress``'s default (``layerwise=False``): the top ``n_keep * L * H``
+  (layer, head, slot) scores over all layers and KV heads together, each head first keeping its protected
+  slots (no safeguard; kvpress gives its first ``n_sink`` tokens the highest score). ``n_keep`` is
+  :func:`~kvlab.compress.evict.select.budget_slots`'s ``max(1, round(keep * T))``; kvpress keeps
+  ``L*H*T - int(L*H*T * ratio)``: the same where ``keep * T`` is whole, about ``L*H/2`` slots apart at
+  ``keep=0.5`` and an odd ``T`` (Python rounds ``T/2`` to the even neighbour). Offline only: a live cache
+  evicts a layer before the later layers' scores exist.
 
-Both compose (``heads=ada,layers=pyramid``: the pyramid's per-layer budget shared by AdaKV). The result is a
-:class:`RaggedCache`: per layer and head its own ``[B, n_h, D]`` keys and values. kvpress's AdaKV keeps every
-key in memory and masks the pruned ones at attention time (its ``attention_patch``); a ragged cache frees
-them: :attr:`RaggedCache.nbytes` counts only the kept slots, :attr:`RaggedCache.padded_nbytes` what a
-rectangular per-layer store padded to the layer's largest head would hold, :attr:`RaggedCache.masked_nbytes`
-what a masking implementation holds (every slot of the context). :meth:`RaggedCache.masked`
-turns it into the masked snapshot a model runs.
+AdaKV and PyramidKV compose (``heads=ada,layers=pyramid``: the pyramid's per-layer budget shared by AdaKV).
+The result is a :class:`RaggedCache`: per layer and head its own ``[B, n_h, D]`` keys and values. kvpress's
+AdaKV keeps every key in memory and masks the pruned ones at attention time (its ``attention_patch``); a
+ragged cache frees them: :attr:`RaggedCache.nbytes` counts only the kept slots,
+:attr:`RaggedCache.padded_nbytes` what a rectangular per-layer store padded to the layer's largest head would
+hold, :attr:`RaggedCache.masked_nbytes` what a masking implementation holds (every slot of the context).
+:meth:`RaggedCache.masked` turns it into the masked snapshot a model runs.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from kvlab.errors import BadInputError
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.spec import Rope
 
-HEAD_SHARES = ("uniform", "ada")
+HEAD_SHARES = ("uniform", "ada", "global")
 LAYER_SHARES = ("uniform", "pyramid")
 ALPHA_SAFEGUARD = 0.20  # kvpress AdaKVPress's default
 BETA = 20  # kvpress PyramidKVPress's default
@@ -89,6 +96,18 @@ def pyramid_counts(
     return counts
 
 
+def _protected_mask(
+    h: int, t: int, n_keep: int, sinks: int, window: int, device: torch.device
+) -> torch.Tensor:
+    """``[H, T]`` bool: the slots every head keeps whatever they score (the first ``sinks``, the last ``window``
+    cut to what ``n_keep`` leaves after the sinks, as :func:`keep_indices` cuts them)."""
+    must = torch.zeros(h, t, dtype=torch.bool, device=device)
+    sink_end, window_start = SinksWindow(sinks, max(0, min(window, n_keep - min(sinks, t)))).bounds(t)
+    must[:, :sink_end] = True
+    must[:, window_start:] = True
+    return must
+
+
 def ada_indices(
     scores: torch.Tensor,
     n_keep: int,
@@ -121,9 +140,7 @@ def ada_indices(
     must = torch.zeros(h, t, dtype=torch.bool, device=s.device)
     if floor:
         must.scatter_(1, keep_indices(scores, floor, min(sinks, floor), window)[0], True)
-    sink_end, window_start = SinksWindow(sinks, max(0, min(window, n_keep - min(sinks, t)))).bounds(t)
-    must[:, :sink_end] = True
-    must[:, window_start:] = True
+    must |= _protected_mask(h, t, n_keep, sinks, window, s.device)
     forced = int(must.sum())
     if forced > n_keep * h:  # cannot happen: each head forces at most n_keep
         raise BadInputError(f"{forced} protected slots exceed the layer's budget of {n_keep * h}")
@@ -133,6 +150,36 @@ def ada_indices(
         free = s.masked_fill(must, float("-inf")).reshape(-1)
         keep.view(-1)[torch.topk(free, rest).indices] = True
     return [keep[i].nonzero().reshape(1, -1) for i in range(h)]
+
+
+def global_indices(
+    scores: list[torch.Tensor], n_keep: int, sinks: int = 0, window: int = 0
+) -> list[list[torch.Tensor]]:
+    """kvpress KVzip's selection: per layer and KV head a sorted ``[1, n_lh]`` index tensor, the top
+    ``n_keep * L * H`` scores over every layer and head together, each head's protected slots forced in.
+
+    ``scores``: per layer ``[1, H, T]``. Scores are compared across layers and heads as they are (kvpress does
+    the same). One sequence at a time, as :func:`ada_indices`.
+    """
+    if any(s.ndim != 3 or s.shape[0] != 1 for s in scores):
+        raise BadInputError(
+            f"global budgets take per-layer scores [1, H, T]; got {[tuple(s.shape) for s in scores]}"
+        )
+    _, h, t = scores[0].shape
+    if not 1 <= n_keep <= t:
+        raise BadInputError(f"cannot keep {n_keep} of {t} slots; the budget must lie in [1, {t}]")
+    if sinks > n_keep:
+        raise BadInputError(f"the budget of {n_keep} slots is smaller than the {sinks} sinks asked for")
+    dev = scores[0].device
+    s = torch.stack([x[0].float().to(dev) for x in scores])  # [L, H, T]
+    s = torch.where(torch.isfinite(s), s, torch.full_like(s, -1e30))
+    must = _protected_mask(h, t, n_keep, sinks, window, dev).expand(len(scores), h, t).contiguous()
+    keep = must.clone()
+    rest = n_keep * h * len(scores) - int(must.sum())
+    if rest:
+        free = s.masked_fill(must, float("-inf")).reshape(-1)
+        keep.view(-1)[torch.topk(free, rest).indices] = True
+    return [[keep[i, j].nonzero().reshape(1, -1) for j in range(h)] for i in range(len(scores))]
 
 
 @dataclass(frozen=True, eq=False)
@@ -237,6 +284,10 @@ def allocate(
         raise BadInputError(f"cannot keep {n_keep} of {t} slots; the budget must lie in [1, {t}]")
     if sinks > n_keep:
         raise BadInputError(f"the budget of {n_keep} slots is smaller than the {sinks} sinks asked for")
+    if heads == "global":
+        if layers != "uniform":
+            raise BadInputError(f"heads=global already shares the budget across layers; drop layers={layers}")
+        return global_indices(scores, n_keep, sinks, window)
     if layers == "pyramid":
         counts = pyramid_counts(len(scores), t, n_keep, protected=min(t, sinks + window), beta=beta)
     else:
@@ -264,7 +315,7 @@ def evict_ragged(
 ) -> RaggedCache:
     """:func:`kvlab.compress.evict.evict` with shared budgets: a :class:`RaggedCache` holding ``n_keep`` slots
     per head and layer on average (``keep`` or ``n_keep`` as there), chosen by ``policy`` and shared as
-    ``heads`` (``uniform`` | ``ada``) and ``layers`` (``uniform`` | ``pyramid``) say."""
+    ``heads`` (``uniform`` | ``ada`` | ``global``) and ``layers`` (``uniform`` | ``pyramid``) say."""
     views = layer_views(source, policy)
     snap = source.snapshot if isinstance(source, Observation) else source
     n = budget_slots(snap.seq_len, keep, n_keep)

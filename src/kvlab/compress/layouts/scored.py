@@ -3,7 +3,8 @@ decoding.
 
 ``h2o,keep=0.25`` keeps the top quarter of the prompt's slots (``ratio=0.75``: the fraction removed;
 ``budget=N``: a slot count); ``every=256`` keeps that budget while decoding; ``sinks=``/``window=`` are
-never evicted; ``heads=ada`` / ``layers=pyramid`` share the budget across a layer's heads or across layers.
+never evicted; ``heads=ada`` / ``layers=pyramid`` share the budget across a layer's heads or across layers,
+``heads=global`` (offline only) across every layer and head together (kvpress's KVzip).
 ``prefix=SCORE`` (``kvlab serve`` only) names the score that compresses a conversation's shared system prompt
 once, alone, to the budget (default: the layout's own score), so every request sharing it starts from the same
 compressed prefix (:meth:`ScoredLayout.compress_prefix`; stored under the policy, never as an exact prefix).
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 #: aliases of score names in specs: ``keynorm`` is kvlab's ``knorm``
 ALIASES = {"keynorm": "knorm"}
 #: how a scored layout shares its budget: across the KV heads of a layer and across layers
-HEAD_SHARES = ("uniform", "ada")  # ada: AdaKV's top slots over all heads of a layer together
+HEAD_SHARES = ("uniform", "ada", "global")  # ada: AdaKV's top slots over a layer's heads; global: over all
 LAYER_SHARES = ("uniform", "pyramid")  # pyramid: PyramidKV's budgets falling linearly with depth
 
 
@@ -127,7 +128,7 @@ class ScoredLayout(Layout):
 
     @property
     def shared(self) -> bool:
-        """Whether the budget is shared across KV heads (``heads=ada``) or layers (``layers=pyramid``)."""
+        """Whether the budget is shared across KV heads (``heads=ada|global``) or layers (``layers=pyramid``)."""
         return (self.heads, self.layers) != ("uniform", "uniform")
 
     def items(self) -> list[str]:
