@@ -70,12 +70,14 @@ def test_the_experiment_on_a_tiny_model(tiny, tmp_path):
     assert by["all", "int4"]["bytes_per_token"] < by["all", "full"]["bytes_per_token"]
     # verdicts: every claim has a verdict from the three outcomes, a measured line and a rule
     assert set(s["verdicts"]) == {"h2o_best_accuracy", "h2o_best_kl", "int4_free", "monotone"}
-    for c in s["claims"]:
-        assert c["verdict"] in ("holds", "does not hold") and c["measured"] and c["rule"]
+    for c in s[
+        "claims"
+    ]:  # 4 trials (2 per task): too few for a paired interval, the comparisons cannot decide
+        assert c["verdict"] in ("cannot decide", "does not hold") and c["measured"] and c["rule"]
     kl_claim = next(c for c in s["claims"] if c["id"] == "h2o_best_kl")
-    assert set(kl_claim["by_policy"]) == {"h2o", "snapkv", "streaming_llm"} and isinstance(
-        kl_claim["separated"], bool
-    )
+    assert set(kl_claim["by_policy"]) == {"h2o", "snapkv", "streaming_llm"}
+    assert kl_claim["verdict"] == "cannot decide" and kl_claim["difference"]["n"] == 4
+    assert kl_claim["difference"]["low"] is None and "n = 4, no interval" in kl_claim["measured"]
     # files: two figures, the raw per-trial arrays, result.json
     out = tmp_path / "ruler"
     assert (out / "accuracy_vs_ratio.png").is_file() and (out / "kl_vs_bytes.png").is_file()
@@ -102,14 +104,17 @@ def test_h2o_claim_can_hold_and_fail():
     good, bad = [(1.0, 0.1)] * 10, [(0.0, 0.9)] * 10
     rows = _rows({"full": [(1.0, 0.0)] * 10, "h2o:0.5": good, "snapkv:0.5": bad, "h2o:0.25": bad})
     acc, kl = R.claim_h2o(rows, specs, 0, "score"), R.claim_h2o(rows, specs, 0, "kld")
-    assert acc["verdict"] == kl["verdict"] == "holds" and acc["separated"] and kl["separated"]
+    assert acc["verdict"] == kl["verdict"] == "holds"
+    assert R.side(acc["difference"]) == "above 0" and R.side(kl["difference"]) == "below 0"
+    assert acc["difference"]["value"] == 1.0 and "paired h2o − snapkv +1" in acc["measured"]
     rows = _rows({"full": [(1.0, 0.0)] * 10, "h2o:0.5": bad, "snapkv:0.5": good})
     acc = R.claim_h2o(rows, specs, 0, "score")
-    assert acc["verdict"] == "does not hold" and acc["best"] == "snapkv" and acc["separated"]
+    assert acc["verdict"] == "does not hold" and acc["best"] == "snapkv" and acc["runner_up"] == "snapkv"
+    assert R.side(acc["difference"]) == "below 0"
     mixed = [(1.0, 0.5), (0.0, 0.5)] * 5
     rows = _rows({"full": [(1.0, 0.0)] * 10, "h2o:0.5": mixed, "snapkv:0.5": mixed})
     tie = R.claim_h2o(rows, specs, 0, "score")
-    assert tie["verdict"] == "does not hold" and not tie["separated"] and "tied" in tie["measured"]
+    assert tie["verdict"] == "does not hold" and R.side(tie["difference"]) == "contains 0"
     alone = R.claim_h2o(rows, parse_cache_specs(["full", "h2o:0.5"]), 0, "score")
     assert alone["verdict"] == "not tested here"
 
@@ -119,6 +124,7 @@ def test_int4_claim_can_hold_and_fail():
     full = [(1.0, 0.0), (0.0, 0.0)] * 10
     ok = R.claim_int4(_rows({"full": full, "int4": [(1.0, 0.002), (0.0, 0.004)] * 10}), specs, 0)
     assert ok["verdict"] == "holds" and ok["kl_ok"] and ok["accuracy_ok"]
+    assert R.side(ok["accuracy_difference"]) == "contains 0" and ok["key"]["value"] == 0
     far = R.claim_int4(_rows({"full": full, "int4": [(1.0, 0.05), (0.0, 0.05)] * 10}), specs, 0)
     assert far["verdict"] == "does not hold" and not far["kl_ok"] and far["accuracy_ok"]
     wrong = R.claim_int4(_rows({"full": full, "int4": [(0.0, 0.001)] * 20}), specs, 0)
@@ -129,19 +135,33 @@ def test_int4_claim_can_hold_and_fail():
 def test_monotone_claim_can_hold_and_fail():
     specs = parse_cache_specs(["full", "h2o:0.25", "h2o:0.5", "snapkv:0.25", "snapkv:0.5"])
     s = {"tasks": ["t"], "lengths": [100], "policies": ["h2o", "snapkv"], "ratios": [0.25, 0.5]}
-    falling = {"full": [(1.0, 0)] * 4, "h2o:0.25": [(0.75, 0.1)] * 4, "h2o:0.5": [(0.5, 0.2)] * 4}
-    falling.update({"snapkv:0.25": [(1.0, 0.1)] * 4, "snapkv:0.5": [(0.25, 0.2)] * 4})
-    pts = R.points(_full_rows(falling), specs, 0)
-    assert R.claim_monotone(pts, s)["verdict"] == "holds"
-    rising = {**falling, "snapkv:0.25": [(0.0, 0.1)] * 4}  # 1.0 -> 0.0 -> 0.25: rises at 0.5
-    rec = R.claim_monotone(R.points(_full_rows(rising), specs, 0), s)
-    assert rec["verdict"] == "does not hold" and rec["rising"] == ["snapkv at 100"]
-    assert rec["per_task_rising"] == ["snapkv on t at 100"]
+    falling = {"full": [(1.0, 0)] * 6, "h2o:0.25": [(0.75, 0.1)] * 6, "h2o:0.5": [(0.5, 0.2)] * 6}
+    falling.update({"snapkv:0.25": [(1.0, 0.1)] * 6, "snapkv:0.5": [(0.25, 0.2)] * 6})
+    rec = R.claim_monotone(_rows(falling), specs, s, 0)
+    assert rec["verdict"] == "holds" and rec["steps"] == 4, rec["measured"]
+    rising = {**falling, "snapkv:0.25": [(0.0, 0.1)] * 6}  # 1.0 -> 0.0 -> 0.25: rises at 0.5
+    rec = R.claim_monotone(_rows(rising), specs, s, 0)
+    assert rec["verdict"] == "does not hold" and rec["rising"] == ["snapkv 0.25→0.5 at 100"]
+    assert rec["per_task_rising"] == ["snapkv 0.25→0.5 on t at 100"]
+    # a rise on 2 of 6 trials and no change on the rest: the paired interval reaches 0, no rise seen
+    noisy = {**falling, "h2o:0.5": [(1.0, 0.2)] * 2 + [(0.75, 0.2)] * 4}
+    assert R.claim_monotone(_rows(noisy), specs, s, 0)["verdict"] == "holds"
+    few = {k: v[:3] for k, v in rising.items()}  # 3 trials: no step has an interval
+    rec = R.claim_monotone(_rows(few), specs, s, 0)
+    assert rec["verdict"] == "cannot decide" and "4 have fewer than 5 trials (no interval)" in rec["measured"]
 
 
-def _full_rows(values):
-    """Hand-made rows with every field :func:`ruler.points` reads."""
-    return [dict(r, top1=1.0, kv_bytes=100, context_tokens=10, kept_slots=10) for r in _rows(values)]
+def test_paired_differences_see_what_overlapping_intervals_hide():
+    """int4 loses 6 of 60 answers the full cache got and changes no other: the two accuracies' Wilson
+    intervals overlap, the paired difference's interval lies below 0 (the issue's 1k case)."""
+    specs = parse_cache_specs(["full", "int4"])
+    full = [(1.0, 0.0)] * 30 + [(0.0, 0.0)] * 30
+    int4 = [(0.0, 0.001)] * 6 + [(1.0, 0.001)] * 24 + [(0.0, 0.001)] * 30
+    rec = R.claim_int4(_rows({"full": full, "int4": int4}), specs, 0)
+    assert rec["accuracy"]["low"] < rec["full_accuracy"]["high"]  # the unpaired intervals overlap
+    assert R.side(rec["accuracy_difference"]) == "below 0" and rec["accuracy_difference"]["n"] == 60
+    assert rec["verdict"] == "does not hold" and rec["kl_ok"] and not rec["accuracy_ok"]
+    assert "paired int4 − full accuracy -0.1 [" in rec["measured"] and "below 0" in rec["measured"]
 
 
 def test_bad_options_are_refused(tiny, tmp_path):
@@ -175,7 +195,9 @@ def test_claims_say_when_too_few_trials_leave_no_interval():
     specs = parse_cache_specs(["full", "h2o:0.5", "snapkv:0.5", "int4"])
     rows = _rows({"full": [(1.0, 0.0)] * 3, "h2o:0.5": [(1.0, 0.1)] * 3, "snapkv:0.5": [(0.0, 0.9)] * 3})
     h2o = R.claim_h2o(rows, specs, 0, "score")
-    assert "no intervals (fewer than 5 trials)" in h2o["measured"] and "overlap" not in h2o["measured"]
+    assert h2o["verdict"] == h2o["outcome"] == "cannot decide"
+    assert h2o["measured"].endswith("paired h2o − snapkv +1 (n = 3, no interval)"), h2o["measured"]
     rows += _rows({"int4": [(1.0, 0.001)] * 3})
     int4 = R.claim_int4(rows, specs, 0)
-    assert "equal to its value, which has no interval" in int4["measured"], int4["measured"]
+    assert int4["verdict"] == "cannot decide" and "(n = 3, no interval)" in int4["measured"], int4["measured"]
+    assert "[" not in int4["measured"] and "[" not in h2o["measured"]  # no interval printed from 3 trials

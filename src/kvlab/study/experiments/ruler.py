@@ -5,7 +5,8 @@ compressed) runs under the full cache and every policy at every ratio (the fract
 removed) and every codec, on the same tokens: accuracy with Wilson intervals over trials, the mean
 per-token KL(full || cache) and top-1 agreement, and the K/V bytes per context token. The section
 checks three claims that can come out false: "H2O is best at 50%", "int4 costs almost nothing" and
-"scores fall steadily with the ratio".
+"scores fall steadily with the ratio", each by paired per-trial differences between two caches (every cache
+answers the same trials) with bootstrap intervals.
 """
 
 from __future__ import annotations
@@ -262,20 +263,46 @@ def _kl_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any]):
 
 
 # -- the claims ---------------------------------------------------------------------------------
+#: a claim's verdict when a paired difference it needs has fewer than MIN_SAMPLES trials (no interval)
+UNDECIDED = "cannot decide"
+
+
 def _pooled(rows: list[dict], spec: str, key: str, seed: int) -> dict | None:
     """One cache's mean of ``key`` over every task, length and trial, with its interval."""
     return _mean_iv([r[key] for r in rows if r["spec"] == spec], seed, proportion=key in PROPORTIONS)
 
 
-def _separate(a: dict | None, b: dict | None) -> bool:
-    """True when the two intervals do not overlap."""
-    if not a or not b or None in (a.get("low"), a.get("high"), b.get("low"), b.get("high")):
-        return False
-    return a["low"] > b["high"] or b["low"] > a["high"]
+def paired(rows: list[dict], a: str, b: str, key: str, seed: int) -> dict | None:
+    """Mean of cache ``a``'s ``key`` minus cache ``b``'s over the trials both ran (a trial, with its task and
+    length, is one pair: the same tokens), with its 95% bootstrap interval (JSON); None when no trial has
+    both finite; no interval from fewer than :data:`MIN_SAMPLES` pairs."""
+    x = {(r["task"], r["length"], r["trial"]): float(r[key]) for r in rows if r["spec"] == a}
+    y = {(r["task"], r["length"], r["trial"]): float(r[key]) for r in rows if r["spec"] == b}
+    d = [x[k] - y[k] for k in sorted(x.keys() & y.keys()) if np.isfinite(x[k]) and np.isfinite(y[k])]
+    return bootstrap_ci(d, seed=seed).to_json() if d else None
+
+
+def side(d: dict | None) -> str:
+    """Where a paired difference's 95% interval lies: "above 0", "below 0", "contains 0", or why there is
+    none ("n = 2, no interval")."""
+    if d is None:
+        return "no common trials"
+    if d.get("low") is None or d.get("high") is None:
+        return f"n = {d['n']}, no interval"
+    return "above 0" if d["low"] > 0 else "below 0" if d["high"] < 0 else "contains 0"
+
+
+def _diff_text(d: dict | None, label: str, digits: int = 3) -> str:
+    """``paired h2o − snapkv +0.1 [+0.02, +0.18] (n = 20): above 0``, or ``... +0.5 (n = 2, no interval)``."""
+    if d is None:
+        return f"{label}: no common trials"
+    text = f"{label} {format_interval(d, digits=digits, signed=True)}"
+    return text if d.get("low") is None else f"{text}: {side(d)}"
 
 
 def _record(cid: str, claim: str, verdict: str, measured: str, rule: str, key: dict | None = None) -> dict:
-    """A claim's record, in the shape of :mod:`findings`' (holds / does not hold / not tested here)."""
+    """A claim's record, in the shape of :mod:`findings`' (holds / does not hold / cannot decide / not
+    tested here)."""
     return {
         "id": cid,
         "claim": claim,
@@ -288,127 +315,127 @@ def _record(cid: str, claim: str, verdict: str, measured: str, rule: str, key: d
 
 
 def claim_h2o(rows: list[dict], specs: list[Any], seed: int, by: str) -> dict:
-    """ "H2O is best at 50%" by accuracy (``by="score"``, higher is better) or KL (``by="kld"``, lower)."""
+    """ "H2O is best at 50%" by accuracy (``by="score"``, higher is better) or KL (``by="kld"``, lower): the
+    paired per-trial difference between H2O and the best other policy."""
     what = "accuracy" if by == "score" else "KL"
     cid, claim = f"h2o_best_{what.lower()}", f"H2O is best at {CLAIM_RATIO:.0%} (by {what})"
+    good = "above" if by == "score" else "below"
     rule = (
-        f"H2O's mean {what} strictly the best ({'highest' if by == 'score' else 'lowest'}) of the eviction "
-        f"policies at ratio {CLAIM_RATIO}, pooled over tasks, lengths and trials; 'intervals separate' when "
-        "its 95% interval and the runner-up's (or the winner's) do not overlap"
+        f"the paired per-trial difference of {what} (H2O minus the runner-up: the other eviction policy with "
+        f"the {'highest' if by == 'score' else 'lowest'} mean {what}), both at ratio {CLAIM_RATIO}, over the "
+        f"same trials of every task and length: holds when its 95% bootstrap interval lies wholly {good} 0, "
+        f"does not hold otherwise; fewer than {MIN_SAMPLES} trials give no interval: cannot decide"
     )
     at = {s.method: s.spec for s in specs if s.kind == "evict" and abs(s.ratio - CLAIM_RATIO) < 1e-9}
     if "h2o" not in at or len(at) < 2:
         return _record(cid, claim, "not tested here", "needs h2o and another policy at 0.5", rule)
     ivs = {m: _pooled(rows, spec, by, seed) for m, spec in at.items()}
     sign = 1.0 if by == "score" else -1.0
-    ranked = sorted(ivs, key=lambda m: -sign * _val(ivs[m]))
-    best = ranked[0]
-    tied = [m for m in ranked if _val(ivs[m]) == _val(ivs[best])]
-    other = ranked[1] if best == "h2o" else best
-    if best != "h2o" and "h2o" in tied:
-        best, other = "h2o", next(m for m in ranked if m != "h2o")
-    separated = _separate(ivs["h2o"], ivs[other])
-    holds = best == "h2o" and len(tied) == 1
+    ranked = sorted(ivs, key=lambda m: (-sign * _val(ivs[m]), m != "h2o"))
+    other = next(m for m in ranked if m != "h2o")
+    diff = paired(rows, at["h2o"], at[other], by, seed)
+    where = side(diff)
+    verdict = (
+        UNDECIDED
+        if diff is None or diff["low"] is None
+        else "holds"
+        if where == good + " 0"
+        else "does not hold"
+    )
     measured = (
-        f"h2o {format_interval(ivs['h2o'])} vs {other} {format_interval(ivs[other])}"
-        + (
-            f" (tied with {', '.join(m for m in tied if m != 'h2o')})"
-            if len(tied) > 1 and "h2o" in tied
-            else ""
-        )
-        + (
-            "; intervals separate"
-            if separated
-            else "; intervals overlap"
-            if all((ivs[m] or {}).get("low") is not None for m in ("h2o", other))
-            else f"; no intervals (fewer than {MIN_SAMPLES} trials)"
-        )
+        f"h2o {format_interval(ivs['h2o'])} vs runner-up {other} {format_interval(ivs[other])}; "
+        + _diff_text(diff, f"paired h2o − {other}")
     )
-    rec = _record(
-        cid,
-        claim,
-        "holds" if holds else "does not hold",
-        measured,
-        rule,
-        {
-            **(ivs["h2o"] or {}),
-            "samples": "trials",
-            "label": f"H2O {what}" + (" (nats/token)" if by == "kld" else ""),
-        },
-    )
-    rec.update(best=ranked[0], runner_up=other, separated=separated, by_policy=ivs)
+    unit = " (nats/token)" if by == "kld" else ""
+    key = {**(diff or {}), "samples": "trials (pairs)", "label": f"H2O minus {other}, {what}{unit}"}
+    rec = _record(cid, claim, verdict, measured, rule, key)
+    rec.update(best=ranked[0], runner_up=other, difference=diff, by_policy=ivs)
     return rec
 
 
 def claim_int4(rows: list[dict], specs: list[Any], seed: int) -> dict:
-    """ "int4 costs almost nothing": mean KL < 0.01 nats and accuracy inside the full cache's interval."""
+    """ "int4 costs almost nothing": mean KL < 0.01 nats, and no accuracy cost the paired per-trial
+    difference to the full cache can see."""
     claim = "int4 costs almost nothing"
     rule = (
-        f"int4's mean per-token KL to the full cache < {INT4_KL_NEAR_ZERO} nats and its mean accuracy inside "
-        "the full cache's 95% interval, pooled over tasks, lengths and trials"
+        f"int4's mean per-token KL to the full cache < {INT4_KL_NEAR_ZERO} nats, and the paired per-trial "
+        "accuracy difference int4 minus full over the same trials of every task and length has a 95% "
+        "bootstrap interval that contains 0 or lies above it (no accuracy cost the paired test can see); "
+        f"fewer than {MIN_SAMPLES} trials give no interval: cannot decide"
     )
     spec = next((s.spec for s in specs if s.kind == "quant" and s.policy.spec == "codec=pertoken4"), None)
     if spec is None:
         return _record("int4_free", claim, "not tested here", "int4 was not run", rule)
     kl, acc = _pooled(rows, spec, "kld", seed), _pooled(rows, spec, "score", seed)
     full = _pooled(rows, "full", "score", seed)
-    if full is None:
-        raise ValueError("the full cache has no finite score to compare int4's with")
-    lo = full["low"] if full["low"] is not None else full["value"]
-    hi = full["high"] if full["high"] is not None else full["value"]
-    kl_ok, acc_ok = _val(kl) < INT4_KL_NEAR_ZERO, lo - 1e-12 <= _val(acc) <= hi + 1e-12
-    where = (
-        f"{'inside' if acc_ok else 'outside'} its interval"
-        if full["low"] is not None
-        else f"{'equal to' if acc_ok else 'not equal to'} its value, which has no interval"
-    )
+    diff = paired(rows, spec, "full", "score", seed)
+    if full is None or diff is None:
+        raise ValueError("the full cache has no finite score on int4's trials to compare int4's with")
+    kl_ok, acc_ok = _val(kl) < INT4_KL_NEAR_ZERO, side(diff) in ("contains 0", "above 0")
+    decided = diff["low"] is not None and kl is not None and kl["low"] is not None
+    verdict = UNDECIDED if not decided else "holds" if kl_ok and acc_ok else "does not hold"
     measured = (
         f"KL {format_interval(kl)} nats ({'<' if kl_ok else '>='} {INT4_KL_NEAR_ZERO}); accuracy "
-        f"{format_interval(acc)} vs full {format_interval(full)} ({where})"
+        f"{format_interval(acc)} vs full {format_interval(full)}; "
+        + _diff_text(diff, "paired int4 − full accuracy", digits=2)
     )
-    rec = _record(
-        "int4_free",
-        claim,
-        "holds" if kl_ok and acc_ok else "does not hold",
-        measured,
-        rule,
-        {**(kl or {}), "samples": "trials", "label": "int4 KL (nats/token)"},
-    )
-    rec.update(kld=kl, accuracy=acc, full_accuracy=full, kl_ok=kl_ok, accuracy_ok=acc_ok)
+    key = {**diff, "samples": "trials (pairs)", "label": "int4 minus full, accuracy"}
+    rec = _record("int4_free", claim, verdict, measured, rule, key)
+    rec.update(kld=kl, accuracy=acc, full_accuracy=full, accuracy_difference=diff)
+    rec.update(kl_ok=kl_ok, accuracy_ok=acc_ok)
     return rec
 
 
-def claim_monotone(pts: list[dict], s: dict[str, Any]) -> dict:
-    """ "Scores fall steadily with the ratio": each policy's pooled accuracy never rises with the ratio
-    (the full cache as ratio 0), at every length; curves per task are counted too."""
+def _steps(rows: list[dict], specs: list[Any], method: str, seed: int) -> list[tuple[str, dict | None]]:
+    """A policy's curve from the full cache through its ratios: each step's paired accuracy difference
+    (the higher ratio minus the lower, on ``rows``' trials), labelled ``0.25→0.5``."""
+    curve = [("0", "full")] + sorted(
+        (f"{s.ratio:g}", s.spec) for s in specs if s.kind == "evict" and s.method == method
+    )
+    return [
+        (f"{ra}→{rb}", paired(rows, b, a, "score", seed))
+        for (ra, a), (rb, b) in zip(curve, curve[1:], strict=False)
+    ]
+
+
+def claim_monotone(rows: list[dict], specs: list[Any], s: dict[str, Any], seed: int) -> dict:
+    """ "Scores fall steadily with the ratio": no step of a policy's curve (the full cache as ratio 0, then
+    each ratio) raises accuracy by a paired difference the test can see, at every length; per task too."""
     claim = "Scores fall steadily with the ratio"
     rule = (
-        "per policy and length, the mean accuracy pooled over tasks is non-increasing from the full cache "
-        "(ratio 0) through every ratio; per-task curves that rise somewhere are counted"
+        "per policy and length, each step from the full cache (ratio 0) through every ratio: the paired "
+        "per-trial accuracy difference (higher ratio minus lower, same trials, pooled over tasks); does not "
+        "hold when some step's 95% bootstrap interval lies wholly above 0 (a rise), holds when every step's "
+        f"interval contains 0 or lies below it; a step with fewer than {MIN_SAMPLES} trials has no interval: "
+        "cannot decide (unless another step rises); per-task steps that rise are counted"
     )
-    methods = [_method_of(p) for p in s["policies"]]
-    rising, per_task_rising, n_curves = [], [], 0
+    rising, undecided, per_task_rising, n_steps = [], 0, [], 0
     for length in s["lengths"]:
-        for task in [*s["tasks"], "all"]:
-            for m in methods:
-                y = [_v(p, "accuracy") for p in _curves(pts, m, task, length)]
-                if len(y) < 2:
-                    continue
-                steady = all(b <= a + 1e-12 for a, b in zip(y, y[1:], strict=False))
-                if task == "all":
-                    n_curves += 1
-                    rising += [] if steady else [f"{m} at {length}"]
-                elif not steady:
-                    per_task_rising.append(f"{m} on {task} at {length}")
-    if n_curves == 0:
+        at = [r for r in rows if r["length"] == length]
+        for m in map(_method_of, s["policies"]):
+            for step, d in _steps(at, specs, m, seed):
+                n_steps += 1
+                rising += [f"{m} {step} at {length}"] if side(d) == "above 0" else []
+                undecided += side(d) not in ("above 0", "below 0", "contains 0")
+            for task in s["tasks"]:
+                on = [r for r in at if r["task"] == task]
+                per_task_rising += [
+                    f"{m} {st} on {task} at {length}"
+                    for st, d in _steps(on, specs, m, seed)
+                    if side(d) == "above 0"
+                ]
+    if n_steps == 0:
         return _record("monotone", claim, "not tested here", "no eviction policy was run", rule)
+    verdict = "does not hold" if rising else UNDECIDED if undecided else "holds"
     measured = (
-        f"{n_curves - len(rising)} of {n_curves} pooled curves fall steadily"
-        + (f"; rising: {', '.join(rising)}" if rising else "")
-        + f"; per task, {len(per_task_rising)} curve(s) rise somewhere"
+        f"of {n_steps} pooled steps, {len(rising)} rise (paired interval above 0)"
+        + (f" ({', '.join(rising)})" if rising else "")
+        + f", {n_steps - len(rising) - undecided} do not"
+        + (f", {undecided} have fewer than {MIN_SAMPLES} trials (no interval)" if undecided else "")
+        + f"; per task, {len(per_task_rising)} step(s) rise"
     )
-    rec = _record("monotone", claim, "does not hold" if rising else "holds", measured, rule)
-    rec.update(rising=rising, per_task_rising=per_task_rising, curves=n_curves)
+    rec = _record("monotone", claim, verdict, measured, rule)
+    rec.update(rising=rising, per_task_rising=per_task_rising, steps=n_steps)
     return rec
 
 
@@ -468,7 +495,7 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
         claim_h2o(rows, specs, ctx.seed, "score"),
         claim_h2o(rows, specs, ctx.seed, "kld"),
         claim_int4(rows, specs, ctx.seed),
-        claim_monotone(pts, s),
+        claim_monotone(rows, specs, s, ctx.seed),
     ]
     result.tables += [_verdict_table(claims), *_tables(pts, s)]
     result.figures += [_accuracy_figure(ctx, pts, s), _kl_figure(ctx, pts, s)]
@@ -490,8 +517,10 @@ def _verdict_table(claims: list[dict]) -> Table:
         "Claims checked",
         ["claim", "verdict", "measured", "rule"],
         [[c["claim"], c["verdict"], c["measured"], c["rule"]] for c in claims],
-        caption="Each claim's verdict from this run's numbers, by the rule in its row (intervals: 95% "
-        "over trials, Wilson for accuracy, bootstrap for KL).",
+        caption="Each claim's verdict from this run's numbers, by the rule in its row. Every comparison of "
+        "two caches is a paired difference over the trials both ran (the same tokens), its mean with a 95% "
+        f"bootstrap interval over trials; fewer than {MIN_SAMPLES} trials give no interval, and a verdict that "
+        "needs one cannot decide. A cache's own accuracy: Wilson interval; its KL: bootstrap.",
     )
 
 
@@ -512,11 +541,13 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     ]
     held = [c["claim"] for c in claims if c["verdict"] == "holds"]
     failed = [c["claim"] for c in claims if c["verdict"] == "does not hold"]
+    open_ = [c["claim"] for c in claims if c["verdict"] == UNDECIDED]
     text = (
         f"On RULER-style tasks, of {len(claims)} claims {len(held)} hold"
         + (f" ({'; '.join(held)})" if held else "")
         + f" and {len(failed)} do not"
         + (f" ({'; '.join(failed)})" if failed else "")
+        + (f"; {len(open_)} cannot be decided (too few trials for a paired interval)" if open_ else "")
         + "."
     )
     return text, rows

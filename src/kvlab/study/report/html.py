@@ -54,7 +54,14 @@ details>summary{cursor:pointer;color:#3b4a60;font-size:14px;margin:8px 0}
 """
 
 STATUS_TEXT = {"ok": "ok", "not_applicable": "not applicable", "failed": "failed"}
-OUTCOME_CSS = {"holds": "v-holds", "does not hold": "v-not", "not tested here": "v-untested"}
+#: a claim's outcomes; "cannot decide": tested, but a paired difference it needs rests on too few samples for
+#: an interval
+OUTCOME_CSS = {
+    "holds": "v-holds",
+    "does not hold": "v-not",
+    "cannot decide": "v-untested",
+    "not tested here": "v-untested",
+}
 
 
 @functools.cache
@@ -265,9 +272,10 @@ def quality_verdicts_data(results: Sequence[tuple[str, ExperimentResult]], smoke
             claims += _quality_claims(found)
     held = sum(1 for c in claims if c["outcome"] == "holds")
     failed = sum(1 for c in claims if c["outcome"] == "does not hold")
+    open_ = sum(1 for c in claims if c["outcome"] == "cannot decide")
     sentence = (
         f"On RULER-style tasks with KL to the full cache, of {len(claims)} claims about caches {held} hold "
-        f"and {failed} do not."
+        f"and {failed} do not" + (f"; {open_} cannot be decided (too few trials)." if open_ else ".")
         if claims
         else ""
     )
