@@ -56,11 +56,15 @@ def test_a_seeded_compressed_prefix_answers_as_the_offline_eviction(tiny_model, 
     cache.close()
 
 
+def _compressed(h, spec: str = "h2o,budget=24,every=8"):
+    """A 60-token prefix compressed by ``spec`` and an empty live cache of it."""
+    policy = parse(spec)
+    return policy.layout.compress_prefix(h, _ids(60, 1)), cache_for(policy, h)
+
+
 def test_a_conversation_from_a_compressed_prefix_keeps_its_budget(tiny_model):
     h = tiny_model("llama")
-    policy = parse("h2o,budget=24,every=8")
-    kept = policy.layout.compress_prefix(h, _ids(60, 1))
-    cache = cache_for(policy, h)
+    kept, cache = _compressed(h)
     cache.seed_kept(kept, 60)
     x = _ids(30, 3)
     with torch.no_grad():
@@ -73,9 +77,7 @@ def test_a_conversation_from_a_compressed_prefix_keeps_its_budget(tiny_model):
 
 def test_seed_kept_refuses_what_it_cannot_hold_before_changing_anything(tiny_model):
     h = tiny_model("llama")
-    policy = parse("h2o,budget=24,every=8")
-    kept = policy.layout.compress_prefix(h, _ids(60, 1))
-    cache = cache_for(policy, h)
+    kept, cache = _compressed(h)
     bad = [(k, v, p.flip(-1)) for k, v, p in kept]
     with pytest.raises(BadInputError, match="increase"):
         cache.seed_kept(bad, 60)
