@@ -73,6 +73,8 @@ def test_the_verdict_follows_the_paired_interval():
     assert b["verdict"] == "original better" and b["outcome"] == "holds"
     assert c["verdict"] == "no difference seen" and c["outcome"] == "does not hold"
     assert "accuracy b - a -1" in b["measured"]
+    few = P.claim(P.paired([[t] for t in trials[:3]], seed=0), "contiguous", "b - a")  # 3 trials: no interval
+    assert few["verdict"].startswith("no interval") and few["outcome"] == "cannot decide"
 
 
 def test_bad_options_are_refused(tiny, tmp_path):

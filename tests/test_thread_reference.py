@@ -94,9 +94,14 @@ def test_findings_put_the_shipped_numbers_beside_kvlabs():
             c: {"k_x0": _iv(k), "v_x0": _iv(v)}
             for c, k, v in (("unrelated", 0.79, 0.18), ("scrambled", 0.82, 0.25), ("roll_20", 0.9, 0.94))
         },
+        "control_order_paired": {
+            "scrambled-unrelated": {"k": _iv(0.03), "v": _iv(0.07)},
+            "roll_20-scrambled": {"k": _iv(0.08), "v": _iv(0.69)},
+        },
     }
     (order,) = findings._claim_order(sweep, ref.get("orig_14b_base_results"))
     assert order["thread"] == "K 0.632 < 0.664 < 0.825" and order["verdict"] == "holds"
+    assert "paired s − u +0.03 [+0.02, +0.04] (n = 20)" in order["measured"]
     attn = {
         "with_sink": np.full((6, 3, 30), 0.6),
         "without_sink": np.full((6, 3, 30), 0.97),
@@ -110,3 +115,36 @@ def test_findings_put_the_shipped_numbers_beside_kvlabs():
     # without the shipped file there is no thread number, and nothing made up in its place
     (bare,) = findings._claim_order(sweep, R.Reference(None).get("orig_14b_base_results"))
     assert bare["thread"] == "—"
+
+
+def test_control_order_is_decided_by_paired_differences():
+    """unrelated < scrambled < roll 20 holds when every paired step's interval lies above 0, even where the
+    conditions' own intervals overlap; a step that reaches 0 fails it; fewer than 5 text samples cannot
+    decide; a roll_sweep result without the paired differences leaves it untested."""
+    from kvlab.study.experiments import roll_sweep
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.3, 0.9, size=20)  # per text sample: wide spread, small consistent steps
+    raw = {
+        c: {m: [np.full((2, 2, 4), b + step) for b in base] for m in ("k", "v")}
+        for c, step in (("unrelated", 0.0), ("scrambled", 0.01), ("roll_20", 0.02))
+    }
+    summ = roll_sweep.summarise(raw)
+    sweep = {"windows": 20, "context_tokens": 64, "conditions": summ}
+    sweep["control_order_paired"] = roll_sweep.paired_order(raw)
+    u, s = summ["unrelated"]["k_x0"], summ["scrambled"]["k_x0"]
+    assert u["high"] > s["low"]  # the unpaired intervals overlap
+    (order,) = findings._claim_order(sweep, None)
+    assert order["verdict"] == order["outcome"] == "holds", order["measured"]
+    assert abs(order["key"]["value"] - 0.01) < 1e-9
+    raw["roll_20"]["v"] = raw["scrambled"]["v"]  # no step from scrambled to roll 20 in V
+    sweep["control_order_paired"] = roll_sweep.paired_order(raw)
+    assert findings._claim_order(sweep, None)[0]["verdict"] == "does not hold"
+    few = {c: {m: a[:3] for m, a in ms.items()} for c, ms in raw.items()}
+    (undecided,) = findings._claim_order(
+        {**sweep, "control_order_paired": roll_sweep.paired_order(few)}, None
+    )
+    assert undecided["verdict"] == undecided["outcome"] == "cannot decide"
+    assert "(n = 3, no interval)" in undecided["measured"]
+    del sweep["control_order_paired"]
+    assert findings._claim_order(sweep, None)[0]["outcome"] == "not tested here"

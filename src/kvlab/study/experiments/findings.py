@@ -14,10 +14,11 @@ import numpy as np
 
 from kvlab.errors import BadInputError
 from kvlab.metrics import spectral as S
-from kvlab.metrics.stats import bootstrap_ci
+from kvlab.metrics.stats import MIN_SAMPLES, bootstrap_ci
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments import needed
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
+from kvlab.study.report.format import format_interval, side_of_zero
 
 SOURCES = ("roll_sweep", "roll_long", "rope_derotation")
 ATTN_ROLLS = (1, 5, 20)
@@ -90,6 +91,7 @@ CLAIMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 #: What each fine-grained verdict means for the claim (the first screen's three outcomes).
 OUTCOME = {
     "holds": "holds",
+    "cannot decide": "cannot decide",
     "does not hold": "does not hold",
     "artefact": "does not hold",
     "not applicable": "not tested here",
@@ -222,37 +224,53 @@ def _claim_v(sweep: dict, long: dict, derot: dict, ref14: Any) -> list[dict]:
     ]
 
 
-def _disjoint(a: dict, b: dict) -> bool:
-    """``a``'s interval lies wholly below ``b``'s (False where either has no interval)."""
-    if None in (a.get("high"), b.get("low")):
-        return False
-    return a["high"] < b["low"]
-
-
 def _claim_order(sweep: dict, ref14: Any) -> list[dict]:
-    """Record for the claim: unrelated < scrambled < rolled."""
+    """Record for the claim: unrelated < scrambled < rolled, each step a paired per-text-sample difference."""
     if not sweep:
         return []
-    c = sweep["conditions"]
-    parts, ok = [], True
-    for m in ("k", "v"):
-        u, s, r = c["unrelated"][f"{m}_x0"], c["scrambled"][f"{m}_x0"], c["roll_20"][f"{m}_x0"]
-        ok &= _disjoint(u, s) and _disjoint(s, r)
-        parts.append(f"{m.upper()}: {_iv(u)} < {_iv(s)} < {_iv(r)}")
+    c, diffs = sweep["conditions"], sweep.get("control_order_paired")
     thread = (
         "K " + " < ".join(f"{ref14[k]['cos_k']['mean']:.3f}" for k in ("unrelated", "scrambled", "roll_20"))
         if ref14
         else "—"
     )
+    rule = (
+        "holds if, for both K and V, the paired per-text-sample differences scrambled − unrelated and roll 20 − "
+        f"scrambled (each against the same original window) have 95% bootstrap intervals wholly above 0 over "
+        f"{sweep['windows']} text samples; fewer than {MIN_SAMPLES}: no interval, cannot decide"
+    )
+    if diffs is None:  # a roll_sweep result from before the paired differences
+        measured = "roll_sweep's result has no paired differences (re-run roll_sweep)"
+        return [_claim("control_order", measured, thread, "not tested here", rule, None, "")]
+    parts, sides = [], []
+    for m in ("k", "v"):
+        u, s, r = (c[k][f"{m}_x0"] for k in ("unrelated", "scrambled", "roll_20"))
+        steps = [
+            (name, diffs[key][m])
+            for name, key in (("s − u", "scrambled-unrelated"), ("r − s", "roll_20-scrambled"))
+        ]
+        sides += [side_of_zero(d) for _, d in steps]
+        paired = ", ".join(f"{name} {format_interval(d, signed=True)}" for name, d in steps)
+        parts.append(f"{m.upper()}: {_iv(u)} < {_iv(s)} < {_iv(r)} (paired {paired})")
+    verdict = (
+        "cannot decide"
+        if any(x not in ("above 0", "below 0", "contains 0") for x in sides)
+        else "holds"
+        if all(x == "above 0" for x in sides)
+        else "does not hold"
+    )
     return [
         _claim(
             "control_order",
-            "; ".join(parts) + " (unrelated / scrambled / roll 20)",
+            "; ".join(parts) + " (u/s/r: unrelated / scrambled / roll 20)",
             thread,
-            "holds" if ok else "does not hold",
-            f"holds if the bootstrap 95% intervals are ordered and disjoint for both K and V over {sweep['windows']} text samples",
-            {**c["roll_20"]["k_x0"], "samples": f"text samples of {sweep['context_tokens']} tokens"},
-            f"raw K cosine, roll 20 (scrambled {c['scrambled']['k_x0']['value']:.3f}, unrelated {c['unrelated']['k_x0']['value']:.3f})",
+            verdict,
+            rule,
+            {
+                **diffs["roll_20-scrambled"]["k"],
+                "samples": f"text samples of {sweep['context_tokens']} tokens",
+            },
+            "roll 20 minus scrambled, raw K cosine (paired per text sample)",
         )
     ]
 
@@ -439,10 +457,16 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         {"claim": c, "outcome": OUTCOME.get(v, v)} for c, v in (s.get("verdicts") or {}).items()
     ]
     count = {
-        o: sum(1 for c in records if c["outcome"] == o) for o in ("holds", "does not hold", "not tested here")
+        o: sum(1 for c in records if c["outcome"] == o)
+        for o in ("holds", "does not hold", "cannot decide", "not tested here")
     }
     text = (
         f"Of the thread's {len(records)} claims, {count['holds']} hold, {count['does not hold']} do not"
+        + (
+            f", {count['cannot decide']} cannot be decided (too few samples)"
+            if count["cannot decide"]
+            else ""
+        )
         + (f" and {count['not tested here']} were not tested here" if count["not tested here"] else "")
         + " (each verdict with its rule below)."
     )

@@ -135,6 +135,8 @@ def claim(pooled: dict, conv: str, label: str) -> dict:
     accuracy and top-1 differences beside it."""
     diffs = pooled[f"{conv}-original"]
     verdict = better(diffs["kld"], False, conv)
+    outcome = "holds" if verdict == "original better" else "does not hold"
+    outcome = "cannot decide" if verdict.startswith("no interval") else outcome
     rest = "; ".join(
         f"{name} {label} {format_interval(diffs[m], signed=True)} ({better(diffs[m], up, conv)})"
         for m, name, up in METRICS[1:]
@@ -143,12 +145,12 @@ def claim(pooled: dict, conv: str, label: str) -> dict:
         "id": f"positions_{conv}",
         "claim": f"Original positions beat {conv} ones after eviction ({label}, by KL)",
         "verdict": verdict,
-        "outcome": "holds" if verdict == "original better" else "does not hold",
+        "outcome": outcome,
         "measured": f"{verdict}: KL {label} {format_interval(diffs['kld'], signed=True)} nats/token; {rest}",
         "rule": f"the paired per-trial difference {label} ({conv} minus original, same trial and kept slots) "
         "of the mean per-token KL to the full cache, each trial's evictions (scores, ratios) averaged, over "
         "every task, length and trial: a 95% bootstrap interval above 0 holds (original better), below 0 "
-        "or across 0 does not",
+        "or across 0 does not; fewer than 5 trials give no interval: cannot decide",
         "key": {**(diffs["kld"] or {}), "samples": "trials", "label": f"KL {label} (nats/token)"},
     }
 

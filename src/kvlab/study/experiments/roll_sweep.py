@@ -140,6 +140,23 @@ def summarise(raw: dict[str, dict[str, list[np.ndarray]]], seed: int = 0) -> dic
     return out
 
 
+#: the thread's control order, lowest cosine to the original first
+CONTROL_ORDER = ("unrelated", "scrambled", "roll_20")
+
+
+def paired_order(raw: dict[str, dict[str, list[np.ndarray]]], seed: int = 0) -> dict[str, dict[str, Any]]:
+    """``{"scrambled-unrelated": {"k": iv, "v": iv}, "roll_20-scrambled": {...}}``: per text sample, the
+    higher condition's mean K (V) cosine to the original minus the lower one's (both against the same
+    original window), mean with a 95% bootstrap interval over text samples."""
+    out: dict[str, dict[str, Any]] = {}
+    for lo, hi in zip(CONTROL_ORDER, CONTROL_ORDER[1:], strict=False):
+        out[f"{hi}-{lo}"] = {
+            m: _ci(np.array([b.mean() - a.mean() for a, b in zip(raw[lo][m], raw[hi][m], strict=True)]), seed)
+            for m in ("k", "v")
+        }
+    return out
+
+
 def _stack_padded(arrs: list[np.ndarray], reduce_axes: tuple[int, ...], length: int) -> np.ndarray:
     """Per-window curves (mean over ``reduce_axes``), NaN-padded to ``length`` -> ``[W, length]``."""
     out = np.full((len(arrs), length), np.nan)
@@ -363,6 +380,7 @@ def run(
         "windows": W,
         "context_tokens": T,
         "conditions": summ,
+        "control_order_paired": paired_order(raw, ctx.seed),
         "roll_counts": {c: roll_amount(a, T) for c, k, a in conditions(T) if k in ("roll", "truncate")},
     }
     result.arrays.update(_arrays(raw))

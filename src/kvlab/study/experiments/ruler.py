@@ -19,6 +19,7 @@ import numpy as np
 from kvlab.metrics.stats import MIN_SAMPLES, bootstrap_ci, wilson_ci
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number
+from kvlab.study.report.format import side_of_zero as side
 
 TITLE = "RULER-style accuracy vs compression ratio, and KL to the full cache"
 #: KL below this (nats per token, mean over question + answer) is "almost nothing" (llama.cpp's q4_0: 0.009)
@@ -280,16 +281,6 @@ def paired(rows: list[dict], a: str, b: str, key: str, seed: int) -> dict | None
     y = {(r["task"], r["length"], r["trial"]): float(r[key]) for r in rows if r["spec"] == b}
     d = [x[k] - y[k] for k in sorted(x.keys() & y.keys()) if np.isfinite(x[k]) and np.isfinite(y[k])]
     return bootstrap_ci(d, seed=seed).to_json() if d else None
-
-
-def side(d: dict | None) -> str:
-    """Where a paired difference's 95% interval lies: "above 0", "below 0", "contains 0", or why there is
-    none ("n = 2, no interval")."""
-    if d is None:
-        return "no common trials"
-    if d.get("low") is None or d.get("high") is None:
-        return f"n = {d['n']}, no interval"
-    return "above 0" if d["low"] > 0 else "below 0" if d["high"] < 0 else "contains 0"
 
 
 def _diff_text(d: dict | None, label: str, digits: int = 3) -> str:

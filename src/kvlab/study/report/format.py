@@ -61,6 +61,16 @@ def format_interval(
     return bounds if n is None else f"{bounds} (n = {n})"
 
 
+def side_of_zero(d: dict | None) -> str:
+    """Where a paired difference's 95% interval (JSON) lies: "above 0", "below 0", "contains 0", or why there
+    is none ("n = 2, no interval"; "no common samples")."""
+    if d is None:
+        return "no common samples"
+    if not (_finite(d.get("low")) and _finite(d.get("high"))):
+        return f"n = {d.get('n')}, no interval"
+    return "above 0" if d["low"] > 0 else "below 0" if d["high"] < 0 else "contains 0"
+
+
 def dig(summary: dict, path: str) -> Any:
     """``dig(s, "rolls.1.k")`` → ``s["rolls"]["1"]["k"]`` (None where a key is missing)."""
     if isinstance(summary, dict) and path in summary:  # keys may themselves contain dots

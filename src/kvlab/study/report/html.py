@@ -252,7 +252,12 @@ def verdicts_data(results: Sequence[tuple[str, ExperimentResult]], smoke: bool) 
     count = {o: sum(1 for c in claims if c["outcome"] == o) for o in OUTCOME_CSS}
     sentence = (
         f"Of the thread's {len(claims)} claims, {count['holds']} hold, {count['does not hold']} do not"
-        f" and {count['not tested here']} were not tested here."
+        + (
+            f", {count['cannot decide']} cannot be decided (too few samples)"
+            if count["cannot decide"]
+            else ""
+        )
+        + f" and {count['not tested here']} were not tested here."
     )
     if smoke:
         sentence = (
