@@ -20,7 +20,7 @@ from kvlab.metrics import bootstrap_ci, wilson_ci
 from kvlab.ops.transfer import concat_caches, drop_prefix
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers_grouped, score_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.format import format_number, iv, num, side_of_zero
 
 CONDITIONS = (
     ("no_context", "no context"),
@@ -178,15 +178,33 @@ def _figure(labels, acc, mnll, n, name):
     return fig
 
 
+def _nll_side(d: dict) -> str:
+    """What the paired NLL difference (with sinks minus without) says."""
+    return {
+        "below 0": "the sinks lower it",
+        "above 0": "the sinks raise it",
+        "contains 0": "no difference seen",
+    }.get(side_of_zero(d), "too few facts for an interval")
+
+
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     """Finding and headline numbers for the report, from this run's summary."""
+    same = s.get("injected_equals_text")  # per fact: the same logits (to 1e-4) and the same exact answer
+    sinks_diff = s.get("sinks_minus_no_sinks_nll")
     text = (
-        f"An injected cache answers the invented facts "
-        f"{'as well as' if num(s, 'accuracy.injected') == num(s, 'accuracy.text') else 'differently from'} the text itself "
-        f"({format_number(num(s, 'accuracy.injected'))} "
-        f"vs {format_number(num(s, 'accuracy.text'))} accuracy; no context: {format_number(num(s, 'accuracy.no_context'))}); "
-        f"re-positioned without sinks the answer's NLL rises to {format_number(num(s, 'answer_nll_nats.repos_0'))} nats, "
-        f"with {s.get('sinks', 4)} sinks it stays at {format_number(num(s, 'answer_nll_nats.repos_4'))}."
+        "An injected cache answers the invented facts "
+        + ("as" if same else "not as")
+        + " the text itself does, fact by fact "
+        f"({format_number(num(s, 'accuracy.injected'))} vs {format_number(num(s, 'accuracy.text'))} accuracy; "
+        f"no context: {format_number(num(s, 'accuracy.no_context'))}); re-positioned, the answer's NLL is "
+        f"{format_number(num(s, 'answer_nll_nats.repos_0'))} nats without sinks and "
+        f"{format_number(num(s, 'answer_nll_nats.repos_4'))} with {s.get('sinks', 4)}"
+        + (
+            f" (with minus without, paired per fact: {iv(s, 'sinks_minus_no_sinks_nll', signed=True)}, "
+            f"{_nll_side(sinks_diff)})."
+            if sinks_diff
+            else "."
+        )
     )
     rows = [
         ("accuracy, text in context", iv(s, "accuracy.text")),
@@ -194,6 +212,10 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         ("accuracy, no context", iv(s, "accuracy.no_context")),
         ("answer NLL (nats), re-positioned, no sinks", iv(s, "answer_nll_nats.repos_0")),
         ("answer NLL (nats), re-positioned, with sinks", iv(s, "answer_nll_nats.repos_4")),
+        (
+            "answer NLL, with sinks minus without (paired per fact)",
+            iv(s, "sinks_minus_no_sinks_nll", signed=True),
+        ),
     ]
     return text, rows
 

@@ -30,7 +30,7 @@ from kvlab.metrics.text import agreement_length
 from kvlab.ops.transfer import hybrid_kv, reposition, swap_slots
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.format import format_interval, format_number, iv, num, side_of_zero
 
 METRICS = ("first_token_kl", "ref_nll", "distinct_2", "longest_repeat", "agreement")
 
@@ -152,6 +152,7 @@ def run(
         c: float(np.mean([p[c]["first_token_kl_vs_y"] for p in per])) for c in names if c.startswith("cross")
     }
     result.tables.extend(_tables(handle, names, stats, per, cross_kl_y, n_win, length, roll, gen_tokens))
+    result.summary["sink_alone_minus_both"] = sink_paired(arr["first_token_kl"], names, ctx.seed)
     result.summary.update(
         {
             "windows": n_win,
@@ -178,6 +179,34 @@ def run(
     )
     result.data_sources.append(f"{text.source}: {n_win + 1} text samples of {length} tokens")
     return result
+
+
+#: the sink-only swaps: the re-prefilled sink's K, V or both put into the naive rolled cache
+SINK = "sink: naive + ref sink "
+
+
+def sink_paired(kl: np.ndarray, names: list[str], seed: int) -> dict[str, dict] | None:
+    """Per text sample, the first-token KL with only the sink's K (V) swapped in minus with both swapped in
+    (``kl``: ``[samples, conditions]``): mean with a 95% bootstrap interval (JSON), None without those
+    conditions."""
+    if not all(f"{SINK}{x}" in names for x in ("KV", "K", "V")):
+        return None
+    both = kl[:, names.index(f"{SINK}KV")]
+    return {x: bootstrap_ci(kl[:, names.index(SINK + x)] - both, seed=seed).to_json() for x in ("K", "V")}
+
+
+def _sink_verdict(paired: dict | None) -> str:
+    """What the paired differences say about the sink's K and V: together only when each alone leaves the
+    KL higher than both (each interval wholly above 0)."""
+    if not paired:
+        return "this result has no paired differences to tell whether the sink's K and V act together."
+    diffs = ", ".join(f"{x} alone − both {format_interval(paired[x], signed=True)}" for x in ("K", "V"))
+    sides = [side_of_zero(paired[x]) for x in ("K", "V")]
+    if any(x not in ("above 0", "below 0", "contains 0") for x in sides):
+        return f"with so few text samples there is no paired interval ({diffs}): this run cannot tell."
+    if all(x == "above 0" for x in sides):
+        return f"each alone leaves the KL higher than both together ({diffs}, paired): they act together."
+    return f"the paired differences ({diffs}) do not show that the sink's K and V need each other."
 
 
 def _tables(
@@ -259,21 +288,20 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     """Finding and headline numbers for the report, from this run's summary."""
     kl = s.get("first_token_kl") or {}
     pick = [k for k in kl if k.startswith(("roll: K orig", "roll: K ref", "sink: naive + ref sink"))]
-    both, k_only, v_only = (num(kl, f"sink: naive + ref sink {x}") for x in ("KV", "K", "V"))
-    together = (
-        both is not None and k_only is not None and v_only is not None and both * 5 < min(k_only, v_only)
-    )
+    both, k_only, v_only = (num(kl, f"{SINK}{x}") for x in ("KV", "K", "V"))
     text = (
         f"After a {s.get('roll', '?')}-token roll, swapping in the re-prefilled sink's K and V together brings the "
         f"first-token KL to {format_number(both)} nats, K alone to {format_number(k_only)} and V alone to "
-        f"{format_number(v_only)}: "
-        + (
-            "the sink's keys and values act together."
-            if together
-            else "the sink's K and V do not need each other here."
-        )
+        f"{format_number(v_only)}: " + _sink_verdict(s.get("sink_alone_minus_both"))
     )
     rows = [(f"first-token KL (nats), {k}", iv(kl, k)) for k in pick]
+    rows += [
+        (
+            f"first-token KL, sink {x} alone minus both (paired)",
+            iv(s, f"sink_alone_minus_both.{x}", signed=True),
+        )
+        for x in (s.get("sink_alone_minus_both") or {})
+    ]
     return text, rows
 
 

@@ -16,7 +16,7 @@ from kvlab.metrics import bootstrap_ci, bootstrap_curve, wilson_ci
 from kvlab.ops.transfer import transfer_layers
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.format import format_number, iv, num, side_of_zero
 
 
 def layer_conditions(num_layers: int, width: int, stride: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -93,6 +93,11 @@ def run(
             "best_window": conds[win[int(np.argmin(nll[:, win].mean(0)))]][0] if win else None,
         }
     )
+    if win:  # the best window against no layers and every layer, fact by fact
+        labels, best = [c[0] for c in conds], win[int(np.argmin(nll[:, win].mean(0)))]
+        for other in ("none", "all"):
+            diff = nll[:, best] - nll[:, labels.index(other)]
+            result.summary[f"best_window_minus_{other}_nll"] = bootstrap_ci(diff, seed=ctx.seed).to_json()
     result.arrays.update(
         {
             "exact": exact,
@@ -150,13 +155,38 @@ def _figure(ex, nl, centres, exact_all, nll_all, conds, width, name, seed):
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     """Finding and headline numbers for the report, from this run's summary."""
     best = s.get("best_window")
+    layers = str(best).replace("window ", "")
+    to_none = s.get("best_window_minus_none_nll")
+    says = {
+        "below 0": "carry the fact",
+        "contains 0": "do not carry the fact more than no layers do",
+        "above 0": "do worse than no layers",
+    }
+    verdict = (
+        says.get(side_of_zero(to_none), "give the lowest answer NLL (too few facts for a paired interval)")
+        if to_none
+        else "give the lowest answer NLL"
+    )
     text = (
-        f"Of the layer ranges tried, layers {str(best).replace('window ', '')} carry the fact: transferring only them gives answer NLL "
+        f"Of the layer ranges tried, layers {layers} {verdict}: transferring only them gives answer NLL "
         f"{format_number(num(s, f'answer_nll_nats.{best}'))} nats against {format_number(num(s, 'answer_nll_nats.all'))} "
-        f"with every layer and {format_number(num(s, 'answer_nll_nats.none'))} with none."
+        f"with every layer and {format_number(num(s, 'answer_nll_nats.none'))} with none"
+        + (
+            f" (minus none, paired per fact: {iv(s, 'best_window_minus_none_nll', signed=True)})."
+            if to_none
+            else "."
+        )
     )
     rows = [
         (f"answer NLL (nats), {k}", iv(s, f"answer_nll_nats.{k}")) for k in (s.get("answer_nll_nats") or {})
+    ]
+    rows += [
+        (
+            f"answer NLL, best window minus {k} (paired per fact)",
+            iv(s, f"best_window_minus_{k}_nll", signed=True),
+        )
+        for k in ("none", "all")
+        if s.get(f"best_window_minus_{k}_nll")
     ]
     return text, rows
 

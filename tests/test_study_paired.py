@@ -1,0 +1,86 @@
+"""The study's findings that compare two caches say what a paired difference over the same samples says:
+kv_swap (the sink's K and V), context_retention (sinks or none), layer_transfer (the best layer window);
+hand-made summaries, each way the interval can fall, and no verdict from fewer than 5 samples."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlab.study.experiments import context_retention, kv_swap, layer_transfer
+
+
+def _iv(value: float, low: float | None, high: float | None, n: int = 8) -> dict:
+    return {"value": value, "low": low, "high": high, "n": n}
+
+
+def _swap(kl_rows: list[list[float]]) -> dict:
+    names = [f"{kv_swap.SINK}{x}" for x in ("KV", "K", "V")]
+    kl = np.array(kl_rows)
+    return {
+        "roll": 5,
+        "first_token_kl": {
+            c: {"value": float(kl[:, j].mean()), "low": None, "high": None} for j, c in enumerate(names)
+        },
+        "sink_alone_minus_both": kv_swap.sink_paired(kl, names, seed=0),
+    }
+
+
+def test_kv_swap_says_the_sinks_k_and_v_act_together_only_from_paired_intervals():
+    rng = np.random.default_rng(0)
+    both = rng.uniform(0.1, 2.0, size=8)  # per text sample: a wide spread, each half alone a little higher
+    s = _swap([[b, b + 0.05, b + 0.1] for b in both])
+    assert abs(s["sink_alone_minus_both"]["K"]["value"] - 0.05) < 1e-9
+    text, rows = kv_swap.describe(s)
+    assert text.endswith(
+        "(K alone − both +0.05 [+0.05, +0.05] (n = 8), V alone − both +0.1 [+0.1, +0.1] (n = 8), paired): they act together."
+    )
+    assert ("first-token KL, sink K alone minus both (paired)", "+0.05 [+0.05, +0.05] (n = 8)") in rows
+    text, _ = kv_swap.describe(_swap([[b, b + 0.05, b] for b in both]))  # V alone is as good as both
+    assert "do not show that the sink's K and V need each other" in text
+    text, _ = kv_swap.describe(_swap([[b, b + 1, b + 1] for b in both[:3]]))  # 3 samples: no interval
+    assert "this run cannot tell" in text and "(n = 3, no interval)" in text and "[" not in text
+    old = {k: v for k, v in _swap([[1, 2, 3]] * 5).items() if k != "sink_alone_minus_both"}
+    assert "has no paired differences" in kv_swap.describe(old)[0]  # a result from before the field
+
+
+def test_context_retention_reads_the_sinks_from_the_paired_difference():
+    s = {
+        "sinks": 4,
+        "injected_equals_text": True,
+        "accuracy": {k: _iv(0.5, 0.3, 0.7) for k in ("text", "injected", "no_context")},
+        "answer_nll_nats": {"repos_0": _iv(3.0, 2.0, 4.0), "repos_4": _iv(2.5, 1.5, 3.5)},
+        "sinks_minus_no_sinks_nll": _iv(-0.5, -0.8, -0.2),
+    }
+    text, rows = context_retention.describe(s)
+    assert "as the text itself does, fact by fact" in text
+    assert "paired per fact: -0.5 [-0.8, -0.2] (n = 8), the sinks lower it)" in text
+    assert ("answer NLL, with sinks minus without (paired per fact)", "-0.5 [-0.8, -0.2] (n = 8)") in rows
+    s["sinks_minus_no_sinks_nll"] = _iv(-0.5, -0.8, 0.1)
+    assert "no difference seen" in context_retention.describe(s)[0]
+    s["sinks_minus_no_sinks_nll"] = _iv(-0.5, None, None, n=3)
+    assert "(n = 3, no interval), too few facts for an interval" in context_retention.describe(s)[0]
+    s["injected_equals_text"] = False
+    assert "not as the text itself does" in context_retention.describe(s)[0]
+
+
+def test_layer_transfer_says_a_window_carries_the_fact_only_from_the_paired_difference():
+    s = {
+        "best_window": "window 2-3",
+        "answer_nll_nats": {
+            "none": _iv(4.0, 3.0, 5.0),
+            "all": _iv(1.0, 0.5, 1.5),
+            "window 2-3": _iv(2.0, 1.5, 2.5),
+        },
+        "best_window_minus_none_nll": _iv(-2.0, -2.5, -1.5),
+        "best_window_minus_all_nll": _iv(1.0, 0.5, 1.5),
+    }
+    text, rows = layer_transfer.describe(s)
+    assert text.startswith("Of the layer ranges tried, layers 2-3 carry the fact:")
+    assert "(minus none, paired per fact: -2 [-2.5, -1.5] (n = 8))" in text
+    assert ("answer NLL, best window minus all (paired per fact)", "+1 [+0.5, +1.5] (n = 8)") in rows
+    s["best_window_minus_none_nll"] = _iv(-2.0, -2.5, 0.5)
+    assert "do not carry the fact more than no layers do" in layer_transfer.describe(s)[0]
+    s["best_window_minus_none_nll"] = _iv(-2.0, None, None, n=2)
+    assert "too few facts for a paired interval" in layer_transfer.describe(s)[0]
+    del s["best_window_minus_none_nll"], s["best_window_minus_all_nll"]
+    assert "layers 2-3 give the lowest answer NLL:" in layer_transfer.describe(s)[0]
