@@ -84,3 +84,21 @@ def test_layer_transfer_says_a_window_carries_the_fact_only_from_the_paired_diff
     assert "too few facts for a paired interval" in layer_transfer.describe(s)[0]
     del s["best_window_minus_none_nll"], s["best_window_minus_all_nll"]
     assert "layers 2-3 give the lowest answer NLL:" in layer_transfer.describe(s)[0]
+
+
+def test_caching_numerics_names_the_closer_run_from_the_paired_per_step_difference():
+    from kvlab.study.experiments.caching_numerics import _closer
+
+    names = ["float32/cached", "float32/recomputed"]
+    rng = np.random.default_rng(0)
+    base = rng.uniform(1e-6, 1e-3, size=12)  # per step: a wide spread; cached a little below, every step
+    assert _closer(np.stack([base, base + 1e-5]), names, ["float32"])["float32"]["closer"] == "cached"
+    assert _closer(np.stack([base + 1e-5, base]), names, ["float32"])["float32"]["closer"] == "recomputed"
+    mixed = base + np.where(np.arange(12) % 2, 1e-5, -1e-5)
+    v = _closer(np.stack([mixed, base]), names, ["float32"])["float32"]
+    assert v["closer"] == "neither (contains 0)" and v["cached_closer_fraction"] == 0.5
+    few = _closer(np.stack([base[:3], base[:3] + 1e-5]), names, ["float32"])["float32"]
+    assert (
+        few["closer"] == "cannot tell (n = 3, no interval)"
+        and few["cached_minus_recomputed_kl"]["low"] is None
+    )

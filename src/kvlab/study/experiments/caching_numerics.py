@@ -17,9 +17,10 @@ import torch
 from kvlab.data import python_docs
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, kl_divergence
+from kvlab.metrics.stats import MIN_SAMPLES
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.format import format_interval, format_number, iv, num, side_of_zero
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -78,7 +79,7 @@ def run(
     kl = np.stack([kl_divergence(ref, runs[n]).numpy() for n in names])  # [runs, steps]
     maxabs = np.stack([(runs[n].double() - ref.double()).abs().amax(-1).numpy() for n in names])
     div = {n: first_divergence(runs[n], path) for n in names}
-    closer = _closer(kl, names, dtypes)
+    closer = _closer(kl, names, dtypes, ctx.seed)
     result.tables.extend(_tables(names, kl, maxabs, div, closer, steps, len(prompt), ctx.seed))
     result.summary.update(
         {
@@ -125,16 +126,25 @@ def _runs(ctx: ExperimentContext, base, prompt: list[int], path: list[int], dtyp
     return runs
 
 
-def _closer(kl: np.ndarray, names: list[str], dtypes) -> dict:
-    """Per dtype: is the cached or the recomputed run closer to the fp64 reference?"""
+def _closer(kl: np.ndarray, names: list[str], dtypes, seed: int = 0) -> dict:
+    """Per dtype: is the cached or the recomputed run closer to the fp64 reference? By the paired per-step
+    difference of KL (cached minus recomputed, the same step of the same path), its 95% bootstrap interval
+    over steps: "cached" below 0, "recomputed" above 0, else "neither (the paired interval contains 0)"."""
     closer = {}
     for dt in dtypes:
         c, r = kl[names.index(f"{dt}/cached")], kl[names.index(f"{dt}/recomputed")]
+        diff = bootstrap_ci(c - r, seed=seed).to_json()
+        where = side_of_zero(diff)
         closer[dt] = {
             "cached_closer_fraction": float((c < r).mean()),
             "mean_kl_cached": float(c.mean()),
             "mean_kl_recomputed": float(r.mean()),
-            "closer": "cached" if c.mean() < r.mean() else "recomputed",
+            "cached_minus_recomputed_kl": diff,
+            "closer": {
+                "below 0": "cached",
+                "above 0": "recomputed",
+                "contains 0": "neither (contains 0)",
+            }.get(where, f"cannot tell ({where})"),
         }
     return closer
 
@@ -174,15 +184,26 @@ def _tables(names, kl, maxabs, div, closer, steps: int, prompt_tokens: int, seed
             "Cached or recomputed: which is closer to fp64?",
             [
                 "dtype",
-                "closer on average",
+                "closer (paired)",
+                "cached − recomputed KL [95% CI]",
                 "share of steps cached is closer",
                 "mean KL cached",
                 "mean KL recomputed",
             ],
             [
-                [dt, v["closer"], v["cached_closer_fraction"], v["mean_kl_cached"], v["mean_kl_recomputed"]]
+                [
+                    dt,
+                    v["closer"],
+                    format_interval(v["cached_minus_recomputed_kl"], signed=True),
+                    v["cached_closer_fraction"],
+                    v["mean_kl_cached"],
+                    v["mean_kl_recomputed"],
+                ]
                 for dt, v in closer.items()
             ],
+            caption="Paired per step: cached minus recomputed KL to the fp64 reference at the same step of the "
+            "same path, mean with a 95% bootstrap interval over steps (correlated: read it as spread); "
+            f"'cached' when it lies below 0, 'recomputed' above 0; fewer than {MIN_SAMPLES} steps: no interval.",
         ),
     ]
 
