@@ -206,6 +206,9 @@ def test_suffix_experiment_smoke(smollm, tmp_path):
     assert arrays["kl_to_reprefill"].shape == (2, 2, 2)
     ratios = result.summary["median_kl_ratio_no_sink_over_sinks"]
     assert all(np.isfinite(v) for v in ratios.values())
+    paired = result.summary["kl_ratio_no_sink_over_sinks_paired"]  # per text sample: 2, no interval
+    assert set(paired) == set(ratios) and all(v["n"] == 2 and v["low"] is None for v in paired.values())
+    assert "this run cannot tell" in result.finding
     # the rolled cache and the re-prefill against the full context, over every continuation token
     for key in ("kl_to_full_rolled", "top1_to_full_rolled", "kl_to_full_reprefill", "top1_to_full_reprefill"):
         x = arrays[key]

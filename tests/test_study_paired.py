@@ -102,3 +102,30 @@ def test_caching_numerics_names_the_closer_run_from_the_paired_per_step_differen
         few["closer"] == "cannot tell (n = 3, no interval)"
         and few["cached_minus_recomputed_kl"]["low"] is None
     )
+
+
+def test_suffix_caching_says_the_sinks_help_only_from_paired_ratios():
+    from kvlab.study.experiments import suffix_caching as sc
+
+    rng = np.random.default_rng(0)
+    kept = rng.uniform(1e-3, 1.0, size=10)  # per text sample: three orders of magnitude apart
+    iv = sc.paired_ratio(kept * 3, kept, seed=0)
+    assert abs(iv["value"] - 3) < 1e-9 and iv["n"] == 10  # every sample 3x: a geometric mean of 3
+    assert sc.paired_ratio(np.array([np.nan, 0.0]), np.array([1.0, 1.0]), seed=0) is None
+    s = {
+        "kl_ratio_no_sink_over_sinks_paired": {"n1_sinks4": iv},
+        "median_kl_ratio_no_sink_over_sinks": {"n1_sinks4": 3.0},
+    }
+    text, rows = sc.describe(s)
+    assert text.endswith(
+        "is 3x that with them kept (geometric mean of the per-text-sample ratios); every cell's "
+        "paired 95% interval lies above 1: keeping the sinks brings it closer."
+    )
+    assert rows[0][0] == "KL without sinks / with sinks, paired per text sample (n1_sinks4)"
+    mixed = kept * np.where(np.arange(10) % 2, 3.0, 1 / 3)  # 3x on half the samples, a third on the rest
+    s["kl_ratio_no_sink_over_sinks_paired"]["n1_sinks4"] = sc.paired_ratio(mixed, kept, seed=0)
+    assert "does not bring it closer everywhere" in sc.describe(s)[0]
+    s["kl_ratio_no_sink_over_sinks_paired"]["n1_sinks4"] = sc.paired_ratio(kept[:2] * 3, kept[:2], seed=0)
+    assert "this run cannot tell" in sc.describe(s)[0]
+    del s["kl_ratio_no_sink_over_sinks_paired"]  # a result from before the paired ratios
+    assert sc.describe(s)[0].startswith("Rolling a cached context by re-rotating its keys is 3x closer")

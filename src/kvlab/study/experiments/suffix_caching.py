@@ -32,7 +32,7 @@ from kvlab.metrics import (
     wilson_ci,
 )
 from kvlab.metrics.divergence import compare_logits
-from kvlab.metrics.stats import MIN_SAMPLES
+from kvlab.metrics.stats import MIN_SAMPLES, Interval
 from kvlab.ops.suffix import (
     recompute_first,
     recompute_most_deviant,
@@ -309,7 +309,7 @@ def run(
     full_table, summary_kl = _full_table(stacked, st, ctx.seed)
     result.tables.append(full_table)
     summary: dict[str, Any] = {"windows": len(passages), "context_tokens": st.ctx_len, "source": source}
-    summary.update(_acceptance(stacked, st), kl_to_full=summary_kl)
+    summary.update(_acceptance(stacked, st, ctx.seed), kl_to_full=summary_kl)
     result.notes.append(_kl_note(summary_kl))
     result.tables.append(_greedy_table(stacked, st, ctx.seed))
     rec_table, rrows, rec_arrays = _recompute_table(rec_rows, st, ctx.seed)
@@ -436,18 +436,31 @@ def _kl_note(summary_kl: dict) -> str:
     )
 
 
-def _acceptance(stacked: dict, st: Settings) -> dict[str, Any]:
-    """Sinks vs no sinks at n <= 20, and how often the rolled cache is closer to the full context."""
-    ratios = {}
+def paired_ratio(a: np.ndarray, b: np.ndarray, seed: int) -> dict | None:
+    """Per text sample ``a / b`` (both from the same sample): the geometric mean with a 95% bootstrap
+    interval (the mean log ratio's, exponentiated) as JSON; None when no sample has both finite and > 0."""
+    ok = np.isfinite(a) & np.isfinite(b) & (a > 0) & (b > 0)
+    if not ok.any():
+        return None
+    logs = bootstrap_ci(np.log(a[ok] / b[ok]), seed=seed)
+    value, low, high = (float(np.exp(x)) for x in (logs.value, logs.low, logs.high))
+    return Interval(value, low, high, logs.n).to_json()
+
+
+def _acceptance(stacked: dict, st: Settings, seed: int = 0) -> dict[str, Any]:
+    """Sinks vs no sinks at n <= 20 (the ratio of medians, and paired per text sample), and how often the
+    rolled cache is closer to the full context."""
+    ratios, paired = {}, {}
     if 0 in st.sink_list:
         j0 = st.sink_list.index(0)
         for s in [s for s in st.sink_list if s > 0]:
             js = st.sink_list.index(s)
             for i, n in enumerate(st.drop_n):
                 if n <= 20:
-                    a = np.nanmedian(stacked["kl_to_reprefill"][:, i, j0])
-                    b = np.nanmedian(stacked["kl_to_reprefill"][:, i, js])
-                    ratios[f"n{n}_sinks{s}"] = float(a / b) if b > 0 else float("inf")
+                    a, b = stacked["kl_to_reprefill"][:, i, j0], stacked["kl_to_reprefill"][:, i, js]
+                    med_a, med_b = np.nanmedian(a), np.nanmedian(b)
+                    ratios[f"n{n}_sinks{s}"] = float(med_a / med_b) if med_b > 0 else float("inf")
+                    paired[f"n{n}_sinks{s}"] = paired_ratio(a, b, seed)
     closer = np.where(
         np.isfinite(stacked["kl_full_to_rolled"]) & np.isfinite(stacked["kl_full_to_reprefill"]),
         (stacked["kl_full_to_rolled"] < stacked["kl_full_to_reprefill"]).astype(float),
@@ -455,6 +468,7 @@ def _acceptance(stacked: dict, st: Settings) -> dict[str, Any]:
     )
     return {
         "median_kl_ratio_no_sink_over_sinks": ratios,
+        "kl_ratio_no_sink_over_sinks_paired": paired,
         "share_rolled_closer_to_full": {
             f"n{n}_sinks{s}": float(np.nanmean(closer[:, i, j]))
             for i, n in enumerate(st.drop_n)
@@ -617,7 +631,9 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     """Finding and headline numbers for the report, from this run's summary."""
     ratios = s.get("median_kl_ratio_no_sink_over_sinks", {}) or {}
     shares = s.get("share_rolled_closer_to_full", {}) or {}
-    rows = [(f"KL without sinks / with sinks ({k})", iv(ratios, k)) for k in ratios]
+    paired = {k: v for k, v in (s.get("kl_ratio_no_sink_over_sinks_paired") or {}).items() if v}
+    rows = [(f"KL without sinks / with sinks, paired per text sample ({k})", iv(paired, k)) for k in paired]
+    rows += [(f"KL without sinks / with sinks, ratio of medians ({k})", iv(ratios, k)) for k in ratios]
     rows += [
         (f"share of text samples where the rolled cache is closer to the full context ({k})", iv(shares, k))
         for k in shares
@@ -632,12 +648,31 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     ]
     vals = [float(v) for v in ratios.values() if isinstance(v, int | float)]
     text = (
-        f"Rolling a cached context by re-rotating its keys is {format_range(vals)}x closer "
+        _sinks_sentence(paired)
+        if paired
+        else f"Rolling a cached context by re-rotating its keys is {format_range(vals)}x closer "
         "to re-prefilling (median KL) when the sink tokens are kept than when they are dropped."
         if vals
         else "Suffix caching with and without sinks (see the tables)."
     )
     return text, rows
+
+
+def _sinks_sentence(paired: dict[str, dict]) -> str:
+    """Sinks kept vs dropped, from the paired per-text-sample KL ratios (dropped / kept) of every cell."""
+    if any(v.get("low") is None for v in paired.values()):
+        says = (
+            "too few text samples for a paired interval: this run cannot tell whether keeping the sinks helps"
+        )
+    elif all(v["low"] > 1 for v in paired.values()):
+        says = "every cell's paired 95% interval lies above 1: keeping the sinks brings it closer"
+    else:
+        says = "not every cell's paired 95% interval lies above 1: keeping the sinks does not bring it closer everywhere"
+    return (
+        "Rolling a cached context by re-rotating its keys, the KL to re-prefilling with the sink tokens dropped is "
+        f"{format_range([v['value'] for v in paired.values()])}x that with them kept (geometric mean of the "
+        f"per-text-sample ratios); {says}."
+    )
 
 
 EXPERIMENT = Experiment(
