@@ -1244,7 +1244,10 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
             if args.no_kvpress
             else [
                 "Same family, paired on the same trials (kvlab policy vs the kvpress press that implements the same "
-                "idea; identical decoded answers and KL mean the same slots were kept):",
+                "idea; identical answers and KL mean the same scoring, not always the same slots: kvlab keeps "
+                "round(keep × T) slots per head, kvpress int(T × (1 − ratio)), one slot more per head on kvlab's side "
+                "where keep × T has a fractional part of .5 or more; the slots themselves are compared in "
+                "`benchmarks/results/snapkv_vs_kvpress.md`):",
                 "",
                 *paired_lines(rows, args.seed),
                 "",
