@@ -50,11 +50,15 @@ def test_the_experiment_on_a_tiny_model(tiny, tmp_path):
     # a table of verdicts, one per task, one pooled; every cache at the length in each task's table
     assert [t.title for t in result.tables] == [
         "Claims checked",
+        "Each cache minus the full cache (accuracy, paired per trial, all tasks pooled)",
         "Task niah_single",
         "Task vt",
         "All tasks pooled",
     ]
-    assert all(len(t.rows) == len(caches) for t in result.tables[1:])
+    assert all(len(t.rows) == len(caches) for t in result.tables[2:])
+    diffs = result.tables[1].rows  # every other cache against the full one, on the same 4 trials
+    assert [r[1] for r in diffs] == caches[1:] and all(r[2] == 4 and r[4] == "cannot decide" for r in diffs)
+    assert all(r[3].endswith("(n = 4, no interval)") for r in diffs)
     for p in s["points"]:
         assert p["trials"] == (4 if p["task"] == "all" else 2)
         _check_interval(p["accuracy"])
@@ -162,6 +166,8 @@ def test_paired_differences_see_what_overlapping_intervals_hide():
     assert R.side(rec["accuracy_difference"]) == "below 0" and rec["accuracy_difference"]["n"] == 60
     assert rec["verdict"] == "does not hold" and rec["kl_ok"] and not rec["accuracy_ok"]
     assert "paired int4 − full accuracy -0.1 [" in rec["measured"] and "below 0" in rec["measured"]
+    (row,) = R._paired_table(_rows({"full": full, "int4": int4}), specs, {"lengths": [100]}, 0).rows
+    assert row[:3] == [100, "int4", 60] and row[3].startswith("-0.1 [") and row[4] == "below 0"
 
 
 def test_bad_options_are_refused(tiny, tmp_path):
