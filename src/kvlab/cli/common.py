@@ -121,18 +121,22 @@ def _read_cache(value: Any, read: Callable[[list[str]], object]) -> Any:
     return value
 
 
-def cache_spec(value: str | None) -> str | None:
-    """Typer callback for ``--cache SPEC``: any policy :func:`kvlab.compress.spec.parse` reads."""
+def _live(specs: list[str]) -> None:
+    """Each spec read (none twice), as a live cache runs it (:meth:`~kvlab.compress.layouts.Layout.live_check`)."""
     from kvlab.compress.spec import parse_many
 
-    return _read_cache(value, parse_many)
+    for spec, policy in zip(specs, parse_many(specs), strict=True):
+        policy.layout.live_check(policy, spec)
+
+
+def cache_spec(value: str | None) -> str | None:
+    """Typer callback for a live command's ``--cache SPEC`` (generate): a policy a live cache runs."""
+    return _read_cache(value, _live)
 
 
 def cache_specs(value: list[str] | None) -> list[str] | None:
-    """Typer callback for a repeatable ``--cache SPEC``: each one read, none twice."""
-    from kvlab.compress.spec import parse_many
-
-    return _read_cache(value, parse_many)
+    """Typer callback for a live command's repeatable ``--cache SPEC`` (stream-ppl): each one read, none twice."""
+    return _read_cache(value, _live)
 
 
 def eval_cache_specs(value: list[str] | None) -> list[str] | None:

@@ -14,6 +14,7 @@ class, what it means:
 ``apply(policy, source, h)``    offline: what that cache holds after a context (the eval's rows)
 ``eval_check(policy, spec)``    refuse what a one-shot offline run cannot do
 ``serve_check(policy, spec)``   refuse what ``kvlab serve`` cannot run (default: everything)
+``live_check(policy, spec)``    refuse what a live cache cannot run (generate, stream-ppl)
 ``rolls()``                     the sinks, window and chunk of a layout that rolls a window, else None
 ``held_at_most(limit)``         the most slots a cache that only the model's position limit bounds holds
 ``for_feed(feed)``              itself as a stream fed ``feed`` tokens at a time runs it
@@ -171,6 +172,10 @@ class Layout:
 
     def eval_check(self, policy: CachePolicy, spec: str) -> None:
         """Refuse what the eval, which compresses a context once, cannot run."""
+
+    def live_check(self, policy: CachePolicy, spec: str) -> None:
+        """Refuse what a live cache (``kvlab generate``, stream-ppl, :meth:`cache`) cannot run, before any model
+        loads."""
 
     def serve_check(self, policy: CachePolicy, spec: str) -> None:
         """Refuse what ``kvlab serve`` cannot run: each layout that it can says so (:attr:`serves`)."""

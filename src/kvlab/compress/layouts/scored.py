@@ -162,12 +162,7 @@ class ScoredLayout(Layout):
         from kvlab.hf.compressed_cache import CompressedCache
         from kvlab.hf.policy_cache import model_parts
 
-        self._refuse_offline_score(policy.spec)
-        if self.prefix is not None:
-            raise BadInputError(
-                f"cache spec '{policy.spec}': prefix= says how kvlab serve compresses a shared system prompt; "
-                "a cache of its own shares no prefix: drop prefix="
-            )
+        self.live_check(policy, policy.spec)
         config, model, codec = model_parts(policy, handle)
         budget: dict[str, Any] = {"keep": self.keep} if self.keep is not None else {"budget": self.budget}
         return CompressedCache(
@@ -264,6 +259,21 @@ class ScoredLayout(Layout):
             raise BadInputError(
                 f"cache spec '{spec}': the {policy.codec} codec reads slots along tokens or their "
                 "positions, which a scored eviction makes different per head; use int<bits> or fp8 with it"
+            )
+
+    def live_check(self, policy: CachePolicy, spec: str) -> None:
+        """A live cache scores with what its forward sees: no extra pass (KVzip), no ranking across layers
+        (``heads=global``), no prefix shared with other conversations (``prefix=``, the server's)."""
+        self._refuse_offline_score(spec)
+        if self.heads == "global":
+            raise BadInputError(
+                f"cache spec '{spec}': heads=global runs offline only (kvlab eval): it ranks every layer's scores "
+                "together, and a live cache evicts each layer inside the forward, before the later layers are scored"
+            )
+        if self.prefix is not None:
+            raise BadInputError(
+                f"cache spec '{spec}': prefix= says how kvlab serve compresses a shared system prompt; a cache "
+                "of its own shares no prefix: drop prefix="
             )
 
     def _refuse_offline_score(self, spec: str) -> None:
