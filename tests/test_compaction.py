@@ -262,3 +262,11 @@ def test_compaction_smoke_run(smollm, tmp_path, conversations):
     # The same tokens at the end (compacted) are far more alike slot by slot than another conversation's.
     assert tail["compacted"]["cos_v"]["value"] > tail["unrelated"]["cos_v"]["value"] + 0.2
     assert "Confound" in " ".join(result.notes)
+    # the compacted cache against each other condition, conversation by conversation
+    paired, cent = result.summary["centroid_paired"], result.summary["centroid"]
+    assert set(paired) == set(comp.CONDITIONS) - {"compacted"}
+    want = cent["compacted"]["v_centred"]["value"] - cent["verbatim_tail_only"]["v_centred"]["value"]
+    assert paired["verbatim_tail_only"]["v_centred"]["value"] == pytest.approx(want, abs=1e-9)
+    assert paired["unrelated"]["v"]["n"] == 3 and paired["unrelated"]["v"]["low"] is None  # 3: no interval
+    table = next(t for t in result.tables if t.title.startswith("Compacted minus each other condition"))
+    assert all(cell.endswith("(n = 3, no interval)") for row in table.rows for cell in row[1:])

@@ -129,3 +129,26 @@ def test_suffix_caching_says_the_sinks_help_only_from_paired_ratios():
     assert "this run cannot tell" in sc.describe(s)[0]
     del s["kl_ratio_no_sink_over_sinks_paired"]  # a result from before the paired ratios
     assert sc.describe(s)[0].startswith("Rolling a cached context by re-rotating its keys is 3x closer")
+
+
+def test_compaction_puts_the_paired_difference_beside_the_centroids():
+    from kvlab.study.experiments import compaction
+
+    s = {
+        "conversations": 10,
+        "centroid": {
+            c: {"v_centred": _iv(v, v - 0.1, v + 0.1, 10)}
+            for c, v in (("compacted", 0.5), ("verbatim_tail_only", 0.36), ("unrelated", 0.1))
+        },
+    }
+    text, rows = compaction.describe(s)
+    assert text.endswith("for an unrelated conversation.")  # a result from before the paired differences
+    s["centroid_paired"] = {"verbatim_tail_only": {"v_centred": _iv(0.14, 0.05, 0.2, 10)}}
+    text, rows = compaction.describe(s)
+    assert text.endswith(
+        "(compacted minus the tail alone, paired per conversation: +0.14 [+0.05, +0.2] (n = 10))."
+    )
+    assert rows[-1] == (
+        "centred V centroid cosine, compacted minus verbatim_tail_only (paired)",
+        "+0.14 [+0.05, +0.2] (n = 10)",
+    )

@@ -26,14 +26,14 @@ from kvlab.data import shared_conversations
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
 from kvlab.metrics.similarity import compare_caches, normalise_against_baseline
-from kvlab.metrics.stats import Interval
+from kvlab.metrics.stats import MIN_SAMPLES, Interval
 from kvlab.rope.ops import remove_rope_stacked
 from kvlab.study.experiments import _conversations as built
 from kvlab.study.experiments._conversations import RECENT_MARKER, chat_ids
 from kvlab.study.experiments._rolling import reference
 from kvlab.study.experiments._sampling import seeded_order
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.format import dig, format_interval, format_number, iv, num, side_of_zero
 
 CONDITIONS = ("compacted", "verbatim_tail_only", "summary_only", "shuffled_compacted", "unrelated")
 LABELS = {
@@ -356,6 +356,7 @@ def _report(ctx, result, name, convs, tokens, tail, sim, pos, curves) -> None:
     N = len(convs)
     summary: dict[str, Any] = {"conversations": N, "conditions": list(CONDITIONS), "centroid": {}, "tail": {}}
     result.tables.append(_centroid_table(sim, summary))
+    result.tables.append(_paired_centroid_table(sim, summary))
     result.tables.append(_tail_table(pos, tail, summary))
     share = tail / tokens[:, 1]
     result.tables.append(_conversation_table(tokens, tail, share, sim))
@@ -369,6 +370,10 @@ def _report(ctx, result, name, convs, tokens, tail, sim, pos, curves) -> None:
 
 #: the centroid table's similarity columns (V and de-rotated K, raw and centred)
 CENTROID_COLUMNS = ("v", "v_centred", "k_derotated", "k_derotated_centred")
+#: where each column's numbers sit in the similarity arrays: (K 0 / V 1, raw or centred)
+CENTROID_SOURCES = dict(
+    zip(CENTROID_COLUMNS, ((1, "raw"), (1, "centred"), (0, "raw"), (0, "centred")), strict=True)
+)
 
 
 def _centroid_table(sim: dict, summary: dict) -> Table:
@@ -391,8 +396,10 @@ def _centroid_table(sim: dict, summary: dict) -> Table:
         cells = [_s(entry[k]) for k in (*CENTROID_COLUMNS, "v_vs_unrelated")]
         rows.append([LABELS[cond], *cells, f"{thread[cond]:.2f}" if cond in thread else ""])
     c = CONDITIONS.index("compacted")
-    sides = zip(CENTROID_COLUMNS, ((1, "raw"), (1, "centred"), (0, "raw"), (0, "centred")), strict=True)
-    pre = {k: _iv(_per_conv(sim[f"pretail_{kind}"][:, c, which])) for k, (which, kind) in sides}
+    pre = {
+        k: _iv(_per_conv(sim[f"pretail_{kind}"][:, c, which]))
+        for k, (which, kind) in CENTROID_SOURCES.items()
+    }
     summary["centroid"]["compacted_summary_region"] = {
         k: (iv.to_json() if iv else None) for k, iv in pre.items()
     }
@@ -412,6 +419,42 @@ def _centroid_table(sim: dict, summary: dict) -> Table:
         rows,
         caption="Centred: each centroid minus the mean full-conversation centroid of the other conversations. "
         "Thread numbers from the research brief (no interval).",
+    )
+
+
+def _paired_cell(d: Interval | None) -> str:
+    """``+0.1 [+0.05, +0.2] (n = 10): above 0``, or the value and why there is no interval."""
+    if d is None:
+        return "n/a"
+    return (
+        f"{format_interval(d, signed=True)}: {side_of_zero(d.to_json())}"
+        if d.has_interval
+        else format_interval(d, signed=True)
+    )
+
+
+def _paired_centroid_table(sim: dict, summary: dict) -> Table:
+    """The compacted cache minus each other condition, conversation by conversation (the same full
+    conversation on both sides); fills ``summary["centroid_paired"]``."""
+    c = CONDITIONS.index("compacted")
+    rows, summary["centroid_paired"] = [], {}
+    for o, cond in enumerate(CONDITIONS):
+        if cond == "compacted":
+            continue
+        diffs = {
+            k: _iv(_per_conv(sim[kind][:, c, which]) - _per_conv(sim[kind][:, o, which]))
+            for k, (which, kind) in CENTROID_SOURCES.items()
+        }
+        summary["centroid_paired"][cond] = {k: (d.to_json() if d else None) for k, d in diffs.items()}
+        cells = [_paired_cell(d) for d in diffs.values()]
+        rows.append([f"compacted − {LABELS[cond]}", *cells])
+    return Table(
+        "Compacted minus each other condition, paired per conversation (centroid cosine to the full conversation)",
+        ["difference", "V", "V centred", "K de-rotated", "K de-rotated centred"],
+        rows,
+        caption="Per conversation, the compacted cache's centroid cosine minus the other condition's (both "
+        "against the same full conversation), mean with a 95% bootstrap interval over conversations and where "
+        f"it lies; fewer than {MIN_SAMPLES} conversations: no interval.",
     )
 
 
@@ -607,13 +650,27 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         f"Over {s.get('conversations', '?')} conversations, the compacted cache's centred V centroid is at cosine "
         f"{format_number(num(s, 'centroid.compacted.v_centred'))} to the full one, against "
         f"{format_number(num(s, 'centroid.verbatim_tail_only.v_centred'))} for the verbatim tail alone and "
-        f"{format_number(num(s, 'centroid.unrelated.v_centred'))} for an unrelated conversation."
+        f"{format_number(num(s, 'centroid.unrelated.v_centred'))} for an unrelated conversation"
+        + (
+            f" (compacted minus the tail alone, paired per conversation: "
+            f"{iv(s, 'centroid_paired.verbatim_tail_only.v_centred', signed=True)})."
+            if dig(s, "centroid_paired.verbatim_tail_only.v_centred")
+            else "."
+        )
     )
     rows = [
         ("centred V centroid cosine, compacted", iv(s, "centroid.compacted.v_centred")),
         ("centred V centroid cosine, verbatim tail only", iv(s, "centroid.verbatim_tail_only.v_centred")),
         ("centred V centroid cosine, summary only", iv(s, "centroid.summary_only.v_centred")),
         ("centred V centroid cosine, unrelated", iv(s, "centroid.unrelated.v_centred")),
+    ]
+    rows += [
+        (
+            f"centred V centroid cosine, compacted minus {cond} (paired)",
+            iv(s, f"centroid_paired.{cond}.v_centred", signed=True),
+        )
+        for cond in ("verbatim_tail_only", "unrelated")
+        if dig(s, f"centroid_paired.{cond}.v_centred")
     ]
     return text, rows
 
