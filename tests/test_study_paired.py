@@ -152,3 +152,27 @@ def test_compaction_puts_the_paired_difference_beside_the_centroids():
         "centred V centroid cosine, compacted minus verbatim_tail_only (paired)",
         "+0.14 [+0.05, +0.2] (n = 10)",
     )
+
+
+def test_transplant_reads_the_nll_change_from_the_paired_difference():
+    from kvlab.study.experiments import transplant
+
+    own, moved = "docs/base/own cache", "docs/base/transplanted"
+    s = {
+        "derivative": {"kind": "quantized"},
+        own: {"nll": _iv(3.58, 3.2, 4.0)},
+        moved: {"top1": _iv(0.9, 0.85, 0.95), "kl": _iv(0.05, 0.04, 0.06), "nll": _iv(3.39, 3.0, 3.8)},
+        "random_geometry_ev": {"k": -0.1, "v": -0.2},
+        "cross_model": None,
+    }
+    assert "3.39 vs 3.58 with its own cache)" in transplant.describe(s)[0]  # before the paired difference
+    s[moved]["nll_minus_own"] = _iv(
+        -0.19, -0.3, -0.08
+    )  # the intervals of the two NLLs overlap; the pairs do not
+    text = transplant.describe(s)[0]
+    assert (
+        "transplanted minus own, paired per text sample: -0.19 [-0.3, -0.08] (n = 8), the transplant predicts the text better)"
+        in text
+    )
+    s[moved]["nll_minus_own"] = _iv(-0.19, None, None, 3)
+    assert "(n = 3, no interval), too few text samples for an interval)" in transplant.describe(s)[0]

@@ -72,6 +72,12 @@ def test_numerics_and_transplant(tmp_path, smollm, monkeypatch):
     for receiver in ("base", "derivative"):
         assert tr.summary[f"docs/{receiver}/own cache"]["kl"]["value"] == 0
         assert tr.summary[f"docs/{receiver}/transplanted"]["kl"]["value"] > 1e-4  # the weights differ
+        # NLL against the receiver's own cache, on the same text sample: 1 sample, no interval
+        moved, own = (tr.summary[f"docs/{receiver}/{c}"] for c in ("transplanted", "own cache"))
+        assert "nll_minus_own" not in own and moved["nll_minus_own"]["low"] is None
+        assert moved["nll_minus_own"]["value"] == pytest.approx(moved["nll"]["value"] - own["nll"]["value"])
+    own_row, moved_row = tr.tables[0].rows[:2]  # own cache, then transplanted: the paired column
+    assert own_row[2:] and own_row[-1] == "–" and moved_row[-1].endswith("(n = 1, no interval)")
 
 
 def test_transplant_gemma_section_not_applicable_when_absent(tmp_path, smollm, monkeypatch):
