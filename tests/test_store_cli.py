@@ -123,6 +123,14 @@ def test_store_reuse_experiment_smoke(smollm, tmp_path):
     # the claim, measured: CacheBlend-style recompute is closer to a full prefill than rotation only
     kl = doc["summary"]["kl_mean"]
     assert kl["cacheblend"] < kl["none"] and kl["epic"] < kl["none"], kl
+    # ... and per question, paired: 2 questions give no interval, so no verdict either way
+    diff = doc["summary"]["cacheblend_minus_rotation_only_kl"]
+    assert (
+        diff["n"] == 2
+        and diff["low"] is None
+        and diff["value"] == pytest.approx(kl["cacheblend"] - kl["none"])
+    )
+    assert doc["summary"]["cacheblend_closer_than_rotation_only"] is None
     assert (tmp_path / "run" / "ttft_by_tier.png").is_file() and (
         tmp_path / "run" / "nonprefix_quality.png"
     ).is_file()

@@ -176,3 +176,22 @@ def test_transplant_reads_the_nll_change_from_the_paired_difference():
     )
     s[moved]["nll_minus_own"] = _iv(-0.19, None, None, 3)
     assert "(n = 3, no interval), too few text samples for an interval)" in transplant.describe(s)[0]
+
+
+def test_store_reuse_quotes_cacheblend_against_rotation_only_paired():
+    from kvlab.study.experiments import store_reuse
+
+    s = {
+        "kl_mean": {"none": 0.5, "cacheblend": 0.3},
+        "cacheblend_minus_rotation_only_kl": _iv(-0.2, -0.3, -0.1),
+    }
+    text, rows = store_reuse.describe(s)
+    assert text.endswith(
+        "with CacheBlend's correction (minus rotation only, paired per question: -0.2 [-0.3, -0.1] (n = 8))."
+    )
+    assert rows[-1] == (
+        "non-prefix reuse KL, CacheBlend minus rotation only (paired per question)",
+        "-0.2 [-0.3, -0.1] (n = 8)",
+    )
+    del s["cacheblend_minus_rotation_only_kl"]  # a result from before the paired difference
+    assert store_reuse.describe(s)[0].endswith("with CacheBlend's correction.")

@@ -30,7 +30,7 @@ from kvlab.store import DiskTier, KVStore, MemoryTier, StoreUnavailableError, pr
 from kvlab.store.blend import blend, correction_by_name
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.format import format_number, iv, num, side_of_zero
 
 if TYPE_CHECKING:
     from kvlab.store.redis_tier import RedisTier
@@ -475,11 +475,15 @@ def _summary(p1: dict, p2: dict, modes) -> dict:
         "kl_mean": {m: float(p2["metrics"][m]["kl"].mean()) for m in modes},
         "accuracy": {m: float(p2["metrics"][m]["correct"].mean()) for m in modes}
         | {"full_prefill": float(ref["correct"].mean())},
-        "cacheblend_closer_than_rotation_only": bool(
-            p2["metrics"]["cacheblend"]["kl"].mean() < p2["metrics"]["none"]["kl"].mean()
-        ),
         "questions": len(p2["items"]),
     }
+    # the same question answered both ways: a paired difference, and a verdict only from its interval
+    diff = bootstrap_ci(p2["metrics"]["cacheblend"]["kl"] - p2["metrics"]["none"]["kl"]).to_json()
+    where = side_of_zero(diff)
+    summary["cacheblend_minus_rotation_only_kl"] = diff
+    summary["cacheblend_closer_than_rotation_only"] = (
+        where == "below 0" if where in ("below 0", "above 0", "contains 0") else None
+    )  # None: too few questions for an interval
     return summary
 
 
@@ -516,7 +520,12 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         f"A stored prefix cuts time to first token {format_number(num(s, 'speedup_at_longest.memory'))}x from memory and "
         f"{format_number(num(s, 'speedup_at_longest.disk'))}x from disk at the longest prefix, with logits equal to a full "
         f"prefill (largest difference {format_number(num(s, 'max_abs_logit_error_vs_full.disk'))}); reusing non-prefix "
-        f"chunks costs KL {format_number(num(s, 'kl_mean.cacheblend'))} nats with CacheBlend's correction."
+        f"chunks costs KL {format_number(num(s, 'kl_mean.cacheblend'))} nats with CacheBlend's correction"
+        + (
+            f" (minus rotation only, paired per question: {iv(s, 'cacheblend_minus_rotation_only_kl', signed=True)})."
+            if s.get("cacheblend_minus_rotation_only_kl")
+            else "."
+        )
     )
     rows = [
         (f"time-to-first-token speed-up, {k}", iv(s, f"speedup_at_longest.{k}"))
@@ -527,6 +536,13 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         for k in (s.get("max_abs_logit_error_vs_full") or {})
     ]
     rows += [(f"non-prefix reuse KL (nats), {k}", iv(s, f"kl_mean.{k}")) for k in (s.get("kl_mean") or {})]
+    if s.get("cacheblend_minus_rotation_only_kl"):
+        rows.append(
+            (
+                "non-prefix reuse KL, CacheBlend minus rotation only (paired per question)",
+                iv(s, "cacheblend_minus_rotation_only_kl", signed=True),
+            )
+        )
     return text, rows
 
 
