@@ -90,14 +90,9 @@ def run(
             "window_stride": stride,
             "accuracy": {lab: a.to_json() for (lab, _), a in zip(conds, acc, strict=True)},
             "answer_nll_nats": {lab: m.to_json() for (lab, _), m in zip(conds, mnll, strict=True)},
-            "best_window": conds[win[int(np.argmin(nll[:, win].mean(0)))]][0] if win else None,
+            **_best_window(nll, conds, win, ctx.seed),
         }
     )
-    if win:  # the best window against no layers and every layer, fact by fact
-        labels, best = [c[0] for c in conds], win[int(np.argmin(nll[:, win].mean(0)))]
-        for other in ("none", "all"):
-            diff = nll[:, best] - nll[:, labels.index(other)]
-            result.summary[f"best_window_minus_{other}_nll"] = bootstrap_ci(diff, seed=ctx.seed).to_json()
     result.arrays.update(
         {
             "exact": exact,
@@ -121,6 +116,19 @@ def run(
         f"{len(episodes)} fact/question pairs written for kvlab; the model's chat template"
     )
     return result
+
+
+def _best_window(nll: np.ndarray, conds: list, win: list[int], seed: int) -> dict:
+    """The window with the lowest mean answer NLL, and its paired per-fact NLL difference to no layers and
+    to every layer (95% bootstrap over facts)."""
+    if not win:
+        return {"best_window": None}
+    labels, best = [c[0] for c in conds], win[int(np.argmin(nll[:, win].mean(0)))]
+    out: dict = {"best_window": labels[best]}
+    for other in ("none", "all"):
+        diff = nll[:, best] - nll[:, labels.index(other)]
+        out[f"best_window_minus_{other}_nll"] = bootstrap_ci(diff, seed=seed).to_json()
+    return out
 
 
 def _figure(ex, nl, centres, exact_all, nll_all, conds, width, name, seed):
