@@ -102,3 +102,21 @@ def test_prose_columns_are_left_aligned_and_numbers_right():
     assert "<td>0.02 (n = 3, no interval)</td>" in page and "<td>12</td>" in page
     assert '<th class="text">measured</th>' in page and "<th>n</th>" in page
     assert "th.text{text-align:left}" in page  # the header follows its column
+
+
+def test_a_paired_difference_says_where_its_interval_lies():
+    from kvlab.study.report.format import says, side_of_zero
+
+    def d(low, high, n=8):
+        return {"value": 0.1, "low": low, "high": high, "n": n}
+
+    assert side_of_zero(d(0.05, 0.2)) == "above 0" and side_of_zero(d(-0.2, -0.05)) == "below 0"
+    assert side_of_zero(d(0.0, 0.2)) == "contains 0"  # a bound at 0 does not exclude it
+    assert (
+        side_of_zero(d(None, None, 3)) == "n = 3, no interval" and side_of_zero(None) == "no common samples"
+    )
+    assert side_of_zero(d(float("nan"), 0.2)) == "n = 8, no interval"
+    words = ("lower", "higher", "same", "too few")
+    assert [says(x, *words) for x in (d(-0.2, -0.1), d(0.1, 0.2), d(-0.1, 0.1), d(None, None, 2))] == list(
+        words
+    )

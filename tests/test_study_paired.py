@@ -166,9 +166,8 @@ def test_transplant_reads_the_nll_change_from_the_paired_difference():
         "cross_model": None,
     }
     assert "3.39 vs 3.58 with its own cache)" in transplant.describe(s)[0]  # before the paired difference
-    s[moved]["nll_minus_own"] = _iv(
-        -0.19, -0.3, -0.08
-    )  # the intervals of the two NLLs overlap; the pairs do not
+    # the intervals of the two NLLs overlap; the paired difference's does not reach 0
+    s[moved]["nll_minus_own"] = _iv(-0.19, -0.3, -0.08)
     text = transplant.describe(s)[0]
     assert (
         "transplanted minus own, paired per text sample: -0.19 [-0.3, -0.08] (n = 8), the transplant predicts the text better)"

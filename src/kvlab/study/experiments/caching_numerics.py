@@ -20,7 +20,7 @@ from kvlab.metrics import bootstrap_ci, kl_divergence
 from kvlab.metrics.stats import MIN_SAMPLES
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_interval, format_number, iv, num, side_of_zero
+from kvlab.study.report.format import format_interval, format_number, iv, num, says, side_of_zero
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -140,11 +140,7 @@ def _closer(kl: np.ndarray, names: list[str], dtypes, seed: int = 0) -> dict:
             "mean_kl_cached": float(c.mean()),
             "mean_kl_recomputed": float(r.mean()),
             "cached_minus_recomputed_kl": diff,
-            "closer": {
-                "below 0": "cached",
-                "above 0": "recomputed",
-                "contains 0": "neither (contains 0)",
-            }.get(where, f"cannot tell ({where})"),
+            "closer": says(diff, "cached", "recomputed", "neither (contains 0)", f"cannot tell ({where})"),
         }
     return closer
 

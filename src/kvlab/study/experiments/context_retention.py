@@ -20,7 +20,7 @@ from kvlab.metrics import bootstrap_ci, wilson_ci
 from kvlab.ops.transfer import concat_caches, drop_prefix
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers_grouped, score_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num, side_of_zero
+from kvlab.study.report.format import format_number, iv, num, says
 
 CONDITIONS = (
     ("no_context", "no context"),
@@ -178,15 +178,6 @@ def _figure(labels, acc, mnll, n, name):
     return fig
 
 
-def _nll_side(d: dict) -> str:
-    """What the paired NLL difference (with sinks minus without) says."""
-    return {
-        "below 0": "the sinks lower it",
-        "above 0": "the sinks raise it",
-        "contains 0": "no difference seen",
-    }.get(side_of_zero(d), "too few facts for an interval")
-
-
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     """Finding and headline numbers for the report, from this run's summary."""
     same = s.get("injected_equals_text")  # per fact: the same logits (to 1e-4) and the same exact answer
@@ -201,7 +192,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         f"{format_number(num(s, 'answer_nll_nats.repos_4'))} with {s.get('sinks', 4)}"
         + (
             f" (with minus without, paired per fact: {iv(s, 'sinks_minus_no_sinks_nll', signed=True)}, "
-            f"{_nll_side(sinks_diff)})."
+            f"{says(sinks_diff, 'the sinks lower it', 'the sinks raise it', few='too few facts for an interval')})."
             if sinks_diff
             else "."
         )

@@ -16,7 +16,7 @@ from kvlab.metrics import bootstrap_ci, bootstrap_curve, wilson_ci
 from kvlab.ops.transfer import transfer_layers
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num, side_of_zero
+from kvlab.study.report.format import format_number, iv, num, says
 
 
 def layer_conditions(num_layers: int, width: int, stride: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -165,13 +165,14 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     best = s.get("best_window")
     layers = str(best).replace("window ", "")
     to_none = s.get("best_window_minus_none_nll")
-    says = {
-        "below 0": "carry the fact",
-        "contains 0": "do not carry the fact more than no layers do",
-        "above 0": "do worse than no layers",
-    }
     verdict = (
-        says.get(side_of_zero(to_none), "give the lowest answer NLL (too few facts for a paired interval)")
+        says(
+            to_none,
+            "carry the fact",
+            "do worse than no layers",
+            "do not carry the fact more than no layers do",
+            "give the lowest answer NLL (too few facts for a paired interval)",
+        )
         if to_none
         else "give the lowest answer NLL"
     )

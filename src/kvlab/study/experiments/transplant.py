@@ -46,7 +46,7 @@ from kvlab.model.loading import GEMMA_ALIASES, GEMMA_INSTALL, GEMMA_NAME, gemma_
 from kvlab.ops.crossmodel import apply_cache_map, cache_map_grid, fit_cache_map, layer_ropes, transplant
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import dig, format_interval, format_number, iv, num, side_of_zero
+from kvlab.study.report.format import dig, format_interval, format_number, iv, num, says
 
 if TYPE_CHECKING:
     from kvlab.cache.snapshot import KVSnapshot
@@ -587,13 +587,13 @@ def _ev_figure(cmap, title: str):
     return fig
 
 
-def _nll_side(d: dict) -> str:
-    """What a paired NLL difference (transplanted minus own cache) says."""
-    return {
-        "above 0": "the transplant predicts the text worse",
-        "below 0": "the transplant predicts the text better",
-        "contains 0": "no difference seen",
-    }.get(side_of_zero(d), "too few text samples for an interval")
+#: what a paired NLL difference (transplanted minus own cache) says: below 0, above 0, across 0, none
+TRANSPLANT_SAYS = (
+    "the transplant predicts the text better",
+    "the transplant predicts the text worse",
+    "no difference seen",
+    "too few text samples for an interval",
+)
 
 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
@@ -610,7 +610,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
             f"vs {format_number(num(s, f'{own}.nll'))} with its own cache"
             + (
                 f"; transplanted minus own, paired per text sample: {iv(s, f'{moved}.nll_minus_own', signed=True)}, "
-                f"{_nll_side(dig(s, f'{moved}.nll_minus_own'))})"
+                f"{says(dig(s, f'{moved}.nll_minus_own'), *TRANSPLANT_SAYS)})"
                 if dig(s, f"{moved}.nll_minus_own")
                 else ")"
             )

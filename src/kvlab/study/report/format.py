@@ -71,6 +71,14 @@ def side_of_zero(d: dict | None) -> str:
     return "above 0" if d["low"] > 0 else "below 0" if d["high"] < 0 else "contains 0"
 
 
+def says(
+    d: dict | None, below: str, above: str, contains: str = "no difference seen", few: str = "no interval"
+) -> str:
+    """What a paired difference's interval says, in the caller's words: ``below`` when it lies wholly below
+    0, ``above`` when above, ``contains`` when across 0, ``few`` when there is none."""
+    return {"below 0": below, "above 0": above, "contains 0": contains}.get(side_of_zero(d), few)
+
+
 def dig(summary: dict, path: str) -> Any:
     """``dig(s, "rolls.1.k")`` → ``s["rolls"]["1"]["k"]`` (None where a key is missing)."""
     if isinstance(summary, dict) and path in summary:  # keys may themselves contain dots
