@@ -20,7 +20,7 @@ import numpy as np
 
 from kvlab.metrics.stats import bootstrap_ci, wilson_ci
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_interval
+from kvlab.study.report.format import format_interval, says
 
 TITLE = "Positions after eviction: original, re-rotated contiguous, within the cache"
 #: the conventions compared with ``original`` (a): (name, the difference's label)
@@ -122,12 +122,9 @@ def points(rows: list[dict], specs: list[Any], seed: int) -> list[dict]:
 def better(diff: dict | None, higher_is_better: bool, conv: str) -> str:
     """Which of ``original`` and ``conv`` a paired difference (conv - original) favours: the one its 95%
     interval excludes zero towards, else "no difference seen" (or "no interval" from too few trials)."""
-    if diff is None or diff.get("low") is None or diff.get("high") is None:
-        return "no interval (fewer than 5 trials)"
-    if diff["low"] > 0 or diff["high"] < 0:
-        conv_up = diff["low"] > 0
-        return f"{conv if conv_up == higher_is_better else 'original'} better"
-    return "no difference seen"
+    ours, theirs = f"{conv} better", "original better"
+    above, below = (ours, theirs) if higher_is_better else (theirs, ours)  # conv - original above / below 0
+    return says(diff, below, above, few="no interval (fewer than 5 trials)")
 
 
 def claim(pooled: dict, conv: str, label: str) -> dict:

@@ -42,7 +42,7 @@ from kvlab.ops.suffix import (
 from kvlab.policy import roll_amount
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_range, iv
+from kvlab.study.report.format import format_range, iv, says
 
 TITLE = "Suffix caching with attention sinks"
 
@@ -386,11 +386,8 @@ def _iv(x: np.ndarray, seed: int, proportion: bool = False):
 
 def _verdict(diff: dict | None) -> str:
     """From the paired KL difference rolled - re-prefill (its interval): which is closer to the full context."""
-    if diff is None or diff.get("low") is None:
-        return f"undecided (no interval: fewer than {MIN_SAMPLES} text samples)"
-    if diff["high"] < 0:
-        return "rolled closer"
-    return "re-prefill closer" if diff["low"] > 0 else "undecided"
+    few = f"undecided (no interval: fewer than {MIN_SAMPLES} text samples)"
+    return says(diff, "rolled closer", "re-prefill closer", "undecided", few)
 
 
 def _full_table(stacked: dict, st: Settings, seed: int) -> tuple[Table, dict]:
