@@ -55,7 +55,17 @@ def test_every_study_experiment_writes_its_finding():
 
 def test_glossary_defines_the_labels_the_report_uses():
     terms = " ".join(t for t, _ in GLOSSARY)
-    for label in ("the thread", "Phase 1", "sink", "KL", "interval", "smoke run", "seed"):
+    for label in (
+        "the thread",
+        "Phase 1",
+        "sink",
+        "KL",
+        "interval",
+        "paired difference",
+        "cannot decide",
+        "smoke run",
+        "seed",
+    ):
         assert label in terms or label in glossary_html()
 
 

@@ -48,6 +48,17 @@ GLOSSARY: tuple[tuple[str, str], ...] = (
         "(n = 2, no interval)",
     ),
     (
+        "paired difference",
+        "how two caches are compared: on each sample both ran (the same trial, text sample, fact or "
+        "step), one's number minus the other's, then the mean of those differences with its interval; a "
+        "verdict follows where that interval lies (above 0, below 0, or across 0)",
+    ),
+    (
+        "cannot decide",
+        "a verdict that needs a paired difference's interval, from a run with fewer than 5 paired samples "
+        "(so no interval): neither holds nor does not hold",
+    ),
+    (
         "smoke run",
         "a run of the quick profile: few samples, to show that every experiment runs; its numbers are "
         "not findings and its verdicts are marked (smoke)",
