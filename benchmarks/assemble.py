@@ -42,7 +42,7 @@ CPU = "CPU 2 cores"  # this project's machine: the page names any other in the r
 FIGURES = {
     "quality": (
         "eval_curves_4k.png",
-        "RULER-style accuracy against the fraction of the context removed, kvlab and kvpress on the same ids",
+        "RULER-style accuracy vs the fraction of the context removed, kvlab and kvpress, same ids",
     ),
 }
 
@@ -162,11 +162,9 @@ def _table(rows: list[Row], scripts: dict[str, str]) -> str:
 
 HEADER = """# Benchmarks
 
-One row per headline, built by `python benchmarks/assemble.py` from the summary block of each file in
-[benchmarks/results/](benchmarks/results/), which has the command, raw rows and reading. Rows ran on this
-project's machine (2 CPU cores, 24 GiB, float32 unless stated) unless they name a GPU; speed figures are
-ratios measured side by side in one run. A status other than *current* says why a figure may not hold
-today: *code changed since* (the code it measured changed after the run), *bar not met*, *not reproduced*.
+One row per headline, from the summary block of each file in [benchmarks/results/](benchmarks/results/)
+(`python benchmarks/assemble.py`). Rows ran on 2 CPU cores in float32 unless they say otherwise; speed
+figures are ratios measured side by side in one run. *code changed since*: the code it measured changed.
 """
 
 
@@ -184,12 +182,12 @@ def page(rows: list[Row], scripts: dict[str, str], archived: list[str]) -> str:
     other = [r for r in rows if r.status != "current" and r.theme != REGRESSION]
     if other:
         parts.append(
-            f"## Not met, not reproduced, or measured before a code change\n\n{_table(other, scripts)}\n"
+            f"## Not met, not reproduced, or code changed since\n\n{_table(other, scripts)}\n"
         )
     regressions = [r for r in rows if r.theme == REGRESSION]
     if regressions:
         parts.append(
-            "## Regression checks (kvlab against its own earlier commits)\n\n"
+            "## Regression checks (kvlab vs its own earlier commits)\n\n"
             + _table(regressions, scripts)
             + "\n"
         )

@@ -4,7 +4,7 @@
 
 Prints ``SPEC=ms`` per spec on one line (200 greedy tokens after a 13-token prompt, 1 torch thread, the
 best of 2 generations). Run it under two checkouts alternately (``PYTHONPATH=OLD/src`` / ``NEW/src``) for
-a paired old/new ratio: ``benchmarks/results/regression_issue28.md``.
+a paired old/new ratio: ``benchmarks/results/archive/regression_issue28.md``.
 """
 
 from __future__ import annotations
