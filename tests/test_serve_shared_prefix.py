@@ -64,6 +64,15 @@ def test_conversations_sharing_a_system_prompt_start_from_one_compressed_prefix(
             assert info["cached_tokens"] == (0 if i == 0 else PINNED)
             assert info["kept_tokens"] == kept < PINNED + 9 + 6
         assert e.prefixes.counts == {"computed": 1, "reused": 2, "warnings": 0}
+        from kvlab.serve.status import status_page
+
+        stats = e.store_stats()["compressed_prefixes"]
+        assert stats["hits"]["memory"] == 2 and stats["rejected"] == 0
+        page = status_page("tiny", e.status(), e.store_stats())
+        assert (
+            "compressed shared prefixes: 1 computed, 2 reused (2 from memory), 0 stored records rejected"
+            in page
+        )
     finally:
         e.stop()
     # another server on the same folder (a replica, or a restart) starts from the stored record

@@ -451,6 +451,7 @@ class Engine:
             "tiers": tiers,
             "hit_tokens": self.store.hit_tokens,
             "miss_tokens": self.store.miss_tokens,
+            "compressed_prefixes": self.prefixes.stats(),
         }
 
     def stop(self, timeout: float = 5.0) -> None:

@@ -66,6 +66,11 @@ class SharedPrefixes:
         kept_slots = int(record.layers[0][0].shape[-2])
         return {"tokens": len(ids), "kept": kept_slots, "source": source, "policy": self.policy.spec}
 
+    def stats(self) -> dict[str, object]:
+        """Shared prefixes computed and reused here, and the compressed store's counters (hits per tier,
+        rejected records...)."""
+        return {**self.counts, **(self.store.stats() if self.store is not None else {})}
+
     def _namespace(self, salt: str) -> Namespace:
         assert self.kv is not None
         return self.kv.namespace(self.handle, salt=salt or None)

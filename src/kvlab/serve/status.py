@@ -56,6 +56,17 @@ def _bar(layout: dict[str, Any]) -> str:
     return f'<div class="bar" title="{escape(title)}" role="img" aria-label="{escape(title)}">{spans}</div>'
 
 
+def _compressed(c: dict[str, Any]) -> str:
+    """One line on the shared system prompts compressed once (kvlab.serve.prefixes), where there are any."""
+    if not c.get("computed") and not c.get("reused"):
+        return ""
+    hits = ", ".join(f"{n} from {t}" for t, n in (c.get("hits") or {}).items() if n)
+    return (
+        f'<p class="muted">compressed shared prefixes: {c["computed"]} computed, {c["reused"]} reused'
+        f"{f' ({escape(hits)})' if hits else ''}, {c.get('rejected', 0)} stored records rejected</p>"
+    )
+
+
 def status_page(model: str, status: dict[str, Any], store: dict[str, Any]) -> str:
     rows = (
         "".join(
@@ -97,6 +108,7 @@ def status_page(model: str, status: dict[str, Any], store: dict[str, Any]) -> st
 {f" · {store['warnings']} store failures served without it" if store.get("warnings") else ""}</p>
 <table><thead><tr><th>tier</th><th>hits</th><th>misses</th><th>hit rate</th><th>puts</th><th>corrupt</th><th>errors</th></tr></thead>
 <tbody>{tier_rows}</tbody></table>
+{_compressed(store.get("compressed_prefixes") or {})}
 <p class="muted">JSON: <a href="/health">/health</a> · Prometheus: <a href="/metrics">/metrics</a></p>
 </body></html>"""
 
