@@ -181,9 +181,7 @@ def page(rows: list[Row], scripts: dict[str, str], archived: list[str]) -> str:
                 parts.append(f"![{caption}](benchmarks/results/{picture})\n")
     other = [r for r in rows if r.status != "current" and r.theme != REGRESSION]
     if other:
-        parts.append(
-            f"## Not met, not reproduced, or code changed since\n\n{_table(other, scripts)}\n"
-        )
+        parts.append(f"## Not met, not reproduced, or code changed since\n\n{_table(other, scripts)}\n")
     regressions = [r for r in rows if r.theme == REGRESSION]
     if regressions:
         parts.append(
