@@ -183,8 +183,8 @@ def _tables(pts: list[dict], claims: list[dict]) -> list[Table]:
 def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: Any) -> ExperimentResult:
     from kvlab.errors import BadInputError
     from kvlab.eval.positions import CONVENTIONS
-    from kvlab.eval.run import expand_specs, parse_cache_specs, run_suite
-    from kvlab.study.experiments.ruler import haystack
+    from kvlab.eval.run import expand_specs, parse_cache_specs
+    from kvlab.study.experiments.ruler import haystack, run_trials
 
     unknown = set(opts) - {"scores", "ratios", "lengths", "tasks", "trials", "max_new_tokens"}
     if unknown:
@@ -193,28 +193,14 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
     s = settings(ctx, opts)
     specs = parse_cache_specs(["full", *expand_specs(s["scores"], s["ratios"])])
     hay = haystack(text_file, result)
-    handle = ctx.handle()
-    total = len(s["tasks"]) * len(s["lengths"]) * s["trials"]
-    with ctx.progress.task(f"positions: {len(specs) - 1} evictions x 3", total=total) as advance:
-        rows = run_suite(
-            handle,
-            specs,
-            tasks=s["tasks"],
-            lengths=s["lengths"],
-            trials=s["trials"],
-            seed=ctx.seed,
-            haystack_text=hay,
-            max_new_tokens=s["max_new_tokens"],
-            progress=lambda done, n: advance(1),
-            positions=CONVENTIONS,
-        )
+    rows = run_trials(ctx, s, specs, hay, f"positions: {len(specs) - 1} evictions x 3", positions=CONVENTIONS)
     pts = points(rows, specs, ctx.seed)
     pooled = paired(_per_trial(rows), ctx.seed)
     claims = [claim(pooled, conv, label) for conv, label in PAIRS]
     result.tables += _tables(pts, claims)
     result.notes += [f"{c['claim']}: {c['measured']}." for c in claims]
     result.summary.update(
-        settings={**s, "caches": [sp.spec for sp in specs], "seed": ctx.seed, "model": handle.name},
+        settings={**s, "caches": [sp.spec for sp in specs], "seed": ctx.seed, "model": ctx.handle().name},
         points=pts,
         pooled=pooled,
         claims=claims,

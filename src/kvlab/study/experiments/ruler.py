@@ -477,22 +477,17 @@ def haystack(text_file: str | Path | None, result: ExperimentResult) -> str | No
     return text.text
 
 
-def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: Any) -> ExperimentResult:
-    from kvlab.errors import BadInputError
+def run_trials(
+    ctx: ExperimentContext, s: dict, specs: list, hay: str | None, label: str, **extra: Any
+) -> list[dict]:
+    """:func:`kvlab.eval.run.run_suite` over the settings' tasks x lengths x trials on the context's model, one
+    progress step per trial (``extra``: more of its options, e.g. ``positions``)."""
     from kvlab.eval.run import run_suite
 
-    unknown = set(opts) - {"tasks", "lengths", "trials", "policies", "ratios", "codecs", "max_new_tokens"}
-    if unknown:
-        raise BadInputError(f"ruler: unknown option(s) {', '.join(sorted(unknown))}")
-    result = ExperimentResult(name="ruler", title=TITLE, description=__doc__.strip().split("\n")[0])
-    s = settings(ctx, opts)
-    specs = _specs(s)
-    hay = haystack(text_file, result)
-    handle = ctx.handle()
     total = len(s["tasks"]) * len(s["lengths"]) * s["trials"]
-    with ctx.progress.task(f"ruler: {len(specs)} caches", total=total) as advance:
-        rows = run_suite(
-            handle,
+    with ctx.progress.task(label, total=total) as advance:
+        return run_suite(
+            ctx.handle(),
             specs,
             tasks=s["tasks"],
             lengths=s["lengths"],
@@ -501,7 +496,21 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
             haystack_text=hay,
             max_new_tokens=s["max_new_tokens"],
             progress=lambda done, n: advance(1),
+            **extra,
         )
+
+
+def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: Any) -> ExperimentResult:
+    from kvlab.errors import BadInputError
+
+    unknown = set(opts) - {"tasks", "lengths", "trials", "policies", "ratios", "codecs", "max_new_tokens"}
+    if unknown:
+        raise BadInputError(f"ruler: unknown option(s) {', '.join(sorted(unknown))}")
+    result = ExperimentResult(name="ruler", title=TITLE, description=__doc__.strip().split("\n")[0])
+    s = settings(ctx, opts)
+    specs = _specs(s)
+    hay = haystack(text_file, result)
+    rows = run_trials(ctx, s, specs, hay, f"ruler: {len(specs)} caches")
     pts = points(rows, specs, ctx.seed)
     claims = [
         claim_h2o(rows, specs, ctx.seed, "score"),
@@ -516,7 +525,7 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
     if s["max_new_tokens"]:
         result.notes.append(f"answers are cut at {s['max_new_tokens']} new tokens (this profile's budget)")
     result.summary.update(
-        settings={**s, "caches": [sp.spec for sp in specs], "seed": ctx.seed, "model": handle.name},
+        settings={**s, "caches": [sp.spec for sp in specs], "seed": ctx.seed, "model": ctx.handle().name},
         points=pts,
         claims=claims,
         verdicts={c["id"]: c["verdict"] for c in claims},
