@@ -52,14 +52,12 @@ class SharedPrefixes:
     def load(self, cache: LiveCache, ids: list[int], salt: str) -> dict[str, object]:
         """``ids`` (the shared prefix) compressed into the empty ``cache``: stored, or computed and stored.
         Returns what the response reports (``source``: the tier it came from, or ``computed``)."""
-        prefix, source = self._find(ids, salt), "computed"
-        if prefix is not None:
-            source = prefix[1]
-            record = prefix[0]
-        else:
+        record = self._find(ids, salt)
+        if record is None:
             kept = self.policy.layout.compress_prefix(self.handle, ids)
             record = CompressedPrefix(tuple(ids), self.policy.spec, kept)
             self._put(record, salt)
+        source = record.source or "computed"
         device = self.handle.device
         cache.seed_kept([(k.to(device), v.to(device), p) for k, v, p in record.layers], len(ids))
         self.counts["reused" if source != "computed" else "computed"] += 1
@@ -75,19 +73,16 @@ class SharedPrefixes:
         assert self.kv is not None
         return self.kv.namespace(self.handle, salt=salt or None)
 
-    def _find(self, ids: list[int], salt: str) -> tuple[CompressedPrefix, str] | None:
+    def _find(self, ids: list[int], salt: str) -> CompressedPrefix | None:
+        """The stored record (its ``source`` the tier it came from), or None."""
         if self.store is None:
             return None
-        hits = dict(self.store.counters.hits)  # the tier a hit came from: the one whose counter moved
         try:
-            found = self.store.get(self._namespace(salt), self.policy.spec, ids)
+            return self.store.get(self._namespace(salt), self.policy.spec, ids)
         except StoreError as exc:
             self.counts["warnings"] += 1
             log.warning("kvlab serve: the compressed-prefix store failed (%s); computing the prefix", exc)
             return None
-        if found is None:
-            return None
-        return found, next((t for t, n in self.store.counters.hits.items() if n != hits.get(t)), "store")
 
     def _put(self, record: CompressedPrefix, salt: str) -> None:
         if self.store is None:

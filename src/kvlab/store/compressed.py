@@ -60,6 +60,9 @@ class CompressedPrefix:
     ids: tuple[int, ...]
     policy: str
     layers: tuple[Layer, ...]
+    source: str = (
+        ""  # the tier a get found it in (memory, disk, redis); "" for a record not read from a store
+    )
 
     @property
     def nbytes(self) -> int:
@@ -221,7 +224,7 @@ class CompressedPrefixes:
             if found is not None:  # (the key binds the policy and the ids)
                 self._memory.move_to_end(key)
                 self.counters.hits["memory"] += 1
-                return _copy(found, device)
+                return _copy(found, device, "memory")
         for tier in ("disk", "redis"):
             data = self._disk_read(key) if tier == "disk" else self._redis("read", key)
             if not isinstance(data, bytes):
@@ -235,7 +238,7 @@ class CompressedPrefixes:
             self._remember(key, found)
             if tier == "redis":
                 self._disk_write(key, data)
-            return _copy(found, device)
+            return _copy(found, device, tier)
         self.counters.misses += 1
         return None
 
@@ -353,10 +356,10 @@ class CompressedPrefixes:
         self._log.warn(f"put:{tier}", f"kvlab store: a compressed prefix was not stored in {tier} ({why})")
 
 
-def _copy(prefix: CompressedPrefix, device: str | torch.device | None) -> CompressedPrefix:
+def _copy(prefix: CompressedPrefix, device: str | torch.device | None, source: str = "") -> CompressedPrefix:
     """A copy on ``device`` (the host by default): no caller can change what the store holds."""
     to = device if device is not None else "cpu"
     layers = cast(
         "tuple[Layer, ...]", tuple(tuple(t.detach().to(to, copy=True) for t in x) for x in prefix.layers)
     )
-    return CompressedPrefix(tuple(int(t) for t in prefix.ids), prefix.policy, layers)
+    return CompressedPrefix(tuple(int(t) for t in prefix.ids), prefix.policy, layers, source)
