@@ -1,7 +1,8 @@
 """RULER-style long-context tasks (Hsieh et al. 2024), generated offline, seeded and deterministic.
 
-A task is one function ``make(tokenizer, length_tokens, seed, haystack_text) -> Trial`` registered with
-:func:`task`; :data:`TASKS` holds them by name. A :class:`Trial` is a ``context`` (what a cache policy
+A task is one function ``make(encode, length_tokens, rng, haystack_text, knobs)`` registered with
+:func:`task`; :data:`TASKS` holds them by name, :func:`make_trial` builds a :class:`Trial` from
+``(task, tokenizer, length, seed, knobs)``. A :class:`Trial` is a ``context`` (what a cache policy
 compresses) and a separate ``question`` (never compressed, as in kvpress), with the ``answers`` and the
 scoring ``rule`` (:mod:`kvlab.eval.score`). ``length_tokens`` is the whole prompt, context plus
 question, each tokenized on its own (RULER counts the whole input): the context is filled with
@@ -12,15 +13,23 @@ Frankenstein where the shared books are present) or a user's file. A trial reads
 it (wrapping round when the text is shorter than the trial, noted in ``meta``) and inserts its facts
 at seeded depths, each at a sentence boundary near its depth.
 
-The same ``(task, tokenizer, length, seed, haystack)`` gives the same trial on every machine: every
-draw comes from a ``random.Random`` seeded by a string of those values.
+Each task has difficulty knobs, RULER's own parameters (:attr:`Task.knobs` holds the defaults): the
+needle tasks the number of keys (one asked, the others distractors), the values per key and the digits
+of a value; variable tracking the hops of the chain and the number of chains; common words the number
+of common words and their repeats against the rare words' (``common_repeats`` 0: today's rule, 4 to 30
+by length); QA the number of people with a fact (one asked). The default knobs give the trials of every
+published run token for token; :mod:`kvlab.eval.calibrate` chooses others per model and length.
+
+The same ``(task, tokenizer, length, seed, haystack, knobs)`` gives the same trial on every machine:
+every draw comes from a ``random.Random`` seeded by a string of the first four.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -47,6 +56,8 @@ class Trial:
     seed: int
     max_new_tokens: int
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the knobs that differ from the task's defaults (empty: the default trial)
+    knobs: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -56,35 +67,56 @@ class Trial:
             "answers": list(self.answers),
             "rule": self.rule,
             "meta": dict(self.meta),
+            **({"knobs": dict(self.knobs)} if self.knobs else {}),
         }
 
 
-Maker = Callable[[Encode, int, random.Random, str], tuple[str, str, list[str], dict]]
+Maker = Callable[[Encode, int, random.Random, str, Mapping[str, int]], tuple[str, str, list[str], dict]]
 
 
 @dataclass(frozen=True)
 class Task:
-    """A registered task: its generator, scoring rule, answer budget and one line of description."""
+    """A registered task: its generator, scoring rule, answer budget (for ``answers`` answers: more answers,
+    as knobs may ask, get as much more), one line of description and its knobs' defaults."""
 
     name: str
     maker: Maker
     rule: str
     max_new_tokens: int
     description: str
+    knobs: Mapping[str, int] = field(default_factory=dict)
+    answers: int = 1
+
+    def resolve(self, knobs: Mapping[str, int] | None) -> dict[str, int]:
+        """``knobs`` over the defaults, checked: known names, whole numbers (at least 1; 0 too for
+        ``common_repeats``)."""
+        out = dict(self.knobs)
+        for name, value in (knobs or {}).items():
+            if name not in out:
+                raise BadInputError(
+                    f"task '{self.name}' has no knob '{name}'; its knobs: {', '.join(self.knobs)}"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "common_repeats"):
+                raise BadInputError(f"task '{self.name}': knob {name}={value!r} must be a whole number >= 1")
+            out[name] = value
+        return out
 
 
 #: every task by name, filled by :func:`task`
 TASKS: dict[str, Task] = {}
 
 
-def task(name: str, *, rule: str, max_new_tokens: int) -> Callable[[Maker], Maker]:
-    """Register ``fn(encode, length, rng, haystack_text) -> (context, question, answers, meta)`` as a task."""
+def task(
+    name: str, *, rule: str, max_new_tokens: int, knobs: Mapping[str, int] | None = None, answers: int = 1
+) -> Callable[[Maker], Maker]:
+    """Register ``fn(encode, length, rng, haystack_text, knobs) -> (context, question, answers, meta)`` as a
+    task with the default ``knobs``, whose default trials have ``answers`` answers."""
 
     def register(fn: Maker) -> Maker:
         if name in TASKS:
             raise TypeError(f"two eval tasks are named '{name}'")
         doc = (fn.__doc__ or name).strip().splitlines()[0]
-        TASKS[name] = Task(name, fn, rule, max_new_tokens, doc)
+        TASKS[name] = Task(name, fn, rule, max_new_tokens, doc, dict(knobs or {}), answers)
         return fn
 
     return register
@@ -99,9 +131,15 @@ def encoder(tokenizer_or_handle: Any) -> Encode:
 
 
 def make_trial(
-    name: str, tokenizer_or_handle: Any, length_tokens: int, seed: int, haystack_text: str | None = None
+    name: str,
+    tokenizer_or_handle: Any,
+    length_tokens: int,
+    seed: int,
+    haystack_text: str | None = None,
+    knobs: Mapping[str, int] | None = None,
 ) -> Trial:
-    """One trial of task ``name`` of about ``length_tokens`` prompt tokens (context + question)."""
+    """One trial of task ``name`` of about ``length_tokens`` prompt tokens (context + question), at the
+    task's default difficulty or with ``knobs`` (some of :attr:`Task.knobs`, the rest at their defaults)."""
     if name not in TASKS:
         raise BadInputError(f"unknown eval task '{name}'; choose one of {', '.join(TASKS)}")
     if int(length_tokens) < MIN_LENGTH:
@@ -111,12 +149,15 @@ def make_trial(
 
         haystack_text = default_long_text().text
     spec = TASKS[name]
+    resolved = spec.resolve(knobs)
     rng = random.Random(f"kvlab.eval/{name}/{int(length_tokens)}/{int(seed)}")
     context, question, answers, meta = spec.maker(
-        encoder(tokenizer_or_handle), int(length_tokens), rng, haystack_text
+        encoder(tokenizer_or_handle), int(length_tokens), rng, haystack_text, resolved
     )
+    budget = max(spec.max_new_tokens, math.ceil(spec.max_new_tokens * len(answers) / spec.answers))
+    changed = {k: v for k, v in resolved.items() if v != spec.knobs[k]}
     return Trial(
-        name, context, question, answers, spec.rule, int(length_tokens), int(seed), spec.max_new_tokens, meta
+        name, context, question, answers, spec.rule, int(length_tokens), int(seed), budget, meta, changed
     )
 
 
@@ -265,85 +306,108 @@ def _ask_one(key: str) -> str:
     )
 
 
-@task("niah_single", rule="all", max_new_tokens=24)
-def niah_single(encode: Encode, length: int, rng: random.Random, text: str):
-    """Single needle: one key's 7-digit magic number hidden in the haystack, asked at the end."""
-    (key,), (value,) = _keys(rng, 1), _numbers(rng, 1)
-    question = _ask_one(key)
-    context, meta = _haystack_context(
-        encode, length, rng, text, NIAH_HEADER, [_needle(key, value)], question, "niah_single"
-    )
-    return context, question, [value], {**meta, "key": key}
-
-
-@task("niah_multikey", rule="all", max_new_tokens=24)
-def niah_multikey(encode: Encode, length: int, rng: random.Random, text: str):
-    """Multi-key needles: four keys with a number each (distractors); one key is asked."""
-    keys, values = _keys(rng, 4), _numbers(rng, 4)
-    ask = rng.randrange(4)
-    needles = [_needle(k, v) for k, v in zip(keys, values, strict=True)]
-    rng.shuffle(needles)
-    question = _ask_one(keys[ask])
-    context, meta = _haystack_context(
-        encode, length, rng, text, NIAH_HEADER, needles, question, "niah_multikey"
-    )
-    return (
-        context,
-        question,
-        [values[ask]],
-        {**meta, "key": keys[ask], "distractor_keys": keys[:ask] + keys[ask + 1 :]},
-    )
-
-
-@task("niah_multivalue", rule="all", max_new_tokens=64)
-def niah_multivalue(encode: Encode, length: int, rng: random.Random, text: str):
-    """Multi-value needles: one key with four numbers; every one is asked (partial credit per number)."""
-    (key,), values = _keys(rng, 1), _numbers(rng, 4)
+def _niah(encode: Encode, length: int, rng: random.Random, text: str, knobs: Mapping[str, int], what: str):
+    """RULER's needles: ``keys`` keys (one asked, the others distractors), each with ``values`` numbers of
+    ``digits`` digits; every number of the asked key is asked (partial credit per number)."""
+    n_keys, n_values = knobs["keys"], knobs["values"]
+    keys, numbers = _keys(rng, n_keys), _numbers(rng, n_keys * n_values, knobs["digits"])
+    ask = rng.randrange(n_keys) if n_keys > 1 else 0
+    values = [numbers[i * n_values : (i + 1) * n_values] for i in range(n_keys)]
+    needles = [_needle(k, v) for k, vs in zip(keys, values, strict=True) for v in vs]
+    if n_keys > 1:
+        rng.shuffle(needles)
+    key = keys[ask]
     question = (
-        f"\nWhat are all the special magic numbers for {key} mentioned in the provided text? "
+        _ask_one(key)
+        if n_values == 1
+        else f"\nWhat are all the special magic numbers for {key} mentioned in the provided text? "
         f"The special magic numbers for {key} mentioned in the provided text are"
     )
-    needles = [_needle(key, v) for v in values]
-    context, meta = _haystack_context(
-        encode, length, rng, text, NIAH_HEADER, needles, question, "niah_multivalue"
-    )
-    return context, question, values, {**meta, "key": key}
+    context, meta = _haystack_context(encode, length, rng, text, NIAH_HEADER, needles, question, what)
+    meta = {**meta, "key": key}
+    if n_keys > 1:
+        meta["distractor_keys"] = keys[:ask] + keys[ask + 1 :]
+    return context, question, values[ask], meta
 
 
-@task("vt", rule="all", max_new_tokens=40)
-def variable_tracking(encode: Encode, length: int, rng: random.Random, text: str):
+@task("niah_single", rule="all", max_new_tokens=24, knobs={"keys": 1, "values": 1, "digits": 7})
+def niah_single(encode: Encode, length: int, rng: random.Random, text: str, knobs: Mapping[str, int]):
+    """Single needle: one key's 7-digit magic number hidden in the haystack, asked at the end."""
+    return _niah(encode, length, rng, text, knobs, "niah_single")
+
+
+@task("niah_multikey", rule="all", max_new_tokens=24, knobs={"keys": 4, "values": 1, "digits": 7})
+def niah_multikey(encode: Encode, length: int, rng: random.Random, text: str, knobs: Mapping[str, int]):
+    """Multi-key needles: four keys with a number each (distractors); one key is asked."""
+    return _niah(encode, length, rng, text, knobs, "niah_multikey")
+
+
+@task(
+    "niah_multivalue", rule="all", max_new_tokens=64, knobs={"keys": 1, "values": 4, "digits": 7}, answers=4
+)
+def niah_multivalue(encode: Encode, length: int, rng: random.Random, text: str, knobs: Mapping[str, int]):
+    """Multi-value needles: one key with four numbers; every one is asked (partial credit per number)."""
+    return _niah(encode, length, rng, text, knobs, "niah_multivalue")
+
+
+def _interleave(chains: list[list[str]], rng: random.Random) -> list[str]:
+    """The chains' statements merged in a random order that keeps each chain's own order (one chain: as is)."""
+    if len(chains) == 1:
+        return list(chains[0])
+    order = [c for c, chain in enumerate(chains) for _ in chain]
+    rng.shuffle(order)
+    left = [iter(chain) for chain in chains]
+    return [next(left[c]) for c in order]
+
+
+@task("vt", rule="all", max_new_tokens=40, knobs={"hops": 4, "chains": 1}, answers=5)
+def variable_tracking(encode: Encode, length: int, rng: random.Random, text: str, knobs: Mapping[str, int]):
     """Variable tracking: VAR X = 12345, then four hops VAR Y = VAR X ...; name every variable equal to the value."""
+    per_chain, n_chains = knobs["hops"] + 1, knobs["chains"]
     names: list[str] = []
-    while len(names) < 5:
+    while len(names) < per_chain * n_chains:
         name = "".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5))
         if name not in names:
             names.append(name)
-    (value,) = _numbers(rng, 1, digits=5)
-    chain = [f"VAR {names[0]} = {value}."] + [
-        f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:], strict=False)
-    ]
+    values = _numbers(rng, n_chains, digits=5)  # the first is asked; the other chains are distractors
+    chains = []
+    for c, value in enumerate(values):
+        chain = names[c * per_chain : (c + 1) * per_chain]
+        chains.append(
+            [f"VAR {chain[0]} = {value}."]
+            + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:], strict=False)]
+        )
+    asked, value = names[:per_chain], values[0]
     header = "Memorize and track the chain(s) of variable assignment hidden in the following text."
     question = (
         f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
-        f"Answer: According to the chain(s) of variables assignment in the text above, {len(names)} "
+        f"Answer: According to the chain(s) of variables assignment in the text above, {len(asked)} "
         f"variables are assigned the value {value}, they are:"
     )
-    # depths are sorted, so the chain appears in order
-    context, meta = _haystack_context(encode, length, rng, text, header, chain, question, "vt")
-    return context, question, names, {**meta, "value": value}
+    # depths are sorted, so each chain appears in order
+    statements = _interleave(chains, rng)
+    context, meta = _haystack_context(encode, length, rng, text, header, statements, question, "vt")
+    return context, question, asked, {**meta, "value": value}
 
 
-@task("cwe", rule="all", max_new_tokens=64)
-def common_words(encode: Encode, length: int, rng: random.Random, text: str):
+@task(
+    "cwe",
+    rule="all",
+    max_new_tokens=64,
+    knobs={"words": 10, "common_repeats": 0, "rare_repeats": 3},
+    answers=10,
+)
+def common_words(encode: Encode, length: int, rng: random.Random, text: str, knobs: Mapping[str, int]):
     """Common-words extraction: a numbered word list where ten words repeat most often; name those ten."""
     pool = list(_vocabulary(text))
     if len(pool) < 200:
         raise BadInputError(f"the haystack has {len(pool)} distinct plain words; common-words needs 200")
     rng.shuffle(pool)
-    common, rare = pool[:10], pool[10:]
+    n_common, rare_repeats = knobs["words"], knobs["rare_repeats"]
+    common, rare = pool[:n_common], pool[n_common:]
     question = (
-        "\nQuestion: What are the 10 most common words in the above list? "
-        "Answer: The top 10 words that appear most often in the list are:"
+        f"\nQuestion: What are the {n_common} most common words in the above list? "
+        f"Answer: The top {n_common} words that appear most often in the list are:"
     )
     header = (
         "Below is a numbered list of words. In these words, some appear more often than others. "
@@ -351,9 +415,13 @@ def common_words(encode: Encode, length: int, rng: random.Random, text: str):
     )
     budget = length - len(encode(question))
     per_entry = len(encode(" ".join(f"{i + 1}. {w}" for i, w in enumerate(rare[:50])))) / 50
-    # the common words repeat 4 to 30 times (RULER: 30), keeping them to about a third of the list;
-    # every other word appears 3 times
-    repeats = min(30, max(4, int(budget / per_entry / 30)))
+    # by default the common words repeat 4 to 30 times (RULER: 30), keeping them to about a third of the
+    # list; every other word appears 3 times
+    repeats = knobs["common_repeats"] or min(30, max(4, int(budget / per_entry / 30)))
+    if repeats <= rare_repeats:
+        raise BadInputError(
+            f"cwe: the common words must repeat more often ({repeats}) than the others ({rare_repeats})"
+        )
     seed = rng.random()
 
     def build(n: int) -> str:
@@ -361,12 +429,17 @@ def common_words(encode: Encode, length: int, rng: random.Random, text: str):
             raise BadInputError(
                 f"the haystack has too few distinct words for a {length}-token common-words list"
             )
-        entries = common * repeats + rare[:n] * 3
+        entries = common * repeats + rare[:n] * rare_repeats
         random.Random(f"{seed}/{n}").shuffle(entries)
         return header + "\n" + " ".join(f"{i + 1}. {w}" for i, w in enumerate(entries)) + "\n"
 
     context, n = _fit(build, encode, budget, "cwe")
-    return context, question, common, {"common_repeats": repeats, "rare_words": n, "rare_repeats": 3}
+    return (
+        context,
+        question,
+        common,
+        {"common_repeats": repeats, "rare_words": n, "rare_repeats": rare_repeats},
+    )
 
 
 _FACTS = (
@@ -385,10 +458,13 @@ def _fact_value(kind: str, rng: random.Random) -> str:
     return _town(rng)
 
 
-@task("qa", rule="part", max_new_tokens=16)
-def qa(encode: Encode, length: int, rng: random.Random, text: str):
+@task("qa", rule="part", max_new_tokens=16, knobs={"people": 4})
+def qa(encode: Encode, length: int, rng: random.Random, text: str, knobs: Mapping[str, int]):
     """QA over the haystack: invented facts about four people are inserted; one fact is asked."""
-    people = [f"{f} {s}" for f, s in zip(rng.sample(FIRST_NAMES, 4), rng.sample(SURNAMES, 4), strict=True)]
+    n = knobs["people"]
+    if n > len(SURNAMES):
+        raise BadInputError(f"qa: at most {len(SURNAMES)} people, got {n}")
+    people = [f"{f} {s}" for f, s in zip(rng.sample(FIRST_NAMES, n), rng.sample(SURNAMES, n), strict=True)]
     facts, answer, asked, lead = [], "", "", ""
     for i, person in enumerate(people):
         which = rng.randrange(len(_FACTS))
