@@ -7,8 +7,9 @@ exactly; :func:`save_snapshot` / :func:`load_snapshot` store snapshots safely.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from kvlab._lazy import lazy_exports
 
 # Public names -> the module that defines them. Imported on first use (PEP 562), so ``kvlab --help``
 # and ``import kvlab.errors`` do not pay for torch and transformers.
@@ -30,6 +31,7 @@ _EXPORTS = {
     "apply_rope": "kvlab.rope",
     "remove_rope": "kvlab.rope",
     "shift_keys": "kvlab.rope",
+    "data": "kvlab.data",
 }
 
 if TYPE_CHECKING:
@@ -47,20 +49,7 @@ if TYPE_CHECKING:
     from kvlab.rope import RopeSpec, apply_rope, remove_rope, shift_keys
 
 
-def __getattr__(name: str):
-    if name == "data":
-        return importlib.import_module("kvlab.data")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS, "data"])
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
 

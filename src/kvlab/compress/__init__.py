@@ -11,8 +11,9 @@ The names below are imported on first use (PEP 562), so reading a cache spec
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from kvlab._lazy import lazy_exports
 
 _EXPORTS = {
     "POLICIES": "kvlab.compress.evict",
@@ -46,17 +47,7 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvlab.compress' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [

@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvlab._lazy import lazy_exports
 from kvlab.errors import KvlabError, ModelNotFoundError
 from kvlab.model.loading import (
     BUNDLED_NAME,
@@ -40,17 +40,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvlab.model' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 _HANDLES: dict[tuple, ModelHandle] = {}
