@@ -51,6 +51,26 @@ static inline void decode_row(const uint8_t *codes, int nbytes, int per, const f
     }
 }
 
+/* Segment s of KV head h: its slot count and where its codes, scales, zeros (or NULL) and mean
+ * coefficients (or NULL) start. */
+typedef struct {
+    int64_t n;
+    const uint8_t *codes;
+    const f16 *scales, *zeros, *coef;
+} Seg;
+
+static inline Seg seg_at(const Rows *r, int s, int h, const uint8_t *const *codes,
+                         const f16 *const *scales, const f16 *const *zeros, const f16 *const *coef,
+                         const int64_t *n) {
+    Seg g;
+    g.n = n[s];
+    g.codes = codes[s] + (int64_t)h * g.n * r->rowbytes;
+    g.scales = scales[s] + (int64_t)h * g.n * r->ng;
+    g.zeros = zeros[s] ? zeros[s] + (int64_t)h * g.n * r->ng : NULL;
+    g.coef = coef[s] ? coef[s] + (int64_t)h * g.n : NULL;
+    return g;
+}
+
 /* scores[h][j][off_s + t] = (R q)_hj . y_t (per group scaled) + zero term + coef_t * mean term.
  * Per segment s: codes[s] [H][n_s][D*bits/8], scales[s] and zeros[s] (or NULL) [H][n_s][D/group],
  * coef[s] [H][n_s] or NULL, has_mean[s]; qsum [H][G][D/group] (the query's sum over each group, read
@@ -67,15 +87,11 @@ int kvq_scores(int S, const uint8_t *const *codes, const f16 *const *scales, con
     for (int h = 0; h < H; h++) {
         int64_t off = 0;
         for (int s = 0; s < S; s++) {
-            int64_t ns = n[s];
-            const uint8_t *cs = codes[s] + (int64_t)h * ns * rowbytes;
-            const f16 *ss = scales[s] + (int64_t)h * ns * ng;
-            const f16 *co = coef[s] ? coef[s] + (int64_t)h * ns : NULL;
-            const f16 *zs = zeros[s] ? zeros[s] + (int64_t)h * ns * ng : NULL;
-            if (zs && !qsum) return -1;
-            for (int64_t t = 0; t < ns; t++) {
-                decode_row(cs + t * rowbytes, rowbytes, r.per, r.table, y);
-                const f16 *sc = ss + t * ng, *zr = zs ? zs + t * ng : NULL;
+            const Seg sg = seg_at(&r, s, h, codes, scales, zeros, coef, n);
+            if (sg.zeros && !qsum) return -1;
+            for (int64_t t = 0; t < sg.n; t++) {
+                decode_row(sg.codes + t * rowbytes, rowbytes, r.per, r.table, y);
+                const f16 *sc = sg.scales + t * ng, *zr = sg.zeros ? sg.zeros + t * ng : NULL;
                 for (int j = 0; j < G; j++) {
                     const float *q = qrot + ((int64_t)h * G + j) * D;
                     float acc = 0.f;
@@ -98,12 +114,12 @@ int kvq_scores(int S, const uint8_t *const *codes, const f16 *const *scales, con
 #pragma omp simd reduction(+ : m)
                         for (int i = 0; i < half; i++) m += cr[i] * a[i] + sr[i] * b[i];
                         m += C[k];
-                        acc += (co ? (float)co[t] : 1.f) * m;
+                        acc += (sg.coef ? (float)sg.coef[t] : 1.f) * m;
                     }
                     out[((int64_t)h * G + j) * stride + off + t] = acc;
                 }
             }
-            off += ns;
+            off += sg.n;
         }
     }
     return 0;
@@ -124,14 +140,10 @@ int kvq_values(int S, const uint8_t *const *codes, const f16 *const *scales, con
     for (int h = 0; h < H; h++) {
         int64_t off = 0;
         for (int s = 0; s < S; s++) {
-            int64_t ns = n[s];
-            const uint8_t *cs = codes[s] + (int64_t)h * ns * rowbytes;
-            const f16 *ss = scales[s] + (int64_t)h * ns * ng;
-            const f16 *co = coef[s] ? coef[s] + (int64_t)h * ns : NULL;
-            const f16 *zs = zeros[s] ? zeros[s] + (int64_t)h * ns * ng : NULL;
-            for (int64_t t = 0; t < ns; t++) {
-                decode_row(cs + t * rowbytes, rowbytes, r.per, r.table, y);
-                const f16 *sc = ss + t * ng, *zr = zs ? zs + t * ng : NULL;
+            const Seg sg = seg_at(&r, s, h, codes, scales, zeros, coef, n);
+            for (int64_t t = 0; t < sg.n; t++) {
+                decode_row(sg.codes + t * rowbytes, rowbytes, r.per, r.table, y);
+                const f16 *sc = sg.scales + t * ng, *zr = sg.zeros ? sg.zeros + t * ng : NULL;
                 for (int j = 0; j < G; j++) {
                     float wt = w[((int64_t)h * G + j) * stride + off + t];
                     float *a = acc + ((int64_t)h * G + j) * D;
@@ -142,10 +154,11 @@ int kvq_values(int S, const uint8_t *const *codes, const f16 *const *scales, con
 #pragma omp simd
                         for (int c = 0; c < group; c++) ag[c] += ws * yg[c] + wz;
                     }
-                    if (has_mean[s]) wmean[((int64_t)s * H + h) * G + j] += wt * (co ? (float)co[t] : 1.f);
+                    if (has_mean[s])
+                        wmean[((int64_t)s * H + h) * G + j] += wt * (sg.coef ? (float)sg.coef[t] : 1.f);
                 }
             }
-            off += ns;
+            off += sg.n;
         }
     }
     return 0;
