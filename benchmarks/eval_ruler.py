@@ -389,13 +389,14 @@ def pooled(rows: Sequence[dict], seed: int) -> list[dict]:
 
 
 def _paired(a: dict, b: dict, seed: int) -> tuple[dict | None, str]:
-    """Mean of a − b over the trials both have, its bootstrap interval, and what the interval says."""
-    from kvlab.metrics.stats import bootstrap_ci
+    """Mean of a − b over the trials both have (scores in [0, 1]), its paired interval (Tango's score interval,
+    :func:`kvlab.metrics.stats.paired_share_ci`: not degenerate when every pair ties), and what it says."""
+    from kvlab.metrics.stats import paired_share_ci
 
     keys = sorted(set(a) & set(b))
     if not keys:
         return None, "no common trials"
-    iv = bootstrap_ci([a[k] - b[k] for k in keys], seed=seed).to_json()
+    iv = paired_share_ci([a[k] for k in keys], [b[k] for k in keys]).to_json()
     if iv["low"] is None:
         return iv, f"n = {len(keys)}, no interval"
     return iv, "lower" if iv["high"] < 0 else "higher" if iv["low"] > 0 else "no difference seen"
@@ -945,7 +946,7 @@ def finish(
 
 def paired_lines(rows: Sequence[dict], seed: int) -> list[str]:
     """kvlab policy vs the kvpress press of the same family at the same ratio, paired on the same trials."""
-    from kvlab.metrics.stats import bootstrap_ci
+    from kvlab.metrics.stats import paired_share_ci
 
     by: dict[tuple, dict] = {}
     for r in rows:
@@ -967,8 +968,7 @@ def paired_lines(rows: Sequence[dict], seed: int) -> list[str]:
         keys = sorted(set(kv) & set(kp))
         if not keys:
             continue
-        diff = [kv[k]["score"] - kp[k]["score"] for k in keys]
-        iv = bootstrap_ci(diff, seed=seed).to_json()
+        iv = paired_share_ci([kv[k]["score"] for k in keys], [kp[k]["score"] for k in keys]).to_json()
         same = sum(kv[k]["output"] == kp[k]["output"] for k in keys)
         fin = [k for k in keys if math.isfinite(kv[k]["kld"]) and math.isfinite(kp[k]["kld"])]
         mk = sum(kv[k]["kld"] for k in fin) / max(len(fin), 1)
@@ -1234,8 +1234,9 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
         *pooled_lines(pool),
         "",
         "Ranking, paired: each side's caches by pooled accuracy, with the difference to that side's full cache and "
-        "to the cache ranked just above, over the trials both ran (bootstrap 95% interval of the per-trial "
-        "differences; *lower* or *higher* only when the interval excludes 0):",
+        "to the cache ranked just above, over the trials both ran (Tango's paired score interval, 95%, of the "
+        "per-trial differences: not a point when every pair ties; *lower* or *higher* only when the interval "
+        "excludes 0):",
         "",
         *ranking_lines(rows, args.seed),
         "",

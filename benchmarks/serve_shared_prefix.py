@@ -212,14 +212,18 @@ def _seeded_logits(handle: Any, policy: Any, held: Any, seen: int, rest: list[in
     return got
 
 
-def paired(a: dict, b: dict, seed: int) -> tuple[dict | None, str]:
-    """Mean of a - b over the trials both have, its bootstrap interval, and what the interval says."""
-    from kvlab.metrics.stats import bootstrap_ci
+def paired(a: dict, b: dict, seed: int, share: bool = False) -> tuple[dict | None, str]:
+    """Mean of a - b over the trials both have, its interval (for scores in [0, 1], ``share``: Tango's paired
+    score interval, not degenerate when pairs tie; else a bootstrap of the differences), and what it says."""
+    from kvlab.metrics.stats import bootstrap_ci, paired_share_ci
 
     keys = sorted(set(a) & set(b))
     if len(keys) < 5:
         return None, f"n = {len(keys)}, no interval"
-    iv = bootstrap_ci([a[k] - b[k] for k in keys], seed=seed).to_json()
+    if share:
+        iv = paired_share_ci([a[k] for k in keys], [b[k] for k in keys]).to_json()
+    else:
+        iv = bootstrap_ci([a[k] - b[k] for k in keys], seed=seed).to_json()
     return iv, "lower" if iv["high"] < 0 else "higher" if iv["low"] > 0 else "no difference seen"
 
 
@@ -388,7 +392,7 @@ def report(
         rs = [r for r in rows if r["spec"] == spec]
         acc = interval([r["score"] for r in rs], seed=i, share=True)
         mine = {(r["doc"], r["question"]): r["score"] for r in rs}
-        d, says = paired(mine, ex, seed=i) if spec != exact else (None, "—")
+        d, says = paired(mine, ex, seed=i, share=True) if spec != exact else (None, "—")
         miss = median([r["ttft_ms"] for r in rs if not r["hit"]])
         hit = median([r["ttft_ms"] for r in rs if r["hit"]])
         b = median([r["cache_bytes"] for r in rs])
@@ -413,7 +417,7 @@ def report(
         f"four questions each ({len(trials)} conversations per cache); answers greedy, at most {MAX_TOKENS} tokens. "
         "Each document is the system message, so the server pins it and shares it: the exact server through "
         "its block store, the compressed ones as one compressed prefix per document and policy. Accuracy: Wilson "
-        "interval; paired Δ: bootstrap over the same questions. TTFT: the first question of a document (miss) "
+        "interval; paired Δ: Tango's paired score interval over the same questions. TTFT: the first question of a document (miss) "
         "and the three others (hits), streamed, on one server process at a time.",
         "",
         *lines,

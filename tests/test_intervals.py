@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 from kvlab.errors import BadInputError
-from kvlab.metrics.stats import MIN_SAMPLES, Interval, bootstrap_ci, bootstrap_curve, wilson_ci
+from kvlab.metrics.stats import (
+    MIN_SAMPLES,
+    Interval,
+    bootstrap_ci,
+    bootstrap_curve,
+    paired_share_ci,
+    wilson_ci,
+)
 from kvlab.study.report.format import format_interval, iv
 
 
@@ -71,6 +78,90 @@ def test_wilson_on_shares_and_its_refusals():
         wilson_ci([0.5, 1.5, 0.2, 0.3, 0.4])
     with pytest.raises(BadInputError):
         wilson_ci([])
+
+
+def _tango_score_by_optimizer(b10: float, b01: float, n: int, delta: float) -> float:
+    """Tango's score statistic with the constrained MLE found numerically (not by the closed form)."""
+    from scipy.optimize import minimize_scalar
+
+    lo, hi = max(0.0, -delta), (1 - delta) / 2  # q01 with q10 = q01 + delta and q10 + q01 <= 1
+
+    def nll(q: float) -> float:
+        return -(
+            b10 * math.log(q + delta + 1e-300)
+            + b01 * math.log(q + 1e-300)
+            + (n - b10 - b01) * math.log(1 - 2 * q - delta)
+        )
+
+    q = minimize_scalar(nll, bounds=(lo, hi), method="bounded", options={"xatol": 1e-13}).x
+    return (b10 - b01 - n * delta) / math.sqrt(n * (2 * q + delta * (1 - delta)))
+
+
+@pytest.mark.parametrize("b10,b01,n", [(0, 0, 40), (5, 1, 60), (1, 9, 210), (12, 12, 30), (30, 0, 30)])
+def test_paired_shares_are_tangos_score_interval_on_0_1_scores(b10, b01, n):
+    a = np.array(
+        [1.0] * b10
+        + [0.0] * b01
+        + [1.0] * ((n - b10 - b01) // 2)
+        + [0.0] * (n - b10 - b01 - (n - b10 - b01) // 2)
+    )
+    b = np.array([0.0] * b10 + [1.0] * b01 + list(a[b10 + b01 :]))
+    iv = paired_share_ci(a, b)
+    assert iv.n == n and iv.value == pytest.approx((b10 - b01) / n)
+    assert iv.low <= iv.value <= iv.high
+    for bound, z in ((iv.low, 1.959964), (iv.high, -1.959964)):  # the score crosses -+z at each bound ...
+        if abs(bound) < 1 - 1e-9:  # ... unless the bound is the edge of the range
+            assert _tango_score_by_optimizer(b10, b01, n, bound) == pytest.approx(z, abs=1e-4)
+
+
+def test_paired_shares_keep_their_width_when_every_pair_ties():
+    """The case a bootstrap of the differences collapses to [0, 0]: Tango gives +-z^2 / (n + z^2)."""
+    ties = paired_share_ci([1.0] * 20 + [0.0] * 20, [1.0] * 20 + [0.0] * 20)
+    half = 1.959964**2 / (40 + 1.959964**2)
+    assert (
+        ties.value == 0
+        and ties.low == pytest.approx(-half, abs=1e-6)
+        and ties.high == pytest.approx(half, abs=1e-6)
+    )
+    assert bootstrap_ci(np.zeros(40)).high == 0  # what it replaces
+    partial = paired_share_ci([0.5] * 40, [0.5] * 40)  # ties with partial credit: the same as 0/1 ties
+    assert (partial.low, partial.high) == pytest.approx((ties.low, ties.high))
+
+
+def test_paired_shares_cover_the_true_difference():
+    """Coverage over 1,000 seeded experiments of 50 correlated pairs, 0/1 and partial credit (quarters)."""
+    rng = np.random.default_rng(7)
+    hits = {"0/1": 0, "quarters": 0}
+    for _ in range(1000):
+        a = (rng.random(50) < 0.6).astype(float)
+        b = np.where(rng.random(50) < 0.1, 1 - a, a)  # E[a - b] = 0.1 * (2 * 0.6 - 1) = 0.02
+        iv = paired_share_ci(a, b)
+        hits["0/1"] += iv.low <= 0.02 <= iv.high
+        q = rng.integers(0, 5, 50) / 4
+        r = np.clip(q + rng.choice([-0.25, 0.0, 0.0, 0.0, 0.25, 0.5], 50), 0, 1)
+        truth = float(
+            np.mean(
+                [
+                    np.mean(np.clip(k / 4 + np.array([-0.25, 0, 0, 0, 0.25, 0.5]), 0, 1)) - k / 4
+                    for k in range(5)
+                ]
+            )
+        )
+        iv = paired_share_ci(r, q)
+        hits["quarters"] += iv.low <= truth <= iv.high
+    assert 0.93 <= hits["0/1"] / 1000 <= 0.975, hits
+    assert 0.93 <= hits["quarters"] / 1000 <= 0.985, hits
+
+
+def test_paired_shares_refusals_and_small_samples():
+    four = paired_share_ci([1, 0, 1, 1], [0, 0, 1, 1])
+    assert four.n == 4 and not four.has_interval and four.value == 0.25
+    nan = paired_share_ci([1, 0, float("nan"), 1, 1, 0], [0, 0, 1, 1, 1, 0])
+    assert nan.n == 5
+    with pytest.raises(BadInputError, match="one length"):
+        paired_share_ci([1, 0], [1])
+    with pytest.raises(BadInputError, match=r"\[0, 1\]"):
+        paired_share_ci([1.5] * 5, [1.0] * 5)
 
 
 def test_the_formatter_never_writes_nan_or_an_interval_under_five_samples():

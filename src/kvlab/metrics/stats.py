@@ -183,3 +183,62 @@ def bootstrap_curve(
         boots = np.nanmean(x[idx], axis=1)  # [n_boot, points]
         alpha = (1 - confidence) / 2
         return mean, np.nanquantile(boots, alpha, axis=0), np.nanquantile(boots, 1 - alpha, axis=0)
+
+
+def paired_share_ci(
+    a: np.ndarray | list[float], b: np.ndarray | list[float], *, confidence: float = 0.95
+) -> Interval:
+    """Interval of ``mean(a) - mean(b)`` over paired shares in [0, 1] (the same trials scored by two caches):
+    Tango's score interval for paired proportions (Tango 1998, *Stat. Med.* 17:891).
+
+    For 0/1 scores it is Tango's interval on the discordant counts ``b10`` (a right, b wrong) and ``b01``.
+    Scores with partial credit are first put on an effective sample, as Korn and Graubard do for complex
+    surveys: the counts are the summed positive and negative parts of the differences, all scaled by
+    ``1 / rho`` with ``rho = sum(d**2) / sum(|d|)`` (1 for 0/1 scores), which gives the interval the
+    differences' own variance at the estimate. Unlike a bootstrap of the differences it keeps its width when
+    every pair ties (40 tied pairs: ``0 [-0.088, +0.088]``, not ``[0, 0]``) or nearly so. Pairs with a NaN on
+    either side are dropped; fewer than :data:`MIN_SAMPLES` pairs give the value and no interval.
+    """
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1:
+        raise BadInputError(f"paired shares need two [n] arrays of one length, got {x.shape} and {y.shape}")
+    keep = np.isfinite(x) & np.isfinite(y)
+    d = x[keep] - y[keep]
+    if d.size == 0:
+        raise BadInputError("no finite pairs for an interval")
+    if np.any((x[keep] < 0) | (x[keep] > 1) | (y[keep] < 0) | (y[keep] > 1)):
+        raise BadInputError("paired shares must lie in [0, 1]")
+    n, value = int(d.size), float(d.mean())
+    if n < MIN_SAMPLES:
+        return Interval(value, math.nan, math.nan, n)
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    moved = float(np.abs(d).sum())
+    scale = moved / float((d * d).sum()) if moved > 0 else 1.0  # 1 / rho: the effective sample's size over n
+    b10, b01 = float(d.clip(min=0).sum()) * scale, float((-d).clip(min=0).sum()) * scale
+    return Interval(
+        value, _tango_bound(b10, b01, n * scale, z, -1.0), _tango_bound(b10, b01, n * scale, z, 1.0), n
+    )
+
+
+def _tango_score(b10: float, b01: float, n: float, delta: float) -> float:
+    """Tango's score statistic for the paired difference ``delta``: decreasing in ``delta``."""
+    w = delta * (2 * n - b10 + b01) - (b10 + b01)
+    q01 = (math.sqrt(max(w * w + 8 * n * b01 * delta * (1 - delta), 0.0)) - w) / (4 * n)  # constrained MLE
+    var = n * (2 * q01 + delta * (1 - delta))
+    return (
+        (b10 - b01 - n * delta) / math.sqrt(var)
+        if var > 0
+        else math.copysign(math.inf, b10 - b01 - n * delta)
+    )
+
+
+def _tango_bound(b10: float, b01: float, n: float, z: float, side: float) -> float:
+    """The interval's bound on ``side`` (-1 lower, +1 upper): where the score crosses ``-side * z`` (bisection)."""
+    lo, hi = ((b10 - b01) / n, side) if side > 0 else (side, (b10 - b01) / n)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        beyond = _tango_score(b10, b01, n, mid) < -z if side > 0 else _tango_score(b10, b01, n, mid) > z
+        lo, hi = (lo, mid) if beyond == (side > 0) else (mid, hi)
+    return (lo + hi) / 2
