@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -162,15 +162,59 @@ class CacheMap:
     needs_token_ids: bool = False  # fitted across tokenizers: applying it needs the receiver's ids per slot
 
 
+class MapOptions(TypedDict, total=False):
+    """The keyword options of :func:`fit_cache_map` and :func:`cache_map_grid`: ``alpha``, the ridge
+    penalty relative to the features' variance (> 0, default 1e-3), and ``src_ropes`` / ``dst_ropes``
+    (from :func:`layer_ropes`), which de-rotate keys per layer for models whose snapshots carry no
+    single RoPE (Gemma-3)."""
+
+    alpha: float
+    src_ropes: PerLayerSpecs | None
+    dst_ropes: PerLayerSpecs | None
+
+
+@dataclass(frozen=True)
+class _Split:
+    """Aligned sharer and receiver snapshots, for training and testing (checked), and the map's options."""
+
+    src_train: Sequence[KVSnapshot]
+    dst_train: Sequence[KVSnapshot]
+    src_test: Sequence[KVSnapshot]
+    dst_test: Sequence[KVSnapshot]
+    alpha: float = 1e-3
+    src_ropes: PerLayerSpecs | None = None
+    dst_ropes: PerLayerSpecs | None = None
+
+    def __post_init__(self) -> None:
+        train, test = (len(self.src_train), len(self.dst_train)), (len(self.src_test), len(self.dst_test))
+        if not train[0] or not test[0] or train[0] != train[1] or test[0] != test[1]:
+            raise BadInputError(
+                "need equally many sharer and receiver snapshots, for both training and testing"
+            )
+        for a, b in zip([*self.src_train, *self.src_test], [*self.dst_train, *self.dst_test], strict=True):
+            if a.seq_len != b.seq_len:
+                raise IncompatibleCacheError(
+                    f"a sharer cache holds {a.seq_len} tokens and its receiver pair {b.seq_len}; "
+                    "align them by text spans first (kvlab.model.align.align_by_spans)"
+                )
+        if self.alpha <= 0:
+            raise BadInputError(f"ridge alpha must be > 0, got {self.alpha}")
+
+    def x(self, which: str, layer: int, test: bool = False) -> torch.Tensor:
+        """The sharer's features of one layer (:func:`_features`), training or test slots."""
+        return _features(self.src_test if test else self.src_train, which, layer, self.src_ropes)
+
+    def y(self, which: str, layer: int, test: bool = False) -> torch.Tensor:
+        """The receiver's features of one layer, training or test slots."""
+        return _features(self.dst_test if test else self.dst_train, which, layer, self.dst_ropes)
+
+
 def fit_cache_map(
     src_train: Sequence[KVSnapshot],
     dst_train: Sequence[KVSnapshot],
     src_test: Sequence[KVSnapshot],
     dst_test: Sequence[KVSnapshot],
-    *,
-    alpha: float = 1e-3,
-    src_ropes: PerLayerSpecs | None = None,
-    dst_ropes: PerLayerSpecs | None = None,
+    **options: Unpack[MapOptions],
 ) -> CacheMap:
     """Fit ridge maps sharer -> receiver on aligned snapshots (slot ``t`` of each pair holds the same token).
 
@@ -178,10 +222,9 @@ def fit_cache_map(
     variance is measured on the test pairs, per receiver layer and KV head, for keys and values.
     For identical geometries the ridge penalty shrinks toward the identity map (the plain
     transplant), so a strong penalty falls back to the transplant instead of to zero.
-    ``src_ropes`` / ``dst_ropes`` (from :func:`layer_ropes`) de-rotate keys per layer for models whose
-    snapshots carry no single RoPE (Gemma-3).
+    ``options``: :class:`MapOptions`.
     """
-    _check_pairs(src_train, dst_train, src_test, dst_test, alpha)
+    split = _Split(src_train, dst_train, src_test, dst_test, **options)
     s0, d0 = src_train[0], dst_train[0]
     pairs = depth_matched_layers(s0.num_layers, d0.num_layers)
     same_geometry = (s0.num_layers, s0.num_kv_heads, s0.head_dim) == (
@@ -194,22 +237,20 @@ def fit_cache_map(
     ev = {w: np.zeros((d0.num_layers, hd)) for w in ("k", "v", "k_id", "v_id")}
     for li, sl in enumerate(pairs):
         for which in ("k", "v"):
-            xtr = _features(src_train, which, sl, src_ropes).flatten(1)
-            ytr = _features(dst_train, which, li, dst_ropes)
-            xte = _features(src_test, which, sl, src_ropes).flatten(1)
-            yte = _features(dst_test, which, li, dst_ropes)
+            xtr, ytr = split.x(which, sl).flatten(1), split.y(which, li)
+            xte, yte = split.x(which, sl, test=True).flatten(1), split.y(which, li, test=True)
             if same_geometry:  # shrink toward "use the sharer's cache as is" (W = I), not toward zero
-                w, b = ridge_fit(xtr, ytr.flatten(1) - xtr, alpha * float(xtr.var(0).mean()))
+                w, b = ridge_fit(xtr, ytr.flatten(1) - xtr, split.alpha * float(xtr.var(0).mean()))
                 w = w + torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
             else:
-                w, b = ridge_fit(xtr, ytr.flatten(1), alpha * float(xtr.var(0).mean()))
+                w, b = ridge_fit(xtr, ytr.flatten(1), split.alpha * float(xtr.var(0).mean()))
             pred = (xte @ w + b).reshape(yte.shape)
             weights[which].append((w.float(), b.float()))
             for h in range(hd):
                 ev[which][li, h] = explained_variance(yte[:, h], pred[:, h])
                 if same_geometry:
                     ev[f"{which}_id"][li, h] = explained_variance(
-                        yte[:, h], _features(src_test, which, li, src_ropes)[:, h]
+                        yte[:, h], split.x(which, li, test=True)[:, h]
                     )
     return CacheMap(
         src_layer=tuple(pairs),
@@ -217,26 +258,13 @@ def fit_cache_map(
         v_weights=tuple(weights["v"]),
         dst_heads=hd,
         dst_head_dim=dd,
-        alpha=alpha,
+        alpha=split.alpha,
         ev_k=ev["k"],
         ev_v=ev["v"],
         ev_k_identity=ev["k_id"] if same_geometry else None,
         ev_v_identity=ev["v_id"] if same_geometry else None,
-        src_ropes=tuple(src_ropes) if src_ropes is not None else None,
+        src_ropes=tuple(split.src_ropes) if split.src_ropes is not None else None,
     )
-
-
-def _check_pairs(src_train, dst_train, src_test, dst_test, alpha: float) -> None:
-    if not src_train or len(src_train) != len(dst_train) or len(src_test) != len(dst_test) or not src_test:
-        raise BadInputError("need equally many sharer and receiver snapshots, for both training and testing")
-    for a, b in zip([*src_train, *src_test], [*dst_train, *dst_test], strict=True):
-        if a.seq_len != b.seq_len:
-            raise IncompatibleCacheError(
-                f"a sharer cache holds {a.seq_len} tokens and its receiver pair {b.seq_len}; "
-                "align them by text spans first (kvlab.model.align.align_by_spans)"
-            )
-    if alpha <= 0:
-        raise BadInputError(f"ridge alpha must be > 0, got {alpha}")
 
 
 def cache_map_grid(
@@ -244,31 +272,24 @@ def cache_map_grid(
     dst_train: Sequence[KVSnapshot],
     src_test: Sequence[KVSnapshot],
     dst_test: Sequence[KVSnapshot],
-    *,
-    alpha: float = 1e-3,
-    src_ropes: PerLayerSpecs | None = None,
-    dst_ropes: PerLayerSpecs | None = None,
+    **options: Unpack[MapOptions],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Held-out explained variance of a ridge map for every (sharer layer, receiver layer) pair.
 
     Returns ``(ev_k, ev_v)``, each ``[sharer_layers, receiver_layers]``, the mean over receiver KV heads.
     Same inputs and rules as :func:`fit_cache_map` (which fits only the depth-matched pairs).
     """
-    _check_pairs(src_train, dst_train, src_test, dst_test, alpha)
+    split = _Split(src_train, dst_train, src_test, dst_test, **options)
     ns, nd = src_train[0].num_layers, dst_train[0].num_layers
     ev = {w: np.zeros((ns, nd)) for w in ("k", "v")}
     for which in ("k", "v"):
-        ys = [
-            (_features(dst_train, which, li, dst_ropes), _features(dst_test, which, li, dst_ropes))
-            for li in range(nd)
-        ]
+        ys = [(split.y(which, li), split.y(which, li, test=True)) for li in range(nd)]
         for sl in range(ns):
-            xtr = _features(src_train, which, sl, src_ropes).flatten(1)
-            xte = _features(src_test, which, sl, src_ropes).flatten(1)
+            xtr, xte = split.x(which, sl).flatten(1), split.x(which, sl, test=True).flatten(1)
             # one ridge solve serves every receiver layer: factor the Gram matrix once
             xm = xtr.mean(0)
             xc = xtr - xm
-            lam = alpha * float(xtr.var(0).mean()) * xtr.shape[0]
+            lam = split.alpha * float(xtr.var(0).mean()) * xtr.shape[0]
             chol = torch.linalg.cholesky(
                 xc.T @ xc + lam * torch.eye(xc.shape[1], dtype=xc.dtype, device=xc.device)
             )
