@@ -72,10 +72,6 @@ def test_coarse_sampling_aliases_the_fastest_rope_period():
     assert rep.aliased_ranges[0][0] == 64 and S.aliasing_check(np.arange(65), rope).ok
 
 
-def test_uniform_run():
-    assert S.uniform_run(np.array([0, 1, 2, 3, 4, 8, 16, 24])) == (0, 5, 1.0)
-
-
 @pytest.mark.parametrize("rotary_dim,pairing", [(None, "half"), (32, "half"), (None, "interleaved")])
 def test_rope_predictor_is_exact_when_only_positions_change(rotary_dim, pairing):
     rope = spec(head_dim=64, rotary_dim=rotary_dim, pairing=pairing)

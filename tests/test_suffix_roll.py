@@ -18,7 +18,6 @@ from kvlab.ops.suffix import (
     recompute_most_deviant,
     reprefill_rolled,
     roll,
-    roll_variant,
     rolled_ids,
 )
 from kvlab.policy import SinksWindow, roll_amount
@@ -68,10 +67,8 @@ def test_references_and_thread_variants(tiny_snap):
     kv = k_ropefixed_v_rolled(h, snap, 5, 2)
     assert torch.equal(kv.values[1], ref.values[1])
     assert torch.allclose(kv.keys[1], roll(snap, 5, 2).keys[1])
-    for name in VARIANTS:
-        assert roll_variant(name, h, snap, 5, 2).seq_len == 35
-    with pytest.raises(BadInputError, match="unknown roll variant"):
-        roll_variant("nope", h, snap, 5, 2)
+    for fn in VARIANTS.values():
+        assert fn(h, snap, 5, 2).seq_len == 35
 
 
 def test_recompute_everything_is_the_reprefill(tiny_snap):

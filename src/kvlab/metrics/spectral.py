@@ -80,10 +80,10 @@ def roll_truncate_regression(ns: np.ndarray, roll: np.ndarray, truncate: np.ndar
     }
 
 
-def detrend(y: np.ndarray, x: np.ndarray | None = None) -> np.ndarray:
-    """``y`` minus its least-squares line (over ``x``, default 0..n-1)."""
+def detrend(y: np.ndarray) -> np.ndarray:
+    """``y`` minus its least-squares line over 0..n-1."""
     y = np.asarray(y, dtype=np.float64)
-    x = np.arange(y.size, dtype=np.float64) if x is None else np.asarray(x, dtype=np.float64)
+    x = np.arange(y.size, dtype=np.float64)
     return y - linear_fit(x, y).predict(x)
 
 
@@ -98,22 +98,6 @@ def detrended_autocorrelation(y: np.ndarray, max_lag: int | None = None) -> np.n
     if var == 0:
         return np.ones(max_lag + 1)
     return np.array([float((r[: n - k] * r[k:]).sum()) / var for k in range(max_lag + 1)])
-
-
-def uniform_run(ns: np.ndarray) -> tuple[int, int, float]:
-    """``(start, stop, step)`` of the longest run of equally spaced samples in ``ns`` (sorted)."""
-    ns = np.asarray(ns, dtype=np.float64)
-    if ns.size < 3:
-        raise BadInputError("need at least 3 samples")
-    d = np.diff(ns)
-    best = (0, 2, float(d[0]))
-    start = 0
-    for j in range(1, d.size + 1):
-        if j == d.size or not np.isclose(d[j], d[start]):
-            if j + 1 - start > best[1] - best[0]:
-                best = (start, j + 1, float(d[start]))
-            start = j
-    return best
 
 
 def spectrum(y: np.ndarray, step: float = 1.0) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,6 @@
 """Perturbations of a context and the rules that align an original cache with a perturbed one.
 
-Token-level operations (``roll_tokens``, ``truncate_tokens``, ``scramble_tokens``) are pure list
-functions; cache-level ones return a new :class:`~kvlab.cache.KVSnapshot` and never touch the
+The token-level operation (``scramble_tokens``) is a pure list function; cache-level ones return a new :class:`~kvlab.cache.KVSnapshot` and never touch the
 original. Alignments say which slot of cache A is compared with which slot of cache B:
 
 * roll by n  — original slots ``n..T-1`` with rolled slots ``0..T-n-1`` (same tokens, positions - n);
@@ -52,18 +51,6 @@ def check_tokens(ids: Sequence[int], what: str = "the text") -> list[int]:
     if len(ids) < 2:
         raise BadInputError(f"{what} has {len(ids)} token(s); a roll or truncation needs at least 2")
     return ids
-
-
-def roll_tokens(ids: Sequence[int], n: int | float) -> list[int]:
-    """Drop the first ``n`` tokens (what a rolling context window does)."""
-    ids = check_tokens(ids)
-    return ids[roll_amount(n, len(ids)) :]
-
-
-def truncate_tokens(ids: Sequence[int], n: int | float) -> list[int]:
-    """Drop the last ``n`` tokens."""
-    ids = check_tokens(ids)
-    return ids[: len(ids) - roll_amount(n, len(ids))]
 
 
 def scramble_tokens(ids: Sequence[int], seed: int = 0, keep_first: int = 0) -> list[int]:

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvlab.cache.snapshot import KVSnapshot
-from kvlab.errors import BadInputError
 from kvlab.ops.recompute import recompute_slots
 from kvlab.policy.window import SinksWindow
 
@@ -84,14 +83,6 @@ VARIANTS: dict[str, RollFn] = {
 }
 
 
-def roll_variant(
-    name: str, handle: ModelHandle, snapshot: KVSnapshot, drop: int, sinks: int = 0
-) -> KVSnapshot:
-    if name not in VARIANTS:
-        raise BadInputError(f"unknown roll variant '{name}'; choose one of {', '.join(VARIANTS)}")
-    return VARIANTS[name](handle, snapshot, drop, sinks)
-
-
 # -- selective recompute (one implementation: kvlab.ops.recompute) -------------------------------
 def recompute_first(handle: ModelHandle, rolled: KVSnapshot, k: int, sinks: int = 0) -> KVSnapshot:
     """Refresh the first ``k`` slots after the sinks (the tokens that lost the most context)."""
@@ -99,28 +90,25 @@ def recompute_first(handle: ModelHandle, rolled: KVSnapshot, k: int, sinks: int 
     return recompute_slots(handle, rolled, range(sinks, sinks + k))
 
 
-def probe_deviation(handle: ModelHandle, rolled: KVSnapshot, probe_layers: int = 2) -> torch.Tensor:
+def probe_deviation(handle: ModelHandle, rolled: KVSnapshot) -> torch.Tensor:
     """``[T]`` per-slot L2 distance between the rolled keys and a cheap probe's keys.
 
-    The probe is a prefill of the rolled text through the first ``probe_layers`` layers only
-    (``probe_layers / L`` of a re-prefill); the deviation is measured in the probe's last layer
-    (layer 0's keys depend on the token and its position only, so ``probe_layers >= 2``).
+    The probe is a prefill of the rolled text through the first 2 layers only (``2 / L`` of a
+    re-prefill); the deviation is measured in layer 1 (layer 0's keys depend on the token and its
+    position only).
     """
     from kvlab.hf.masked import first_layers_kv
 
-    if probe_layers < 2:
-        raise BadInputError("the probe needs at least 2 layers (layer 0's keys ignore the context)")
     ids = torch.tensor(rolled.token_list(), dtype=torch.long, device=handle.device)
-    probe = first_layers_kv(handle, None, ids, rolled.positions, probe_layers)[-1][0]
-    cached = rolled.keys[probe_layers - 1]
-    return (probe.float() - cached.float()).norm(dim=-1).mean(dim=(0, 1)).cpu()
+    probe = first_layers_kv(handle, None, ids, rolled.positions, 2)[-1][0]
+    return (probe.float() - rolled.keys[1].float()).norm(dim=-1).mean(dim=(0, 1)).cpu()
 
 
 def recompute_most_deviant(
-    handle: ModelHandle, rolled: KVSnapshot, k: int, sinks: int = 0, probe_layers: int = 2
+    handle: ModelHandle, rolled: KVSnapshot, k: int, sinks: int = 0
 ) -> tuple[KVSnapshot, list[int]]:
     """Refresh the ``k`` slots (after the sinks) whose probe keys deviate most; returns the slots too."""
-    dev = probe_deviation(handle, rolled, probe_layers)
+    dev = probe_deviation(handle, rolled)
     dev[:sinks] = -1.0
     k = max(0, min(k, rolled.seq_len - sinks))
     chosen = sorted(int(i) for i in torch.topk(dev, k).indices.tolist()) if k else []
