@@ -1,0 +1,213 @@
+"""Benchmark: calibrate the RULER-style tasks on the bundled model, per length, on the full cache only.
+
+For each task and length, :func:`kvlab.eval.calibrate.calibrate` walks the task's difficulty ladder
+(:data:`kvlab.eval.calibrate.LADDERS`) on calibration seeds (-1, -2, ...: never an evaluation trial's)
+and picks the setting whose full-cache accuracy lies in [0.6, 0.95], nearest 0.8; tasks with none are
+marked apart. Each trial is built by :func:`kvlab.eval.tasks.make_trial` with the setting's knobs and run
+by :func:`kvlab.eval.run.run_trial` with the full cache, exactly as ``benchmarks/eval_ruler.py`` runs it.
+
+Writes the calibration JSON (``--out``, default ``benchmarks/results/ruler_calibration.json``: what
+``benchmarks/eval_ruler.py --calibration`` reads; every setting's per-trial seeds, scores and outputs in
+it) and the report (``--results``, default ``benchmarks/results/ruler_calibration.md``); each setting
+is also appended to ``<out>.progress.jsonl`` as it finishes.
+
+    nice -n 10 python3 benchmarks/calibrate_ruler.py --lengths 1024          # about 35 min on 1 thread
+    python3 benchmarks/calibrate_ruler.py --report-only                      # re-write the report
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _common import Refusal, run_main  # noqa: E402
+
+ROOT = HERE.parent
+OUT = HERE / "results" / "ruler_calibration.json"
+RESULTS = HERE / "results" / "ruler_calibration.md"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from kvlab.eval.calibrate import MIN_TRIALS
+    from kvlab.eval.tasks import TASKS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="1024", help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="tasks, comma-separated")
+    ap.add_argument("--n", type=int, default=MIN_TRIALS, help=f"trials per setting (at least {MIN_TRIALS})")
+    ap.add_argument("--no-stop-early", action="store_true", help="run every setting's n trials")
+    ap.add_argument("--no-refine", action="store_true", help="stop at the first setting in the band")
+    ap.add_argument("--haystack", type=Path, help="a text file to hide the facts in (default: kvlab's)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--out", type=Path, default=OUT, help="the calibration JSON")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the report")
+    ap.add_argument("--report-only", action="store_true", help="re-write the report from --out")
+    args = ap.parse_args(argv)
+    args.length_list = [int(v) for v in args.lengths.split(",") if v.strip()]
+    args.task_list = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in args.task_list if t not in TASKS]
+    if unknown:
+        raise Refusal(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
+    if args.n < MIN_TRIALS:
+        raise Refusal(f"--n {args.n}: a setting needs at least {MIN_TRIALS} trials")
+    return args
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+def scorer(handle: Any, text: str) -> Any:
+    """``score(task, length, seed, knobs)``: one trial on the full cache (:func:`kvlab.eval.run.run_trial`),
+    as a raw row."""
+    from kvlab.eval.run import parse_cache_specs, run_trial
+    from kvlab.eval.tasks import make_trial
+
+    full = parse_cache_specs(["full"])
+
+    def score(task: str, length: int, seed: int, knobs: Mapping[str, int]) -> dict:
+        t0 = time.perf_counter()
+        trial = make_trial(task, handle, length, seed, text, knobs)
+        (row,) = run_trial(handle, trial, full)
+        return {
+            "seed": seed,
+            "score": row["score"],
+            "output": row["output"],
+            "answers": row["answers"],
+            "prompt_tokens": row["context_tokens"] + row["question_tokens"],
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+
+    return score
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] | None) -> dict:
+    import torch
+
+    from kvlab import load_model
+    from kvlab.data import default_long_text, read_text_file
+    from kvlab.eval.calibrate import calibrate
+
+    torch.set_num_threads(max(1, args.threads))
+    source = read_text_file(args.haystack) if args.haystack else default_long_text()
+    handle = load_model("smollm2-135m", device="cpu", dtype=args.dtype)
+    progress = args.out.with_name(args.out.name + ".progress.jsonl")
+    progress.parent.mkdir(parents=True, exist_ok=True)
+    progress.write_text("")
+    started = time.time()
+
+    def on_setting(task: str, length: int, setting: dict) -> None:
+        with open(progress, "a") as f:
+            f.write(json.dumps({"task": task, "length": length, **setting}) + "\n")
+        acc = setting["accuracy"]["value"]
+        print(
+            f"{task} @ {length} {setting['knobs'] or 'default'}: {acc:.2f} over {setting['n']} "
+            f"({setting['verdict']}; {(time.time() - started) / 60:.1f} min)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    about = {
+        "model": "SmolLM2-135M-Instruct (bundled)",
+        "dtype": args.dtype,
+        "device": "cpu",
+        "threads": args.threads,
+        "haystack": source.source,
+        "command": "python3 benchmarks/calibrate_ruler.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _commit(),
+    }
+    doc = calibrate(
+        scorer(handle, source.text),
+        args.task_list,
+        args.length_list,
+        n=args.n,
+        stop_early=not args.no_stop_early,
+        refine=not args.no_refine,
+        on_setting=on_setting,
+        about=about,
+    )
+    doc["wall_minutes"] = round((time.time() - started) / 60, 1)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def _acc(a: Mapping) -> str:
+    if a["low"] is None:
+        return f"{a['value']:.2f} (n = {a['n']}, no interval)"
+    return f"{a['value']:.2f} [{a['low']:.2f}, {a['high']:.2f}]"
+
+
+def _knobs(k: Mapping) -> str:
+    return ", ".join(f"{n}={v}" for n, v in k.items()) or "default"
+
+
+def report_lines(doc: Mapping) -> list[str]:
+    """The chosen settings, then every setting tried (its trials' seeds, scores and time)."""
+    from kvlab.eval.tasks import TASKS
+
+    lines = [
+        "| length | task | status | knobs | n | full-cache accuracy [Wilson 95%] | settings tried |",
+        "|---:|---|---|---|---:|---|---:|",
+    ]
+    for e in doc["tasks"]:
+        lines.append(
+            f"| {e['length']} | {e['task']} | {e['status']} | {_knobs(e['knobs'])} | {e['n']} | "
+            f"{_acc(e['accuracy'])} | {len(e['tried'])} |"
+        )
+    lines += [
+        "",
+        "Every setting tried, in the order of the ladder (defaults: "
+        + "; ".join(f"{t} {_knobs(TASKS[t].knobs)}" for t in dict.fromkeys(e["task"] for e in doc["tasks"]))
+        + "):",
+        "",
+        "| length | task | knobs | n | accuracy [Wilson 95%] | verdict | interval inside the band | stopped early | seconds per trial |",
+        "|---:|---|---|---:|---|---|---|---|---:|",
+    ]
+    for e in doc["tasks"]:
+        for t in e["tried"]:
+            secs = [r["seconds"] for r in t.get("rows", [])]
+            per = f"{sum(secs) / len(secs):.1f}" if secs else "—"
+            lines.append(
+                f"| {e['length']} | {e['task']} | {_knobs(t['knobs'])} | {t['n']} | {_acc(t['accuracy'])} | "
+                f"{t['verdict']} | {'yes' if t['interval_in_band'] else 'no'} | "
+                f"{'yes' if t['stopped_early'] else 'no'} | {per} |"
+            )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.report_only:
+        if not args.out.exists():
+            raise Refusal(f"--report-only: no calibration at {args.out}")
+        doc = json.loads(args.out.read_text())
+    else:
+        doc = run(args, argv)
+    print("\n".join(report_lines(doc)))
+    print(f"calibration: {args.out}; write the report around these tables into {args.results}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    run_main(main)
