@@ -160,7 +160,7 @@ class ModelHandle:
         return cache_argument(self.model)
 
     # -- tokens ------------------------------------------------------------------------------------
-    def encode(self, text: str, *, chat: bool = False, add_generation_prompt: bool = True) -> list[int]:
+    def encode(self, text: str, *, chat: bool = False) -> list[int]:
         """Token ids of ``text`` (plain, no BOS unless the tokenizer adds one), or of a one-turn chat."""
         if self.tokenizer is None:
             raise BadInputError("this model has no tokenizer; pass token ids instead of text")
@@ -169,7 +169,7 @@ class ModelHandle:
         if chat:
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}],
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=True,
                 tokenize=True,
             )
             if hasattr(ids, "keys"):
@@ -373,9 +373,9 @@ class ModelHandle:
         """Feed ``tokens`` after the cached ones (the cache of A, then B, equals prefilling A+B)."""
         return self.forward(tokens, past, **kw)
 
-    def decode_step(self, past: KVSnapshot, token_id: int, *, position: int | None = None) -> Forward:
+    def decode_step(self, past: KVSnapshot, token_id: int) -> Forward:
         """One new token on top of ``past``; returns its ``[vocab]`` logits as ``logits[-1]``."""
-        return self.forward([int(token_id)], past, positions=None if position is None else [position])
+        return self.forward([int(token_id)], past)
 
     @contextlib.contextmanager
     def live_rows(
@@ -464,11 +464,6 @@ class ModelHandle:
             raise BadInputError(f"{logits.shape[0]} logit rows for a cache of batch {past.batch_size}")
         with self.live_rows([past], max_new_tokens) as live:
             return live.greedy(logits, max_new_tokens, stop_ids=stop_ids)
-
-    def generate_text(self, text: str, max_new_tokens: int = 20, *, chat: bool = False) -> Generation:
-        ids = self.encode(text, chat=chat)
-        first = self.prefill(ids, all_logits=False)
-        return self.generate(first.snapshot, first.logits[-1], max_new_tokens)
 
     def eos_ids(self) -> set[int]:
         """Token ids that end a reply: the config's ``eos_token_id`` (one or several) and the tokenizer's."""
