@@ -8,30 +8,25 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import MAX_COUNT, experiment_command, json_list_file, text_option
+from kvlab.cli.common import count_option, experiment_command, json_list_file, text_option
 
 
 def register(app: typer.Typer) -> None:
     @experiment_command(app, "attention", "attention")
     def attention_cmd(
         roll: Annotated[
-            list[int] | None,
-            typer.Option(
-                "--roll", "-r", min=1, max=MAX_COUNT, help="Roll sizes n (repeatable; default 1 5 20)."
-            ),
+            list[int] | None, count_option("--roll", "-r", help="Roll sizes n (repeatable; default 1 5 20).")
         ] = None,
         windows: Annotated[
             int | None,
-            typer.Option(
+            count_option(
                 "--samples",
-                min=2,
-                max=MAX_COUNT,
+                least=2,
                 help="Text samples (windows) to average over, >= 2 (default: by profile).",
             ),
         ] = None,
         window_tokens: Annotated[
-            int | None,
-            typer.Option("--context", "-c", min=8, max=MAX_COUNT, help="Tokens per sample (>= 8)."),
+            int | None, count_option("--context", "-c", least=8, help="Tokens per sample (>= 8).")
         ] = None,
         text: Annotated[Path | None, text_option("A UTF-8 text file instead of the default text.")] = None,
     ) -> dict:
@@ -43,16 +38,12 @@ def register(app: typer.Typer) -> None:
         conversations: Annotated[
             Path | None,
             typer.Option(
-                "--conversations",
                 callback=json_list_file,
                 help="JSON list of {full, compacted, summary} conversations (default: the UltraChat set under ../shared when present, else conversations the model makes from Python's documentation).",
             ),
         ] = None,
         limit: Annotated[
-            int | None,
-            typer.Option(
-                "--limit", min=3, max=MAX_COUNT, help="Use only the N shortest conversations (>= 3)."
-            ),
+            int | None, count_option("--limit", least=3, help="Use only the N shortest conversations (>= 3).")
         ] = None,
     ) -> None:
         """Full vs compacted conversation caches: centroids and the shared tail, with lexical controls."""

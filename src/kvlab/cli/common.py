@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, get_type_hints
 
 import typer
 from rich.console import Console
@@ -18,6 +19,7 @@ from rich.table import Table as RichTable
 from kvlab.errors import BadInputError
 
 if TYPE_CHECKING:  # the modules every command imports at start-up stay light (kvlab --help, refusals)
+    from kvlab.model.handle import ModelHandle
     from kvlab.study.experiments import Experiment, ExperimentResult
     from kvlab.study.experiments.base import Profile
 
@@ -69,6 +71,18 @@ MAX_COUNT = 1_000_000
 MAX_SEED = 2**32 - 1
 #: The most worker processes ``--workers`` starts.
 MAX_WORKERS = 256
+
+
+def count_option(*names: str, help: str, least: int = 1) -> Any:
+    """An option taking a count (tokens, samples, steps ...): ``least`` up to :data:`MAX_COUNT`."""
+    return typer.Option(*names, min=least, max=MAX_COUNT, help=help)
+
+
+def workers_option(help: str) -> Any:
+    """``--workers``: worker processes, 1 up to :data:`MAX_WORKERS`, with a command's own help."""
+    return typer.Option("--workers", min=1, max=MAX_WORKERS, help=help)
+
+
 SeedOpt = Annotated[
     int,
     typer.Option(
@@ -183,10 +197,7 @@ def text_file(value: Path | None) -> Path | None:
         return None
     from kvlab.data import read_user_text
 
-    try:
-        read_user_text(value)
-    except BadInputError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    refuse_errors(read_user_text, value)
     return value
 
 
@@ -336,57 +347,96 @@ def profile_from(quick: bool, full: bool) -> Profile:
     return "quick" if quick else "full" if full else "default"
 
 
-_SHARED_OPTIONS = (
-    ("model", ModelOpt, "smollm2-135m"),
-    ("out", OutOpt, Path("runs")),
-    ("json_out", JsonOpt, False),
-    ("quick", QuickOpt, False),
-    ("full", FullOpt, False),
-    ("seed", SeedOpt, 0),
-    ("device", DeviceOpt, "auto"),
-    ("dtype", DtypeOpt, "float32"),
-)
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """``--model --device --dtype``: an option group (see :func:`group_command`) for the model a command
+    loads."""
+
+    model: ModelOpt = "smollm2-135m"
+    device: DeviceOpt = "auto"
+    dtype: DtypeOpt = "float32"
+
+    def load(self) -> ModelHandle:
+        from kvlab.model import load_model
+
+        return load_model(self.model, device=self.device, dtype=self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """The option group every experiment command takes besides its own options."""
+
+    model: ModelOpt = "smollm2-135m"
+    out: OutOpt = Path("runs")
+    json_out: JsonOpt = False
+    quick: QuickOpt = False
+    full: FullOpt = False
+    seed: SeedOpt = 0
+    device: DeviceOpt = "auto"
+    dtype: DtypeOpt = "float32"
+
+
+def group_command(
+    fn: Callable[..., Any], call: Callable[..., Any] | None = None, added: dict[str, type] | None = None
+) -> Callable[..., Any]:
+    """``fn``'s parameters (then ``added``, name -> group) as a typer command, where a parameter annotated
+    with an option group (a dataclass whose fields are typer options, like :class:`ModelOptions`) stands
+    for the group's fields: typer reads each field as an option, and ``call`` (default ``fn``) gets the
+    group built from them."""
+    hints = {**get_type_hints(fn, include_extras=True), **(added or {})}
+    kw = inspect.Parameter.KEYWORD_ONLY
+    groups: dict[str, Any] = {}
+    params: list[inspect.Parameter] = []
+    for p in [*inspect.signature(fn).parameters.values(), *(inspect.Parameter(n, kw) for n in added or {})]:
+        kind = hints.get(p.name, p.annotation)
+        if not dataclasses.is_dataclass(kind):
+            params.append(p.replace(kind=kw, annotation=kind))
+            continue
+        groups[p.name] = kind
+        fields = get_type_hints(kind, include_extras=True)
+        params += [
+            inspect.Parameter(f.name, kw, default=f.default, annotation=fields[f.name])
+            for f in dataclasses.fields(kind)
+        ]
+
+    def command(**kwargs: Any) -> Any:
+        for name, kind in groups.items():
+            kwargs[name] = kind(**{f.name: kwargs.pop(f.name) for f in dataclasses.fields(kind)})
+        return (call or fn)(**kwargs)
+
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__name__, command.__doc__ = fn.__name__, fn.__doc__
+    return command
 
 
 def experiment_command(
     app: typer.Typer, name: str, experiment: str, *, help: str | None = None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register a function as ``kvlab <name>``, running ``experiment`` with the shared options added.
+    """Register a function as ``kvlab <name>``, running ``experiment`` with the :class:`RunOptions` added.
 
     The function declares only the command's own options (its docstring is the help) and returns
     the experiment's options as a dict, or None to pass its own arguments through unchanged.
-    ``--model --out --json --quick --full --seed --device --dtype`` are appended here, once for every
-    command.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        own = list(inspect.signature(fn, eval_str=True).parameters.values())
-        shared = [
-            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
-            for n, a, d in _SHARED_OPTIONS
-        ]
-
-        def command(**kwargs: Any) -> None:
-            common = {n: kwargs.pop(n) for n, _, _ in _SHARED_OPTIONS}
-            options = fn(**kwargs)
+        def run(run: RunOptions, **own: Any) -> None:
             from kvlab.study.experiments import get_experiment
 
+            options = fn(**own)
             run_and_report(
                 get_experiment(experiment),
-                out=common["out"],
-                json_out=common["json_out"],
-                model=common["model"],
-                profile=profile_from(common["quick"], common["full"]),
-                seed=common["seed"],
-                device=common["device"],
-                dtype=common["dtype"],
-                **(kwargs if options is None else options),
+                out=run.out,
+                json_out=run.json_out,
+                model=run.model,
+                profile=profile_from(run.quick, run.full),
+                seed=run.seed,
+                device=run.device,
+                dtype=run.dtype,
+                **(own if options is None else options),
             )
 
-        command.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]
-        command.__annotations__ = {p.name: p.annotation for p in [*own, *shared]}
-        command.__name__, command.__doc__ = fn.__name__, fn.__doc__
-        app.command(name, help=help)(command)
+        app.command(name, help=help)(group_command(fn, run, {"run": RunOptions}))
         return fn
 
     return decorate
@@ -445,22 +495,34 @@ def run_and_report(
     if json_out:
         doc = json.loads((folder / "result.json").read_text())
         doc["report_dir"] = str(folder)
-        sys.stdout.write(json.dumps(to_jsonable(doc), indent=2) + "\n")
+        print_json(to_jsonable(doc))
     else:
         print_result(result)
         console.print(f"\nreport: [bold]{folder / 'index.html'}[/bold]")
     return result
 
 
+def print_json(doc: Any, *, indent: int | None = 2, default: Callable[[Any], Any] | None = None) -> None:
+    """``--json``: ``doc`` as one JSON document on stdout."""
+    sys.stdout.write(json.dumps(doc, indent=indent, default=default) + "\n")
+
+
+def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
+    """A table on the console, its title on the left."""
+    rt = RichTable(title=title, title_justify="left")
+    for col in columns:
+        rt.add_column(col)
+    for row in rows:
+        rt.add_row(*row)
+    console.print(rt)
+
+
 def print_result(result: ExperimentResult) -> None:
     console.print(f"[bold]{result.title}[/bold] ({result.status})")
     for table in result.tables:
-        rt = RichTable(title=table.title, title_justify="left")
-        for col in table.columns:
-            rt.add_column(str(col))
-        for row in table.rows:
-            rt.add_row(*[_cell(v) for v in row])
-        console.print(rt)
+        print_table(
+            table.title, [str(c) for c in table.columns], [[_cell(v) for v in row] for row in table.rows]
+        )
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
 

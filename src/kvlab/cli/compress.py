@@ -8,16 +8,16 @@ from typing import Annotated
 import typer
 
 from kvlab.cli.common import (
-    MAX_COUNT,
-    DeviceOpt,
-    DtypeOpt,
     JsonOpt,
-    ModelOpt,
+    ModelOptions,
     SeedOpt,
     check_output_file,
     console,
+    count_option,
     experiment_command,
     finite,
+    group_command,
+    print_json,
     text_option,
 )
 
@@ -85,31 +85,28 @@ def compress_cmd(
     ] = None,
     bits: Annotated[
         list[int] | None,
-        typer.Option("--bits", min=1, max=16, callback=_bits, help="Bit widths (repeatable): 8, 4, 3, 2."),
+        typer.Option(min=1, max=16, callback=_bits, help="Bit widths (repeatable): 8, 4, 3, 2."),
     ] = None,
     keep: Annotated[
         list[float] | None,
         typer.Option(
-            "--keep",
             callback=_keeps,
             help="Kept fractions (repeatable), in (0, 1].",
         ),
     ] = None,
     method: Annotated[
         list[str] | None,
-        typer.Option("--method", callback=_methods, help="Quantizers (repeatable), e.g. rotation+sinks."),
+        typer.Option(callback=_methods, help="Quantizers (repeatable), e.g. rotation+sinks."),
     ] = None,
     policy: Annotated[
         list[str] | None,
-        typer.Option("--policy", callback=_policies, help="Eviction policies (repeatable), e.g. snapkv."),
+        typer.Option(callback=_policies, help="Eviction policies (repeatable), e.g. snapkv."),
     ] = None,
     windows: Annotated[
-        int | None,
-        typer.Option("--samples", min=1, max=MAX_COUNT, help="Text samples (windows) to average over."),
+        int | None, count_option("--samples", help="Text samples (windows) to average over.")
     ] = None,
     context: Annotated[
-        int | None,
-        typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Context tokens per sample."),
+        int | None, count_option("--context", "-c", least=2, help="Context tokens per sample.")
     ] = None,
 ) -> dict:
     """Quantize and evict the KV cache, and measure distortion, perplexity, needle retrieval, bytes and time."""
@@ -126,45 +123,34 @@ def compress_cmd(
 
 def train_evictor_cmd(
     windows: Annotated[
-        int,
-        typer.Option(
-            "--samples", min=4, max=MAX_COUNT, help="Training samples (the last quarter is held out)."
-        ),
+        int, count_option("--samples", least=4, help="Training samples (the last quarter is held out).")
     ] = 24,
     context: Annotated[
-        int, typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Context tokens per sample.")
+        int, count_option("--context", "-c", least=2, help="Context tokens per sample.")
     ] = 512,
     future: Annotated[
-        int,
-        typer.Option("--future", min=1, max=MAX_COUNT, help="Future queries whose attention is the target."),
+        int, count_option("--future", help="Future queries whose attention is the target.")
     ] = 64,
-    steps: Annotated[int, typer.Option("--steps", min=1, max=MAX_COUNT, help="Optimizer steps.")] = 1500,
+    steps: Annotated[int, count_option("--steps", help="Optimizer steps.")] = 1500,
     text: Annotated[
         Path | None, text_option("Training text (default: the first 150k characters of the Python docs).")
     ] = None,
     weights: Annotated[
         Path | None,
-        typer.Option(
-            "--weights", help="Where to write the weights (default: the packaged kvlab/compress/weights)."
-        ),
+        typer.Option(help="Where to write the weights (default: the packaged kvlab/compress/weights)."),
     ] = None,
-    model: ModelOpt = "smollm2-135m",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
+    model: ModelOptions = ModelOptions(),
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
     """Train the learned eviction policy (a tiny MLP) on the model's own attention; a few minutes on CPU."""
-    import json
-
     from kvlab.compress.evict.learned import DEFAULT_WEIGHTS, save_weights, train_evictor
     from kvlab.data import python_docs, read_text_file, token_samples
-    from kvlab.model import load_model
     from kvlab.study.experiments.compression import TRAIN_CHARS
 
     # the destination is checked before the model loads, not after minutes of training
     check_output_file(weights if weights is not None else DEFAULT_WEIGHTS, "--weights")
-    handle = load_model(model, device=device, dtype=dtype)
+    handle = model.load()
     src = read_text_file(text).text if text else python_docs().text[:TRAIN_CHARS]
     ids = handle.encode(src)
     wins = token_samples(ids, context + future, windows, seed=seed)
@@ -183,7 +169,7 @@ def train_evictor_cmd(
     path = save_weights(trained, weights)
     report["weights"] = str(path)
     if json_out:
-        print(json.dumps(report, indent=2))
+        print_json(report)
     else:
         for k, v in report.items():
             console.print(f"{k}: {v}")
@@ -191,4 +177,4 @@ def train_evictor_cmd(
 
 def register(app: typer.Typer) -> None:
     experiment_command(app, "compress", "compression")(compress_cmd)
-    app.command("train-evictor")(train_evictor_cmd)
+    app.command("train-evictor")(group_command(train_evictor_cmd))

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kvlab.cli.common import (
-    MAX_COUNT,
-    DeviceOpt,
-    DtypeOpt,
     JsonOpt,
-    ModelOpt,
+    ModelOptions,
     SeedOpt,
     check_output_dir,
     console,
+    count_option,
     eval_cache_specs,
+    group_command,
+    print_json,
+    refuse_errors,
     text_file,
 )
 from kvlab.errors import BadInputError
@@ -32,10 +31,7 @@ def _ratios(value: str | None) -> str | None:
     if value is not None:
         from kvlab.eval.specs import parse_ratios
 
-        try:
-            parse_ratios(value)
-        except BadInputError as exc:
-            raise typer.BadParameter(str(exc)) from None
+        refuse_errors(parse_ratios, value)
     return value
 
 
@@ -91,8 +87,7 @@ RatiosOpt = Annotated[
     ),
 ]
 LengthsOpt = Annotated[
-    str,
-    typer.Option("--lengths", callback=_lengths, help="Prompt lengths in tokens, comma-separated."),
+    str, typer.Option("--lengths", callback=_lengths, help="Prompt lengths in tokens, comma-separated.")
 ]
 TasksOpt = Annotated[
     str | None,
@@ -102,7 +97,7 @@ TasksOpt = Annotated[
         help="Tasks, comma-separated (default: all): niah_single, niah_multikey, niah_multivalue, vt, cwe, qa.",
     ),
 ]
-TrialsOpt = Annotated[int, typer.Option("--trials", min=1, max=MAX_COUNT, help="Trials per task and length.")]
+TrialsOpt = Annotated[int, count_option("--trials", help="Trials per task and length.")]
 HaystackOpt = Annotated[
     Path | None,
     typer.Option(
@@ -140,10 +135,7 @@ def _positions(value: str) -> str:
     """Typer callback: one of the conventions of :mod:`kvlab.eval.positions`."""
     from kvlab.eval.positions import check_positions
 
-    try:
-        check_positions([value])
-    except BadInputError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    refuse_errors(check_positions, [value])
     return value
 
 
@@ -198,9 +190,7 @@ def ruler(
     out: RulerOutOpt = None,
     resume: ResumeOpt = None,
     positions: PositionsOpt = "original",
-    model: ModelOpt = "smollm2-135m",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
+    model: ModelOptions = ModelOptions(),
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
@@ -229,9 +219,9 @@ def ruler(
 
     haystack_text = read_text_file(haystack).text if haystack is not None else None
     settings = {
-        "model": model,
-        "device": device,  # as the model loads it (run_ruler)
-        "dtype": dtype,
+        "model": model.model,
+        "device": model.device,  # as the model loads it (run_ruler)
+        "dtype": model.dtype,
         "caches": [s.to_json() for s in specs],
         "ratios": ratio_list,
         "tasks": task_names,
@@ -257,7 +247,7 @@ def _print_ruler(doc: dict, out: Path | None, json_out: bool) -> None:
     """The run's document as JSON on stdout, or its summary table and where ruler.json went."""
     summary, rows, wall = doc["summary"], doc["rows"], doc["wall_seconds"]
     if json_out:
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        print_json(doc)
         return
     for line in table_lines(summary):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -271,4 +261,4 @@ def register(app: typer.Typer) -> None:
         help="Score cache policies on long-context tasks (RULER-style), with KL to the full cache."
     )
     app.add_typer(sub, name="eval")
-    sub.command("ruler")(ruler)
+    sub.command("ruler")(group_command(ruler))

@@ -21,7 +21,6 @@ def register(app: typer.Typer) -> None:
         older_than: Annotated[
             float,
             typer.Option(
-                "--older-than",
                 help="Only temp files older than this many seconds (default 3600; 0 = all, also live writers').",
             ),
         ] = 3600.0,

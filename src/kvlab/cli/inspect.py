@@ -49,8 +49,7 @@ def register(app: typer.Typer) -> None:
     @app.command("inspect")
     def inspect_cmd(
         config: Annotated[
-            Path | None,
-            typer.Option("--config", callback=_config, help="A config.json: project without weights."),
+            Path | None, typer.Option(callback=_config, help="A config.json: project without weights.")
         ] = None,
         prompt: Annotated[
             list[str] | None,
@@ -59,7 +58,6 @@ def register(app: typer.Typer) -> None:
         dtype: Annotated[
             str | None,
             typer.Option(
-                "--dtype",
                 callback=_dtype,
                 help="Model dtype, and the cache dtype for bytes/token: float32 (default), bfloat16, "
                 "float16; with --config also int8 or float8 (default there: the config's).",

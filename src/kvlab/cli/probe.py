@@ -25,35 +25,25 @@ def register(app: typer.Typer) -> None:
     def probe_cmd(
         url: Annotated[str, typer.Argument(help="The server: http(s)://HOST:PORT (or .../v1).")],
         api_key: Annotated[
-            list[str] | None,
-            typer.Option("--api-key", help="Bearer key; give two (two tenants) for the isolation check."),
+            list[str] | None, typer.Option(help="Bearer key; give two (two tenants) for the isolation check.")
         ] = None,
         model: Annotated[
-            str | None, typer.Option("--model", help="Model id (default: the first /models lists).")
+            str | None, typer.Option(help="Model id (default: the first /models lists).")
         ] = None,
-        api: Annotated[str, typer.Option("--api", help="chat (/chat/completions) or completions.")] = "chat",
+        api: Annotated[str, typer.Option(help="chat (/chat/completions) or completions.")] = "chat",
         json_out: Annotated[bool, typer.Option("--json", help="Print the report (JSON) on stdout.")] = False,
         out: Annotated[
             Path | None, typer.Option("--out", "-o", help="Report folder (default runs/probe-TIME).")
         ] = None,
-        trials: Annotated[int, typer.Option("--trials", help="Timed trials per arm (>= 5).")] = 8,
-        tolerance: Annotated[
-            float, typer.Option("--tolerance", help="Largest log-probability difference allowed.")
-        ] = 2e-3,
-        alpha: Annotated[
-            float, typer.Option("--alpha", help="Significance level of the timing tests.")
-        ] = 0.01,
-        prefix_words: Annotated[
-            int, typer.Option("--prefix-words", help="Words of the long shared prefix.")
-        ] = 1024,
+        trials: Annotated[int, typer.Option(help="Timed trials per arm (>= 5).")] = 8,
+        tolerance: Annotated[float, typer.Option(help="Largest log-probability difference allowed.")] = 2e-3,
+        alpha: Annotated[float, typer.Option(help="Significance level of the timing tests.")] = 0.01,
+        prefix_words: Annotated[int, typer.Option(help="Words of the long shared prefix.")] = 1024,
         context: Annotated[
-            int | None,
-            typer.Option("--context", help="Context limit in tokens (default: /models, else 4096)."),
+            int | None, typer.Option(help="Context limit in tokens (default: /models, else 4096).")
         ] = None,
-        max_tokens: Annotated[
-            int, typer.Option("--max-tokens", help="Tokens generated per compared answer.")
-        ] = 16,
-        timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for one reply.")] = 120.0,
+        max_tokens: Annotated[int, typer.Option(help="Tokens generated per compared answer.")] = 16,
+        timeout: Annotated[float, typer.Option(help="Seconds to wait for one reply.")] = 120.0,
     ) -> None:
         """Audit an OpenAI-compatible server's caching: cold vs warm answers, prefix hits, the context limit,
         isolation between tenants and claimed cached tokens vs timing. See docs/serving.md."""

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import MAX_COUNT, experiment_command, text_option
+from kvlab.cli.common import count_option, experiment_command, text_option
 
 TextOpt = Annotated[
     Path | None,
@@ -22,9 +22,7 @@ TextOpt = Annotated[
 ]
 ContextOpt = Annotated[
     int | None,
-    typer.Option(
-        "--context", "-c", min=2, max=MAX_COUNT, help="Window length in tokens (default: by profile)."
-    ),
+    count_option("--context", "-c", least=2, help="Window length in tokens (default: by profile)."),
 ]
 
 SUBCOMMANDS = {

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
-from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvlab.cli.common import DeviceOpt, DtypeOpt, ModelOpt, serve_cache_spec
+from kvlab.cli.common import DeviceOpt, DtypeOpt, ModelOpt, group_command, serve_cache_spec
 from kvlab.errors import BadInputError
 from kvlab.serve.keys import check_keys
 
@@ -48,7 +47,6 @@ class ServeOptions:
     store: Annotated[
         str | None,
         typer.Option(
-            "--store",
             help="Prefix store shared by requests and replicas: a folder, redis://host:port/db, or 'memory' (default).",
         ),
     ] = None
@@ -59,15 +57,11 @@ class ServeOptions:
         int | None, typer.Option(min=0, help="Attention-sink tokens kept before the window (default 4).")
     ] = None
     evict_chunk: Annotated[
-        int | None,
-        typer.Option(
-            "--evict-chunk", min=1, help="Tokens evicted at once when a window overflows (default 64)."
-        ),
+        int | None, typer.Option(min=1, help="Tokens evicted at once when a window overflows (default 64).")
     ] = None
     cache: Annotated[
         str | None,
         typer.Option(
-            "--cache",
             callback=serve_cache_spec,
             help="Cache policy of every conversation, instead of --window/--sinks/--evict-chunk: a sinks + "
             "window layout, in full precision or over a codec, e.g. sinks=4,window=2048,codec=kivi4 "
@@ -79,7 +73,6 @@ class ServeOptions:
     fidelity_sample: Annotated[
         float,
         typer.Option(
-            "--fidelity-sample",
             callback=_fraction,
             help="Share of responses scored against the exact full cache (KL and top-1 agreement per response, "
             'computed at low priority; a request asks with "kvlab": {"fidelity": true}). See docs/serving.md.',
@@ -88,7 +81,6 @@ class ServeOptions:
     fidelity_wait: Annotated[
         float,
         typer.Option(
-            "--fidelity-wait",
             callback=_wait_seconds,
             help="Seconds a scored reply (not streamed) waits for its score; later, kvlab.fidelity_url gives it.",
         ),
@@ -96,27 +88,20 @@ class ServeOptions:
     api_key: Annotated[
         list[str] | None,
         typer.Option(
-            "--api-key",
             help="Accepted Bearer key (repeatable; also $KVLAB_API_KEYS, comma-separated). Each key is its own tenant: no cache is shared across keys.",
         ),
     ] = None
     admin_key: Annotated[
         str | None,
         typer.Option(
-            "--admin-key",
             help="Key that opens the status page (/) and /metrics (also $KVLAB_ADMIN_KEY). With API keys or an admin key they need Authorization: Bearer ADMIN_KEY; tenants' keys do not open them.",
         ),
     ] = None
-    max_batch: Annotated[
-        int, typer.Option("--max-batch", min=1, help="Requests decoded together in one forward.")
-    ] = 4
-    max_queue: Annotated[
-        int, typer.Option("--max-queue", min=0, help="Requests waiting beyond those; more get 429.")
-    ] = 16
+    max_batch: Annotated[int, typer.Option(min=1, help="Requests decoded together in one forward.")] = 4
+    max_queue: Annotated[int, typer.Option(min=0, help="Requests waiting beyond those; more get 429.")] = 16
     max_sessions: Annotated[
         int,
         typer.Option(
-            "--max-sessions",
             min=1,
             help="Idle conversations kept for reuse (each holds a window's cache; least recently used dropped).",
         ),
@@ -124,7 +109,6 @@ class ServeOptions:
     prefill_chunk: Annotated[
         int,
         typer.Option(
-            "--prefill-chunk",
             min=1,
             help="Prompt tokens computed between two decode steps: a long prompt delays the others' next token by this much prefill at most.",
         ),
@@ -132,20 +116,16 @@ class ServeOptions:
     store_memory_mb: Annotated[
         int,
         typer.Option(
-            "--store-memory-mb",
             min=1,
             help="Cap of the store's in-memory tier (MiB; least recently used blocks dropped beyond it).",
         ),
     ] = 2048
-    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=1)] = 32768
-    max_tokens: Annotated[
-        int, typer.Option("--max-tokens", min=1, help="Largest max_tokens a request may ask for.")
-    ] = 2048
+    max_prompt_tokens: Annotated[int, typer.Option(min=1)] = 32768
+    max_tokens: Annotated[int, typer.Option(min=1, help="Largest max_tokens a request may ask for.")] = 2048
     max_body: Annotated[int, typer.Option("--max-body-bytes", min=1024)] = 1 << 20
     max_open_per_key: Annotated[
         int | None,
         typer.Option(
-            "--max-open-per-key",
             min=1,
             help="Requests one API key may have open (queued + running; each prompt counts); more get 429. "
             "Default with 2+ keys: (--max-queue + --max-batch) // 2; else no cap of its own.",
@@ -154,7 +134,6 @@ class ServeOptions:
     max_batch_per_key: Annotated[
         int | None,
         typer.Option(
-            "--max-batch-per-key",
             min=1,
             help="Requests of one API key served at once. Default with 2+ keys: --max-batch - 1 (a slot "
             "stays free for the other keys); else no cap of its own.",
@@ -163,7 +142,6 @@ class ServeOptions:
     max_work_per_key: Annotated[
         int | None,
         typer.Option(
-            "--max-work-per-key",
             min=1,
             help="Tokens of work one API key may have in flight: prompt tokens + max_tokens of its open "
             "requests (more: 429; one request over it: 400). Default: 2 x (--max-prompt-tokens + --max-tokens).",
@@ -172,7 +150,6 @@ class ServeOptions:
     max_logprob_entries: Annotated[
         int,
         typer.Option(
-            "--max-logprob-entries",
             min=1,
             help="Log-probabilities one request may ask for: scored tokens (echoed prompt, generated) x "
             "(1 + alternatives); more: 400 before anything is computed.",
@@ -181,7 +158,6 @@ class ServeOptions:
     max_response_bytes: Annotated[
         int,
         typer.Option(
-            "--max-response-bytes",
             min=1024,
             help="Bytes of one reply (a stream's, all together); a larger reply is an error instead.",
         ),
@@ -189,22 +165,17 @@ class ServeOptions:
     header_timeout: Annotated[
         float,
         typer.Option(
-            "--header-timeout",
             min=0.1,
             max=3600,
             help="Seconds a request's head (request line and headers) may take to arrive; then 408 and closed.",
         ),
     ] = 10.0
     body_timeout: Annotated[
-        float,
-        typer.Option(
-            "--body-timeout", min=0.1, max=3600, help="Seconds a request's body may take after its head."
-        ),
+        float, typer.Option(min=0.1, max=3600, help="Seconds a request's body may take after its head.")
     ] = 30.0
     idle_timeout: Annotated[
         float,
         typer.Option(
-            "--idle-timeout",
             min=0.1,
             max=3600,
             help="Seconds a connection may wait between requests (or before its first) before it is closed.",
@@ -213,7 +184,6 @@ class ServeOptions:
     max_connections: Annotated[
         int | None,
         typer.Option(
-            "--max-connections",
             min=1,
             help="Open connections at most (default: min(1024, what the open-file limit allows)). At the cap the oldest connection without a complete request is closed.",
         ),
@@ -229,7 +199,6 @@ class ServeOptions:
     shutdown_timeout: Annotated[
         int,
         typer.Option(
-            "--shutdown-timeout",
             min=1,
             max=3600,
             help="Seconds a SIGTERM (or Ctrl+C) lets the requests running finish; those still running then "
@@ -238,20 +207,7 @@ class ServeOptions:
     ] = 30
 
 
-def _signature(options: type) -> inspect.Signature:
-    """The keyword parameters typer reads a command's options from: ``options``' fields, with their
-    annotations resolved and their defaults."""
-    hints = get_type_hints(options, include_extras=True)
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    return inspect.Signature(
-        [
-            inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name])
-            for f in dataclasses.fields(options)
-        ]
-    )
-
-
-def serve(**options: Any) -> None:
+def serve(options: ServeOptions) -> None:
     """Serve the model over the OpenAI API (chat, completions, streaming) with rolling, shared caches.
 
     A conversation sent again with a new turn computes only the new tokens; one that outgrows the
@@ -259,14 +215,11 @@ def serve(**options: Any) -> None:
     every request of a tenant and by every server on the same store. Status page at /, Prometheus
     metrics at /metrics. See docs/serving.md.
     """
-    run_server(ServeOptions(**options))
-
-
-serve.__signature__ = _signature(ServeOptions)  # type: ignore[attr-defined]
+    run_server(options)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)
+    app.command("serve")(group_command(serve))
 
 
 def _keys(o: ServeOptions) -> tuple[tuple[str, ...], str | None]:

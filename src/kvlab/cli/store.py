@@ -6,7 +6,6 @@ picks another folder and ``--store redis://host:port/db`` a shared Redis server.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -15,12 +14,14 @@ from typing import Annotated, Any
 import typer
 
 from kvlab.cli.common import (
-    DeviceOpt,
-    DtypeOpt,
     JsonOpt,
-    ModelOpt,
+    ModelOptions,
     console,
     experiment_command,
+    group_command,
+    print_json,
+    print_table,
+    refuse_errors,
     text_option,
 )
 from kvlab.errors import BadInputError
@@ -59,10 +60,7 @@ def parse_bytes(text: str) -> int:
 def _size(value: str | None) -> str | None:
     """Typer callback for ``--max-bytes``: a size :func:`parse_bytes` reads, checked before the store opens."""
     if value is not None:
-        try:
-            parse_bytes(value)
-        except BadInputError as exc:
-            raise typer.BadParameter(str(exc)) from None
+        refuse_errors(parse_bytes, value)
     return value
 
 
@@ -85,7 +83,7 @@ def _open(
 def _emit(doc: Any, json_out: bool) -> None:
     """JSON on stdout for machines (``--json``), aligned ``key: value`` lines for people."""
     if json_out:
-        sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+        print_json(doc, default=str)
         return
     for line in _lines(doc):
         console.print(line, markup=False, highlight=False)
@@ -142,13 +140,10 @@ def put_cmd(
     redis: RedisOpt = None,
     block_tokens: BlockOpt = 64,
     salt: SaltOpt = None,
-    model: ModelOpt = "smollm2-135m",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
+    model: ModelOptions = ModelOptions(),
     json_out: JsonOpt = False,
 ) -> None:
     """Prefill TEXT and store its cache as blocks (blocks already stored are skipped)."""
-    from kvlab import load_model
     from kvlab.data import read_text_file
 
     if (text is None) == (file is None):
@@ -157,7 +152,7 @@ def put_cmd(
     if not body.strip():
         raise BadInputError("the text is empty")
     # model and prefill first: a failure there must not leave a new, empty store folder behind
-    h = load_model(model, device=device, dtype=dtype)
+    h = model.load()
     ids = h.encode(body, chat=chat)
     snap = h.prefill(ids, all_logits=False).snapshot
     st = _open(store, redis, create=True, block_tokens=block_tokens)
@@ -185,8 +180,7 @@ def put_cmd(
 def get_cmd(
     block: Annotated[str, typer.Argument(help="Block hash (from `kvlab store ls`).")],
     out_file: Annotated[
-        Path | None,
-        typer.Option("--out", "-o", help="Write the prefix ending at BLOCK as a snapshot file."),
+        Path | None, typer.Option("--out", "-o", help="Write the prefix ending at BLOCK as a snapshot file.")
     ] = None,
     store: StoreOpt = None,
     redis: RedisOpt = None,
@@ -217,21 +211,22 @@ def ls_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = F
     if json_out:
         _emit(rows, True)
         return
-    from rich.table import Table
-
-    t = Table(title=f"{len(rows)} blocks", title_justify="left")
-    for col in ("tier", "hash", "parent", "start", "tokens", "bytes"):
-        t.add_column(col)
-    for r in rows:
-        t.add_row(
-            r["tier"],
-            r["hash"][:16],
-            r["parent"][:16],
-            str(r["start"]),
-            str(r["tokens"]),
-            f"{r['bytes']:,}",
-        )
-    console.print(t)
+    columns = ("tier", "hash", "parent", "start", "tokens", "bytes")
+    print_table(
+        f"{len(rows)} blocks",
+        columns,
+        [
+            (
+                r["tier"],
+                r["hash"][:16],
+                r["parent"][:16],
+                str(r["start"]),
+                str(r["tokens"]),
+                f"{r['bytes']:,}",
+            )
+            for r in rows
+        ],
+    )
 
 
 def stats_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = False) -> None:
@@ -243,7 +238,6 @@ def gc_cmd(
     max_bytes: Annotated[
         str | None,
         typer.Option(
-            "--max-bytes",
             callback=_size,
             help="Evict least recently used blocks down to this size (e.g. 2G).",
         ),
@@ -308,18 +302,15 @@ def generate_cmd(
     redis: RedisOpt = None,
     block_tokens: BlockOpt = 64,
     salt: SaltOpt = None,
-    model: ModelOpt = "smollm2-135m",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
+    model: ModelOptions = ModelOptions(),
     json_out: JsonOpt = False,
 ) -> None:
     """Greedy generation that loads the prompt's longest stored prefix and prefills only the rest."""
-    from kvlab import load_model
     from kvlab.store import reuse_generate
 
     if not prompt.strip():
         raise BadInputError("the prompt is empty")
-    handle = load_model(model, device=device, dtype=dtype)  # before the store: a failure here creates nothing
+    handle = model.load()  # before the store: a failure here creates nothing
     st = _open(store, redis, create=True, block_tokens=block_tokens)
     res = reuse_generate(handle, st, prompt, max_new_tokens, chat=chat, salt=salt, store_prompt=not no_store)
     m = res.prefill.match
@@ -348,11 +339,11 @@ def register(app: typer.Typer) -> None:
         help="A tiered, content-addressed KV cache store (memory, disk, Redis).", no_args_is_help=True
     )
     app.add_typer(store_app, name="store")
-    store_app.command("put")(put_cmd)
+    store_app.command("put")(group_command(put_cmd))
     store_app.command("get")(get_cmd)
     store_app.command("ls")(ls_cmd)
     store_app.command("stats")(stats_cmd)
     store_app.command("gc")(gc_cmd)
     store_app.command("verify")(verify_cmd)
-    store_app.command("generate")(generate_cmd)
+    store_app.command("generate")(group_command(generate_cmd))
     experiment_command(store_app, "experiment", "store_reuse")(experiment_cmd)

@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table as RichTable
 
 from kvlab.cli.common import (
-    MAX_WORKERS,
-    DeviceOpt,
-    DtypeOpt,
-    FullOpt,
-    JsonOpt,
-    ModelOpt,
-    OutOpt,
-    QuickOpt,
-    SeedOpt,
+    RunOptions,
     check_output_dir,
     console,
     err_console,
+    group_command,
+    print_json,
+    print_table,
     profile_from,
     refuse_errors,
+    workers_option,
 )
 
 
@@ -36,37 +32,25 @@ def _study_names(value: list[str] | None) -> list[str] | None:
 
 
 def study_cmd(
-    model: ModelOpt = "smollm2-135m",
-    out: OutOpt = Path("runs"),
-    quick: QuickOpt = False,
-    full: FullOpt = False,
-    seed: SeedOpt = 0,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
+    run: RunOptions = RunOptions(),
     only: Annotated[
-        list[str] | None,
-        typer.Option("--only", callback=_study_names, help="Run only these experiments (repeatable)."),
+        list[str] | None, typer.Option(callback=_study_names, help="Run only these experiments (repeatable).")
     ] = None,
     workers: Annotated[
         int | None,
-        typer.Option(
-            "--workers",
-            min=1,
-            max=MAX_WORKERS,
-            help="Experiments run at once, each in its own process with its own model copy "
-            "(default: one per core, at most 4, and 1 on CUDA; 1 runs them one after another in this process).",
+        workers_option(
+            "Experiments run at once, each in its own process with its own model copy "
+            "(default: one per core, at most 4, and 1 on CUDA; 1 runs them one after another in this process)."
         ),
     ] = None,
     resume: Annotated[
         Path | None,
         typer.Option(
-            "--resume",
             help="Finish an interrupted study in this folder (runs/study-...): keep the experiments that "
             "finished ok, run the others, write the report. Give the same model, profile, seed, "
             "device, dtype and --only as the first run (others are refused).",
         ),
     ] = None,
-    json_out: JsonOpt = False,
 ) -> None:
     """Run every registered experiment on the model and write one HTML report.
 
@@ -75,38 +59,31 @@ def study_cmd(
     from kvlab.model.loading import resolve_device
     from kvlab.study.runner import default_workers, run_study
 
-    profile = profile_from(quick, full)
-    device = resolve_device(device)
-    check_output_dir(out)
-    if profile == "full" and not json_out:
+    profile = profile_from(run.quick, run.full)
+    device = resolve_device(run.device)
+    check_output_dir(run.out)
+    if profile == "full" and not run.json_out:
         err_console.print(
             "[yellow]--full runs every experiment at its largest size; expect an hour or more here.[/yellow]"
         )
     outcome = run_study(
-        out=out,
-        model_spec=model,
+        out=run.out,
+        model_spec=run.model,
         profile=profile,
-        seed=seed,
+        seed=run.seed,
         only=only,
-        dtype=dtype,
+        dtype=run.dtype,
         device=device,
         workers=workers or default_workers(device),
         resume=resume,
-        show_progress=not json_out,
+        show_progress=not run.json_out,
     )
-    if json_out:
-        import json
-        import sys
-
+    if run.json_out:
         doc = json.loads((outcome.run_dir / "result.json").read_text())
-        sys.stdout.write(json.dumps({**doc, "report_dir": str(outcome.run_dir)}, indent=2) + "\n")
+        print_json({**doc, "report_dir": str(outcome.run_dir)})
         raise typer.Exit(1 if outcome.failed else 0)
-    rt = RichTable(title="kvlab study", title_justify="left")
-    for col in ("experiment", "status", "seconds"):
-        rt.add_column(col)
-    for name, result in outcome.results:
-        rt.add_row(name, result.status, f"{outcome.seconds[name]:.1f}")
-    console.print(rt)
+    rows = [(name, result.status, f"{outcome.seconds[name]:.1f}") for name, result in outcome.results]
+    print_table("kvlab study", ("experiment", "status", "seconds"), rows)
     console.print(f"report: [bold]{outcome.run_dir / 'index.html'}[/bold]")
     if outcome.failed:
         raise typer.Exit(1)
@@ -116,14 +93,10 @@ def experiments_cmd() -> None:
     """List the experiments a study runs, in order."""
     from kvlab.study.experiments import CATALOGUE
 
-    rt = RichTable(title="experiments", title_justify="left")
-    for col in ("name", "title", "in study"):
-        rt.add_column(col)
-    for name, (title, in_study) in CATALOGUE.items():  # listed without importing them (torch)
-        rt.add_row(name, title, "yes" if in_study else "no")
-    console.print(rt)
+    rows = [(name, title, "yes" if in_study else "no") for name, (title, in_study) in CATALOGUE.items()]
+    print_table("experiments", ("name", "title", "in study"), rows)  # listed without importing them (torch)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("study")(study_cmd)
+    app.command("study")(group_command(study_cmd))
     app.command("experiments")(experiments_cmd)

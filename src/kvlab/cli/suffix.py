@@ -11,35 +11,29 @@ import typer
 
 from kvlab.cli.common import (
     MAX_COUNT,
-    DeviceOpt,
-    DtypeOpt,
-    ModelOpt,
+    ModelOptions,
     SeedOpt,
     cache_spec,
     cache_specs,
+    count_option,
     experiment_command,
     finite,
+    group_command,
     nonempty_texts,
+    print_json,
     roll_specs,
     text_option,
 )
 from kvlab.errors import BadInputError
 
-WindowOpt = Annotated[
-    int, typer.Option("--window", "-w", min=1, max=MAX_COUNT, help="Recent tokens kept (after the sinks).")
-]
+WindowOpt = Annotated[int, count_option("--window", "-w", help="Recent tokens kept (after the sinks).")]
 SinksOpt = Annotated[
-    int,
-    typer.Option(
-        "--sinks", "-s", min=0, max=MAX_COUNT, help="Attention-sink tokens kept forever (0 = plain window)."
-    ),
+    int, count_option("--sinks", "-s", least=0, help="Attention-sink tokens kept forever (0 = plain window).")
 ]
 ChunkOpt = Annotated[
     int | None,
-    typer.Option(
+    count_option(
         "--evict-chunk",
-        min=1,
-        max=MAX_COUNT,
         help="Tokens evicted at once when the window is full (default: 64, or half the window).",
     ),
 ]
@@ -239,16 +233,15 @@ def _rolled_window(policy, model: str, window: int, sinks: int, chunk: int | Non
 
 
 def _generate_with_policy(
-    policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, device, dtype, seed
+    policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model: ModelOptions, seed
 ) -> None:
     """``kvlab generate --cache SPEC``: the live cache :func:`~kvlab.hf.policy_cache.cache_for` builds,
     streamed (a RollingCache) or run through kvlab's decode loop (any other); says the policy and the
     K/V bytes held at the end and at most."""
     from kvlab.hf.policy_cache import cache_for
-    from kvlab.model import load_model
     from kvlab.streaming.generate import HeldBytes, policy_generate
 
-    handle = load_model(model, device=device, dtype=dtype)
+    handle = model.load()
     ids = handle.encode(prompt, chat=chat)
     cache, held = cache_for(policy, handle), HeldBytes()
     stops = handle.eos_ids() if chat else set()
@@ -266,10 +259,8 @@ def _generate_with_policy(
     n, text = _write_tokens(handle, tokens, stops, stream=not json_out)
     dt = time.perf_counter() - t0
     if json_out:
-        import json
-
         doc = {"text": text, "tokens": n, "prompt_tokens": len(ids), "seconds": dt}
-        sys.stdout.write(json.dumps({**doc, "policy": policy.to_json(), **held.to_json()}) + "\n")
+        print_json({**doc, "policy": policy.to_json(), **held.to_json()}, indent=None)
     if stats:
         sys.stderr.write(
             f"[{n} tokens in {dt:.1f} s, {n / max(dt, 1e-9):.1f} tokens/s; cache {policy.spec} "
@@ -283,8 +274,7 @@ def stream_ppl_cmd(
         text_option("A UTF-8 text file (default: the shared books, else Python's documentation)."),
     ] = None,
     window: Annotated[
-        list[int] | None,
-        typer.Option("--window", "-w", min=1, max=MAX_COUNT, help="Cache window size(s) (repeatable)."),
+        list[int] | None, count_option("--window", "-w", help="Cache window size(s) (repeatable).")
     ] = None,
     sinks: Annotated[
         list[int] | None,
@@ -292,25 +282,14 @@ def stream_ppl_cmd(
     ] = None,
     tokens: Annotated[
         int | None,
-        typer.Option(
-            "--tokens",
-            min=2,
-            max=MAX_COUNT,
-            help=f"Tokens of the text to stream (at most {MAX_COUNT:,}).",
-        ),
+        count_option("--tokens", least=2, help=f"Tokens of the text to stream (at most {MAX_COUNT:,})."),
     ] = None,
     samples: Annotated[
-        int | None,
-        typer.Option("--recompute-samples", min=1, max=MAX_COUNT, help="Random targets re-computed exactly."),
+        int | None, count_option("--recompute-samples", help="Random targets re-computed exactly.")
     ] = None,
     stride: Annotated[
         int | None,
-        typer.Option(
-            "--stride",
-            min=1,
-            max=MAX_COUNT,
-            help="Re-compute every STRIDE-th target instead of random samples.",
-        ),
+        count_option("--stride", help="Re-compute every STRIDE-th target instead of random samples."),
     ] = None,
     loop: Annotated[
         bool,
@@ -322,7 +301,6 @@ def stream_ppl_cmd(
     cache: Annotated[
         list[str] | None,
         typer.Option(
-            "--cache",
             callback=cache_specs,
             help=CacheHelp + " (repeatable), scored next to the other methods.",
         ),
@@ -347,12 +325,10 @@ def suffix_cmd(
         text_option("A UTF-8 text file for the samples (default: a book or Python's documentation)."),
     ] = None,
     windows: Annotated[
-        int | None,
-        typer.Option("--samples", min=1, max=MAX_COUNT, help="Text samples (windows), >= 20 by default."),
+        int | None, count_option("--samples", help="Text samples (windows), >= 20 by default.")
     ] = None,
     context: Annotated[
-        int | None,
-        typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Tokens per sample before the roll."),
+        int | None, count_option("--context", "-c", least=2, help="Tokens per sample before the roll.")
     ] = None,
     drop: Annotated[
         list[str] | None,
@@ -364,8 +340,7 @@ def suffix_cmd(
         ),
     ] = None,
     sinks: Annotated[
-        list[int] | None,
-        typer.Option("--sinks", "-s", min=0, max=MAX_COUNT, help="Sink counts (repeatable)."),
+        list[int] | None, count_option("--sinks", "-s", least=0, help="Sink counts (repeatable).")
     ] = None,
 ) -> dict:
     """Suffix caching: roll a cached context with/without sinks vs re-prefill and full context."""
@@ -382,10 +357,7 @@ def generate_cmd(
     ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(callback=nonempty_texts, help="Prompt text.")],
     max_new_tokens: Annotated[
-        int,
-        typer.Option(
-            "--max-new-tokens", "-n", min=0, max=MAX_COUNT, help="Tokens to generate (0 = until Ctrl-C)."
-        ),
+        int, count_option("--max-new-tokens", "-n", least=0, help="Tokens to generate (0 = until Ctrl-C).")
     ] = 200,
     window: WindowOpt = 512,
     sinks: SinksOpt = 4,
@@ -413,14 +385,11 @@ def generate_cmd(
             "the bytes it held) instead of streaming the text.",
         ),
     ] = False,
-    model: ModelOpt = "smollm2-135m",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
+    model: ModelOptions = ModelOptions(),
     seed: SeedOpt = 0,
     capture: Annotated[
         str,
         typer.Option(
-            "--capture",
             callback=_capture_mode,
             help="Decode steps captured: auto (CUDA graphs on a GPU, none on a CPU; none with --cache), "
             "cuda-graph, compile (torch.compile; with --cache, a sinks + window spec), off.",
@@ -428,27 +397,23 @@ def generate_cmd(
     ] = "auto",
 ) -> None:
     """Stream tokens with constant memory: sinks + a rolling window (or any --cache policy)."""
-    from kvlab.model import load_model
-
-    policy = _generate_policy(ctx, cache_spec, model, capture)
+    policy = _generate_policy(ctx, cache_spec, model.model, capture)
     if policy is not None and capture not in CAPTURED:
         return _generate_with_policy(
-            policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, device, dtype, seed
+            policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, seed
         )
-    mode = _capture_on(capture, device)
-    window, sinks, chunk = _rolled_window(policy, model, window, sinks, evict_chunk)
-    handle = load_model(model, device=device, dtype=dtype)
+    mode = _capture_on(capture, model.device)
+    window, sinks, chunk = _rolled_window(policy, model.model, window, sinks, evict_chunk)
+    handle = model.load()
     ids = handle.encode(prompt, chat=chat)
     tokens, cache = _token_stream(handle, ids, mode, window, sinks, chunk, temperature, seed)
     t0 = time.perf_counter()
     stops = handle.eos_ids() if chat else set()
     n, text = _write_tokens(handle, tokens(max_new_tokens or None, stops), stops, stream=not json_out)
     if json_out:
-        import json
-
         doc = {"text": text, "tokens": n, "seconds": time.perf_counter() - t0, "cache": cache.describe()}
         doc.update({"policy": policy.to_json()} if policy is not None else {})
-        sys.stdout.write(json.dumps({**doc, "held_bytes": cache.nbytes}) + "\n")
+        print_json({**doc, "held_bytes": cache.nbytes}, indent=None)
     if stats:
         dt = time.perf_counter() - t0
         sys.stderr.write(
@@ -461,23 +426,16 @@ def chat_cmd(
     window: WindowOpt = 1024,
     sinks: SinksOpt = 4,
     evict_chunk: ChunkOpt = None,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", min=1, max=MAX_COUNT, help="Longest reply.")
-    ] = 256,
-    system: Annotated[
-        str, typer.Option("--system", help="System prompt (kept as the sinks' neighbourhood).")
-    ] = "",
-    model: ModelOpt = "smollm2-135m",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
+    max_new_tokens: Annotated[int, count_option("--max-new-tokens", "-n", help="Longest reply.")] = 256,
+    system: Annotated[str, typer.Option(help="System prompt (kept as the sinks' neighbourhood).")] = "",
+    model: ModelOptions = ModelOptions(),
 ) -> None:
     """Interactive chat whose context rolls (suffix caching) instead of being re-prefilled. Ctrl-D quits."""
-    from kvlab.model import load_model
     from kvlab.streaming import stream_generate
     from kvlab.streaming.generate import feed
 
-    _check_rolling(model, window, sinks, system)
-    handle = load_model(model, device=device, dtype=dtype)
+    _check_rolling(model.model, window, sinks, system)
+    handle = model.load()
     if handle.tokenizer is None or not getattr(handle.tokenizer, "chat_template", None):
         from kvlab.errors import UnsupportedModelError
 
@@ -539,5 +497,5 @@ def chat_cmd(
 def register(app: typer.Typer) -> None:
     experiment_command(app, "stream-ppl", "streaming_ppl")(stream_ppl_cmd)
     experiment_command(app, "suffix", "suffix_caching")(suffix_cmd)
-    app.command("generate")(generate_cmd)
-    app.command("chat")(chat_cmd)
+    app.command("generate")(group_command(generate_cmd))
+    app.command("chat")(group_command(chat_cmd))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -12,12 +11,13 @@ import typer
 from kvlab.cli.common import (
     DEVICE_HELP,
     DTYPE_HELP,
-    MAX_WORKERS,
     JsonOpt,
     check_output_dir,
     console,
     device_name_value,
     dtype_value,
+    print_json,
+    workers_option,
 )
 
 
@@ -44,7 +44,6 @@ def register(app: typer.Typer) -> None:
         ray: Annotated[
             str | None,
             typer.Option(
-                "--ray",
                 callback=_ray_address,
                 help="Run on a Ray cluster: its address (host:port, ray://host:port), or 'auto'.",
             ),
@@ -53,27 +52,18 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--resume", help="Finish a sweep: skip cells already done.")
         ] = False,
         workers: Annotated[
-            int | None,
-            typer.Option(
-                "--workers",
-                min=1,
-                max=MAX_WORKERS,
-                help="Local worker processes (default: one per core; 1 on CUDA).",
-            ),
+            int | None, workers_option("Local worker processes (default: one per core; 1 on CUDA).")
         ] = None,
         device: Annotated[
             str | None,
             typer.Option(
-                "--device",
                 callback=device_name_value,
                 help=f"{DEVICE_HELP} Default: the grid's device, else auto (with --ray: CUDA when the cluster has GPUs).",
             ),
         ] = None,
         dtype: Annotated[
             str | None,
-            typer.Option(
-                "--dtype", callback=dtype_value, help=f"{DTYPE_HELP} Default: the grid's dtype, else float32."
-            ),
+            typer.Option(callback=dtype_value, help=f"{DTYPE_HELP} Default: the grid's dtype, else float32."),
         ] = None,
         json_out: JsonOpt = False,
     ) -> None:
@@ -103,7 +93,7 @@ def register(app: typer.Typer) -> None:
                 progress=choose_mode(json_out),
             )
         if json_out:
-            sys.stdout.write(json.dumps(result, indent=1, default=str) + "\n")
+            print_json(result, indent=1, default=str)
         else:
             console.print(
                 f"{len(result['cells'])} cells: {result['ran']} run, {result['skipped']} resumed, "
