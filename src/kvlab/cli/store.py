@@ -6,6 +6,7 @@ picks another folder and ``--store redis://host:port/db`` a shared Redis server.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -64,29 +65,30 @@ def _size(value: str | None) -> str | None:
     return value
 
 
-def _open(
-    store: str | None,
-    redis: str | None,
-    *,
-    create: bool,
-    block_tokens: int = 64,
-    disk_bytes: str | None = None,
-):
-    from kvlab.store import open_store
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """``--store --redis --json``: the option group (:func:`~kvlab.cli.common.group_command`) of the store
+    a command opens and how it prints."""
 
-    kw: dict[str, Any] = {}
-    if disk_bytes:
-        kw["disk_bytes"] = parse_bytes(disk_bytes)
-    return open_store(store, redis_url=redis, create=create, block_tokens=block_tokens, **kw)
+    store: StoreOpt = None
+    redis: RedisOpt = None
+    json_out: JsonOpt = False
 
+    def open(self, *, create: bool, block_tokens: int = 64, disk_bytes: str | None = None) -> Any:
+        from kvlab.store import open_store
 
-def _emit(doc: Any, json_out: bool) -> None:
-    """JSON on stdout for machines (``--json``), aligned ``key: value`` lines for people."""
-    if json_out:
-        print_json(doc, default=str)
-        return
-    for line in _lines(doc):
-        console.print(line, markup=False, highlight=False)
+        kw: dict[str, Any] = {}
+        if disk_bytes:
+            kw["disk_bytes"] = parse_bytes(disk_bytes)
+        return open_store(self.store, redis_url=self.redis, create=create, block_tokens=block_tokens, **kw)
+
+    def emit(self, doc: Any) -> None:
+        """JSON on stdout for machines (``--json``), aligned ``key: value`` lines for people."""
+        if self.json_out:
+            print_json(doc, default=str)
+            return
+        for line in _lines(doc):
+            console.print(line, markup=False, highlight=False)
 
 
 def _lines(doc: Any, indent: str = "") -> list[str]:
@@ -136,12 +138,10 @@ def put_cmd(
     text: Annotated[str | None, typer.Argument(help="Text to prefill and store.")] = None,
     file: Annotated[Path | None, text_option("Read the text from a UTF-8 file.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the text as a one-turn chat.")] = False,
-    store: StoreOpt = None,
-    redis: RedisOpt = None,
+    at: StoreOptions = StoreOptions(),
     block_tokens: BlockOpt = 64,
     salt: SaltOpt = None,
     model: ModelOptions = ModelOptions(),
-    json_out: JsonOpt = False,
 ) -> None:
     """Prefill TEXT and store its cache as blocks (blocks already stored are skipped)."""
     from kvlab.data import read_text_file
@@ -155,9 +155,9 @@ def put_cmd(
     h = model.load()
     ids = h.encode(body, chat=chat)
     snap = h.prefill(ids, all_logits=False).snapshot
-    st = _open(store, redis, create=True, block_tokens=block_tokens)
+    st = at.open(create=True, block_tokens=block_tokens)
     rep = st.put(snap, salt=salt, model=h)
-    _emit(
+    at.emit(
         {
             "store": st.describe(),
             "tokens": len(ids),
@@ -166,8 +166,7 @@ def put_cmd(
             "blocks_skipped": rep.blocks_skipped,
             "bytes_written": rep.bytes_written,
             "last_block": rep.hashes[-1],
-        },
-        json_out,
+        }
     )
     if rep.blocks_skipped:  # Redis down, paused or full: what was written is intact, the rest is not
         sys.stderr.write(
@@ -182,16 +181,14 @@ def get_cmd(
     out_file: Annotated[
         Path | None, typer.Option("--out", "-o", help="Write the prefix ending at BLOCK as a snapshot file.")
     ] = None,
-    store: StoreOpt = None,
-    redis: RedisOpt = None,
-    json_out: JsonOpt = False,
+    at: StoreOptions = StoreOptions(),
 ) -> None:
     """Rebuild the cached prefix that ends with BLOCK (and optionally save it as a .kv.safetensors file)."""
     from kvlab.cache import save_snapshot
 
     if out_file is not None and (out_file.is_dir() or not out_file.parent.is_dir()):
         raise BadInputError(f"--out {out_file}: give a file path in an existing folder")
-    st = _open(store, redis, create=False)
+    st = at.open(create=False)
     full = _resolve(st, block)
     snap = st.prefix_snapshot(full)
     doc = {"block": full, "snapshot": snap.describe(), "tokens": snap.seq_len, "bytes": snap.nbytes}
@@ -200,16 +197,16 @@ def get_cmd(
             doc["file"] = str(save_snapshot(snap, out_file))
         except OSError as exc:
             raise BadInputError(f"cannot write {out_file}: {exc.strerror or exc}") from None
-    _emit(doc, json_out)
+    at.emit(doc)
 
 
-def ls_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = False) -> None:
+def ls_cmd(at: StoreOptions = StoreOptions()) -> None:
     """List stored blocks (hash, parent, tier, tokens, bytes)."""
     from kvlab.store.inventory import list_blocks
 
-    rows = list_blocks(_open(store, redis, create=False))
-    if json_out:
-        _emit(rows, True)
+    rows = list_blocks(at.open(create=False))
+    if at.json_out:
+        at.emit(rows)
         return
     columns = ("tier", "hash", "parent", "start", "tokens", "bytes")
     print_table(
@@ -229,9 +226,9 @@ def ls_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = F
     )
 
 
-def stats_cmd(store: StoreOpt = None, redis: RedisOpt = None, json_out: JsonOpt = False) -> None:
+def stats_cmd(at: StoreOptions = StoreOptions()) -> None:
     """Blocks and bytes per tier (counters are per process, so they start at zero here)."""
-    _emit(_open(store, redis, create=False).stats(), json_out)
+    at.emit(at.open(create=False).stats())
 
 
 def gc_cmd(
@@ -242,29 +239,24 @@ def gc_cmd(
             help="Evict least recently used blocks down to this size (e.g. 2G).",
         ),
     ] = None,
-    store: StoreOpt = None,
-    redis: RedisOpt = None,
-    json_out: JsonOpt = False,
+    at: StoreOptions = StoreOptions(),
 ) -> None:
     """Remove leftovers of killed writes, evict beyond the cap, drop stale index entries."""
-    st = _open(store, redis, create=False, disk_bytes=max_bytes)
-    _emit(st.gc(), json_out)
+    at.emit(at.open(create=False, disk_bytes=max_bytes).gc())
 
 
 def verify_cmd(
     repair: Annotated[bool, typer.Option("--repair", help="Move corrupt blocks to quarantine.")] = False,
-    store: StoreOpt = None,
-    redis: RedisOpt = None,
-    json_out: JsonOpt = False,
+    at: StoreOptions = StoreOptions(),
 ) -> None:
     """Check every stored block: checksum, hash chain, namespace, geometry and dtype.
 
     Anything else where a block belongs (a folder, FIFO, device, symbolic link, an oversized or
     malformed file) is reported without being read. Exit codes: 0 all good (or every finding
     repaired with --repair), 1 findings, 2 bad input."""
-    report = _open(store, redis, create=False).verify(repair=repair)
-    if json_out:
-        _emit(report, True)
+    report = at.open(create=False).verify(repair=repair)
+    if at.json_out:
+        at.emit(report)
     else:  # one line per tier, one line per finding
         for tier, r in report.items():
             console.print(
@@ -298,12 +290,10 @@ def generate_cmd(
     no_store: Annotated[
         bool, typer.Option("--no-store-prompt", help="Only read the store; do not add this prompt.")
     ] = False,
-    store: StoreOpt = None,
-    redis: RedisOpt = None,
+    at: StoreOptions = StoreOptions(),
     block_tokens: BlockOpt = 64,
     salt: SaltOpt = None,
     model: ModelOptions = ModelOptions(),
-    json_out: JsonOpt = False,
 ) -> None:
     """Greedy generation that loads the prompt's longest stored prefix and prefills only the rest."""
     from kvlab.store import reuse_generate
@@ -311,10 +301,10 @@ def generate_cmd(
     if not prompt.strip():
         raise BadInputError("the prompt is empty")
     handle = model.load()  # before the store: a failure here creates nothing
-    st = _open(store, redis, create=True, block_tokens=block_tokens)
+    st = at.open(create=True, block_tokens=block_tokens)
     res = reuse_generate(handle, st, prompt, max_new_tokens, chat=chat, salt=salt, store_prompt=not no_store)
     m = res.prefill.match
-    _emit(
+    at.emit(
         {
             "text": res.text,
             "prompt_tokens": m.total_tokens,
@@ -324,8 +314,7 @@ def generate_cmd(
             "ttft_ms": round(res.prefill.ttft_ms, 2),
             "lookup_ms": round(res.prefill.lookup_ms, 2),
             "store": st.describe(),
-        },
-        json_out,
+        }
     )
 
 
@@ -340,10 +329,10 @@ def register(app: typer.Typer) -> None:
     )
     app.add_typer(store_app, name="store")
     store_app.command("put")(group_command(put_cmd))
-    store_app.command("get")(get_cmd)
-    store_app.command("ls")(ls_cmd)
-    store_app.command("stats")(stats_cmd)
-    store_app.command("gc")(gc_cmd)
-    store_app.command("verify")(verify_cmd)
+    store_app.command("get")(group_command(get_cmd))
+    store_app.command("ls")(group_command(ls_cmd))
+    store_app.command("stats")(group_command(stats_cmd))
+    store_app.command("gc")(group_command(gc_cmd))
+    store_app.command("verify")(group_command(verify_cmd))
     store_app.command("generate")(group_command(generate_cmd))
     experiment_command(store_app, "experiment", "store_reuse")(experiment_cmd)
