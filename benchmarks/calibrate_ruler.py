@@ -71,7 +71,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
         return out.stdout.strip() or "?"
     except OSError:
         return "?"
@@ -133,7 +135,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> dict:
         "device": "cpu",
         "threads": args.threads,
         "haystack": source.source,
-        "command": "python3 benchmarks/calibrate_ruler.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python3 benchmarks/calibrate_ruler.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _commit(),
@@ -206,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         doc = run(args, argv)
     print("\n".join(report_lines(doc)))
-    print(f"calibration: {args.out}; write the report around these tables into {args.results}", file=sys.stderr)
+    print(
+        f"calibration: {args.out}; write the report around these tables into {args.results}", file=sys.stderr
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ Writes ``benchmarks/results/eval_ruler.md`` and ``benchmarks/results/eval_ruler.
 
     python3 benchmarks/eval_ruler.py --trials 2                  # smoke run, all tasks at 1024
     python3 benchmarks/eval_ruler.py --trials 200 --lengths 1024,4096   # the issue's full run
+    python3 benchmarks/eval_ruler.py --trials 200 --calibration benchmarks/results/ruler_calibration.json
+
+With ``--calibration`` (``benchmarks/calibrate_ruler.py``'s JSON) each task runs at its calibrated knobs per
+length, and the tasks the calibration marked apart are reported per task but left out of every pooled
+figure (the pooled table, the figure, the ranking and the kvlab-vs-kvpress pairs).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +134,7 @@ def run_kvlab(
     max_new_tokens: int | None = None,
     logits_dir: Path | None = None,
     progress: Any = None,
+    knobs: Mapping[tuple[str, int], Mapping[str, int]] | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """run_suite's rows, and one record per trial (appended to ``trials_file`` as each trial finishes).
 
@@ -175,6 +181,7 @@ def run_kvlab(
         max_new_tokens=max_new_tokens,
         progress=on_trial,
         on_reference=on_reference,
+        knobs=knobs,
     )
     # the recorded full answer is the one run_suite scored
     stop = handle.eos_ids()
@@ -621,6 +628,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --report-only: the folder of raw rows the report names (e.g. benchmarks/results/raw/X)",
     )
     ap.add_argument(
+        "--calibration",
+        type=Path,
+        help="a calibration (benchmarks/calibrate_ruler.py's JSON): each task at its calibrated knobs; the tasks"
+        " it marks apart are left out of the pooled figures",
+    )
+    ap.add_argument(
         "--timing-runs",
         type=Path,
         nargs="*",
@@ -634,6 +647,50 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
     return args
+
+
+def calibration_of(
+    args: argparse.Namespace,
+) -> tuple[dict[tuple[str, int], dict[str, int]], set[tuple[str, int]]]:
+    """From ``--calibration``: the knobs of each (task, length) the run asks for and those marked apart
+    (none without it); refused when the run's seeds are calibration seeds or the file lacks a pair."""
+    if getattr(args, "calibration", None) is None:
+        return {}, set()
+    from kvlab.errors import BadInputError
+    from kvlab.eval.calibrate import Calibration
+    from kvlab.eval.run import trial_seed
+
+    want = [(t, n) for t in args.task_list for n in args.length_list]
+    try:
+        cal = Calibration.read(args.calibration)
+        cal.check_seeds(
+            trial_seed(args.seed, i) for i in range(args.first_trial, args.first_trial + args.trials)
+        )
+        return {k: cal.knobs(*k) for k in want}, cal.apart() & set(want)
+    except BadInputError as exc:
+        raise Refusal(f"--calibration {args.calibration}: {exc}") from None
+
+
+def calibration_lines(cal: Mapping) -> list[str]:
+    """The report's line on the tasks' knobs: calibrated (which, and which tasks are apart) or the defaults."""
+    if not cal["file"]:
+        return ["- tasks at their default knobs (no --calibration)"]
+    path = Path(cal["file"]).resolve()
+    name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    knobs = "; ".join(
+        f"{k['task']} @ {k['length']}: " + (", ".join(f"{a}={v}" for a, v in k["knobs"].items()) or "default")
+        for k in cal["knobs"]
+    )
+    apart = ", ".join(f"{t} @ {n}" for t, n in cal["apart"]) or "none"
+    return [
+        f"- calibrated: each task at its knobs from `{name}` ({knobs}); apart (reached no setting in the "
+        f"band; in the per-task table only, in no pooled figure): {apart}"
+    ]
+
+
+def pooled_rows(rows: Sequence[dict], apart: set[tuple[str, int]]) -> list[dict]:
+    """The rows a pooled figure counts: none of a (task, length) the calibration marked apart."""
+    return [r for r in rows if (r["task"], r["length"]) not in apart]
 
 
 def cache_specs(args: argparse.Namespace) -> list[Any]:
@@ -667,6 +724,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.time()
     load_before = os.getloadavg()
     specs = cache_specs(args)
+    knobs, _ = calibration_of(args)
     source = read_text_file(args.haystack) if args.haystack else default_long_text()
     if not args.no_kvpress and args.device != "cpu":
         raise Refusal("the kvpress worker runs on the CPU beside kvlab: give --no-kvpress with --device")
@@ -753,6 +811,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_new_tokens=args.max_new_tokens,
             logits_dir=None if args.no_logits else out / "logits",
             progress=progress,
+            knobs=knobs,
         )
     except BaseException:
         end_job(trials_file)
@@ -915,7 +974,8 @@ def finish(
         failure = "the kvpress worker did not finish (its rows so far are merged)"
     rows = kv_rows + kp_rows
     summary = summary_rows(rows, args.seed)
-    pool = pooled(rows, args.seed)
+    knobs, apart = calibration_of(args)
+    pool = pooled(pooled_rows(rows, apart), args.seed)
     doc = {
         "args": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")
@@ -930,6 +990,11 @@ def finish(
         "wall_seconds": wall,
         "kvlab_seconds": kv_s,
         "n_trials": len(records),
+        "calibration": {
+            "file": str(args.calibration) if args.calibration else None,
+            "knobs": [{"task": t, "length": n, "knobs": k} for (t, n), k in sorted(knobs.items())],
+            "apart": sorted(apart),
+        },
         # wall seconds per trial (the slower side; both run concurrently), only when one length ran
         "per_trial_by_length": (
             {str(args.length_list[0]): max(kv_s, done["seconds"] if done else 0.0) / len(records)}
@@ -1072,6 +1137,7 @@ def _raw_rows_line(folder: Path) -> str:
 def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_before, argv) -> None:
     rows, summary, pool = doc["rows"], doc["summary"], doc["pooled"]
     meta, done = doc["worker_meta"], doc["worker_done"]
+    apart = {(t, int(n)) for t, n in doc["calibration"]["apart"]}
     mach = getattr(args, "_machine", None) or machine_facts(args.device)
     hay = getattr(args, "_haystack", None) or haystack_facts(source)
     hay_text = hay["source"] + (
@@ -1171,6 +1237,7 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
         + "; ".join(f"{k}: {min(v)}–{max(v)}" for k, v in sorted(reached.items())),
         f"- kvlab: `kvlab.eval.run.run_suite` with caches {', '.join(s['spec'] for s in doc['specs'])} "
         "(one prefill per trial, every policy reuses it); KL / top-1 against kvlab's full cache.",
+        *calibration_lines(doc["calibration"]),
         *(
             []
             if args.no_kvpress
@@ -1238,7 +1305,7 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
         "per-trial differences: not a point when every pair ties; *lower* or *higher* only when the interval "
         "excludes 0):",
         "",
-        *ranking_lines(rows, args.seed),
+        *ranking_lines(pooled_rows(rows, apart), args.seed),
         "",
         *(
             []
@@ -1250,7 +1317,7 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
                 "where keep × T has a fractional part of .5 or more; the slots themselves are compared in "
                 "`benchmarks/results/snapkv_vs_kvpress.md`):",
                 "",
-                *paired_lines(rows, args.seed),
+                *paired_lines(pooled_rows(rows, apart), args.seed),
                 "",
             ]
         ),

@@ -252,6 +252,7 @@ def run_suite(
     done: Mapping[tuple[str, int, int], list[dict]] | None = None,
     on_trial: Callable[[tuple[str, int, int], list[dict], float], None] | None = None,
     positions: Sequence[str] = (DEFAULT,),
+    knobs: Mapping[tuple[str, int], Mapping[str, int]] | None = None,
 ) -> list[dict]:
     """Every ``(task, length, trial)`` under every spec: the raw rows (see :func:`run_trial`), with ``trial``.
 
@@ -259,7 +260,8 @@ def run_suite(
     run can be cut into pieces that together equal one run. ``done`` holds the rows of trials an earlier,
     interrupted part ran (by ``(task, length, trial)``): they are not run again, and take their place in
     the rows. ``on_trial(key, rows, seconds)`` receives each trial this call runs, as it finishes.
-    ``positions``: see :func:`run_trial`."""
+    ``positions``: see :func:`run_trial`. ``knobs[(task, length)]``: that task's difficulty at that length
+    (:mod:`kvlab.eval.calibrate`; the task's defaults where absent)."""
     from kvlab.eval.tasks import TASKS, make_trial
 
     unknown = [t for t in tasks if t not in TASKS]
@@ -281,7 +283,14 @@ def run_suite(
                     rows += done[(name, length, i)]
                     continue
                 t0 = time.perf_counter()
-                trial = make_trial(name, handle, length, trial_seed(seed, i), haystack_text)
+                trial = make_trial(
+                    name,
+                    handle,
+                    length,
+                    trial_seed(seed, i),
+                    haystack_text,
+                    (knobs or {}).get((name, length)),
+                )
                 rows_of_trial = run_trial(
                     handle,
                     trial,

@@ -96,7 +96,11 @@ class Task:
                 raise BadInputError(
                     f"task '{self.name}' has no knob '{name}'; its knobs: {', '.join(self.knobs)}"
                 )
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "common_repeats"):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < (0 if name == "common_repeats" else 1)
+            ):
                 raise BadInputError(f"task '{self.name}': knob {name}={value!r} must be a whole number >= 1")
             out[name] = value
         return out
