@@ -200,6 +200,57 @@ def report_lines(doc: Mapping) -> list[str]:
     return lines
 
 
+def _where(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
+def report(doc: Mapping, out: Path) -> list[str]:
+    """The result file: a summary block (one row per length), how it ran, the tables."""
+    lengths = sorted({e["length"] for e in doc["tasks"]})
+    rows = []
+    for n in lengths:
+        at = [e for e in doc["tasks"] if e["length"] == n]
+        pooled = [e for e in at if e["status"] == "pooled"]
+        apart = ", ".join(e["task"] for e in at if e["status"] == "apart") or "none"
+        rows.append(
+            f"| quality | The RULER-style tasks calibrated per length: the full cache in [0.6, 0.95] | "
+            f"**{len(pooled)} of {len(at)}** tasks in the band at {n} tokens; apart: {apart} | "
+            f"the full cache, {doc['dtype']}, {doc['threads']} thread | CPU 2 cores | {doc['date'][:10]} | "
+            f"{doc['commit']} | current |"
+        )
+    trials = sum(t["n"] for e in doc["tasks"] for t in e["tried"])
+    return [
+        f"## RULER-style tasks calibrated on the full cache: {doc['model']}, {', '.join(map(str, lengths))} tokens",
+        "",
+        "<!-- summary -->",
+        "| theme | claim | figure | versus | machine | date | commit | status |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "<!-- /summary -->",
+        "",
+        f"- command: `nice -n 10 {doc['command']}` (`benchmarks/calibrate_ruler.py`, "
+        "`kvlab.eval.calibrate.calibrate`)",
+        f"- date: {doc['date']}; wall time {doc.get('wall_minutes', '?')} min for {trials} trials",
+        f"- machine: {doc['machine']}, shared with other jobs; {doc['device']}, {doc['threads']} torch thread",
+        f"- model: {doc['model']}, {doc['dtype']}; haystack: {doc['haystack']}; commit {doc['commit']}",
+        "- rule: per task, its ladder walked on the full cache (a bisection from the default; "
+        f"`kvlab.eval.calibrate.LADDERS`), {doc['n']} trials per setting on calibration seeds "
+        f"{doc['seeds']['first']} to {doc['seeds']['last']} (an eval's seeds are >= 0), band "
+        f"[{doc['band'][0]}, {doc['band'][1]}] on the mean score, nearest {doc['target']} preferred; "
+        + (
+            "a setting stops once its remaining trials cannot bring it into the band (its n is then smaller)"
+            if doc["stop_early"]
+            else "every setting ran all its trials"
+        ),
+        "- the calibration (what `benchmarks/eval_ruler.py --calibration` reads; every setting's seeds, "
+        f"scores and outputs): `{_where(out)}`",
+        "",
+        *report_lines(doc),
+        "",
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.report_only:
@@ -208,10 +259,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         doc = json.loads(args.out.read_text())
     else:
         doc = run(args, argv)
-    print("\n".join(report_lines(doc)))
-    print(
-        f"calibration: {args.out}; write the report around these tables into {args.results}", file=sys.stderr
-    )
+    md = report(doc, args.out)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text("\n".join(md))
+    print("\n".join(md))
 
 
 if __name__ == "__main__":
