@@ -230,9 +230,7 @@ def summarize(values: np.ndarray, exclude_first: int = 0) -> dict[str, float | l
     }
 
 
-def centroid_cosine(
-    a: KVSnapshot, b: KVSnapshot, which: Literal["k", "v"] = "v", *, derotate: bool = True
-) -> np.ndarray:
+def centroid_cosine(a: KVSnapshot, b: KVSnapshot, which: Literal["k", "v"] = "v") -> np.ndarray:
     """Cosine between the mean vectors of two caches, ``[layers, kv_heads]``; lengths may differ.
 
     Keys are de-rotated with each cache's own positions first (when the model has RoPE), so the
@@ -243,7 +241,7 @@ def centroid_cosine(
 
     def centroid(s: KVSnapshot) -> torch.Tensor:
         t = torch.stack([x[0] for x in (s.keys if which == "k" else s.values)]).double()
-        if which == "k" and derotate and s.rope is not None:
+        if which == "k" and s.rope is not None:
             t = remove_rope_stacked(t, s.positions, s.rope)
         return t.mean(dim=-2)
 

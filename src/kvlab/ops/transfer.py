@@ -189,30 +189,22 @@ def swap_slots(
     slots: SlotsLike = (0,),
     *,
     which: Which = "kv",
-    donor_slots: SlotsLike | None = None,
 ) -> KVSnapshot:
     """``base`` with the K and/or V of some slots taken from ``donor`` (default: the sink, slot 0).
 
     Donor keys are re-rotated from the donor slot's position to the base slot's position, so a
-    swapped key differs from the base key only in content. ``donor_slots`` defaults to ``slots``.
+    swapped key differs from the base key only in content.
     """
     if which not in ("k", "v", "kv"):
         raise BadInputError(f"which must be 'k', 'v' or 'kv', got '{which}'")
     base.require_compatible(donor, "swapping slots")
     dst = torch.as_tensor(slots, dtype=torch.long, device="cpu").reshape(-1)  # slot lists: host bookkeeping
-    src = (
-        dst
-        if donor_slots is None
-        else torch.as_tensor(donor_slots, dtype=torch.long, device="cpu").reshape(-1)
-    )
-    if dst.numel() == 0 or dst.shape != src.shape:
-        raise BadInputError(
-            f"need the same non-zero number of base and donor slots, got {dst.numel()} and {src.numel()}"
-        )
-    for name, idx, n in (("base", dst, base.seq_len), ("donor", src, donor.seq_len)):
-        if int(idx.min()) < 0 or int(idx.max()) >= n:
-            raise BadInputError(f"{name} slots must lie in [0, {n}), got {idx.tolist()}")
-    piece = donor.select(src)
+    if dst.numel() == 0:
+        raise BadInputError("give at least one slot to swap")
+    for name, n in (("base", base.seq_len), ("donor", donor.seq_len)):
+        if int(dst.min()) < 0 or int(dst.max()) >= n:
+            raise BadInputError(f"{name} slots must lie in [0, {n}), got {dst.tolist()}")
+    piece = donor.select(dst)
     if "k" in which and not torch.equal(piece.positions.cpu(), base.positions[dst].cpu()):
         piece = piece.with_positions(base.positions[dst])
 

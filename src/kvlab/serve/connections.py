@@ -111,13 +111,12 @@ def open_fd_count() -> int:
     return 0
 
 
-def connection_ceiling(soft_limit: int | None = None, in_use: int | None = None) -> int | None:
+def connection_ceiling() -> int | None:
     """The most connections ``RLIMIT_NOFILE`` allows with the reserve kept, or None without a limit."""
-    soft = fd_soft_limit() if soft_limit is None else soft_limit
+    soft = fd_soft_limit()
     if soft is None:
         return None
-    used = open_fd_count() if in_use is None else in_use
-    return soft - used - FD_RESERVE - CLOSING_SLACK
+    return soft - open_fd_count() - FD_RESERVE - CLOSING_SLACK
 
 
 def resolve_max_connections(requested: int | None) -> int:

@@ -281,16 +281,13 @@ def parse_block_header(buffer: bytes | memoryview, total_size: int) -> BlockHead
     return hdr
 
 
-def decode_block(
-    buffer: bytes | bytearray | memoryview, *, expect_hash: str | None = None, verify: bool = True
-) -> Block:
+def decode_block(buffer: bytes | bytearray | memoryview, *, expect_hash: str | None = None) -> Block:
     """Parse and check a block; the tensors are views of ``buffer`` (no copy)."""
     view = memoryview(buffer)
     hdr = parse_block_header(view, len(view))
     if expect_hash is not None and hdr.hash != expect_hash:
         raise CorruptBlockError(f"block file holds {hdr.hash[:12]}, expected {expect_hash[:12]}")
-    if verify:
-        hdr.verify([view[hdr.data_offset :]])
+    hdr.verify([view[hdr.data_offset :]])
     tensors = {}
     for name, spec in (("k", hdr.k), ("v", hdr.v)):
         count = (spec.end - spec.begin) // spec.dtype.itemsize

@@ -647,7 +647,7 @@ class DiskTier:
             os.close(fd)
         return decode_block(data, expect_hash=entry.hash)
 
-    def gc(self, *, max_bytes: int | None = None, stale_seconds: float = STALE_TEMP_SECONDS) -> dict:
+    def gc(self, *, stale_seconds: float = STALE_TEMP_SECONDS) -> dict:
         """Remove leftovers of killed writes (older than ``stale_seconds``), evict to the cap, drop empty folders."""
         now = time.time()
         temps = 0
@@ -663,7 +663,7 @@ class DiskTier:
                 pass
             except OSError as exc:
                 self._unreadable(p, exc)
-        evicted = self.evict_to(self.max_bytes if max_bytes is None else max_bytes)
+        evicted = self.evict_to(self.max_bytes)
         blocks = self.root / "blocks"
         with contextlib.suppress(OSError):
             for d in list(blocks.iterdir()) if blocks.is_dir() else []:

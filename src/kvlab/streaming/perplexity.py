@@ -374,14 +374,13 @@ def streaming_perplexity(
     seed: int = 0,
     path: str = "auto",
     on_progress: Callable[[int], None] | None = None,
-    divergence: bool = True,
 ) -> dict[str, StreamResult]:
     """Every method over the same stream; ``recompute`` on a subsample of targets >= window.
 
     The subsample is every ``recompute_stride``-th target from ``window`` on when a stride is given (a
     fixed, reproducible set: the benchmark's choice), else ``recompute_samples`` random targets.
     Every method scores all targets it can, so :meth:`StreamResult.ppl_on` compares identical targets.
-    With ``divergence`` and ``full`` among the methods, ``full`` runs first and its logits are every
+    With ``full`` among the methods, ``full`` runs first and its logits are every
     method's reference (``StreamResult.kl``/``.top1``; ``full``'s own: KL to itself, 0, and top-1 1).
     """
     handle = as_handle(handle)
@@ -408,7 +407,7 @@ def streaming_perplexity(
             path=path,
             on_progress=on_progress,
             reference=reference,
-            keep_logits=divergence and name == "full",
+            keep_logits=name == "full",
         )
         full_logits = out[name].logits
         if full_logits is not None:

@@ -55,9 +55,7 @@ ALPHA_SAFEGUARD = 0.20  # kvpress AdaKVPress's default
 BETA = 20  # kvpress PyramidKVPress's default
 
 
-def pyramid_counts(
-    num_layers: int, length: int, n_keep: int, *, protected: int = 0, beta: float = BETA
-) -> list[int]:
+def pyramid_counts(num_layers: int, length: int, n_keep: int, *, protected: int = 0) -> list[int]:
     """Per-layer budgets falling linearly from the bottom layer to the top, summing to ``n_keep * num_layers``.
 
     kvpress's ``PyramidKVPress.get_layer_budget`` with its window replaced by ``protected`` (every layer keeps
@@ -72,19 +70,15 @@ def pyramid_counts(
             f"the budget of {n_keep} slots per layer is smaller than the {protected} protected slots "
             "(sinks + window) every layer of a pyramid keeps"
         )
-    if beta < 1:
-        raise BadInputError(f"beta must be >= 1 (kvpress's condition), got {beta}")
     total = n_keep * num_layers
     if num_layers == 1:
         return [n_keep]
-    lo = max(n_keep / beta, float(protected), 1.0)  # every layer keeps at least one slot
+    lo = max(n_keep / BETA, float(protected), 1.0)  # every layer keeps at least one slot
     hi = 2 * n_keep - lo
     cap = length - protected if length - protected >= n_keep else length  # kvpress: q_len - window
     if hi > cap:  # the bottom layer holds at most the context less the protected slots (kvpress's cap)
         hi = float(cap)
         lo = 2 * n_keep - hi
-    if hi < lo:  # cannot happen for lo <= n_keep; kept as a guard
-        return [n_keep] * num_layers
     step = (hi - lo) / (num_layers - 1)
     exact = [hi - i * step for i in range(num_layers)]
     counts = [math.floor(x + 1e-9) for x in exact]
@@ -268,8 +262,6 @@ def allocate(
     window: int = 0,
     heads: str = "uniform",
     layers: str = "uniform",
-    alpha_safeguard: float = ALPHA_SAFEGUARD,
-    beta: float = BETA,
 ) -> list[list[torch.Tensor]]:
     """Kept slot indices per layer and KV head (each a sorted ``[B, n_lh]`` tensor) from per-layer scores
     ``[B, H, T]``: ``n_keep`` per head and layer on average, shared as ``heads`` and ``layers`` say."""
@@ -289,13 +281,13 @@ def allocate(
             raise BadInputError(f"heads=global already shares the budget across layers; drop layers={layers}")
         return global_indices(scores, n_keep, sinks, window)
     if layers == "pyramid":
-        counts = pyramid_counts(len(scores), t, n_keep, protected=min(t, sinks + window), beta=beta)
+        counts = pyramid_counts(len(scores), t, n_keep, protected=min(t, sinks + window))
     else:
         counts = [n_keep] * len(scores)
     out = []
     for s, n in zip(scores, counts, strict=True):
         if heads == "ada":
-            out.append(ada_indices(s, n, sinks, window, alpha_safeguard=alpha_safeguard))
+            out.append(ada_indices(s, n, sinks, window))
         else:
             idx = keep_indices(s, n, sinks, window)
             out.append([idx[:, h] for h in range(idx.shape[1])])
@@ -310,8 +302,6 @@ def evict_ragged(
     n_keep: int | None = None,
     heads: str = "uniform",
     layers: str = "uniform",
-    alpha_safeguard: float = ALPHA_SAFEGUARD,
-    beta: float = BETA,
 ) -> RaggedCache:
     """:func:`kvlab.compress.evict.evict` with shared budgets: a :class:`RaggedCache` holding ``n_keep`` slots
     per head and layer on average (``keep`` or ``n_keep`` as there), chosen by ``policy`` and shared as
@@ -326,8 +316,6 @@ def evict_ragged(
         window=policy.window,
         heads=heads,
         layers=layers,
-        alpha_safeguard=alpha_safeguard,
-        beta=beta,
     )
     keys, values, positions, slots = [], [], [], []
     for view, per_head in zip(views, idx, strict=True):
