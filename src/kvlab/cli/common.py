@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import inspect
 import json
 import shutil
@@ -36,6 +37,28 @@ def refuse_errors(read: Callable[[T], R], value: T) -> R:
         return read(value)
     except KvlabError as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+def refuse_unknown(values: Iterable[str], known: Sequence[str], what: str, choose: str = "known: ") -> None:
+    """A usage error naming the ``values`` that are not among ``known`` (``what``: ``task(s)`` ...), if any."""
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown {what} {', '.join(map(repr, unknown))}; {choose}{', '.join(known)}"
+        )
+
+
+def checked(module: str, name: str, *, one: bool = False) -> Callable[[Any], Any]:
+    """A typer callback: an option's value (None and [] pass) read by ``module.name``, imported only when
+    the option is given (``kvlab --help`` stays light), on ``[value]`` where ``one`` asks for a list; what
+    it raises is one line and exit code 2 (:func:`refuse_errors`), before any work."""
+
+    def callback(value: Any) -> Any:
+        if value is not None and value != []:
+            refuse_errors(getattr(importlib.import_module(module), name), [value] if one else value)
+        return value
+
+    return callback
 
 
 def model_spec(value: str | None) -> str | None:
@@ -143,13 +166,9 @@ def _live(specs: list[str]) -> None:
         policy.layout.live_check(policy, spec)
 
 
-def cache_spec(value: str | None) -> str | None:
-    """Typer callback for a live command's ``--cache SPEC`` (generate): a policy a live cache runs."""
-    return _read_cache(value, _live)
-
-
-def cache_specs(value: list[str] | None) -> list[str] | None:
-    """Typer callback for a live command's repeatable ``--cache SPEC`` (stream-ppl): each one read, none twice."""
+def live_cache_specs(value: Any) -> Any:
+    """Typer callback for a live command's ``--cache SPEC`` (generate), or its repeatable ``--cache``
+    (stream-ppl): each a policy a live cache runs, none twice."""
     return _read_cache(value, _live)
 
 
@@ -190,15 +209,9 @@ FourBitOpt = Annotated[
 # --text/-T a UTF-8 text file, --model/-m, --context/-c tokens per sample, --window/-w cache window,
 # --roll/-r tokens rolled off, --sinks/-s, --max-new-tokens/-n, --samples text samples, --seed,
 # --out/-o, --json, and on every command that loads a model --device and --dtype.
-def text_file(value: Path | None) -> Path | None:
-    """Typer callback: a readable UTF-8 text file (checked before any work starts): a regular file (not
-    a folder, FIFO or device) under the text-size limit (``kvlab.data.MAX_TEXT_BYTES``), not empty."""
-    if value is None:
-        return None
-    from kvlab.data import read_user_text
-
-    refuse_errors(read_user_text, value)
-    return value
+#: Typer callback: a readable UTF-8 text file (checked before any work starts): a regular file (not a
+#: folder, FIFO or device) under the text-size limit (``kvlab.data.MAX_TEXT_BYTES``), not empty.
+text_file = checked("kvlab.data", "read_user_text")
 
 
 def json_list_file(value: Path | None) -> Path | None:
@@ -321,21 +334,6 @@ def text_option(help: str) -> Any:
     help (``text: Annotated[Path | None, text_option("...")] = None``)."""
     return typer.Option("--text", "-T", callback=text_file, help=help)
 
-
-TextOpt = Annotated[Path | None, text_option("A UTF-8 text file (default: the experiment's own texts).")]
-SamplesOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--samples",
-        min=1,
-        max=MAX_COUNT,
-        help="Text samples (windows) to average over (default: by profile).",
-    ),
-]
-ContextOpt = Annotated[
-    int | None,
-    typer.Option("--context", "-c", min=2, max=MAX_COUNT, help="Tokens per sample (default: by profile)."),
-]
 
 console = Console()
 err_console = Console(stderr=True)

@@ -18,6 +18,7 @@ from kvlab.cli.common import (
     finite,
     group_command,
     print_json,
+    refuse_unknown,
     text_option,
 )
 
@@ -54,12 +55,7 @@ def quant_labels() -> list[str]:
 def _methods(value: list[str] | None) -> list[str] | None:
     """Typer callback: quantizer names the compression experiment knows, checked before any model loads."""
     if value:
-        known = quant_labels()
-        unknown = [m for m in value if m not in known]
-        if unknown:
-            raise typer.BadParameter(
-                f"unknown quantizer(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}"
-            )
+        refuse_unknown(value, quant_labels(), "quantizer(s)")
     return value
 
 
@@ -68,11 +64,7 @@ def _policies(value: list[str] | None) -> list[str] | None:
     if value:
         from kvlab.compress.catalogue import SCORES as POLICY_NAMES
 
-        unknown = [p for p in value if p not in POLICY_NAMES]
-        if unknown:
-            raise typer.BadParameter(
-                f"unknown policy(ies) {', '.join(map(repr, unknown))}; known: {', '.join(POLICY_NAMES)}"
-            )
+        refuse_unknown(value, POLICY_NAMES, "policy(ies)")
     return value
 
 

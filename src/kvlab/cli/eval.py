@@ -12,27 +12,19 @@ from kvlab.cli.common import (
     ModelOptions,
     SeedOpt,
     check_output_dir,
+    checked,
     console,
     count_option,
     eval_cache_specs,
     group_command,
     print_json,
-    refuse_errors,
+    refuse_unknown,
     text_file,
 )
 from kvlab.errors import BadInputError
 
 #: the most tokens one trial may ask for (far past what kvlab's CPU runs reach; a larger one is a typo)
 MAX_LENGTH = 1 << 20
-
-
-def _ratios(value: str | None) -> str | None:
-    """Typer callback: fractions removed, comma-separated, each in [0, 1)."""
-    if value is not None:
-        from kvlab.eval.specs import parse_ratios
-
-        refuse_errors(parse_ratios, value)
-    return value
 
 
 def _lengths(value: str) -> str:
@@ -57,11 +49,7 @@ def _tasks(value: str | None) -> str | None:
     from kvlab.eval.tasks import TASKS
 
     items = [v.strip() for v in value.split(",")]
-    unknown = [v for v in items if v not in TASKS]
-    if unknown or not items:
-        raise typer.BadParameter(
-            f"unknown task(s) {', '.join(map(repr, unknown))}; choose from {', '.join(TASKS)}"
-        )
+    refuse_unknown(items, list(TASKS), "task(s)", choose="choose from ")
     if len(set(items)) != len(items):
         raise typer.BadParameter(f"{value!r} repeats a task")
     return value
@@ -81,7 +69,7 @@ RatiosOpt = Annotated[
     str | None,
     typer.Option(
         "--ratios",
-        callback=_ratios,
+        callback=checked("kvlab.eval.specs", "parse_ratios"),  # fractions removed, each in [0, 1)
         help="Fractions removed, comma-separated (0.25,0.5,0.75): each --cache policy named "
         "without a ratio runs at each; codecs and complete specs run once.",
     ),
@@ -131,19 +119,11 @@ ResumeOpt = Annotated[
 ]
 
 
-def _positions(value: str) -> str:
-    """Typer callback: one of the conventions of :mod:`kvlab.eval.positions`."""
-    from kvlab.eval.positions import check_positions
-
-    refuse_errors(check_positions, [value])
-    return value
-
-
 PositionsOpt = Annotated[
     str,
     typer.Option(
         "--positions",
-        callback=_positions,
+        callback=checked("kvlab.eval.positions", "check_positions", one=True),
         help="The RoPE positions an eviction's kept keys carry: original (with gaps, the question at the "
         "context's length T; the default), contiguous (re-rotated to 0..k-1, the question still at T) or "
         "cache (re-rotated to 0..k-1, the question at k: StreamingLLM's positions within the cache).",

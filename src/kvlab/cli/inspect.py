@@ -14,9 +14,9 @@ from kvlab.cli.common import (
     ModelOpt,
     OutOpt,
     QuickOpt,
+    checked,
     dtype_value,
     nonempty_texts,
-    refuse_errors,
     run_and_report,
 )
 from kvlab.errors import BadInputError
@@ -34,22 +34,15 @@ def _dtype(value: str | None) -> str | None:
     return value if value in CACHE_ONLY_DTYPES else str(dtype_value(value))
 
 
-def _config(value: Path | None) -> Path | None:
-    """``--config``: a config.json kvlab can describe, read and checked before anything is created (a
-    missing or non-regular file, a size beyond reason, a model that keeps no KV cache)."""
-    if value is None:
-        return None
-    from kvlab.model.facts import load_config_file
-
-    refuse_errors(load_config_file, value)
-    return value
-
-
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
     def inspect_cmd(
         config: Annotated[
-            Path | None, typer.Option(callback=_config, help="A config.json: project without weights.")
+            Path | None,
+            typer.Option(
+                callback=checked("kvlab.model.facts", "load_config_file"),
+                help="A config.json: project without weights.",
+            ),
         ] = None,
         prompt: Annotated[
             list[str] | None,

@@ -7,13 +7,14 @@ lines go to stderr. A pure HTTP client: nothing here imports torch or transforme
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from kvlab.cli.common import print_json
 
 
 def _log(line: str) -> None:
@@ -67,7 +68,7 @@ def register(app: typer.Typer) -> None:
         report = run_probe(cfg, _log)
         js, page = write(report, folder)
         if json_out:
-            sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
+            print_json(report, default=str)
         else:
             for s in report["sections"]:  # type: ignore[attr-defined]
                 print(f"{s['verdict']:>8}  {s['title']}: {s['summary']}")

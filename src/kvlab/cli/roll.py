@@ -14,17 +14,6 @@ import typer
 
 from kvlab.cli.common import count_option, experiment_command, text_option
 
-TextOpt = Annotated[
-    Path | None,
-    text_option(
-        "A UTF-8 text file to study (default: Frankenstein when ../shared/data exists, else Python's docs)."
-    ),
-]
-ContextOpt = Annotated[
-    int | None,
-    count_option("--context", "-c", least=2, help="Window length in tokens (default: by profile)."),
-]
-
 SUBCOMMANDS = {
     "sweep": (
         "roll_sweep",
@@ -43,7 +32,18 @@ SUBCOMMANDS = {
 
 
 def _make(roll_app: typer.Typer, sub: str, experiment: str, help_text: str) -> None:
-    def command(text: TextOpt = None, context: ContextOpt = None) -> dict:
+    def command(
+        text: Annotated[
+            Path | None,
+            text_option(
+                "A UTF-8 text file to study (default: Frankenstein when ../shared/data exists, else Python's docs)."
+            ),
+        ] = None,
+        context: Annotated[
+            int | None,
+            count_option("--context", "-c", least=2, help="Window length in tokens (default: by profile)."),
+        ] = None,
+    ) -> dict:
         options: dict[str, object] = {"text": str(text) if text else None}
         if experiment != "findings":
             options["context"] = context

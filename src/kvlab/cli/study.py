@@ -11,30 +11,25 @@ import typer
 from kvlab.cli.common import (
     RunOptions,
     check_output_dir,
+    checked,
     console,
     err_console,
     group_command,
     print_json,
     print_table,
     profile_from,
-    refuse_errors,
     workers_option,
 )
-
-
-def _study_names(value: list[str] | None) -> list[str] | None:
-    """Typer callback for ``--only``: experiments a study runs, checked before any import of them."""
-    if value:
-        from kvlab.study.experiments import check_study_names
-
-        refuse_errors(check_study_names, value)
-    return value
 
 
 def study_cmd(
     run: RunOptions = RunOptions(),
     only: Annotated[
-        list[str] | None, typer.Option(callback=_study_names, help="Run only these experiments (repeatable).")
+        list[str] | None,
+        typer.Option(
+            callback=checked("kvlab.study.experiments", "check_study_names"),
+            help="Run only these experiments (repeatable).",
+        ),
     ] = None,
     workers: Annotated[
         int | None,

@@ -13,12 +13,11 @@ from kvlab.cli.common import (
     MAX_COUNT,
     ModelOptions,
     SeedOpt,
-    cache_spec,
-    cache_specs,
     count_option,
     experiment_command,
     finite,
     group_command,
+    live_cache_specs,
     nonempty_texts,
     print_json,
     roll_specs,
@@ -301,7 +300,7 @@ def stream_ppl_cmd(
     cache: Annotated[
         list[str] | None,
         typer.Option(
-            callback=cache_specs,
+            callback=live_cache_specs,
             help=CacheHelp + " (repeatable), scored next to the other methods.",
         ),
     ] = None,
@@ -366,7 +365,7 @@ def generate_cmd(
         str | None,
         typer.Option(
             "--cache",
-            callback=cache_spec,
+            callback=live_cache_specs,
             help=CacheHelp + "; replaces --sinks/--window/--evict-chunk.",
         ),
     ] = None,
