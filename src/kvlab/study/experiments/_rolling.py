@@ -26,7 +26,6 @@ from kvlab.data import Text, default_long_text, python_docs, read_text_file
 from kvlab.errors import BadInputError
 from kvlab.metrics.similarity import CacheComparison, PreparedCache, compare_caches
 from kvlab.metrics.spectral import rope_pair_energy
-from kvlab.metrics.stats import bootstrap_curve
 from kvlab.study.experiments.base import ExperimentContext, Progress
 
 SMALL_ROLLS = (1, 2, 3, 5, 10, 20)
@@ -102,12 +101,6 @@ def prefill_rows(model: Any, rows: list[list[int]], batch: int = 16) -> list[Any
 
 
 # -- statistics -----------------------------------------------------------------------------------
-
-
-def band(samples: np.ndarray, seed: int = 0) -> dict[str, np.ndarray]:
-    """Mean and bootstrap 95% band of ``samples [n, points]`` as a dict of arrays."""
-    mean, low, high = bootstrap_curve(samples, seed=seed)
-    return {"mean": mean, "low": low, "high": high}
 
 
 def block_means(values: np.ndarray, blocks: int) -> np.ndarray:
@@ -364,15 +357,3 @@ def reference() -> Reference:
         return Reference(None)
     doc = json.loads(REFERENCE_FILE.read_text())
     return Reference(REFERENCE_FILE, doc["files"], doc["research_brief"])
-
-
-# -- plotting -------------------------------------------------------------------------------------
-
-
-def plot_band(
-    ax: Any, x: np.ndarray, samples_or_band: np.ndarray | dict, label: str, seed: int = 0, **kw
-) -> None:
-    """A mean line with its shaded bootstrap 95% band (``samples [n, points]`` or a :func:`band` dict)."""
-    b = samples_or_band if isinstance(samples_or_band, dict) else band(samples_or_band, seed)
-    (line,) = ax.plot(x, b["mean"], label=label, **kw)
-    ax.fill_between(x, b["low"], b["high"], color=line.get_color(), alpha=0.22, lw=0)

@@ -36,6 +36,7 @@ from kvlab.study.experiments._rolling import reference
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.plots import style, subplots
 
 DEFAULT_ROLLS = (1, 5, 20)
 TOPK_LOGITS = 10
@@ -93,11 +94,7 @@ def run(
     rolls: list[int] | tuple[int, ...] | None = None,
     text: str | Path | None = None,
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="attention",
-        title="Attention rows and next-token logits under a roll",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     n_windows, length, rolls, first_query = _settings(ctx, windows, window_tokens, rolls)
     handle = ctx.handle()
     wins = _samples(ctx, result, handle, text, length, n_windows)
@@ -447,23 +444,17 @@ def _layer_panel(ax, metric, title, ylabel, ref_key, rows, base, ref, rolls):
                     lw=1,
                     label=f"roll {n} (thread, Qwen2.5-14B)",
                 )
-    ax.set_xlabel("layer depth (fraction of layers)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    style(ax, "layer depth (fraction of layers)", ylabel, title)
 
 
 def _layer_figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length) -> list:
     """Attention-row cosine and JS per layer, with the moved sink and without it."""
-    import matplotlib.pyplot as plt
-
     figs = []
     for metric, ylabel, ref_key, stem in (
         ("cos", "attention-row cosine", "cosine_sim", "attention_cos_by_layer"),
         ("js", "attention-row JS divergence (nats)", "js_div", "attention_js_by_layer"),
     ):
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+        fig, axes = subplots(1, 2, figsize=(12, 4.2), sharey=True)
         _layer_panel(
             axes[0],
             metric,
@@ -505,12 +496,10 @@ def _layer_figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, r
 
 def _figure_3(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length):
     """Where the attention mass goes, per layer: the old sink, the new one."""
-    import matplotlib.pyplot as plt
-
     L = rows["cos"].shape[2]
     depth = np.arange(L) / max(L - 1, 1)
     colors = _colors()
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = subplots(figsize=(8, 4.2))
     for r, n in enumerate(rolls):
         for metric, ls, label in (
             ("sink_b", "-", f"rolled {n}: on its slot 0 (new sink)"),
@@ -538,10 +527,8 @@ def _figure_3(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, l
 
 def _figure_4(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length):
     """Attention-row similarity per query position."""
-    import matplotlib.pyplot as plt
-
     colors = _colors()
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = subplots(figsize=(8, 4.2))
     for r, n in enumerate(rolls):
         for metric, ls in (("cos", "-"), ("cos_rest", "--")):
             start = 0 if metric == "cos" else 1  # aligned query 0 sees only the first aligned key
@@ -571,9 +558,7 @@ def _figure_4(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, l
 
 def _figure_5(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length):
     """Next-token logits against the roll fraction, beside the unrelated baseline and the thread."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.0))
+    fig, axes = subplots(1, 3, figsize=(14, 4.0))
     frac = np.array(rolls) / length
     for ax, metric, ylabel in (
         (axes[0], "cos", "logit cosine"),

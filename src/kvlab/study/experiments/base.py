@@ -203,3 +203,9 @@ class Experiment:
     #: what the study's seed changes in this experiment's samples (``_sampling.py``; the table in
     #: docs/sweeps.md); empty for an experiment that samples nothing (the same numbers for every seed)
     seed_changes: str = ""
+
+    def result(self, doc: str | None) -> ExperimentResult:
+        """An empty result of this experiment, described by the first line of ``doc`` (its module's docstring)."""
+        return ExperimentResult(
+            name=self.name, title=self.title, description=(doc or "").strip().split("\n")[0]
+        )

@@ -21,6 +21,7 @@ from kvlab.metrics.stats import MIN_SAMPLES
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num, says, side_of_zero
+from kvlab.study.report.plots import subplots
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -56,11 +57,7 @@ def run(
     prompt_tokens: int = 32,
     dtypes: tuple[str, ...] = DTYPES,
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="caching_numerics",
-        title="Numerics of caching vs recomputation",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     steps = ctx.count("steps", steps, quick=8, default=64, full=200)
     if steps < 2 or prompt_tokens < 1:
         raise BadInputError(f"need steps >= 2 and prompt_tokens >= 1, got {steps} and {prompt_tokens}")
@@ -205,9 +202,7 @@ def _tables(names, kl, maxabs, div, closer, steps: int, prompt_tokens: int, seed
 
 
 def _figure(names, kl, maxabs, div, model_name, steps):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    fig, axes = subplots(1, 2, figsize=(13, 4.2))
     colors = {"float64": "k", "float32": "#4c72b0", "bfloat16": "#dd8452", "float16": "#55a868"}
     x = np.arange(steps)
     for i, n in enumerate(names):

@@ -34,6 +34,7 @@ from kvlab.study.experiments._rolling import reference
 from kvlab.study.experiments._sampling import seeded_order
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import dig, format_interval, format_number, iv, num, side_of_zero
+from kvlab.study.report.plots import style, subplots
 
 CONDITIONS = ("compacted", "verbatim_tail_only", "summary_only", "shuffled_compacted", "unrelated")
 LABELS = {
@@ -162,11 +163,7 @@ def load_conversations(path: str | Path) -> list[dict]:
 def run(
     ctx: ExperimentContext, *, conversations: str | Path | list[dict] | None = None, limit: int | None = None
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="compaction",
-        title="Compaction: full vs compacted caches, with lexical controls",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     convs, source = _conversations(ctx, result, conversations, limit)
     handle = ctx.handle()
     N = len(convs)
@@ -546,9 +543,7 @@ def _figures(ctx, name, sim, curves) -> list:
 
 
 def _centroid_figure(ctx, name, sim, colors):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(12, 4.4), sharey=True)
     x = np.arange(len(CONDITIONS) + 1)
     labels = [LABELS[c] for c in CONDITIONS] + ["compacted minus tail vs full history"]
     comp = CONDITIONS.index("compacted")
@@ -585,9 +580,7 @@ def _centroid_figure(ctx, name, sim, colors):
 
 
 def _tail_figure(ctx, name, curves, colors):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(12, 4.2), sharey=True)
     for ax, metric, title in ((axes[0], "cos_v", "V"), (axes[1], "cos_kd", "K de-rotated")):
         n_tail = curves[metric].shape[-1]
         back = np.arange(n_tail)[::-1]  # tokens before the end
@@ -618,9 +611,7 @@ def _tail_figure(ctx, name, curves, colors):
 
 
 def _layer_figure(ctx, name, sim, colors):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.0), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(12, 4.0), sharey=True)
     L = sim["raw"].shape[-2]
     depth = np.arange(L)
     for ax, kind in ((axes[0], "raw"), (axes[1], "centred")):
@@ -631,11 +622,7 @@ def _layer_figure(ctx, name, sim, colors):
             mean, lo, hi = bootstrap_curve(per_layer)
             ax.plot(depth, mean, color=colors[c % len(colors)], label=LABELS[cond])
             ax.fill_between(depth, lo, hi, color=colors[c % len(colors)], alpha=0.2)
-        ax.set_xlabel("layer")
-        ax.set_ylabel("V centroid cosine to the full conversation")
-        ax.set_title(f"per layer, {kind}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        style(ax, "layer", "V centroid cosine to the full conversation", f"per layer, {kind}")
     fig.suptitle(f"{name}: V centroid similarity by layer (95% bands over conversations)")
     return ctx.figure(
         "centroid_v_by_layer",

@@ -31,6 +31,7 @@ from kvlab.metrics.stats import MIN_SAMPLES
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num
+from kvlab.study.report.plots import style, subplots
 
 
 def _quant_methods() -> dict[str, tuple[str, dict]]:
@@ -133,11 +134,7 @@ def run(
     needle_configs: list[str] | None = None,
     timing_steps: int | None = None,
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="compression",
-        title="Cache compression: quantization and eviction",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     handle = ctx.handle()
     n_ctx = ctx.count("context_tokens", context_tokens, 256, 512, 1500)
     n_cont = ctx.count("continuation_tokens", continuation_tokens, 48, 128, 256)
@@ -531,9 +528,7 @@ def _plain_log_axes(ax, ratios: list[float]) -> None:
 def _pareto_figure(ctx, points: list, model, n_windows: int):
     """Perplexity relative to full precision vs bytes held per token, every method and budget, with the
     Pareto front; whiskers only where the interval rests on at least MIN_SAMPLES text samples."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = subplots(figsize=(8, 5))
     kinds: dict[str, list] = {}
     for cfg, bpt, inc in points:
         key = (cfg[1] if cfg[0] == "quant" else f"evict: {cfg[1]}") + (
@@ -584,10 +579,8 @@ def _pareto_figure(ctx, points: list, model, n_windows: int):
 
 def _layer_figure(ctx, configs, names, layer_stats):
     """Per-layer distortion of the quantizers at one bit width (4 when measured)."""
-    import matplotlib.pyplot as plt
-
     # Per-layer distortion at 4 bits (or the first bit width)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = subplots(1, 2, figsize=(12, 4.2))
     qnames = [
         n
         for c, n in zip(configs, names, strict=True)
@@ -602,11 +595,8 @@ def _layer_figure(ctx, configs, names, layer_stats):
             ax.plot(xs, mean, lw=1.2, label=n)
             ax.fill_between(xs, lo, hi, alpha=0.2)
     for ax, ylab in zip(axes, ("attention-output relative error", "attention KL (nats)"), strict=True):
-        ax.set_xlabel("layer")
-        ax.set_ylabel(ylab)
         ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        style(ax, "layer", ylab)
     axes[0].set_title("Per-layer attention-output error")
     axes[1].set_title("Per-layer attention KL")
     return ctx.figure(

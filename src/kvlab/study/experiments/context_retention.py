@@ -21,6 +21,7 @@ from kvlab.ops.transfer import concat_caches, drop_prefix
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers_grouped, score_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num, says
+from kvlab.study.report.plots import subplots
 
 CONDITIONS = (
     ("no_context", "no context"),
@@ -35,11 +36,7 @@ CONDITIONS = (
 
 
 def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> ExperimentResult:
-    result = ExperimentResult(
-        name="context_retention",
-        title="Context retention under cache transfer",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     handle = ctx.handle()
     n = ctx.count("facts", facts, quick=8, default=len(FACTS))
     episodes = build_episodes(handle, n, seed=ctx.seed)
@@ -145,10 +142,8 @@ def _measure(ctx: ExperimentContext, handle, episodes, keys: list[str], sinks: i
 
 
 def _figure(labels, acc, mnll, n, name):
-    import matplotlib.pyplot as plt
-
     keys = list(acc)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = subplots(1, 2, figsize=(12, 4.2))
     x = np.arange(len(keys))
     for ax, stat, ylab in (
         (axes[0], acc, "accuracy (exact greedy answer)"),

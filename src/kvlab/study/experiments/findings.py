@@ -19,6 +19,7 @@ from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments import needed
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
 from kvlab.study.report.format import format_interval, side_of_zero
+from kvlab.study.report.plots import plot_band, subplots
 
 SOURCES = ("roll_sweep", "roll_long", "rope_derotation")
 ATTN_ROLLS = (1, 5, 20)
@@ -349,23 +350,21 @@ def _claim_attention(attn: dict, ref: R.Reference) -> list[dict]:
 
 
 def _attention_figure(ctx: ExperimentContext, attn: dict, name: str) -> Any:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = subplots(1, 2, figsize=(12, 4))
     L = attn["with_sink"].shape[-1]
     for j, n in enumerate(ATTN_ROLLS):
-        R.plot_band(
+        plot_band(
             axes[0], np.arange(L), attn["with_sink"][:, j], f"roll {n}, with the new sink", color=f"C{j}"
         )
-        R.plot_band(
+        plot_band(
             axes[0], np.arange(L), attn["without_sink"][:, j], f"roll {n}, without it", color=f"C{j}", ls="--"
         )
     axes[0].set_xlabel("layer")
     axes[0].set_ylabel("cosine of the last query's attention row")
     axes[0].set_title("Attention rows: original vs rolled")
-    R.plot_band(axes[1], np.arange(L), attn["sink_mass_original"], "original: attention on slot 0", color="k")
+    plot_band(axes[1], np.arange(L), attn["sink_mass_original"], "original: attention on slot 0", color="k")
     for j, n in enumerate(ATTN_ROLLS):
-        R.plot_band(
+        plot_band(
             axes[1],
             np.arange(L),
             attn["sink_mass_rolled"][:, j],
@@ -389,11 +388,7 @@ def run(
     attention_windows: int | None = None,
     attention_context: int | None = None,
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="findings",
-        title="Findings: the thread's claims, checked",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     model = ctx.handle()
     got: dict[str, dict] = {}
     for name in SOURCES:

@@ -20,6 +20,7 @@ from kvlab.metrics.stats import bootstrap_ci
 from kvlab.model.facts import ModelFacts, dtype_bytes, facts_from_config, load_config_file
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.plots import style, subplots
 
 PROJECTION_TOKENS = (100, 1_000, 4_000, 8_000, 32_000, 128_000)
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -73,12 +74,10 @@ def projections(facts: ModelFacts, weights_dtype: str | None = None) -> dict[str
 
 
 def _projection_figure(ctx: ExperimentContext, facts: ModelFacts, proj: dict) -> Any:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = subplots(figsize=(7.5, 4.2))
     xs = np.logspace(2, np.log10(max(proj["tokens"]) * 1.2), 200)
-    for dt, style in zip(("float32", "bfloat16", "int8"), ("-", "--", ":"), strict=True):
-        ax.plot(xs, [facts.kv_bytes(int(x), dt) / 2**30 for x in xs], style, label=f"KV cache, {dt}, batch 1")
+    for dt, fmt in zip(("float32", "bfloat16", "int8"), ("-", "--", ":"), strict=True):
+        ax.plot(xs, [facts.kv_bytes(int(x), dt) / 2**30 for x in xs], fmt, label=f"KV cache, {dt}, batch 1")
     ax.plot(
         xs,
         [facts.kv_bytes(int(x), "bfloat16") * 8 / 2**30 for x in xs],
@@ -139,12 +138,10 @@ def sink_indicators(model: Any, n_tokens: int, passages: int = 1, seed: int = 0)
 
 
 def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: str) -> list:
-    import matplotlib.pyplot as plt
-
     figs = []
     rec = sinks["received"].mean(axis=(0, 1))
     T = rec.shape[0]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = subplots(1, 2, figsize=(11, 3.8))
     axes[0].plot(np.arange(T), rec, lw=1)
     axes[0].set_yscale("log")
     axes[0].set_xlabel("key position")
@@ -172,7 +169,7 @@ def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: st
         )
     )
     share = sinks["first_token_share"]
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    fig, ax = subplots(figsize=(7.5, 3.6))
     ax.plot(np.arange(share.shape[0]), share.mean(axis=1), marker="o", ms=3, label="mean over heads")
     ax.fill_between(
         np.arange(share.shape[0]),
@@ -181,12 +178,8 @@ def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: st
         alpha=0.25,
         label="min–max over heads",
     )
-    ax.set_xlabel("layer")
-    ax.set_ylabel("share of attention on position 0")
     ax.set_ylim(0, 1)
-    ax.set_title(f"{name}: sink strength by layer")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    style(ax, "layer", "share of attention on position 0", f"{name}: sink strength by layer", legend=8)
     figs.append(
         ctx.figure(
             "sink_by_layer", fig, "Share of each query's attention that goes to position 0, per layer."
@@ -203,9 +196,7 @@ def run(
     cache_dtype: str | None = None,
     generate_tokens: int | None = None,
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="inspect", title="Cache inspection (Phase 1)", description=__doc__.strip().split("\n")[0]
-    )
+    result = EXPERIMENT.result(__doc__)
     handle, rope_problem = None, None
     if config is not None:
         cfg = load_config_file(config)

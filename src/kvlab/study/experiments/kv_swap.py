@@ -31,6 +31,7 @@ from kvlab.ops.transfer import hybrid_kv, reposition, swap_slots
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num, side_of_zero
+from kvlab.study.report.plots import subplots
 
 METRICS = ("first_token_kl", "ref_nll", "distinct_2", "longest_repeat", "agreement")
 
@@ -124,11 +125,7 @@ def run(
     roll: int = 5,
     gen_tokens: int | None = None,
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="kv_swap",
-        title="K/V swap factorial and sink-only swaps",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     n_win = ctx.count("windows", windows, quick=2, default=4, full=12)
     length = ctx.count("length", length, quick=40, default=64, full=128)
     gen_tokens = ctx.count("gen_tokens", gen_tokens, quick=8, default=16, full=32)
@@ -254,9 +251,7 @@ def _tables(
 
 
 def _figure(names, stats, name, n):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 0.32 * len(names) + 2), sharey=True)
+    fig, axes = subplots(1, 3, figsize=(15, 0.32 * len(names) + 2), sharey=True)
     y = np.arange(len(names))
     for ax, m, xlab in zip(
         axes,

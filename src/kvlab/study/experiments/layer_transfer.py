@@ -17,6 +17,7 @@ from kvlab.ops.transfer import transfer_layers
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num, says
+from kvlab.study.report.plots import subplots
 
 
 def layer_conditions(num_layers: int, width: int, stride: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -42,9 +43,7 @@ def layer_conditions(num_layers: int, width: int, stride: int) -> list[tuple[str
 def run(
     ctx: ExperimentContext, *, facts: int | None = None, width: int | None = None, stride: int | None = None
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="layer_transfer", title="Which layers carry the fact", description=__doc__.strip().split("\n")[0]
-    )
+    result = EXPERIMENT.result(__doc__)
     model = ctx.handle()
     L = model.facts.num_layers
     width = ctx.count("width", width, quick=max(1, L // 3), default=max(1, L // 6))
@@ -132,9 +131,7 @@ def _best_window(nll: np.ndarray, conds: list, win: list[int], seed: int) -> dic
 
 
 def _figure(ex, nl, centres, exact_all, nll_all, conds, width, name, seed):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = subplots(1, 2, figsize=(12, 4))
     for ax, data, full, ylab in (
         (axes[0], ex, exact_all, "accuracy"),
         (axes[1], nl, nll_all, "answer NLL (nats)"),
@@ -149,10 +146,7 @@ def _figure(ex, nl, centres, exact_all, nll_all, conds, width, name, seed):
         for lab, style in (("none", ":"), ("all", "--")):
             j = [c[0] for c in conds].index(lab)
             ax.axhline(full[:, j].mean(), ls=style, color="k", lw=1, label=f"{lab} layers")
-        ax.set_xlabel("window centre (layer)")
-        ax.set_ylabel(ylab)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        style(ax, "window centre (layer)", ylab, legend=8)
     axes[0].set_ylim(-0.02, 1.02)
     axes[0].set_title("Fact retention by layer window")
     axes[1].set_title("Answer NLL by layer window")

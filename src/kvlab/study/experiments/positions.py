@@ -22,7 +22,6 @@ from kvlab.metrics.stats import bootstrap_ci, wilson_ci
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, says
 
-TITLE = "Positions after eviction: original, re-rotated contiguous, within the cache"
 #: the conventions compared with ``original`` (a): (name, the difference's label)
 PAIRS = (("contiguous", "b - a"), ("cache", "c - a"))
 #: per-trial quantities: (row key, label, whether higher is better)
@@ -189,7 +188,7 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
     unknown = set(opts) - {"scores", "ratios", "lengths", "tasks", "trials", "max_new_tokens"}
     if unknown:
         raise BadInputError(f"positions: unknown option(s) {', '.join(sorted(unknown))}")
-    result = ExperimentResult(name="positions", title=TITLE, description=__doc__.strip().split("\n")[0])
+    result = EXPERIMENT.result(__doc__)
     s = settings(ctx, opts)
     specs = parse_cache_specs(["full", *expand_specs(s["scores"], s["ratios"])])
     hay = haystack(text_file, result)
@@ -225,7 +224,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 EXPERIMENT = Experiment(
     name="positions",
-    title=TITLE,
+    title="Positions after eviction: original, re-rotated contiguous, within the cache",
     run=run,
     order=49,
     describe=describe,

@@ -16,10 +16,11 @@ import numpy as np
 from kvlab.data import shared_conversations
 from kvlab.metrics import spectral as S
 from kvlab.metrics.similarity import Derotate, compare_caches
-from kvlab.metrics.stats import bootstrap_ci
+from kvlab.metrics.stats import bootstrap_ci, bootstrap_curve
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num
+from kvlab.study.report.plots import plot_band, subplots
 
 CONV_ROLLS = (1, 8, 64)
 
@@ -142,18 +143,14 @@ def _figures(
 
 
 def _fig_roll_vs_truncate(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.4))
+    fig, ax = subplots(figsize=(9, 4.4))
     for metric, kind, label in (
         ("k", "roll", "roll: raw K"),
         ("k", "trunc", "truncate: raw K"),
         ("v", "roll", "roll: V"),
         ("v", "trunc", "truncate: V"),
     ):
-        R.plot_band(
-            ax, ns[sel], curves(data, metric, kind)[:, sel], label, ls="-" if kind == "roll" else "--"
-        )
+        plot_band(ax, ns[sel], curves(data, metric, kind)[:, sel], label, ls="-" if kind == "roll" else "--")
     ax.set_xlabel("tokens removed (n)")
     ax.set_ylabel("cosine of the last position vs the original's last position")
     ax.set_title(f"{name}: roll vs truncate at the last position ({T}-token window)")
@@ -168,12 +165,10 @@ def _fig_roll_vs_truncate(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T
 
 
 def _fig_roll_by_n(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = subplots(figsize=(9, 4.2))
     for m, label in (("k", "raw K"), ("kd", "de-rotated K"), ("v", "V")):
         if f"roll_{m}_blocks" in data:
-            R.plot_band(ax, ns[sel], data[f"roll_{m}_blocks"][sel].T, f"roll: {label}")
+            plot_band(ax, ns[sel], data[f"roll_{m}_blocks"][sel].T, f"roll: {label}")
     ax.set_xscale("log")
     ax.set_xlabel("tokens rolled off (n)")
     ax.set_ylabel("mean cosine over aligned slots")
@@ -188,10 +183,8 @@ def _fig_roll_by_n(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
 
 
 def _fig_curve_analysis(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
-    import matplotlib.pyplot as plt
-
     roll_m, trunc_m = curves(data, "k").mean(0), curves(data, "k", "trunc").mean(0)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = subplots(2, 2, figsize=(12, 8))
     ax = axes[0, 0]
     for key, label in (("roll", "roll"), ("truncate", "truncate"), ("difference", "roll - truncate")):
         y = roll_m if key == "roll" else trunc_m if key == "truncate" else roll_m - trunc_m
@@ -250,18 +243,14 @@ def _fig_curve_analysis(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
 
 
 def _fig_terminal_derotation(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = subplots(figsize=(9, 4.2))
     for metric, kind, label in (
         ("k", "roll", "roll: raw"),
         ("kd", "roll", "roll: de-rotated"),
         ("k", "trunc", "truncate: raw"),
         ("kd", "trunc", "truncate: de-rotated"),
     ):
-        R.plot_band(
-            ax, ns[sel], curves(data, metric, kind)[:, sel], label, ls="-" if kind == "roll" else "--"
-        )
+        plot_band(ax, ns[sel], curves(data, metric, kind)[:, sel], label, ls="-" if kind == "roll" else "--")
     ax.set_xlabel("tokens removed (n)")
     ax.set_ylabel("K cosine at the last position")
     ax.set_title("Terminal-position de-rotation (each key with its own position)")
@@ -276,9 +265,7 @@ def _fig_terminal_derotation(ctx, data, plan, an, rope, name, conv, ref, ns, sel
 
 
 def _fig_conversations(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = subplots(figsize=(8, 4))
     x = np.asarray(CONV_ROLLS)
     for key, label in (
         ("roll_k_last", "roll: raw K (last)"),
@@ -288,7 +275,7 @@ def _fig_conversations(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
     ):
         samples = conv[key]
         if np.isfinite(samples).any():
-            R.plot_band(ax, x, samples, label, marker="o", ms=4)
+            plot_band(ax, x, samples, label, marker="o", ms=4)
     ax.set_xscale("log")
     ax.set_xlabel("tokens removed (n)")
     ax.set_ylabel("cosine at the last position")
@@ -303,15 +290,13 @@ def _fig_conversations(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
 
 
 def _fig_thread_overlay(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
-    import matplotlib.pyplot as plt
-
     d = ref.get("results_rope_2000_roll_truncate_rope")
     d14 = ref.get("results_14b_base_roll_truncate")
-    fig, ax = plt.subplots(figsize=(9, 4.4))
-    R.plot_band(ax, ns[sel] / T, curves(data, "k")[:, sel], f"{name} roll raw K", color="C0")
-    R.plot_band(ax, ns[sel] / T, curves(data, "k", "trunc")[:, sel], f"{name} truncate raw K", color="C1")
+    fig, ax = subplots(figsize=(9, 4.4))
+    plot_band(ax, ns[sel] / T, curves(data, "k")[:, sel], f"{name} roll raw K", color="C0")
+    plot_band(ax, ns[sel] / T, curves(data, "k", "trunc")[:, sel], f"{name} truncate raw K", color="C1")
     if "roll_kd_last" in data:
-        R.plot_band(ax, ns[sel] / T, curves(data, "kd")[:, sel], f"{name} roll de-rotated K", color="C2")
+        plot_band(ax, ns[sel] / T, curves(data, "kd")[:, sel], f"{name} roll de-rotated K", color="C2")
     if d:
         x = np.asarray(d["ns"]) / d["seq_len"]
         ax.plot(x, d["roll_last_k_raw"], ":", color="C0", lw=1, label="Qwen2.5 roll raw K (thread)")
@@ -334,11 +319,7 @@ def _fig_thread_overlay(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
 
 
 def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None = None) -> ExperimentResult:
-    result = ExperimentResult(
-        name="roll_long",
-        title="Roll vs truncate on a long context",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     handle = ctx.handle()
     data, plan, source = long_data(ctx, text, context)
     rope = handle.rope
@@ -414,8 +395,8 @@ def _last_position_table(data: dict, ns: np.ndarray, plan: Any) -> Table:
                 key = f"{kind}_{m}_last"
                 if key in data:
                     c = curves(data, m, kind)[:, [j]]
-                    iv = R.band(c)
-                    row.append(format_interval(iv["mean"][0], iv["low"][0], iv["high"][0], 4, n=c.shape[0]))
+                    mean, low, high = bootstrap_curve(c)
+                    row.append(format_interval(mean[0], low[0], high[0], 4, n=c.shape[0]))
                 else:
                     row.append("–")
             rows.append(row)

@@ -27,6 +27,7 @@ from kvlab.policy import roll_amount
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num
+from kvlab.study.report.plots import plot_band, style, subplots
 
 ROLL_FRACTIONS = (0.1, 0.25, 0.5)
 EXCLUDE = (0, 1, 4)
@@ -181,21 +182,19 @@ def _figures(
 
 
 def _sweep_figure(ctx: ExperimentContext, raw: dict, summ: dict, T: int, model_name: str):
-    import matplotlib.pyplot as plt
-
     rolls = [c for c in raw if c.startswith("roll_")]
     counts = np.array(
         [roll_amount(float(c[5:-3]) / 100 if c.endswith("pct") else int(c[5:]), T) for c in rolls]
     )
     order = np.argsort(counts)
-    fig, ax = plt.subplots(figsize=(8, 4.4))
-    for m, style in (("k", "o-"), ("kd", "s-"), ("v", "^-")):
+    fig, ax = subplots(figsize=(8, 4.4))
+    for m, fmt in (("k", "o-"), ("kd", "s-"), ("v", "^-")):
         if m not in raw[rolls[0]]:
             continue
         mean = np.array([summ[rolls[i]][f"{m}_x0"]["value"] for i in order])
         lo = np.array([_bound(summ[rolls[i]][f"{m}_x0"], "low") for i in order])
         hi = np.array([_bound(summ[rolls[i]][f"{m}_x0"], "high") for i in order])
-        (line,) = ax.plot(counts[order], mean, style, ms=4, label=f"roll: {METRIC_LABELS[m]}")
+        (line,) = ax.plot(counts[order], mean, fmt, ms=4, label=f"roll: {METRIC_LABELS[m]}")
         ax.fill_between(counts[order], lo, hi, color=line.get_color(), alpha=0.25, lw=0)
     for cond, ls in (("scrambled", "--"), ("unrelated", ":")):
         for m, color in (("k", "C0"), ("v", "C2")):
@@ -217,19 +216,13 @@ def _sweep_figure(ctx: ExperimentContext, raw: dict, summ: dict, T: int, model_n
 
 
 def _layer_figure(ctx: ExperimentContext, raw: dict, model_name: str):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = subplots(1, 2, figsize=(11, 4))
     for ax, m in zip(axes, ("k", "v"), strict=True):
         for c in ("roll_1", "roll_5", "roll_20", "scrambled", "unrelated"):
             if c in raw:
                 samples = np.stack([a.mean(axis=(1, 2)) for a in raw[c][m]])
-                R.plot_band(ax, np.arange(samples.shape[1]), samples, c)
-        ax.set_xlabel("layer")
-        ax.set_ylabel(METRIC_LABELS[m])
-        ax.set_title(f"{METRIC_LABELS[m]} per layer")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+                plot_band(ax, np.arange(samples.shape[1]), samples, c)
+        style(ax, "layer", METRIC_LABELS[m], f"{METRIC_LABELS[m]} per layer")
     fig.suptitle(f"{model_name}: per-layer similarity to the original")
     return ctx.figure(
         "per_layer", fig, "Per-layer cosine for rolls and controls (bands: bootstrap 95% over text samples)."
@@ -237,16 +230,14 @@ def _layer_figure(ctx: ExperimentContext, raw: dict, model_name: str):
 
 
 def _position_figure(ctx: ExperimentContext, raw: dict, T: int):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = subplots(figsize=(8, 4))
     for c in ("roll_1", "roll_5", "roll_20"):
         if c in raw:
             for m, ls in (("k", "-"), ("v", "--")):
                 samples = _stack_padded(raw[c][m], (0, 1), T)
                 keep = ~np.all(np.isnan(samples), axis=0)
                 x = np.arange(T)[keep]
-                R.plot_band(ax, x[:48], samples[:, keep][:, :48], f"{c} {METRIC_LABELS[m]}", ls=ls)
+                plot_band(ax, x[:48], samples[:, keep][:, :48], f"{c} {METRIC_LABELS[m]}", ls=ls)
     ax.set_xlabel("aligned slot (0 = the rolled cache's first slot, its new attention sink)")
     ax.set_ylabel("cosine vs original")
     ax.set_title("Sink-aware view: similarity per aligned slot (first 48)")
@@ -268,15 +259,13 @@ def _overlay(
 
 
 def _overlay_layers(ctx: ExperimentContext, raw: dict, model_name: str, ref: R.Reference):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = subplots(1, 2, figsize=(11, 4))
     for ax, m, key in zip(axes, ("k", "v"), ("cos_k", "cos_v"), strict=True):
         for c, color in (("roll_1", "C0"), ("roll_5", "C1"), ("roll_20", "C3")):
             if c not in raw:
                 continue
             samples = np.stack([a.mean(axis=(1, 2)) for a in raw[c][m]])
-            R.plot_band(ax, np.linspace(0, 1, samples.shape[1]), samples, f"{model_name} {c}", color=color)
+            plot_band(ax, np.linspace(0, 1, samples.shape[1]), samples, f"{model_name} {c}", color=color)
             for fname, ls in (("orig_7b_base_results", "--"), ("orig_14b_base_results", ":")):
                 d = ref.get(fname)
                 if d and c in d:
@@ -306,9 +295,7 @@ def _overlay_layers(ctx: ExperimentContext, raw: dict, model_name: str, ref: R.R
 def _overlay_fraction(
     ctx: ExperimentContext, raw: dict, summ: dict, T: int, model_name: str, ref: R.Reference
 ):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = subplots(figsize=(8, 4))
     rolls = [c for c in raw if c.startswith("roll_") and not c.endswith("pct")]
     ns = np.array([int(c[5:]) for c in rolls])
     for m, color in (("k", "C0"), ("v", "C2")):
@@ -354,11 +341,7 @@ def _overlay_fraction(
 def run(
     ctx: ExperimentContext, *, text: str | None = None, windows: int | None = None, context: int | None = None
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="roll_sweep",
-        title="Roll sweep and controls",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     handle = ctx.handle()
     T = int(ctx.count("context", context, quick=96, default=128, full=256))
     W = int(ctx.count("windows", windows, quick=4, default=20, full=50))

@@ -19,6 +19,7 @@ from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.experiments.roll_long import curves, long_data
 from kvlab.study.report.format import format_number, iv, num
+from kvlab.study.report.plots import plot_band, style, subplots
 
 
 def derotation_table(data: dict, seed: int = 0) -> tuple[list[list[Any]], dict[str, Any]]:
@@ -102,18 +103,16 @@ def _figures(ctx: ExperimentContext, data: dict, pred: dict, rope: Any, name: st
 
 
 def _derotation_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any, name: str, T: int):
-    import matplotlib.pyplot as plt
-
     ns = data["ns"]
     small = np.isin(ns, np.arange(1, 21))
-    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    fig, ax = subplots(figsize=(8.5, 4.2))
     for m, label in (
         ("k", "raw K"),
         ("kd", "de-rotated K, own positions (correct)"),
         ("kb", "de-rotated K, same positions 0..P-1 + interleaved (thread's bug)"),
         ("v", "V"),
     ):
-        R.plot_band(
+        plot_band(
             ax,
             ns[small],
             data[f"roll_{m}_blocks"][small].T,
@@ -122,11 +121,9 @@ def _derotation_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any
             ms=3,
             ls="--" if m == "kb" else "-",
         )
-    ax.set_xlabel("tokens rolled off (n)")
-    ax.set_ylabel("mean cosine vs original")
-    ax.set_title(f"{name}: de-rotation on a {T}-token window")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    style(
+        ax, "tokens rolled off (n)", "mean cosine vs original", f"{name}: de-rotation on a {T}-token window"
+    )
     return ctx.figure(
         "derotation_modes",
         fig,
@@ -136,11 +133,9 @@ def _derotation_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any
 
 
 def _predictor_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any, name: str, T: int):
-    import matplotlib.pyplot as plt
-
     ns = data["ns"]
     sel = ns >= 1
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = subplots(1, 2, figsize=(12, 4.2))
     ax = axes[0]
     ax.plot(ns[sel], pred["measured_mean"][sel], "k-", lw=1.5, label="measured raw K (mean over slots)")
     ax.plot(
@@ -163,11 +158,7 @@ def _predictor_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any,
         label=f"prediction, last position (R² {pred['r2_last']:.3f})",
     )
     ax.set_xscale("log")
-    ax.set_xlabel("tokens rolled off (n)")
-    ax.set_ylabel("raw K cosine")
-    ax.set_title("Raw K drift predicted from RoPE energies")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    style(ax, "tokens rolled off (n)", "raw K cosine", "Raw K drift predicted from RoPE energies")
     ax = axes[1]
     for label, layers, spec in _rope_groups(rope):  # one line per RoPE (hybrid models have several)
         energy = data["energy_mean"][layers].mean((0, 1))
@@ -189,22 +180,16 @@ def _predictor_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any,
 
 def _layer_figure(ctx: ExperimentContext, pred: dict):
     """B3 per layer: how much of each layer's drift the RoPE spectrum explains."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = subplots(figsize=(8, 3.6))
     ax.plot(np.arange(pred["r2_per_layer"].size), pred["r2_per_layer"], marker="o", ms=3)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("R² of the RoPE-only prediction")
-    ax.set_title("RoPE predictor per layer")
-    ax.grid(alpha=0.3)
+    style(ax, "layer", "R² of the RoPE-only prediction", "RoPE predictor per layer", legend=None)
     return ctx.figure(
         "predictor_per_layer", fig, "How much of each layer's raw K drift the RoPE spectrum explains."
     )
 
 
 def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None = None) -> ExperimentResult:
-    title = "RoPE de-rotation and the RoPE predictor"
-    result = ExperimentResult(name="rope_derotation", title=title, description=__doc__.strip().split("\n")[0])
+    result = EXPERIMENT.result(__doc__)
     model = ctx.handle()
     if model.rope is None:
         result.status = "not_applicable"

@@ -20,8 +20,8 @@ from kvlab.metrics.stats import MIN_SAMPLES, bootstrap_ci, wilson_ci
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number
 from kvlab.study.report.format import side_of_zero as side
+from kvlab.study.report.plots import subplots
 
-TITLE = "RULER-style accuracy vs compression ratio, and KL to the full cache"
 #: KL below this (nats per token, mean over question + answer) is "almost nothing" (llama.cpp's q4_0: 0.009)
 INT4_KL_NEAR_ZERO = 0.01
 CLAIM_RATIO = 0.5
@@ -189,10 +189,8 @@ def _curves(pts: list[dict], method: str, task: str, length: int) -> list[dict]:
 
 
 def _accuracy_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any]):
-    import matplotlib.pyplot as plt
-
     tasks, lengths = _panels(s), s["lengths"]
-    fig, axes = plt.subplots(
+    fig, axes = subplots(
         len(lengths), len(tasks), figsize=(2.6 * len(tasks) + 1, 2.6 * len(lengths)), squeeze=False
     )
     for i, length in enumerate(lengths):
@@ -240,10 +238,8 @@ def _method_of(policy: str) -> str:
 
 
 def _kl_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any]):
-    import matplotlib.pyplot as plt
-
     lengths = s["lengths"]
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 3.8), squeeze=False)
+    fig, axes = subplots(1, len(lengths), figsize=(5.5 * len(lengths), 3.8), squeeze=False)
     for ax, length in zip(axes[0], lengths, strict=True):
         sel = [p for p in pts if p["task"] == "all" and p["length"] == length]
         for group in dict.fromkeys((p["kind"], p["method"]) for p in sel if p["kind"] != "full"):
@@ -506,7 +502,7 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
     unknown = set(opts) - {"tasks", "lengths", "trials", "policies", "ratios", "codecs", "max_new_tokens"}
     if unknown:
         raise BadInputError(f"ruler: unknown option(s) {', '.join(sorted(unknown))}")
-    result = ExperimentResult(name="ruler", title=TITLE, description=__doc__.strip().split("\n")[0])
+    result = EXPERIMENT.result(__doc__)
     s = settings(ctx, opts)
     specs = _specs(s)
     hay = haystack(text_file, result)
@@ -576,7 +572,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
 
 EXPERIMENT = Experiment(
     name="ruler",
-    title=TITLE,
+    title="RULER-style accuracy vs compression ratio, and KL to the full cache",
     run=run,
     order=48,
     describe=describe,

@@ -31,6 +31,7 @@ from kvlab.store.blend import blend, correction_by_name
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num, side_of_zero
+from kvlab.study.report.plots import subplots
 
 if TYPE_CHECKING:
     from kvlab.store.redis_tier import RedisTier
@@ -270,11 +271,9 @@ def nonprefix_reuse(
 
 # -- figures -----------------------------------------------------------------------------------------
 def _ttft_figure(ctx: ExperimentContext, p1: dict) -> Any:
-    import matplotlib.pyplot as plt
-
     x = np.asarray(p1["lengths"])
     colors = {"full": "#444444", "memory": "#4c72b0", "disk": "#dd8452", "redis": "#c44e52"}
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    fig, (ax, ax2) = subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     for name, arr in p1["ttft_ms"].items():
         cis = [bootstrap_ci(row) for row in arr]
         mean = np.array([ci.value for ci in cis])
@@ -305,10 +304,8 @@ def _ttft_figure(ctx: ExperimentContext, p1: dict) -> Any:
 
 
 def _quality_figure(ctx: ExperimentContext, p2: dict) -> Any:
-    import matplotlib.pyplot as plt
-
     modes = list(p2["metrics"])
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), layout="constrained")
+    fig, axes = subplots(1, 3, figsize=(14, 4.2), layout="constrained")
     xs = np.arange(len(modes))
     for ax, key, label in zip(
         axes,

@@ -25,12 +25,11 @@ from kvlab.streaming.perplexity import (
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_range, iv
+from kvlab.study.report.plots import subplots
 
 # the divergence columns, placed after the paired ratio's interval
 KL_COLUMNS = ["KL to full (nats)", "top-1 agreement"]
 COLUMNS = TABLE_COLUMNS[:8] + KL_COLUMNS + TABLE_COLUMNS[8:]
-
-TITLE = "Streaming perplexity (attention sinks)"
 
 
 def source_name(source: str) -> str:
@@ -64,9 +63,7 @@ def _running_ppl(r: StreamResult) -> np.ndarray:
 
 
 def _figure(ctx: ExperimentContext, results: dict[str, StreamResult], title: str, stem: str, window: int):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = subplots(figsize=(8, 4.2))
     for name, r in results.items():
         if name == "recompute":
             continue
@@ -94,14 +91,12 @@ def _figure(ctx: ExperimentContext, results: dict[str, StreamResult], title: str
 def _bars(ctx: ExperimentContext, rows: list[dict], stem: str):
     """Perplexity per method on the re-computation subsample, one horizontal bar per (text, window,
     method) so every label is written whole; the text and window go in the title when there is one."""
-    import matplotlib.pyplot as plt
-
     groups = list(dict.fromkeys((r["source"], r["window"]) for r in rows))
     labels = [
         METHODS[r["method"]].label + ("" if len(groups) == 1 else f" ({r['source']}, window {r['window']})")
         for r in rows
     ]
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.32 * len(rows)))
+    fig, ax = subplots(figsize=(8, 1.2 + 0.32 * len(rows)))
     y = np.array([r["ppl_subsample"] for r in rows])
     lo = np.array([r["ppl_subsample_low"] for r in rows])
     hi = np.array([r["ppl_subsample_high"] for r in rows])
@@ -144,7 +139,7 @@ def run(
     loop: bool = False,
     caches: list[str] | None = None,
 ) -> ExperimentResult:
-    result = ExperimentResult(name="streaming_ppl", title=TITLE, description=__doc__.strip().split("\n")[0])
+    result = EXPERIMENT.result(__doc__)
     handle = ctx.handle()
     windows = list(windows) if windows else ctx.pick(quick=[128], default=[256], full=[256, 512])
     n_tokens = ctx.count("tokens", tokens, quick=200, default=1000, full=3000)
@@ -316,7 +311,7 @@ EXPERIMENT = Experiment(
     seed_changes="where in the book the stream starts",
     describe=describe,
     name="streaming_ppl",
-    title=TITLE,
+    title="Streaming perplexity (attention sinks)",
     run=run,
     order=45,
     description="Perplexity over a long stream per cache policy: full, window, sinks + window, "

@@ -43,8 +43,7 @@ from kvlab.policy import roll_amount
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_range, iv, says
-
-TITLE = "Suffix caching with attention sinks"
+from kvlab.study.report.plots import subplots
 
 # A thread-style prompt (~87 tokens) written for kvlab: a rolling-context chat turn.
 THREAD_PROMPT = (
@@ -290,7 +289,7 @@ def run(
     drops: list[str] | None = None,
     sinks: list[int] | None = None,
 ) -> ExperimentResult:
-    result = ExperimentResult(name="suffix_caching", title=TITLE, description=__doc__.strip().split("\n")[0])
+    result = EXPERIMENT.result(__doc__)
     handle = ctx.handle()
     st = settings(ctx, windows, context_tokens, drops, sinks)
     passages, source = _passages(handle, ctx, st.ctx_len, st.cont_len, st.n_windows, text_file)
@@ -565,9 +564,7 @@ def _drop_axes(ax: Any, drop_specs: list[str], ylabel: str, title: str) -> None:
 
 
 def _kl_figure(ctx: ExperimentContext, stacked: dict, drop_specs: list[str], sink_list: list[int]):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = subplots(figsize=(7.5, 4.2))
     x = np.arange(len(drop_specs))
     for j, s in enumerate(sink_list):
         med, lo, hi = [], [], []
@@ -595,9 +592,7 @@ def _kl_figure(ctx: ExperimentContext, stacked: dict, drop_specs: list[str], sin
 
 
 def _closer_figure(ctx: ExperimentContext, stacked: dict, drop_specs: list[str], sink_list: list[int]):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = subplots(figsize=(7.5, 4.2))
     x = np.arange(len(drop_specs))
     for j, s in enumerate(sink_list):
         col = stacked["kl_full_to_rolled"][:, :, j]
@@ -676,7 +671,7 @@ EXPERIMENT = Experiment(
     seed_changes="where in the text the passages are cut",
     describe=describe,
     name="suffix_caching",
-    title=TITLE,
+    title="Suffix caching with attention sinks",
     run=run,
     order=46,
     description="Roll a cached context forward with and without attention sinks; compare with "

@@ -16,6 +16,7 @@ from kvlab.metrics import bootstrap_ci, kl_divergence, wilson_ci
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num
+from kvlab.study.report.plots import subplots
 
 VARIANTS = ("plain", "special token in the middle", "generated tokens kept + special token")
 
@@ -41,11 +42,7 @@ def run(
     b_tokens: int = 16,
     kept_generated: int | None = None,
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="transfer_equivalence",
-        title="Cache injection equals a concatenated prefill",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     handle = ctx.handle()
     n = ctx.count("pairs", pairs, quick=3, default=8, full=24)
     kept = kept_generated if kept_generated is not None else ctx.pick(quick=4, default=29)
@@ -143,9 +140,7 @@ def _tolerance(model, scale: float) -> float:
 
 
 def _figure(maxdiff, kl, name, tol):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = subplots(1, 2, figsize=(12, 4))
     x = np.arange(maxdiff.shape[0])
     for j, v in enumerate(VARIANTS):
         axes[0].plot(x, np.maximum(maxdiff[:, j], 1e-12), marker="o", ls="", label=v)

@@ -47,6 +47,7 @@ from kvlab.ops.crossmodel import apply_cache_map, cache_map_grid, fit_cache_map,
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import dig, format_interval, format_number, iv, num, says
+from kvlab.study.report.plots import style, subplots
 
 if TYPE_CHECKING:
     from kvlab.cache.snapshot import KVSnapshot
@@ -124,11 +125,7 @@ def run(
     target_model: str | None = None,
     cross_texts: int | None = None,
 ) -> ExperimentResult:
-    result = ExperimentResult(
-        name="transplant",
-        title="Cache transplant between models and C2C-lite",
-        description=__doc__.strip().split("\n")[0],
-    )
+    result = EXPERIMENT.result(__doc__)
     base = ctx.handle()
     _random_geometry_map(ctx, result, base, alpha)
     target = target_model if target_model else ctx.pick(quick=None, default=None, full=GEMMA_NAME)
@@ -505,9 +502,7 @@ def _not_applicable_table() -> Table:
 
 
 def _cross_figure(cmap, ctrl, grid_k, grid_v, title: str):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = subplots(1, 3, figsize=(15, 4))
     layers = np.arange(cmap.ev_k.shape[0])
     ax = axes[0]
     for ev, c_ev, name, color in (
@@ -516,11 +511,8 @@ def _cross_figure(cmap, ctrl, grid_k, grid_v, title: str):
     ):
         ax.plot(layers, ev.mean(1), color=color, marker="o", ms=3, label=f"{name}: aligned")
         ax.plot(layers, c_ev.mean(1), color=color, ls="--", label=f"{name}: shuffled slots")
-    ax.set_xlabel("receiver layer")
-    ax.set_ylabel("held-out explained variance")
     ax.set_ylim(min(-0.05, float(np.nanmin(ctrl.ev_k.mean(1)))), 1.0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    style(ax, "receiver layer", "held-out explained variance")
     ax.set_title(title, fontsize=9)
     for ax, grid, name in ((axes[1], grid_k, "keys"), (axes[2], grid_v, "values")):
         im = ax.imshow(
@@ -561,9 +553,7 @@ def _random_geometry_map(ctx: ExperimentContext, result: ExperimentResult, base,
 
 
 def _ev_figure(cmap, title: str):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = subplots(figsize=(8, 4))
     layers = np.arange(cmap.ev_k.shape[0])
     for ev, ident, name, color in (
         (cmap.ev_k, cmap.ev_k_identity, "keys (de-rotated)", "#4c72b0"),
