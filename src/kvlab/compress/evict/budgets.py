@@ -44,7 +44,7 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.compress.evict.observe import Observation
 from kvlab.compress.evict.policies import Policy
-from kvlab.compress.evict.select import budget_slots, keep_indices, layer_views
+from kvlab.compress.evict.select import budget_slots, check_budget, keep_indices, layer_views
 from kvlab.errors import BadInputError
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.spec import Rope
@@ -122,10 +122,7 @@ def ada_indices(
     b, h, t = scores.shape
     if b != 1:
         raise BadInputError(f"per-head (ada) budgets are chosen per sequence; got a batch of {b}")
-    if not 1 <= n_keep <= t:
-        raise BadInputError(f"cannot keep {n_keep} of {t} slots; the budget must lie in [1, {t}]")
-    if sinks > n_keep:
-        raise BadInputError(f"the budget of {n_keep} slots is smaller than the {sinks} sinks asked for")
+    check_budget(n_keep, t, sinks)
     if not 0.0 <= alpha_safeguard <= 1.0:
         raise BadInputError(f"alpha_safeguard must lie in [0, 1], got {alpha_safeguard}")
     s = scores[0].float().clone()
@@ -135,10 +132,7 @@ def ada_indices(
     if floor:
         must.scatter_(1, keep_indices(scores, floor, min(sinks, floor), window)[0], True)
     must |= _protected_mask(h, t, n_keep, sinks, window, s.device)
-    forced = int(must.sum())
-    if forced > n_keep * h:  # cannot happen: each head forces at most n_keep
-        raise BadInputError(f"{forced} protected slots exceed the layer's budget of {n_keep * h}")
-    rest = n_keep * h - forced
+    rest = n_keep * h - int(must.sum())  # each head forces at most n_keep
     keep = must.clone()
     if rest:
         free = s.masked_fill(must, float("-inf")).reshape(-1)
@@ -160,10 +154,7 @@ def global_indices(
             f"global budgets take per-layer scores [1, H, T]; got {[tuple(s.shape) for s in scores]}"
         )
     _, h, t = scores[0].shape
-    if not 1 <= n_keep <= t:
-        raise BadInputError(f"cannot keep {n_keep} of {t} slots; the budget must lie in [1, {t}]")
-    if sinks > n_keep:
-        raise BadInputError(f"the budget of {n_keep} slots is smaller than the {sinks} sinks asked for")
+    check_budget(n_keep, t, sinks)
     dev = scores[0].device
     s = torch.stack([x[0].float().to(dev) for x in scores])  # [L, H, T]
     s = torch.where(torch.isfinite(s), s, torch.full_like(s, -1e30))
@@ -272,10 +263,7 @@ def allocate(
     if not scores:
         raise BadInputError("no layers to allocate a budget over")
     t = scores[0].shape[-1]
-    if not 1 <= n_keep <= t:
-        raise BadInputError(f"cannot keep {n_keep} of {t} slots; the budget must lie in [1, {t}]")
-    if sinks > n_keep:
-        raise BadInputError(f"the budget of {n_keep} slots is smaller than the {sinks} sinks asked for")
+    check_budget(n_keep, t, sinks)
     if heads == "global":
         if layers != "uniform":
             raise BadInputError(f"heads=global already shares the budget across layers; drop layers={layers}")

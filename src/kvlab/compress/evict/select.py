@@ -34,6 +34,14 @@ def budget_slots(length: int, keep: float | None = None, n_keep: int | None = No
     return int(n_keep)
 
 
+def check_budget(n_keep: int, t: int, sinks: int) -> None:
+    """A budget of ``n_keep`` of ``t`` slots must lie in ``[1, t]`` and hold the ``sinks``."""
+    if not 1 <= n_keep <= t:
+        raise BadInputError(f"cannot keep {n_keep} of {t} slots; the budget must lie in [1, {t}]")
+    if sinks > n_keep:
+        raise BadInputError(f"the budget of {n_keep} slots is smaller than the {sinks} sinks asked for")
+
+
 def keep_indices(scores: torch.Tensor, n_keep: int, sinks: int = 0, window: int = 0) -> torch.Tensor:
     """``[B, H, n_keep]`` sorted slot indices: the top-``n_keep`` of ``scores [B, H, T]`` per head.
 
@@ -41,10 +49,7 @@ def keep_indices(scores: torch.Tensor, n_keep: int, sinks: int = 0, window: int 
     ``window`` slots are kept as far as the budget left after the sinks allows.
     """
     t = scores.shape[-1]
-    if not 1 <= n_keep <= t:
-        raise BadInputError(f"cannot keep {n_keep} of {t} slots; the budget must lie in [1, {t}]")
-    if sinks > n_keep:
-        raise BadInputError(f"the budget of {n_keep} slots is smaller than the {sinks} sinks asked for")
+    check_budget(n_keep, t, sinks)
     s = scores.float().clone()
     s = torch.where(torch.isfinite(s), s, torch.full_like(s, -1e30))
     # the protected slots are a SinksWindow's, with the window cut to what the budget leaves
