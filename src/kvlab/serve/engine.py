@@ -146,7 +146,6 @@ class Session:
     requests: int = 0
     reused_tokens: int = 0
     computed_tokens: int = 0
-    last_used: float = field(default_factory=time.time)
     # [vocab] logits after the last id: they score the first token of the next request that continues
     last_logits: torch.Tensor | None = None
     # each id's log-probability where a request computed it (scoring or logprobs), else None; parallel to ids
@@ -946,7 +945,6 @@ class Engine:
         return best
 
     def _return_session(self, session: Session) -> None:
-        session.last_used = time.time()
         with self._sessions_lock:
             self.sessions[session.id] = session
             while len(self.sessions) > self.settings.max_sessions:

@@ -32,7 +32,6 @@ from kvlab.cache.io import loads_bounded
 from kvlab.store.errors import CorruptBlockError, UnsupportedBlockError
 
 BLOCK_FORMAT = "kvlab.block"
-BLOCK_VERSION = 2  # the version written; see READ_VERSIONS for what is read
 CHECKSUM = "xxh3-64"  # the algorithm written
 _VERSION_OF = {"xxh3-64": 2, "crc32": 1}  # checksum algorithm -> block version that carries it
 READ_VERSIONS = (1, 2)
