@@ -20,7 +20,6 @@ from kvlab.data import default_long_text, read_text_file, token_samples
 from kvlab.errors import BadInputError
 from kvlab.metrics import (
     bootstrap_ci,
-    bootstrap_curve,
     js_divergence,
     kl_divergence,
     logit_cosine,
@@ -36,7 +35,7 @@ from kvlab.study.experiments._rolling import reference
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
-from kvlab.study.report.plots import style, subplots
+from kvlab.study.report.plots import colors, errorbars, shade, style, subplots
 
 DEFAULT_ROLLS = (1, 5, 20)
 TOPK_LOGITS = 10
@@ -407,12 +406,6 @@ def _fmt(x: float | None) -> str:
     return "" if x is None else f"{x:.4f}"
 
 
-def _colors() -> list[str]:
-    import matplotlib.pyplot as plt
-
-    return plt.rcParams["axes.prop_cycle"].by_key()["color"]
-
-
 def _figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length) -> list:
     """Attention rows by layer (cosine, JS), per query, the sink's mass, and the logits."""
     args = (ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length)
@@ -422,16 +415,11 @@ def _figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, le
 def _layer_panel(ax, metric, title, ylabel, ref_key, rows, base, ref, rolls):
     L = rows["cos"].shape[2]
     depth = np.arange(L) / max(L - 1, 1)
-    colors = _colors()
+    cs = colors()
     for r, n in enumerate(rolls):
-        mean, lo, hi = bootstrap_curve(np.nanmean(rows[metric][:, r], axis=-1))
-        ax.plot(
-            depth, mean, color=colors[r % len(colors)], marker="o", ms=2.5, label=f"roll {n} (this model)"
-        )
-        ax.fill_between(depth, lo, hi, color=colors[r % len(colors)], alpha=0.25)
-    mean, lo, hi = bootstrap_curve(np.nanmean(base[metric], axis=-1))
-    ax.plot(depth, mean, color="grey", ls="--", label="unrelated sample")
-    ax.fill_between(depth, lo, hi, color="grey", alpha=0.2)
+        layers = np.nanmean(rows[metric][:, r], axis=-1)
+        shade(ax, depth, layers, cs[r % len(cs)], 0.25, marker="o", ms=2.5, label=f"roll {n} (this model)")
+    shade(ax, depth, np.nanmean(base[metric], axis=-1), "grey", ls="--", label="unrelated sample")
     if ref is not None and ref_key:
         for r, n in enumerate(rolls):
             if n in ref["attention"]:
@@ -439,7 +427,7 @@ def _layer_panel(ax, metric, title, ylabel, ref_key, rows, base, ref, rolls):
                 ax.plot(
                     np.arange(len(y)) / max(len(y) - 1, 1),
                     y,
-                    color=colors[r % len(colors)],
+                    color=cs[r % len(cs)],
                     ls=":",
                     lw=1,
                     label=f"roll {n} (thread, Qwen2.5-14B)",
@@ -455,27 +443,10 @@ def _layer_figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, r
         ("js", "attention-row JS divergence (nats)", "js_div", "attention_js_by_layer"),
     ):
         fig, axes = subplots(1, 2, figsize=(12, 4.2), sharey=True)
+        data = (rows, base, ref, rolls)
+        _layer_panel(axes[0], metric, "all aligned keys (the new sink included)", ylabel, ref_key, *data)
         _layer_panel(
-            axes[0],
-            metric,
-            "all aligned keys (the new sink included)",
-            ylabel,
-            ref_key,
-            rows,
-            base,
-            ref,
-            rolls,
-        )
-        _layer_panel(
-            axes[1],
-            f"{metric}_rest",
-            "without the first aligned key (renormalised)",
-            ylabel,
-            None,
-            rows,
-            base,
-            ref,
-            rolls,
+            axes[1], f"{metric}_rest", "without the first aligned key (renormalised)", ylabel, None, *data
         )
         fig.suptitle(
             f"{name}: attention rows, original vs rolled, per layer ({rows['cos'].shape[0]} text samples × "
@@ -498,25 +469,19 @@ def _figure_3(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, l
     """Where the attention mass goes, per layer: the old sink, the new one."""
     L = rows["cos"].shape[2]
     depth = np.arange(L) / max(L - 1, 1)
-    colors = _colors()
+    cs = colors()
     fig, ax = subplots(figsize=(8, 4.2))
     for r, n in enumerate(rolls):
         for metric, ls, label in (
             ("sink_b", "-", f"rolled {n}: on its slot 0 (new sink)"),
             ("first_aligned_a", ":", f"original: on token {n} (the new sink's token)"),
         ):
-            mean, lo, hi = bootstrap_curve(np.nanmean(rows[metric][:, r], axis=-1))
-            ax.plot(depth, mean, color=colors[r % len(colors)], ls=ls, label=label)
-            ax.fill_between(depth, lo, hi, color=colors[r % len(colors)], alpha=0.2)
-    mean, lo, hi = bootstrap_curve(np.nanmean(rows["sink_a"][:, 0], axis=-1))
-    ax.plot(depth, mean, color="k", lw=2, label="original: on its slot 0 (sink)")
-    ax.fill_between(depth, lo, hi, color="k", alpha=0.15)
+            shade(ax, depth, np.nanmean(rows[metric][:, r], axis=-1), cs[r % len(cs)], ls=ls, label=label)
+    sink = np.nanmean(rows["sink_a"][:, 0], axis=-1)
+    shade(ax, depth, sink, "k", 0.15, lw=2, label="original: on its slot 0 (sink)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("layer depth (fraction of layers)")
-    ax.set_ylabel("share of each query's attention")
     ax.set_title(f"{name}: the attention sink moves to the rolled run's first token")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    style(ax, "layer depth (fraction of layers)", "share of each query's attention")
     return ctx.figure(
         "sink_mass_by_layer",
         fig,
@@ -527,27 +492,16 @@ def _figure_3(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, l
 
 def _figure_4(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length):
     """Attention-row similarity per query position."""
-    colors = _colors()
+    cs = colors()
     fig, ax = subplots(figsize=(8, 4.2))
     for r, n in enumerate(rolls):
         for metric, ls in (("cos", "-"), ("cos_rest", "--")):
             start = 0 if metric == "cos" else 1  # aligned query 0 sees only the first aligned key
+            label = f"roll {n}, {'all aligned keys' if metric == 'cos' else 'without first'}"
             x = per_query[metric][:, r, start : length - n]
-            mean, lo, hi = bootstrap_curve(x)
-            q = np.arange(start, length - n)
-            ax.plot(
-                q,
-                mean,
-                color=colors[r % len(colors)],
-                ls=ls,
-                label=f"roll {n}, {'all aligned keys' if metric == 'cos' else 'without first'}",
-            )
-            ax.fill_between(q, lo, hi, color=colors[r % len(colors)], alpha=0.2)
-    ax.set_xlabel("aligned query (rolled position)")
-    ax.set_ylabel("attention-row cosine (mean over layers, heads)")
+            shade(ax, np.arange(start, length - n), x, cs[r % len(cs)], ls=ls, label=label)
     ax.set_title(f"{name}: attention-row similarity along the window")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    style(ax, "aligned query (rolled position)", "attention-row cosine (mean over layers, heads)")
     return ctx.figure(
         "attention_cos_by_query",
         fig,
@@ -565,13 +519,8 @@ def _figure_5(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, l
         (axes[2], "topk", f"top-{TOPK_LOGITS} overlap"),
     ):
         ivs = [bootstrap_ci(logit[metric][:, r], seed=0) for r in range(len(rolls))]
-        ax.errorbar(
-            frac,
-            [i.value for i in ivs],
-            yerr=[[i.value - i.low for i in ivs], [i.high - i.value for i in ivs]],
-            marker="o",
-            capsize=3,
-            label=f"this model ({length}-token text samples, 95% CI)",
+        errorbars(
+            ax, frac, ivs, marker="o", capsize=3, label=f"this model ({length}-token text samples, 95% CI)"
         )
         b = bootstrap_ci(logit_base[metric], seed=0)
         if metric == "cos":  # far below the rolls: say it instead of squashing the axis
@@ -591,32 +540,18 @@ def _figure_5(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, l
                 + (", top-5)" if metric == "topk" else ")"),
             )
         ax.set_xscale("log")
-        ax.set_xlabel("roll (fraction of the context)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        style(ax, "roll (fraction of the context)", ylabel, which="both")
     axes[0].set_title("next-token logits: cosine")
     axes[2].set_title(f"next-token top-{TOPK_LOGITS} overlap")
     for metric, label in (("js", "JS"), ("kl", "KL orig‖rolled")):
         ivs = [bootstrap_ci(logit[metric][:, r], seed=0) for r in range(len(rolls))]
-        axes[1].errorbar(
-            rolls,
-            [i.value for i in ivs],
-            yerr=[[i.value - i.low for i in ivs], [i.high - i.value for i in ivs]],
-            marker="o",
-            capsize=3,
-            label=label,
-        )
+        errorbars(axes[1], rolls, ivs, marker="o", capsize=3, label=label)
     axes[1].axhline(
         bootstrap_ci(logit_base["js"]).value, color="grey", ls="--", label="JS, unrelated samples"
     )
     axes[1].set_xscale("log")
     axes[1].set_yscale("log")
-    axes[1].set_xlabel("roll n (tokens)")
-    axes[1].set_ylabel("divergence (nats)")
-    axes[1].set_title("next-token logits: divergences")
-    axes[1].grid(alpha=0.3, which="both")
-    axes[1].legend(fontsize=7)
+    style(axes[1], "roll n (tokens)", "divergence (nats)", "next-token logits: divergences", which="both")
     fig.suptitle(f"{name}: next-token distribution at the last position, original vs rolled")
     return ctx.figure(
         "next_token_logits",

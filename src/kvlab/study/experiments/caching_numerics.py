@@ -214,10 +214,7 @@ def _figure(names, kl, maxabs, div, model_name, steps):
             axes[0].axvline(div[n], ls=":", color=colors[dt], lw=1)
     for ax, ylab in ((axes[0], "KL(fp64 || run) (nats)"), (axes[1], "max |logit difference|")):
         ax.set_yscale("log")
-        ax.set_xlabel("decoding step")
-        ax.set_ylabel(ylab)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        style(ax, "decoding step", ylab, which="both")
     axes[0].set_title("Divergence from fp64 per step")
     axes[1].set_title("Largest logit error per step")
     fig.suptitle(f"{model_name}: cached (solid) vs recomputed (dashed) decoding along the fp64 greedy path")

@@ -24,7 +24,7 @@ import torch
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.data import shared_conversations
 from kvlab.errors import BadInputError
-from kvlab.metrics import bootstrap_ci, bootstrap_curve
+from kvlab.metrics import bootstrap_ci
 from kvlab.metrics.similarity import compare_caches, normalise_against_baseline
 from kvlab.metrics.stats import MIN_SAMPLES, Interval
 from kvlab.rope.ops import remove_rope_stacked
@@ -34,7 +34,7 @@ from kvlab.study.experiments._rolling import reference
 from kvlab.study.experiments._sampling import seeded_order
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import dig, format_interval, format_number, iv, num, side_of_zero
-from kvlab.study.report.plots import style, subplots
+from kvlab.study.report.plots import colors, shade, style, subplots
 
 CONDITIONS = ("compacted", "verbatim_tail_only", "summary_only", "shuffled_compacted", "unrelated")
 LABELS = {
@@ -532,13 +532,11 @@ def _confound(result: ExperimentResult, summary: dict, share: np.ndarray) -> Non
 
 def _figures(ctx, name, sim, curves) -> list:
     """Centroid similarity, the tail slot by slot, and V centroids by layer."""
-    import matplotlib.pyplot as plt
-
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    cs = colors()
     return [
-        _centroid_figure(ctx, name, sim, colors),
-        _tail_figure(ctx, name, curves, colors),
-        _layer_figure(ctx, name, sim, colors),
+        _centroid_figure(ctx, name, sim, cs),
+        _tail_figure(ctx, name, curves, cs),
+        _layer_figure(ctx, name, sim, cs),
     ]
 
 
@@ -591,16 +589,11 @@ def _tail_figure(ctx, name, curves, colors):
                 continue
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                mean, lo, hi = bootstrap_curve(data[:, keep])
-            ax.plot(back[keep], mean, color=colors[c % len(colors)], lw=1, label=LABELS[cond])
-            ax.fill_between(back[keep], lo, hi, color=colors[c % len(colors)], alpha=0.2)
+                shade(ax, back[keep], data[:, keep], colors[c % len(colors)], lw=1, label=LABELS[cond])
         ax.set_xscale("symlog", linthresh=10)
         ax.set_xlim(max(n_tail - 1, 1), 0)  # the end of the conversation on the right
-        ax.set_xlabel("tokens before the end of the conversation")
-        ax.set_ylabel("cosine to the full cache at the same slot")
         ax.set_title(f"{title}, along the shared verbatim tail")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        style(ax, "tokens before the end of the conversation", "cosine to the full cache at the same slot")
     fig.suptitle(f"{name}: position-wise similarity on the last tokens (95% bands over conversations)")
     return ctx.figure(
         "tail_positionwise",
@@ -619,9 +612,7 @@ def _layer_figure(ctx, name, sim, colors):
             per_layer = np.nanmean(sim[kind][:, c, 1], axis=-1)  # [N, L]
             if not np.isfinite(per_layer).any():
                 continue
-            mean, lo, hi = bootstrap_curve(per_layer)
-            ax.plot(depth, mean, color=colors[c % len(colors)], label=LABELS[cond])
-            ax.fill_between(depth, lo, hi, color=colors[c % len(colors)], alpha=0.2)
+            shade(ax, depth, per_layer, colors[c % len(colors)], label=LABELS[cond])
         style(ax, "layer", "V centroid cosine to the full conversation", f"per layer, {kind}")
     fig.suptitle(f"{name}: V centroid similarity by layer (95% bands over conversations)")
     return ctx.figure(

@@ -91,11 +91,8 @@ def _projection_figure(ctx: ExperimentContext, facts: ModelFacts, proj: dict) ->
         )
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("memory (GiB)")
     ax.set_title(f"{facts.name}: KV cache growth vs weights")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
+    style(ax, "context length (tokens)", "memory (GiB)", legend=8, which="both")
     return fig
 
 

@@ -20,7 +20,7 @@ from kvlab.metrics.stats import bootstrap_ci, bootstrap_curve
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num
-from kvlab.study.report.plots import plot_band, subplots
+from kvlab.study.report.plots import plot_band, style, subplots
 
 CONV_ROLLS = (1, 8, 64)
 
@@ -151,11 +151,8 @@ def _fig_roll_vs_truncate(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T
         ("v", "trunc", "truncate: V"),
     ):
         plot_band(ax, ns[sel], curves(data, metric, kind)[:, sel], label, ls="-" if kind == "roll" else "--")
-    ax.set_xlabel("tokens removed (n)")
-    ax.set_ylabel("cosine of the last position vs the original's last position")
     ax.set_title(f"{name}: roll vs truncate at the last position ({T}-token window)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    style(ax, "tokens removed (n)", "cosine of the last position vs the original's last position", legend=8)
     return ctx.figure(
         "roll_vs_truncate",
         fig,
@@ -170,11 +167,8 @@ def _fig_roll_by_n(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
         if f"roll_{m}_blocks" in data:
             plot_band(ax, ns[sel], data[f"roll_{m}_blocks"][sel].T, f"roll: {label}")
     ax.set_xscale("log")
-    ax.set_xlabel("tokens rolled off (n)")
-    ax.set_ylabel("mean cosine over aligned slots")
     ax.set_title(f"Roll by n, mean over the window's slots ({T} tokens)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    style(ax, "tokens rolled off (n)", "mean cosine over aligned slots", legend=8)
     return ctx.figure(
         "roll_mean_over_slots",
         fig,
@@ -251,11 +245,8 @@ def _fig_terminal_derotation(ctx, data, plan, an, rope, name, conv, ref, ns, sel
         ("kd", "trunc", "truncate: de-rotated"),
     ):
         plot_band(ax, ns[sel], curves(data, metric, kind)[:, sel], label, ls="-" if kind == "roll" else "--")
-    ax.set_xlabel("tokens removed (n)")
-    ax.set_ylabel("K cosine at the last position")
     ax.set_title("Terminal-position de-rotation (each key with its own position)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    style(ax, "tokens removed (n)", "K cosine at the last position", legend=8)
     return ctx.figure(
         "terminal_derotation",
         fig,
@@ -277,11 +268,8 @@ def _fig_conversations(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
         if np.isfinite(samples).any():
             plot_band(ax, x, samples, label, marker="o", ms=4)
     ax.set_xscale("log")
-    ax.set_xlabel("tokens removed (n)")
-    ax.set_ylabel("cosine at the last position")
     ax.set_title(f"Roll vs truncate on {conv['lengths'].size} UltraChat conversations")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    style(ax, "tokens removed (n)", "cosine at the last position", legend=8)
     return ctx.figure(
         "conversations",
         fig,
@@ -305,11 +293,8 @@ def _fig_thread_overlay(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
     elif d14:
         x = np.asarray(d14["ns"]) / d14["seq_len"]
         ax.plot(x, d14["roll_last_k"], ":", color="C0", lw=1, label="Qwen2.5-14B roll raw K (thread)")
-    ax.set_xlabel("tokens removed as a fraction of the context (n / T)")
-    ax.set_ylabel("K cosine at the last position")
     ax.set_title(f"{name} (T={T}) vs the thread's Qwen2.5 (T=2000, step 5)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    style(ax, "tokens removed as a fraction of the context (n / T)", "K cosine at the last position")
     return ctx.figure(
         "overlay_roll_truncate",
         fig,

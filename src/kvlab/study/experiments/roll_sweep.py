@@ -278,10 +278,8 @@ def _overlay_layers(ctx: ExperimentContext, raw: dict, model_name: str, ref: R.R
                         lw=1,
                         label=f"Qwen2.5-{fname.split('_')[1]} {c}",
                     )
-        ax.set_xlabel("layer depth (fraction of the stack)")
-        ax.set_ylabel(METRIC_LABELS[m])
         ax.set_title(f"{METRIC_LABELS[m]} per layer")
-        ax.grid(alpha=0.3)
+        style(ax, "layer depth (fraction of the stack)", METRIC_LABELS[m], legend=None)
         ax.legend(fontsize=6, ncol=2)
     fig.suptitle(f"{model_name} (solid, bands) vs the thread's Qwen2.5 (dashed 7B, dotted 14B)")
     return ctx.figure(
@@ -325,11 +323,8 @@ def _overlay_fraction(
                     lw=1,
                     label=f"Qwen2.5-{fname.split('_')[1]} {METRIC_LABELS[m]} (T={n_ref})",
                 )
-    ax.set_xlabel("roll as a fraction of the context (n / T)")
-    ax.set_ylabel("mean cosine vs original")
     ax.set_title("Roll sweep side by side with the thread")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    style(ax, "roll as a fraction of the context (n / T)", "mean cosine vs original")
     return ctx.figure(
         "overlay_roll_fraction",
         fig,

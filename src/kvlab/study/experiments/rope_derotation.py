@@ -165,11 +165,8 @@ def _predictor_figure(ctx: ExperimentContext, data: dict, pred: dict, rope: Any,
         ax.loglog(
             spec.periods_tokens(), energy[:-1], "o-", ms=3, label=f"energy share per rotary pair{label}"
         )
-    ax.set_xlabel("RoPE period of the pair (tokens)")
-    ax.set_ylabel("energy share")
     ax.set_title("Where key energy sits in the RoPE spectrum")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
+    style(ax, "RoPE period of the pair (tokens)", "energy share", which="both")
     return ctx.figure(
         "rope_predictor",
         fig,

@@ -43,7 +43,7 @@ from kvlab.policy import roll_amount
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_range, iv, says
-from kvlab.study.report.plots import subplots
+from kvlab.study.report.plots import style, subplots
 
 # A thread-style prompt (~87 tokens) written for kvlab: a rolling-context chat turn.
 THREAD_PROMPT = (
@@ -556,11 +556,7 @@ def _drop_axes(ax: Any, drop_specs: list[str], ylabel: str, title: str) -> None:
     ax.set_xticks(np.arange(len(drop_specs)))
     ax.set_xticklabels(drop_specs)
     ax.set_yscale("log")
-    ax.set_xlabel("tokens dropped (n)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
+    style(ax, "tokens dropped (n)", ylabel, title, legend=8, which="both")
 
 
 def _kl_figure(ctx: ExperimentContext, stacked: dict, drop_specs: list[str], sink_list: list[int]):

@@ -26,13 +26,16 @@ def colors() -> list[str]:
     return plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
 
-def style(ax: Any, xlabel: str, ylabel: str, title: str | None = None, legend: float | None = 7) -> None:
-    """Axis labels, a title, a light grid and a legend in ``legend``-point type (None: no legend)."""
+def style(
+    ax: Any, xlabel: str, ylabel: str, title: str | None = None, legend: float | None = 7, **grid: Any
+) -> None:
+    """Axis labels, a title, a light grid (``grid``: more of ``ax.grid``'s options) and a legend in
+    ``legend``-point type (None: no legend)."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title is not None:
         ax.set_title(title)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, **grid)
     if legend is not None:
         ax.legend(fontsize=legend)
 
