@@ -92,10 +92,6 @@ def check_disjoint(evaluation_seeds: Iterable[int]) -> None:
         )
 
 
-def _in_band(value: float, band: tuple[float, float]) -> bool:
-    return band[0] <= value <= band[1]
-
-
 @dataclass
 class Setting:
     """One rung tried: its knobs (over the task's defaults), the trials' seeds and scores (and raw rows)."""
