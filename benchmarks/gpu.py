@@ -191,7 +191,7 @@ class Bench:
         and one 64-token chunk (256 rows) over ``L`` slots at 8B geometry, plain bf16 and int4 rows, under
         several (rows per program, warps, stages); the fastest of each becomes the launch every later
         section uses (``split_attention.LAUNCH``), and the table says which that was."""
-        from kvlab.hf.static_rolling import _pack4
+        from kvlab.compress.quant.codecs.int4rows import pack_rows
         from kvlab.kernels import split_attention as sa
 
         if not sa.prepare(self.dev):
@@ -201,7 +201,7 @@ class Bench:
         k, v = (
             torch.randn(1, 8, c, 128, generator=g, device=self.dev, dtype=torch.bfloat16) for _ in range(2)
         )
-        packed = (_pack4(k, 32), _pack4(v, 32))
+        packed = (pack_rows(k, 32), pack_rows(v, 32))
         # (rows per program, warps, stages, keys per block, programs per multiprocessor); the first of
         # each list is run 4's choice, the library's default
         shapes = {

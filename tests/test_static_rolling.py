@@ -12,10 +12,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from kvlab.compress.quant.codecs.int4rows import decode4, encode4
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.graphs import RollingDecoder
 from kvlab.hf.rolling_cache import RollingCache
-from kvlab.hf.static_rolling import EMPTY, _decode4, _encode4, static_rolling_cache_for
+from kvlab.hf.static_rolling import EMPTY, static_rolling_cache_for
 from kvlab.model.random import tiny_random_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -138,13 +139,42 @@ def test_int4_codes_bound_and_layout():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 50, 64, generator=g) * torch.logspace(-3, 2, 64)  # outlier channels
     x[0, 0, 0] = 0.0  # an all-zero token
-    codes, scale, low = _encode4(x, 32)
+    codes, scale, low = encode4(x, 32)
     assert codes.dtype == torch.uint8 and codes.shape == (2, 3, 50, 32) and scale.shape == (2, 3, 50, 2)
-    y = _decode4(codes, scale, low, torch.float32)
+    y = decode4(codes, scale, low, torch.float32)
     step = scale.float().repeat_interleave(32, dim=-1)
     assert bool(((x - y).abs() <= step / 2 + 1e-6 * x.abs() + 1e-7).all())
     q = QuantizedTensor(codes.reshape(-1), scale, low, 4, tuple(x.shape), 32, torch.float32)
     assert torch.equal(q.dequantize(), y)
+
+
+def test_the_rings_int4_is_a_registered_codec_within_half_a_step(tiny_model):
+    """The ring's ``codec="int4"`` resolves through the codec registry to ``int4rows``; that codec's
+    segments are the ring's packed rows (the kernel's layout) and decode within half a step."""
+    from kvlab.compress.quant.codecs.int4rows import Int4RowsQuantizer, decode_rows, pack_rows
+    from kvlab.compress.quant.methods import QUANTIZERS, make_quantizer, quantizer_names
+    from kvlab.hf.static_rolling import RING_CODECS
+    from kvlab.kernels.split_attention import int4_rows
+
+    assert RING_CODECS["int4"] == "int4rows" and "int4rows" in quantizer_names()
+    assert QUANTIZERS["int4rows"] is Int4RowsQuantizer
+    codec = make_quantizer("int4rows", group_size=16)
+    assert codec.name == "int4rows" and codec.bits == 4
+    ring = static_rolling_cache_for(_model(None, "cpu", tiny_model), window=40, codec="int4", group=16)
+    assert ring.coder == codec
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(1, 2, 9, 64, generator=g) * torch.logspace(-2, 1, 64)
+    v = torch.randn(1, 2, 9, 64, generator=g)
+    seg = codec.encode(k, v, torch.arange(9), None)
+    assert seg.nbytes == 2 * 2 * 9 * (32 + 4 * 4)  # per row: 32 code bytes, 4 fp16 scales and minimums
+    for x, code, y in ((k, seg.keys, seg.decode()[0]), (v, seg.values, seg.decode()[1])):
+        assert torch.equal(code.rows, pack_rows(x, 16)) and torch.equal(
+            y, decode_rows(code.rows, 64, x.dtype)
+        )
+        step = int4_rows(code.rows, 64)[1].float().repeat_interleave(16, dim=-1)
+        assert bool(((x - y).abs() <= step / 2 + 1e-6 * x.abs() + 1e-7).all())
+    with pytest.raises(BadInputError, match="int4 group"):
+        make_quantizer("int4rows", group_size=6).check(64, None)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -220,8 +250,10 @@ def _check_compiled(h, ids, codec: str, tol: float):
     if codec == "none":
         assert worst < tol
         return dec
-    for name in ("k_codes", "v_codes"):
-        a, b = (_nibbles(getattr(c.layers[0], name)) for c in (ref, cache))
+    from kvlab.kernels.split_attention import int4_rows
+
+    for name in ("k_packed", "v_packed"):
+        a, b = (_nibbles(int4_rows(getattr(c.layers[0], name), c.head_dim)[0]) for c in (ref, cache))
         assert int((a - b).abs().max()) <= 1 and float((a != b).float().mean()) < 0.01
     assert worst < 0.25  # a sanity check (a flipped code moves one value by one step), not a bound
     return dec
@@ -268,7 +300,7 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
     def test_split_attention_kernel_equals_sdpa(n, length, head_dim, dtype, int4, positions):
         """The Triton split-KV kernel (tuned launch) against SDPA over repeated heads, with masked regions
         that leave whole slices of the cache empty; int4: packed rows decoded inside the kernel against
-        SDPA over the same rows decoded by ``decode_packed``. ``positions``: the kernel is given the
+        SDPA over the same rows decoded by ``decode_rows``. ``positions``: the kernel is given the
         rule the mask was made by (slot positions, empty slots included, against each row's query
         positions) and applies it without reading the mask. Tolerance: fp32 accumulation (fp32 inputs:
         IEEE products; bf16: P rounded to bf16 before P @ V)."""
@@ -276,7 +308,7 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
             pytest.fail("triton is not importable on this CUDA machine")
         from transformers.integrations.sdpa_attention import repeat_kv
 
-        from kvlab.hf.static_rolling import _pack4, decode_packed
+        from kvlab.compress.quant.codecs.int4rows import decode_rows, pack_rows
         from kvlab.kernels import split_attention as sa
 
         assert sa.prepare(torch.device("cuda"))
@@ -285,8 +317,8 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
         q = torch.randn(b, h * groups, n, head_dim, generator=g, device="cuda").to(dtype)
         k, v = (torch.randn(b, h, length, head_dim, generator=g, device="cuda").to(dtype) for _ in range(2))
         if int4:
-            k, v = (_pack4(t, 16) for t in (k, v))
-            kd, vd = (decode_packed(t, head_dim, dtype) for t in (k, v))
+            k, v = (pack_rows(t, 16) for t in (k, v))
+            kd, vd = (decode_rows(t, head_dim, dtype) for t in (k, v))
         else:
             kd, vd = k, v
         rule = None
@@ -321,7 +353,7 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
         slots only (compiled for the card, fp fusion off: no contracted multiply-add)."""
         if not _has_triton():
             pytest.fail("triton is not importable on this CUDA machine")
-        from kvlab.hf.static_rolling import _pack4
+        from kvlab.compress.quant.codecs.int4rows import pack_rows
         from kvlab.kernels import split_attention as sa
 
         assert sa.prepare(torch.device("cuda"))
@@ -332,7 +364,7 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
         index = torch.randperm(300, generator=g, device="cuda")[:64]
         sa.write_int4(packed, index, x, 32)
         ref = torch.zeros_like(packed)
-        ref.index_copy_(2, index, _pack4(x, 32))
+        ref.index_copy_(2, index, pack_rows(x, 32))
         assert int((packed != ref).sum()) == 0
 
 

@@ -76,7 +76,7 @@ def test_merge_kernel_compiles_for_sm90():
 _INTERPRETED = r"""
 import json, sys, torch
 from transformers.integrations.sdpa_attention import repeat_kv
-from kvlab.hf.static_rolling import _pack4, decode_packed
+from kvlab.compress.quant.codecs.int4rows import decode_rows, pack_rows
 from kvlab.kernels import split_attention as sa
 
 assert sa.prepare(torch.device("cpu"))
@@ -102,8 +102,8 @@ for n, length, hd, dtype, int4, positions in json.loads(sys.argv[1]):
         visible[..., 70:140] = False  # whole slices of the cache see nothing
     mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)
     if int4:
-        k, v = (_pack4(t, 8 if hd < 32 else 32 if hd % 32 == 0 else 16) for t in (k, v))
-        kd, vd = (decode_packed(t, hd, dtype) for t in (k, v))
+        k, v = (pack_rows(t, 8 if hd < 32 else 32 if hd % 32 == 0 else 16) for t in (k, v))
+        kd, vd = (decode_rows(t, hd, dtype) for t in (k, v))
     else:
         kd, vd = k, v
     ref = torch.nn.functional.scaled_dot_product_attention(
@@ -138,7 +138,7 @@ def _interpret(script: str, *args: str) -> str:
 def test_split_attention_interpreted_equals_sdpa():
     """The split kernel and its merge (fp32: IEEE products, fp16: fp32 accumulation) against SDPA in
     float64 over the same keys, read as stored or as packed int4 rows decoded in the kernel (the
-    reference decodes the same rows with ``decode_packed``): one decode row, a few, and a 64-token chunk,
+    reference decodes the same rows with ``decode_rows``): one decode row, a few, and a 64-token chunk,
     each under the default launches and under 128-key blocks with one or eight programs per SM; and with
     the mask's rule given as positions (the kernel then never reads the mask), for one query row of
     positions or one per batch row, empty slots included."""
@@ -168,7 +168,7 @@ def test_split_attention_interpreted_equals_sdpa():
 
 _ENCODE = r"""
 import json, torch
-from kvlab.hf.static_rolling import _pack4
+from kvlab.compress.quant.codecs.int4rows import pack_rows
 from kvlab.kernels import split_attention as sa
 
 assert sa.prepare(torch.device("cpu"))
@@ -182,7 +182,7 @@ for dtype, d, group in [("float32", 128, 32), ("float16", 128, 32), ("float32", 
     index = torch.tensor([7, 2, 9, 0, 4, 10])
     sa.write_int4(packed, index, x, group)
     ref = torch.zeros_like(packed)
-    ref.index_copy_(2, index, _pack4(x, group))
+    ref.index_copy_(2, index, pack_rows(x, group))
     out.append(int((packed != ref).sum()))
 print(json.dumps(out))
 """

@@ -55,6 +55,7 @@ CODECS = {
     "prerope": CodecFacts(along_tokens=True, uses_positions=True),
     "rotation": CodecFacts(uses_positions=True),
     "fp8": CodecFacts(fixed_bits=8),
+    "int4rows": CodecFacts(fixed_bits=4),
 }
 #: codec names that are another codec with an option (``rotation+qjl``: rotation with a sign sketch)
 VARIANTS = {"rotation+qjl": "rotation"}

@@ -30,10 +30,11 @@ from typing import Any, Literal
 import torch
 from transformers import AttentionInterface
 
+from kvlab.compress.quant.codecs.int4rows import decode_rows
 from kvlab.errors import BadInputError
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.hf.runner import Runner
-from kvlab.hf.static_rolling import StaticRollingCache, decode_packed
+from kvlab.hf.static_rolling import StaticRollingCache
 from kvlab.hf.step import grouped_sdpa
 from kvlab.kernels import split_attention
 
@@ -50,7 +51,7 @@ def _grouped_attention(
     """:func:`~kvlab.hf.step.grouped_sdpa`, reading the int4 rows of a StaticRollingCache packed."""
     kw.pop(VISIBILITY, None)  # the mask says the same
     if key.dtype == torch.uint8:  # int4 rows of a StaticRollingCache read packed: decode them here
-        key, value = (decode_packed(t, query.shape[-1], query.dtype) for t in (key, value))
+        key, value = (decode_rows(t, query.shape[-1], query.dtype) for t in (key, value))
     return grouped_sdpa(module, query, key, value, attention_mask, **kw)
 
 

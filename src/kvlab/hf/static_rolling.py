@@ -14,8 +14,9 @@ the same relative positions — with a storage built for capture:
 * **Storage**: per layer, keys and values ``[batch, kv_heads, capacity, head_dim]`` allocated once,
   ``capacity = sinks + window + evict_chunk``: slots ``[0, sinks)`` hold the sinks, the rest is the
   ring (the window plus room for one feed of up to ``evict_chunk`` tokens). With ``codec="int4"``
-  they are 4-bit codes with an fp16 scale and minimum per group of ``group`` channels (0.31x the
-  bytes at head_dim 128), written as each token arrives and decoded inside the step.
+  they are rows of the registered codec ``int4rows`` (:mod:`kvlab.compress.quant.codecs.int4rows`:
+  4-bit codes with an fp16 scale and minimum per group of ``group`` channels, 0.31x the bytes at
+  head_dim 128), written as each token arrives and decoded inside the step.
 * **A step** (what a graph captures) reads only device tensors: the feed's slot indices
   (:meth:`write_index`), its positions, ``slot_pos``; it writes the new K/V with ``index_copy_`` and
   returns the whole buffers with the mask ``slot_pos <= position`` (:meth:`attention_mask`).
@@ -39,64 +40,26 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvlab.compress.quant.codecs.int4rows import Int4RowsQuantizer, decode_rows
+from kvlab.compress.quant.methods import make_quantizer
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import head_dim_of, sliding_windows, text_config
 from kvlab.hf.live_cache import Bytes, LiveCache
 from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, RollRule, roll_rule
 from kvlab.hf.runner import Runner
 from kvlab.kernels import split_attention
-from kvlab.kernels.split_attention import int4_rows
 from kvlab.rope.fast import rotate_by, rotate_by_
-from kvlab.rope.spec import Rope, RopeSpec
+from kvlab.rope.spec import RopeSpec
 
 EMPTY = 1 << 62  # slot_pos of a slot that holds nothing: no query position reaches it
 Codec = Literal["none", "int4"]
-
-
-def _encode4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [..., D]`` as asymmetric 4-bit codes ``[..., D/2]`` (element ``2i`` in the low nibble, as
-    :func:`kvlab.compress.quant.pack.pack_bits` lays them out) and fp16 ``scale``, ``low`` ``[..., D/group]``.
-
-    The fp16 minimum is pushed down and the scale up by more than fp16's rounding (half an ulp,
-    2**-11 relative, plus the subnormal spacing) before they are stored, and the codes are computed
-    from the stored values: every element then lies inside its group's grid and decodes within half
-    a step of itself, the bound :mod:`kvlab.compress.quant.scalar` guarantees. Plain arithmetic (no
-    ``nextafter``, which inductor mis-lowers for fp16), so a captured or compiled step encodes as
-    the eager one does.
-    """
-    g = x.float().unflatten(-1, (-1, group))
-    lo = g.amin(-1)
-    low = (lo - lo.abs() * 2.0**-10 - 2.0**-24).to(torch.float16)
-    span = (g.amax(-1) - low.float()) * (1 / 15)  # a multiply (torch divides by a scalar so on CUDA)
-    scale = (span * (1 + 2.0**-10) + 2.0**-24).clamp_min(2.0**-14).to(torch.float16)
-    codes = torch.round((g - low.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
-    codes = codes.flatten(-2).unflatten(-1, (-1, 2))
-    return codes[..., 0] | (codes[..., 1] << 4), scale, low
-
-
-def _decode4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`_encode4`: ``[..., D]`` in ``dtype``."""
-    pairs = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
-    g = pairs.unflatten(-1, (scale.shape[-1], -1)).float()
-    return (g * scale.float()[..., None] + low.float()[..., None]).flatten(-2).to(dtype)
-
-
-def _pack4(x: torch.Tensor, group: int) -> torch.Tensor:
-    """``x [..., D]`` as packed int4 rows (:func:`~kvlab.kernels.split_attention.int4_rows`): the codes,
-    then the scales' and minimums' bytes. Written as bytes only (a captured or compiled step mutates
-    one uint8 buffer, never an fp16 view of it)."""
-    codes, scale, low = _encode4(x, group)
-    return torch.cat([codes, scale.view(torch.uint8), low.view(torch.uint8)], dim=-1)
-
-
-def decode_packed(packed: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Packed int4 rows (:func:`~kvlab.kernels.split_attention.int4_rows`) decoded to ``[..., head_dim]``."""
-    return _decode4(*int4_rows(packed, head_dim), dtype)
+#: the ring's codec names and the registered codecs they resolve to (:mod:`kvlab.compress.quant.codecs`)
+RING_CODECS = {"int4": "int4rows"}
 
 
 class RingLayer(CacheLayerMixin):
@@ -114,10 +77,8 @@ class RingLayer(CacheLayerMixin):
         super().__init__()
         self.owner, self.rope, self.index = owner, rope, index
         o = owner
-        if o.codec == "int4":  # views of this layer's rows in the cache's one buffer per K and V
+        if o.codec == "int4":  # this layer's rows in the cache's one buffer per K and V
             self.k_packed, self.v_packed = o.storage["keys"][index], o.storage["values"][index]
-            self.k_codes, self.k_scale, self.k_low = int4_rows(self.k_packed, o.head_dim)
-            self.v_codes, self.v_scale, self.v_low = int4_rows(self.v_packed, o.head_dim)
             self.keys = self.values = None
         else:
             self.keys, self.values = o.storage["keys"][index], o.storage["values"][index]
@@ -126,9 +87,7 @@ class RingLayer(CacheLayerMixin):
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a step reads or writes (views of the cache's storage)."""
-        names: tuple[str, ...] = ("keys", "values")
-        if self.owner.codec == "int4":
-            names = ("k_packed", "v_packed", "k_codes", "v_codes", "k_scale", "k_low", "v_scale", "v_low")
+        names = ("k_packed", "v_packed") if self.owner.codec == "int4" else ("keys", "values")
         return [getattr(self, n) for n in names]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -154,18 +113,15 @@ class RingLayer(CacheLayerMixin):
             if t is None:
                 continue
             assert buf is not None
-            if int4 and o.fused_writes:  # one Triton kernel, the same bytes as _pack4
+            if int4 and o.fused_writes:  # one Triton kernel, the same bytes as the codec's pack
                 split_attention.write_int4(buf, index, t, o.group)
             else:
-                buf.index_copy_(2, index, _pack4(t, o.group) if int4 else t.to(self.dtype))
+                buf.index_copy_(2, index, o.coder.pack(t) if o.coder else t.to(self.dtype))
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot's keys and values in the model's dtype (decoded from the codes with ``int4``)."""
         if self.owner.codec == "int4":
-            return (
-                _decode4(self.k_codes, self.k_scale, self.k_low, self.dtype),
-                _decode4(self.v_codes, self.v_scale, self.v_low, self.dtype),
-            )
+            return self._decoded(self.k_packed, self.v_packed)
         assert self.keys is not None and self.values is not None  # allocated in __init__ without a codec
         return self.keys, self.values
 
@@ -173,11 +129,15 @@ class RingLayer(CacheLayerMixin):
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` (a ``[n]`` index), decoded, as new tensors."""
         if self.owner.codec == "int4":
-            k = [t.index_select(2, slots) for t in (self.k_codes, self.k_scale, self.k_low)]
-            v = [t.index_select(2, slots) for t in (self.v_codes, self.v_scale, self.v_low)]
-            return _decode4(k[0], k[1], k[2], self.dtype), _decode4(v[0], v[1], v[2], self.dtype)
+            return self._decoded(self.k_packed.index_select(2, slots), self.v_packed.index_select(2, slots))
         keys, values = self.read()
         return keys.index_select(2, slots), values.index_select(2, slots)
+
+    def _decoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Int4 rows of keys and values decoded in the model's dtype."""
+        return decode_rows(k, self.owner.head_dim, self.dtype), decode_rows(
+            v, self.owner.head_dim, self.dtype
+        )
 
     # -- the live-layer interface (kvlab.hf.live_cache), from the cache's counts ------------------------
     @property
@@ -257,12 +217,12 @@ class StaticRollingCache(LiveCache):
 
     Args:
         config: the model config (layer count, KV heads, head size).
-        rope: the model's RoPE (one spec, or one per layer); shift-exact.
-        window, sinks, evict_chunk, max_position, rebase: as :class:`RollingCache` (the same rule).
+        rule: the rolling rule (:func:`~kvlab.hf.rolling_cache.roll_rule`: sinks, window, chunk, RoPE,
+            maximum position, re-base), :class:`RollingCache`'s own; ``static_rolling_cache_for`` builds it.
         batch: rows fed in lockstep (same positions).
         dtype, device: of the model's K/V (``static_rolling_cache_for`` reads them off the model).
-        codec: ``"none"`` (the model's dtype) or ``"int4"`` (4-bit codes, fp16 scale and minimum per
-            ``group`` channels).
+        codec: ``"none"`` (the model's dtype) or ``"int4"``: the registered codec ``int4rows``
+            (:mod:`kvlab.compress.quant.codecs.int4rows`: 4-bit codes, fp16 scale and minimum per ``group`` channels).
 
     One feed holds at most ``evict_chunk`` tokens (the ring's spare room); longer prompts are fed in
     pieces or through a :class:`RollingCache` first (:meth:`load`). Not thread-safe.
@@ -274,13 +234,8 @@ class StaticRollingCache(LiveCache):
     def __init__(
         self,
         config: Any,
-        rope: Rope | None,
+        rule: RollRule,
         *,
-        window: int,
-        sinks: int = 4,
-        evict_chunk: int | None = None,
-        max_position: int | None = None,
-        rebase: Rebase = "auto",
         batch: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
@@ -288,19 +243,21 @@ class StaticRollingCache(LiveCache):
         group: int = 32,
     ) -> None:
         text = text_config(config)
-        self.rule = roll_rule(text, rope, window, sinks, evict_chunk, max_position, rebase)
-        rope, evict_chunk = self.rule.rope, self.rule.evict_chunk
+        self.rule, rope, evict_chunk = rule, rule.rope, rule.evict_chunk
+        sinks, window = int(rule.policy.sinks), int(rule.policy.window or 0)
         if any(w is not None for w in sliding_windows(text)):
             raise UnsupportedModelError(
                 "StaticRollingCache supports models whose layers all attend globally; this one has "
                 "sliding-window layers: use RollingCache"
             )
-        if codec not in ("none", "int4"):
+        if codec not in ("none", *RING_CODECS):
             raise BadInputError(f"codec must be 'none' or 'int4', got {codec!r}")
         heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
         head_dim = head_dim_of(text)
-        if codec == "int4" and (group < 2 or head_dim % group or group % 2):
-            raise BadInputError(f"int4 group {group} must be even and divide head_dim {head_dim}")
+        self.coder: Int4RowsQuantizer | None = None  # the registered codec the ring's codec names
+        if codec != "none":
+            self.coder = cast(Int4RowsQuantizer, make_quantizer(RING_CODECS[codec], group_size=int(group)))
+            self.coder.check(head_dim, None)
         if batch < 1:
             raise BadInputError(f"batch must be >= 1, got {batch}")
         self.dtype, self.device = dtype, torch.device(device)
@@ -312,8 +269,8 @@ class StaticRollingCache(LiveCache):
         n_layers, self.head_dim = int(text.num_hidden_layers), head_dim
         # one buffer per K and V for every layer (each layer holds views): a roll places every layer's
         # sinks, and a re-base rotates every layer's keys, in a few kernels rather than a few per layer
-        row = head_dim // 2 + 4 * (head_dim // self.group) if codec == "int4" else head_dim
-        kind = torch.uint8 if codec == "int4" else dtype
+        row = self.coder.row_bytes(head_dim) if self.coder else head_dim
+        kind = torch.uint8 if self.coder else dtype
         self.storage = {
             name: torch.zeros(
                 (n_layers, self.batch, heads, self.capacity, row), dtype=kind, device=self.device
@@ -372,7 +329,7 @@ class StaticRollingCache(LiveCache):
     def packed_reads(self, fused_writes: bool = False) -> Iterator[None]:
         """Inside, an ``int4`` cache's layers return their packed rows instead of decoding every slot:
         for an attention that reads the codes itself (:mod:`kvlab.kernels.split_attention`) or decodes
-        them (:func:`decode_packed`). :class:`~kvlab.hf.graphs.RollingDecoder` runs its steps inside.
+        them (:func:`~kvlab.compress.quant.codecs.int4rows.decode_rows`). :class:`~kvlab.hf.graphs.RollingDecoder` runs its steps inside.
         ``fused_writes``: new rows are encoded by :func:`~kvlab.kernels.split_attention.write_int4`
         (the same bytes in one kernel; Triton prepared, a power-of-two group, not under torch.compile)."""
         before = self.packed, self.fused_writes
@@ -392,14 +349,14 @@ class StaticRollingCache(LiveCache):
             if t is None:
                 continue
             dest = self.storage[name][run, :, :, : t.shape[-2]]
-            dest.copy_(_pack4(t, self.group) if self.codec == "int4" else t)
+            dest.copy_(self.coder.pack(t) if self.coder else t)
 
     def _read_first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's keys and values of slots ``[0, n)``, decoded, as new tensors."""
         out = []
         for name in ("keys", "values"):
             src = self.storage[name][:, :, :, :n]
-            out.append(decode_packed(src, self.head_dim, self.dtype) if self.codec == "int4" else src.clone())
+            out.append(decode_rows(src, self.head_dim, self.dtype) if self.coder else src.clone())
         return out[0], out[1]
 
     def _place_sinks(self, start: int) -> None:
@@ -429,9 +386,9 @@ class StaticRollingCache(LiveCache):
         for run, rope in self._runs:
             if rope is None or delta == 0:
                 continue
-            if self.codec == "int4":
-                rotated = rotate_by(decode_packed(keys[run], self.head_dim, self.dtype), delta, rope)
-                keys[run] = _pack4(rotated, self.group)
+            if self.coder:
+                rotated = rotate_by(decode_rows(keys[run], self.head_dim, self.dtype), delta, rope)
+                keys[run] = self.coder.pack(rotated)
             else:
                 rotate_by_(keys[run], delta, rope)
 
@@ -603,14 +560,12 @@ def static_rolling_cache_for(
         raise UnsupportedModelError(
             getattr(h, "rope_problem", None) or "a rolling cache needs a model with RoPE"
         )
+    rule = roll_rule(
+        text_config(h.config), h.rope, window, sinks, evict_chunk, max_position or h.max_positions, rebase
+    )
     return StaticRollingCache(
         h.config,
-        h.rope,
-        window=window,
-        sinks=sinks,
-        evict_chunk=evict_chunk,
-        rebase=rebase,
-        max_position=max_position or h.max_positions,
+        rule,
         batch=batch,
         dtype=h.dtype,
         device=h.device,

@@ -180,7 +180,7 @@ class Quantizer:
 
     A subclass with its own ``kind`` registers itself (the command line and the study read
     :data:`QUANTIZERS`; the cache-spec parser reads its entry in :data:`kvlab.compress.catalogue.CODECS`,
-    which a test keeps equal); ``fixed_bits`` names a codec whose width is part of its kind (fp8).
+    which a test keeps equal); ``fixed_bits`` names a codec whose width is part of its kind and name (fp8, int4rows).
     """
 
     bits: int = 4
@@ -212,7 +212,7 @@ class Quantizer:
     @property
     def name(self) -> str:
         extra = (f"+{self.sinks}sink" if self.sinks else "") + (f"+w{self.window}" if self.window else "")
-        return f"{self.kind}-int{self.bits}{extra}"
+        return f"{self.kind}{extra}" if self.fixed_bits else f"{self.kind}-int{self.bits}{extra}"
 
     def token_multiple(self) -> int:
         """Quantized spans must hold a multiple of this many slots (per-channel groups run along tokens)."""

@@ -62,10 +62,5 @@ class FP8Quantizer(Quantizer):
     kind = "fp8"
     fixed_bits = 8
 
-    @property
-    def name(self) -> str:
-        extra = (f"+{self.sinks}sink" if self.sinks else "") + (f"+w{self.window}" if self.window else "")
-        return f"fp8{extra}"
-
     def encode(self, keys, values, positions, rope) -> Segment:
         return Segment(encode_fp8(keys, self.group_size), encode_fp8(values, self.group_size), keys.shape[-2])
