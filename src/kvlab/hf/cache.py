@@ -243,36 +243,70 @@ def to_hf_cache(
     return cache
 
 
-class GrowingLayer(DynamicLayer):
+class GrowingStore:
+    """The one growing full-precision store: K/V buffers ``[batch, kv_heads, capacity, head_dim]`` written in
+    place, ``keys``/``values`` views of their first slots; new buffers get the held slots copied once, the
+    old ones are left to the views that hold them. :class:`GrowingLayer` and the rolling layers
+    (:class:`~kvlab.hf.rolling_layer.RollingLayer`) use it, each sizing it its own way. Not under
+    :class:`~kvlab.hf.live_cache.FullCache`: transformers' ``DynamicLayer`` keeps no room and concatenates
+    every update into new tensors (the reference's own update, byte for byte); that one stays transformers'."""
+
+    _buf_k: torch.Tensor | None = None
+    _buf_v: torch.Tensor | None = None
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buf_k is None else int(self._buf_k.shape[-2])
+
+    def _regrow(
+        self, size: int, held: int, k: torch.Tensor, v: torch.Tensor, batch: int | None = None
+    ) -> None:
+        """Move to new buffers of ``size`` slots for K/V like ``k``/``v`` (``batch`` rows, default theirs),
+        the first ``held`` slots copied from the old ones."""
+        rows = k.shape[0] if batch is None else batch
+        new_k = k.new_empty((rows, k.shape[1], size, k.shape[-1]))
+        new_v = v.new_empty((rows, v.shape[1], size, v.shape[-1]))
+        if held:
+            assert self._buf_k is not None and self._buf_v is not None  # slots are held in them
+            new_k[:, :, :held] = self._buf_k[:, :, :held]
+            new_v[:, :, :held] = self._buf_v[:, :, :held]
+        self._buf_k, self._buf_v = new_k, new_v
+
+    def _write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write ``k``/``v`` into slots ``[at, end)`` (they fit), view ``[0, end)``; returns ``end``."""
+        assert self._buf_k is not None and self._buf_v is not None  # sized by _regrow first
+        end = at + k.shape[-2]
+        self._buf_k[:, :, at:end] = k
+        self._buf_v[:, :, at:end] = v
+        self._show(end)
+        return end
+
+    def _show(self, n: int) -> None:
+        """``keys``/``values`` become views of the first ``n`` slots."""
+        assert self._buf_k is not None and self._buf_v is not None
+        self.keys, self.values = self._buf_k[:, :, :n], self._buf_v[:, :, :n]
+
+
+class GrowingLayer(GrowingStore, DynamicLayer):
     """A ``DynamicLayer`` that writes new tokens into room reserved after the cached ones instead of
-    concatenating: a decode step copies its own token, not the whole cache (``DynamicLayer`` re-copies
-    every slot at every step). ``keys``/``values`` are views ``[:, :, :n]`` of the buffers; slots below
-    ``n`` are never written again, so a snapshot taken of a view stays as it was. Out of room, the
-    buffers are re-allocated (1.5x) and the old ones left to the views that hold them."""
+    concatenating (a :class:`GrowingStore`): a decode step copies its own token, not the whole cache
+    (``DynamicLayer`` re-copies every slot at every step). Slots below ``n`` are never written again, so
+    a snapshot taken of a view stays as it was. Out of room, the buffers grow 1.5x."""
 
     def __init__(self, room: int = 0) -> None:
         super().__init__()
         self.room = max(int(room), 0)
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
         self._n = 0  # slots written
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        k, v = self._k, self._v
-        n = self._n
-        end = n + key_states.shape[-2]
-        if k is None or v is None or end > k.shape[-2]:
-            cap = end + self.room if k is None else max(end + self.room, (3 * end) // 2)
-            k = key_states.new_empty((*key_states.shape[:2], cap, key_states.shape[-1]))
-            v = value_states.new_empty((*value_states.shape[:2], cap, value_states.shape[-1]))
-            if n and self._k is not None and self._v is not None:
-                k[:, :, :n], v[:, :, :n] = self._k[:, :, :n], self._v[:, :, :n]
-            self._k, self._v = k, v
+        end = self._n + key_states.shape[-2]
+        if self._buf_k is None or end > self.capacity:
+            cap = end + self.room if self._buf_k is None else max(end + self.room, (3 * end) // 2)
+            self._regrow(cap, self._n, key_states, value_states)
             self.device, self.dtype, self.is_initialized = key_states.device, key_states.dtype, True
-        k[:, :, n:end] = key_states
-        v[:, :, n:end] = value_states
-        self._n = end
-        self.keys, self.values = k[:, :, :end], v[:, :, :end]
+        self._n = self._write(self._n, key_states, value_states)
         return self.keys, self.values
 
     @classmethod
@@ -281,17 +315,16 @@ class GrowingLayer(DynamicLayer):
         once straight into the buffers (no stacked copy in between), with ``room`` slots after them."""
         layer = cls(room)
         k0, t = keys[0], keys[0].shape[-2]
-        rows = sum(k.shape[0] for k in keys)
-        layer._k = k0.new_empty((rows, k0.shape[1], t + layer.room, k0.shape[-1]))
-        layer._v = values[0].new_empty((rows, *values[0].shape[1:2], t + layer.room, values[0].shape[-1]))
+        layer._regrow(t + layer.room, 0, k0, values[0], batch=sum(k.shape[0] for k in keys))
+        assert layer._buf_k is not None and layer._buf_v is not None
         at = 0
         for k, v in zip(keys, values, strict=True):  # each row copied into its place
-            layer._k[at : at + k.shape[0], :, :t] = k
-            layer._v[at : at + v.shape[0], :, :t] = v
+            layer._buf_k[at : at + k.shape[0], :, :t] = k
+            layer._buf_v[at : at + v.shape[0], :, :t] = v
             at += k.shape[0]
         layer._n = t
         layer.device, layer.dtype, layer.is_initialized = k0.device, k0.dtype, True
-        layer.keys, layer.values = layer._k[:, :, :t], layer._v[:, :, :t]
+        layer._show(t)
         return layer
 
     def rewind(self, n: int) -> None:
@@ -300,8 +333,8 @@ class GrowingLayer(DynamicLayer):
         if not 0 <= n <= self._n:
             raise BadInputError(f"cannot rewind a layer of {self._n} slots to {n}")
         self._n = n
-        if self._k is not None and self._v is not None:
-            self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+        if self._buf_k is not None:
+            self._show(n)
 
 
 def growing_cache(rows: Sequence[KVSnapshot], config: Any, room: int) -> DynamicCache:

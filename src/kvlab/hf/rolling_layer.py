@@ -5,11 +5,11 @@ StreamingLLM's policy on transformers 5.x's layer API, built so that a roll cost
 * Slots are always contiguous in RoPE position: slot ``i`` holds position ``base + i``; the sinks sit
   right before the window. ``next_position = base + slots`` is what :meth:`get_seq_length` returns,
   so a model called without ``position_ids`` puts its queries where the cache expects them.
-* Storage is written in place: each layer owns key and value buffers sized for ``sinks + window``
-  plus one slot (a decode step's token; a sliding layer: its reach plus one eviction chunk). A plain
-  decode step writes only the new token (a ``DynamicCache`` concatenates the whole cache every step);
-  views of the buffers are what attention reads. A larger feed grows them for its forward; the next
-  update shrinks them back.
+* Storage is written in place (a :class:`~kvlab.hf.cache.GrowingStore`): each layer owns key and value
+  buffers sized for ``sinks + window`` plus one slot (a decode step's token; a sliding layer: its reach
+  plus one eviction chunk). A plain decode step writes only the new token (a ``DynamicCache``
+  concatenates the whole cache every step); views of the buffers are what attention reads. A larger
+  feed grows them for its forward; the next update shrinks them back.
 * Evicting ``d`` window tokens moves the kept window down once (every ``evict_chunk`` tokens, so the
   copy is amortized) and re-rotates the ``sinks`` sink keys from their stored originals (float64
   angles, never incremental): ``base`` grows by ``d`` and ``next_position`` does not change. RoPE
@@ -46,7 +46,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.errors import BadInputError
-from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
+from kvlab.hf.cache import PADDED_BATCH, GrowingStore, rows_at_different_positions
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope
@@ -114,7 +114,7 @@ class RollRule:
         return RollPlan(drop=drop, rebase=base + drop if wants else 0)
 
 
-class RollingLayer(CacheLayerMixin):
+class RollingLayer(GrowingStore, CacheLayerMixin):
     """One layer's ``[sinks | window]`` keys and values, contiguous ``[batch, kv_heads, slots, head_dim]``.
 
     The layer owns its state (``base``, ``slots``, the pending ``plan``) and follows the shared
@@ -260,13 +260,8 @@ class RollingLayer(CacheLayerMixin):
         n_new = self._start_update(key_states, value_states, args, kwargs)
         self._copy_on_write(key_states, value_states)
         kept = self._apply_plan()
-        total = kept + n_new
-        self._reserve(total, kept, key_states, value_states)
-        assert self._buf_k is not None and self._buf_v is not None  # _reserve allocated them
-        self._buf_k[:, :, kept:total] = key_states
-        self._buf_v[:, :, kept:total] = value_states
-        self.keys, self.values = self._buf_k[:, :, :total], self._buf_v[:, :, :total]
-        self._stored(total)
+        self._reserve(kept + n_new, kept, key_states, value_states)
+        self._stored(self._write(kept, key_states, value_states))
         return self._advance(n_new)
 
     def _start_update(
@@ -337,7 +332,7 @@ class RollingLayer(CacheLayerMixin):
         held = self._apply_plan(into)
         self._count_plan()
         self._buf_k, self._buf_v = into
-        self.keys, self.values = into[0][:, :, :held], into[1][:, :, :held]
+        self._show(held)
 
     def _apply_plan(self, into: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         """Apply the pending drop and re-base to the buffers in place, or with the kept slots copied
@@ -363,22 +358,12 @@ class RollingLayer(CacheLayerMixin):
         return kept
 
     def _reserve(self, need: int, held: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Buffers with room for ``need`` slots: allocated once at the steady-state size, grown for a
-        larger feed (kept for the feeds that follow it: the pieces of a prompt), shrunk back to the steady
-        size by the first update that fits in it (a decode step)."""
-        steady = self._steady_slots()
-        cap = 0 if self._buf_k is None else self._buf_k.shape[-2]
-        if need <= cap and (cap <= steady or need > steady):
-            return
-        size = max(need, steady)
-        shape = (*key_states.shape[:2], size)
-        new_k = key_states.new_empty((*shape, key_states.shape[-1]))
-        new_v = value_states.new_empty((*shape, value_states.shape[-1]))
-        if held:
-            assert self._buf_k is not None and self._buf_v is not None  # slots are held in them
-            new_k[:, :, :held] = self._buf_k[:, :, :held]
-            new_v[:, :, :held] = self._buf_v[:, :, :held]
-        self._buf_k, self._buf_v = new_k, new_v
+        """Buffers with room for ``need`` slots (:class:`~kvlab.hf.cache.GrowingStore`): allocated once at
+        the steady-state size, grown for a larger feed (kept for the feeds that follow it: the pieces of a
+        prompt), shrunk back to the steady size by the first update that fits in it (a decode step)."""
+        steady, cap = self._steady_slots(), self.capacity
+        if need > cap or (cap > steady and need <= steady):
+            self._regrow(max(need, steady), held, key_states, value_states)
 
     def _check_room(self, n_new: int) -> None:
         """Refuse a feed whose positions would pass the model's maximum (``rebase="never"`` opts out)."""
