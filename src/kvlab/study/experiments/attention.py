@@ -204,30 +204,12 @@ def _measure(ctx: ExperimentContext, handle, wins: list, rolls, length: int, fir
                 advance(1)
             if prev_att is not None:
                 _fill_baseline(
-                    base,
-                    logit_base,
-                    w - 1,
-                    prev_att,
-                    att_o,
-                    prev_logits,
-                    orig.logits[-1],
-                    first_query,
-                    _logit_metrics,
+                    base, logit_base, w - 1, prev_att, att_o, prev_logits, orig.logits[-1], first_query
                 )
             else:
                 first_att, first_logits = att_o, orig.logits[-1]
             prev_att, prev_logits = att_o, orig.logits[-1]
-        _fill_baseline(
-            base,
-            logit_base,
-            W - 1,
-            prev_att,
-            first_att,
-            prev_logits,
-            first_logits,
-            first_query,
-            _logit_metrics,
-        )
+        _fill_baseline(base, logit_base, W - 1, prev_att, first_att, prev_logits, first_logits, first_query)
 
     return rows, rows_last, per_query, base, logit, logit_base
 
@@ -250,13 +232,13 @@ def _arrays(rows, rows_last, per_query, base, logit, logit_base, rolls, wins) ->
     return arrays
 
 
-def _fill_baseline(base, logit_base, w, att_a, att_b, logits_a, logits_b, first_query, logit_metrics) -> None:
+def _fill_baseline(base, logit_base, w, att_a, att_b, logits_a, logits_b, first_query) -> None:
     """Window ``w`` against an unrelated window at the same positions: how alike rows are anyway."""
     cmp = compare_attention_rows(att_a, att_b, exclude_first=1, k=TOPK_ATTENTION)
     means, _ = _reduce(cmp, first_query)
     for m in ROW_METRICS:
         base[m][w] = means[m]
-    for m, v in logit_metrics(logits_a, logits_b).items():
+    for m, v in _logit_metrics(logits_a, logits_b).items():
         logit_base[m][w] = v
 
 
@@ -320,13 +302,12 @@ def _roll_rows(summary: dict, rolls, rows: dict, logit: dict, ref) -> tuple[list
             }
         summary["by_roll"][str(n)] = entry
         att_rows.append([n, *(_interval_str(iv[m]) for m in ROW_COLUMNS), _fmt(ref_cos), _fmt(ref_js)])
+        rolled_off = bootstrap_ci(1 - _window_means(rows["aligned_mass_a"][:, r]), seed=0)
         sink_rows.append(
             [
                 n,
-                _interval_str(iv["sink_a"]),
-                _interval_str(iv["sink_b"]),
-                _interval_str(iv["first_aligned_a"]),
-                _interval_str(bootstrap_ci(1 - _window_means(rows["aligned_mass_a"][:, r]), seed=0)),
+                *(_interval_str(iv[m]) for m in ("sink_a", "sink_b", "first_aligned_a")),
+                _interval_str(rolled_off),
             ]
         )
         logit_rows.append(
