@@ -70,10 +70,6 @@ class Forward:
     logits: torch.Tensor
     attentions: tuple[torch.Tensor, ...] | None = None
 
-    @property
-    def last_logits(self) -> torch.Tensor:
-        return self.logits[..., -1, :]
-
 
 @dataclass(frozen=True)
 class Generation:

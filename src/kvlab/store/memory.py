@@ -95,12 +95,6 @@ class MemoryTier:
                 return True
         return False
 
-    def clear(self) -> None:
-        self._probation.clear()
-        self._protected.clear()
-        self._children.clear()
-        self._bytes = self._protected_bytes = 0
-
     def _rebalance(self) -> None:
         # An overfull protected segment demotes its LRU blocks back to probation (most recent end).
         while self._protected_bytes > self.protected_max_bytes and self._protected:

@@ -63,10 +63,6 @@ METHODS: dict[str, StreamMethod] = {
 }
 
 
-def method_names() -> list[str]:
-    return list(METHODS)
-
-
 def policy_method(spec: str) -> str:
     """The streaming method scoring cache policy ``spec`` (:func:`kvlab.compress.spec.parse`), registered
     in :data:`METHODS` under its canonical spec (the name to pass to :func:`stream_nll`). Sinks + a window
