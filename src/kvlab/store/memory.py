@@ -1,7 +1,7 @@
 """The in-memory tier: blocks in a segmented LRU (SLRU) under a byte cap.
 
 New blocks enter the *probation* segment; a second hit moves a block to the *protected* segment
-(at most ``protected_fraction`` of the cap). Eviction takes the least recently used probation block
+(at most :data:`PROTECTED_FRACTION` of the cap). Eviction takes the least recently used probation block
 first, so a one-off scan of many new prefixes cannot push out the prefixes that are reused. Evicted
 blocks are handed back to the store, which demotes them to the next tier.
 """
@@ -15,6 +15,8 @@ from kvlab.errors import BadInputError
 from kvlab.store.block import Block
 from kvlab.store.tier import TierCounters
 
+PROTECTED_FRACTION = 0.8  # the share of the cap that blocks hit twice may hold
+
 
 class MemoryTier:
     """SLRU of :class:`Block` objects; ``max_bytes`` counts K/V bytes."""
@@ -22,13 +24,11 @@ class MemoryTier:
     name = "memory"
     persistent = False
 
-    def __init__(self, max_bytes: int = 2 * 2**30, protected_fraction: float = 0.8):
+    def __init__(self, max_bytes: int = 2 * 2**30):
         if max_bytes < 1:
             raise BadInputError(f"the memory tier needs a positive byte cap, got {max_bytes}")
-        if not 0.0 <= protected_fraction < 1.0:
-            raise BadInputError(f"protected_fraction must lie in [0, 1), got {protected_fraction}")
         self.max_bytes = int(max_bytes)
-        self.protected_max_bytes = int(max_bytes * protected_fraction)
+        self.protected_max_bytes = int(max_bytes * PROTECTED_FRACTION)
         self._probation: OrderedDict[str, Block] = OrderedDict()
         self._protected: OrderedDict[str, Block] = OrderedDict()
         self._children: dict[str, dict[str, tuple[int, ...]]] = {}

@@ -89,7 +89,6 @@ class Breaker:
 
     def __init__(self, backoff_s: float) -> None:
         self.backoff_s = backoff_s
-        self.trips = 0  # failures that (re)opened it
         self._until = dict.fromkeys(self.KINDS, 0.0)  # per kind: 0 closed, else monotonic end of the back-off
         self._lock = threading.Lock()
 
@@ -115,7 +114,6 @@ class Breaker:
             until = time.monotonic() + self.backoff_s
             for kind in kinds:
                 self._until[kind] = until
-            self.trips += 1
 
     def close(self, kind: str) -> bool:
         """A call of ``kind`` succeeded: closed for that kind; True when it was open (the server is back)."""
