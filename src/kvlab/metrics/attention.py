@@ -67,10 +67,9 @@ class AttentionComparison:
         }
 
 
-def stack_attentions(
-    attentions: Sequence[torch.Tensor] | torch.Tensor | np.ndarray, batch_row: int = 0
-) -> torch.Tensor:
-    """Per-layer ``[batch, heads, T_q, T_k]`` tensors (as ``Forward.attentions``) -> ``[layers, heads, T_q, T_k]``.
+def stack_attentions(attentions: Sequence[torch.Tensor] | torch.Tensor | np.ndarray) -> torch.Tensor:
+    """Per-layer ``[batch, heads, T_q, T_k]`` tensors (as ``Forward.attentions``) -> ``[layers, heads, T_q, T_k]``
+    of the first row.
 
     A 4-D tensor or array is taken as already stacked.
     """
@@ -89,7 +88,7 @@ def stack_attentions(
         raise BadInputError(
             f"expected per-layer [batch, heads, T_q, T_k] attention maps of one shape, got {shapes}"
         )
-    return torch.stack([a[batch_row] for a in attentions])
+    return torch.stack([a[0] for a in attentions])
 
 
 def _index(idx: IndexLike | None, default: int, name: str, bound: int) -> torch.Tensor:

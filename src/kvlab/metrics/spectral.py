@@ -170,20 +170,17 @@ def aliasing_check(ns: np.ndarray, rope: Rope) -> AliasingReport:
 # -- B3: the RoPE predictor ---------------------------------------------------------------------
 
 
-def rope_pair_energy(
-    derotated_keys: torch.Tensor | np.ndarray, rope: Rope, layer_axis: int = 0
-) -> np.ndarray:
+def rope_pair_energy(derotated_keys: torch.Tensor | np.ndarray, rope: Rope) -> np.ndarray:
     """Share of each key's squared norm in each rotary pair, ``[..., pairs + 1]`` (last: non-rotary dims).
 
     ``derotated_keys`` is ``[..., head_dim]`` (pre-RoPE keys); each row sums to 1. With one RoPE per
-    layer (hybrid models) ``layer_axis`` of the keys indexes layers; a layer without RoPE puts all its
+    layer (hybrid models) the keys' first axis indexes layers; a layer without RoPE puts all its
     energy in the last band (it never rotates, so it predicts an unchanged cosine).
     """
     raw = np.asarray(derotated_keys) if isinstance(derotated_keys, np.ndarray) else derotated_keys
     k = torch.as_tensor(raw, device="cpu").double()  # the shares come back as numpy: computed on the host
     if isinstance(rope, RopeSpec):
         return _pair_energy(k, rope)
-    k = k.movedim(layer_axis, 0)
     _check_layers(k.shape[0], rope)
     pairs = rope.rotary_dim // 2
     out = []
@@ -195,7 +192,7 @@ def rope_pair_energy(
             out.append(e.numpy())
         else:
             out.append(_pair_energy(kl, spec))
-    return np.moveaxis(np.stack(out), 0, layer_axis)
+    return np.stack(out)
 
 
 def _check_layers(n: int, rope: LayerRopes) -> None:

@@ -201,11 +201,9 @@ def _train(
     return losses
 
 
-def quantized_derivative(
-    base: ModelHandle, *, bits: int = QUANT_BITS, group_size: int = QUANT_GROUP
-) -> ModelHandle:
-    """A copy of ``base`` whose decoder layers' linear weights are rounded to ``bits``-bit symmetric codes
-    in groups of ``group_size`` along each row (:func:`kvlab.compress.quant.scalar.quantize`, round to
+def quantized_derivative(base: ModelHandle) -> ModelHandle:
+    """A copy of ``base`` whose decoder layers' linear weights are rounded to :data:`QUANT_BITS`-bit symmetric
+    codes in groups of :data:`QUANT_GROUP` along each row (:func:`kvlab.compress.quant.scalar.quantize`, round to
     nearest, one fp16 scale per group), then de-quantized back to ``base``'s dtype.
 
     Deterministic and quick (no training, nothing saved); embeddings, norms and the tied output head
@@ -220,6 +218,6 @@ def quantized_derivative(
         for layer in decoder_layers(model):
             for sub in layer.modules():
                 if isinstance(sub, torch.nn.Linear):
-                    q = quantize(sub.weight, bits, group_size, symmetric=True)
+                    q = quantize(sub.weight, QUANT_BITS, QUANT_GROUP, symmetric=True)
                     sub.weight.copy_(q.dequantize())
-    return ModelHandle(model, base.tokenizer, name=f"{base.name} ({bits}-bit weights)")
+    return ModelHandle(model, base.tokenizer, name=f"{base.name} ({QUANT_BITS}-bit weights)")

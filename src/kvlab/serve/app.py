@@ -990,9 +990,10 @@ def _chat_logprobs(tok: Any, entries: list | None) -> dict | None:
     }
 
 
-def _text_logprobs(tok: Any, entries: list, offset: int = 0) -> dict:
+def _text_logprobs(tok: Any, entries: list) -> dict:
     """Legacy completions ``logprobs``: parallel lists (``None`` where a token was not scored)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
     for token_id, entry in entries:
         text = _token_text(tok, token_id)
         out["tokens"].append(text)
