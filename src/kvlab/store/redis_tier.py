@@ -203,9 +203,9 @@ class RedisTier:
         """True while the breaker holds some calls back (after a failure, for ``backoff_s``)."""
         return self.breaker.is_open()
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def _count(self, name: str) -> None:
         with self._counting:
-            setattr(self.counters, name, getattr(self.counters, name) + n)
+            setattr(self.counters, name, getattr(self.counters, name) + 1)
 
     def _call(
         self, what: str, fn: Callable[[], T], fallback: T, then: str = "a miss", kind: str = "read"

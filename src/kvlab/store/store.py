@@ -482,9 +482,9 @@ class KVStore:
                 return block
         raise BlockNotFoundError(f"no block {block_hash[:16]} in this store (see `kvlab store ls`)")
 
-    def prefix_snapshot(self, block_hash: str, *, device: str | torch.device | None = None) -> KVSnapshot:
-        """The whole cached prefix that ends with block ``block_hash``, rebuilt from the store (K/V on
-        ``device``; default: the host)."""
+    def prefix_snapshot(self, block_hash: str) -> KVSnapshot:
+        """The whole cached prefix that ends with block ``block_hash``, rebuilt from the store (K/V on the
+        host)."""
         chain = [self.find_block(block_hash)]
         seen = {chain[0].hash}
         while chain[-1].parent != chain[-1].namespace:
@@ -528,8 +528,7 @@ class KVStore:
                 self.malformed += 1
                 raise CorruptBlockError(f"block {b.hash[:16]} does not fit the chain of {block_hash[:16]}")
             at += b.num_tokens
-        snapshot = _assemble(chain, ns)
-        return snapshot if device is None else snapshot.to(device=device)
+        return _assemble(chain, ns)
 
     def stats(self) -> dict:
         tiers = {}
