@@ -21,7 +21,7 @@ from kvlab.metrics.stats import MIN_SAMPLES
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num, says, side_of_zero
-from kvlab.study.report.plots import subplots
+from kvlab.study.report.plots import style, subplots
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -207,9 +207,9 @@ def _figure(names, kl, maxabs, div, model_name, steps):
     x = np.arange(steps)
     for i, n in enumerate(names):
         dt, mode = n.split("/")
-        style = "-" if mode == "cached" else "--"
+        fmt = "-" if mode == "cached" else "--"
         for ax, data in ((axes[0], kl[i]), (axes[1], maxabs[i])):
-            ax.plot(x, np.maximum(data, 1e-16), style, color=colors[dt], lw=1, label=n)
+            ax.plot(x, np.maximum(data, 1e-16), fmt, color=colors[dt], lw=1, label=n)
         if div[n] < steps:
             axes[0].axvline(div[n], ls=":", color=colors[dt], lw=1)
     for ax, ylab in ((axes[0], "KL(fp64 || run) (nats)"), (axes[1], "max |logit difference|")):

@@ -17,7 +17,7 @@ from kvlab.ops.transfer import transfer_layers
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num, says
-from kvlab.study.report.plots import subplots
+from kvlab.study.report.plots import style, subplots
 
 
 def layer_conditions(num_layers: int, width: int, stride: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -143,9 +143,9 @@ def _figure(ex, nl, centres, exact_all, nll_all, conds, width, name, seed):
             mean, lo, hi = bootstrap_curve(data, seed=seed)
         ax.plot(centres, mean, marker="o", ms=3, label=f"window of {width} layers transferred")
         ax.fill_between(centres, lo, hi, alpha=0.25, label="95% band")
-        for lab, style in (("none", ":"), ("all", "--")):
+        for lab, ls in (("none", ":"), ("all", "--")):
             j = [c[0] for c in conds].index(lab)
-            ax.axhline(full[:, j].mean(), ls=style, color="k", lw=1, label=f"{lab} layers")
+            ax.axhline(full[:, j].mean(), ls=ls, color="k", lw=1, label=f"{lab} layers")
         style(ax, "window centre (layer)", ylab, legend=8)
     axes[0].set_ylim(-0.02, 1.02)
     axes[0].set_title("Fact retention by layer window")
