@@ -46,17 +46,16 @@ class _Record:
 class FidelityBoard:
     """Scored responses' records by id (thread-safe): opened by the HTTP side, finished by the worker."""
 
-    def __init__(self, max_records: int = MAX_RECORDS) -> None:
+    def __init__(self) -> None:
         self._records: collections.OrderedDict[str, _Record] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.max_records = max_records
 
     def open(self, owner: str) -> str:
         """A new pending record of ``owner``; its id."""
         fid = "fid-" + uuid.uuid4().hex
         with self._lock:
             self._records[fid] = _Record(owner)
-            while len(self._records) > self.max_records:
+            while len(self._records) > MAX_RECORDS:
                 self._records.popitem(last=False)
         return fid
 

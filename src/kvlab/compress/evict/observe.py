@@ -128,13 +128,13 @@ def attention_weights(
 
 
 @torch.no_grad()
-def observe(handle: HandleView, tokens: list[int] | torch.Tensor, *, all_logits: bool = False) -> Observation:
+def observe(handle: HandleView, tokens: list[int] | torch.Tensor) -> Observation:
     """Prefill ``tokens`` and capture every layer's queries (the model is left as it was).
 
-    ``logits`` are ``[T, vocab]`` with ``all_logits=True``, else only the last row ``[1, vocab]``.
+    ``logits`` are the last row only, ``[1, vocab]``.
     """
     mods = attention_modules(handle.model)
-    fwd, raw = _capturing(mods, lambda: handle.prefill(tokens, all_logits=all_logits))
+    fwd, raw = _capturing(mods, lambda: handle.prefill(tokens, all_logits=False))
     snap = fwd.snapshot
     queries = _rotated(raw, snap.positions, handle.rope, snap.head_dim)
     return Observation(snap, queries, fwd.logits, _scaling(mods, snap.head_dim), handle=handle)
