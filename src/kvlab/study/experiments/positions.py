@@ -7,7 +7,7 @@ the kept keys at their positions with gaps, the question at the context's length
 TensorRT-LLM's TriAttention; kvlab's default); (b) ``contiguous``, the kept keys re-rotated exactly to
 0..k-1, the question still at T (OpenVINO Model Server); (c) ``cache``, the same keys with the question at
 k (StreamingLLM's positions within the cache). Accuracy, KL and top-1 to the full cache per convention,
-and the paired per-trial differences b - a and c - a with 95% bootstrap intervals: the same trial, slots
+and the paired per-trial differences b - a and c - a with 95% paired intervals: the same trial, slots
 and tokens on both sides, so the difference is the positions' alone.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.metrics.stats import bootstrap_ci, wilson_ci
+from kvlab.metrics.stats import bootstrap_ci, paired_share_ci, wilson_ci
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, says
 
@@ -81,7 +81,7 @@ def _by_trial(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
 
 def paired(trials: list[list[dict[str, dict]]], seed: int) -> dict[str, Any]:
     """Per convention: accuracy (Wilson), KL (bootstrap) and top-1 (Wilson: shares) over ``trials``; per
-    pair, each metric's paired per-trial difference against ``original`` with a bootstrap interval. A trial
+    pair, each metric's paired per-trial difference against ``original`` (:func:`_diff`). A trial
     is the sampling unit: its evictions (several scores or ratios) are averaged into one value first."""
 
     def mean(t: list[dict[str, dict]], conv: str, m: str) -> float:
@@ -91,10 +91,21 @@ def paired(trials: list[list[dict[str, dict]]], seed: int) -> dict[str, Any]:
     for conv in ("original", *(c for c, _ in PAIRS)):
         out[conv] = {m: _iv([mean(t, conv, m) for t in trials], seed, proportion=up) for m, _, up in METRICS}
     for conv, _ in PAIRS:
-        out[f"{conv}-original"] = {
-            m: _iv([mean(t, conv, m) - mean(t, "original", m) for t in trials], seed) for m, _, _ in METRICS
-        }
+        out[f"{conv}-original"] = {m: _diff(trials, conv, m, up, seed) for m, _, up in METRICS}
     return out
+
+
+def _diff(trials: list[list[dict[str, dict]]], conv: str, m: str, share: bool, seed: int) -> dict | None:
+    """Metric ``m`` of ``conv`` minus ``original``, paired per trial: Tango's paired interval for a share
+    (:func:`~kvlab.metrics.stats.paired_share_ci`, not a point when every pair ties), else a bootstrap."""
+    a = [float(np.mean([e[conv][m] for e in t])) for t in trials]
+    b = [float(np.mean([e["original"][m] for e in t])) for t in trials]
+    ok = [i for i in range(len(a)) if np.isfinite(a[i]) and np.isfinite(b[i])]
+    if not ok:
+        return None
+    if share:
+        return paired_share_ci([a[i] for i in ok], [b[i] for i in ok]).to_json()
+    return bootstrap_ci([a[i] - b[i] for i in ok], seed=seed).to_json()
 
 
 def _per_trial(rows: list[dict]) -> list[list[dict[str, dict]]]:
@@ -174,7 +185,8 @@ def _tables(pts: list[dict], claims: list[dict]) -> list[Table]:
         rows,
         caption="Pooled over tasks and trials; a's accuracy and top-1 with Wilson intervals, its KL "
         "(nats/token, mean over question + the full cache's answer) with a bootstrap interval; every "
-        "difference is the mean paired per-trial difference with a 95% bootstrap interval.",
+        "difference is the mean paired per-trial difference with a 95% interval (Tango's paired score "
+        "interval for accuracy and top-1, a bootstrap for KL).",
     )
     return [verdicts, per]
 

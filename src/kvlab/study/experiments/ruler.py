@@ -6,7 +6,8 @@ removed) and every codec, on the same tokens: accuracy with Wilson intervals ove
 per-token KL(full || cache) and top-1 agreement, and the K/V bytes per context token. The section
 checks three claims that can come out false: "H2O is best at 50%", "int4 costs almost nothing" and
 "scores fall steadily with the ratio", each by paired per-trial differences between two caches (every cache
-answers the same trials) with bootstrap intervals.
+answers the same trials) with paired intervals (Tango's score interval for accuracy and top-1, a
+bootstrap for KL).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.metrics.stats import MIN_SAMPLES, bootstrap_ci, wilson_ci
+from kvlab.metrics.stats import MIN_SAMPLES, bootstrap_ci, paired_share_ci, wilson_ci
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number
 from kvlab.study.report.format import side_of_zero as side
@@ -165,7 +166,7 @@ def _paired_table(rows: list[dict], specs: list[Any], s: dict[str, Any], seed: i
         ["length", "cache", "n", "accuracy − full [95% CI]", "its interval"],
         out,
         caption="The difference of exact-match scores on the same trial (the same tokens), mean with a 95% "
-        f"bootstrap interval over trials; fewer than {MIN_SAMPLES} trials: no interval. KL and top-1 are "
+        f"paired score interval (Tango's) over trials; fewer than {MIN_SAMPLES} trials: no interval. KL and top-1 are "
         "already measured against the full cache, trial by trial (tables below).",
     )
 
@@ -292,12 +293,18 @@ def _pooled(rows: list[dict], spec: str, key: str, seed: int) -> dict | None:
 
 def paired(rows: list[dict], a: str, b: str, key: str, seed: int) -> dict | None:
     """Mean of cache ``a``'s ``key`` minus cache ``b``'s over the trials both ran (a trial, with its task and
-    length, is one pair: the same tokens), with its 95% bootstrap interval (JSON); None when no trial has
-    both finite; no interval from fewer than :data:`MIN_SAMPLES` pairs."""
+    length, is one pair: the same tokens), with its 95% interval (JSON): for a share (accuracy, top-1) Tango's
+    paired score interval (:func:`~kvlab.metrics.stats.paired_share_ci`, not a point when every pair ties),
+    else a bootstrap of the differences; None when no trial has both finite; no interval from fewer than
+    :data:`MIN_SAMPLES` pairs."""
     x = {(r["task"], r["length"], r["trial"]): float(r[key]) for r in rows if r["spec"] == a}
     y = {(r["task"], r["length"], r["trial"]): float(r[key]) for r in rows if r["spec"] == b}
-    d = [x[k] - y[k] for k in sorted(x.keys() & y.keys()) if np.isfinite(x[k]) and np.isfinite(y[k])]
-    return bootstrap_ci(d, seed=seed).to_json() if d else None
+    keys = [k for k in sorted(x.keys() & y.keys()) if np.isfinite(x[k]) and np.isfinite(y[k])]
+    if not keys:
+        return None
+    if key in PROPORTIONS:
+        return paired_share_ci([x[k] for k in keys], [y[k] for k in keys]).to_json()
+    return bootstrap_ci([x[k] - y[k] for k in keys], seed=seed).to_json()
 
 
 def _diff_text(d: dict | None, label: str, digits: int = 3) -> str:
@@ -331,7 +338,7 @@ def claim_h2o(rows: list[dict], specs: list[Any], seed: int, by: str) -> dict:
     rule = (
         f"the paired per-trial difference of {what} (H2O minus the runner-up: the other eviction policy with "
         f"the {'highest' if by == 'score' else 'lowest'} mean {what}), both at ratio {CLAIM_RATIO}, over the "
-        f"same trials of every task and length: holds when its 95% bootstrap interval lies wholly {good} 0, "
+        f"same trials of every task and length: holds when its 95% paired interval lies wholly {good} 0, "
         f"does not hold otherwise; fewer than {MIN_SAMPLES} trials give no interval: cannot decide"
     )
     at = {s.method: s.spec for s in specs if s.kind == "evict" and abs(s.ratio - CLAIM_RATIO) < 1e-9}
@@ -368,7 +375,7 @@ def claim_int4(rows: list[dict], specs: list[Any], seed: int) -> dict:
     rule = (
         f"int4's mean per-token KL to the full cache < {INT4_KL_NEAR_ZERO} nats, and the paired per-trial "
         "accuracy difference int4 minus full over the same trials of every task and length has a 95% "
-        "bootstrap interval that contains 0 or lies above it (no accuracy cost the paired test can see); "
+        "paired interval (Tango's) that contains 0 or lies above it (no accuracy cost the paired test can see); "
         f"fewer than {MIN_SAMPLES} trials give no interval: cannot decide"
     )
     spec = next((s.spec for s in specs if s.kind == "quant" and s.policy.spec == "codec=pertoken4"), None)
