@@ -331,17 +331,11 @@ def _unrelated_rows(summary: dict, att_rows: list, logit_rows: list, base: dict,
 def _attention_table(att_rows: list, first_query: int) -> Table:
     return Table(
         "Attention rows, original vs rolled (mean over layers, heads and aligned queries; 95% CI over text samples)",
-        [
-            "roll n",
-            "cos, all aligned keys",
-            "cos, without first",
-            "JS, all aligned keys",
-            "JS, without first",
-            f"top-{TOPK_ATTENTION}, all",
-            f"top-{TOPK_ATTENTION}, without first",
-            "thread cos",
-            "thread JS",
-        ],
+        Table.header(
+            "roll n | cos, all aligned keys | cos, without first | JS, all aligned keys | "
+            f"JS, without first | top-{TOPK_ATTENTION}, all | top-{TOPK_ATTENTION}, without first | "
+            "thread cos | thread JS"
+        ),
         att_rows,
         caption=f"Queries that see at least {first_query} aligned keys. 'Without first' drops the first aligned key "
         "(the rolled run's new sink) and renormalises both rows. JS in nats. Thread: Qwen2.5-14B, one "
@@ -353,13 +347,10 @@ def _attention_table(att_rows: list, first_query: int) -> Table:
 def _sink_table(sink_rows: list) -> Table:
     return Table(
         "Sink mass (share of each query's attention; mean over layers, heads, aligned queries)",
-        [
-            "roll n",
-            "original: on its slot 0",
-            "rolled: on its slot 0 (new sink)",
-            "original: on the token that becomes the new sink",
-            "original: on rolled-off tokens",
-        ],
+        Table.header(
+            "roll n | original: on its slot 0 | rolled: on its slot 0 (new sink) | "
+            "original: on the token that becomes the new sink | original: on rolled-off tokens"
+        ),
         sink_rows,
         caption="The sink moves: the rolled run gives its first token the mass the original gave to its own first "
         "token, while the original gave that same token little.",
@@ -369,15 +360,10 @@ def _sink_table(sink_rows: list) -> Table:
 def _logit_table(logit_rows: list) -> Table:
     return Table(
         "Next-token logits at the last position (95% CI over text samples)",
-        [
-            "condition",
-            "cosine",
-            "JS (nats)",
-            "KL orig‖rolled (nats)",
-            f"top-{TOPK_LOGITS} overlap",
-            "thread cos",
-            "thread top-5 overlap",
-        ],
+        Table.header(
+            f"condition | cosine | JS (nats) | KL orig‖rolled (nats) | top-{TOPK_LOGITS} overlap | "
+            "thread cos | thread top-5 overlap"
+        ),
         logit_rows,
         caption="Thread numbers are from one prompt (no interval). Unrelated: two different text samples.",
     )

@@ -40,6 +40,11 @@ class Table:
     rows: list[list[Any]]
     caption: str = ""
 
+    @staticmethod
+    def header(row: str) -> list[str]:
+        """Column headers written as one row: ``Table.header("n | sinks | 95% CI")`` (no header holds " | ")."""
+        return row.split(" | ")
+
     def to_json(self) -> dict:
         return {"title": self.title, "columns": self.columns, "rows": self.rows, "caption": self.caption}
 

@@ -160,14 +160,9 @@ def _tables(names, kl, maxabs, div, closer, steps: int, prompt_tokens: int, seed
     return [
         Table(
             "Distance from the fp64 recomputed reference",
-            [
-                "run",
-                "first divergent step",
-                "max |Δlogit|",
-                "median max |Δlogit|",
-                "mean KL (nats)",
-                "95% CI",
-            ],
+            Table.header(
+                "run | first divergent step | max |Δlogit| | median max |Δlogit| | mean KL (nats) | 95% CI"
+            ),
             rows,
             caption=f"{steps} greedy steps after a {prompt_tokens}-token prompt; steps = {steps} means the path was never left. "
             "KL intervals bootstrap over steps (steps are correlated: read them as spread, not independent samples). "
@@ -175,14 +170,10 @@ def _tables(names, kl, maxabs, div, closer, steps: int, prompt_tokens: int, seed
         ),
         Table(
             "Cached or recomputed: which is closer to fp64?",
-            [
-                "dtype",
-                "closer (paired)",
-                "cached − recomputed KL [95% CI]",
-                "share of steps cached is closer",
-                "mean KL cached",
-                "mean KL recomputed",
-            ],
+            Table.header(
+                "dtype | closer (paired) | cached − recomputed KL [95% CI] | "
+                "share of steps cached is closer | mean KL cached | mean KL recomputed"
+            ),
             [
                 [
                     dt,

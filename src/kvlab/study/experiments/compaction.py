@@ -404,15 +404,10 @@ def _centroid_table(sim: dict, summary: dict) -> Table:
     rows.append(["compacted without its verbatim tail vs the full history before it", *cells, "", ""])
     return Table(
         "Centroid similarity to the full conversation (mean over layers and KV heads; 95% CI over conversations)",
-        [
-            "condition",
-            "V",
-            "V centred",
-            "K de-rotated",
-            "K de-rotated centred",
-            "V vs unrelated (0 = unrelated, 1 = identical)",
-            "thread V (Qwen2.5-14B)",
-        ],
+        Table.header(
+            "condition | V | V centred | K de-rotated | K de-rotated centred | "
+            "V vs unrelated (0 = unrelated, 1 = identical) | thread V (Qwen2.5-14B)"
+        ),
         rows,
         caption="Centred: each centroid minus the mean full-conversation centroid of the other conversations. "
         "Thread numbers from the research brief (no interval).",
@@ -468,14 +463,9 @@ def _tail_table(pos: dict, tail: np.ndarray, summary: dict) -> Table:
         trows.append([LABELS[cond], *(_s(ivs[k]) for k in TAIL_COLUMNS)])
     return Table(
         "Position-wise on the shared verbatim tail (last tokens of each cache vs the full cache's last tokens)",
-        [
-            "condition",
-            "cos V",
-            "cos K de-rotated",
-            "cos K raw",
-            "cos V centred",
-            "cos K de-rotated centred",
-        ],
+        Table.header(
+            "condition | cos V | cos K de-rotated | cos K raw | cos V centred | cos K de-rotated centred"
+        ),
         trows,
         caption=f"Tail: the tokens the full and compacted chats share at the end ({tail.mean():.0f} on average). "
         "Verbatim and compacted hold the same tokens there; summary only, shuffled and unrelated hold other "

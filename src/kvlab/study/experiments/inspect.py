@@ -355,16 +355,10 @@ def _prompt_tables(rows: list, layers_meta: list, n_gen: int) -> list[Table]:
     return [
         Table(
             "Cache for the Phase 1 prompts",
-            [
-                "prompt",
-                "prompt tokens",
-                "cached tokens",
-                "key shape",
-                "value shape",
-                "cache MiB",
-                "bytes/token (measured)",
-                f"greedy continuation ({n_gen} tokens)",
-            ],
+            Table.header(
+                "prompt | prompt tokens | cached tokens | key shape | value shape | cache MiB | "
+                f"bytes/token (measured) | greedy continuation ({n_gen} tokens)"
+            ),
             rows,
             caption="Measured bytes/token come from the snapshot's tensors and must equal the formula.",
         ),

@@ -217,14 +217,10 @@ def _tables(
     tables.append(
         Table(
             "K/V swap conditions",
-            [
-                "condition",
-                "first-token KL vs ref (nats)",
-                "NLL of ref continuation",
-                "distinct-2",
-                "longest repeated n-gram",
-                "tokens agreeing with ref",
-            ],
+            Table.header(
+                "condition | first-token KL vs ref (nats) | NLL of ref continuation | distinct-2 | "
+                "longest repeated n-gram | tokens agreeing with ref"
+            ),
             rows,
             caption=f"Mean [95% bootstrap CI] over {n_win} text samples of {length} tokens; roll/truncate by {roll}; "
             f"{gen_tokens} greedy tokens. 'naive' = original keys re-rotated to 0.. with original values "

@@ -408,18 +408,10 @@ def _similarity_table(raw: dict, summ: dict, T: int, W: int) -> Table:
         rows.append(row)
     return Table(
         f"Similarity to the original ({W} text samples of {T} tokens; mean [bootstrap 95%] from 5 samples on)",
-        [
-            "condition",
-            "cos K",
-            "cos K de-rot.",
-            "cos V",
-            "cos K centred",
-            "cos V centred",
-            "cos K w/o slot 0",
-            "cos V w/o slot 0",
-            "K vs unrelated (norm.)",
-            "V vs unrelated (norm.)",
-        ],
+        Table.header(
+            "condition | cos K | cos K de-rot. | cos V | cos K centred | cos V centred | "
+            "cos K w/o slot 0 | cos V w/o slot 0 | K vs unrelated (norm.) | V vs unrelated (norm.)"
+        ),
         rows,
         caption="Roll: original slots n..T-1 vs rolled 0..T-n-1. Truncate: cache slice (exactly 1 by causality). "
         "Scrambled: same positions (or same token ids: scrambled_by_token). Normalised: (c - c_unrel)/(1 - c_unrel).",
@@ -458,14 +450,9 @@ def _thread_table(ref, summ: dict) -> Table:
                 )
     return Table(
         "Side by side with the thread",
-        [
-            "condition",
-            "thread model",
-            "thread cos K",
-            "this model cos K",
-            "thread cos V",
-            "this model cos V",
-        ],
+        Table.header(
+            "condition | thread model | thread cos K | this model cos K | thread cos V | this model cos V"
+        ),
         rrows,
         caption="Thread: one 87-token prompt, one run; this model: mean over text samples.",
     )

@@ -200,14 +200,10 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
     result.tables.append(
         Table(
             f"Mean cosine over aligned slots of a {plan.context}-token window (mean [bootstrap 95% over {plan.blocks} blocks])",
-            [
-                "n",
-                "raw K",
-                "de-rotated K (correct)",
-                "de-rotated K (thread's bug)",
-                "V",
-                "max |bug - raw| per layer/head",
-            ],
+            Table.header(
+                "n | raw K | de-rotated K (correct) | de-rotated K (thread's bug) | V | "
+                "max |bug - raw| per layer/head"
+            ),
             rows,
             caption="Correct: each cache's keys un-rotated with its own positions. Bug: both with 0..P-1, interleaved pairs.",
         )

@@ -354,19 +354,11 @@ def _kl_table(stacked: dict, st: Settings, seed: int) -> Table:
             )
     return Table(
         "Rolled cache vs exact re-prefill and vs full context",
-        [
-            "drop",
-            "n",
-            "sinks",
-            "median KL to re-prefill",
-            "95% CI",
-            "mean logit cosine",
-            "median KL full->rolled",
-            "median KL full->re-prefill",
-            "NLL rolled",
-            "NLL re-prefill",
-            "samples",
-        ],
+        Table.header(
+            "drop | n | sinks | median KL to re-prefill | 95% CI | mean logit cosine | "
+            "median KL full->rolled | median KL full->re-prefill | NLL rolled | NLL re-prefill | "
+            "samples"
+        ),
         rows,
         caption=f"First-token KL in nats (reference first). NLL: teacher-forced mean NLL of the true {st.cont_len}-token "
         "continuation. 'full' is the never-rolled context: KL full->rolled < KL full->re-prefill means the "
@@ -495,17 +487,10 @@ def _greedy_table(stacked: dict, st: Settings, seed: int) -> Table:
             grows.append([n, s, ag.value, ag.bracket(".1f"), *means, ag.n])
     return Table(
         "Greedy continuation: agreement and degeneration",
-        [
-            "n",
-            "sinks",
-            f"mean agreement (of {st.n_greedy})",
-            "95% CI",
-            "distinct-2 rolled",
-            "distinct-2 re-prefill",
-            "longest repeat rolled",
-            "longest repeat re-prefill",
-            "samples",
-        ],
+        Table.header(
+            f"n | sinks | mean agreement (of {st.n_greedy}) | 95% CI | distinct-2 rolled | "
+            "distinct-2 re-prefill | longest repeat rolled | longest repeat re-prefill | samples"
+        ),
         grows,
         caption="Agreement = tokens until the rolled cache's greedy continuation first differs from the re-prefill's.",
     )
@@ -533,17 +518,10 @@ def _recompute_table(rec_rows: list[dict], st: Settings, seed: int) -> tuple[Tab
         arrays[f"recompute_{how}_{k}_base_kl"] = base
     table = Table(
         f"Selective recompute after a roll (n={st.recompute_cell[0]}, sinks={st.recompute_cell[1]})",
-        [
-            "slots",
-            "k",
-            "median KL before",
-            "median KL after",
-            "median gap closed",
-            "95% CI",
-            "compute / re-prefill",
-            "gap closed per unit compute",
-            "samples",
-        ],
+        Table.header(
+            "slots | k | median KL before | median KL after | median gap closed | 95% CI | "
+            "compute / re-prefill | gap closed per unit compute | samples"
+        ),
         rrows,
         caption="'first' recomputes the first k window slots (one k-token prefill); 'probe' the k slots whose "
         "layer-1 keys deviate most from a 2-layer probe prefill (probe cost ~2/L of a re-prefill, not counted).",

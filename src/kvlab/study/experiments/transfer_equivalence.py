@@ -61,13 +61,10 @@ def run(
     result.tables.append(
         Table(
             "Cache injection vs concatenated prefill",
-            [
-                "set-up",
-                "max |Δlogit| injected vs prefill",
-                "equal within tolerance",
-                "last-token KL vs B alone (nats)",
-                "top-1 agreement with B alone",
-            ],
+            Table.header(
+                "set-up | max |Δlogit| injected vs prefill | equal within tolerance | "
+                "last-token KL vs B alone (nats) | top-1 agreement with B alone"
+            ),
             rows,
             caption=f"{n} pairs: A = {a_tokens} tokens, B = {b_tokens} tokens of {text.source}; special token id {special} "
             f"({handle.decode([special])!r}); {kept} generated tokens kept in the third set-up. Tolerance "

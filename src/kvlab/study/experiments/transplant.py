@@ -222,18 +222,11 @@ def _derivative_tables(
     return [
         Table(
             "Transplant between the base model and its derivative",
-            [
-                "text",
-                "receiver",
-                "cache",
-                "top-1 agreement with own cache",
-                "KL(own || cache)",
-                "NLL of true text",
-                "distinct-2",
-                "longest repeat",
-                "tokens agreeing with own generation",
-                "NLL minus own cache (paired)",
-            ],
+            Table.header(
+                "text | receiver | cache | top-1 agreement with own cache | KL(own || cache) | "
+                "NLL of true text | distinct-2 | longest repeat | "
+                "tokens agreeing with own generation | NLL minus own cache (paired)"
+            ),
             rows,
             caption=f"Mean [95% bootstrap CI] over {n} test text samples of {length} tokens: context, then {cont} true tokens "
             f"teacher-forced, then {gen} greedy tokens. Ridge maps fitted on {n} other text samples (alpha {alpha}). "
@@ -460,17 +453,11 @@ def _cross_table(rows: list, label: str, alpha: float, summary: dict, n_train: i
     """Held-out explained variance per receiver layer, for one direction."""
     return Table(
         f"C2C-lite across geometries: {label}",
-        [
-            "receiver layer",
-            "type",
-            "sharer layer (same depth)",
-            "EV keys",
-            "EV values",
-            "best EV keys, any sharer layer",
-            "best EV values, any sharer layer",
-            "EV keys, shuffled slots",
-            "EV values, shuffled slots",
-        ],
+        Table.header(
+            "receiver layer | type | sharer layer (same depth) | EV keys | EV values | "
+            "best EV keys, any sharer layer | best EV values, any sharer layer | "
+            "EV keys, shuffled slots | EV values, shuffled slots"
+        ),
         rows,
         caption=f"Held-out explained variance (R^2, mean over receiver KV heads) of a ridge map (alpha {alpha}) "
         f"from all sharer heads' de-rotated keys / values to each receiver head. Fitted on "
