@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kvlab.compress.quant.codecs.int4rows import decode4, encode4
+from kvlab.compress.quant.codecs.int4rows import decode_rows, encode4, pack_rows
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.graphs import RollingDecoder
 from kvlab.hf.rolling_cache import RollingCache
@@ -141,7 +141,7 @@ def test_int4_codes_bound_and_layout():
     x[0, 0, 0] = 0.0  # an all-zero token
     codes, scale, low = encode4(x, 32)
     assert codes.dtype == torch.uint8 and codes.shape == (2, 3, 50, 32) and scale.shape == (2, 3, 50, 2)
-    y = decode4(codes, scale, low, torch.float32)
+    y = decode_rows(pack_rows(x, 32), 64, torch.float32)
     step = scale.float().repeat_interleave(32, dim=-1)
     assert bool(((x - y).abs() <= step / 2 + 1e-6 * x.abs() + 1e-7).all())
     q = QuantizedTensor(codes.reshape(-1), scale, low, 4, tuple(x.shape), 32, torch.float32)
@@ -150,8 +150,8 @@ def test_int4_codes_bound_and_layout():
 
 def test_the_rings_int4_is_a_registered_codec_within_half_a_step(tiny_model):
     """The ring's ``codec="int4"`` resolves through the codec registry to ``int4rows``; that codec's
-    segments are the ring's packed rows (the kernel's layout) and decode within half a step."""
-    from kvlab.compress.quant.codecs.int4rows import Int4RowsQuantizer, decode_rows, pack_rows
+    segments hold the ring's codes, scales and minimums (the kernel's rows) and decode within half a step."""
+    from kvlab.compress.quant.codecs.int4rows import Int4RowsQuantizer
     from kvlab.compress.quant.methods import QUANTIZERS, make_quantizer, quantizer_names
     from kvlab.hf.static_rolling import RING_CODECS
     from kvlab.kernels.split_attention import int4_rows
@@ -168,10 +168,11 @@ def test_the_rings_int4_is_a_registered_codec_within_half_a_step(tiny_model):
     seg = codec.encode(k, v, torch.arange(9), None)
     assert seg.nbytes == 2 * 2 * 9 * (32 + 4 * 4)  # per row: 32 code bytes, 4 fp16 scales and minimums
     for x, code, y in ((k, seg.keys, seg.decode()[0]), (v, seg.values, seg.decode()[1])):
-        assert torch.equal(code.rows, pack_rows(x, 16)) and torch.equal(
-            y, decode_rows(code.rows, 64, x.dtype)
-        )
-        step = int4_rows(code.rows, 64)[1].float().repeat_interleave(16, dim=-1)
+        rows = pack_rows(x, 16)  # what the ring stores: the same codes, scales and minimums
+        codes, scale, low = int4_rows(rows, 64)
+        assert torch.equal(code.q.packed, codes.reshape(-1)) and torch.equal(code.q.scale, scale)
+        assert torch.equal(code.q.zero, low) and torch.equal(y, decode_rows(rows, 64, x.dtype))
+        step = scale.float().repeat_interleave(16, dim=-1)
         assert bool(((x - y).abs() <= step / 2 + 1e-6 * x.abs() + 1e-7).all())
     with pytest.raises(BadInputError, match="int4 group"):
         make_quantizer("int4rows", group_size=6).check(64, None)
@@ -252,7 +253,7 @@ def _check_compiled(h, ids, codec: str, tol: float):
         return dec
     from kvlab.kernels.split_attention import int4_rows
 
-    for name in ("k_packed", "v_packed"):
+    for name in ("k_store", "v_store"):
         a, b = (_nibbles(int4_rows(getattr(c.layers[0], name), c.head_dim)[0]) for c in (ref, cache))
         assert int((a - b).abs().max()) <= 1 and float((a != b).float().mean()) < 0.01
     assert worst < 0.25  # a sanity check (a flipped code moves one value by one step), not a bound

@@ -47,6 +47,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.compress.quant.codecs.int4rows import Int4RowsQuantizer, decode_rows
 from kvlab.compress.quant.methods import make_quantizer
+from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import head_dim_of, sliding_windows, text_config
 from kvlab.hf.live_cache import Bytes, LiveCache
@@ -77,18 +78,15 @@ class RingLayer(CacheLayerMixin):
         super().__init__()
         self.owner, self.rope, self.index = owner, rope, index
         o = owner
-        if o.codec == "int4":  # this layer's rows in the cache's one buffer per K and V
-            self.k_packed, self.v_packed = o.storage["keys"][index], o.storage["values"][index]
-            self.keys = self.values = None
-        else:
-            self.keys, self.values = o.storage["keys"][index], o.storage["values"][index]
+        # views of this layer's slots in the cache's one buffer per K and V: the model's dtype, or int4 rows
+        self.k_store, self.v_store = o.storage["keys"][index], o.storage["values"][index]
+        self.keys, self.values = (None, None) if o.coder else (self.k_store, self.v_store)
         self.dtype, self.device = o.dtype, o.device
         self.is_initialized = True
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a step reads or writes (views of the cache's storage)."""
-        names = ("k_packed", "v_packed") if self.owner.codec == "int4" else ("keys", "values")
-        return [getattr(self, n) for n in names]
+        return [self.k_store, self.v_store]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # allocated up front: a captured step must find its buffers at fixed addresses
@@ -99,45 +97,30 @@ class RingLayer(CacheLayerMixin):
         decoded, or with ``int4`` inside :meth:`StaticRollingCache.packed_reads` the packed rows
         (uint8, :func:`~kvlab.kernels.split_attention.int4_rows`) for an attention that decodes them."""
         self._write(self.owner.write_index(key_states.shape[-2]), key_states, value_states)
-        if self.owner.packed and self.owner.codec == "int4":
-            return self.k_packed, self.v_packed
+        if self.owner.packed and self.owner.coder:
+            return self.k_store, self.v_store
         return self.read()
 
     def _write(self, index: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Store ``k`` and/or ``v`` (``[batch, heads, n, head_dim]``) at the ``[n]`` slots ``index``."""
-        int4, o = self.owner.codec == "int4", self.owner
-        for t, buf in (
-            (k, self.k_packed if int4 else self.keys),
-            (v, self.v_packed if int4 else self.values),
-        ):
+        o = self.owner
+        for t, buf in ((k, self.k_store), (v, self.v_store)):
             if t is None:
                 continue
-            assert buf is not None
-            if int4 and o.fused_writes:  # one Triton kernel, the same bytes as the codec's pack
+            if o.coder and o.fused_writes:  # one Triton kernel, the same bytes as the codec's pack
                 split_attention.write_int4(buf, index, t, o.group)
             else:
-                buf.index_copy_(2, index, o.coder.pack(t) if o.coder else t.to(self.dtype))
+                buf.index_copy_(2, index, o.stored(t))
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot's keys and values in the model's dtype (decoded from the codes with ``int4``)."""
-        if self.owner.codec == "int4":
-            return self._decoded(self.k_packed, self.v_packed)
-        assert self.keys is not None and self.values is not None  # allocated in __init__ without a codec
-        return self.keys, self.values
+        return self.owner.loaded(self.k_store), self.owner.loaded(self.v_store)
 
     # -- between steps (host side) -------------------------------------------------------------------
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` (a ``[n]`` index), decoded, as new tensors."""
-        if self.owner.codec == "int4":
-            return self._decoded(self.k_packed.index_select(2, slots), self.v_packed.index_select(2, slots))
-        keys, values = self.read()
-        return keys.index_select(2, slots), values.index_select(2, slots)
-
-    def _decoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Int4 rows of keys and values decoded in the model's dtype."""
-        return decode_rows(k, self.owner.head_dim, self.dtype), decode_rows(
-            v, self.owner.head_dim, self.dtype
-        )
+        k, v = (t.index_select(2, slots) for t in (self.k_store, self.v_store))
+        return self.owner.loaded(k), self.owner.loaded(v)
 
     # -- the live-layer interface (kvlab.hf.live_cache), from the cache's counts ------------------------
     @property
@@ -155,7 +138,7 @@ class RingLayer(CacheLayerMixin):
     @property
     def nbytes(self) -> int:
         """Bytes of this layer's slots (the sinks' originals and the slot positions are the cache's)."""
-        return sum(t.numel() * t.element_size() for t in self.buffers()[:2])
+        return tensor_bytes(*self.buffers())
 
     def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values in position order as the next forward will see them (new tensors; decoded with
@@ -343,21 +326,24 @@ class StaticRollingCache(LiveCache):
             self.packed, self.fused_writes = before
 
     # -- every layer at once (host side, between steps) -------------------------------------------------
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """K/V ``[..., head_dim]`` as this cache stores them: int4 rows (the codec's), or the model's dtype."""
+        return self.coder.pack(x) if self.coder else x.to(self.dtype)
+
+    def loaded(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored slots in the model's dtype: int4 rows decoded (a new tensor), plain ones as they are."""
+        return decode_rows(stored, self.head_dim, self.dtype) if self.coder else stored
+
     def _write_first(self, run: slice, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Store ``k`` and/or ``v`` (``[layers of run, batch, heads, n, head_dim]``) in slots ``[0, n)``."""
         for t, name in ((k, "keys"), (v, "values")):
-            if t is None:
-                continue
-            dest = self.storage[name][run, :, :, : t.shape[-2]]
-            dest.copy_(self.coder.pack(t) if self.coder else t)
+            if t is not None:
+                self.storage[name][run, :, :, : t.shape[-2]].copy_(self.stored(t))
 
     def _read_first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's keys and values of slots ``[0, n)``, decoded, as new tensors."""
-        out = []
-        for name in ("keys", "values"):
-            src = self.storage[name][:, :, :, :n]
-            out.append(decode_rows(src, self.head_dim, self.dtype) if self.coder else src.clone())
-        return out[0], out[1]
+        k, v = (self.loaded(self.storage[name][:, :, :, :n]) for name in ("keys", "values"))
+        return (k, v) if self.coder else (k.clone(), v.clone())
 
     def _place_sinks(self, start: int) -> None:
         """Write the sinks rotated from their originals to positions ``start ..`` into slots ``[0, s)``
@@ -387,8 +373,7 @@ class StaticRollingCache(LiveCache):
             if rope is None or delta == 0:
                 continue
             if self.coder:
-                rotated = rotate_by(decode_rows(keys[run], self.head_dim, self.dtype), delta, rope)
-                keys[run] = self.coder.pack(rotated)
+                keys[run] = self.stored(rotate_by(self.loaded(keys[run]), delta, rope))
             else:
                 rotate_by_(keys[run], delta, rope)
 
@@ -533,8 +518,7 @@ class StaticRollingCache(LiveCache):
     @property
     def nbytes(self) -> Bytes:
         """Bytes held: every layer's buffers (codes, scales), the sinks' stored originals, the slot positions."""
-        shared = [t for t in (self.sink_keys, self.sink_values, self.slot_pos) if t is not None]
-        return Bytes(super().nbytes + sum(t.numel() * t.element_size() for t in shared))
+        return Bytes(super().nbytes + tensor_bytes(self.sink_keys, self.sink_values, self.slot_pos))
 
 
 def static_rolling_cache_for(

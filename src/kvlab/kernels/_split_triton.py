@@ -15,7 +15,7 @@ def load_rows(
 ):  # fmt: skip
     """``[BLOCK_N, BLOCK_D]`` keys or values of slots ``cols``: read as stored, or (``INT4``) decoded from
     their 4-bit codes (element ``2i`` in the low nibble of byte ``i``) times the fp16 scale plus the fp16
-    minimum of each ``GROUP`` channels, in fp32 as :func:`kvlab.compress.quant.codecs.int4rows.decode4` does.
+    minimum of each ``GROUP`` channels, in fp32 as :func:`kvlab.compress.quant.codecs.int4rows.decode_rows` does.
 
     int4 columns come permuted: column ``j`` holds channel ``feat[j]`` (the even channels, then the odd
     ones), so each half is one contiguous run of bytes; the caller permutes the queries and the output

@@ -5,10 +5,10 @@ codec) and what the Triton split-KV kernel reads and writes (:mod:`kvlab.kernels
 ``D`` elements is ``D/2 + 4 * D/group`` bytes: the codes (element ``2i`` in the low nibble of byte ``i``, as
 :func:`~kvlab.compress.quant.pack.pack_bits` lays them out), the groups' fp16 scales, their fp16 minimums.
 
-``pertoken4``'s grid (:func:`~kvlab.compress.quant.scalar.quantize`; its ``QuantizedTensor`` decodes these
-codes to the same numbers), kept apart for two reasons: the stored minimum and scale are rounded to fp16
-by plain arithmetic, not ``nextafter`` (which inductor mis-lowers, and which ``pertoken``'s published codes
-depend on), and the layout keeps a slot's bytes together for writes in place.
+One core (:func:`encode4`), two thin layouts: the rows, and for a cache's segments ``pertoken4``'s layout
+(:class:`~kvlab.compress.quant.scalar.QuantizedTensor`: the same grid, decoded to the same numbers, read by
+the packed-code attention). The codecs stay two: the stored minimum and scale are rounded to fp16 here by
+plain arithmetic, not ``nextafter`` (which inductor mis-lowers; ``pertoken``'s published codes depend on it).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.compress.quant.methods import Quantizer, Segment
+from kvlab.compress.quant.methods import Quantizer, Segment, TokenCode
+from kvlab.compress.quant.scalar import QuantizedTensor
 from kvlab.errors import BadInputError
 from kvlab.kernels.split_attention import int4_rows
 from kvlab.rope.spec import RopeSpec
@@ -38,8 +39,9 @@ def encode4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, to
     return codes[..., 0] | (codes[..., 1] << 4), scale, low
 
 
-def decode4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`encode4`: ``[..., D]`` in ``dtype``."""
+def decode_rows(packed: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Int4 rows (:func:`pack_rows`) decoded to ``[..., head_dim]`` in ``dtype``."""
+    codes, scale, low = int4_rows(packed, head_dim)
     pairs = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
     g = pairs.unflatten(-1, (scale.shape[-1], -1)).float()
     return (g * scale.float()[..., None] + low.float()[..., None]).flatten(-2).to(dtype)
@@ -50,27 +52,6 @@ def pack_rows(x: torch.Tensor, group: int) -> torch.Tensor:
     uint8 buffer, never an fp16 view of it)."""
     codes, scale, low = encode4(x, group)
     return torch.cat([codes, scale.view(torch.uint8), low.view(torch.uint8)], dim=-1)
-
-
-def decode_rows(packed: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Int4 rows (:func:`pack_rows`) decoded to ``[..., head_dim]`` in ``dtype``."""
-    return decode4(*int4_rows(packed, head_dim), dtype)
-
-
-@dataclass(frozen=True, eq=False)
-class Int4Rows:
-    """``rows`` uint8 ``[..., n, D/2 + 4 * groups]`` (:func:`pack_rows`) of ``head_dim`` elements each."""
-
-    rows: torch.Tensor
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows.numel()
-
-    def decode(self) -> torch.Tensor:
-        return decode_rows(self.rows, self.head_dim, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -93,9 +74,11 @@ class Int4RowsQuantizer(Quantizer):
         return pack_rows(x, self.group_size)
 
     def encode(self, keys, values, positions, rope) -> Segment:
-        d = keys.shape[-1]
-        return Segment(
-            Int4Rows(self.pack(keys), d, keys.dtype),
-            Int4Rows(self.pack(values), d, values.dtype),
-            keys.shape[-2],
-        )
+        return Segment(self._code(keys), self._code(values), keys.shape[-2])
+
+    def _code(self, x: torch.Tensor) -> TokenCode:
+        """The rows' codes, scales and minimums in ``pertoken``'s layout (a :class:`QuantizedTensor`, which
+        decodes them to the same numbers, and which the packed-code attention reads and gathers)."""
+        codes, scale, low = encode4(x, self.group_size)
+        q = QuantizedTensor(codes.reshape(-1), scale, low, 4, tuple(x.shape), self.group_size, x.dtype)
+        return TokenCode(q)
