@@ -25,7 +25,6 @@ from kvlab.compress.quant import (
     unpack_bits,
 )
 from kvlab.compress.quant.rotation import rotation_matrix, sketch_estimate, sketch_matrix
-from kvlab.compress.quant.scalar import quantized_nbytes
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.rope import RopeSpec, apply_rope
 
@@ -82,7 +81,8 @@ def test_every_element_within_half_a_step(bits, symmetric):
     err = (q.dequantize() - x).abs().view(2, 3, 50, 2, 32)
     half_step = q.scale.float()[..., None] / 2
     assert bool((err <= half_step * (1 + 1e-5) + 1e-6).all())
-    assert q.nbytes == quantized_nbytes(x.numel(), bits, 32, symmetric)
+    groups = x.numel() // 32  # packed codes, then an fp16 scale (and zero point) per group
+    assert q.nbytes == packed_nbytes(x.numel(), bits) + groups * 2 * (1 if symmetric else 2)
 
 
 def test_error_shrinks_with_bits_and_bytes_are_real():

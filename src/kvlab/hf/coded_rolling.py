@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kvlab.compress.quant.methods import Quantizer, Segment
+from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import head_dim_of, sliding_windows
 from kvlab.hf.cache_steps import packed_step
@@ -71,10 +72,8 @@ class CodedRollingLayer(RollingLayer):
     @property
     def nbytes(self) -> int:
         live = self.sink_live if self.sink_live is not self.sink_keys else None  # re-rotated copy
-        ts = (self.sink_keys, live, self.sink_values, self.tail_k, self.tail_v)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None) + sum(
-            s.nbytes for s in self.segments
-        )
+        fp = tensor_bytes(self.sink_keys, live, self.sink_values, self.tail_k, self.tail_v)
+        return fp + sum(s.nbytes for s in self.segments)
 
     # -- the update ----------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -22,7 +22,8 @@ from transformers.cache_utils import DynamicLayer
 
 from kvlab.compress.evict.policies import LayerView, Policy
 from kvlab.compress.evict.select import budget_slots, keep_indices
-from kvlab.compress.quant.methods import Quantizer, Segment, TokenCode, split_plan
+from kvlab.compress.quant.methods import Quantizer, Segment, TokenCode, decode_between, split_plan
+from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
 from kvlab.hf.cache_steps import packed_step
@@ -32,10 +33,6 @@ from kvlab.rope.spec import Rope, rope_for_layer
 
 # Per-token quantizers encode generated tokens in blocks of this many (they wait in the fp tail until then).
 DECODE_BLOCK = 32
-
-
-def _bytes(*ts: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 @dataclass(frozen=True)
@@ -148,12 +145,9 @@ class CompressedLayer(DynamicLayer):
         return n + (self.sink_keys.shape[-2] if self.sink_keys is not None else 0)
 
     @property
-    def nbytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return _bytes(self.sink_keys, self.sink_values, self.keys, self.values) + sum(
-            s.nbytes for s in self.segments
-        )
+    def nbytes(self) -> int:  # nothing is held before the first update (every tensor None)
+        fp = tensor_bytes(self.sink_keys, self.sink_values, self.keys, self.values)
+        return fp + sum(s.nbytes for s in self.segments)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -235,20 +229,8 @@ class CompressedLayer(DynamicLayer):
     # -- contents --------------------------------------------------------------------------------
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything held, as full tensors ``[B, H, held, D]`` (dequantized)."""
-        ks: list[torch.Tensor] = []
-        vs: list[torch.Tensor] = []
-        if self.sink_keys is not None:
-            assert self.sink_values is not None  # the sinks' keys and values are stored together
-            ks.append(self.sink_keys)
-            vs.append(self.sink_values)
-        for seg in self.segments:
-            k, v = seg.decode()
-            ks.append(k.to(self.dtype))
-            vs.append(v.to(self.dtype))
-        # keys and values are None only before the first update (where this fails as it always did)
-        ks.append(cast(torch.Tensor, self.keys))
-        vs.append(cast(torch.Tensor, self.values))
-        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        sinks, tail = (self.sink_keys, self.sink_values), (self.keys, self.values)
+        return decode_between(sinks, self.segments, tail, self.dtype)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)

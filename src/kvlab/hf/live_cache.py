@@ -47,6 +47,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import text_config
 
@@ -300,9 +301,7 @@ class _FullLive:
 
     @property
     def nbytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+        return tensor_bytes(self.keys, self.values)  # None before the first update
 
     def query_offset(self) -> int:
         return self.tokens_seen

@@ -22,6 +22,7 @@ import torch
 
 from kvlab.compress.evict.budgets import ada_indices
 from kvlab.compress.evict.policies import LayerView
+from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
 from kvlab.hf.cache_steps import RaggedStep
@@ -51,7 +52,7 @@ class RaggedLayer(CompressedLayer):
     def nbytes(self) -> int:
         if not self.evicted:
             return super().nbytes
-        return sum(t.numel() * t.element_size() for t in (*self.head_keys, *self.head_values))
+        return tensor_bytes(*self.head_keys, *self.head_values)
 
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.evicted:

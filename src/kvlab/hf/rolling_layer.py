@@ -45,6 +45,7 @@ from typing import Any, Literal, cast
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError
 from kvlab.hf.cache import PADDED_BATCH, GrowingStore, rows_at_different_positions
 from kvlab.policy.window import SinksWindow
@@ -186,8 +187,7 @@ class RollingLayer(GrowingStore, CacheLayerMixin):
     @property
     def nbytes(self) -> int:
         """Bytes held: the key and value buffers (with their spare room) and the sinks' original keys."""
-        ts = (self._buf_k, self._buf_v, self.sink_keys)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return tensor_bytes(self._buf_k, self._buf_v, self.sink_keys)
 
     def kept_positions(self) -> torch.Tensor:
         """``[kept]`` RoPE positions of the kept slots as the next forward sees them (contiguous), on the host."""

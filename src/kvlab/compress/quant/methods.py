@@ -15,7 +15,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from kvlab.compress.quant.pack import pack_bits, unpack_bits
+from kvlab.compress.quant.pack import pack_bits, tensor_bytes, unpack_bits
 from kvlab.compress.quant.rotation import (
     rotate_heads,
     rotation_matrix,
@@ -114,10 +114,8 @@ class RotatedCode:
 
     @property
     def nbytes(self) -> int:
-        n = self.inner.nbytes
-        for t in (self.mean, self.coef, self.norms if self.signs is not None else None):
-            n += t.numel() * t.element_size() if t is not None else 0
-        return n + (self.signs.numel() if self.signs is not None else 0)
+        sketch = (self.signs, self.norms) if self.signs is not None else ()
+        return self.inner.nbytes + tensor_bytes(self.mean, self.coef, *sketch)
 
     def decode(self) -> torch.Tensor:
         y = self.inner.q.dequantize().float()
@@ -159,6 +157,19 @@ class Segment:
 
     def decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys.decode(), self.values.decode()
+
+
+def decode_between(
+    first: tuple[torch.Tensor | None, torch.Tensor | None],
+    segments: list[Segment] | tuple[Segment, ...],
+    last: tuple[torch.Tensor | None, torch.Tensor | None],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``first``, then the ``segments`` decoded in ``dtype``, then ``last``, concatenated along
+    slots (a None part left out): a layer's sinks, codes and full-precision tail as one tensor each."""
+    parts = [first, *((k.to(dtype), v.to(dtype)) for k, v in (s.decode() for s in segments)), last]
+    ks = [k for k, _ in parts if k is not None]
+    return torch.cat(ks, dim=-2), torch.cat([v for _, v in parts if v is not None], dim=-2)
 
 
 def _per_token(x: torch.Tensor, bits: int, group: int, symmetric: bool) -> TokenCode:

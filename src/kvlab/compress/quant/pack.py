@@ -19,6 +19,11 @@ def packed_nbytes(count: int, bits: int) -> int:
     return -(-count // 8) * bits
 
 
+def tensor_bytes(*ts: torch.Tensor | None) -> int:
+    """Bytes the tensors hold (None holds none)."""
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer ``codes`` (any shape, values in ``[0, 2**bits)``) into a flat ``uint8`` tensor."""
     if bits not in PACKABLE_BITS:

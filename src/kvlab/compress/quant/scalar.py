@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 
 from kvlab.compress.catalogue import SUPPORTED_BITS
-from kvlab.compress.quant.pack import pack_bits, packed_nbytes, unpack_bits
+from kvlab.compress.quant.pack import pack_bits, tensor_bytes, unpack_bits
 from kvlab.errors import BadInputError
 
 SCALE_DTYPE = torch.float16
@@ -41,16 +41,11 @@ def check_group(size: int, group_size: int, what: str = "head_dim") -> None:
         raise BadInputError(f"group size {group_size} does not divide {what} {size}; use a divisor of {size}")
 
 
-def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
+def _round_fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """``x`` in fp16, rounded up (``up``) or down rather than to the nearest."""
     h = x.to(SCALE_DTYPE)
-    low = h.float() < x
-    return torch.where(low, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
-
-
-def _round_down_fp16(x: torch.Tensor) -> torch.Tensor:
-    h = x.to(SCALE_DTYPE)
-    high = h.float() > x
-    return torch.where(high, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
+    off = h.float() < x if up else h.float() > x
+    return torch.where(off, torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf"))), h)
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,6 +64,12 @@ class QuantizedTensor:
     dtype: torch.dtype
     grid: str = "uniform"  # or "lloyd": code i means grid_levels(bits)[i] * scale
 
+    @classmethod
+    def of_codes(cls, codes, scale, zero, bits, group_size, dtype, grid="uniform") -> QuantizedTensor:
+        """``codes`` (one per element, shaped like the tensor) packed, with their scales (and zero points)."""
+        packed = pack_bits(codes.to(torch.uint8), bits)
+        return cls(packed, scale, zero, bits, tuple(codes.shape), group_size, dtype, grid)
+
     @property
     def symmetric(self) -> bool:
         return self.zero is None
@@ -76,8 +77,7 @@ class QuantizedTensor:
     @property
     def nbytes(self) -> int:
         """Bytes really held: packed codes + scales (+ zero points)."""
-        n = self.packed.numel() + self.scale.numel() * self.scale.element_size()
-        return n + (self.zero.numel() * self.zero.element_size() if self.zero is not None else 0)
+        return tensor_bytes(self.packed, self.scale, self.zero)
 
     def dequantize(self) -> torch.Tensor:
         count = 1
@@ -132,16 +132,7 @@ class QuantizedTensor:
         codes = pick([p.codes() for p in parts])
         scale = pick([p.scale for p in parts])
         zero = None if self.zero is None else pick([p.zero for p in parts])  # type: ignore[misc]
-        return QuantizedTensor(
-            packed=pack_bits(codes, self.bits),
-            scale=scale,
-            zero=zero,
-            bits=self.bits,
-            shape=tuple(codes.shape),
-            group_size=self.group_size,
-            dtype=self.dtype,
-            grid=self.grid,
-        )
+        return QuantizedTensor.of_codes(codes, scale, zero, self.bits, self.group_size, self.dtype, self.grid)
 
 
 def _groups(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -161,25 +152,17 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, *, symmetric: bool = F
         raise BadInputError("symmetric codes need at least 2 bits")
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        scale = _round_up_fp16((g.abs().amax(-1) / qmax).clamp_min(_TINY))
+        scale = _round_fp16((g.abs().amax(-1) / qmax).clamp_min(_TINY), up=True)
         s = scale.float()[..., None]
         codes = (torch.round(g / s) + qmax).clamp(0, 2 * qmax)
         zero = None
     else:
         levels = 2**bits - 1
-        zero = _round_down_fp16(g.amin(-1))
+        zero = _round_fp16(g.amin(-1), up=False)
         z = zero.float()[..., None]
-        scale = _round_up_fp16(((g.amax(-1) - z[..., 0]) / levels).clamp_min(_TINY))
+        scale = _round_fp16(((g.amax(-1) - z[..., 0]) / levels).clamp_min(_TINY), up=True)
         codes = torch.round((g - z) / scale.float()[..., None]).clamp(0, levels)
-    return QuantizedTensor(
-        packed=pack_bits(codes.to(torch.uint8), bits),
-        scale=scale,
-        zero=zero,
-        bits=bits,
-        shape=tuple(x.shape),
-        group_size=group_size,
-        dtype=x.dtype,
-    )
+    return QuantizedTensor.of_codes(codes.reshape(x.shape), scale, zero, bits, group_size, x.dtype)
 
 
 @lru_cache(maxsize=16)
@@ -269,19 +252,7 @@ def quantize_lloyd(x: torch.Tensor, bits: int, group_size: int) -> QuantizedTens
         best_codes = torch.where(better, codes, best_codes)
         best_scale = torch.where(better, s, best_scale)
         best_err = torch.where(better, err, best_err)
-    return QuantizedTensor(
-        packed=pack_bits(best_codes.to(torch.uint8), bits),
-        scale=best_scale[..., 0].to(SCALE_DTYPE),
-        zero=None,
-        bits=bits,
-        shape=tuple(x.shape),
-        group_size=group_size,
-        dtype=x.dtype,
-        grid="lloyd",
+    scale = best_scale[..., 0].to(SCALE_DTYPE)
+    return QuantizedTensor.of_codes(
+        best_codes.reshape(x.shape), scale, None, bits, group_size, x.dtype, "lloyd"
     )
-
-
-def quantized_nbytes(numel: int, bits: int, group_size: int, symmetric: bool) -> int:
-    """What :func:`quantize` stores for ``numel`` elements (for budgets and docs)."""
-    groups = numel // group_size
-    return packed_nbytes(numel, bits) + groups * 2 * (1 if symmetric else 2)

@@ -13,13 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache.snapshot import KVSnapshot
-from kvlab.compress.quant.methods import Quantizer, Segment, split_plan
+from kvlab.compress.quant.methods import Quantizer, Segment, decode_between, split_plan
+from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import UnsupportedModelError
 from kvlab.rope.spec import Rope, rope_for_layer
-
-
-def _fp_bytes(*ts: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,19 +31,16 @@ class LayerCode:
 
     @property
     def nbytes(self) -> int:
-        return _fp_bytes(self.sink_keys, self.sink_values, self.tail_keys, self.tail_values) + sum(
-            s.nbytes for s in self.segments
-        )
+        fp = tensor_bytes(self.sink_keys, self.sink_values, self.tail_keys, self.tail_values)
+        return fp + sum(s.nbytes for s in self.segments)
 
     @property
     def length(self) -> int:
         return self.sink_keys.shape[-2] + sum(s.length for s in self.segments) + self.tail_keys.shape[-2]
 
     def decode(self) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [s.decode() for s in self.segments]
-        ks = [self.sink_keys, *(p[0].to(self.sink_keys.dtype) for p in parts), self.tail_keys]
-        vs = [self.sink_values, *(p[1].to(self.sink_values.dtype) for p in parts), self.tail_values]
-        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        sinks, tail = (self.sink_keys, self.sink_values), (self.tail_keys, self.tail_values)
+        return decode_between(sinks, self.segments, tail, self.sink_keys.dtype)
 
 
 def encode_layer(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.compress.quant.methods import Quantizer, Segment
+from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.compress.quant.scalar import SCALE_DTYPE, check_group
 
 E4M3 = torch.float8_e4m3fn
@@ -33,7 +34,7 @@ class FP8Code:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+        return tensor_bytes(self.codes, self.scales)
 
     def decode(self) -> torch.Tensor:
         *lead, d = self.codes.shape
