@@ -201,23 +201,19 @@ def step_rolling_rows_isolated(
     the batched step cannot run (:class:`~kvlab.errors.UnsupportedModelError`) fails every row, as it would
     at every step. While steps succeed this costs a copy of the layers' attributes per row.
     """
-    if len(caches) == 1:
+    if len(caches) > 1:  # one row runs alone (below) at once
+        undo = [c.checkpoint() for c in caches]
         try:
-            return [step_rolling_rows(handle, caches, tokens)[0]]
-        except Exception as exc:
-            return [exc]
-    undo = [c.checkpoint() for c in caches]
-    try:
-        logits = step_rolling_rows(handle, caches, tokens)
-        return [logits[i] for i in range(len(caches))]
-    except UnsupportedModelError as exc:
-        return [exc] * len(caches)
-    except Exception:
-        log.warning(
-            "a batched decode step failed; running its %d rows one by one", len(caches), exc_info=True
-        )
-    for restore in undo:
-        restore()
+            logits = step_rolling_rows(handle, caches, tokens)
+            return [logits[i] for i in range(len(caches))]
+        except UnsupportedModelError as exc:
+            return [exc] * len(caches)
+        except Exception:
+            log.warning(
+                "a batched decode step failed; running its %d rows one by one", len(caches), exc_info=True
+            )
+        for restore in undo:
+            restore()
     out: list[torch.Tensor | Exception] = []
     for cache, token in zip(caches, tokens, strict=True):
         try:

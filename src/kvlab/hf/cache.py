@@ -263,8 +263,8 @@ class GrowingStore:
     def _regrow(
         self, size: int, held: int, k: torch.Tensor, v: torch.Tensor, batch: int | None = None
     ) -> None:
-        """Move to new buffers of ``size`` slots for K/V like ``k``/``v`` (``batch`` rows, default theirs),
-        the first ``held`` slots copied from the old ones."""
+        """Move to new buffers of ``size`` slots for K/V like ``k``/``v`` (``batch`` rows, default theirs;
+        their device and dtype become the layer's), the first ``held`` slots copied from the old ones."""
         rows = k.shape[0] if batch is None else batch
         new_k = k.new_empty((rows, k.shape[1], size, k.shape[-1]))
         new_v = v.new_empty((rows, v.shape[1], size, v.shape[-1]))
@@ -273,6 +273,7 @@ class GrowingStore:
             new_k[:, :, :held] = self._buf_k[:, :, :held]
             new_v[:, :, :held] = self._buf_v[:, :, :held]
         self._buf_k, self._buf_v = new_k, new_v
+        self.device, self.dtype, self.is_initialized = k.device, k.dtype, True
 
     def _write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Write ``k``/``v`` into slots ``[at, end)`` (they fit), view ``[0, end)``; returns ``end``."""
@@ -305,7 +306,6 @@ class GrowingLayer(GrowingStore, DynamicLayer):
         if self._buf_k is None or end > self.capacity:
             cap = end + self.room if self._buf_k is None else max(end + self.room, (3 * end) // 2)
             self._regrow(cap, self._n, key_states, value_states)
-            self.device, self.dtype, self.is_initialized = key_states.device, key_states.dtype, True
         self._n = self._write(self._n, key_states, value_states)
         return self.keys, self.values
 
@@ -323,7 +323,6 @@ class GrowingLayer(GrowingStore, DynamicLayer):
             layer._buf_v[at : at + v.shape[0], :, :t] = v
             at += k.shape[0]
         layer._n = t
-        layer.device, layer.dtype, layer.is_initialized = k0.device, k0.dtype, True
         layer._show(t)
         return layer
 
