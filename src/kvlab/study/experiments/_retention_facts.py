@@ -19,82 +19,54 @@ from typing import Any
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 
-# (statement, question, response prefix, answer). Answers are single words or numbers.
-FACTS: tuple[tuple[str, str, str, str], ...] = (
-    ("Hello, my name is Lyra and I live in Seattle.", "What is my name?", "Your name is", "Lyra"),
-    ("Hi there, I'm Tobias and I work as a baker.", "What is my name?", "Your name is", "Tobias"),
-    ("My name is Priya. I grew up near the coast.", "What is my name?", "Your name is", "Priya"),
-    ("Call me Oswin, that is the name I go by.", "What is my name?", "Your name is", "Oswin"),
-    ("I am Marguerite and I teach chemistry.", "What is my name?", "Your name is", "Marguerite"),
-    ("Everyone calls me Dmitri at the office.", "What is my name?", "Your name is", "Dmitri"),
-    ("I live in Lisbon, in a flat by the river.", "Which city do I live in?", "You live in", "Lisbon"),
-    ("My home is in Nairobi, close to the park.", "Which city do I live in?", "You live in", "Nairobi"),
-    ("I moved to Montreal last spring.", "Which city do I live in?", "You live in", "Montreal"),
-    ("These days I live in Osaka with my sister.", "Which city do I live in?", "You live in", "Osaka"),
-    ("I have lived in Edinburgh for ten years.", "Which city do I live in?", "You live in", "Edinburgh"),
-    (
-        "My apartment is in Santiago, on the fifth floor.",
-        "Which city do I live in?",
-        "You live in",
-        "Santiago",
-    ),
-    ("My favourite colour is green.", "What is my favourite colour?", "Your favourite colour is", "green"),
-    (
-        "I love the colour purple more than any other.",
-        "What is my favourite colour?",
-        "Your favourite colour is",
-        "purple",
-    ),
-    (
-        "The colour I like best is orange.",
-        "What is my favourite colour?",
-        "Your favourite colour is",
-        "orange",
-    ),
-    (
-        "My favourite colour has always been yellow.",
-        "What is my favourite colour?",
-        "Your favourite colour is",
-        "yellow",
-    ),
-    (
-        "Of all colours, I like blue the most.",
-        "What is my favourite colour?",
-        "Your favourite colour is",
-        "blue",
-    ),
-    ("My locker number is 47.", "What is my locker number?", "Your locker number is", "47"),
-    (
-        "The code for my bike lock is 3921.",
-        "What is the code for my bike lock?",
-        "The code for your bike lock is",
-        "3921",
-    ),
-    ("I am 63 years old.", "How old am I?", "You are", "63"),
-    (
-        "My flight leaves from gate 18.",
-        "Which gate does my flight leave from?",
-        "Your flight leaves from gate",
-        "18",
-    ),
-    ("My room number at the hotel is 512.", "What is my room number?", "Your room number is", "512"),
-    ("My house is number 29 on the street.", "What is my house number?", "Your house number is", "29"),
-    ("My dog is called Biscuit.", "What is my dog called?", "Your dog is called", "Biscuit"),
-    ("I have a cat named Pepper.", "What is my cat's name?", "Your cat's name is", "Pepper"),
-    ("My favourite fruit is the mango.", "What is my favourite fruit?", "Your favourite fruit is", "mango"),
-    ("I play the cello in an orchestra.", "Which instrument do I play?", "You play the", "cello"),
-    ("I drive a red Volvo to work.", "What brand of car do I drive?", "You drive a", "Volvo"),
-    ("My sister is named Clara.", "What is my sister's name?", "Your sister's name is", "Clara"),
-    ("I was born in Norway.", "Which country was I born in?", "You were born in", "Norway"),
-    ("My favourite sport is tennis.", "What is my favourite sport?", "Your favourite sport is", "tennis"),
-    ("I speak Portuguese at home.", "Which language do I speak at home?", "At home you speak", "Portuguese"),
-    (
-        "My best friend is called Ravi.",
-        "What is my best friend called?",
-        "Your best friend is called",
-        "Ravi",
-    ),
-    ("I work as a nurse at the hospital.", "What is my job?", "You work as a", "nurse"),
+
+def _facts(table: str) -> tuple[tuple[str, str, str, str], ...]:
+    """One fact a line, ``statement | question | response prefix | answer``, as FACTS' tuples."""
+    out = []
+    for line in table.strip().splitlines():
+        statement, question, prefix, answer = line.split(" | ")
+        out.append((statement, question, prefix, answer))
+    return tuple(out)
+
+
+#: (statement, question, response prefix, answer). Answers are single words or numbers.
+FACTS: tuple[tuple[str, str, str, str], ...] = _facts(
+    """
+Hello, my name is Lyra and I live in Seattle. | What is my name? | Your name is | Lyra
+Hi there, I'm Tobias and I work as a baker. | What is my name? | Your name is | Tobias
+My name is Priya. I grew up near the coast. | What is my name? | Your name is | Priya
+Call me Oswin, that is the name I go by. | What is my name? | Your name is | Oswin
+I am Marguerite and I teach chemistry. | What is my name? | Your name is | Marguerite
+Everyone calls me Dmitri at the office. | What is my name? | Your name is | Dmitri
+I live in Lisbon, in a flat by the river. | Which city do I live in? | You live in | Lisbon
+My home is in Nairobi, close to the park. | Which city do I live in? | You live in | Nairobi
+I moved to Montreal last spring. | Which city do I live in? | You live in | Montreal
+These days I live in Osaka with my sister. | Which city do I live in? | You live in | Osaka
+I have lived in Edinburgh for ten years. | Which city do I live in? | You live in | Edinburgh
+My apartment is in Santiago, on the fifth floor. | Which city do I live in? | You live in | Santiago
+My favourite colour is green. | What is my favourite colour? | Your favourite colour is | green
+I love the colour purple more than any other. | What is my favourite colour? | Your favourite colour is | purple
+The colour I like best is orange. | What is my favourite colour? | Your favourite colour is | orange
+My favourite colour has always been yellow. | What is my favourite colour? | Your favourite colour is | yellow
+Of all colours, I like blue the most. | What is my favourite colour? | Your favourite colour is | blue
+My locker number is 47. | What is my locker number? | Your locker number is | 47
+The code for my bike lock is 3921. | What is the code for my bike lock? | The code for your bike lock is | 3921
+I am 63 years old. | How old am I? | You are | 63
+My flight leaves from gate 18. | Which gate does my flight leave from? | Your flight leaves from gate | 18
+My room number at the hotel is 512. | What is my room number? | Your room number is | 512
+My house is number 29 on the street. | What is my house number? | Your house number is | 29
+My dog is called Biscuit. | What is my dog called? | Your dog is called | Biscuit
+I have a cat named Pepper. | What is my cat's name? | Your cat's name is | Pepper
+My favourite fruit is the mango. | What is my favourite fruit? | Your favourite fruit is | mango
+I play the cello in an orchestra. | Which instrument do I play? | You play the | cello
+I drive a red Volvo to work. | What brand of car do I drive? | You drive a | Volvo
+My sister is named Clara. | What is my sister's name? | Your sister's name is | Clara
+I was born in Norway. | Which country was I born in? | You were born in | Norway
+My favourite sport is tennis. | What is my favourite sport? | Your favourite sport is | tennis
+I speak Portuguese at home. | Which language do I speak at home? | At home you speak | Portuguese
+My best friend is called Ravi. | What is my best friend called? | Your best friend is called | Ravi
+I work as a nurse at the hospital. | What is my job? | You work as a | nurse
+"""
 )
 
 ACK = "Noted."
