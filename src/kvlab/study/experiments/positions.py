@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.metrics.stats import bootstrap_ci, paired_share_ci, wilson_ci
+from kvlab.metrics.stats import bootstrap_ci, paired_share_ci
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.experiments.ruler import claims_table, haystack, mean_iv, record, run_trials
 from kvlab.study.report.format import format_interval, says
 
 #: the conventions compared with ``original`` (a): (name, the difference's label)
@@ -61,15 +62,6 @@ def _distinct(scores: list[str]) -> list[str]:
     return list(seen.values())
 
 
-def _iv(values: list[float], seed: int, proportion: bool = False) -> dict | None:
-    """Mean over trials with its 95% interval (Wilson for a proportion) as JSON; None when nothing is finite;
-    no interval from fewer than 5 values."""
-    finite = [v for v in values if np.isfinite(v)]
-    if not finite:
-        return None
-    return (wilson_ci(finite) if proportion else bootstrap_ci(finite, seed=seed)).to_json()
-
-
 def _by_trial(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     """Eviction rows by (spec, task, length, trial): {convention: row}."""
     out: dict[tuple, dict[str, dict]] = {}
@@ -89,7 +81,7 @@ def paired(trials: list[list[dict[str, dict]]], seed: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"trials": len(trials)}
     for conv in ("original", *(c for c, _ in PAIRS)):
-        out[conv] = {m: _iv([mean(t, conv, m) for t in trials], seed, proportion=up) for m, _, up in METRICS}
+        out[conv] = {m: mean_iv([mean(t, conv, m) for t in trials], seed, up) for m, _, up in METRICS}
     for conv, _ in PAIRS:
         out[f"{conv}-original"] = {m: _diff(trials, conv, m, up, seed) for m, _, up in METRICS}
     return out
@@ -148,26 +140,24 @@ def claim(pooled: dict, conv: str, label: str) -> dict:
         f"{name} {label} {format_interval(diffs[m], signed=True)} ({better(diffs[m], up, conv)})"
         for m, name, up in METRICS[1:]
     )
-    return {
-        "id": f"positions_{conv}",
-        "claim": f"Original positions beat {conv} ones after eviction ({label}, by KL)",
-        "verdict": verdict,
-        "outcome": outcome,
-        "measured": f"{verdict}: KL {label} {format_interval(diffs['kld'], signed=True)} nats/token; {rest}",
-        "rule": f"the paired per-trial difference {label} ({conv} minus original, same trial and kept slots) "
+    return record(
+        f"positions_{conv}",
+        f"Original positions beat {conv} ones after eviction ({label}, by KL)",
+        verdict,
+        f"{verdict}: KL {label} {format_interval(diffs['kld'], signed=True)} nats/token; {rest}",
+        f"the paired per-trial difference {label} ({conv} minus original, same trial and kept slots) "
         "of the mean per-token KL to the full cache, each trial's evictions (scores, ratios) averaged, over "
         "every task, length and trial: a 95% bootstrap interval above 0 holds (original better), below 0 "
         "or across 0 does not; fewer than 5 trials give no interval: cannot decide",
-        "key": {**(diffs["kld"] or {}), "samples": "trials", "label": f"KL {label} (nats/token)"},
-    }
+        {**(diffs["kld"] or {}), "samples": "trials", "label": f"KL {label} (nats/token)"},
+        outcome,
+    )
 
 
 def _tables(pts: list[dict], claims: list[dict]) -> list[Table]:
-    verdicts = Table(
-        "Claims checked",
-        ["claim", "verdict", "measured", "rule"],
-        [[c["claim"], c["verdict"], c["measured"], c["rule"]] for c in claims],
-        caption="a: original positions (question at T); b: re-rotated to 0..k-1 (question at T); c: "
+    verdicts = claims_table(
+        claims,
+        "a: original positions (question at T); b: re-rotated to 0..k-1 (question at T); c: "
         "re-rotated, question at k. Differences are paired per trial (same kept slots, same tokens).",
     )
     cols = ["length", "cache", "n", "KL a", "KL b - a", "KL c - a", "acc a", "acc b - a", "acc c - a"]
@@ -195,7 +185,6 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
     from kvlab.errors import BadInputError
     from kvlab.eval.positions import CONVENTIONS
     from kvlab.eval.run import expand_specs, parse_cache_specs
-    from kvlab.study.experiments.ruler import haystack, run_trials
 
     unknown = set(opts) - {"scores", "ratios", "lengths", "tasks", "trials", "max_new_tokens"}
     if unknown:

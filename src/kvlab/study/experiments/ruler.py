@@ -70,7 +70,7 @@ def _specs(s: dict[str, Any]) -> list[Any]:
 PROPORTIONS = ("score", "top1")
 
 
-def _mean_iv(values: list[float], seed: int, proportion: bool = False) -> dict | None:
+def mean_iv(values: list[float], seed: int, proportion: bool = False) -> dict | None:
     """Mean over trials with its interval (Wilson for a proportion), as JSON; None when nothing is finite."""
     finite = [v for v in values if np.isfinite(v)]
     if not finite:
@@ -98,10 +98,10 @@ def points(rows: list[dict], specs: list[Any], seed: int) -> list[dict]:
                 "method": m.method or "full",
                 "ratio": m.ratio,
                 "trials": len(rs),
-                "accuracy": _mean_iv([r["score"] for r in rs], seed, proportion=True),
-                "kld": _mean_iv([r["kld"] for r in rs], seed),
+                "accuracy": mean_iv([r["score"] for r in rs], seed, proportion=True),
+                "kld": mean_iv([r["kld"] for r in rs], seed),
                 "kld_infinite": sum(1 for r in rs if r["kld"] == float("inf")),
-                "top1": _mean_iv([r["top1"] for r in rs], seed, proportion=True),
+                "top1": mean_iv([r["top1"] for r in rs], seed, proportion=True),
                 "bytes_per_token": float(np.mean([r["kv_bytes"] / r["context_tokens"] for r in rs])),
                 "kept_fraction": float(np.mean([r["kept_slots"] / r["context_tokens"] for r in rs])),
             }
@@ -288,7 +288,7 @@ UNDECIDED = "cannot decide"
 
 def _pooled(rows: list[dict], spec: str, key: str, seed: int) -> dict | None:
     """One cache's mean of ``key`` over every task, length and trial, with its interval."""
-    return _mean_iv([r[key] for r in rows if r["spec"] == spec], seed, proportion=key in PROPORTIONS)
+    return mean_iv([r[key] for r in rows if r["spec"] == spec], seed, proportion=key in PROPORTIONS)
 
 
 def paired(rows: list[dict], a: str, b: str, key: str, seed: int) -> dict | None:
@@ -315,14 +315,16 @@ def _diff_text(d: dict | None, label: str, digits: int = 3) -> str:
     return text if d.get("low") is None else f"{text}: {side(d)}"
 
 
-def _record(cid: str, claim: str, verdict: str, measured: str, rule: str, key: dict | None = None) -> dict:
-    """A claim's record, in the shape of :mod:`findings`' (holds / does not hold / cannot decide / not
-    tested here)."""
+def record(
+    cid: str, claim: str, verdict: str, measured: str, rule: str, key: dict | None = None, outcome: str = ""
+) -> dict:
+    """A claim's record, in the shape of :mod:`findings`': its ``outcome`` (holds / does not hold / cannot
+    decide / not tested here) is the ``verdict`` unless given."""
     return {
         "id": cid,
         "claim": claim,
         "verdict": verdict,
-        "outcome": verdict,
+        "outcome": outcome or verdict,
         "measured": measured,
         "rule": rule,
         "key": key,
@@ -343,7 +345,7 @@ def claim_h2o(rows: list[dict], specs: list[Any], seed: int, by: str) -> dict:
     )
     at = {s.method: s.spec for s in specs if s.kind == "evict" and abs(s.ratio - CLAIM_RATIO) < 1e-9}
     if "h2o" not in at or len(at) < 2:
-        return _record(cid, claim, "not tested here", "needs h2o and another policy at 0.5", rule)
+        return record(cid, claim, "not tested here", "needs h2o and another policy at 0.5", rule)
     ivs = {m: _pooled(rows, spec, by, seed) for m, spec in at.items()}
     sign = 1.0 if by == "score" else -1.0
     ranked = sorted(ivs, key=lambda m: (-sign * _val(ivs[m]), m != "h2o"))
@@ -363,7 +365,7 @@ def claim_h2o(rows: list[dict], specs: list[Any], seed: int, by: str) -> dict:
     )
     unit = " (nats/token)" if by == "kld" else ""
     key = {**(diff or {}), "samples": "trials (pairs)", "label": f"H2O minus {other}, {what}{unit}"}
-    rec = _record(cid, claim, verdict, measured, rule, key)
+    rec = record(cid, claim, verdict, measured, rule, key)
     rec.update(best=ranked[0], runner_up=other, difference=diff, by_policy=ivs)
     return rec
 
@@ -380,7 +382,7 @@ def claim_int4(rows: list[dict], specs: list[Any], seed: int) -> dict:
     )
     spec = next((s.spec for s in specs if s.kind == "quant" and s.policy.spec == "codec=pertoken4"), None)
     if spec is None:
-        return _record("int4_free", claim, "not tested here", "int4 was not run", rule)
+        return record("int4_free", claim, "not tested here", "int4 was not run", rule)
     kl, acc = _pooled(rows, spec, "kld", seed), _pooled(rows, spec, "score", seed)
     full = _pooled(rows, "full", "score", seed)
     diff = paired(rows, spec, "full", "score", seed)
@@ -395,7 +397,7 @@ def claim_int4(rows: list[dict], specs: list[Any], seed: int) -> dict:
         + _diff_text(diff, "paired int4 − full accuracy", digits=2)
     )
     key = {**diff, "samples": "trials (pairs)", "label": "int4 minus full, accuracy"}
-    rec = _record("int4_free", claim, verdict, measured, rule, key)
+    rec = record("int4_free", claim, verdict, measured, rule, key)
     rec.update(kld=kl, accuracy=acc, full_accuracy=full, accuracy_difference=diff)
     rec.update(kl_ok=kl_ok, accuracy_ok=acc_ok)
     return rec
@@ -440,7 +442,7 @@ def claim_monotone(rows: list[dict], specs: list[Any], s: dict[str, Any], seed: 
                     if side(d) == "above 0"
                 ]
     if n_steps == 0:
-        return _record("monotone", claim, "not tested here", "no eviction policy was run", rule)
+        return record("monotone", claim, "not tested here", "no eviction policy was run", rule)
     verdict = "does not hold" if rising else UNDECIDED if undecided else "holds"
     measured = (
         f"of {n_steps} pooled steps, {len(rising)} rise (paired interval above 0)"
@@ -449,7 +451,7 @@ def claim_monotone(rows: list[dict], specs: list[Any], s: dict[str, Any], seed: 
         + (f", {undecided} have fewer than {MIN_SAMPLES} trials (no interval)" if undecided else "")
         + f"; per task, {len(per_task_rising)} step(s) rise"
     )
-    rec = _record("monotone", claim, verdict, measured, rule)
+    rec = record("monotone", claim, verdict, measured, rule)
     rec.update(rising=rising, per_task_rising=per_task_rising, steps=n_steps)
     return rec
 
@@ -536,12 +538,16 @@ def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: 
     return result
 
 
+def claims_table(claims: list[dict], caption: str) -> Table:
+    """The claims checked, one row each: claim, verdict, measured, rule (``caption`` says how)."""
+    rows = [[c["claim"], c["verdict"], c["measured"], c["rule"]] for c in claims]
+    return Table("Claims checked", ["claim", "verdict", "measured", "rule"], rows, caption=caption)
+
+
 def _verdict_table(claims: list[dict]) -> Table:
-    return Table(
-        "Claims checked",
-        ["claim", "verdict", "measured", "rule"],
-        [[c["claim"], c["verdict"], c["measured"], c["rule"]] for c in claims],
-        caption="Each claim's verdict from this run's numbers, by the rule in its row. Every comparison of "
+    return claims_table(
+        claims,
+        "Each claim's verdict from this run's numbers, by the rule in its row. Every comparison of "
         "two caches is a paired difference over the trials both ran (the same tokens), its mean with a 95% "
         f"bootstrap interval over trials; fewer than {MIN_SAMPLES} trials give no interval, and a verdict that "
         "needs one cannot decide. A cache's own accuracy: Wilson interval; its KL: bootstrap.",
