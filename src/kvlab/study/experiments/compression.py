@@ -558,17 +558,15 @@ def _pareto_figure(ctx, points: list, model, n_windows: int):
         ax.plot(*zip(*front, strict=True), color="k", lw=2, alpha=0.35, label="Pareto front")
     ax.axhline(1, color="grey", lw=0.8)
     _plain_log_axes(ax, shown)
-    ax.set_xlabel("bytes held per context token (log scale)")
-    ax.set_ylabel("perplexity ÷ full precision's (log scale; ×1.1 = 10% higher)")
     samples = f"{n_windows} text sample{'s' if n_windows != 1 else ''}"
     spread = (
         ", 95% bootstrap intervals"
         if n_windows >= MIN_SAMPLES
         else f"; no intervals from fewer than {MIN_SAMPLES}"
     )
-    ax.set_title(f"Quality vs bytes ({model.facts.name}, {samples}{spread})")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3, which="both")
+    ylabel = "perplexity ÷ full precision's (log scale; ×1.1 = 10% higher)"
+    title = f"Quality vs bytes ({model.facts.name}, {samples}{spread})"
+    style(ax, "bytes held per context token (log scale)", ylabel, title, ncol=2, which="both")
     return ctx.figure(
         "pareto",
         fig,

@@ -19,7 +19,7 @@ from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments import needed
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
 from kvlab.study.report.format import format_interval, side_of_zero
-from kvlab.study.report.plots import plot_band, subplots
+from kvlab.study.report.plots import plot_band, style, subplots
 
 SOURCES = ("roll_sweep", "roll_long", "rope_derotation")
 ATTN_ROLLS = (1, 5, 20)
@@ -359,9 +359,7 @@ def _attention_figure(ctx: ExperimentContext, attn: dict, name: str) -> Any:
         plot_band(
             axes[0], np.arange(L), attn["without_sink"][:, j], f"roll {n}, without it", color=f"C{j}", ls="--"
         )
-    axes[0].set_xlabel("layer")
-    axes[0].set_ylabel("cosine of the last query's attention row")
-    axes[0].set_title("Attention rows: original vs rolled")
+    style(axes[0], "layer", "cosine of the last query's attention row", "Attention rows: original vs rolled")
     plot_band(axes[1], np.arange(L), attn["sink_mass_original"], "original: attention on slot 0", color="k")
     for j, n in enumerate(ATTN_ROLLS):
         plot_band(
@@ -371,12 +369,7 @@ def _attention_figure(ctx: ExperimentContext, attn: dict, name: str) -> Any:
             f"roll {n}: attention on its slot 0",
             color=f"C{j}",
         )
-    axes[1].set_xlabel("layer")
-    axes[1].set_ylabel("attention mass on the first slot")
-    axes[1].set_title("Sink mass, reported on its own")
-    for a in axes:
-        a.grid(alpha=0.3)
-        a.legend(fontsize=7)
+    style(axes[1], "layer", "attention mass on the first slot", "Sink mass, reported on its own")
     fig.suptitle(f"{name}: is the attention disruption the sink moving?")
     return fig
 

@@ -141,20 +141,13 @@ def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: st
     fig, axes = subplots(1, 2, figsize=(11, 3.8))
     axes[0].plot(np.arange(T), rec, lw=1)
     axes[0].set_yscale("log")
-    axes[0].set_xlabel("key position")
-    axes[0].set_ylabel("mean attention received")
-    axes[0].set_title("Attention mass received per position")
+    style(axes[0], "key position", "mean attention received", "Attention mass received per position", None)
     kn, vn = sinks["k_norm"].mean(axis=(0, 1)), sinks["v_norm"].mean(axis=(0, 1))
     axes[1].plot(np.arange(T), kn / kn[1:].mean(), label=f"|K| / its mean over positions 1–{T - 1}", lw=1)
     axes[1].plot(
         np.arange(T), vn / vn[1:].mean(), label=f"|V| / its mean over positions 1–{T - 1}", lw=1, ls="--"
     )
-    axes[1].set_xlabel("position")
-    axes[1].set_ylabel("relative norm")
-    axes[1].set_title("K and V norms per position")
-    axes[1].legend(fontsize=8)
-    for ax in axes:
-        ax.grid(alpha=0.3)
+    style(axes[1], "position", "relative norm", "K and V norms per position", legend=8)
     fig.suptitle(f"{name}: attention sinks over {T} tokens of prose")
     fig.tight_layout()  # the suptitle gets its own row instead of overlapping the axes titles
     figs.append(

@@ -30,7 +30,7 @@ from kvlab.metrics.text import agreement_length
 from kvlab.ops.transfer import hybrid_kv, reposition, swap_slots
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_interval, format_number, iv, num, side_of_zero
+from kvlab.study.report.format import each, format_interval, format_number, iv, num, side_of_zero
 from kvlab.study.report.plots import subplots
 
 METRICS = ("first_token_kl", "ref_nll", "distinct_2", "longest_repeat", "agreement")
@@ -286,13 +286,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         f"{format_number(v_only)}: " + _sink_verdict(s.get("sink_alone_minus_both"))
     )
     rows = [(f"first-token KL (nats), {k}", iv(kl, k)) for k in pick]
-    rows += [
-        (
-            f"first-token KL, sink {x} alone minus both (paired)",
-            iv(s, f"sink_alone_minus_both.{x}", signed=True),
-        )
-        for x in (s.get("sink_alone_minus_both") or {})
-    ]
+    rows += each(s, "sink_alone_minus_both", "first-token KL, sink {} alone minus both (paired)", signed=True)
     return text, rows
 
 

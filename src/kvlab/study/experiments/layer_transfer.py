@@ -16,7 +16,7 @@ from kvlab.metrics import bootstrap_ci, bootstrap_curve, wilson_ci
 from kvlab.ops.transfer import transfer_layers
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num, says
+from kvlab.study.report.format import each, format_number, iv, num, says
 from kvlab.study.report.plots import style, subplots
 
 
@@ -180,9 +180,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
             else "."
         )
     )
-    rows = [
-        (f"answer NLL (nats), {k}", iv(s, f"answer_nll_nats.{k}")) for k in (s.get("answer_nll_nats") or {})
-    ]
+    rows = each(s, "answer_nll_nats", "answer NLL (nats), {}")
     rows += [
         (
             f"answer NLL, best window minus {k} (paired per fact)",

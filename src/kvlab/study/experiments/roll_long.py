@@ -191,28 +191,24 @@ def _fig_curve_analysis(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
             color=line.get_color(),
             label=f"fit: slope {f['slope']:.2e}/token, R² {f['r2']:.3f}",
         )
-    ax.set_xlabel("n")
-    ax.set_ylabel("raw K cosine (last position)")
-    ax.set_title("Linear regression")
-    ax.legend(fontsize=7)
+    style(ax, "n", "raw K cosine (last position)", "Linear regression")
     ax = axes[0, 1]
     for key, label in (("autocorrelation_roll", "roll"), ("autocorrelation_difference", "roll - truncate")):
         ax.plot(np.arange(an[key].size), an[key], marker="o", ms=3, label=label)
     ax.axhline(0, color="k", lw=0.6)
-    ax.set_xlabel("lag (tokens)")
-    ax.set_ylabel("autocorrelation of the detrended curve")
-    ax.set_title("Detrended autocorrelation (step-1 range)")
-    ax.legend(fontsize=7)
+    style(
+        ax,
+        "lag (tokens)",
+        "autocorrelation of the detrended curve",
+        "Detrended autocorrelation (step-1 range)",
+    )
     ax = axes[1, 0]
     for key, label in (("spectrum_roll", "roll"), ("spectrum_truncate", "truncate")):
         f, p = an[key]
         ax.semilogy(f[1:], p[1:], label=label)
     if rope is not None:
         _rope_lines(ax, rope)
-    ax.set_xlabel("frequency (cycles per token)")
-    ax.set_ylabel("power")
-    ax.set_title("FFT of the step-1 range with RoPE frequencies")
-    ax.legend(fontsize=7)
+    style(ax, "frequency (cycles per token)", "power", "FFT of the step-1 range with RoPE frequencies")
     ax = axes[1, 1]
     fine = sel & (ns <= plan.fine)
     fs, ts, sp = S.spectrogram(roll_m[fine], step=1.0, window=min(16, int(fine.sum()) // 2))
@@ -222,11 +218,8 @@ def _fig_curve_analysis(ctx, data, plan, an, rope, name, conv, ref, ns, sel, T):
         for f in rope.frequencies_cycles_per_token():
             if f <= 0.5:
                 ax.axhline(f, color="w", lw=0.5, ls=":", alpha=0.7)
-    ax.set_xlabel("tokens removed (n, window centre)")
-    ax.set_ylabel("frequency (cycles per token)")
+    style(ax, "tokens removed (n, window centre)", "frequency (cycles per token)", legend=None)
     ax.set_title("Spectrogram of the roll curve (dotted: RoPE frequencies)")
-    for a in axes.flat:
-        a.grid(alpha=0.3)
     fig.suptitle(f"{name}: curve analysis")
     return ctx.figure(
         "curve_analysis",

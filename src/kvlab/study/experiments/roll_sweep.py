@@ -202,11 +202,9 @@ def _sweep_figure(ctx: ExperimentContext, raw: dict, summ: dict, T: int, model_n
             ax.axhline(iv["value"], color=color, ls=ls, lw=1, label=f"{cond}: {METRIC_LABELS[m]}")
             ax.axhspan(_bound(iv, "low"), _bound(iv, "high"), color=color, alpha=0.12)
     ax.set_xscale("log")
-    ax.set_xlabel("tokens rolled off the front (n)")
-    ax.set_ylabel("cosine vs original (mean over layers, heads, slots)")
-    ax.set_title(f"{model_name}: roll sweep over {len(raw[rolls[0]]['k'])} text samples of {T} tokens")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
+    title = f"{model_name}: roll sweep over {len(raw[rolls[0]]['k'])} text samples of {T} tokens"
+    ylabel = "cosine vs original (mean over layers, heads, slots)"
+    style(ax, "tokens rolled off the front (n)", ylabel, title, ncol=2)
     return ctx.figure(
         "roll_sweep",
         fig,
@@ -238,11 +236,8 @@ def _position_figure(ctx: ExperimentContext, raw: dict, T: int):
                 keep = ~np.all(np.isnan(samples), axis=0)
                 x = np.arange(T)[keep]
                 plot_band(ax, x[:48], samples[:, keep][:, :48], f"{c} {METRIC_LABELS[m]}", ls=ls)
-    ax.set_xlabel("aligned slot (0 = the rolled cache's first slot, its new attention sink)")
-    ax.set_ylabel("cosine vs original")
-    ax.set_title("Sink-aware view: similarity per aligned slot (first 48)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
+    xlabel = "aligned slot (0 = the rolled cache's first slot, its new attention sink)"
+    style(ax, xlabel, "cosine vs original", "Sink-aware view: similarity per aligned slot (first 48)", ncol=2)
     return ctx.figure(
         "per_position",
         fig,

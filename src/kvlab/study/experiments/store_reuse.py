@@ -30,7 +30,7 @@ from kvlab.store import DiskTier, KVStore, MemoryTier, StoreUnavailableError, pr
 from kvlab.store.blend import blend, correction_by_name
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_number, iv, num, side_of_zero
+from kvlab.study.report.format import each, format_number, iv, num, side_of_zero
 from kvlab.study.report.plots import subplots
 
 if TYPE_CHECKING:
@@ -517,15 +517,9 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
             else "."
         )
     )
-    rows = [
-        (f"time-to-first-token speed-up, {k}", iv(s, f"speedup_at_longest.{k}"))
-        for k in (s.get("speedup_at_longest") or {})
-    ]
-    rows += [
-        (f"largest |logit error| vs full prefill, {k}", iv(s, f"max_abs_logit_error_vs_full.{k}"))
-        for k in (s.get("max_abs_logit_error_vs_full") or {})
-    ]
-    rows += [(f"non-prefix reuse KL (nats), {k}", iv(s, f"kl_mean.{k}")) for k in (s.get("kl_mean") or {})]
+    rows = each(s, "speedup_at_longest", "time-to-first-token speed-up, {}")
+    rows += each(s, "max_abs_logit_error_vs_full", "largest |logit error| vs full prefill, {}")
+    rows += each(s, "kl_mean", "non-prefix reuse KL (nats), {}")
     if s.get("cacheblend_minus_rotation_only_kl"):
         rows.append(
             (

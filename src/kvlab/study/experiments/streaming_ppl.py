@@ -25,7 +25,7 @@ from kvlab.streaming.perplexity import (
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_range, iv
-from kvlab.study.report.plots import subplots
+from kvlab.study.report.plots import style, subplots
 
 # the divergence columns, placed after the paired ratio's interval
 KL_COLUMNS = ["KL to full (nats)", "top-1 agreement"]
@@ -75,11 +75,7 @@ def _figure(ctx: ExperimentContext, results: dict[str, StreamResult], title: str
         )
     ax.axvline(window, color="grey", lw=0.8, ls=":", label=f"window = {window}")
     ax.set_yscale("log")
-    ax.set_xlabel("token index in the stream")
-    ax.set_ylabel("running perplexity")
-    ax.set_title(title)
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3, which="both")
+    style(ax, "token index in the stream", "running perplexity", title, ncol=2, which="both")
     return ctx.figure(
         stem,
         fig,

@@ -15,8 +15,8 @@ from kvlab.data import python_docs, token_samples
 from kvlab.metrics import bootstrap_ci, kl_divergence, wilson_ci
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
-from kvlab.study.report.format import format_interval, format_number, iv, num
-from kvlab.study.report.plots import subplots
+from kvlab.study.report.format import each, format_interval, format_number, iv, num
+from kvlab.study.report.plots import style, subplots
 
 VARIANTS = ("plain", "special token in the middle", "generated tokens kept + special token")
 
@@ -144,14 +144,8 @@ def _figure(maxdiff, kl, name, tol):
         axes[1].plot(x, kl[:, j], marker="s", ls="", label=v)
     axes[0].axhline(tol, color="r", lw=1, ls="--", label=f"tolerance {tol:g}")
     axes[0].set_yscale("log")
-    axes[0].set_ylabel("max |logit difference|")
-    axes[0].set_title("cache(A) + B vs prefill(A + B)")
-    axes[1].set_ylabel("KL(B alone || B after A) (nats)")
-    axes[1].set_title("What the injection 'effect' measured")
-    for ax in axes:
-        ax.set_xlabel("text pair")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    style(axes[0], "text pair", "max |logit difference|", "cache(A) + B vs prefill(A + B)")
+    style(axes[1], "text pair", "KL(B alone || B after A) (nats)", "What the injection 'effect' measured")
     fig.suptitle(f"{name}: cache injection is a concatenated context")
     return fig
 
@@ -164,12 +158,9 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         f"Injecting the cache of A and then feeding B {verdict} prefilling A+B: the largest logit difference is "
         f"{format_number(worst)}, within the rounding bound {format_number(num(s, 'tolerance'))} derived from the dtype and depth."
     )
-    rows = [
-        (f"largest |logit difference|, {k}", iv(s, f"max_abs_logit_diff.{k}"))
-        for k in (s.get("max_abs_logit_diff") or {})
-    ]
+    rows = each(s, "max_abs_logit_diff", "largest |logit difference|, {}")
     rows.append(("rounding bound", iv(s, "tolerance")))
-    rows += [(f"KL vs B without A, {k}", iv(s, f"kl_vs_b_alone.{k}")) for k in (s.get("kl_vs_b_alone") or {})]
+    rows += each(s, "kl_vs_b_alone", "KL vs B without A, {}")
     return text, rows
 
 

@@ -552,15 +552,11 @@ def _ev_figure(cmap, title: str):
         )
         if ident is not None:
             ax.plot(layers, ident.mean(1), color=color, ls="--", label=f"{name}: donor cache as is")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("held-out explained variance")
     ax.set_ylim(
         min(0.0, float(np.nanmin(cmap.ev_k_identity.mean(1))) if cmap.ev_k_identity is not None else 0.0),
         1.02,
     )
-    ax.set_title(f"C2C-lite: {title}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    style(ax, "layer", "held-out explained variance", f"C2C-lite: {title}")
     return fig
 
 

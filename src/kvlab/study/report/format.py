@@ -104,6 +104,12 @@ def num(summary: dict, path: str) -> float | None:
     return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
 
 
+def each(summary: dict, key: str, label: str, signed: bool = False) -> list[tuple[str, str]]:
+    """A headline row per entry of the mapping ``summary[key]``: ``label`` with the entry's name for ``{}``,
+    and :func:`iv` of ``key.name``."""
+    return [(label.format(k), iv(summary, f"{key}.{k}", signed=signed)) for k in (summary.get(key) or {})]
+
+
 def iv(summary: dict, path: str, digits: int = 3, signed: bool = False) -> str:
     """The quantity at ``path`` written with its interval (or "–" when the run did not compute it)."""
     x = dig(summary, path)

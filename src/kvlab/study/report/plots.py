@@ -27,17 +27,23 @@ def colors() -> list[str]:
 
 
 def style(
-    ax: Any, xlabel: str, ylabel: str, title: str | None = None, legend: float | None = 7, **grid: Any
+    ax: Any,
+    xlabel: str,
+    ylabel: str,
+    title: str | None = None,
+    legend: float | None = 7,
+    ncol: int = 1,
+    **grid: Any,
 ) -> None:
     """Axis labels, a title, a light grid (``grid``: more of ``ax.grid``'s options) and a legend in
-    ``legend``-point type (None: no legend)."""
+    ``legend``-point type with ``ncol`` columns (None: no legend)."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title is not None:
         ax.set_title(title)
     ax.grid(alpha=0.3, **grid)
     if legend is not None:
-        ax.legend(fontsize=legend)
+        ax.legend(fontsize=legend, ncol=ncol)
 
 
 def plot_band(ax: Any, x: np.ndarray, samples: np.ndarray, label: str, **kw: Any) -> None:
