@@ -404,7 +404,7 @@ def _layer_panel(ax, metric, title, ylabel, ref_key, rows, base, ref, rolls):
 
 def _layer_figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, ref, length) -> list:
     """Attention-row cosine and JS per layer, with the moved sink and without it."""
-    figs = []
+    figs: list = []
     for metric, ylabel, ref_key, stem in (
         ("cos", "attention-row cosine", "cosine_sim", "attention_cos_by_layer"),
         ("js", "attention-row JS divergence (nats)", "js_div", "attention_js_by_layer"),
@@ -419,14 +419,13 @@ def _layer_figures(ctx, name, rolls, rows, base, per_query, logit, logit_base, r
             f"{name}: attention rows, original vs rolled, per layer ({rows['cos'].shape[0]} text samples × "
             f"{length} tokens, 95% bands)"
         )
-        figs.append(
-            ctx.figure(
-                stem,
-                fig,
-                f"Attention-row {'cosine' if metric == 'cos' else 'Jensen-Shannon'} per "
-                "layer: with the moved sink (left) and without it (right)"
-                + ("; dotted: the thread's Qwen curves." if ref is not None else "."),
-            )
+        ctx.figure(
+            stem,
+            fig,
+            f"Attention-row {'cosine' if metric == 'cos' else 'Jensen-Shannon'} per "
+            "layer: with the moved sink (left) and without it (right)"
+            + ("; dotted: the thread's Qwen curves." if ref is not None else "."),
+            into=figs,
         )
 
     return figs

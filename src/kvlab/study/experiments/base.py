@@ -68,6 +68,11 @@ class ExperimentResult:
     #: a few (quantity, value with interval) rows that carry the finding; the full summary stays below
     headline: list[tuple[str, str]] = field(default_factory=list)
 
+    def table(self, title: str, columns: list[str], rows: list[list[Any]], caption: str = "") -> Table:
+        """A :class:`Table` of this result, appended to its tables."""
+        self.tables.append(Table(title, columns, rows, caption))
+        return self.tables[-1]
+
 
 def _no_progress(n: int = 1) -> None:
     """The ``advance`` of a task that nobody watches."""
@@ -171,8 +176,9 @@ class ExperimentContext:
             raise BadInputError(f"{name} must be >= 1, got {value}")
         return int(value)
 
-    def figure(self, name: str, fig: Any, caption: str) -> Figure:
-        """Save a matplotlib figure as ``<name>.png`` in the experiment folder and close it."""
+    def figure(self, name: str, fig: Any, caption: str, into: list[Figure] | None = None) -> Figure:
+        """Save a matplotlib figure as ``<name>.png`` in the experiment folder and close it (and append
+        it to ``into``, a result's figures, when given)."""
         import matplotlib.pyplot as plt
 
         filename = f"{name}.png"
@@ -185,7 +191,10 @@ class ExperimentContext:
         # bbox_inches="tight" grows the saved area to every artist: suptitles and outside legends included
         fig.savefig(self.out_dir / filename, dpi=110, bbox_inches="tight")
         plt.close(fig)
-        return Figure(filename=filename, caption=caption)
+        figure = Figure(filename=filename, caption=caption)
+        if into is not None:
+            into.append(figure)
+        return figure
 
 
 @dataclass(frozen=True)

@@ -98,13 +98,12 @@ def run(
             "prompt_tokens": np.array(prompt),
         }
     )
-    result.figures.append(
-        ctx.figure(
-            "numerics",
-            _figure(names, kl, maxabs, div, base.name, steps),
-            "Per-step KL and max |logit difference| from the fp64 reference; dotted lines "
-            "mark each run's first divergent step; exact zeros are drawn at 1e-16.",
-        )
+    ctx.figure(
+        "numerics",
+        _figure(names, kl, maxabs, div, base.name, steps),
+        "Per-step KL and max |logit difference| from the fp64 reference; dotted lines "
+        "mark each run's first divergent step; exact zeros are drawn at 1e-16.",
+        into=result.figures,
     )
     result.notes.append(f"Reference path text: {ref_model.decode(path)!r}")
     result.data_sources.append(f"{text.source}: first {len(prompt)} tokens as the prompt")

@@ -19,7 +19,7 @@ import numpy as np
 from kvlab.metrics import bootstrap_ci, wilson_ci
 from kvlab.ops.transfer import concat_caches, drop_prefix
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers_grouped, score_text
-from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult
 from kvlab.study.report.format import format_number, iv, num, says
 from kvlab.study.report.plots import subplots
 
@@ -59,24 +59,22 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
             "sinks_minus_no_sinks_nll": paired_nll.to_json(),
         }
     )
-    result.tables.append(
-        Table(
-            "Answer retention by condition",
-            ["condition", "accuracy", "95% CI", "answer NLL (nats)", "95% CI"],
+    result.table(
+        "Answer retention by condition",
+        ["condition", "accuracy", "95% CI", "answer NLL (nats)", "95% CI"],
+        [
             [
-                [
-                    lab,
-                    acc[k].value,
-                    acc[k].bracket(".2f"),
-                    mnll[k].value,
-                    mnll[k].bracket(".2f"),
-                ]
-                for k, lab in zip(keys, labels, strict=True)
-            ],
-            caption=f"{len(episodes)} fact/question pairs, chat template, answers scored by teacher forcing (exact = greedy "
-            f"decoding emits the answer). Injected cache vs text: max |logit diff| {inj_vs_text.max():.2e}. "
-            f"{sinks} sinks minus 0 sinks: accuracy {paired}, NLL {paired_nll} (paired bootstrap).",
-        )
+                lab,
+                acc[k].value,
+                acc[k].bracket(".2f"),
+                mnll[k].value,
+                mnll[k].bracket(".2f"),
+            ]
+            for k, lab in zip(keys, labels, strict=True)
+        ],
+        caption=f"{len(episodes)} fact/question pairs, chat template, answers scored by teacher forcing (exact = greedy "
+        f"decoding emits the answer). Injected cache vs text: max |logit diff| {inj_vs_text.max():.2e}. "
+        f"{sinks} sinks minus 0 sinks: accuracy {paired}, NLL {paired_nll} (paired bootstrap).",
     )
     result.arrays.update(
         {
@@ -86,13 +84,12 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
             "condition_keys": np.array(keys),
         }
     )
-    result.figures.append(
-        ctx.figure(
-            "retention",
-            _figure(labels, acc, mnll, len(episodes), handle.name),
-            "Answer accuracy (95% Wilson intervals) and NLL (95% bootstrap intervals) per condition, over "
-            "facts; no bar where fewer than 5 facts ran.",
-        )
+    ctx.figure(
+        "retention",
+        _figure(labels, acc, mnll, len(episodes), handle.name),
+        "Answer accuracy (95% Wilson intervals) and NLL (95% bootstrap intervals) per condition, over "
+        "facts; no bar where fewer than 5 facts ran.",
+        into=result.figures,
     )
     result.notes.append(
         "The injected cache is the text condition computed in two steps: equal logits (within fp32 "

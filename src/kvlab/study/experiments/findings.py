@@ -17,7 +17,7 @@ from kvlab.metrics import spectral as S
 from kvlab.metrics.stats import MIN_SAMPLES, bootstrap_ci
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments import needed
-from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress
 from kvlab.study.report.format import format_interval, side_of_zero
 from kvlab.study.report.plots import plot_band, style, subplots
 
@@ -404,13 +404,11 @@ def run(
     attn["tokens"] = np.asarray(T)
     ref = R.reference()
     records = claims(got["roll_sweep"], got["roll_long"], got["rope_derotation"], attn, ref, model.rope)
-    result.tables.append(
-        Table(
-            "Findings",
-            ["claim (thread)", f"measured on {model.name}", "thread's number", "verdict", "rule"],
-            claim_rows(records),
-            caption="Every verdict is computed from this run's numbers with the rule shown.",
-        )
+    result.table(
+        "Findings",
+        ["claim (thread)", f"measured on {model.name}", "thread's number", "verdict", "rule"],
+        claim_rows(records),
+        caption="Every verdict is computed from this run's numbers with the rule shown.",
     )
     result.summary = {
         "claims": records,
@@ -421,13 +419,12 @@ def run(
         },
     }
     result.arrays.update({f"attention_{k}": v for k, v in attn.items()})
-    result.figures.append(
-        ctx.figure(
-            "attention_rows",
-            _attention_figure(ctx, attn, model.name),
-            "Low attention-row cosine comes from the rolled cache's new sink; "
-            "without that slot the rows agree (bands: bootstrap 95% over text samples).",
-        )
+    ctx.figure(
+        "attention_rows",
+        _attention_figure(ctx, attn, model.name),
+        "Low attention-row cosine comes from the rolled cache's new sink; "
+        "without that slot the rows agree (bands: bootstrap 95% over text samples).",
+        into=result.figures,
     )
     result.data_sources.append(
         f"attention rows: {main.source}, {W} text samples of {T} tokens, rolls {ATTN_ROLLS}"

@@ -135,7 +135,7 @@ def sink_indicators(model: Any, n_tokens: int, passages: int = 1, seed: int = 0)
 
 
 def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: str) -> list:
-    figs = []
+    figs: list = []
     rec = sinks["received"].mean(axis=(0, 1))
     T = rec.shape[0]
     fig, axes = subplots(1, 2, figsize=(11, 3.8))
@@ -150,13 +150,11 @@ def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: st
     style(axes[1], "position", "relative norm", "K and V norms per position", legend=8)
     fig.suptitle(f"{name}: attention sinks over {T} tokens of prose")
     fig.tight_layout()  # the suptitle gets its own row instead of overlapping the axes titles
-    figs.append(
-        ctx.figure(
-            "sinks_per_position",
-            fig,
-            "Position 0 (the first text token, no BOS) draws most "
-            "attention in most layers: the attention sink.",
-        )
+    ctx.figure(
+        "sinks_per_position",
+        fig,
+        "Position 0 (the first text token, no BOS) draws most attention in most layers: the attention sink.",
+        into=figs,
     )
     share = sinks["first_token_share"]
     fig, ax = subplots(figsize=(7.5, 3.6))
@@ -170,10 +168,8 @@ def _sink_figures(ctx: ExperimentContext, sinks: dict[str, np.ndarray], name: st
     )
     ax.set_ylim(0, 1)
     style(ax, "layer", "share of attention on position 0", f"{name}: sink strength by layer", legend=8)
-    figs.append(
-        ctx.figure(
-            "sink_by_layer", fig, "Share of each query's attention that goes to position 0, per layer."
-        )
+    ctx.figure(
+        "sink_by_layer", fig, "Share of each query's attention that goes to position 0, per layer.", into=figs
     )
     return figs
 
@@ -241,12 +237,10 @@ def _architecture(
             "num_parameters": facts.num_parameters,
         }
     )
-    result.tables.append(
-        Table(
-            "Bytes per token",
-            ["dtype", "bytes/token", "formula"],
-            [[dt, b, facts.kv_bytes_formula(dt)] for dt, b in per_token.items()],
-        )
+    result.table(
+        "Bytes per token",
+        ["dtype", "bytes/token", "formula"],
+        [[dt, b, facts.kv_bytes_formula(dt)] for dt, b in per_token.items()],
     )
 
 
@@ -268,29 +262,26 @@ def _projection(ctx: ExperimentContext, result: ExperimentResult, facts, cache_d
             [f"{n:,}{tag}"]
             + [_mb(proj["bytes"][f"{dt}/batch{b}"][i]) for dt in ("float32", "bfloat16") for b in BATCHES]
         )
-    result.tables.append(
-        Table(
-            "Projected cache size (MiB)",
-            ["tokens"] + [f"{dt} b{b}" for dt in ("float32", "bfloat16") for b in BATCHES],
-            rows,
-            caption=f"Weights: {_mb(proj['weights_bytes']):,.0f} MiB in {proj['weights_dtype']}. The cache outgrows them at "
-            f"{_tokens(proj['crossover_tokens'].get(f'{cache_dtype}/batch1', '?'))} "
-            f"({cache_dtype}, batch 1) and at {_tokens(proj['crossover_tokens']['bfloat16/batch8'])} (bfloat16, batch 8)."
-            + (
-                f" Sliding-window layers ({facts.num_sliding_layers} of {facts.num_layers}) hold at most "
-                f"{facts.sliding_window} tokens."
-                if facts.sliding_window
-                else ""
-            ),
-        )
+    result.table(
+        "Projected cache size (MiB)",
+        ["tokens"] + [f"{dt} b{b}" for dt in ("float32", "bfloat16") for b in BATCHES],
+        rows,
+        caption=f"Weights: {_mb(proj['weights_bytes']):,.0f} MiB in {proj['weights_dtype']}. The cache outgrows them at "
+        f"{_tokens(proj['crossover_tokens'].get(f'{cache_dtype}/batch1', '?'))} "
+        f"({cache_dtype}, batch 1) and at {_tokens(proj['crossover_tokens']['bfloat16/batch8'])} (bfloat16, batch 8)."
+        + (
+            f" Sliding-window layers ({facts.num_sliding_layers} of {facts.num_layers}) hold at most "
+            f"{facts.sliding_window} tokens."
+            if facts.sliding_window
+            else ""
+        ),
     )
     result.arrays["projection_tokens"] = np.array(proj["tokens"])
-    result.figures.append(
-        ctx.figure(
-            "growth",
-            _projection_figure(ctx, facts, proj),
-            "KV cache memory vs context length, per dtype and batch, against the weights.",
-        )
+    ctx.figure(
+        "growth",
+        _projection_figure(ctx, facts, proj),
+        "KV cache memory vs context length, per dtype and batch, against the weights.",
+        into=result.figures,
     )
 
 

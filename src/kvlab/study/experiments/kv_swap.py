@@ -166,13 +166,12 @@ def run(
     result.arrays["generated_tokens"] = np.array(
         [[p[c]["tokens"] + [-1] * (gen_tokens - len(p[c]["tokens"])) for c in names] for p in per]
     )
-    result.figures.append(
-        ctx.figure(
-            "kv_swap",
-            _figure(names, stats, handle.name, n_win),
-            "First-token KL, reference NLL and distinct-2 per K/V condition, "
-            "bootstrap 95% intervals over text samples.",
-        )
+    ctx.figure(
+        "kv_swap",
+        _figure(names, stats, handle.name, n_win),
+        "First-token KL, reference NLL and distinct-2 per K/V condition, "
+        "bootstrap 95% intervals over text samples.",
+        into=result.figures,
     )
     result.data_sources.append(f"{text.source}: {n_win + 1} text samples of {length} tokens")
     return result

@@ -15,7 +15,7 @@ from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, bootstrap_curve, wilson_ci
 from kvlab.ops.transfer import transfer_layers
 from kvlab.study.experiments._retention_facts import FACTS, build_episodes, score_answers
-from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
+from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult
 from kvlab.study.report.format import each, format_number, iv, num, says
 from kvlab.study.report.plots import style, subplots
 
@@ -67,17 +67,15 @@ def run(
             advance(1)
     acc = [wilson_ci(exact[:, j]) for j in range(len(conds))]
     mnll = [bootstrap_ci(nll[:, j], seed=ctx.seed) for j in range(len(conds))]
-    result.tables.append(
-        Table(
-            "Retention by transferred layers",
-            ["layers", "accuracy", "95% CI", "answer NLL (nats)", "95% CI"],
-            [
-                [lab, a.value, a.bracket(".2f"), m.value, m.bracket(".2f")]
-                for (lab, _), a, m in zip(conds, acc, mnll, strict=True)
-            ],
-            caption=f"{len(episodes)} facts; other layers hold a same-length neutral turn's K/V. Windows of {width} layers "
-            f"every {stride}.",
-        )
+    result.table(
+        "Retention by transferred layers",
+        ["layers", "accuracy", "95% CI", "answer NLL (nats)", "95% CI"],
+        [
+            [lab, a.value, a.bracket(".2f"), m.value, m.bracket(".2f")]
+            for (lab, _), a, m in zip(conds, acc, mnll, strict=True)
+        ],
+        caption=f"{len(episodes)} facts; other layers hold a same-length neutral turn's K/V. Windows of {width} layers "
+        f"every {stride}.",
     )
     win = [j for j, (lab, _) in enumerate(conds) if lab.startswith("window")]
     centres = np.array([np.mean(conds[j][1]) for j in win])
@@ -102,14 +100,13 @@ def run(
         }
     )
     if win:
-        result.figures.append(
-            ctx.figure(
-                "per_layer",
-                _figure(exact[:, win], nll[:, win], centres, exact, nll, conds, width, model.name, ctx.seed),
-                f"Retention when only a window of {width} layers carries the fact turn's "
-                "K/V, by window centre; bands are 95% intervals (Wilson for accuracy, bootstrap for NLL; "
-                "none from fewer than 5 facts).",
-            )
+        ctx.figure(
+            "per_layer",
+            _figure(exact[:, win], nll[:, win], centres, exact, nll, conds, width, model.name, ctx.seed),
+            f"Retention when only a window of {width} layers carries the fact turn's "
+            "K/V, by window centre; bands are 95% intervals (Wilson for accuracy, bootstrap for NLL; "
+            "none from fewer than 5 facts).",
+            into=result.figures,
         )
     result.data_sources.append(
         f"{len(episodes)} fact/question pairs written for kvlab; the model's chat template"

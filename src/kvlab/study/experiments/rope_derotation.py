@@ -197,30 +197,26 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
         return result
     data, plan, source = long_data(ctx, text, context)
     rows, summ = derotation_table(data, ctx.seed)
-    result.tables.append(
-        Table(
-            f"Mean cosine over aligned slots of a {plan.context}-token window (mean [bootstrap 95% over {plan.blocks} blocks])",
-            Table.header(
-                "n | raw K | de-rotated K (correct) | de-rotated K (thread's bug) | V | "
-                "max |bug - raw| per layer/head"
-            ),
-            rows,
-            caption="Correct: each cache's keys un-rotated with its own positions. Bug: both with 0..P-1, interleaved pairs.",
-        )
+    result.table(
+        f"Mean cosine over aligned slots of a {plan.context}-token window (mean [bootstrap 95% over {plan.blocks} blocks])",
+        Table.header(
+            "n | raw K | de-rotated K (correct) | de-rotated K (thread's bug) | V | "
+            "max |bug - raw| per layer/head"
+        ),
+        rows,
+        caption="Correct: each cache's keys un-rotated with its own positions. Bug: both with 0..P-1, interleaved pairs.",
     )
     pred = predictor(data, model.rope)
-    result.tables.append(
-        Table(
-            "R² of the RoPE-only predictor",
-            ["curve", "R²"],
-            [
-                ["mean over slots, RoPE only", pred["r2_mean"]],
-                ["mean over slots, RoPE × de-rotated cosine", pred["r2_mean_times_content"]],
-                ["last position, RoPE only", pred["r2_last"]],
-                ["median over layers", float(np.median(pred["r2_per_layer"]))],
-            ],
-            caption="R² over every measured roll n >= 1 (step 1 to the fine limit, coarser beyond).",
-        )
+    result.table(
+        "R² of the RoPE-only predictor",
+        ["curve", "R²"],
+        [
+            ["mean over slots, RoPE only", pred["r2_mean"]],
+            ["mean over slots, RoPE × de-rotated cosine", pred["r2_mean_times_content"]],
+            ["last position, RoPE only", pred["r2_last"]],
+            ["median over layers", float(np.median(pred["r2_per_layer"]))],
+        ],
+        caption="R² over every measured roll n >= 1 (step 1 to the fine limit, coarser beyond).",
     )
     small = [summ[k] for k in summ]
     result.summary = {

@@ -58,19 +58,17 @@ def run(
         t1 = wilson_ci(top1_alone[:, j])  # a proportion
         ok = bool(maxdiff[:, j].max() <= tol)
         rows.append([v, float(maxdiff[:, j].max()), ok, format_interval(kl), format_interval(t1)])
-    result.tables.append(
-        Table(
-            "Cache injection vs concatenated prefill",
-            Table.header(
-                "set-up | max |Δlogit| injected vs prefill | equal within tolerance | "
-                "last-token KL vs B alone (nats) | top-1 agreement with B alone"
-            ),
-            rows,
-            caption=f"{n} pairs: A = {a_tokens} tokens, B = {b_tokens} tokens of {text.source}; special token id {special} "
-            f"({handle.decode([special])!r}); {kept} generated tokens kept in the third set-up. Tolerance "
-            f"{tol:.2g} for {str(handle.dtype).replace('torch.', '')}. The KL column is what an injection "
-            "'effect' measures: the effect of having A as context at all.",
-        )
+    result.table(
+        "Cache injection vs concatenated prefill",
+        Table.header(
+            "set-up | max |Δlogit| injected vs prefill | equal within tolerance | "
+            "last-token KL vs B alone (nats) | top-1 agreement with B alone"
+        ),
+        rows,
+        caption=f"{n} pairs: A = {a_tokens} tokens, B = {b_tokens} tokens of {text.source}; special token id {special} "
+        f"({handle.decode([special])!r}); {kept} generated tokens kept in the third set-up. Tolerance "
+        f"{tol:.2g} for {str(handle.dtype).replace('torch.', '')}. The KL column is what an injection "
+        "'effect' measures: the effect of having A as context at all.",
     )
     result.summary.update(
         {
@@ -88,13 +86,12 @@ def run(
     result.arrays.update(
         {"max_abs_logit_diff": maxdiff, "kl_vs_b_alone": kl_alone, "top1_vs_b_alone": top1_alone}
     )
-    result.figures.append(
-        ctx.figure(
-            "equivalence",
-            _figure(maxdiff, kl_alone, handle.name, tol),
-            "Left: injected vs prefill logit difference per pair (dtype noise). Right: the "
-            "'transfer effect' the original run measured, KL against B without A.",
-        )
+    ctx.figure(
+        "equivalence",
+        _figure(maxdiff, kl_alone, handle.name, tol),
+        "Left: injected vs prefill logit difference per pair (dtype noise). Right: the "
+        "'transfer effect' the original run measured, KL against B without A.",
+        into=result.figures,
     )
     result.data_sources.append(f"{text.source}: {n} text samples of {a_tokens + b_tokens} tokens")
     return result

@@ -313,13 +313,12 @@ def _derivative_direction(
         ]
     )
     if rname == "derivative":
-        result.figures.append(
-            ctx.figure(
-                f"ridge_ev_{tag}",
-                _ev_figure(cmap, f"base -> derivative, {source}"),
-                f"Held-out explained variance per layer of the ridge map base -> "
-                f"derivative ({tag}), vs using the base cache as is.",
-            )
+        ctx.figure(
+            f"ridge_ev_{tag}",
+            _ev_figure(cmap, f"base -> derivative, {source}"),
+            f"Held-out explained variance per layer of the ridge map base -> "
+            f"derivative ({tag}), vs using the base cache as is.",
+            into=result.figures,
         )
 
 
@@ -439,13 +438,12 @@ def _cross_direction(
         "shuffled_ev_k_mean": float(ctrl.ev_k.mean()),
         "shuffled_ev_v_mean": float(ctrl.ev_v.mean()),
     }
-    result.figures.append(
-        ctx.figure(
-            f"cross_{tag}",
-            _cross_figure(cmap, ctrl, grid_k, grid_v, label),
-            f"C2C-lite {label}: held-out explained variance per receiver layer (depth-matched sharer layer, "
-            "and shuffled-slot control), and for every (sharer, receiver) layer pair.",
-        )
+    ctx.figure(
+        f"cross_{tag}",
+        _cross_figure(cmap, ctrl, grid_k, grid_v, label),
+        f"C2C-lite {label}: held-out explained variance per receiver layer (depth-matched sharer layer, "
+        "and shuffled-slot control), and for every (sharer, receiver) layer pair.",
+        into=result.figures,
     )
 
 
@@ -523,17 +521,15 @@ def _random_geometry_map(ctx: ExperimentContext, result: ExperimentResult, base,
     ids = torch.randint(0, int(a.config.vocab_size), (8, 48), generator=gen, device="cpu").tolist()
     sa, sb = [a.prefill(w).snapshot for w in ids], [b.prefill(w).snapshot for w in ids]
     cmap = fit_cache_map(sa[:6], sb[:6], sa[6:], sb[6:], alpha=alpha)
-    result.tables.append(
-        Table(
-            "C2C-lite mechanics: random-weight models of different geometry",
-            ["receiver layer", "sharer layer", "EV keys (mean over heads)", "EV values (mean over heads)"],
-            [
-                [i, s, float(cmap.ev_k[i].mean()), float(cmap.ev_v[i].mean())]
-                for i, s in enumerate(cmap.src_layer)
-            ],
-            caption="Sharer: 4 layers x 2 KV heads x 16 dims; receiver: 3 layers x 3 heads x 32 dims; random token ids. "
-            "Shows the map runs across geometries; random weights make the values meaningless as findings.",
-        )
+    result.table(
+        "C2C-lite mechanics: random-weight models of different geometry",
+        ["receiver layer", "sharer layer", "EV keys (mean over heads)", "EV values (mean over heads)"],
+        [
+            [i, s, float(cmap.ev_k[i].mean()), float(cmap.ev_v[i].mean())]
+            for i, s in enumerate(cmap.src_layer)
+        ],
+        caption="Sharer: 4 layers x 2 KV heads x 16 dims; receiver: 3 layers x 3 heads x 32 dims; random token ids. "
+        "Shows the map runs across geometries; random weights make the values meaningless as findings.",
     )
     result.arrays.update({"random_geometry_ev_k": cmap.ev_k, "random_geometry_ev_v": cmap.ev_v})
     result.summary["random_geometry_ev"] = {"k": float(cmap.ev_k.mean()), "v": float(cmap.ev_v.mean())}
