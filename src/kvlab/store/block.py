@@ -164,8 +164,9 @@ def encode_block(block: Block, *, checksum: str = CHECKSUM) -> bytes:
 
 
 # -- reading ---------------------------------------------------------------------------------------
-def read_block_meta(buffer: bytes | memoryview) -> tuple[dict, dict, int]:
-    """``(kvlab meta, safetensors header, data offset)`` of a block buffer; raises CorruptBlockError.
+def read_meta(buffer: bytes | memoryview, key: str, what: str) -> tuple[dict, dict, int]:
+    """``(the JSON object at metadata entry key, safetensors header, data offset)`` of safetensors bytes;
+    CorruptBlockError ("unreadable <what>") when they have none.
 
     Only the header is needed: ``buffer`` may stop where the tensor bytes begin.
     """
@@ -175,11 +176,17 @@ def read_block_meta(buffer: bytes | memoryview) -> tuple[dict, dict, int]:
         if len(view) < 8 or n <= 0 or n > MAX_HEADER_BYTES or 8 + n > len(view):
             raise ValueError("bad header length")
         header = loads_bounded(bytes(view[8 : 8 + n]), max_bytes=MAX_HEADER_BYTES)
-        meta = loads_bounded(header["__metadata__"]["kvlab_block"], max_bytes=MAX_HEADER_BYTES)
+        meta = loads_bounded(header["__metadata__"][key], max_bytes=MAX_HEADER_BYTES)
         if not isinstance(meta, dict):
             raise TypeError("metadata is not an object")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CorruptBlockError(f"unreadable block header ({exc})") from None
+        raise CorruptBlockError(f"unreadable {what} ({exc})") from None
+    return meta, header, 8 + n
+
+
+def read_block_meta(buffer: bytes | memoryview) -> tuple[dict, dict, int]:
+    """``(kvlab meta, safetensors header, data offset)`` of a block buffer; raises CorruptBlockError."""
+    meta, header, offset = read_meta(buffer, "kvlab_block", "block header")
     if meta.get("format") != BLOCK_FORMAT:
         raise CorruptBlockError(f"not a kvlab block (format {meta.get('format')!r})")
     if meta.get("version") not in READ_VERSIONS:
@@ -187,7 +194,7 @@ def read_block_meta(buffer: bytes | memoryview) -> tuple[dict, dict, int]:
             f"block format version {meta.get('version')!r} is not one this kvlab reads {READ_VERSIONS}; "
             "written by a newer kvlab?"
         )
-    return meta, header, 8 + n
+    return meta, header, offset
 
 
 @dataclass(frozen=True)
@@ -225,8 +232,25 @@ class BlockHeader:
         h = new_checksum(self.algorithm, self.meta_bytes)
         for c in chunks:
             h.update(c)
-        if h.hexdigest() != self.checksum:
+        self.check(h)
+
+    def check(self, hasher: Any) -> None:
+        """Raise CorruptBlockError unless ``hasher`` (:func:`new_checksum` fed the data area) gives the checksum."""
+        if hasher.hexdigest() != self.checksum:
             raise CorruptBlockError(f"block {self.hash[:12]} failed its {self.algorithm} checksum")
+
+    def block(self, keys: torch.Tensor, values: torch.Tensor) -> Block:
+        """The block this header describes, holding ``keys`` and ``values``."""
+        return Block(
+            self.hash,
+            self.parent,
+            self.namespace,
+            self.start,
+            self.token_ids,
+            keys,
+            values,
+            self.namespace_info,
+        )
 
 
 def parse_block_header(buffer: bytes | memoryview, total_size: int) -> BlockHeader:
@@ -298,13 +322,4 @@ def decode_block(buffer: bytes | bytearray | memoryview, *, expect_hash: str | N
                 else torch.empty(0, dtype=spec.dtype, device="cpu")
             )
         tensors[name] = t.reshape(spec.shape)
-    return Block(
-        hash=hdr.hash,
-        parent=hdr.parent,
-        namespace=hdr.namespace,
-        start=hdr.start,
-        token_ids=hdr.token_ids,
-        keys=tensors["k"],
-        values=tensors["v"],
-        namespace_info=hdr.namespace_info,
-    )
+    return hdr.block(tensors["k"], tensors["v"])

@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,10 +30,10 @@ import numpy as np
 import torch
 from safetensors.torch import load, save
 
-from kvlab.cache.io import atomic_write_bytes, loads_bounded
+from kvlab.cache.io import atomic_write_bytes
 from kvlab.errors import BadInputError
-from kvlab.store.block import MAX_HEADER_BYTES
-from kvlab.store.disk import DiskTier, open_block_file, read_exactly
+from kvlab.store.block import read_meta
+from kvlab.store.disk import DiskTier, read_file
 from kvlab.store.errors import CorruptBlockError
 from kvlab.store.keys import Namespace, _dtype_name
 from kvlab.store.redis_tier import RedisTier
@@ -156,21 +155,12 @@ def encode(namespace: Namespace, key: str, prefix: CompressedPrefix) -> bytes:
 
 def decode(data: bytes, namespace: Namespace, policy: str, ids: tuple[int, ...]) -> CompressedPrefix:
     """The prefix in ``data`` if it is exactly the one asked for, else CorruptBlockError (why)."""
-    try:
-        n = int.from_bytes(data[:8], "little")
-        if len(data) < 8 or not 0 < n <= min(MAX_HEADER_BYTES, len(data) - 8):
-            raise ValueError("bad header length")
-        header = loads_bounded(data[8 : 8 + n], max_bytes=MAX_HEADER_BYTES)
-        meta = loads_bounded(header["__metadata__"][META_KEY], max_bytes=MAX_HEADER_BYTES)
-        if not isinstance(meta, dict):
-            raise TypeError("metadata is not an object")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptBlockError(f"unreadable header ({exc})") from None
+    meta, _, offset = read_meta(data, META_KEY, "header")
     expected = _header(namespace, prefix_key(namespace, policy, ids), CompressedPrefix(ids, policy, ()))
     wrong = [k for k, v in expected.items() if k != "n" and meta.get(k) != v]
     if wrong:
         raise CorruptBlockError(f"it is not what was asked: its {', '.join(wrong)} differ")
-    if meta.get("sha256") != _digest(meta, memoryview(data)[8 + n :]):
+    if meta.get("sha256") != _digest(meta, memoryview(data)[offset:]):
         raise CorruptBlockError("its sha256 does not match its bytes")
     try:
         tensors, counts = load(data), [int(c) for c in meta["n"]]
@@ -276,26 +266,17 @@ class CompressedPrefixes:
         """The file's bytes (b"": it cannot be a record), None when absent or unreadable (counted, logged)."""
         if self.folder is None:
             return None
-        path, fd = self.folder / f"{key}{SUFFIX}", -1
-        try:
-            fd, st = open_block_file(path)  # never through a link, never a FIFO or a device
-            data = bytearray(min(st.st_size, self.disk_bytes + 1))
-            if len(data) > self.disk_bytes or not read_exactly(fd, memoryview(data)):
-                return b""  # over the cap, or it shrank while read
-            with contextlib.suppress(OSError):
-                os.utime(fd)  # mtime = last use (eviction order)
-            return bytes(data)
+        path = self.folder / f"{key}{SUFFIX}"
+        try:  # never through a link, never a FIFO or a device; mtime = last use (eviction order)
+            return bytes(read_file(path, self.disk_bytes, touch=True))
         except FileNotFoundError:
             return None
         except CorruptBlockError:
-            return b""  # a folder, link or FIFO at its name
+            return b""  # a folder, link or FIFO at its name, over the cap, or it shrank while read
         except OSError as exc:
             self.counters.errors += 1
             self._log.warn("disk-read", f"kvlab store: cannot read {path} ({exc.strerror or exc}); a miss")
             return None
-        finally:
-            if fd >= 0:
-                os.close(fd)
 
     def _disk_write(self, key: str, data: bytes) -> None:
         """Write the record atomically, then evict least recently used records beyond the cap."""

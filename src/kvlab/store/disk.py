@@ -95,8 +95,10 @@ class NotABlockFile(CorruptBlockError):
     """Something that can never be a block sits where a block file belongs (a folder, FIFO, device, link)."""
 
 
-def open_block_file(path: str | Path) -> tuple[int, os.stat_result]:
-    """An fd of the block file at ``path`` and its ``fstat``, opened so that no file can hang or redirect it.
+@contextlib.contextmanager
+def open_block_file(path: str | Path) -> Iterator[tuple[int, os.stat_result]]:
+    """An fd of the block file at ``path`` and its ``fstat`` (closed on leaving), opened so that no file can
+    hang or redirect it.
 
     Raises FileNotFoundError (nothing there), :class:`NotABlockFile` (a symbolic link, folder, FIFO,
     device or socket: refused without reading a byte) or OSError (a file that cannot be read).
@@ -115,13 +117,11 @@ def open_block_file(path: str | Path) -> tuple[int, os.stat_result]:
         raise
     try:
         st = os.fstat(fd)
-    except OSError:
+        if not stat.S_ISREG(st.st_mode):
+            raise NotABlockFile(f"{file_kind(st.st_mode)}, not a block file")
+        yield fd, st
+    finally:
         os.close(fd)
-        raise
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise NotABlockFile(f"{file_kind(st.st_mode)}, not a block file")
-    return fd, st
 
 
 def read_header_at(fd: int, size: int) -> BlockHeader:
@@ -151,6 +151,26 @@ def read_exactly(fd: int, into: memoryview, offset: int = 0) -> bool:
     return True
 
 
+def read_file(
+    path: str | Path, max_bytes: int, check: Callable[[int, int], object] | None = None, touch: bool = False
+) -> bytearray:
+    """The whole file at ``path``, opened by :func:`open_block_file`; ``check(fd, size)`` runs before a byte
+    of it is read, and ``touch`` sets its mtime (its last use). Raises FileNotFoundError, OSError or
+    CorruptBlockError (not a regular file, over ``max_bytes``, refused by ``check``, shrank while read)."""
+    with open_block_file(path) as (fd, st):
+        if st.st_size > max_bytes:
+            raise CorruptBlockError(f"{st.st_size:,} bytes, over this tier's cap of {max_bytes:,}; not read")
+        if check is not None:
+            check(fd, st.st_size)
+        data = bytearray(st.st_size)
+        if not read_exactly(fd, memoryview(data)):
+            raise CorruptBlockError("the file shrank while it was read")
+        if touch:
+            with contextlib.suppress(OSError):
+                os.utime(fd)
+        return data
+
+
 class ReadBuffer:
     """A reusable read buffer: blocks read into it are views, valid until the next read (copy them out)."""
 
@@ -161,21 +181,6 @@ class ReadBuffer:
         if len(self._data) < size:
             self._data = bytearray(size)  # a new buffer; views of the old one stay valid
         return memoryview(self._data)[:size]
-
-
-@dataclass(frozen=True)
-class RawRead:
-    """The bytes of one block file as read (``data`` None and no ``error``: the file does not exist).
-
-    ``error`` says why the file is not a block (it is quarantined), ``unreadable`` why it could not be
-    read at all (permissions, I/O; it is left in place and counted as an error).
-    """
-
-    path: Path
-    data: Any
-    error: str | None
-    seconds: float
-    unreadable: str | None = None
 
 
 @dataclass(frozen=True)
@@ -265,6 +270,20 @@ class DiskTier:
         why = exc if isinstance(exc, str) else (exc.strerror or str(exc))
         self._log.warn("unreadable", f"kvlab store: cannot read {path} ({why}); treated as a miss")
 
+    def _within_cap(self, size: int) -> None:
+        """An OSError (the file is reported and left in place, not quarantined) for a file over the cap."""
+        if size > self.max_bytes:
+            raise OSError(
+                errno.EFBIG, f"{size:,} bytes, over this tier's cap of {self.max_bytes:,}; not read"
+            )
+
+    def _miss(self, path: Path, exc: CorruptBlockError | OSError) -> None:
+        """Count a read that failed with ``exc`` as a miss: a corrupt block is quarantined, an unreadable
+        one reported (a missing one is just a miss)."""
+        if not isinstance(exc, FileNotFoundError):
+            self._failed(path, exc)
+        self.counters.misses += 1
+
     def get(self, parent: str, block_hash: str, scratch: ReadBuffer | None = None) -> Block | None:
         """The block or None (missing or corrupt).
 
@@ -272,7 +291,31 @@ class DiskTier:
         live). With ``scratch`` the file is read into that reusable buffer (grown as needed) and the
         tensors are views of it, valid only until the next read into it: copy them out first.
         """
-        return self.finish_read(self.read_raw(parent, block_hash, scratch), parent, block_hash)
+        path, started = self._path(parent, block_hash), time.perf_counter()
+        data: Any = None
+        try:
+            with open_block_file(path) as (fd, st):
+                self._within_cap(st.st_size)
+                if st.st_size == 0:
+                    raise CorruptBlockError("empty block file")
+                read_header_at(fd, st.st_size)  # the declared size is the file's, before the tensors are read
+                if scratch is None:
+                    # MAP_POPULATE maps every page up front: one kernel call instead of a fault per 4 KiB page.
+                    data = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+                else:
+                    data = scratch.view(st.st_size)
+                    if not read_exactly(fd, data):
+                        raise CorruptBlockError("the file shrank while it was read")
+            block = decode_block(data, expect_hash=block_hash)
+            if block.parent != parent:
+                raise CorruptBlockError(f"block {block_hash[:12]} is filed under the wrong parent")
+        except (CorruptBlockError, OSError) as exc:
+            self._miss(path, exc)
+            return None
+        with contextlib.suppress(OSError):  # another process may have evicted it meanwhile
+            os.utime(path)  # the file's mtime is its last use (LRU order for eviction)
+        self.counters.hit(block.nbytes, started)
+        return block
 
     def prefetch(self, parent: str, block_hash: str) -> None:
         """Ask the kernel to start reading the block's file in the background (a hint; errors ignored).
@@ -282,87 +325,13 @@ class DiskTier:
         """
         if not hasattr(os, "posix_fadvise"):
             return
-        try:
-            fd, _ = open_block_file(self._path(parent, block_hash))
-        except (OSError, CorruptBlockError):
-            return  # the read that follows reports it
-        try:
-            if _NOWAIT:
-                size = os.fstat(fd).st_size
-                try:
-                    if size and os.preadv(fd, [bytearray(1)], size - 1, _NOWAIT) == 1:
-                        return  # cached (blocks are written and read whole)
-                except OSError:
-                    pass  # not cached (EAGAIN) or no RWF_NOWAIT on this file system
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-    def read_raw(self, parent: str, block_hash: str, scratch: ReadBuffer | None = None) -> RawRead:
-        """Only the I/O of a read (no checks, no counters), so it can run in a prefetch thread."""
-        path = self._path(parent, block_hash)
-        started = time.perf_counter()
-        data: Any = None
-        error = unreadable = None
-        try:
-            fd, st = open_block_file(path)
-        except FileNotFoundError:
-            return RawRead(path, None, None, time.perf_counter() - started)
-        except CorruptBlockError as exc:
-            return RawRead(path, None, str(exc), time.perf_counter() - started)
-        except OSError as exc:
-            return RawRead(path, None, None, time.perf_counter() - started, exc.strerror or str(exc))
-        try:
-            size = st.st_size
-            if size == 0:
-                error = "empty block file"
-            elif size > self.max_bytes:
-                unreadable = f"{size:,} bytes, over this tier's cap of {self.max_bytes:,}; not read"
-            else:
-                read_header_at(fd, size)  # the declared size is the file's, before the tensors are read
-                if scratch is None:
-                    # MAP_POPULATE maps every page up front: one kernel call instead of a fault per 4 KiB page.
-                    data = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-                else:
-                    data = scratch.view(size)
-                    if not read_exactly(fd, data):
-                        data, error = None, "the file shrank while it was read"
-        except CorruptBlockError as exc:
-            data, error = None, str(exc)
-        except OSError as exc:
-            data, unreadable = None, exc.strerror or str(exc)
-        finally:
-            os.close(fd)
-        return RawRead(path, data, error, time.perf_counter() - started, unreadable)
-
-    def finish_read(self, raw: RawRead, parent: str | None, block_hash: str) -> Block | None:
-        """Verify what :meth:`read_raw` read; a corrupt block is quarantined and, like a missing one, a miss."""
-        started = time.perf_counter()
-        if raw.unreadable is not None:
-            self._unreadable(raw.path, raw.unreadable)
-            self.counters.misses += 1
-            return None
-        if raw.data is None and raw.error is None:
-            self.counters.misses += 1
-            return None
-        try:
-            if raw.error is not None:
-                raise CorruptBlockError(raw.error)
-            block = decode_block(raw.data, expect_hash=block_hash)
-            if parent is not None and block.parent != parent:
-                raise CorruptBlockError(f"block {block_hash[:12]} is filed under the wrong parent")
-        except CorruptBlockError as exc:
-            self._quarantine(raw.path, str(exc))
-            self.counters.misses += 1
-            return None
-        with contextlib.suppress(OSError):  # another process may have evicted it meanwhile
-            os.utime(raw.path)  # the file's mtime is its last use (LRU order for eviction)
-        self.counters.hits += 1
-        self.counters.bytes_loaded += block.nbytes
-        self.counters.load_seconds += raw.seconds + time.perf_counter() - started
-        return block
+        with contextlib.suppress(OSError, CorruptBlockError):  # the read that follows reports them
+            with open_block_file(self._path(parent, block_hash)) as (fd, st):
+                if _NOWAIT and st.st_size:
+                    with contextlib.suppress(OSError):  # not cached (EAGAIN) or no RWF_NOWAIT here
+                        if os.preadv(fd, [bytearray(1)], st.st_size - 1, _NOWAIT) == 1:
+                            return  # cached (blocks are written and read whole)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
 
     def read_into(
         self,
@@ -381,25 +350,11 @@ class DiskTier:
         the general path (:meth:`get`); None for a missing or corrupt block (corrupt: quarantined).
         On None the destination may hold garbage: the caller must not use it.
         """
-        path = self._path(parent, block_hash)
-        started = time.perf_counter()
+        path, started = self._path(parent, block_hash), time.perf_counter()
         try:
-            fd, st = open_block_file(path)
-        except FileNotFoundError:
-            self.counters.misses += 1
-            return None
-        except (CorruptBlockError, OSError) as exc:
-            self._failed(path, exc)
-            self.counters.misses += 1
-            return None
-        try:
-            try:
-                size = st.st_size
-                if size > self.max_bytes:
-                    self._unreadable(path, f"{size:,} bytes, over this tier's cap of {self.max_bytes:,}")
-                    self.counters.misses += 1
-                    return None
-                hdr = read_header_at(fd, size)
+            with open_block_file(path) as (fd, st):
+                self._within_cap(st.st_size)
+                hdr = read_header_at(fd, st.st_size)
                 if hdr.hash != block_hash:
                     raise CorruptBlockError(f"block file holds {hdr.hash[:12]}, expected {block_hash[:12]}")
                 if hdr.parent != parent:
@@ -411,25 +366,15 @@ class DiskTier:
                 hasher = new_checksum(hdr.algorithm, hdr.meta_bytes)
                 if not _read_and_hash(fd, *layout, hdr.data_offset, hasher):
                     raise CorruptBlockError("the file is shorter than its header says")
-                if hasher.hexdigest() != hdr.checksum:
-                    raise CorruptBlockError(f"block {block_hash[:12]} failed its {hdr.algorithm} checksum")
-            except (CorruptBlockError, OSError) as exc:
-                # an I/O error mid-read: the destination holds garbage, the caller drops it (None)
-                self._failed(path, exc)
-                self.counters.misses += 1
-                return None
-            if time.time() - st.st_mtime >= TOUCH_SECONDS:  # mtime = last use (LRU order for eviction)
-                with contextlib.suppress(OSError):
-                    os.utime(fd)
-        finally:
-            os.close(fd)
-        self.counters.hits += 1
-        self.counters.bytes_loaded += hdr.data_bytes
-        self.counters.load_seconds += time.perf_counter() - started
+                hdr.check(hasher)
+                if time.time() - st.st_mtime >= TOUCH_SECONDS:  # mtime = last use (LRU order for eviction)
+                    with contextlib.suppress(OSError):
+                        os.utime(fd)
+        except (CorruptBlockError, OSError) as exc:  # mid-read: the destination holds garbage (None drops it)
+            self._miss(path, exc)
+            return None
+        self.counters.hit(hdr.data_bytes, started)
         return hdr
-
-    def _read(self, path: Path, block_hash: str, parent: str | None) -> Block | None:
-        return self.finish_read(self.read_raw(parent or path.parent.name, block_hash), parent, block_hash)
 
     def children(self, parent: str) -> dict[str, tuple[int, ...]]:
         folder = self.root / "blocks" / parent
@@ -453,22 +398,17 @@ class DiskTier:
         """The checked header of the block file at ``path`` (tensors not read): the header, why it is not
         a block (quarantined with ``quarantine``), or None if nothing is there (or it is unreadable)."""
         try:
-            fd, st = open_block_file(path)
+            with open_block_file(path) as (fd, st):
+                return read_header_at(fd, st.st_size)
         except FileNotFoundError:
             return None
         except (CorruptBlockError, OSError) as exc:
             return self._failed(path, exc, quarantine)
-        try:
-            return read_header_at(fd, st.st_size)
-        except (CorruptBlockError, OSError) as exc:
-            return self._failed(path, exc, quarantine)
-        finally:
-            os.close(fd)
 
     def find(self, block_hash: str) -> Block | None:
         for entry in self.entries():
             if entry.hash == block_hash:
-                return self._read(entry.path, block_hash, entry.parent)
+                return self.get(entry.parent, block_hash)
         return None
 
     def entries(self) -> Iterator[DiskEntry]:
@@ -612,7 +552,8 @@ class DiskTier:
         ok, corrupt = 0, []
         for e in list(self.entries()):
             try:
-                block = self._verify_one(e)
+                # refused before a byte of its tensors is read if its header is not a block's
+                block = decode_block(read_file(e.path, self.max_bytes, read_header_at), expect_hash=e.hash)
                 if block.parent != e.parent:
                     raise CorruptBlockError("filed under the wrong parent")
                 problem = block_problem(block)
@@ -628,24 +569,6 @@ class DiskTier:
             except OSError as exc:  # left in place: it may be readable another time
                 corrupt.append({"path": str(e.path), "reason": f"cannot be read: {exc.strerror or exc}"})
         return {"ok": ok, "corrupt": corrupt, "temp_files": [str(p) for p in self.temp_files()]}
-
-    def _verify_one(self, entry: DiskEntry) -> Block:
-        """The block in ``entry``'s file, fully checked; refused before reading if it is not a regular file,
-        its header is not a block's, or its declared size is not the file's."""
-        fd, st = open_block_file(entry.path)
-        try:
-            size = st.st_size
-            if size > self.max_bytes:
-                raise CorruptBlockError(
-                    f"{size:,} bytes, over this tier's cap of {self.max_bytes:,}; not read"
-                )
-            read_header_at(fd, size)
-            data = bytearray(size)
-            if not read_exactly(fd, memoryview(data)):
-                raise CorruptBlockError("the file shrank while it was read")
-        finally:
-            os.close(fd)
-        return decode_block(data, expect_hash=entry.hash)
 
     def gc(self, *, stale_seconds: float = STALE_TEMP_SECONDS) -> dict:
         """Remove leftovers of killed writes (older than ``stale_seconds``), evict to the cap, drop empty folders."""

@@ -272,9 +272,7 @@ class RedisTier:
         except CorruptBlockError as exc:
             self._corrupt(block_hash, str(exc))
             return None
-        self.counters.hits += 1
-        self.counters.bytes_loaded += block.nbytes
-        self.counters.load_seconds += time.perf_counter() - started
+        self.counters.hit(block.nbytes, started)
         return block
 
     def _corrupt(self, block_hash: str, why: str) -> None:

@@ -414,9 +414,7 @@ class KVStore:
                 self._misfit(tier, parent, h, out.misfit[0], out.namespace)
                 return None
             if isinstance(direct, BlockHeader) and self.promote and where > 0:
-                keys, values = out.slice(at, take)
-                header = (direct.hash, direct.parent, direct.namespace, direct.start, direct.token_ids)
-                block = _owned(Block(*header, keys, values, direct.namespace_info))
+                block = _owned(direct.block(*out.slice(at, take)))
         if not isinstance(direct, BlockHeader):
             block, where = self._fetch(where, parent, h, scratch)
             tier = self.tiers[where]

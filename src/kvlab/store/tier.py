@@ -38,6 +38,12 @@ class TierCounters:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def hit(self, nbytes: int, started: float) -> None:
+        """A read that found ``nbytes`` of K/V, begun at ``time.perf_counter()`` ``started``."""
+        self.hits += 1
+        self.bytes_loaded += nbytes
+        self.load_seconds += time.perf_counter() - started
+
 
 class RateLimitedLog:
     """Warnings that may recur on every call (a tier that keeps failing): one line per kind per
