@@ -245,12 +245,7 @@ def _measure_roll(
             if m in vals:
                 out[f"full_{m}_n{n}"] = vals[m][..., :w].astype(np.float32)
     t = compare_caches(
-        base,
-        base,
-        ends - 1,
-        ends - 1 - n,
-        derotate="correct" if rope is not None else "none",
-        l2=False,
+        base, base, ends - 1, ends - 1 - n, derotate="correct" if rope is not None else "none", l2=False
     )
     out["trunc_k_last"][j] = np.moveaxis(t.cos_k, -1, 0)
     out["trunc_v_last"][j] = np.moveaxis(t.cos_v, -1, 0)

@@ -18,13 +18,7 @@ import numpy as np
 
 from kvlab.data import default_long_text, read_text_file, token_samples
 from kvlab.errors import BadInputError
-from kvlab.metrics import (
-    bootstrap_ci,
-    js_divergence,
-    kl_divergence,
-    logit_cosine,
-    topk_overlap,
-)
+from kvlab.metrics import bootstrap_ci, js_divergence, kl_divergence, logit_cosine, topk_overlap
 from kvlab.metrics.attention import (
     AttentionComparison,
     compare_attention_rows,

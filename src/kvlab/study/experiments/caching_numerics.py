@@ -147,14 +147,7 @@ def _tables(names, kl, maxabs, div, closer, steps: int, prompt_tokens: int, seed
     for i, n in enumerate(names):
         ci = bootstrap_ci(kl[i], seed=seed)
         rows.append(
-            [
-                n,
-                div[n],
-                float(maxabs[i].max()),
-                float(np.median(maxabs[i])),
-                ci.value,
-                ci.bracket(".3g"),
-            ]
+            [n, div[n], float(maxabs[i].max()), float(np.median(maxabs[i])), ci.value, ci.bracket(".3g")]
         )
     return [
         Table(

@@ -63,13 +63,7 @@ def run(ctx: ExperimentContext, *, facts: int | None = None, sinks: int = 4) -> 
         "Answer retention by condition",
         ["condition", "accuracy", "95% CI", "answer NLL (nats)", "95% CI"],
         [
-            [
-                lab,
-                acc[k].value,
-                acc[k].bracket(".2f"),
-                mnll[k].value,
-                mnll[k].bracket(".2f"),
-            ]
+            [lab, acc[k].value, acc[k].bracket(".2f"), mnll[k].value, mnll[k].bracket(".2f")]
             for k, lab in zip(keys, labels, strict=True)
         ],
         caption=f"{len(episodes)} fact/question pairs, chat template, answers scored by teacher forcing (exact = greedy "

@@ -182,9 +182,7 @@ def _claims_rope(derot: dict, rope: Any) -> list[dict]:
             )
         )
     elif rope is None:
-        out.append(
-            _claim("k_drift_is_rope", "model has no RoPE", "—", "not applicable", "—", None, ""),
-        )
+        out.append(_claim("k_drift_is_rope", "model has no RoPE", "—", "not applicable", "—", None, ""))
     return out
 
 

@@ -16,13 +16,7 @@ import numpy as np
 from kvlab.errors import BadInputError
 from kvlab.metrics.similarity import compare_caches, normalise_against_baseline
 from kvlab.metrics.stats import bootstrap_ci
-from kvlab.ops.perturb import (
-    align_positions,
-    align_roll,
-    align_tokens,
-    align_truncate,
-    scramble_tokens,
-)
+from kvlab.ops.perturb import align_positions, align_roll, align_tokens, align_truncate, scramble_tokens
 from kvlab.policy import roll_amount
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
