@@ -416,37 +416,17 @@ def _ttft_rows(p1: dict) -> list[list]:
 
 def _quality_rows(p2: dict, modes) -> list[list]:
     """Non-prefix reuse per correction mode, then the full-prefill reference."""
+
+    def answers(d: dict, agree: float) -> list[float]:  # perplexity, accuracy, same answer, ms
+        return [float(np.exp(d["nll"].mean())), float(d["correct"].mean()), agree, float(d["ms"].mean())]
+
     qual_rows = []
     for m in modes:
         d = p2["metrics"][m]
         kl = bootstrap_ci(d["kl"])
-        qual_rows.append(
-            [
-                m,
-                float(d["recomputed"].mean()),
-                kl.value,
-                kl.low,
-                kl.high,
-                float(np.exp(d["nll"].mean())),
-                float(d["correct"].mean()),
-                float(d["agree"].mean()),
-                float(d["ms"].mean()),
-            ]
-        )
-    ref = p2["reference"]
-    qual_rows.append(
-        [
-            "full prefill (reference)",
-            1.0,
-            0.0,
-            0.0,
-            0.0,
-            float(np.exp(ref["nll"].mean())),
-            float(ref["correct"].mean()),
-            1.0,
-            float(ref["ms"].mean()),
-        ]
-    )
+        recomputed = float(d["recomputed"].mean())
+        qual_rows.append([m, recomputed, kl.value, kl.low, kl.high, *answers(d, float(d["agree"].mean()))])
+    qual_rows.append(["full prefill (reference)", 1.0, 0.0, 0.0, 0.0, *answers(p2["reference"], 1.0)])
     return qual_rows
 
 
