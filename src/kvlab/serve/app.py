@@ -79,11 +79,11 @@ class ApiError(Exception):
         type_: str = "invalid_request_error",
         param=None,
         code=None,
-        retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.retry_after = retry_after  # seconds, sent as Retry-After
+        self.headers = headers  # sent with the error (Retry-After, WWW-Authenticate)
 
 
 # -- request bodies ------------------------------------------------------------------------------------
@@ -243,12 +243,17 @@ def _unsupported(doc: dict, cls: type[_Common], kind: str) -> dict:
     return kept
 
 
-def _error(exc: ApiError, headers: dict[str, str] | None = None) -> Response:
-    if exc.retry_after is not None:
-        headers = {**(headers or {}), "Retry-After": str(exc.retry_after)}
+def _invalid(message: str, param: str, code: str = "invalid_value") -> ApiError:
+    """A 400 that names the field at fault."""
+    return ApiError(400, message, param=param, code=code)
+
+
+def _error(exc: ApiError) -> Response:
     body = {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
     # ASCII JSON: a message that quotes the request can never fail to encode
-    return Response(json.dumps(body), status_code=exc.status, headers=headers, media_type="application/json")
+    return Response(
+        json.dumps(body), status_code=exc.status, headers=exc.headers, media_type="application/json"
+    )
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -317,7 +322,7 @@ def create_app(
     check_keys(api_keys, admin_key)
     metrics: Metrics = engine.metrics or Metrics()
     engine.metrics = metrics
-    _cache_policy_gauge(metrics, engine)
+    metrics.cache_policy(engine.policy)
     app = FastAPI(title="kvlab serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Errors)
     server = _Server(engine, metrics, model_id, api_keys, admin_key, limits)
@@ -364,11 +369,11 @@ class _Server:
             hashlib.sha256(b"kvlab-tenant|" + given).hexdigest()[:32], tenant_label(given.decode())
         )
 
-    def is_admin(self, request: Request) -> bool:
-        """Whether the caller may see every tenant's activity: it sent the admin key (``Bearer KEY``, or
-        Basic with the key as password, which browsers ask for), or the server has no keys at all."""
+    def check_admin(self, request: Request) -> None:
+        """A 401 (that asks a browser for the key) unless the caller may see every tenant's activity: it
+        sent the admin key (``Bearer KEY``, or Basic with the key as password), or the server has no keys."""
         if not self.admin_only:
-            return True
+            return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         secret = given.strip().encode("latin-1")
         if scheme.lower() == "basic":
@@ -378,27 +383,25 @@ class _Server:
                 secret = b""
         elif scheme.lower() != "bearer":
             secret = b""
-        return self.admin is not None and hmac.compare_digest(secret, self.admin)
-
-    def admin_refused(self) -> Response:
+        if self.admin is not None and hmac.compare_digest(secret, self.admin):
+            return
         why = "send Authorization: Bearer ADMIN_KEY" if self.admin else "start the server with --admin-key"
-        return _error(
-            ApiError(401, f"this page needs the admin key ({why})", code="invalid_admin_key"),
-            {"WWW-Authenticate": 'Basic realm="kvlab serve admin", charset="UTF-8"'},
-        )
+        realm = {"WWW-Authenticate": 'Basic realm="kvlab serve admin", charset="UTF-8"'}
+        raise ApiError(401, f"this page needs the admin key ({why})", code="invalid_admin_key", headers=realm)
 
     async def body_of(self, request: Request, cls: type[_Common]) -> Any:
         limit = self.limits.max_body_bytes
+        too_large = ApiError(413, f"request body over {limit} bytes", code="request_too_large")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+            raise too_large
         parts = []
         size = 0
         async for chunk in request.stream():  # ClientDisconnect when the client leaves mid-body
             parts.append(chunk)
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+                raise too_large
         doc = _unsupported(parse_body(b"".join(parts)), cls, "chat" if cls is ChatBody else "text")
         try:
             body = cls.model_validate(doc)
@@ -414,30 +417,37 @@ class _Server:
                 code="model_not_found",
             )
         if body.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_value")
+            raise _invalid("only n=1 is supported", "n", "unsupported_value")
         return body
 
     async def serve(self, request: Request, kind: str) -> Response:
-        engine, limits, metrics = self.engine, self.limits, self.metrics
-        endpoint = "chat" if kind == "chat" else "completions"
-        who = ""  # the tenant's label, once its key is checked
+        """A completion request's reply, its status counted (its tenant's too, once its key is checked)."""
+        who = ""
         try:
             caller = self.tenant(request)
             who = caller.label
-            body = await self.body_of(request, ChatBody if kind == "chat" else CompletionBody)
-            most = _most_prompts(engine.settings)
+            reply = await self.reply(request, kind, caller)
+        except ClientDisconnect:  # gone while sending its body: nobody reads a reply
+            reply = Response(status_code=499)
+        except ApiError as exc:
+            reply = _error(exc)
+        self.metrics.request("chat" if kind == "chat" else "completions", reply.status_code, who)
+        return reply
+
+    async def reply(self, request: Request, kind: str, caller: _Caller) -> Response:
+        engine, limits = self.engine, self.limits
+        body = await self.body_of(request, ChatBody if kind == "chat" else CompletionBody)
+        try:
             # templating and tokenizing a 1 MiB body takes 1-2 s: off the event loop, which keeps answering
             if kind == "chat":
                 prompts = await run_in_threadpool(_encode_chat, engine, body)
             else:
-                prompts = await run_in_threadpool(_encode_prompts, engine, body, most)
-            if len(prompts) > 1 and body.stream:
-                raise ApiError(
-                    400,
-                    "stream is supported with one prompt only; send the prompts one per request",
-                    param="stream",
-                    code="unsupported_value",
+                prompts = await run_in_threadpool(
+                    _encode_prompts, engine, body, _most_prompts(engine.settings)
                 )
+            if len(prompts) > 1 and body.stream:
+                message = "stream is supported with one prompt only; send the prompts one per request"
+                raise _invalid(message, "stream", "unsupported_value")
             loop = asyncio.get_running_loop()
             queues: list[asyncio.Queue] = [asyncio.Queue() for _ in prompts]
             reqs = [
@@ -448,47 +458,28 @@ class _Server:
                 reqs, limits.max_logprob_entries, "top_logprobs" if kind == "chat" else "logprobs"
             )
             fid = _submit(engine, body, caller, reqs)
-        except ClientDisconnect:  # gone while sending its body: nobody reads a reply
-            metrics.request(endpoint, 499, who)
-            return Response(status_code=499)
-        except (ApiError, KvlabError) as exc:
-            err = exc if isinstance(exc, ApiError) else _engine_error(exc, limits.retry_after_s)
-            metrics.request(endpoint, err.status, who)
-            return _error(err)
+        except KvlabError as exc:
+            raise _engine_error(exc, limits.retry_after_s) from None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        meta = {
-            "id": rid,
-            "created": int(time.time()),
-            "model": self.model_id,
-            "prompt_tokens": len(prompts[0].ids),
-        }
+        head = {"id": rid, "created": int(time.time()), "model": self.model_id}
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            metrics.request(endpoint, 200, who)
             tok = engine.handle.tokenizer
             return StreamingResponse(
-                _sse(queues[0], reqs[0], kind, meta, include_usage, tok, limits.max_response_bytes),
+                _sse(queues[0], reqs[0], kind, head, include_usage, tok, limits.max_response_bytes),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         collect = await _replies_or_leave(request, queues, reqs)
         if collect is None:
-            metrics.request(endpoint, 499, who)
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        try:
-            done = collect.result()
-            echo = kind == "text" and body.echo
-            results = [
-                _Result(text, finish, info, prompt.ids, prompt.text if echo else None)
-                for prompt, (text, finish, info) in zip(prompts, done, strict=True)
-            ]
-            doc = await _scored(engine, fid, _final(kind, meta, results, engine.handle.tokenizer))
-            reply = _bounded_json(doc, limits.max_response_bytes)
-        except ApiError as exc:
-            metrics.request(endpoint, exc.status, who)
-            return _error(exc)
-        metrics.request(endpoint, 200, who)
-        return reply
+        echo = kind == "text" and body.echo
+        results = [
+            _Result(text, finish, info, prompt.ids, prompt.text if echo else None)
+            for prompt, (text, finish, info) in zip(prompts, collect.result(), strict=True)
+        ]
+        doc = await _scored(engine, fid, _final(kind, head, results, engine.handle.tokenizer))
+        return _bounded_json(doc, limits.max_response_bytes)
 
 
 def _add_completion_routes(app: FastAPI, server: _Server) -> None:
@@ -508,17 +499,14 @@ def _add_info_routes(app: FastAPI, server: _Server) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        try:
-            server.tenant(request)
-        except ApiError as exc:
-            return _error(exc)
-        created = int(server.started)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": server.model_id, "object": "model", "created": created, "owned_by": "kvlab"}],
-            }
-        )
+        server.tenant(request)
+        model = {
+            "id": server.model_id,
+            "object": "model",
+            "created": int(server.started),
+            "owned_by": "kvlab",
+        }
+        return JSONResponse({"object": "list", "data": [model]})
 
     @app.get("/health")
     async def health() -> Response:
@@ -542,14 +530,11 @@ def _add_fidelity_route(app: FastAPI, server: _Server) -> None:
 
     @app.get("/v1/fidelity/{fid}")
     async def fidelity(fid: str, request: Request) -> Response:
-        try:
-            caller = server.tenant(request)
-        except ApiError as exc:
-            return _error(exc)
+        caller = server.tenant(request)
         known, result = server.engine.fidelity.read(fid, caller.salt)
         if not known:
             message = f"no fidelity record {fid[:80]!r} for this key (unknown, expired, or another key's)"
-            return _error(ApiError(404, message, param="id", code="fidelity_not_found"))
+            raise ApiError(404, message, param="id", code="fidelity_not_found")
         head = {"id": fid, "object": "kvlab.fidelity"}
         if result is None:
             return JSONResponse({**head, "status": "pending"}, status_code=202, headers={"Retry-After": "1"})
@@ -562,20 +547,22 @@ def _add_admin_routes(app: FastAPI, server: _Server) -> None:
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
-        if not server.is_admin(request):
-            return server.admin_refused()
+        server.check_admin(request)
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/", response_class=HTMLResponse)
     async def status(request: Request) -> Response:
-        if not server.is_admin(request):
-            return server.admin_refused()
+        server.check_admin(request)
         engine = server.engine
         return HTMLResponse(status_page(server.model_id, engine.status(), engine.store_stats()))
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """404 and 405 as OpenAI-style JSON errors."""
+    """An :class:`ApiError` a route raises, 404 and 405 as OpenAI-style JSON errors."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return _error(exc)
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> Response:
@@ -602,44 +589,28 @@ def _prepare(
     """The engine's request for one prompt of ``body`` (checked against ``limits``; nothing is computed)."""
     ids, pinned = prompt.ids, prompt.pinned
     if len(ids) > limits.max_prompt_tokens:
-        raise ApiError(
-            400,
-            f"{prompt.name} has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}",
-            param=prompt.param,
-            code="context_length_exceeded",
+        message = (
+            f"{prompt.name} has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}"
         )
+        raise _invalid(message, prompt.param, "context_length_exceeded")
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_new = limits.default_max_tokens if asked is None else asked
     echo = isinstance(body, CompletionBody) and body.echo
     if max_new == 0 and not echo:
-        raise ApiError(
-            400,
-            "max_tokens=0 is only for scoring a prompt (with echo)",
-            param="max_tokens",
-            code="invalid_value",
-        )
+        raise _invalid("max_tokens=0 is only for scoring a prompt (with echo)", "max_tokens")
     if echo and body.stream:
-        raise ApiError(400, "echo is not supported with stream", param="echo", code="unsupported_value")
+        raise _invalid("echo is not supported with stream", "echo", "unsupported_value")
     if isinstance(body, ChatBody):
         if body.top_logprobs is not None and not body.logprobs:
-            raise ApiError(
-                400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
-            )
+            raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         logprobs = body.logprobs
     if max_new > limits.max_tokens:
-        raise ApiError(
-            400, f"max_tokens is at most {limits.max_tokens}", param="max_tokens", code="invalid_value"
-        )
+        raise _invalid(f"max_tokens is at most {limits.max_tokens}", "max_tokens")
     stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if len(stops) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-        raise ApiError(
-            400,
-            f"stop: up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters",
-            param="stop",
-            code="invalid_value",
-        )
+        raise _invalid(f"stop: up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters", "stop")
     try:
         check_request_fits(ids, pinned, engine.settings, max_new, engine.handle.max_positions)
     except KvlabError as exc:
@@ -692,12 +663,8 @@ def _choose_fidelity(engine: Engine, body: Any, caller: _Caller, reqs: list[Engi
     asked = body.kvlab.fidelity if body.kvlab is not None else None
     one = len(reqs) == 1 and reqs[0].max_new_tokens > 0
     if asked and not one:
-        raise ApiError(
-            400,
-            "kvlab.fidelity scores one generated response: send one prompt with max_tokens >= 1",
-            param="kvlab.fidelity",
-            code="unsupported_value",
-        )
+        message = "kvlab.fidelity scores one generated response: send one prompt with max_tokens >= 1"
+        raise _invalid(message, "kvlab.fidelity", "unsupported_value")
     chosen = asked if asked is not None else one and random.random() < engine.settings.fidelity_sample
     if not chosen:
         return None
@@ -823,32 +790,23 @@ def _encode_prompts(engine: Engine, body: CompletionBody, most: tuple[int, str])
     several = isinstance(given, list) and bool(given) and not isinstance(given[0], int)
     items: list[Any] = list(given) if several else [given]
     if len(items) > most[0]:
-        raise ApiError(
-            400,
-            f"{len(items)} prompts in one request; this server queues at most {most[0]} ({most[1]})",
-            param="prompt",
-            code="invalid_value",
-        )
+        message = f"{len(items)} prompts in one request; this server queues at most {most[0]} ({most[1]})"
+        raise _invalid(message, "prompt")
     vocab = int(engine.handle.config.vocab_size)
     prompts = []
     for i, item in enumerate(items):
         name, param = (f"prompt[{i}]", f"prompt[{i}]") if several else ("the prompt", "prompt")
         if isinstance(item, str):
             if not item.strip():
-                raise ApiError(400, f"{name} is empty", param=param, code="invalid_value")
+                raise _invalid(f"{name} is empty", param)
             prompts.append(_Prompt(engine.handle.encode(item), 0, item, name, param))
             continue
         if not item:
-            raise ApiError(400, f"{name} is empty", param=param, code="invalid_value")
+            raise _invalid(f"{name} is empty", param)
         bad = [t for t in item if not 0 <= t < vocab]
         if bad:
             shown = ", ".join(str(t) if abs(t) < 10**12 else f"{str(t)[:12]}..." for t in bad[:5])
-            raise ApiError(
-                400,
-                f"{name} has token ids outside the vocabulary [0, {vocab}): [{shown}]",
-                param=param,
-                code="invalid_value",
-            )
+            raise _invalid(f"{name} has token ids outside the vocabulary [0, {vocab}): [{shown}]", param)
         prompts.append(_Prompt(list(item), 0, engine.handle.decode(item), name, param))
     return prompts
 
@@ -860,11 +818,9 @@ def _encode_chat(engine: Engine, body: ChatBody) -> list[_Prompt]:
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
     ]
     if messages[-1]["role"] == "assistant":
-        raise ApiError(
-            400, "the last message must not be the assistant's", param="messages", code="invalid_value"
-        )
+        raise _invalid("the last message must not be the assistant's", "messages")
     if not any(m["content"].strip() for m in messages):
-        raise ApiError(400, "every message is empty", param="messages", code="invalid_value")
+        raise _invalid("every message is empty", "messages")
     try:
         ids = _template(tok, messages)
         # pinned: the tokens shared with the same system prompt and any other first user turn
@@ -894,7 +850,8 @@ def _engine_error(exc: Exception, retry_after: int = 1) -> ApiError:
         return ApiError(503, str(exc), type_="server_error", code="unavailable")
     if isinstance(exc, QueueFullError):  # the queue, or the key's share of it (KeyLimitError)
         code = "per_key_limit" if isinstance(exc, KeyLimitError) else "queue_full"
-        return ApiError(429, str(exc), type_="rate_limit_error", code=code, retry_after=retry_after)
+        headers = {"Retry-After": str(retry_after)}
+        return ApiError(429, str(exc), type_="rate_limit_error", code=code, headers=headers)
     if isinstance(exc, WorkTooLargeError):
         return ApiError(400, str(exc), code="request_too_large")
     if isinstance(exc, KvlabError):
@@ -934,7 +891,7 @@ async def _replies_or_leave(
 
 async def _collect_all(queues: list[asyncio.Queue], reqs: list[EngineRequest]) -> list[tuple[str, str, dict]]:
     """Every prompt's (text, finish reason, info); the first failure fails the request (and cancels the rest)."""
-    tasks = [asyncio.ensure_future(_collect(q, r)) for q, r in zip(queues, reqs, strict=True)]
+    tasks = [asyncio.ensure_future(_collect(q)) for q in queues]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -944,19 +901,14 @@ async def _collect_all(queues: list[asyncio.Queue], reqs: list[EngineRequest]) -
             r.cancelled.set()
 
 
-async def _collect(events: asyncio.Queue, req: EngineRequest) -> tuple[str, str, dict]:
-    parts: list[str] = []
-    try:
-        while True:
-            ev = await events.get()
-            if ev[0] == "token":
-                parts.append(ev[2])
-            elif ev[0] == "done":
-                return ev[3], ev[1], ev[2]
-            elif ev[0] == "error":
-                raise _engine_error(ev[1])
-    finally:
-        req.cancelled.set()  # a no-op once done; stops the work if the client went away
+async def _collect(events: asyncio.Queue) -> tuple[str, str, dict]:
+    """One prompt's (text, finish reason, info) from its events; its error as an :class:`ApiError`."""
+    while True:
+        ev = await events.get()
+        if ev[0] == "done":
+            return ev[3], ev[1], ev[2]
+        if ev[0] == "error":
+            raise _engine_error(ev[1])
 
 
 def _usage(prompt_tokens: int, infos: list[dict]) -> dict:
@@ -969,17 +921,13 @@ def _usage(prompt_tokens: int, infos: list[dict]) -> dict:
     }
 
 
-def _token_text(tok: Any, token_id: int) -> str:
-    return tok.decode([token_id])
-
-
 def _chat_logprobs(tok: Any, entries: list | None) -> dict | None:
     """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     if entries is None:
         return None
 
     def one(token_id: int, lp: float) -> dict:
-        text = _token_text(tok, token_id)
+        text = tok.decode([token_id])
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
     return {
@@ -995,35 +943,13 @@ def _text_logprobs(tok: Any, entries: list) -> dict:
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
     for token_id, entry in entries:
-        text = _token_text(tok, token_id)
+        text = tok.decode([token_id])
         out["tokens"].append(text)
         out["text_offset"].append(offset)
         offset += len(text)
         out["token_logprobs"].append(None if entry is None else entry[1])
-        out["top_logprobs"].append(
-            None if entry is None else {_token_text(tok, a): alp for a, alp in entry[2]}
-        )
+        out["top_logprobs"].append(None if entry is None else {tok.decode([a]): alp for a, alp in entry[2]})
     return out
-
-
-def _cache_policy_gauge(metrics: Metrics, engine: Engine) -> None:
-    """``kvlab_cache_policy_info{spec, layout, codec, exact} 1``: the policy every conversation's cache
-    follows (once per registry; ``kvlab_idle_session_bytes`` says what those caches hold)."""
-    if getattr(metrics, "cache_policy", None) is not None:
-        return
-    from prometheus_client import Gauge
-
-    policy = getattr(engine, "policy", None)
-    if policy is None:
-        return
-    gauge = Gauge(
-        "kvlab_cache_policy_info",
-        "The cache policy every conversation follows (always 1)",
-        ["spec", "layout", "codec", "exact"],
-        registry=metrics.registry,
-    )
-    gauge.labels(policy.spec, policy.layout.name, policy.codec_name or "", str(policy.exact).lower()).set(1)
-    metrics.cache_policy = gauge  # type: ignore[attr-defined]
 
 
 def _public(info: dict) -> dict:
@@ -1041,8 +967,7 @@ class _Result:
     echo: str | None  # the prompt's text when it is echoed
 
 
-def _final(kind: str, meta: dict, results: list[_Result], tok: Any) -> dict:
-    head = {"id": meta["id"], "created": meta["created"], "model": meta["model"]}
+def _final(kind: str, head: dict, results: list[_Result], tok: Any) -> dict:
     usage = _usage(sum(len(r.ids) for r in results), [r.info for r in results])
     if kind == "chat":
         (r,) = results
@@ -1080,11 +1005,16 @@ def _final(kind: str, meta: dict, results: list[_Result], tok: Any) -> dict:
     return {**head, "object": "text_completion", "choices": choices, "usage": usage, "kvlab": kvlab}
 
 
+def _data(doc: dict) -> str:
+    """One server-sent event."""
+    return "data: " + json.dumps(doc) + "\n\n"
+
+
 async def _sse(
     events: asyncio.Queue,
     req: EngineRequest,
     kind: str,
-    meta: dict,
+    head: dict,
     include_usage: bool,
     tok: Any,
     max_bytes: int = Limits.max_response_bytes,
@@ -1093,73 +1023,55 @@ async def _sse(
     event naming the limit instead (and its request is cancelled)."""
     sent = 0
     try:
-        async for event in _sse_events(events, req, kind, meta, include_usage, tok):
+        async for event in _sse_events(events, req, kind, head, include_usage, tok):
             sent += len(event.encode())
             if sent > max_bytes:
                 message = (
                     f"the reply passed {max_bytes} bytes, the most this server sends (--max-response-bytes); "
                     "stopped: ask for fewer alternatives or tokens"
                 )
-                error = {"message": message, "type": "invalid_request_error", "code": "response_too_large"}
-                yield "data: " + json.dumps({"error": error}) + "\n\n"
+                yield _data(
+                    {
+                        "error": {
+                            "message": message,
+                            "type": "invalid_request_error",
+                            "code": "response_too_large",
+                        }
+                    }
+                )
                 return
             yield event
     finally:
-        req.cancelled.set()  # a no-op once done; the engine drops the row of a stream cut short
+        req.cancelled.set()  # the client left, or the reply ended: the engine drops the row of a stream cut short
 
 
 async def _sse_events(
-    events: asyncio.Queue, req: EngineRequest, kind: str, meta: dict, include_usage: bool, tok: Any
+    events: asyncio.Queue, req: EngineRequest, kind: str, head: dict, include_usage: bool, tok: Any
 ) -> AsyncIterator[str]:
-    head = {"id": meta["id"], "created": meta["created"], "model": meta["model"]}
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    chat = kind == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: dict | str, finish: str | None = None, entries: list | None = None, **extra: Any) -> str:
-        if req.logprobs is None or entries is None:
-            lp = None
-        else:
-            lp = (
-                _chat_logprobs(tok, entries)
-                if kind == "chat"
-                else _text_logprobs(tok, [(e[0], e) for e in entries])
-            )
-        if kind == "chat":
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
-        else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lp}
-        return "data: " + json.dumps({**head, "object": obj, "choices": [choice], **extra}) + "\n\n"
+        lp = None
+        if req.logprobs is not None and entries is not None:
+            lp = _chat_logprobs(tok, entries) if chat else _text_logprobs(tok, [(e[0], e) for e in entries])
+        choice = {"index": 0, "delta" if chat else "text": delta, "finish_reason": finish, "logprobs": lp}
+        return _data({**head, "object": obj, "choices": [choice], **extra})
 
-    try:
-        while True:
-            ev = await events.get()
-            if ev[0] == "start" and kind == "chat":
-                yield chunk({"role": "assistant", "content": ""})
-            elif ev[0] == "token":
-                yield chunk({"content": ev[2]} if kind == "chat" else ev[2], entries=ev[3])
-            elif ev[0] == "done":
-                yield chunk({} if kind == "chat" else "", ev[1], kvlab=_public(ev[2]))
-                if include_usage:
-                    yield (
-                        "data: "
-                        + json.dumps(
-                            {
-                                **head,
-                                "object": obj,
-                                "choices": [],
-                                "usage": _usage(meta["prompt_tokens"], [ev[2]]),
-                            }
-                        )
-                        + "\n\n"
-                    )
-                yield "data: [DONE]\n\n"
-                return
-            elif ev[0] == "error":
-                err = _engine_error(ev[1])
-                yield (
-                    "data: "
-                    + json.dumps({"error": {"message": err.message, "type": err.type, "code": err.code}})
-                    + "\n\n"
-                )
-                return
-    finally:
-        req.cancelled.set()  # the client disconnected (or we are done): the engine drops the row
+    while True:
+        ev = await events.get()
+        if ev[0] == "start" and chat:
+            yield chunk({"role": "assistant", "content": ""})
+        elif ev[0] == "token":
+            yield chunk({"content": ev[2]} if chat else ev[2], entries=ev[3])
+        elif ev[0] == "done":
+            yield chunk({} if chat else "", ev[1], kvlab=_public(ev[2]))
+            if include_usage:
+                usage = _usage(len(req.ids), [ev[2]])
+                yield _data({**head, "object": obj, "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+            return
+        elif ev[0] == "error":
+            err = _engine_error(ev[1])
+            yield _data({"error": {"message": err.message, "type": err.type, "code": err.code}})
+            return

@@ -14,13 +14,16 @@ status 499.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _KL = (1e-6, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)  # nats
 _SHARE = (0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0)
+
+if TYPE_CHECKING:
+    from kvlab.compress.spec import CachePolicy
 
 
 class Metrics:
@@ -97,6 +100,7 @@ class Metrics:
         self.device_info = Gauge(
             "kvlab_device_info", "Where the model runs (always 1)", ["device", "gpu", "dtype"], registry=r
         )
+        self.policy: Gauge | None = None  # kvlab_cache_policy_info, once a policy is known (cache_policy)
 
     def prefilled(self, info: dict[str, Any], tenant: str = "") -> None:
         self.prompt_tokens.labels("reused").inc(info["cached_tokens"])
@@ -132,6 +136,21 @@ class Metrics:
 
     def rolled(self, n: int) -> None:
         self.rolls.inc(n)
+
+    def cache_policy(self, policy: CachePolicy) -> None:
+        """``kvlab_cache_policy_info{spec, layout, codec, exact} 1``: the policy every conversation's cache
+        follows (once per registry; ``kvlab_idle_session_bytes`` says what those caches hold)."""
+        if self.policy is not None:
+            return
+        self.policy = Gauge(
+            "kvlab_cache_policy_info",
+            "The cache policy every conversation follows (always 1)",
+            ["spec", "layout", "codec", "exact"],
+            registry=self.registry,
+        )
+        self.policy.labels(
+            policy.spec, policy.layout.name, policy.codec_name or "", str(policy.exact).lower()
+        ).set(1)
 
     def watch(self, engine: Any) -> None:
         """Read the gauges from ``engine`` (its ``queue_depth()``, ``active()``, ``idle_sessions()``) at
