@@ -31,52 +31,40 @@ class _RedisListing(Protocol):
     def block_hashes(self) -> list[str]: ...
 
 
+def _row(tier: str, block_hash: str, parent: str, start: int, tokens: int, nbytes: int) -> dict:
+    return {
+        "tier": tier,
+        "hash": block_hash,
+        "parent": parent,
+        "start": start,
+        "tokens": tokens,
+        "bytes": nbytes,
+    }
+
+
 def list_blocks(store: KVStore) -> list[dict]:
     """One row per (tier, block): hash, parent, start position, tokens, bytes."""
     rows: list[dict] = []
     for tier in store.tiers:
         if tier.name == "memory":
             assert isinstance(tier, _MemoryListing)
-            for b in tier.iter_blocks():
-                rows.append(
-                    {
-                        "tier": "memory",
-                        "hash": b.hash,
-                        "parent": b.parent,
-                        "start": b.start,
-                        "tokens": b.num_tokens,
-                        "bytes": b.nbytes,
-                    }
-                )
+            rows += [
+                _row("memory", b.hash, b.parent, b.start, b.num_tokens, b.nbytes) for b in tier.iter_blocks()
+            ]
         elif tier.name == "disk":
             assert isinstance(tier, _DiskListing)
             for e in tier.entries():
                 # never opens a FIFO or follows a link; a file that is not a block is listed as start -1
                 header = tier.read_header(e.path) if e.regular else None
-                rows.append(
-                    {
-                        "tier": "disk",
-                        "hash": e.hash,
-                        "parent": e.parent,
-                        "start": header.start if isinstance(header, BlockHeader) else -1,
-                        "tokens": header.num_tokens if isinstance(header, BlockHeader) else 0,
-                        "bytes": e.nbytes,
-                    }
-                )
+                if isinstance(header, BlockHeader):
+                    rows.append(_row("disk", e.hash, e.parent, header.start, header.num_tokens, e.nbytes))
+                else:
+                    rows.append(_row("disk", e.hash, e.parent, -1, 0, e.nbytes))
         elif tier.name == "redis":
             assert isinstance(tier, _RedisListing)
             for h in tier.block_hashes():
                 found = tier.find(h)
                 if found is not None:
-                    rows.append(
-                        {
-                            "tier": "redis",
-                            "hash": h,
-                            "parent": found.parent,
-                            "start": found.start,
-                            "tokens": found.num_tokens,
-                            "bytes": found.nbytes,
-                        }
-                    )
+                    rows.append(_row("redis", h, found.parent, found.start, found.num_tokens, found.nbytes))
     rows.sort(key=lambda r: (r["tier"], r["parent"], r["start"]))
     return rows

@@ -281,13 +281,16 @@ class RedisTier:
 
     def discard(self, parent: str, block_hash: str, why: str) -> None:
         """Delete a block that is not what its key says (reported; a failure to delete is only counted)."""
-        self.counters.corrupt += 1
-        log.warning(
-            "kvlab store: Redis block %s is corrupt (%s); deleted and treated as a miss", block_hash[:12], why
+        self._delete_corrupt(
+            "block",
+            self._bkey(block_hash),
+            f"block {block_hash[:12]} is corrupt ({why}); deleted and treated as a miss",
         )
-        self._call(
-            "delete a corrupt block", lambda: self.client.delete(self._bkey(block_hash)), 0, "left", "write"
-        )
+
+    def _delete_corrupt(self, what: str, key: str, message: str) -> None:
+        self._count("corrupt")
+        log.warning("kvlab store: Redis %s", message)
+        self._call(f"delete a corrupt {what}", lambda: self.client.delete(key), 0, "left", "write")
 
     def children(self, parent: str) -> dict[str, tuple[int, ...]]:
         raw: dict = {}
@@ -320,26 +323,25 @@ class RedisTier:
 
     def find(self, block_hash: str) -> Block | None:
         try:
-            data = self._get_block_bytes(block_hash)
-        except self._errors as exc:
-            if self._wrong_type(exc):
-                self.counters.corrupt += 1
-                return None
-            raise self._unavailable(exc) from None
-        if data is None:
-            return None
-        try:
-            return decode_block(data, expect_hash=block_hash)
+            return self._stored(block_hash)
         except CorruptBlockError:
             self.counters.corrupt += 1
             return None
 
+    def _stored(self, block_hash: str) -> Block | None:
+        """The block at its key, None when there is none, CorruptBlockError when what is there is not it (a
+        maintenance call: any other Redis error raises StoreUnavailableError)."""
+        try:
+            data = self._get_block_bytes(block_hash)
+        except self._errors as exc:
+            if not self._wrong_type(exc):
+                raise self._unavailable(exc) from None
+            raise CorruptBlockError("holds another Redis type than a block's string") from None
+        return None if data is None else decode_block(data, expect_hash=block_hash)
+
     def _drop_index(self, parent: str) -> None:
-        self._count("corrupt")
-        log.warning("kvlab store: Redis index %s is not a hash; deleted", self._ckey(parent)[:40])
-        self._call(
-            "delete a corrupt index", lambda: self.client.delete(self._ckey(parent)), 0, "left", "write"
-        )
+        key = self._ckey(parent)
+        self._delete_corrupt("index", key, f"index {key[:40]} is not a hash; deleted")
 
     # -- writes ------------------------------------------------------------------------------------
     def put(self, block: Block) -> list[Block]:
@@ -457,20 +459,10 @@ class RedisTier:
         ok, corrupt = 0, []
         for h in self.block_hashes():
             try:
-                data = self._get_block_bytes(h)
-            except self._errors as exc:
-                if not self._wrong_type(exc):
-                    raise self._unavailable(exc) from None
-                corrupt.append(
-                    {"key": self._bkey(h), "reason": "holds another Redis type than a block's string"}
-                )
-                if repair:
-                    self.delete(h)
-                continue
-            if data is None:
-                continue
-            try:
-                problem = block_problem(decode_block(data, expect_hash=h))
+                block = self._stored(h)
+                if block is None:
+                    continue
+                problem = block_problem(block)
                 if problem:
                     raise CorruptBlockError(f"block {h[:16]}: {problem}")
                 ok += 1

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,16 @@ from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError
 from kvlab.metrics.text import agreement_length
 from kvlab.model.handle import ModelHandle, ModelLike, as_handle
 from kvlab.store.block import Block, BlockHeader
-from kvlab.store.disk import DECLINED, ReadBuffer
+from kvlab.store.disk import DECLINED, DiskTier, ReadBuffer
 from kvlab.store.errors import BlockNotFoundError, CorruptBlockError, StoreError
-from kvlab.store.keys import DEFAULT_BLOCK_TOKENS, Namespace, block_hash, geometry_problem, snapshot_geometry
+from kvlab.store.keys import (
+    DEFAULT_BLOCK_TOKENS,
+    Namespace,
+    _dtype_name,
+    block_hash,
+    geometry_problem,
+    snapshot_geometry,
+)
 from kvlab.store.keys import block_hash as _hash_of
 from kvlab.store.memory import MemoryTier
 from kvlab.store.tier import QueuedWrites, RateLimitedLog, Tier
@@ -75,8 +82,7 @@ class PutReport:
     blocks_queued: int = 0
 
 
-def scheme_ok(url: str) -> bool:
-    return url.lower().startswith(("redis://", "rediss://", "unix://"))
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def check_snapshot_matches_model(snapshot: KVSnapshot, model: ModelHandle) -> None:
@@ -425,14 +431,9 @@ class KVStore:
                 or block.token_ids[:take] != want
             ):
                 return None
-            if not out.fits(
-                tuple(block.keys.shape), tuple(block.values.shape), block.keys.dtype, block.values.dtype
-            ):
+            if not out.copy_in(at, take, block.keys, block.values):
                 self._misfit(tier, parent, h, out.misfit[0], out.namespace)
                 return None
-            keys, values = out.slice(at, take)
-            keys.copy_(block.keys[:, :, :take])
-            values.copy_(block.values[:, :, :take])
             block = _owned(block) if self.promote and where > 0 else None  # the read buffer is reused
         return tier, where, block
 
@@ -505,28 +506,19 @@ class KVStore:
         except (KeyError, TypeError, ValueError, KvlabError) as exc:
             self.malformed += 1
             raise CorruptBlockError(f"block {block_hash[:16]}: unreadable namespace record ({exc})") from None
-        at = 0
-        first_k, first_v = _geometry(chain[0].keys.shape), _geometry(chain[0].values.shape)
-        for b in chain:  # every link must be what its hash says, in the namespace it claims
+        out, at = _Output(ns, sum(b.num_tokens for b in chain), None), 0
+        for b in chain:  # every link must be what its hash says, in the namespace it claims, of its geometry
             if (
-                b.keys.dim() != 4
-                or b.values.dim() != 4
-                or _geometry(b.keys.shape) != first_k
-                or _geometry(b.values.shape) != first_v
-                or b.namespace != ns.root
+                b.namespace != ns.root
                 or b.start != at
                 or _hash_of(b.parent, b.token_ids) != b.hash
-                or (
-                    ns.geometry is not None
-                    and (_geometry(b.keys.shape) != ns.geometry or _geometry(b.values.shape) != ns.geometry)
-                )
-                or str(b.keys.dtype).replace("torch.", "") != ns.dtype
-                or b.values.dtype != b.keys.dtype
+                or not out.copy_in(at, b.num_tokens, b.keys, b.values)
             ):
                 self.malformed += 1
                 raise CorruptBlockError(f"block {b.hash[:16]} does not fit the chain of {block_hash[:16]}")
             at += b.num_tokens
-        return _assemble(chain, ns)
+        keys, values = out.kv
+        return _prefix_snapshot(keys, values, [t for b in chain for t in b.token_ids], ns, "prefill")
 
     def stats(self) -> dict:
         tiers = {}
@@ -581,7 +573,7 @@ class _Output:
         k_geo, v_geo, geometry = _geometry(k_shape), _geometry(v_shape), self.namespace.geometry
         if geometry is not None and (k_geo != geometry or v_geo != geometry):
             self.misfit.append(f"K {tuple(k_shape)} / V {tuple(v_shape)}, not the geometry {geometry}")
-        elif str(dtype).replace("torch.", "") != self.namespace.dtype or v_dtype != dtype:
+        elif _dtype_name(dtype) != self.namespace.dtype or v_dtype != dtype:
             self.misfit.append(f"dtype {dtype}/{v_dtype}, not {self.namespace.dtype}")
         elif len(k_shape) != 4 or len(v_shape) != 4:
             self.misfit.append(
@@ -601,6 +593,16 @@ class _Output:
     def slice(self, at: int, take: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The output's K and V for tokens ``at .. at + take - 1`` (views)."""
         return self.kv[0][:, :, at : at + take], self.kv[1][:, :, at : at + take]
+
+    def copy_in(self, at: int, take: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Copy a block's first ``take`` tokens of ``keys`` and ``values`` to the output's tokens ``at ..`` if
+        the block :meth:`fits` (else False, nothing copied)."""
+        if not self.fits(tuple(keys.shape), tuple(values.shape), keys.dtype, values.dtype):
+            return False
+        k, v = self.slice(at, take)
+        k.copy_(keys[:, :, :take])
+        v.copy_(values[:, :, :take])
+        return True
 
     def destination(
         self, at: int, want: tuple[int, ...]
@@ -647,16 +649,7 @@ def _prefix_snapshot(
 
 def _owned(block: Block) -> Block:
     """A copy whose tensors live in process memory (not in an mmap or a Redis reply)."""
-    return Block(
-        block.hash,
-        block.parent,
-        block.namespace,
-        block.start,
-        block.token_ids,
-        host_copy(block.keys),
-        host_copy(block.values),
-        block.namespace_info,
-    )
+    return replace(block, keys=host_copy(block.keys), values=host_copy(block.values))
 
 
 #: integer dtypes of each element size: a copy through numpy keeps the bits of any dtype (bfloat16 too)
@@ -695,22 +688,6 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | No
     return torch.empty(shape, dtype=dtype, device=device or "cpu")
 
 
-def _assemble(blocks: list[Block], namespace: Namespace) -> KVSnapshot:
-    """Copy blocks into one ``[layers, kv_heads, T, head_dim]`` K and V; layer views make the snapshot."""
-    total = sum(b.num_tokens for b in blocks)
-    k0, v0 = blocks[0].keys, blocks[0].values
-    keys = _alloc((k0.shape[0], k0.shape[1], total, k0.shape[3]), k0.dtype)
-    values = _alloc((v0.shape[0], v0.shape[1], total, v0.shape[3]), v0.dtype)
-    at = 0
-    ids: list[int] = []
-    for b in blocks:
-        keys[:, :, at : at + b.num_tokens].copy_(b.keys)
-        values[:, :, at : at + b.num_tokens].copy_(b.values)
-        ids.extend(b.token_ids)
-        at += b.num_tokens
-    return _prefix_snapshot(keys, values, ids, namespace, "prefill")
-
-
 def default_store_path() -> Path:
     """``$KVLAB_STORE`` or ``~/.cache/kvlab/store``."""
     return Path(os.environ.get("KVLAB_STORE") or Path.home() / ".cache" / "kvlab" / "store").expanduser()
@@ -737,8 +714,6 @@ def open_store(
     """
     import re
 
-    from kvlab.store.disk import DiskTier
-
     spec_s = str(spec) if spec is not None else None
     for url in (spec_s, redis_url):
         scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", url or "")
@@ -747,12 +722,12 @@ def open_store(
             raise BadInputError(
                 f"unknown store URL scheme {scheme.group(1)!r}: give a folder, redis://host:port/db or 'memory'"
             )
-    if redis_url is not None and not scheme_ok(redis_url):
+    if redis_url is not None and not redis_url.lower().startswith(_REDIS_SCHEMES):
         raise BadInputError(f"--redis must be a redis://, rediss:// or unix:// URL, got {redis_url!r}")
     redis_kw: dict[str, Any] = {}
-    for key, value, env in (
-        ("timeout", redis_timeout_s, "KVLAB_REDIS_TIMEOUT_S"),
-        ("backoff", redis_backoff_s, "KVLAB_REDIS_BACKOFF_S"),
+    for names, value, env in (
+        (("timeout_s", "connect_timeout_s"), redis_timeout_s, "KVLAB_REDIS_TIMEOUT_S"),
+        (("backoff_s",), redis_backoff_s, "KVLAB_REDIS_BACKOFF_S"),
     ):
         if value is None and os.environ.get(env):
             try:
@@ -760,21 +735,15 @@ def open_store(
             except ValueError:
                 raise BadInputError(f"{env} must be a number of seconds, got {os.environ[env]!r}") from None
         if value is not None:
-            if key == "timeout":
-                redis_kw["timeout_s"] = redis_kw["connect_timeout_s"] = value
-            else:
-                redis_kw["backoff_s"] = value
+            redis_kw |= dict.fromkeys(names, value)
     tiers: list[Tier] = [MemoryTier(memory_bytes)]
-    if spec_s in ("memory", ":memory:"):
-        pass
-    elif spec_s is not None and spec_s.startswith(("redis://", "rediss://", "unix://")):
-        from kvlab.store.redis_tier import RedisTier
-
-        tiers.append(RedisTier(spec_s, **redis_kw))
-    else:
+    urls = [redis_url] if redis_url else []  # Redis tiers, behind the disk tier if any
+    if spec_s is not None and spec_s.startswith(_REDIS_SCHEMES):
+        urls.insert(0, spec_s)
+    elif spec_s not in ("memory", ":memory:"):
         tiers.append(DiskTier(default_store_path() if spec is None else spec, disk_bytes, create=create))
-    if redis_url:
+    if urls:
         from kvlab.store.redis_tier import RedisTier
 
-        tiers.append(RedisTier(redis_url, **redis_kw))
+        tiers += [RedisTier(url, **redis_kw) for url in urls]
     return KVStore(tiers, block_tokens=block_tokens, write_through=write_through)
