@@ -37,7 +37,6 @@ _VERSION_OF = {"xxh3-64": 2, "crc32": 1}  # checksum algorithm -> block version 
 READ_VERSIONS = (1, 2)
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 #: A block's safetensors header is its token ids, its namespace record and two tensor entries: tens of
 #: KiB for thousands of tokens. A header longer than this, or nested deeper than the JSON bound of
 #: :func:`kvlab.cache.io.loads_bounded`, is not a block's (refused before it is parsed).
@@ -268,7 +267,7 @@ def parse_block_header(buffer: bytes | memoryview, total_size: int) -> BlockHead
             begin, end = map(int, info["data_offsets"])
             if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_bytes:
                 raise ValueError(f"{name} lies outside the file")
-            if end - begin != math.prod(shape) * _SIZES[info["dtype"]]:
+            if end - begin != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"{name} has {end - begin} bytes for shape {shape}")
             specs[name] = TensorSpec(dtype, shape, begin, end)
         k, v = specs["k"], specs["v"]

@@ -379,14 +379,7 @@ class DiskTier:
     def children(self, parent: str) -> dict[str, tuple[int, ...]]:
         folder = self.root / "blocks" / parent
         out: dict[str, tuple[int, ...]] = {}
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            return out
-        except OSError as exc:  # a file or an unreadable folder where the parent's folder belongs
-            self._unreadable(folder, exc)
-            return out
-        for name in names:
+        for name in (e.name for e in self._listing(folder)):
             if not name.endswith(SUFFIX) or name.startswith("."):
                 continue
             header = self.read_header(folder / name, quarantine=True)
@@ -416,23 +409,13 @@ class DiskTier:
         sees it: an entry that is not a regular file (``entry.regular`` False) is never read, never
         counted in the tier's size, and is reported by :meth:`verify`. Folders that cannot be listed are
         skipped (and logged)."""
-        blocks = self.root / "blocks"
-        try:
-            parents = list(os.scandir(blocks))
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            self._unreadable(blocks, exc)
-            return
-        for parent_dir in parents:
+        for parent_dir in self._listing(self.root / "blocks"):
             try:
-                if not parent_dir.is_dir(follow_symlinks=False):
-                    continue
-                children = list(os.scandir(parent_dir.path))
+                is_dir = parent_dir.is_dir(follow_symlinks=False)
             except OSError as exc:
                 self._unreadable(Path(parent_dir.path), exc)
                 continue
-            for e in children:
+            for e in self._listing(Path(parent_dir.path)) if is_dir else []:
                 if e.name.endswith(SUFFIX) and not e.name.startswith("."):
                     try:
                         st = e.stat(follow_symlinks=False)
@@ -449,6 +432,16 @@ class DiskTier:
                         st.st_mtime,
                         file_kind(st.st_mode),
                     )
+
+    def _listing(self, folder: Path) -> list[os.DirEntry]:
+        """What ``folder`` holds: nothing when it is missing, or unreadable (then reported)."""
+        try:
+            return list(os.scandir(folder))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:  # a file or an unreadable folder where a folder belongs
+            self._unreadable(folder, exc)
+            return []
 
     def temp_files(self) -> list[Path]:
         blocks = self.root / "blocks"
@@ -540,12 +533,8 @@ class DiskTier:
 
     # -- maintenance -------------------------------------------------------------------------------
     def usage(self) -> tuple[int, int]:
-        n = total = 0
-        for e in self.entries():
-            if e.regular:
-                n += 1
-                total += e.nbytes
-        return n, total
+        sizes = [e.nbytes for e in self.entries() if e.regular]
+        return len(sizes), sum(sizes)
 
     def verify(self, *, repair: bool = False) -> dict:
         """Read and checksum every block; with ``repair``, quarantine corrupt ones."""

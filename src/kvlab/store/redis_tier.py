@@ -377,10 +377,8 @@ class RedisTier:
         with self._queue_cv:
             if block.hash in self._queued:
                 return True
-            if self._queued_bytes + block.nbytes > self.queue_bytes:
-                full = True
-            else:
-                full = False
+            full = self._queued_bytes + block.nbytes > self.queue_bytes
+            if not full:
                 self._queue.append(block)
                 self._queued[block.hash] = block.nbytes
                 self._queued_bytes += block.nbytes
