@@ -307,20 +307,12 @@ class CompressedPrefixes:
         if tier is None:
             return None if what != "store" else True
         k, c = f"{tier.prefix}:{FOLDER}:{key}", tier.client
-
-        def read() -> object:
-            try:
-                return c.get(k)
-            except tier._errors as exc:
-                if tier._wrong_type(exc):  # another Redis type at its key: rejected (deleted), no back-off
-                    return b""
-                raise
-
-        call = {"read": read, "store": lambda: c.set(k, data), "delete": lambda: c.delete(k)}
-        then = {"read": "a miss", "store": "not stored", "delete": "left"}[what]
-        return tier._call(
-            f"{what} a compressed prefix", call[what], None, then, "read" if what == "read" else "write"
-        )
+        if what == "read":  # another Redis type at its key (b""): rejected (deleted), no back-off
+            reply, wrong_type = tier.read("read a compressed prefix", lambda: c.get(k))
+            return b"" if wrong_type else reply
+        call = {"store": lambda: c.set(k, data), "delete": lambda: c.delete(k)}[what]
+        then = {"store": "not stored", "delete": "left"}[what]
+        return tier._call(f"{what} a compressed prefix", call, None, then, "write")
 
     def _reject(self, tier: str, key: str, why: str) -> None:
         """A record that is not what its key says: counted, logged, deleted (a failed delete is ignored)."""

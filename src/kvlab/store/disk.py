@@ -257,7 +257,9 @@ class DiskTier:
 
     def _failed(self, path: Path, exc: CorruptBlockError | OSError, quarantine: bool = True) -> str | None:
         """A block read that failed: why, for a corrupt block (quarantined with ``quarantine``); None for
-        an I/O error (reported)."""
+        a missing file, or an I/O error (reported)."""
+        if isinstance(exc, FileNotFoundError):
+            return None
         if isinstance(exc, CorruptBlockError):
             if quarantine:
                 self._quarantine(path, str(exc))
@@ -276,13 +278,6 @@ class DiskTier:
             raise OSError(
                 errno.EFBIG, f"{size:,} bytes, over this tier's cap of {self.max_bytes:,}; not read"
             )
-
-    def _miss(self, path: Path, exc: CorruptBlockError | OSError) -> None:
-        """Count a read that failed with ``exc`` as a miss: a corrupt block is quarantined, an unreadable
-        one reported (a missing one is just a miss)."""
-        if not isinstance(exc, FileNotFoundError):
-            self._failed(path, exc)
-        self.counters.misses += 1
 
     def get(self, parent: str, block_hash: str, scratch: ReadBuffer | None = None) -> Block | None:
         """The block or None (missing or corrupt).
@@ -310,7 +305,8 @@ class DiskTier:
             if block.parent != parent:
                 raise CorruptBlockError(f"block {block_hash[:12]} is filed under the wrong parent")
         except (CorruptBlockError, OSError) as exc:
-            self._miss(path, exc)
+            self._failed(path, exc)
+            self.counters.misses += 1
             return None
         with contextlib.suppress(OSError):  # another process may have evicted it meanwhile
             os.utime(path)  # the file's mtime is its last use (LRU order for eviction)
@@ -371,7 +367,8 @@ class DiskTier:
                     with contextlib.suppress(OSError):
                         os.utime(fd)
         except (CorruptBlockError, OSError) as exc:  # mid-read: the destination holds garbage (None drops it)
-            self._miss(path, exc)
+            self._failed(path, exc)
+            self.counters.misses += 1
             return None
         self.counters.hit(hdr.data_bytes, started)
         return hdr
@@ -393,8 +390,6 @@ class DiskTier:
         try:
             with open_block_file(path) as (fd, st):
                 return read_header_at(fd, st.st_size)
-        except FileNotFoundError:
-            return None
         except (CorruptBlockError, OSError) as exc:
             return self._failed(path, exc, quarantine)
 

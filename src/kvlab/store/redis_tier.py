@@ -249,19 +249,28 @@ class RedisTier:
     def contains(self, parent: str, block_hash: str) -> bool:
         return bool(self._call("read a block", lambda: self.client.exists(self._bkey(block_hash)), 0))
 
+    def read(self, what: str, fn: Callable[[], T]) -> tuple[T | None, bool]:
+        """``fn()`` through the breaker, as :meth:`_call` makes it: ``(its reply, False)``; ``(None, False)``
+        when it is held back or fails (counted, logged); ``(None, True)`` for a WRONGTYPE reply (another
+        Redis type at the key: the caller drops it; the breaker is not tripped)."""
+        if not self.breaker.allow("read"):
+            return None, False
+        try:
+            out = fn()
+        except self._errors as exc:
+            if self._wrong_type(exc):
+                return None, True
+            self._failed(what, exc)
+            return None, False
+        self._answered("read")
+        return out, False
+
     def get(self, parent: str, block_hash: str, scratch: Any = None) -> Block | None:
         started = time.perf_counter()
-        data: Any = None
-        if self.breaker.allow("read"):
-            try:
-                data = self._get_block_bytes(block_hash)
-            except self._errors as exc:
-                if self._wrong_type(exc):  # something else under a block's key: not a block, drop it
-                    self._corrupt(block_hash, "the key holds another Redis type than a block's string")
-                    return None
-                self._failed("read a block", exc)
-            else:
-                self._answered("read")
+        data, wrong_type = self.read("read a block", lambda: self._get_block_bytes(block_hash))
+        if wrong_type:  # something else under a block's key: not a block, drop it
+            self._corrupt(block_hash, "the key holds another Redis type than a block's string")
+            return None
         if data is None:
             self.counters.misses += 1
             return None
@@ -293,17 +302,10 @@ class RedisTier:
         self._call(f"delete a corrupt {what}", lambda: self.client.delete(key), 0, "left", "write")
 
     def children(self, parent: str) -> dict[str, tuple[int, ...]]:
-        raw: dict = {}
-        if self.breaker.allow("read"):
-            try:
-                raw = self.client.hgetall(self._ckey(parent))
-            except self._errors as exc:
-                if not self._wrong_type(exc):
-                    self._failed("read a block index", exc)
-                    return {}
-                self._drop_index(parent)  # something else under an index's key
-                return {}
-            self._answered("read")
+        reply, wrong_type = self.read("read a block index", lambda: self.client.hgetall(self._ckey(parent)))
+        if wrong_type:
+            self._drop_index(parent)  # something else under an index's key
+        raw: dict = reply or {}
         out: dict[str, tuple[int, ...]] = {}
         for k, v in raw.items():
             # a damaged or crafted index entry is a miss (counted), never a crash of the lookup
