@@ -191,6 +191,7 @@ _MESSAGE_NEUTRAL = {
     "refusal": (_none_or(), "refusals are not supported"),
     "annotations": (_none_or([]), "annotations are not supported"),
     "audio": (_none_or(), "only text"),
+    "name": (_none_or(), "named participants are not supported"),
 }
 _STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
 
@@ -219,11 +220,8 @@ def _unsupported(doc: dict, cls: type[_Common], kind: str) -> dict:
             for key in [k for k in m if k not in ("role", "content")]:
                 where = f"messages[{i}].{key}"
                 neutral, why = _MESSAGE_NEUTRAL.get(key, (_none_or(), "unknown field"))
-                if neutral(m[key]):
-                    continue
-                if key == "name":
-                    why = "named participants are not supported"
-                problems.append((where, f"{where}: {why}"))
+                if not neutral(m[key]):
+                    problems.append((where, f"{where}: {why}"))
         if not problems:
             kept["messages"] = [
                 {k: v for k, v in m.items() if k in ("role", "content")} if isinstance(m, dict) else m
@@ -295,14 +293,10 @@ def parse_body(raw: bytes) -> dict:
         for key, v in items:
             if type(key) is str and _SURROGATE.search(key):
                 raise ApiError(400, "a key of the body is not valid Unicode text", code="invalid_json")
-            if type(v) is str:
-                if _SURROGATE.search(v):
-                    raise ApiError(
-                        400,
-                        "the body holds a lone surrogate (\\ud800-\\udfff without its pair): not text",
-                        code="invalid_text",
-                    )
-            elif type(v) is dict or type(v) is list:
+            if type(v) is str and _SURROGATE.search(v):
+                why = "the body holds a lone surrogate (\\ud800-\\udfff without its pair): not text"
+                raise ApiError(400, why, code="invalid_text")
+            if type(v) is dict or type(v) is list:
                 stack.append((v, depth + 1))
     return doc
 
@@ -326,9 +320,7 @@ def create_app(
     app = FastAPI(title="kvlab serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Errors)
     server = _Server(engine, metrics, model_id, api_keys, admin_key, limits)
-    _add_completion_routes(app, server)
-    _add_info_routes(app, server)
-    _add_fidelity_route(app, server)
+    _add_api_routes(app, server)
     _add_admin_routes(app, server)
     _add_error_handlers(app)
     return app
@@ -482,8 +474,11 @@ class _Server:
         return _bounded_json(doc, limits.max_response_bytes)
 
 
-def _add_completion_routes(app: FastAPI, server: _Server) -> None:
-    """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
+def _add_api_routes(app: FastAPI, server: _Server) -> None:
+    """``POST /v1/chat/completions`` and ``POST /v1/completions``; ``GET /v1/models`` (a tenant's key);
+    ``GET /v1/fidelity/{id}``: a scored response's fidelity for the key that asked it: 200 with the score (or
+    why none was computed), 202 while it is being scored; 404 for an unknown or expired id and for another
+    key's (whose existence it does not reveal); ``GET /health`` (open)."""
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -493,19 +488,11 @@ def _add_completion_routes(app: FastAPI, server: _Server) -> None:
     async def completions(request: Request) -> Response:
         return await server.serve(request, "text")
 
-
-def _add_info_routes(app: FastAPI, server: _Server) -> None:
-    """``GET /v1/models`` (a tenant's key) and ``GET /health`` (open)."""
-
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         server.tenant(request)
-        model = {
-            "id": server.model_id,
-            "object": "model",
-            "created": int(server.started),
-            "owned_by": "kvlab",
-        }
+        created = int(server.started)
+        model = {"id": server.model_id, "object": "model", "created": created, "owned_by": "kvlab"}
         return JSONResponse({"object": "list", "data": [model]})
 
     @app.get("/health")
@@ -521,12 +508,6 @@ def _add_info_routes(app: FastAPI, server: _Server) -> None:
                 "uptime_s": round(time.time() - server.started, 1),
             }
         )
-
-
-def _add_fidelity_route(app: FastAPI, server: _Server) -> None:
-    """``GET /v1/fidelity/{id}``: a scored response's fidelity for the key that asked it: 200 with the score
-    (or why none was computed), 202 while it is being scored; 404 for an unknown or expired id and for
-    another key's (whose existence it does not reveal)."""
 
     @app.get("/v1/fidelity/{fid}")
     async def fidelity(fid: str, request: Request) -> Response:
@@ -634,9 +615,16 @@ def _prepare(
 
 
 def _submit(engine: Engine, body: Any, caller: _Caller, reqs: list[EngineRequest]) -> str | None:
-    """Queue ``reqs`` (:meth:`Engine.submit_many`), scored for fidelity or not (:func:`_choose_fidelity`);
-    the fidelity record's id, or None."""
-    fid = _choose_fidelity(engine, body, caller, reqs)
+    """Queue ``reqs`` (:meth:`Engine.submit_many`), scored for fidelity (``kvlab.fidelity`` in the body, else
+    sampled at ``--fidelity-sample``) or not: its record's id on the engine's board (set on its one request),
+    or None. Only a request of one prompt that generates is scored; asking otherwise is a 400."""
+    asked = body.kvlab.fidelity if body.kvlab is not None else None
+    one = len(reqs) == 1 and reqs[0].max_new_tokens > 0
+    if asked and not one:
+        message = "kvlab.fidelity scores one generated response: send one prompt with max_tokens >= 1"
+        raise _invalid(message, "kvlab.fidelity", "unsupported_value")
+    chosen = asked if asked is not None else one and random.random() < engine.settings.fidelity_sample
+    fid = reqs[0].fidelity = engine.fidelity.open(caller.salt) if chosen else None
     try:
         engine.submit_many(reqs)
     except KvlabError:
@@ -654,23 +642,6 @@ async def _scored(engine: Engine, fid: str | None, doc: dict) -> dict:
         if result is not None:
             doc["usage"]["fidelity"] = result
     return doc
-
-
-def _choose_fidelity(engine: Engine, body: Any, caller: _Caller, reqs: list[EngineRequest]) -> str | None:
-    """Whether this response is scored for fidelity (``kvlab.fidelity`` in the body, else sampled at
-    ``--fidelity-sample``): its record's id on the engine's board (set on its one request), or None. Only a
-    request of one prompt that generates is scored; asking otherwise is a 400."""
-    asked = body.kvlab.fidelity if body.kvlab is not None else None
-    one = len(reqs) == 1 and reqs[0].max_new_tokens > 0
-    if asked and not one:
-        message = "kvlab.fidelity scores one generated response: send one prompt with max_tokens >= 1"
-        raise _invalid(message, "kvlab.fidelity", "unsupported_value")
-    chosen = asked if asked is not None else one and random.random() < engine.settings.fidelity_sample
-    if not chosen:
-        return None
-    fid = engine.fidelity.open(caller.salt)
-    reqs[0].fidelity = fid
-    return fid
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[tuple], None]:

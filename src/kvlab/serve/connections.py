@@ -21,7 +21,7 @@ per failed ``accept()`` up to ``backlog`` (2,048) times per event-loop pass. Her
 - :func:`setup_logging`: one line per kind of warning or error per ``LOG_PERIOD`` seconds, then a count
   of those suppressed; event-loop errors about sockets are one line, never a traceback.
 
-The total cap derives from ``RLIMIT_NOFILE`` (:func:`connection_ceiling`): the soft limit less the files
+The total cap derives from ``RLIMIT_NOFILE`` (:func:`resolve_max_connections`): the soft limit less the files
 already open, ``FD_RESERVE`` for the store's files, Redis, logs and model files, and ``CLOSING_SLACK``.
 """
 
@@ -57,24 +57,16 @@ _ACCEPT_BATCH = 32
 _BACKOFF_MIN, _BACKOFF_MAX = 0.05, 1.0
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
-_REFUSED = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
-)
-_TIMEOUT = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-    b"content-length: %d\r\n\r\n%s"
-)
-_BAD_FRAMING = (
-    b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
-    b"content-length: %d\r\n\r\n%s"
-)
+_REFUSED = b"503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1"
+_TIMEOUT = b"408 Request Timeout\r\ncontent-type: application/json"
+_BAD_FRAMING = b"400 Bad Request\r\ncontent-type: application/json"
 
 
-def _raw_response(template: bytes, message: str, code: str, kind: str = "server_error") -> bytes:
+def _raw_response(head: bytes, message: str, code: str, kind: str = "server_error") -> bytes:
+    """A whole response, written without the HTTP stack: ``head`` (status and headers) and a JSON error."""
     error = {"message": message, "type": kind, "param": None, "code": code}
     body = json.dumps({"error": error}).encode()
-    return template % (len(body), body)
+    return b"HTTP/1.1 %s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (head, len(body), body)
 
 
 # -- limits ---------------------------------------------------------------------------------------------
@@ -111,20 +103,13 @@ def open_fd_count() -> int:
     return 0
 
 
-def connection_ceiling() -> int | None:
-    """The most connections ``RLIMIT_NOFILE`` allows with the reserve kept, or None without a limit."""
-    soft = fd_soft_limit()
-    if soft is None:
-        return None
-    return soft - open_fd_count() - FD_RESERVE - CLOSING_SLACK
-
-
 def resolve_max_connections(requested: int | None) -> int:
     """``--max-connections``: the value given, or ``min(1024, what RLIMIT_NOFILE allows)``; a value the
     limit cannot hold (or a limit too low for ``MIN_CONNECTIONS``) is a one-line :class:`BadInputError`."""
-    ceiling = connection_ceiling()
-    soft = fd_soft_limit() or 0
-    if ceiling is not None and ceiling < MIN_CONNECTIONS:
+    soft = fd_soft_limit()
+    # the most connections the limit allows with the reserve kept (None: no limit)
+    ceiling = None if soft is None else soft - open_fd_count() - FD_RESERVE - CLOSING_SLACK
+    if soft is not None and ceiling is not None and ceiling < MIN_CONNECTIONS:
         raise BadInputError(
             f"the open-file limit (ulimit -n {soft}) leaves room for {max(ceiling, 0)} connections "
             f"({FD_RESERVE + CLOSING_SLACK} descriptors are kept for files); raise it to at least "
@@ -599,10 +584,10 @@ class GuardedServer(uvicorn.Server):
         self.guard = guard
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        from uvicorn.config import STARTUP_FAILURE
+
         await self.lifespan.startup()
         if self.lifespan.should_exit:
-            from uvicorn.config import STARTUP_FAILURE
-
             sys.exit(STARTUP_FAILURE)
         config = self.config
         loop = asyncio.get_running_loop()
@@ -616,8 +601,6 @@ class GuardedServer(uvicorn.Server):
         try:
             listeners = sockets or listening_sockets(config.host, config.port, config.backlog)
         except OSError as exc:
-            from uvicorn.config import STARTUP_FAILURE
-
             log.error("cannot listen on %s:%s: %s", config.host, config.port, exc)
             await self.lifespan.shutdown()
             sys.exit(STARTUP_FAILURE)

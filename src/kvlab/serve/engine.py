@@ -333,7 +333,8 @@ class Engine:
         # idle sessions, least recently used first; written by the worker, read by the status page
         self.sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._sessions_lock = threading.Lock()
-        self._pending: FairQueue[Request] = FairQueue(max_queue=settings.max_queue, limits=self.key_limits)
+        limits = KeyLimits(settings.max_open_per_key, settings.max_batch_per_key, settings.max_work_per_key)
+        self._pending: FairQueue[Request] = FairQueue(max_queue=settings.max_queue, limits=limits)
         self._prefilling: list[_Prefill] = []  # admitted, their prompts being computed
         self._active: list[_Row] = []  # decoding
         self._admitted = 0  # taken from the queue, not yet prefilling
@@ -376,11 +377,6 @@ class Engine:
             self._pending.offer(reqs)
             self._cv.notify()
 
-    @property
-    def key_limits(self) -> KeyLimits:
-        s = self.settings
-        return KeyLimits(s.max_open_per_key, s.max_batch_per_key, s.max_work_per_key)
-
     def queue_depth(self) -> int:
         return len(self._pending)
 
@@ -411,29 +407,15 @@ class Engine:
         """Live and idle sessions with their cache layouts (for the status page and ``/health``): rows being
         prefilled (with ``prefilled`` of ``prompt_tokens`` computed so far) and decoded, then idle ones."""
         prefilling, rows = list(self._prefilling), list(self._active)
-        live = [
-            {
-                "session": p.session.id,
-                "state": "prefilling",
-                **p.session.layout(),
-                **_reuse(p.session),
-                "prefilled": p.fed,
-                "prompt_tokens": p.total,
-            }
-            for p in prefilling
-        ]
-        live += [
-            {"session": r.session.id, "state": "decoding", **r.session.layout(), **_reuse(r.session)}
-            for r in rows
-        ]
         with self._sessions_lock:
-            sessions = list(self.sessions.values())
-        idle = [{"session": s.id, "state": "idle", **s.layout(), **_reuse(s)} for s in sessions]
+            idle = list(self.sessions.values())
+        sessions = [_row(p.session, "prefilling", prefilled=p.fed, prompt_tokens=p.total) for p in prefilling]
+        sessions += [_row(r.session, "decoding") for r in rows] + [_row(s, "idle") for s in idle]
         return {
             "queue": self.queue_depth(),
             "prefilling": len(prefilling),
             "decoding": len(rows),
-            "sessions": live + idle,
+            "sessions": sessions,
             "settings": dataclasses.asdict(self.settings),
             "device": self.device_info(),
         }
@@ -468,18 +450,14 @@ class Engine:
         while True:
             with self._cv:
                 # what each tenant has running counts in its share (requests that ended have left)
-                self._pending.running([*(p.req for p in self._prefilling), *(r.req for r in self._active)])
+                self._pending.running(self._serving())
                 while not (
                     self._pending or self._prefilling or self._active or self._scoring or self._stopping
                 ):
                     self._cv.wait()
                 if self._stopping:
                     gone = ShuttingDownError("the server is shutting down")
-                    for req in [
-                        *self._pending.drain(),
-                        *(p.req for p in self._prefilling),
-                        *(r.req for r in self._active),
-                    ]:
+                    for req in [*self._pending.drain(), *self._serving()]:
                         self._unscored(req, "the server is shutting down")
                         _emit(req, ("error", gone))
                     for job in self._scoring:
@@ -508,16 +486,19 @@ class Engine:
                     log.exception("decode step failed")
                     rows, self._active = self._active, []
                     for row in rows:  # sessions not returned (a cache may hold half a step)
-                        self._release(row.req)
-                        self._unscored(row.req, "the request failed")
-                        _emit(row.req, ("error", exc))
+                        self._fail(row.req, exc, None)
             if self._scoring and not spent:  # live work first: never in an iteration that computed a prompt
                 live = self._active or self._prefilling or self._pending
                 self._score_some(self.settings.fidelity_chunk if live else self.settings.prefill_chunk)
 
-    def _fail(self, req: Request, exc: Exception, where: str) -> None:
-        """``req`` fails alone: its error is emitted; its session, which may hold half a step, is dropped."""
-        if not isinstance(exc, KvlabError):
+    def _serving(self) -> list[Request]:
+        """The requests being prefilled or decoded."""
+        return [*(p.req for p in self._prefilling), *(r.req for r in self._active)]
+
+    def _fail(self, req: Request, exc: Exception, where: str | None) -> None:
+        """``req`` fails alone: its error is emitted; its session, which may hold half a step, is dropped.
+        An error that is not a :class:`KvlabError` is logged with ``where`` it happened (None: logged)."""
+        if where is not None and not isinstance(exc, KvlabError):
             log.error("a request failed in its %s", where, exc_info=exc)
         self._release(req)
         self._unscored(req, "the request failed")
@@ -538,17 +519,10 @@ class Engine:
         session = self._take_session(req.ids, req.salt, top if req.score_prompt else None)
         if session is not None:
             cached = len(session.ids)
-            new = req.ids[cached:]
-            p = _Prefill(
-                req,
-                session,
-                True,
-                "session",
-                cached,
-                session.cache.evictions,
-                t0,
-                collections.deque(_pieces(new, _feed_size(session.cache, req.score_prompt))),
+            forwards = collections.deque(
+                _pieces(req.ids[cached:], _feed_size(session.cache, req.score_prompt))
             )
+            p = _Prefill(req, session, True, "session", cached, session.cache.evictions, t0, forwards)
             if req.score_prompt and session.last_logits is not None:  # scores the first new token
                 p.prev = torch.log_softmax(session.last_logits.float(), -1)
         else:
@@ -696,17 +670,14 @@ class Engine:
         req, session = p.req, p.session
         top = req.logprobs or 0
         new = len(req.ids) - p.cached
+        # session.scores is parallel to session.ids: empty for a new session (whose cached tokens, from the
+        # store or a compressed prefix, have no scores)
         scores: list[LogProb | None] = []
         if req.score_prompt:  # the cached tokens' stored scores, the new ones computed
-            stored = (
-                [None if e is None else (e[0], e[1], e[2][:top]) for e in session.scores] if p.taken else []
-            )
-            scores = [*stored, *p.scores]
-            session.scores = [*session.scores, *p.scores] if p.taken else list(p.scores)
+            scores = [*(None if e is None else (e[0], e[1], e[2][:top]) for e in session.scores), *p.scores]
+            session.scores = [*session.scores, *p.scores]
         else:
-            session.scores = (
-                [*session.scores, *(None for _ in range(new))] if p.taken else [None] * len(req.ids)
-            )
+            session.scores = [*session.scores, *[None] * (len(req.ids) - len(session.scores))]
         session.ids = list(req.ids)
         session.requests += 1
         session.reused_tokens += p.cached
@@ -779,7 +750,7 @@ class Engine:
                 dropped = row.session.cache.evictions - rolls[i]
                 row.info["rolls"] += dropped
                 if self.metrics is not None and dropped > 0:
-                    self.metrics.rolled(dropped)
+                    self.metrics.rolls.inc(dropped)
         ended = [r for r in self._active if r.finish is not None or id(r) in failed]
         # no longer counted as served when their last event arrives (a gauge read right after must say so)
         self._active = [r for r in self._active if r.finish is None and id(r) not in failed]
@@ -967,9 +938,18 @@ class Engine:
         return sum(getattr(t, "held_bytes", 0) for t in self.store.tiers if t.name == "memory")
 
 
-def _reuse(s: Session) -> dict[str, Any]:
+def _row(s: Session, state: str, **extra: int) -> dict[str, Any]:
+    """``s`` as the status page lists it: its state, cache layout and reuse."""
     total = s.reused_tokens + s.computed_tokens
-    return {"requests": s.requests, "reuse_ratio": round(s.reused_tokens / total, 3) if total else 0.0}
+    reuse = round(s.reused_tokens / total, 3) if total else 0.0
+    return {
+        "session": s.id,
+        "state": state,
+        **s.layout(),
+        "requests": s.requests,
+        "reuse_ratio": reuse,
+        **extra,
+    }
 
 
 def _cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:

@@ -95,10 +95,6 @@ class FidelityBoard:
                 return None
             await asyncio.sleep(min(0.005, left))
 
-    def pending(self) -> int:
-        with self._lock:
-            return sum(r.result is None for r in self._records.values())
-
 
 def skipped(why: str, tokens: int, policy: str) -> dict[str, Any]:
     """A record's result when no score was computed: why, and nothing that reads as a score."""

@@ -13,6 +13,7 @@ status 499.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -29,76 +30,58 @@ if TYPE_CHECKING:
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram(
-            "kvlab_ttft_seconds", "Time from request to first token", buckets=_LATENCY, registry=r
+        counter, gauge = functools.partial(Counter, registry=r), functools.partial(Gauge, registry=r)
+        histogram = functools.partial(Histogram, registry=r)
+        self.ttft = histogram("kvlab_ttft_seconds", "Time from request to first token", buckets=_LATENCY)
+        self.tpot = histogram(
+            "kvlab_token_latency_seconds", "Time between generated tokens", buckets=_LATENCY
         )
-        self.tpot = Histogram(
-            "kvlab_token_latency_seconds", "Time between generated tokens", buckets=_LATENCY, registry=r
-        )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = counter(
             "kvlab_prompt_tokens",
             "Prompt tokens, by whether they were computed or reused",
             ["kind"],
-            registry=r,
         )
-        self.prefills = Counter(
-            "kvlab_prefills", "Prompts, by where their cache came from", ["source"], registry=r
-        )
-        self.rolls = Counter(
-            "kvlab_rolls", "Rolling-window evictions (a conversation outgrew the window)", registry=r
-        )
-        self.store_blocks = Counter(
-            "kvlab_store_hit_blocks", "Store blocks loaded, by tier", ["tier"], registry=r
-        )
-        self.compressed_prefixes = Counter(
+        self.prefills = counter("kvlab_prefills", "Prompts, by where their cache came from", ["source"])
+        self.rolls = counter("kvlab_rolls", "Rolling-window evictions (a conversation outgrew the window)")
+        self.store_blocks = counter("kvlab_store_hit_blocks", "Store blocks loaded, by tier", ["tier"])
+        self.compressed_prefixes = counter(
             "kvlab_compressed_prefixes",
             "Shared system prompts started from compressed, by where the compressed prefix came from",
             ["source"],
-            registry=r,
         )
-        self.requests = Counter(
-            "kvlab_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        self.requests = counter(
+            "kvlab_requests", "HTTP requests by endpoint and status", ["endpoint", "status"]
         )
-        self.generated = Counter("kvlab_generated_tokens", "Tokens generated", registry=r)
-        self.tenant_requests = Counter(
+        self.generated = counter("kvlab_generated_tokens", "Tokens generated")
+        self.tenant_requests = counter(
             "kvlab_tenant_requests",
             "HTTP completion requests by tenant (a hash of its API key) and status (429: refused for load)",
             ["tenant", "status"],
-            registry=r,
         )
-        self.tenant_tokens = Counter(
+        self.tenant_tokens = counter(
             "kvlab_tenant_tokens",
             "Tokens by tenant: prompt tokens computed or reused, tokens generated",
             ["tenant", "kind"],
-            registry=r,
         )
-        self.queue = Gauge("kvlab_queue_depth", "Requests waiting for a decode slot", registry=r)
-        self.active = Gauge(
-            "kvlab_active_requests", "Requests being served (prefilling or decoding)", registry=r
-        )
-        self.sessions = Gauge("kvlab_idle_sessions", "Idle conversations kept for reuse", registry=r)
-        self.session_bytes = Gauge(
-            "kvlab_idle_session_bytes", "Bytes the idle conversations' caches hold", registry=r
-        )
-        self.store_memory_bytes = Gauge(
-            "kvlab_store_memory_bytes", "K/V bytes the store's memory tier holds", registry=r
-        )
-        self.fidelity_kl = Histogram(
+        self.queue = gauge("kvlab_queue_depth", "Requests waiting for a decode slot")
+        self.active = gauge("kvlab_active_requests", "Requests being served (prefilling or decoding)")
+        self.sessions = gauge("kvlab_idle_sessions", "Idle conversations kept for reuse")
+        self.session_bytes = gauge("kvlab_idle_session_bytes", "Bytes the idle conversations' caches hold")
+        self.store_memory_bytes = gauge("kvlab_store_memory_bytes", "K/V bytes the store's memory tier holds")
+        self.fidelity_kl = histogram(
             "kvlab_fidelity_kl",
             "Scored responses' mean KL(full cache || served) per token, nats, by cache policy",
             ["policy"],
             buckets=_KL,
-            registry=r,
         )
-        self.fidelity_top1 = Histogram(
+        self.fidelity_top1 = histogram(
             "kvlab_fidelity_top1",
             "Scored responses' top-1 agreement with the full cache, by cache policy",
             ["policy"],
             buckets=_SHARE,
-            registry=r,
         )
-        self.device_info = Gauge(
-            "kvlab_device_info", "Where the model runs (always 1)", ["device", "gpu", "dtype"], registry=r
+        self.device_info = gauge(
+            "kvlab_device_info", "Where the model runs (always 1)", ["device", "gpu", "dtype"]
         )
         self.policy: Gauge | None = None  # kvlab_cache_policy_info, once a policy is known (cache_policy)
 
@@ -133,9 +116,6 @@ class Metrics:
         kl = result["kl"]
         self.fidelity_kl.labels(result["policy"]).observe(math.inf if kl is None else kl)
         self.fidelity_top1.labels(result["policy"]).observe(result["top1"])
-
-    def rolled(self, n: int) -> None:
-        self.rolls.inc(n)
 
     def cache_policy(self, policy: CachePolicy) -> None:
         """``kvlab_cache_policy_info{spec, layout, codec, exact} 1``: the policy every conversation's cache

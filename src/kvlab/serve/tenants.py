@@ -93,16 +93,6 @@ def tenant_label(key: str) -> str:
     return hashlib.sha256(b"kvlab-tenant-label|" + key.encode()).hexdigest()[:12]
 
 
-@dataclass
-class _Use:
-    requests: int = 0
-    work: int = 0
-
-    def add(self, item: Work) -> None:
-        self.requests += 1
-        self.work += item.cost
-
-
 class FairQueue(Generic[W]):
     """The requests waiting for the engine, one FIFO per tenant, admitted by deficit round-robin.
 
@@ -115,9 +105,8 @@ class FairQueue(Generic[W]):
         # tenants with requests waiting, in round-robin order (the next to be served first)
         self._queues: collections.OrderedDict[str, collections.deque[W]] = collections.OrderedDict()
         self._deficit: dict[str, int] = {}
-        self._running: dict[
-            int, W
-        ] = {}  # id -> request the engine serves (``running``, ``take``, ``release``)
+        # id -> request the engine serves (``running``, ``take``, ``release``)
+        self._running: dict[int, W] = {}
         self._size = 0
 
     def __len__(self) -> int:
@@ -140,15 +129,15 @@ class FairQueue(Generic[W]):
         self._drop_cancelled()
         if self._size + requests > self.max_queue:
             raise QueueFullError(f"{self._size} requests are already waiting; retry shortly")
-        use = self.usage(tenant)
-        if lim.max_open is not None and use.requests + requests > lim.max_open:
+        open_requests, open_work = self.usage(tenant)
+        if lim.max_open is not None and open_requests + requests > lim.max_open:
             raise KeyLimitError(
-                f"this API key has {use.requests} requests open (queued or running); each key may have at "
+                f"this API key has {open_requests} requests open (queued or running); each key may have at "
                 f"most {lim.max_open} (--max-open-per-key); retry shortly"
             )
-        if lim.max_work is not None and use.work + work > lim.max_work:
+        if lim.max_work is not None and open_work + work > lim.max_work:
             raise KeyLimitError(
-                f"this API key has {use.work} tokens of work in flight and this request needs {work}; each "
+                f"this API key has {open_work} tokens of work in flight and this request needs {work}; each "
                 f"key may have at most {lim.max_work} (--max-work-per-key); retry shortly"
             )
 
@@ -164,13 +153,10 @@ class FairQueue(Generic[W]):
         self._queues[tenant].extend(items)
         self._size += len(items)
 
-    def usage(self, tenant: str) -> _Use:
+    def usage(self, tenant: str) -> tuple[int, int]:
         """``tenant``'s requests and tokens of work open: waiting here, plus running (the last snapshot)."""
-        use = _Use()
-        for item in [*self._queues.get(tenant, ()), *self._running.values()]:
-            if item.tenant == tenant:
-                use.add(item)
-        return use
+        mine = [i for i in [*self._queues.get(tenant, ()), *self._running.values()] if i.tenant == tenant]
+        return len(mine), sum(i.cost for i in mine)
 
     def _drop_cancelled(self) -> None:
         """Forget the waiting requests whose clients left (nobody reads them; they would hold places)."""
