@@ -33,7 +33,7 @@ from safetensors.torch import load, save
 from kvlab.cache.io import atomic_write_bytes
 from kvlab.errors import BadInputError
 from kvlab.store.block import read_meta
-from kvlab.store.disk import DiskTier, read_file
+from kvlab.store.disk import DiskTier, evict_lru, read_file
 from kvlab.store.errors import CorruptBlockError
 from kvlab.store.keys import Namespace, _dtype_name
 from kvlab.store.redis_tier import RedisTier
@@ -290,14 +290,8 @@ class CompressedPrefixes:
         except OSError as exc:
             return self._put_failed("disk", exc.strerror or str(exc))
         with contextlib.suppress(OSError):  # the record is written; eviction tries again on the next put
-            files = sorted((p.stat().st_mtime, p.stat().st_size, p) for p in self.folder.glob(f"*{SUFFIX}"))
-            total = sum(size for _, size, _ in files)
-            for _, size, p in files:
-                if total <= self.disk_bytes:
-                    break
-                p.unlink(missing_ok=True)
-                total -= size
-                self.counters.evictions += 1
+            files = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.folder.glob(f"*{SUFFIX}")]
+            self.counters.evictions += evict_lru(files, self.disk_bytes, lambda path, exc: None)[0]
 
     # -- Redis and failures ------------------------------------------------------------------------
     def _redis(self, what: str, key: str, data: bytes = b"") -> object:

@@ -32,7 +32,7 @@ import mmap
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -169,6 +169,30 @@ def read_file(
             with contextlib.suppress(OSError):
                 os.utime(fd)
         return data
+
+
+def evict_lru(
+    files: Iterable[tuple[float, int, Path]], target_bytes: int, failed: Callable[[Path, OSError], object]
+) -> tuple[int, int]:
+    """Delete the least recently used of ``files`` ``(mtime, size, path)`` until the rest hold at most
+    ``target_bytes``: ``(files deleted, bytes left)``. A file another process deleted first counts as gone;
+    one that cannot be deleted goes to ``failed`` and stays."""
+    ordered = sorted(files, key=lambda f: f[0])
+    total = sum(size for _, size, _ in ordered)
+    removed = 0
+    for _, size, path in ordered:
+        if total <= target_bytes:
+            break
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            failed(path, exc)
+            continue
+        total -= size
+    return removed, total
 
 
 class ReadBuffer:
@@ -478,23 +502,9 @@ class DiskTier:
 
     def evict_to(self, target_bytes: int) -> int:
         """Delete least recently used block files until the tier holds at most ``target_bytes``."""
-        entries = sorted((e for e in self.entries() if e.regular), key=lambda e: e.mtime)
-        total = sum(e.nbytes for e in entries)
-        removed = 0
-        for e in entries:
-            if total <= target_bytes:
-                break
-            try:
-                e.path.unlink()
-                removed += 1
-                self.counters.evictions += 1
-            except FileNotFoundError:
-                pass  # another process evicted it first
-            except OSError as exc:
-                self._unreadable(e.path, exc)
-                continue
-            total -= e.nbytes
-        self._approx_bytes = total
+        files = ((e.mtime, e.nbytes, e.path) for e in self.entries() if e.regular)
+        removed, self._approx_bytes = evict_lru(files, target_bytes, self._unreadable)
+        self.counters.evictions += removed
         return removed
 
     def delete(self, block_hash: str) -> bool:
