@@ -20,7 +20,7 @@ import re
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -466,11 +466,8 @@ class _Server:
         if collect is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         echo = kind == "text" and body.echo
-        results = [
-            _Result(text, finish, info, prompt.ids, prompt.text if echo else None)
-            for prompt, (text, finish, info) in zip(prompts, collect.result(), strict=True)
-        ]
-        doc = await _scored(engine, fid, _final(kind, head, results, engine.handle.tokenizer))
+        doc = _final(kind, head, prompts, collect.result(), echo, engine.handle.tokenizer)
+        doc = await _scored(engine, fid, doc)
         return _bounded_json(doc, limits.max_response_bytes)
 
 
@@ -767,13 +764,11 @@ def _encode_prompts(engine: Engine, body: CompletionBody, most: tuple[int, str])
     prompts = []
     for i, item in enumerate(items):
         name, param = (f"prompt[{i}]", f"prompt[{i}]") if several else ("the prompt", "prompt")
+        if not (item.strip() if isinstance(item, str) else item):
+            raise _invalid(f"{name} is empty", param)
         if isinstance(item, str):
-            if not item.strip():
-                raise _invalid(f"{name} is empty", param)
             prompts.append(_Prompt(engine.handle.encode(item), 0, item, name, param))
             continue
-        if not item:
-            raise _invalid(f"{name} is empty", param)
         bad = [t for t in item if not 0 <= t < vocab]
         if bad:
             shown = ", ".join(str(t) if abs(t) < 10**12 else f"{str(t)[:12]}..." for t in bad[:5])
@@ -846,30 +841,25 @@ async def _replies_or_leave(
     """Wait for every prompt's reply (the finished future: its result, or the error it raises), or for the
     client to leave (None): then every prompt is cancelled (one decoding leaves the batch before the next
     step; one still queued is dropped unprefilled)."""
-    collect = asyncio.ensure_future(_collect_all(queues, reqs))
+    tasks = [asyncio.ensure_future(_collect(q)) for q in queues]
+
+    async def every() -> list[tuple[str, str, dict]]:  # the first failure fails the request
+        return list(await asyncio.gather(*tasks))
+
+    collect = asyncio.ensure_future(every())
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        left = not collect.done()
-        if left:  # the client left (or this handler is being cancelled)
-            for r in reqs:
-                r.cancelled.set()
+        left = not collect.done()  # the client left (or this handler is being cancelled)
+        if left:
             collect.cancel()
-    return None if left else collect
-
-
-async def _collect_all(queues: list[asyncio.Queue], reqs: list[EngineRequest]) -> list[tuple[str, str, dict]]:
-    """Every prompt's (text, finish reason, info); the first failure fails the request (and cancels the rest)."""
-    tasks = [asyncio.ensure_future(_collect(q)) for q in queues]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
         for t in tasks:
             t.cancel()  # a no-op once done
         for r in reqs:
             r.cancelled.set()
+    return None if left else collect
 
 
 async def _collect(events: asyncio.Queue) -> tuple[str, str, dict]:
@@ -909,11 +899,12 @@ def _chat_logprobs(tok: Any, entries: list | None) -> dict | None:
     }
 
 
-def _text_logprobs(tok: Any, entries: list) -> dict:
-    """Legacy completions ``logprobs``: parallel lists (``None`` where a token was not scored)."""
+def _text_logprobs(tok: Any, generated: list, prompt: Iterable[tuple[int, Any]] = ()) -> dict:
+    """Legacy completions ``logprobs``: parallel lists over the ``prompt``'s (token id, entry) pairs (an
+    echoed prompt; the entry ``None`` where a token was not scored), then the ``generated`` entries."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
-    for token_id, entry in entries:
+    for token_id, entry in [*prompt, *((e[0], e) for e in generated)]:
         text = tok.decode([token_id])
         out["tokens"].append(text)
         out["text_offset"].append(offset)
@@ -927,52 +918,43 @@ def _public(info: dict) -> dict:
     return {k: v for k, v in info.items() if not k.startswith("_")}
 
 
-@dataclass(frozen=True)
-class _Result:
-    """One prompt's reply: its text, finish reason, the engine's info, and its ids and text (for ``echo``)."""
-
-    text: str
-    finish: str
-    info: dict
-    ids: list[int]
-    echo: str | None  # the prompt's text when it is echoed
-
-
-def _final(kind: str, head: dict, results: list[_Result], tok: Any) -> dict:
-    usage = _usage(sum(len(r.ids) for r in results), [r.info for r in results])
+def _final(
+    kind: str, head: dict, prompts: list[_Prompt], done: list[tuple[str, str, dict]], echo: bool, tok: Any
+) -> dict:
+    """The reply of a request answered whole: each prompt's (text, finish reason, info) as a chat or text
+    completion (with ``echo``: its prompt's text and log-probabilities first)."""
+    infos = [info for _, _, info in done]
+    usage = _usage(sum(len(p.ids) for p in prompts), infos)
     if kind == "chat":
-        (r,) = results
-        message = {"role": "assistant", "content": r.text}
-        logprobs = _chat_logprobs(tok, r.info.get("_logprobs"))
-        choice = {"index": 0, "message": message, "finish_reason": r.finish, "logprobs": logprobs}
+        ((text, finish, info),) = done
+        logprobs = _chat_logprobs(tok, info.get("_logprobs"))
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
         return {
             **head,
             "object": "chat.completion",
             "choices": [choice],
             "usage": usage,
-            "kvlab": _public(r.info),
+            "kvlab": _public(info),
         }
     choices = []
-    for i, r in enumerate(results):
-        generated = r.info.get("_logprobs")
-        text, text_logprobs = r.text, None
-        if r.echo is not None:
-            text = r.echo + r.text
-            if generated is not None:
-                scored = r.info.get("_prompt_logprobs") or [None] * len(r.ids)
-                entries = [*zip(r.ids, scored, strict=True), *((e[0], e) for e in generated)]
-                text_logprobs = _text_logprobs(tok, entries)
-        elif generated is not None:
-            text_logprobs = _text_logprobs(tok, [(e[0], e) for e in generated])
-        choice = {"index": i, "text": text, "finish_reason": r.finish, "logprobs": text_logprobs}
-        if len(results) > 1:
-            choice["kvlab"] = _public(r.info)
+    for i, (prompt, (text, finish, info)) in enumerate(zip(prompts, done, strict=True)):
+        generated, text_logprobs = info.get("_logprobs"), None
+        if generated is not None:
+            scored = info.get("_prompt_logprobs") or [None] * len(prompt.ids)
+            text_logprobs = _text_logprobs(
+                tok, generated, zip(prompt.ids, scored, strict=True) if echo else ()
+            )
+        text = prompt.text + text if echo else text
+        choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": text_logprobs}
+        if len(done) > 1:
+            choice["kvlab"] = _public(info)
         choices.append(choice)
-    if len(results) == 1:
-        kvlab = _public(results[0].info)
+    if len(done) == 1:
+        kvlab = _public(infos[0])
     else:  # each choice carries its own; the response sums them
         summed = ("cached_tokens", "computed_tokens", "completion_tokens", "rolls")
-        kvlab = {"prompts": len(results), **{k: sum(r.info.get(k, 0) for r in results) for k in summed}}
+        kvlab = {"prompts": len(done), **{k: sum(info.get(k, 0) for info in infos) for k in summed}}
     return {**head, "object": "text_completion", "choices": choices, "usage": usage, "kvlab": kvlab}
 
 
@@ -1025,7 +1007,7 @@ async def _sse_events(
     def chunk(delta: dict | str, finish: str | None = None, entries: list | None = None, **extra: Any) -> str:
         lp = None
         if req.logprobs is not None and entries is not None:
-            lp = _chat_logprobs(tok, entries) if chat else _text_logprobs(tok, [(e[0], e) for e in entries])
+            lp = _chat_logprobs(tok, entries) if chat else _text_logprobs(tok, entries)
         choice = {"index": 0, "delta" if chat else "text": delta, "finish_reason": finish, "logprobs": lp}
         return _data({**head, "object": obj, "choices": [choice], **extra})
 

@@ -386,12 +386,10 @@ class GuardedH11Protocol(H11Protocol):
         previous, self.state = self.state, state
         now = self.loop.time()
         limits = self.guard.limits
-        if state in (IDLE, HEAD, BODY):
-            if previous not in (IDLE, HEAD, BODY):
-                self.waiting_since = now
-            self.guard.set_waiting(self, True)
-        else:
-            self.guard.set_waiting(self, False)
+        waiting = state in (IDLE, HEAD, BODY)
+        if waiting and previous not in (IDLE, HEAD, BODY):
+            self.waiting_since = now
+        self.guard.set_waiting(self, waiting)
         if state == IDLE:
             self._arm(now + limits.idle_timeout)
         elif state == HEAD:

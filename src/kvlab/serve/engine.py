@@ -519,10 +519,10 @@ class Engine:
         session = self._take_session(req.ids, req.salt, top if req.score_prompt else None)
         if session is not None:
             cached = len(session.ids)
-            forwards = collections.deque(
-                _pieces(req.ids[cached:], _feed_size(session.cache, req.score_prompt))
+            new = _pieces(req.ids[cached:], _feed_size(session.cache, req.score_prompt))
+            p = _Prefill(
+                req, session, True, "session", cached, session.cache.evictions, t0, collections.deque(new)
             )
-            p = _Prefill(req, session, True, "session", cached, session.cache.evictions, t0, forwards)
             if req.score_prompt and session.last_logits is not None:  # scores the first new token
                 p.prev = torch.log_softmax(session.last_logits.float(), -1)
         else:
@@ -854,14 +854,9 @@ class Engine:
         if row.served is None or row.finish == "cancelled" or not row.served:
             self._unscored(req, "the request was cancelled" if row.finish == "cancelled" else "no tokens")
             return
-        served = torch.stack(row.served)
+        ids, reserved = [*req.ids, *row.out[:-1]], self._reserved.pop(req.fidelity, 0)
         job = ScoringJob(
-            req.fidelity,
-            [*req.ids, *row.out[:-1]],
-            len(req.ids) - 1,
-            served,
-            self.policy.spec,
-            self._reserved.pop(req.fidelity, 0),
+            req.fidelity, ids, len(req.ids) - 1, torch.stack(row.served), self.policy.spec, reserved
         )
         row.served = None
         why = job.refusal(self.handle)

@@ -40,7 +40,6 @@ MAX_RECORDS = 4096
 class _Record:
     owner: str  # the caller's tenant salt (an API key's digest; "" on a server without keys)
     result: dict[str, Any] | None = None  # None while pending
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 class FidelityBoard:
@@ -63,10 +62,8 @@ class FidelityBoard:
         """Record ``fid``'s result (a score or a skip), once; a dropped or finished record is left as it is."""
         with self._lock:
             record = self._records.get(fid)
-            if record is None or record.result is not None:
-                return
-            record.result = result
-        record.done.set()
+            if record is not None and record.result is None:
+                record.result = result
 
     def discard(self, fid: str) -> None:
         """Forget ``fid`` (its request was refused before it was queued)."""
