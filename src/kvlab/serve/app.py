@@ -21,7 +21,7 @@ import time
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -319,30 +319,25 @@ def create_app(
     metrics.cache_policy(engine.policy)
     app = FastAPI(title="kvlab serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Errors)
-    server = _Server(engine, metrics, model_id, api_keys, admin_key, limits)
+    keys = tuple(k.encode() for k in api_keys)
+    server = _Server(engine, metrics, model_id, keys, admin_key.encode() if admin_key else None, limits)
     _add_api_routes(app, server)
     _add_admin_routes(app, server)
     _add_error_handlers(app)
     return app
 
 
+@dataclass
 class _Server:
-    """What the routes share: the engine, the keys, the limits, the metrics and the start time."""
+    """What the routes share: the engine, the metrics, the keys (as bytes), the limits and the start time."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        metrics: Metrics,
-        model_id: str,
-        api_keys: tuple[str, ...],
-        admin_key: str | None,
-        limits: Limits,
-    ) -> None:
-        self.engine, self.metrics, self.model_id, self.limits = engine, metrics, model_id, limits
-        self.keys = tuple(k.encode() for k in api_keys)
-        self.admin = admin_key.encode() if admin_key else None
-        self.admin_only = bool(self.keys) or self.admin is not None
-        self.started = time.time()
+    engine: Engine
+    metrics: Metrics
+    model_id: str
+    keys: tuple[bytes, ...]
+    admin: bytes | None
+    limits: Limits
+    started: float = field(default_factory=time.time)
 
     def tenant(self, request: Request) -> _Caller:
         """The caller's tenant (its key's salt and label), after checking its key in constant time."""
@@ -364,7 +359,7 @@ class _Server:
     def check_admin(self, request: Request) -> None:
         """A 401 (that asks a browser for the key) unless the caller may see every tenant's activity: it
         sent the admin key (``Bearer KEY``, or Basic with the key as password), or the server has no keys."""
-        if not self.admin_only:
+        if not self.keys and self.admin is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         secret = given.strip().encode("latin-1")
@@ -442,10 +437,8 @@ class _Server:
                 raise _invalid(message, "stream", "unsupported_value")
             loop = asyncio.get_running_loop()
             queues: list[asyncio.Queue] = [asyncio.Queue() for _ in prompts]
-            reqs = [
-                _prepare(engine, limits, body, caller, prompt, _emitter(loop, q))
-                for prompt, q in zip(prompts, queues, strict=True)
-            ]
+            emits = [_emitter(loop, q) for q in queues]
+            reqs = [_prepare(engine, limits, body, caller, p, e) for p, e in zip(prompts, emits, strict=True)]
             _check_logprob_budget(
                 reqs, limits.max_logprob_entries, "top_logprobs" if kind == "chat" else "logprobs"
             )

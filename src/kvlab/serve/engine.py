@@ -970,9 +970,7 @@ def check_settings(handle: ModelHandle, settings: EngineSettings) -> None:
     """Refuse settings this model cannot be served with, before anything is created."""
     if settings.max_batch < 1 or settings.max_queue < 0 or settings.max_sessions < 1:
         raise BadInputError("need max_batch >= 1, max_queue >= 0 and max_sessions >= 1")
-    if settings.prefill_chunk < 1:
-        raise BadInputError(f"--prefill-chunk must be >= 1, got {settings.prefill_chunk}")
-    for name in ("max_open_per_key", "max_batch_per_key", "max_work_per_key"):
+    for name in ("prefill_chunk", "max_open_per_key", "max_batch_per_key", "max_work_per_key"):
         value = getattr(settings, name)
         if value is not None and value < 1:
             raise BadInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

@@ -27,13 +27,10 @@ def key_problem(key: str) -> str | None:
 def check_keys(api_keys: tuple[str, ...], admin_key: str | None) -> None:
     """Refuse, in one line that never quotes a key, any key :func:`key_problem` rejects, and an admin key
     that is also a tenant's key."""
-    for i, key in enumerate(api_keys):
+    named = [(f"API key {i + 1} of {len(api_keys)}", key) for i, key in enumerate(api_keys)]
+    for name, key in named + ([("the admin key", admin_key)] if admin_key is not None else []):
         why = key_problem(key)
         if why is not None:
-            raise BadInputError(f"API key {i + 1} of {len(api_keys)} {why}")
-    if admin_key is not None:
-        why = key_problem(admin_key)
-        if why is not None:
-            raise BadInputError(f"the admin key {why}")
-        if admin_key in api_keys:
-            raise BadInputError("the admin key must differ from every API key")
+            raise BadInputError(f"{name} {why}")
+    if admin_key is not None and admin_key in api_keys:
+        raise BadInputError("the admin key must differ from every API key")
