@@ -72,9 +72,8 @@ def mutate(data: bytes, rng: random.Random, other: bytes) -> tuple[str, bytes]:
         b = b[: rng.randrange(len(b))]
     elif kind == "appended bytes":
         b += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
-    elif (
-        kind == "header edit"
-    ):  # valid JSON, one field changed: the checksum no longer matches (or does, if recomputed)
+    elif kind == "header edit":
+        # valid JSON, one field changed: the checksum no longer matches (or does, if recomputed)
         try:
             meta = json.loads(bytes(b[8:header_end]))
             key = rng.choice(sorted(meta))

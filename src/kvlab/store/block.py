@@ -226,15 +226,13 @@ class BlockHeader:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    def verify(self, chunks: Iterable[Any]) -> None:
-        """Raise CorruptBlockError unless ``chunks`` (the whole data area, in file order) match the checksum."""
-        h = new_checksum(self.algorithm, self.meta_bytes)
-        for c in chunks:
-            h.update(c)
-        self.check(h)
+    def hasher(self) -> Any:
+        """A running checksum of the block's algorithm, already fed its metadata: feed it the data area."""
+        return new_checksum(self.algorithm, self.meta_bytes)
 
     def check(self, hasher: Any) -> None:
-        """Raise CorruptBlockError unless ``hasher`` (:func:`new_checksum` fed the data area) gives the checksum."""
+        """Raise CorruptBlockError unless ``hasher`` (:meth:`hasher` fed the whole data area, in file order)
+        gives the checksum."""
         if hasher.hexdigest() != self.checksum:
             raise CorruptBlockError(f"block {self.hash[:12]} failed its {self.algorithm} checksum")
 
@@ -309,7 +307,9 @@ def decode_block(buffer: bytes | bytearray | memoryview, *, expect_hash: str | N
     hdr = parse_block_header(view, len(view))
     if expect_hash is not None and hdr.hash != expect_hash:
         raise CorruptBlockError(f"block file holds {hdr.hash[:12]}, expected {expect_hash[:12]}")
-    hdr.verify([view[hdr.data_offset :]])
+    hasher = hdr.hasher()
+    hasher.update(view[hdr.data_offset :])
+    hdr.check(hasher)
     tensors = {}
     for name, spec in (("k", hdr.k), ("v", hdr.v)):
         count = (spec.end - spec.begin) // spec.dtype.itemsize

@@ -59,9 +59,8 @@ class CompressedPrefix:
     ids: tuple[int, ...]
     policy: str
     layers: tuple[Layer, ...]
-    source: str = (
-        ""  # the tier a get found it in (memory, disk, redis); "" for a record not read from a store
-    )
+    #: the tier a get found it in (memory, disk, redis); "" for a record not read from a store
+    source: str = ""
 
     @property
     def nbytes(self) -> int:

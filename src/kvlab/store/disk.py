@@ -47,7 +47,6 @@ from kvlab.store.block import (
     BlockHeader,
     decode_block,
     encode_block,
-    new_checksum,
     parse_block_header,
 )
 from kvlab.store.errors import CorruptBlockError, StoreError, StoreWriteError
@@ -59,9 +58,8 @@ log = logging.getLogger("kvlab.store")
 MARKER = "kvlab-store.json"
 SUFFIX = ".kvb"
 STALE_TEMP_SECONDS = 60.0
-TOUCH_SECONDS = (
-    1.0  # read_into leaves a file's mtime alone if it was used this recently (saves a metadata write)
-)
+#: read_into leaves a file's mtime alone if it was used this recently (saves a metadata write)
+TOUCH_SECONDS = 1.0
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _HEAD_BYTES = 16 * 1024  # first read of a block file: the whole header of a block of up to ~1k tokens
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
@@ -383,7 +381,7 @@ class DiskTier:
                 layout = None if target is None else _chunks(hdr, *target)
                 if layout is None:
                     return DECLINED
-                hasher = new_checksum(hdr.algorithm, hdr.meta_bytes)
+                hasher = hdr.hasher()
                 if not _read_and_hash(fd, *layout, hdr.data_offset, hasher):
                     raise CorruptBlockError("the file is shorter than its header says")
                 hdr.check(hasher)

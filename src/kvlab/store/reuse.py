@@ -58,7 +58,6 @@ class ReuseResult:
     prefill: StoredPrefill
     token_ids: list[int]
     text: str
-    stored_blocks: int
 
 
 def _ids(handle: ModelHandle, prompt: str | Sequence[int], chat: bool) -> list[int]:
@@ -113,8 +112,7 @@ def reuse_generate(
     handle = as_handle(handle)
     pre = prefill_with_store(handle, store, prompt, chat=chat, salt=salt, store_prompt=store_prompt)
     gen = handle.generate(pre.snapshot, pre.last_logits, max_new_tokens, stop_at_eos=stop_at_eos)
-    stored = pre.stored.blocks_written if pre.stored is not None else 0
-    return ReuseResult(prefill=pre, token_ids=gen.token_ids, text=gen.text, stored_blocks=stored)
+    return ReuseResult(prefill=pre, token_ids=gen.token_ids, text=gen.text)
 
 
 def fork(

@@ -424,12 +424,7 @@ class KVStore:
         if not isinstance(direct, BlockHeader):
             block, where = self._fetch(where, parent, h, scratch)
             tier = self.tiers[where]
-            if (
-                block is None
-                or block.namespace != out.namespace.root
-                or block.start != at
-                or block.token_ids[:take] != want
-            ):
+            if block is None or not out.places(block, at, want):
                 return None
             if not out.copy_in(at, take, block.keys, block.values):
                 self._misfit(tier, parent, h, out.misfit[0], out.namespace)
@@ -509,8 +504,7 @@ class KVStore:
         out, at = _Output(ns, sum(b.num_tokens for b in chain), None), 0
         for b in chain:  # every link must be what its hash says, in the namespace it claims, of its geometry
             if (
-                b.namespace != ns.root
-                or b.start != at
+                not out.places(b, at, b.token_ids)
                 or _hash_of(b.parent, b.token_ids) != b.hash
                 or not out.copy_in(at, b.num_tokens, b.keys, b.values)
             ):
@@ -590,6 +584,14 @@ class _Output:
                 )
         return not self.misfit
 
+    def places(self, block: Block | BlockHeader, at: int, want: tuple[int, ...]) -> bool:
+        """Whether ``block`` (or its header) is in the namespace, starts at ``at`` and begins with ``want``."""
+        return (
+            block.namespace == self.namespace.root
+            and block.start == at
+            and block.token_ids[: len(want)] == want
+        )
+
     def slice(self, at: int, take: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The output's K and V for tokens ``at .. at + take - 1`` (views)."""
         return self.kv[0][:, :, at : at + take], self.kv[1][:, :, at : at + take]
@@ -614,10 +616,8 @@ class _Output:
             # general path, which copies that part; a mismatching block fails there too. A
             # block of another geometry is declined before a byte of its tensors is read.
             if (
-                hdr.namespace != self.namespace.root
-                or hdr.start != at
-                or hdr.num_tokens != len(want)
-                or hdr.token_ids != want
+                hdr.num_tokens != len(want)
+                or not self.places(hdr, at, want)
                 or not self.fits(hdr.k.shape, hdr.v.shape, hdr.k.dtype, hdr.v.dtype)
             ):
                 return None
