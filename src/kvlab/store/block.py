@@ -44,15 +44,12 @@ MAX_HEADER_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True, eq=False)
-class Block:
-    """K/V of tokens ``start .. start + len(token_ids) - 1`` of a cached prefix.
+class BlockPlace:
+    """Which block it is and where it sits in its chain (what a :class:`Block` and its header share).
 
     Attributes:
-        keys / values: ``[layers, kv_heads, n, head_dim]`` (keys post-RoPE at positions ``start..``).
-        token_ids: the ``n`` token ids (``n`` < block size only for a partial, last block).
         hash / parent: this block's chained hash and its parent's (the namespace root for block 0).
-        namespace_info: the namespace's fields (fingerprint, dtype, RoPE, model name), so a prefix can be
-            rebuilt as a snapshot from the store alone.
+        namespace: the namespace root; token_ids: its ``n`` tokens, at positions ``start..``.
     """
 
     hash: str
@@ -60,13 +57,26 @@ class Block:
     namespace: str
     start: int
     token_ids: tuple[int, ...]
-    keys: torch.Tensor
-    values: torch.Tensor
-    namespace_info: dict | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(frozen=True, eq=False)
+class Block(BlockPlace):
+    """K/V of tokens ``start .. start + len(token_ids) - 1`` of a cached prefix.
+
+    Attributes:
+        keys / values: ``[layers, kv_heads, n, head_dim]`` (keys post-RoPE at positions ``start..``).
+        token_ids: the ``n`` token ids (``n`` < block size only for a partial, last block).
+        namespace_info: the namespace's fields (fingerprint, dtype, RoPE, model name), so a prefix can be
+            rebuilt as a snapshot from the store alone.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    namespace_info: dict | None = None
 
     @property
     def nbytes(self) -> int:
@@ -205,14 +215,9 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
-class BlockHeader:
+class BlockHeader(BlockPlace):
     """A block's parsed and checked header: everything but the tensor bytes (and their checksum check)."""
 
-    hash: str
-    parent: str
-    namespace: str
-    start: int
-    token_ids: tuple[int, ...]
     namespace_info: dict | None
     k: TensorSpec
     v: TensorSpec
@@ -221,10 +226,6 @@ class BlockHeader:
     algorithm: str
     checksum: str  # hex digest the tensor bytes (after ``meta_bytes``) must give
     meta_bytes: bytes
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
     def hasher(self) -> Any:
         """A running checksum of the block's algorithm, already fed its metadata: feed it the data area."""

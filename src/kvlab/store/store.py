@@ -32,7 +32,7 @@ from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError, KvlabError
 from kvlab.metrics.text import agreement_length
 from kvlab.model.handle import ModelHandle, ModelLike, as_handle
-from kvlab.store.block import Block, BlockHeader
+from kvlab.store.block import Block, BlockHeader, BlockPlace
 from kvlab.store.disk import DECLINED, DiskTier, ReadBuffer
 from kvlab.store.errors import BlockNotFoundError, CorruptBlockError, StoreError
 from kvlab.store.keys import (
@@ -584,7 +584,7 @@ class _Output:
                 )
         return not self.misfit
 
-    def places(self, block: Block | BlockHeader, at: int, want: tuple[int, ...]) -> bool:
+    def places(self, block: BlockPlace, at: int, want: tuple[int, ...]) -> bool:
         """Whether ``block`` (or its header) is in the namespace, starts at ``at`` and begins with ``want``."""
         return (
             block.namespace == self.namespace.root
