@@ -224,3 +224,59 @@ def test_run_suite_builds_trials_with_the_knobs(tiny_llama_2x64):
     )
     assert seen[0] == make_trial("vt", handle, 200, trial_seed(0, 0), HAYSTACK, {"hops": 2})
     assert len(seen[0].answers) == 3
+
+
+# -- kvlab eval ruler --calibration ------------------------------------------------------------------------
+def _ruler_cli(capsys, *args):
+    from kvlab.cli import main
+
+    code = main(["eval", "ruler", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_cli_refuses_a_calibration_it_cannot_serve_before_loading(tmp_path, monkeypatch, capsys):
+    import kvlab
+
+    monkeypatch.setattr(kvlab, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    path = _calibration_file(tmp_path)
+    for args, why in (
+        (["--tasks", "vt", "--lengths", "512"], "no entry for vt at 512"),
+        (["--tasks", "qa", "--lengths", "200"], "no entry for qa at 200"),
+        (["--tasks", "vt", "--lengths", "200", "--seed", "-1"], "--seed"),  # calibration seeds are negative
+    ):
+        code, out, err = _ruler_cli(capsys, *args, "--calibration", str(path))
+        assert code == 2 and not out and why in err and len(err.strip().splitlines()) == 1, err
+    (tmp_path / "bad.json").write_text("{")
+    code, _, err = _ruler_cli(capsys, "--calibration", str(tmp_path / "bad.json"))
+    assert code == 2 and "cannot read" in err
+
+
+def test_the_cli_runs_each_task_at_its_calibrated_knobs(tiny_llama_2x64, tmp_path, monkeypatch, capsys):
+    """The run's trials are the calibrated ones (the same ids as make_trial with the knobs), and ruler.json
+    records the calibration, its knobs and the tasks it left apart."""
+    import kvlab
+    from kvlab.model.handle import ModelHandle
+
+    handle = ModelHandle(tiny_llama_2x64.model, WordTokenizer(), name="tiny-llama")
+    monkeypatch.setattr(kvlab, "load_model", lambda *a, **k: handle)
+    text = tmp_path / "haystack.txt"
+    text.write_text(HAYSTACK)
+    path = _calibration_file(tmp_path)
+    out_dir = tmp_path / "run"
+    args = ["--tasks", "niah_single,vt", "--lengths", "200", "--trials", "1", "--haystack", str(text)]
+    code, _, err = _ruler_cli(capsys, *args, "--calibration", str(path), "--out", str(out_dir), "-n", "2")
+    assert code == 0, err
+    doc = json.loads((out_dir / "ruler.json").read_text())
+    settings = doc["settings"]
+    assert settings["knobs"] == {"niah_single@200": {"keys": 3}, "vt@200": {"hops": 1}}
+    assert settings["apart"] == ["vt@200"] and settings["calibration"] == str(path)
+    default = make_trial("niah_single", handle, 200, trial_seed(0, 0), HAYSTACK)
+    for row in doc["rows"]:
+        want = make_trial(
+            row["task"], handle, 200, trial_seed(0, 0), HAYSTACK, settings["knobs"][f"{row['task']}@200"]
+        )
+        assert row["answers"] == list(want.answers)
+        if row["task"] == "niah_single":  # three keys, not the default one: another trial
+            assert row["answers"] != list(default.answers) or want.context != default.context
+            assert list(want.answers) != list(default.answers) or want.context != default.context

@@ -117,6 +117,14 @@ ResumeOpt = Annotated[
         "same options as the first run (others are refused).",
     ),
 ]
+CalibrationOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibration",
+        help="A calibration (benchmarks/calibrate_ruler.py's JSON, kvlab.eval.calibrate): each task runs at "
+        "its calibrated difficulty per length; refused when it lacks a task and length the run asks for.",
+    ),
+]
 
 
 PositionsOpt = Annotated[
@@ -170,6 +178,7 @@ def ruler(
     out: RulerOutOpt = None,
     resume: ResumeOpt = None,
     positions: PositionsOpt = "original",
+    calibration: CalibrationOpt = None,
     model: ModelOptions = ModelOptions(),
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
@@ -211,6 +220,9 @@ def ruler(
         "haystack": str(haystack) if haystack is not None else "default",
         "max_new_tokens": max_new_tokens,
         **({"positions": positions} if positions != DEFAULT else {}),  # a default run's settings as before
+        **(
+            _calibrated(calibration, task_names, length_list, trials, seed) if calibration is not None else {}
+        ),
     }
     doc = run_ruler(
         settings,
@@ -221,6 +233,18 @@ def ruler(
         mode=choose_mode(json_out),
     )
     _print_ruler(doc, out, json_out)
+
+
+def _calibrated(path: Path, tasks: list[str], lengths: list[int], trials: int, seed: int) -> dict:
+    """``--calibration``'s part of the settings: each task's knobs per length (``task@length``) and the pairs
+    the calibration left apart; refused when it lacks a pair or its trials' seeds are the run's."""
+    from kvlab.eval.calibrate import Calibration
+    from kvlab.eval.run import trial_seed
+
+    cal = Calibration.read(path)
+    cal.check_seeds([trial_seed(seed, i) for i in range(trials)])
+    knobs = {f"{t}@{n}": cal.knobs(t, n) for t in tasks for n in lengths}
+    return {"calibration": str(path), "knobs": knobs, "apart": sorted(f"{t}@{n}" for t, n in cal.apart())}
 
 
 def _print_ruler(doc: dict, out: Path | None, json_out: bool) -> None:

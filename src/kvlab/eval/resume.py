@@ -203,6 +203,10 @@ def run_kept(
             done={k: r for k, (r, _) in kept.items()},
             on_trial=on_trial,
             positions=[settings.get("positions", DEFAULT)],
+            knobs={
+                (k.rsplit("@", 1)[0], int(k.rsplit("@", 1)[1])): v
+                for k, v in settings.get("knobs", {}).items()
+            },
         )
     return rows, sum(s for _, s in kept.values()) + time.perf_counter() - t0
 
