@@ -257,13 +257,14 @@ def run(ctx: ExperimentContext, *, text: str | None = None, context: int | None 
 def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
     """Finding and headline numbers for the report, from this run's summary."""
     restored = (num(s, "derotated_k_min_small_rolls") or 0) > (num(s, "raw_k_max_small_rolls") or 1)
+    rows = [
+        ("raw K cosine, roll 1", iv(s, "rolls.1.k")),
+        ("de-rotated K cosine, roll 1", iv(s, "rolls.1.kd")),
+    ]
     if not restored:
         return (
             "De-rotating keys with their true positions does not raise K cosine above the raw keys' in this run.",
-            [
-                ("raw K cosine, roll 1", iv(s, "rolls.1.k")),
-                ("de-rotated K cosine, roll 1", iv(s, "rolls.1.kd")),
-            ],
+            rows,
         )
     text = (
         f"De-rotating keys with their true positions restores K cosine to at least "
@@ -271,9 +272,7 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         f"{format_number(num(s, 'raw_k_max_small_rolls'))}): the K drift under a roll is RoPE, not content; the "
         "thread's de-rotation (one offset for all slots) changes nothing, which is why it saw no effect."
     )
-    rows = [
-        ("raw K cosine, roll 1", iv(s, "rolls.1.k")),
-        ("de-rotated K cosine, roll 1", iv(s, "rolls.1.kd")),
+    rows += [
         ("raw K cosine, roll 10", iv(s, "rolls.10.k")),
         ("de-rotated K cosine, roll 10", iv(s, "rolls.10.kd")),
         ("thread's de-rotation minus raw, largest |difference|", iv(s, "rolls.1.buggy_minus_raw_max_abs")),
