@@ -627,10 +627,8 @@ def describe(s: dict) -> tuple[str, list[tuple[str, str]]]:
         )
     )
     rows = [
-        ("centred V centroid cosine, compacted", iv(s, "centroid.compacted.v_centred")),
-        ("centred V centroid cosine, verbatim tail only", iv(s, "centroid.verbatim_tail_only.v_centred")),
-        ("centred V centroid cosine, summary only", iv(s, "centroid.summary_only.v_centred")),
-        ("centred V centroid cosine, unrelated", iv(s, "centroid.unrelated.v_centred")),
+        (f"centred V centroid cosine, {c.replace('_', ' ')}", iv(s, f"centroid.{c}.v_centred"))
+        for c in ("compacted", "verbatim_tail_only", "summary_only", "unrelated")
     ]
     rows += [
         (
