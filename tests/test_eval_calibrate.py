@@ -265,8 +265,9 @@ def test_the_cli_runs_each_task_at_its_calibrated_knobs(tiny_llama_2x64, tmp_pat
     path = _calibration_file(tmp_path)
     out_dir = tmp_path / "run"
     args = ["--tasks", "niah_single,vt", "--lengths", "200", "--trials", "1", "--haystack", str(text)]
-    code, _, err = _ruler_cli(capsys, *args, "--calibration", str(path), "--out", str(out_dir), "-n", "2")
+    code, out, err = _ruler_cli(capsys, *args, "--calibration", str(path), "--out", str(out_dir), "-n", "2")
     assert code == 0, err
+    assert "apart (no difficulty put the full cache in the calibration's band" in out and "vt@200" in out
     doc = json.loads((out_dir / "ruler.json").read_text())
     settings = doc["settings"]
     assert settings["knobs"] == {"niah_single@200": {"keys": 3}, "vt@200": {"hops": 1}}

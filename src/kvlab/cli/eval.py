@@ -255,6 +255,14 @@ def _print_ruler(doc: dict, out: Path | None, json_out: bool) -> None:
         return
     for line in table_lines(summary):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    ran = {f"{r['task']}@{r['length']}" for r in rows}
+    apart = [k for k in doc["settings"].get("apart", []) if k in ran]
+    if apart:
+        console.print(
+            f"apart (no difficulty put the full cache in the calibration's band; do not pool): {', '.join(apart)}",
+            markup=False,
+            highlight=False,
+        )
     console.print(
         f"{len(rows)} rows in {wall:.1f} s" + (f"; wrote {Path(out) / 'ruler.json'}" if out else "")
     )
