@@ -323,7 +323,6 @@ def create_app(
     server = _Server(engine, metrics, model_id, keys, admin_key.encode() if admin_key else None, limits)
     _add_api_routes(app, server)
     _add_admin_routes(app, server)
-    _add_error_handlers(app)
     return app
 
 
@@ -514,7 +513,8 @@ def _add_api_routes(app: FastAPI, server: _Server) -> None:
 
 
 def _add_admin_routes(app: FastAPI, server: _Server) -> None:
-    """``GET /metrics`` (Prometheus) and ``GET /`` (the status page), for the admin key only."""
+    """``GET /metrics`` (Prometheus) and ``GET /`` (the status page), for the admin key only; then the error
+    handlers: an :class:`ApiError` a route raises, 404 and 405 as OpenAI-style JSON errors."""
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -526,10 +526,6 @@ def _add_admin_routes(app: FastAPI, server: _Server) -> None:
         server.check_admin(request)
         engine = server.engine
         return HTMLResponse(status_page(server.model_id, engine.status(), engine.store_stats()))
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    """An :class:`ApiError` a route raises, 404 and 405 as OpenAI-style JSON errors."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:

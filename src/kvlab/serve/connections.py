@@ -418,23 +418,18 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.count(f"{state}_timeout")
         if state == IDLE:
             self.close_now()  # an idle connection is closed silently, as keep-alive expects
-        elif state == HEAD:
-            log.warning(
-                "closing a connection whose request head took over %g s (header timeout)",
-                limits.header_timeout,
-                extra={"kind": "timeout:head"},
+        elif state in (HEAD, BODY):
+            which, timeout = (
+                ("header", limits.header_timeout) if state == HEAD else ("body", limits.body_timeout)
             )
-            self.close_now(_raw_response(_TIMEOUT, "the request head took too long", "header_timeout"))
-        elif state == BODY:
-            log.warning(
-                "closing a connection whose request body took over %g s (body timeout)",
-                limits.body_timeout,
-                extra={"kind": "timeout:body"},
-            )
-            farewell = b""
-            if self.cycle is not None and not self.cycle.response_started:
-                farewell = _raw_response(_TIMEOUT, "the request body took too long", "body_timeout")
-                self.cycle.response_started = True  # nothing else may be written
+            message = "closing a connection whose request %s took over %g s (%s timeout)"
+            log.warning(message, state, timeout, which, extra={"kind": f"timeout:{state}"})
+            # a late head follows a request answered whole (or none); a late body has its 408 unless answered
+            cycle, farewell = self.cycle, b""
+            if state == HEAD or (cycle is not None and not cycle.response_started):
+                farewell = _raw_response(_TIMEOUT, f"the request {state} took too long", f"{which}_timeout")
+                if cycle is not None:
+                    cycle.response_started = True  # nothing else may be written
             self.close_now(farewell)
 
 

@@ -783,9 +783,8 @@ class Engine:
                 row.finish = "length"
         if self.metrics is not None:
             first = len(row.out) == 1
-            self.metrics.token(
-                now - (row.req.submitted if first else row.last_step), first=first, tenant=row.req.tenant
-            )
+            since = row.req.submitted if first else row.last_step
+            self.metrics.token(now - since, first=first, tenant=row.req.tenant)
         row.last_step = now
 
     def _emit_text(self, row: _Row) -> None:
@@ -806,12 +805,11 @@ class Engine:
         if row.finish != "cancelled":
             reply = self.handle.decode([t for t in row.out if t not in row.req.stop_ids])
             text, _ = _cut_at_stop(reply, row.req.stop_strings)
-            if len(text) > len(row.text) and text.startswith(row.text):  # the held-back tail
-                events.append(("token", None, text[len(row.text) :], row.unsent))
-                row.text, row.unsent = text, []
-            elif row.unsent:  # a stop token's log-probability (no text of its own)
-                events.append(("token", None, "", row.unsent))
-                row.unsent = []
+            # the held-back tail, or a stop token's log-probability (no text of its own)
+            tail = text[len(row.text) :] if len(text) > len(row.text) and text.startswith(row.text) else ""
+            if tail or row.unsent:
+                events.append(("token", None, tail, row.unsent))
+                row.text, row.unsent = row.text + tail, []
             row.info["completion_tokens"] = len(row.out)
             row.info["completion_ids"] = list(row.out)
             row.info["kept_tokens"] = row.session.cache.kept
