@@ -126,7 +126,7 @@ def run(
     gen_tokens: int | None = None,
 ) -> ExperimentResult:
     result = EXPERIMENT.result(__doc__)
-    n_win = ctx.count("windows", windows, quick=2, default=4, full=12)
+    n_win = ctx.count("windows", windows, quick=2, default=6, full=12)
     length = ctx.count("length", length, quick=40, default=64, full=128)
     gen_tokens = ctx.count("gen_tokens", gen_tokens, quick=8, default=16, full=32)
     if not 1 <= roll < length - 8:

@@ -359,7 +359,7 @@ def run(
     redis_url = redis_url or os.environ.get("KVLAB_REDIS_URL") or None
     lengths = lengths or ctx.pick(quick=[128, 512], default=[256, 768], full=[256, 1024, 2048])
     reps = ctx.count("reps", reps, quick=2, default=3, full=5)
-    n_q = ctx.count("questions", questions, quick=2, default=4, full=12)
+    n_q = ctx.count("questions", questions, quick=2, default=6, full=12)
     # "full" (recompute every chunk token) is a correctness check that costs a prefill; only in --full.
     modes = MODES if ctx.profile == "full" else MODES[:3]
     p1 = prefix_reuse(ctx, handle, lengths, reps, redis_url, block_tokens)
