@@ -3,8 +3,8 @@ with kvpress's AdaKVPress(SnapKV) and PyramidKVPress at the same ratio, on the s
 
 kvlab's side: :func:`kvlab.eval.run.run_suite` on the bundled SmolLM2-135M-Instruct (float32, CPU, one
 torch thread) with ``full`` and, for SnapKV and H2O at ``keep``, a uniform budget, ``heads=ada`` and
-``layers=pyramid`` (:mod:`kvlab.compress.evict.budgets`; the shared ones held as a
-:class:`~kvlab.compress.evict.budgets.RaggedCache` and run masked through :meth:`kvlab.model.ModelHandle.forward`). kvpress's side: the
+``layers=pyramid`` (:mod:`kvlab.policy.evict.budgets`; the shared ones held as a
+:class:`~kvlab.policy.evict.budgets.RaggedCache` and run masked through :meth:`kvlab.model.ModelHandle.forward`). kvpress's side: the
 anchor worker's ``ruler`` job (``benchmarks/anchors/anchor_worker.py``, kvpress 0.5.5 in its own venv) on the
 ids kvlab ran, presses ``snapkv``, ``adakv_snapkv`` (``AdaKVPress(SnapKVPress)``) and ``pyramidkv``, reusing
 ``benchmarks/eval_ruler.py``'s recording and merge.

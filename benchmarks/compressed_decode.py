@@ -61,9 +61,9 @@ def _setup(tokens: int, steps: int):
 
 
 def _new_cache(h, name: str):
-    from kvlab.compress.quant import make_quantizer
     from kvlab.hf import new_hf_cache
     from kvlab.hf.compressed_cache import CompressedCache
+    from kvlab.policy.quant import make_quantizer
 
     spec = CONFIGS[name]
     if spec is None:

@@ -191,8 +191,8 @@ class Bench:
         and one 64-token chunk (256 rows) over ``L`` slots at 8B geometry, plain bf16 and int4 rows, under
         several (rows per program, warps, stages); the fastest of each becomes the launch every later
         section uses (``split_attention.LAUNCH``), and the table says which that was."""
-        from kvlab.compress.quant.codecs.int4rows import pack_rows
         from kvlab.kernels import split_attention as sa
+        from kvlab.policy.quant.codecs.int4rows import pack_rows
 
         if not sa.prepare(self.dev):
             return {"skipped": "no Triton or no CUDA"}

@@ -11,7 +11,7 @@ and the dequantized result is a snapshot that :func:`kvlab.eval.run.run_trial` r
 question's logits from a live ``QuantizedCache`` equal the snapshot's to float32 rounding.
 
 Bytes held are what each stores for the context: quanto's packed codes plus its fp32 scale and shift per
-group of 64; kvlab's :attr:`~kvlab.compress.quant.snapshot.QuantizedSnapshot.nbytes`.
+group of 64; kvlab's :attr:`~kvlab.policy.quant.snapshot.QuantizedSnapshot.nbytes`.
 
     pip install -e ".[quanto]"; python3 benchmarks/hf_quantized_cache.py --trials 10
 """
@@ -139,7 +139,7 @@ def main() -> None:
         "residual 128): each layer's context through `QuantoQuantizedLayer`, dequantized; checked on the first "
         f"trial against a live `QuantizedCache`: max |Δ logit| = {check:.2g}",
         "- kvlab: `int<b>` (per-token groups) and `kivi:int<b>` (KIVI: keys per channel, values per token), "
-        "`kvlab.compress.quant`; every cache in one batch per trial, KL / top-1 on the same teacher-forced tokens",
+        "`kvlab.policy.quant`; every cache in one batch per trial, KL / top-1 on the same teacher-forced tokens",
         "",
         "| cache | trials | accuracy [95% CI] | KL nats [95% CI] | top-1 [95% CI] | context K/V bytes per token |",
         "|---|---:|---|---|---|---:|",

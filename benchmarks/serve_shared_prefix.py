@@ -19,7 +19,7 @@ the others (hits); the K/V bytes each conversation's cache holds when it ends (t
 ``kvlab.cache_bytes``); accuracy (RULER's string match, Wilson intervals) and its paired difference to the
 exact server on the same questions; and, on the same token ids, teacher-forced KL(P_full || P_policy) and
 top-1 agreement over question + the exact answer: kvlab's side from the compressed prefix the server would
-seed (:meth:`~kvlab.compress.layouts.Layout.compress_prefix`, equal to the served cache: tested in
+seed (:meth:`~kvlab.policy.layouts.Layout.compress_prefix`, equal to the served cache: tested in
 ``tests/test_serve_shared_prefix.py``), kvpress's ``KVzipPress`` from the anchor worker
 (``benchmarks/anchors/``, kvpress 0.5.5 in its own venv) on the very ids the server saw.
 
@@ -169,10 +169,10 @@ def offline_kl(handle: Any, spec: str, trials: list[dict]) -> dict[str, dict]:
     """KL(P_full || P_cache) and top-1 agreement per trial (``"doc/question"``) on question + the exact answer
     (teacher-forced; the anchor worker's float64 formula, :func:`kvlab.metrics.divergence.token_kl`). A served
     spec's cache is the compressed prefix the server seeds; any other spec's is the eval's offline application of
-    its layout to the context (:meth:`~kvlab.compress.layouts.Layout.apply`), e.g. ``heads=global``."""
-    from kvlab.compress.evict import observe
-    from kvlab.compress.spec import parse
+    its layout to the context (:meth:`~kvlab.policy.layouts.Layout.apply`), e.g. ``heads=global``."""
     from kvlab.metrics.divergence import token_kl, top1_agreement
+    from kvlab.policy.evict import observe
+    from kvlab.policy.spec import parse
 
     policy = parse(spec)
     out, contexts = {}, {}

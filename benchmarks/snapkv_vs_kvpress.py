@@ -51,8 +51,8 @@ def contexts(handle, length: int, trials: int, haystack: str | None) -> dict[str
 
 
 def kvlab_side(handle, ctx: dict[str, list[int]], press: dict[str, torch.Tensor]) -> tuple[list[dict], float]:
-    from kvlab.compress.evict import SnapKV, keep_indices, observe
-    from kvlab.compress.evict.select import layer_views
+    from kvlab.policy.evict import SnapKV, keep_indices, observe
+    from kvlab.policy.evict.select import layer_views
 
     rows, worst = [], 0.0
     for name, ids in ctx.items():

@@ -112,7 +112,7 @@ def test_the_name_check_finds_what_is_missing():
 
 def _layout_classes() -> set[str]:
     found = set()
-    for path in (SRC / "compress" / "layouts").glob("*.py"):
+    for path in (SRC / "policy" / "layouts").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef) and any(
                 getattr(b, "id", "").endswith("Layout") for b in node.bases

@@ -80,7 +80,7 @@ def test_live_rows_feed_rewind_and_greedy_equal_fresh_forwards(tiny_model, famil
 def test_live_rows_keep_masked_slots_hidden(tiny_model):
     """Evicted (masked) rows beside the full one: the live batch's logits equal a forward over the stacked,
     masked batch, before and after a rewind."""
-    from kvlab.compress.evict import H2O, TOVA, evict, observe
+    from kvlab.policy.evict import H2O, TOVA, evict, observe
 
     model = tiny_model("llama")
     obs = observe(model, IDS_A)

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from kvlab.compress.evict import make_policy, observe
-from kvlab.compress.evict.budgets import evict_ragged, global_indices
-from kvlab.compress.evict.select import layer_views
 from kvlab.errors import BadInputError
 from kvlab.eval.specs import parse_cache_spec
+from kvlab.policy.evict import make_policy, observe
+from kvlab.policy.evict.budgets import evict_ragged, global_indices
+from kvlab.policy.evict.select import layer_views
 from tests.test_eval_tasks import HAYSTACK, WordTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -87,7 +87,7 @@ def test_refusals_of_the_selection():
         global_indices(s, 3, sinks=4)
     with pytest.raises(BadInputError, match=r"\[1, H, T\]"):
         global_indices([torch.rand(2, 2, 10)], 3)
-    from kvlab.compress.evict.budgets import allocate
+    from kvlab.policy.evict.budgets import allocate
 
     with pytest.raises(BadInputError, match="drop layers=pyramid"):
         allocate(s, 5, heads="global", layers="pyramid")

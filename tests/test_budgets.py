@@ -1,18 +1,18 @@
-"""Shared budgets (kvlab.compress.evict.budgets) and the forward on a ragged cache (run masked)."""
+"""Shared budgets (kvlab.policy.evict.budgets) and the forward on a ragged cache (run masked)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvlab.compress.evict import H2O, SnapKV, evict, kept_per_head, observe
-from kvlab.compress.evict.budgets import (
+from kvlab.errors import BadInputError
+from kvlab.policy.evict import H2O, SnapKV, evict, kept_per_head, observe
+from kvlab.policy.evict.budgets import (
     ada_indices,
     allocate,
     evict_ragged,
     pyramid_counts,
 )
-from kvlab.errors import BadInputError
 from tests.layers_ref import logits_after_layers
 from tests.tolerances import assert_forward_close
 

@@ -1,4 +1,4 @@
-"""kvlab.compress.spec: one reader of cache specs, registries instead of lists, and the fp8 codec."""
+"""kvlab.policy.spec: one reader of cache specs, registries instead of lists, and the fp8 codec."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.compress.evict import POLICIES
-from kvlab.compress.quant.methods import QUANTIZERS, make_quantizer, quantizer_names
-from kvlab.compress.spec import FULL, CachePolicy, ScoredLayout, SinksWindowLayout, known, parse, parse_many
 from kvlab.errors import BadInputError
+from kvlab.policy.evict import POLICIES
+from kvlab.policy.quant.methods import QUANTIZERS, make_quantizer, quantizer_names
+from kvlab.policy.spec import FULL, CachePolicy, ScoredLayout, SinksWindowLayout, known, parse, parse_many
 
 
 @pytest.mark.parametrize(

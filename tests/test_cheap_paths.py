@@ -2,7 +2,7 @@
 
 ``kvlab experiments``, every ``--help`` and a refused option value (a mistyped ``--cache`` spec, a policy
 a command cannot run) are answered while the options are read, from tables that name what the heavy
-modules hold (:data:`kvlab.study.experiments.CATALOGUE`, :mod:`kvlab.compress.catalogue`). Each command
+modules hold (:data:`kvlab.study.experiments.CATALOGUE`, :mod:`kvlab.policy.catalogue`). Each command
 line runs in its own process, as a shell runs it; the process reports which of torch and transformers
 it imported. The tables are checked against the registries they name. How long these take is measured
 by ``benchmarks/cheap_paths.py`` (benchmarks/results/cheap_paths.md), not asserted here.
@@ -159,10 +159,10 @@ def test_the_experiment_catalogue_equals_what_the_modules_define():
 
 def test_the_spec_catalogue_equals_the_registries():
     """Every score and codec a spec names (read without torch) is a registered class with these facts."""
-    from kvlab.compress.catalogue import CODECS, SCORES, SUPPORTED_BITS, VARIANTS
-    from kvlab.compress.evict import POLICIES
-    from kvlab.compress.quant.methods import QUANTIZERS, make_quantizer, quantizer_names
-    from kvlab.compress.quant.scalar import SUPPORTED_BITS as SCALAR_BITS
+    from kvlab.policy.catalogue import CODECS, SCORES, SUPPORTED_BITS, VARIANTS
+    from kvlab.policy.evict import POLICIES
+    from kvlab.policy.quant.methods import QUANTIZERS, make_quantizer, quantizer_names
+    from kvlab.policy.quant.scalar import SUPPORTED_BITS as SCALAR_BITS
 
     assert tuple(POLICIES) == SCORES
     assert list(CODECS) + list(VARIANTS) == quantizer_names()
@@ -179,7 +179,7 @@ def test_the_spec_catalogue_equals_the_registries():
 
 def test_the_compress_command_names_what_the_experiment_measures():
     from kvlab.cli.compress import quant_labels
-    from kvlab.compress.catalogue import SCORES
+    from kvlab.policy.catalogue import SCORES
     from kvlab.study.experiments.compression import POLICY_NAMES, QUANT_METHODS
 
     assert quant_labels() == list(QUANT_METHODS)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kvlab.compress.quant.methods import QUANTIZERS, Quantizer, Segment, make_quantizer
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
 from kvlab.model.random import tiny_random_model
+from kvlab.policy.quant.methods import QUANTIZERS, Quantizer, Segment, make_quantizer
 from tests.tolerances import assert_forward_close
 
 

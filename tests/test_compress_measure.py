@@ -1,4 +1,4 @@
-"""kvlab.compress.measure.continuation_quality: NLL and divergence to the full cache, checked by hand."""
+"""kvlab.policy.measure.continuation_quality: NLL and divergence to the full cache, checked by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab.compress.measure import continuation_nll, continuation_quality
+from kvlab.policy.measure import continuation_nll, continuation_quality
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from kvlab.compress.evict import SnapKV, StreamingLLM, evict, kept_per_head, observe
-from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer, quantize_snapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf import cache_argument
 from kvlab.hf.compressed_cache import DECODE_BLOCK, CompressedCache
+from kvlab.policy.evict import SnapKV, StreamingLLM, evict, kept_per_head, observe
+from kvlab.policy.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer, quantize_snapshot
 from tests.layers_ref import logits_after_layers
 from tests.tolerances import assert_forward_close
 

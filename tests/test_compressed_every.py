@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, StoppingCriteria, StoppingCriteriaList
 
-from kvlab.compress.evict import H2O, TOVA, KeyNorm, LayerView, SnapKV, StreamingLLM, keep_indices
-from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer
 from kvlab.errors import BadInputError
 from kvlab.hf import cache_argument
 from kvlab.hf.compressed_cache import CompressedCache
+from kvlab.policy.evict import H2O, TOVA, KeyNorm, LayerView, SnapKV, StreamingLLM, keep_indices
+from kvlab.policy.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import rope_for_layer
 from tests.layers_ref import logits_after_layers

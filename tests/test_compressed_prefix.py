@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.evict import evict, make_policy, observe
-from kvlab.compress.spec import parse
 from kvlab.errors import BadInputError
 from kvlab.hf.policy_cache import cache_for
+from kvlab.policy.evict import evict, make_policy, observe
+from kvlab.policy.spec import parse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -26,13 +26,13 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache import load_snapshot, save_snapshot, stack_rows
-from kvlab.compress.evict import evict, make_policy, observe
-from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer
 from kvlab.hf import cache_argument
 from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
 from kvlab.model.handle import ModelHandle
 from kvlab.ops.press import Press
+from kvlab.policy.evict import evict, make_policy, observe
+from kvlab.policy.quant import KIVIQuantizer, PerTokenQuantizer, RotatedQuantizer
 from kvlab.store import DiskTier, KVStore, MemoryTier, prefill_with_store, reuse_generate
 from kvlab.streaming import stream_nll
 from tests.layers_ref import logits_after_layers

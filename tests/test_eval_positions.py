@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.evict import kept_per_head, observe
 from kvlab.errors import BadInputError
 from kvlab.eval.positions import CONVENTIONS, check_positions, place
 from kvlab.eval.run import parse_cache_specs, run_trial, summarize
 from kvlab.eval.tasks import encoder, make_trial
 from kvlab.model.handle import ModelHandle
+from kvlab.policy.evict import kept_per_head, observe
 from kvlab.rope.ops import apply_rope, remove_rope
 from tests.layers_ref import logits_after_layers
 from tests.test_eval_tasks import HAYSTACK, WordTokenizer

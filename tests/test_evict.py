@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.evict import (
+from kvlab.errors import BadInputError
+from kvlab.policy.evict import (
     H2O,
     POLICIES,
     TOVA,
@@ -24,8 +25,7 @@ from kvlab.compress.evict import (
     observe,
     repack,
 )
-from kvlab.compress.evict.learned import load_weights, save_weights, train_evictor
-from kvlab.errors import BadInputError
+from kvlab.policy.evict.learned import load_weights, save_weights, train_evictor
 from tests.layers_ref import logits_after_layers
 from tests.tolerances import assert_forward_close
 

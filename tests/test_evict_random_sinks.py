@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.evict import POLICIES, RandomPolicy, StreamingLLM, evict, kept_per_head, make_policy
-from kvlab.compress.evict.methods.random_sinks import RandomWithSinks
-from kvlab.compress.evict.policies import Policy
+from kvlab.policy.evict import POLICIES, RandomPolicy, StreamingLLM, evict, kept_per_head, make_policy
+from kvlab.policy.evict.methods.random_sinks import RandomWithSinks
+from kvlab.policy.evict.policies import Policy
 
 
 def test_registered_by_its_file_alone():
@@ -36,4 +36,4 @@ def test_keeps_the_sinks_and_a_seeded_random_rest(tiny_model):
 def test_two_policies_cannot_share_a_name():
     with pytest.raises(TypeError, match="two eviction policies are named 'snapkv'"):
         type("Impostor", (Policy,), {"name": "snapkv", "__module__": "elsewhere"})
-    assert POLICIES["snapkv"].__module__ == "kvlab.compress.evict.policies"
+    assert POLICIES["snapkv"].__module__ == "kvlab.policy.evict.policies"

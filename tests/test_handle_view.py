@@ -1,4 +1,4 @@
-"""``kvlab.cache.handle_view.HandleView`` names what ``kvlab.cache`` and ``kvlab.compress`` read from a
+"""``kvlab.cache.handle_view.HandleView`` names what ``kvlab.cache`` and ``kvlab.policy`` read from a
 ``ModelHandle`` (they sit below ``kvlab.model``, so they cannot import the class): a handle must keep
 satisfying it (mypy checks the types in ``kvlab.model.handle``; this checks the members at run time)."""
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-import kvlab.compress.quant.attention as qa
+import kvlab.policy.quant.attention as qa
 from kvlab import kernels
 
 pytestmark = pytest.mark.process  # C compilers run for every test here

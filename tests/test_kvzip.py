@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from kvlab.compress.evict import evict, make_policy, observe
-from kvlab.compress.evict.budgets import evict_ragged
-from kvlab.compress.evict.methods.kvzip import REPEAT_PROMPT, KVzip
-from kvlab.compress.evict.select import layer_views
 from kvlab.errors import BadInputError
+from kvlab.policy.evict import evict, make_policy, observe
+from kvlab.policy.evict.budgets import evict_ragged
+from kvlab.policy.evict.methods.kvzip import REPEAT_PROMPT, KVzip
+from kvlab.policy.evict.select import layer_views
 from tests.test_eval_tasks import HAYSTACK, WordTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -87,11 +87,11 @@ def test_budgets_are_kept(tiny, budget):
 
 
 def test_spec_spellings_and_refusals(tiny):
-    from kvlab.compress.catalogue import OFFLINE_SCORES
-    from kvlab.compress.evict import POLICIES
     from kvlab.eval.run import parse_cache_spec
     from kvlab.hf.compressed_cache import CompressedCache
     from kvlab.hf.policy_cache import cache_for
+    from kvlab.policy.catalogue import OFFLINE_SCORES
+    from kvlab.policy.evict import POLICIES
     from kvlab.serve.policy import serve_policy
 
     # the catalogue's offline-only scores are the registered ones that ask for an extra pass

@@ -1,5 +1,5 @@
 """The strided layout (``stride=N,recent=N``), a layout written in one file
-(``src/kvlab/compress/layouts/strided.py``), through every command that reads a cache spec: the spec reader,
+(``src/kvlab/policy/layouts/strided.py``), through every command that reads a cache spec: the spec reader,
 ``generate``, stream-ppl, the eval and ``kvlab serve`` (tests/test_serve_strided.py). Exact where exactness
 is defined: ``stride=1`` is the full cache bit for bit, and the live cache holds exactly the slots its
 offline application keeps, with the same logits on top."""
@@ -11,12 +11,12 @@ import json
 import pytest
 import torch
 
-from kvlab.compress.evict import kept_per_head
-from kvlab.compress.layouts import LAYOUTS
-from kvlab.compress.spec import parse
 from kvlab.errors import BadInputError
 from kvlab.eval.run import parse_cache_spec, parse_cache_specs, run_trial
 from kvlab.hf.policy_cache import cache_for
+from kvlab.policy.evict import kept_per_head
+from kvlab.policy.layouts import LAYOUTS
+from kvlab.policy.spec import parse
 from kvlab.streaming.generate import HeldBytes, policy_generate
 from kvlab.streaming.perplexity import streaming_perplexity, summarize
 from tests.tolerances import assert_forward_close
@@ -166,7 +166,7 @@ def test_serve_takes_it_and_refuses_a_codec_in_one_line(capsys, tmp_path):
     """``kvlab serve`` runs it (its conversations: tests/test_serve_strided.py) and names it among what it
     serves; a strided layout over a codec is still refused while the options are read, before anything loads."""
     from kvlab.cli import main
-    from kvlab.compress.layouts.base import serve_caches
+    from kvlab.policy.layouts.base import serve_caches
     from kvlab.serve.engine import EngineSettings
 
     assert EngineSettings(cache=" Stride=4, recent=16 ").cache == SPEC

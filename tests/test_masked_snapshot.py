@@ -12,9 +12,9 @@ import torch
 
 from kvlab.cache import save_snapshot, stack_rows
 from kvlab.cache.snapshot import concat
-from kvlab.compress.evict import TOVA, SnapKV, evict, kept_per_head, observe
 from kvlab.errors import BadInputError, IncompatibleCacheError
 from kvlab.hf.cache import GrowingLayer, to_hf_cache
+from kvlab.policy.evict import TOVA, SnapKV, evict, kept_per_head, observe
 from kvlab.store import KVStore
 from kvlab.store.memory import MemoryTier
 from tests.layers_ref import greedy_after_layers, logits_after_layers

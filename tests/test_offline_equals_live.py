@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.catalogue import OFFLINE_SCORES
-from kvlab.compress.evict import POLICIES, kept_per_head, observe
-from kvlab.compress.quant.methods import QUANTIZERS, quantizer_names
 from kvlab.eval.run import parse_cache_spec
 from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.hf.policy_cache import cache_for
+from kvlab.policy.catalogue import OFFLINE_SCORES
+from kvlab.policy.evict import POLICIES, kept_per_head, observe
+from kvlab.policy.quant.methods import QUANTIZERS, quantizer_names
 from tests.tolerances import assert_forward_close
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.evict import H2O, TOVA, KeyNorm, RandomPolicy, SlidingWindow, SnapKV, StreamingLLM
-from kvlab.compress.quant import KIVIQuantizer
 from kvlab.errors import BadInputError
 from kvlab.hf import cache_argument
 from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
 from kvlab.hf.step import THREAD
+from kvlab.policy.evict import H2O, TOVA, KeyNorm, RandomPolicy, SlidingWindow, SnapKV, StreamingLLM
+from kvlab.policy.quant import KIVIQuantizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,12 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.compress.evict import StreamingLLM, evict, kept_per_head
-from kvlab.compress.quant.methods import split_plan
 from kvlab.errors import BadInputError
 from kvlab.ops.suffix import roll
 from kvlab.ops.transfer import drop_prefix
 from kvlab.policy import SinksWindow, roll_amount
+from kvlab.policy.evict import StreamingLLM, evict, kept_per_head
+from kvlab.policy.quant.methods import split_plan
 from tests.tolerances import assert_forward_close
 
 

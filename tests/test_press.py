@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.evict import SnapKV, evict, kept_per_head, observe
 from kvlab.errors import BadInputError
 from kvlab.ops.press import Press
+from kvlab.policy.evict import SnapKV, evict, kept_per_head, observe
 from tests.layers_ref import logits_after_layers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

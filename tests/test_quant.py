@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.cache.snapshot import KVSnapshot
-from kvlab.compress.quant import (
+from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.policy.quant import (
     SUPPORTED_BITS,
     KIVIQuantizer,
     PerTokenQuantizer,
@@ -24,8 +25,7 @@ from kvlab.compress.quant import (
     split_plan,
     unpack_bits,
 )
-from kvlab.compress.quant.rotation import rotation_matrix, sketch_estimate, sketch_matrix
-from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.policy.quant.rotation import rotation_matrix, sketch_estimate, sketch_matrix
 from kvlab.rope import RopeSpec, apply_rope
 
 
@@ -205,7 +205,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_lloyd_max_levels_match_the_known_normal_grids():
-    from kvlab.compress.quant.scalar import lloyd_max_levels
+    from kvlab.policy.quant.scalar import lloyd_max_levels
 
     assert torch.allclose(lloyd_max_levels(2)[2:], torch.tensor([0.4528, 1.5104]), atol=1e-3)
     assert torch.allclose(lloyd_max_levels(3)[4:], torch.tensor([0.2451, 0.7560, 1.3439, 2.1519]), atol=1e-3)
@@ -217,7 +217,7 @@ def test_lloyd_max_levels_match_the_known_normal_grids():
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_lloyd_grid_beats_uniform_on_gaussian_groups_with_fewer_bytes(bits):
-    from kvlab.compress.quant.scalar import quantize_lloyd
+    from kvlab.policy.quant.scalar import quantize_lloyd
 
     x = torch.randn(500, 64, generator=torch.Generator().manual_seed(bits))
     lq, uq = quantize_lloyd(x, bits, 64), quantize(x, bits, 64)

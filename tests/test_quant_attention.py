@@ -1,4 +1,4 @@
-"""Decode attention read from packed codes (kvlab.compress.quant.attention) equals attention over what the
+"""Decode attention read from packed codes (kvlab.policy.quant.attention) equals attention over what the
 cache decodes to, and a bound quantizing CompressedCache takes that path under the model and generate."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-import kvlab.compress.quant.attention as qa
+import kvlab.policy.quant.attention as qa
 from kvlab import kernels
-from kvlab.compress.quant import KIVIQuantizer, PerTokenQuantizer, PreRopeQuantizer, RotatedQuantizer
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf import cache_argument
 from kvlab.hf.compressed_cache import CompressedCache
+from kvlab.policy.quant import KIVIQuantizer, PerTokenQuantizer, PreRopeQuantizer, RotatedQuantizer
 from kvlab.rope.spec import RopeSpec
 from tests.layers_ref import logits_after_layers
 from tests.tolerances import assert_forward_close, elementwise_tol

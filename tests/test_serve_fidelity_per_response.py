@@ -15,8 +15,8 @@ import uuid
 
 import pytest
 
-from kvlab.compress.spec import parse
 from kvlab.loop import GREEDY
+from kvlab.policy.spec import parse
 from kvlab.serve.engine import Engine, EngineSettings, Request
 from kvlab.serve.fidelity import ScoringJob
 from tests.test_cheap_paths import run_cli

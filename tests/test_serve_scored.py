@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.spec import parse
 from kvlab.hf.cache import head_dim_of
 from kvlab.hf.policy_cache import cache_for
 from kvlab.loop import GREEDY
+from kvlab.policy.spec import parse
 from kvlab.serve.engine import Engine, EngineSettings, Request
 from tests.test_serve_cache_spec import _ids, _Reply
 
@@ -24,7 +24,7 @@ BUDGET, EVERY = 24, 8
 SPECS = [
     f"h2o,budget={BUDGET},every={EVERY}",
     f"knorm,budget={BUDGET},every={EVERY}",
-    # a policy added in one file (compress/evict/methods/random_sinks.py) is served by its name alone
+    # a policy added in one file (policy/evict/methods/random_sinks.py) is served by its name alone
     f"random_sinks,budget={BUDGET},every={EVERY}",
     # and survivors stored as per-token codes
     f"tova,budget={BUDGET},every={EVERY},codec=int4",

@@ -19,7 +19,7 @@ from html import escape
 
 import pytest
 
-from kvlab.compress.spec import parse
+from kvlab.policy.spec import parse
 from kvlab.serve.engine import Engine, EngineSettings, Session
 from kvlab.serve.status import describe_layout, status_page
 from tests.test_serve_cache_spec import _ids

@@ -284,8 +284,8 @@ def test_the_next_save_removes_a_dead_writers_temp(tmp_path, small):
 
 # -- provenance --------------------------------------------------------------------------------------
 def test_operations_record_provenance(small):
-    from kvlab.compress.quant.snapshot import quantize_snapshot
     from kvlab.ops import perturb, suffix, transfer
+    from kvlab.policy.quant.snapshot import quantize_snapshot
 
     assert suffix.roll(small, 2, sinks=1).provenance == "rolled"
     assert suffix.roll(small, 2, sinks=1, reposition=False).provenance == "rolled"
@@ -294,7 +294,7 @@ def test_operations_record_provenance(small):
     assert transfer.hybrid_kv(small, F.small_snapshot(seed=2)).provenance == "transplanted"
     assert small.with_positions(torch.arange(6) + 5).provenance == "repositioned"
     assert small.slice(0, 4).provenance == "prefill"
-    from kvlab.compress.quant import make_quantizer
+    from kvlab.policy.quant import make_quantizer
 
     q = quantize_snapshot(small, make_quantizer("pertoken", 4, group_size=8))
     assert q.decompress().provenance == "quantized"

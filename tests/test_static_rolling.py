@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kvlab.compress.quant.codecs.int4rows import decode_rows, encode4, pack_rows
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.graphs import RollingDecoder
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.hf.static_rolling import EMPTY, static_rolling_cache_for
 from kvlab.model.random import tiny_random_model
+from kvlab.policy.quant.codecs.int4rows import decode_rows, encode4, pack_rows
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # fp32 logits of a 2-layer model with O(1) logits: RoPE applied at other absolute positions (a
@@ -134,7 +134,7 @@ def test_refusals(tiny_model):
 def test_int4_codes_bound_and_layout():
     """Every element decodes within half a step of its group (plus fp32 rounding), and the codes are
     laid out as kvlab's pack_bits lays out 4-bit codes (QuantizedTensor decodes them identically)."""
-    from kvlab.compress.quant.scalar import QuantizedTensor
+    from kvlab.policy.quant.scalar import QuantizedTensor
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 50, 64, generator=g) * torch.logspace(-3, 2, 64)  # outlier channels
@@ -151,10 +151,10 @@ def test_int4_codes_bound_and_layout():
 def test_the_rings_int4_is_a_registered_codec_within_half_a_step(tiny_model):
     """The ring's ``codec="int4"`` resolves through the codec registry to ``int4rows``; that codec's
     segments hold the ring's codes, scales and minimums (the kernel's rows) and decode within half a step."""
-    from kvlab.compress.quant.codecs.int4rows import Int4RowsQuantizer
-    from kvlab.compress.quant.methods import QUANTIZERS, make_quantizer, quantizer_names
     from kvlab.hf.static_rolling import RING_CODECS
     from kvlab.kernels.split_attention import int4_rows
+    from kvlab.policy.quant.codecs.int4rows import Int4RowsQuantizer
+    from kvlab.policy.quant.methods import QUANTIZERS, make_quantizer, quantizer_names
 
     assert RING_CODECS["int4"] == "int4rows" and "int4rows" in quantizer_names()
     assert QUANTIZERS["int4rows"] is Int4RowsQuantizer
@@ -309,8 +309,8 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
             pytest.fail("triton is not importable on this CUDA machine")
         from transformers.integrations.sdpa_attention import repeat_kv
 
-        from kvlab.compress.quant.codecs.int4rows import decode_rows, pack_rows
         from kvlab.kernels import split_attention as sa
+        from kvlab.policy.quant.codecs.int4rows import decode_rows, pack_rows
 
         assert sa.prepare(torch.device("cuda"))
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -354,8 +354,8 @@ if torch.cuda.is_available():  # defined only where it can run (a skipped test f
         slots only (compiled for the card, fp fusion off: no contracted multiply-add)."""
         if not _has_triton():
             pytest.fail("triton is not importable on this CUDA machine")
-        from kvlab.compress.quant.codecs.int4rows import pack_rows
         from kvlab.kernels import split_attention as sa
+        from kvlab.policy.quant.codecs.int4rows import pack_rows
 
         assert sa.prepare(torch.device("cuda"))
         g = torch.Generator(device="cuda").manual_seed(1)

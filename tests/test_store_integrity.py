@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.quant import KIVIQuantizer
-from kvlab.compress.quant.snapshot import quantize_snapshot
 from kvlab.errors import BadInputError, IncompatibleCacheError
 from kvlab.ops.transfer import drop_prefix
+from kvlab.policy.quant import KIVIQuantizer
+from kvlab.policy.quant.snapshot import quantize_snapshot
 from kvlab.store import open_store
 from kvlab.store.block import Block
 from kvlab.store.errors import CorruptBlockError

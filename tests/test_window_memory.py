@@ -21,12 +21,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from kvlab.compress.quant.methods import make_quantizer
 from kvlab.errors import BadInputError
 from kvlab.hf import cache_argument
 from kvlab.hf.coded_rolling import CodedRollingLayer
 from kvlab.hf.policy_cache import cache_for, held_bytes
 from kvlab.hf.rolling_cache import RollingCache, RollingLayer, rolling_cache_for
+from kvlab.policy.quant.methods import make_quantizer
 from kvlab.streaming.generate import feed
 
 CACHE_ARG = cache_argument(LlamaForCausalLM)

@@ -76,7 +76,7 @@ def test_merge_kernel_compiles_for_sm90():
 _INTERPRETED = r"""
 import json, sys, torch
 from transformers.integrations.sdpa_attention import repeat_kv
-from kvlab.compress.quant.codecs.int4rows import decode_rows, pack_rows
+from kvlab.policy.quant.codecs.int4rows import decode_rows, pack_rows
 from kvlab.kernels import split_attention as sa
 
 assert sa.prepare(torch.device("cpu"))
@@ -168,7 +168,7 @@ def test_split_attention_interpreted_equals_sdpa():
 
 _ENCODE = r"""
 import json, torch
-from kvlab.compress.quant.codecs.int4rows import pack_rows
+from kvlab.policy.quant.codecs.int4rows import pack_rows
 from kvlab.kernels import split_attention as sa
 
 assert sa.prepare(torch.device("cpu"))

@@ -1,8 +1,8 @@
 """What the packages below :mod:`kvlab.model` read from a :class:`~kvlab.model.ModelHandle`, as a ``Protocol``.
 
-``kvlab.cache`` and ``kvlab.compress`` sit below ``kvlab.model`` (``tests/test_layering.py``), so they
-cannot import ``ModelHandle``; :func:`kvlab.cache.io.load_snapshot`, :func:`kvlab.compress.observe`,
-:func:`~kvlab.compress.evict.learned.train_evictor` and :func:`kvlab.compress.measure.time_decode_ms`
+``kvlab.cache`` and ``kvlab.policy`` sit below ``kvlab.model`` (``tests/test_layering.py``), so they
+cannot import ``ModelHandle``; :func:`kvlab.cache.io.load_snapshot`, :func:`kvlab.policy.observe`,
+:func:`~kvlab.policy.evict.learned.train_evictor` and :func:`kvlab.policy.measure.time_decode_ms`
 take a :class:`HandleView` instead, so the type checker sees every member they read. ``ModelHandle``
 satisfies it (checked by mypy in ``kvlab.model.handle`` and by ``tests/test_handle_view.py``).
 """
@@ -46,12 +46,12 @@ class Prefilled(Protocol):
 
 @runtime_checkable
 class HandleView(Protocol):
-    """A model handle as ``kvlab.cache`` and ``kvlab.compress`` use it: exactly the members read there.
+    """A model handle as ``kvlab.cache`` and ``kvlab.policy`` use it: exactly the members read there.
 
     * ``name``, ``fingerprint``, ``facts``, ``dtype``, ``device``, ``rope``: :func:`load_snapshot`'s model check;
-    * ``model``, ``rope``, ``prefill``: :func:`kvlab.compress.observe` (and the evictor training over it);
-      ``forward``: a score's extra pass after an observed context (:meth:`~kvlab.compress.Observation.probe`);
-    * ``run``, ``device``, ``config``: :func:`kvlab.compress.measure.time_decode_ms`.
+    * ``model``, ``rope``, ``prefill``: :func:`kvlab.policy.observe` (and the evictor training over it);
+      ``forward``: a score's extra pass after an observed context (:meth:`~kvlab.policy.Observation.probe`);
+    * ``run``, ``device``, ``config``: :func:`kvlab.policy.measure.time_decode_ms`.
     """
 
     @property

@@ -47,7 +47,7 @@ PROVENANCES = (
     "unknown",
 )
 #: ``token_ids`` of a slot whose KV heads hold different tokens (a re-packed eviction:
-#: :func:`kvlab.compress.evict.repack`); never a vocabulary id.
+#: :func:`kvlab.policy.evict.repack`); never a vocabulary id.
 MIXED_TOKEN = -1
 _TENSOR_FIELDS = frozenset({"keys", "values", "token_ids", "positions", "valid"})
 

@@ -159,8 +159,8 @@ def _read_cache(value: Any, read: Callable[[list[str]], object]) -> Any:
 
 
 def _live(specs: list[str]) -> None:
-    """Each spec read (none twice), as a live cache runs it (:meth:`~kvlab.compress.layouts.Layout.live_check`)."""
-    from kvlab.compress.spec import parse_many
+    """Each spec read (none twice), as a live cache runs it (:meth:`~kvlab.policy.layouts.Layout.live_check`)."""
+    from kvlab.policy.spec import parse_many
 
     for spec, policy in zip(specs, parse_many(specs), strict=True):
         policy.layout.live_check(policy, spec)

@@ -34,7 +34,7 @@ def _keeps(value: list[float] | None) -> list[float] | None:
 def _bits(value: list[int] | None) -> list[int] | None:
     """Typer callback: bit widths the quantizers pack (checked before any model loads)."""
     if value:
-        from kvlab.compress.catalogue import SUPPORTED_BITS
+        from kvlab.policy.catalogue import SUPPORTED_BITS
 
         for b in value:
             if b not in SUPPORTED_BITS:
@@ -46,8 +46,8 @@ def _bits(value: list[int] | None) -> list[int] | None:
 
 def quant_labels() -> list[str]:
     """The compression experiment's quantizer labels (its ``QUANT_METHODS``; a test checks): every codec
-    alone and as ``+sinks``, named by :mod:`kvlab.compress.catalogue` (no torch)."""
-    from kvlab.compress.catalogue import CODECS, VARIANTS
+    alone and as ``+sinks``, named by :mod:`kvlab.policy.catalogue` (no torch)."""
+    from kvlab.policy.catalogue import CODECS, VARIANTS
 
     return [label for name in [*CODECS, *VARIANTS] for label in (name, f"{name}+sinks")]
 
@@ -62,7 +62,7 @@ def _methods(value: list[str] | None) -> list[str] | None:
 def _policies(value: list[str] | None) -> list[str] | None:
     """Typer callback: eviction policy names the compression experiment knows (its ``POLICY_NAMES``)."""
     if value:
-        from kvlab.compress.catalogue import SCORES as POLICY_NAMES
+        from kvlab.policy.catalogue import SCORES as POLICY_NAMES
 
         refuse_unknown(value, POLICY_NAMES, "policy(ies)")
     return value
@@ -129,15 +129,15 @@ def train_evictor_cmd(
     ] = None,
     weights: Annotated[
         Path | None,
-        typer.Option(help="Where to write the weights (default: the packaged kvlab/compress/weights)."),
+        typer.Option(help="Where to write the weights (default: the packaged kvlab/policy/weights)."),
     ] = None,
     model: ModelOptions = ModelOptions(),
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
     """Train the learned eviction policy (a tiny MLP) on the model's own attention; a few minutes on CPU."""
-    from kvlab.compress.evict.learned import DEFAULT_WEIGHTS, save_weights, train_evictor
     from kvlab.data import python_docs, read_text_file, token_samples
+    from kvlab.policy.evict.learned import DEFAULT_WEIGHTS, save_weights, train_evictor
     from kvlab.study.experiments.compression import TRAIN_CHARS
 
     # the destination is checked before the model loads, not after minutes of training

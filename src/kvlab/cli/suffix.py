@@ -188,7 +188,7 @@ def _generate_policy(ctx: typer.Context, spec: str | None, model: str, capture: 
     a captured decode the spec's cache has none of (:func:`_captured_roll`)."""
     if spec is None:
         return None
-    from kvlab.compress.spec import parse
+    from kvlab.policy.spec import parse
 
     sources = {o: ctx.get_parameter_source(o) for o in ("sinks", "window", "evict_chunk")}
     given = [f"--{o.replace('_', '-')}" for o, src in sources.items() if src and src.name != "DEFAULT"]

@@ -6,7 +6,7 @@ An eviction keeps some slots of a context of ``T`` tokens (``k`` per KV head); t
   original positions, with gaps; the question starts at ``T``. The evicted cache is the masked snapshot
   the layout made, untouched.
 * ``contiguous`` (OpenVINO Model Server after eviction): the kept keys are re-rotated to ``0..k-1``
-  per KV head (an exact RoPE shift: :func:`kvlab.compress.evict.repack`); the question still starts at
+  per KV head (an exact RoPE shift: :func:`kvlab.policy.evict.repack`); the question still starts at
   ``T``, so the question sees the context as far away as it was.
 * ``cache`` (StreamingLLM: positions within the cache): the same re-rotated keys, and the question
   starts at ``k``, right after them.
@@ -58,7 +58,7 @@ def place(snap: KVSnapshot, convention: str) -> tuple[KVSnapshot, int]:
     check_positions([convention])
     if convention == DEFAULT or not snap.is_masked:
         return snap, snap.next_position
-    from kvlab.compress.evict import repack
+    from kvlab.policy.evict import repack
 
     packed = repack(snap)
     return packed, snap.next_position if convention == "contiguous" else packed.next_position

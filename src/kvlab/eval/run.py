@@ -1,9 +1,9 @@
 """Running trials under cache policies: prefill the context once, compress it, ask the question, score.
 
 For each trial the context is prefilled once (with the queries captured when an attention-based
-eviction policy is asked for: :func:`kvlab.compress.evict.observe`). Each cache policy's layout then turns
+eviction policy is asked for: :func:`kvlab.policy.evict.observe`). Each cache policy's layout then turns
 that prefill into the per-layer K/V its live cache would hold after the context
-(:meth:`~kvlab.compress.layouts.Layout.apply`): the full cache's K/V as they are, or encoded and decoded
+(:meth:`~kvlab.policy.layouts.Layout.apply`): the full cache's K/V as they are, or encoded and decoded
 back over a codec; a scored eviction masked (kept keys at their original positions, the selection a
 :class:`~kvlab.hf.compressed_cache.CompressedCache` makes after its first forward; a shared budget as a
 ragged cache, run masked); sinks + window fed to the live rolling cache's own layers. An eviction's kept
@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvlab.compress.layouts.base import context
 from kvlab.errors import BadInputError
 from kvlab.eval.positions import DEFAULT, check_positions, place
 from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.eval.specs; run.py re-exports them)
@@ -41,11 +40,12 @@ from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.e
     parse_cache_specs,
     parse_ratios,
 )
+from kvlab.policy.layouts.base import context
 
 if TYPE_CHECKING:
     from kvlab.cache.snapshot import KVSnapshot
-    from kvlab.compress.layouts.base import Source
     from kvlab.model.handle import ModelHandle
+    from kvlab.policy.layouts.base import Source
 
     External = Callable[[KVSnapshot], dict[str, tuple[KVSnapshot, int]]]  # caches made elsewhere, by name
 
@@ -69,7 +69,7 @@ def _caches(
     external: External | None,
     positions: Sequence[str] = (DEFAULT,),
 ) -> tuple:
-    """Each spec's cache after the context (its layout applied offline: :meth:`~kvlab.compress.layouts.Layout.apply`),
+    """Each spec's cache after the context (its layout applied offline: :meth:`~kvlab.policy.layouts.Layout.apply`),
     the full cache first, then the external ones: ``{name: (snapshot, K/V bytes, extra columns, the position
     the question starts at)}``, the seconds each took and each row's labels. An eviction (a masked snapshot)
     is placed under each of ``positions`` (:func:`kvlab.eval.positions.place`: one cache each, named
@@ -154,8 +154,8 @@ def run_trial(
     eviction gives one row per convention of ``positions`` (:mod:`kvlab.eval.positions`), all on the
     same kept slots.
     """
-    from kvlab.compress.evict import observe
     from kvlab.eval.tasks import encoder
+    from kvlab.policy.evict import observe
 
     check_positions(positions, specs)
     encode = encoder(handle)

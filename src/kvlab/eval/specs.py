@@ -1,7 +1,7 @@
 """Reading the cache specs of an eval run (``kvlab eval ruler --cache``, ``--ratios``), without torch.
 
-A run's policies are :class:`~kvlab.compress.spec.CachePolicy` objects read by
-:func:`kvlab.compress.spec.parse`, checked here for what an offline run can do; ``kvlab eval ruler``
+A run's policies are :class:`~kvlab.policy.spec.CachePolicy` objects read by
+:func:`kvlab.policy.spec.parse`, checked here for what an offline run can do; ``kvlab eval ruler``
 refuses a bad one while reading its options, before torch or a model loads. :mod:`kvlab.eval.run` runs
 them.
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvlab.compress.spec import FULL, CachePolicy, parse, parse_many
 from kvlab.errors import BadInputError
+from kvlab.policy.spec import FULL, CachePolicy, parse, parse_many
 
 
 @dataclass(frozen=True)
 class CacheSpec:
     """One cache policy of a run: ``spec`` as the user wrote it (lower-cased: the column label) and the
-    :class:`~kvlab.compress.spec.CachePolicy` it names (parsed by :func:`kvlab.compress.spec.parse`)."""
+    :class:`~kvlab.policy.spec.CachePolicy` it names (parsed by :func:`kvlab.policy.spec.parse`)."""
 
     spec: str
     policy: CachePolicy = FULL
@@ -50,15 +50,15 @@ class CacheSpec:
 
 
 def parse_cache_spec(spec: str) -> CacheSpec:
-    """A cache spec for a run (:func:`kvlab.compress.spec.parse`), checked by its layout for what an offline
-    run can do (:meth:`~kvlab.compress.layouts.Layout.eval_check`: the context is compressed once here)."""
+    """A cache spec for a run (:func:`kvlab.policy.spec.parse`), checked by its layout for what an offline
+    run can do (:meth:`~kvlab.policy.layouts.Layout.eval_check`: the context is compressed once here)."""
     policy = parse(spec)
     policy.layout.eval_check(policy, spec)
     return CacheSpec(spec.strip().lower(), policy)
 
 
 def parse_cache_specs(specs: Sequence[str]) -> list[CacheSpec]:
-    """Several specs, none given twice (a duplicate column) and at least one (:func:`~kvlab.compress.spec.parse_many`),
+    """Several specs, none given twice (a duplicate column) and at least one (:func:`~kvlab.policy.spec.parse_many`),
     each checked for the eval."""
     parse_many(specs)
     return [parse_cache_spec(s) for s in specs]

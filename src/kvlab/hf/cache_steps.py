@@ -46,11 +46,11 @@ class PackedStep(Step):
         self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw
     ) -> tuple[torch.Tensor, None] | None:
         """A decode query over its layer's packed segments plus the full-precision sinks, tail and new token
-        (:func:`kvlab.compress.quant.attention.decode_attention`); None (SDPA) for a layer with no view."""
+        (:func:`kvlab.policy.quant.attention.decode_attention`); None (SDPA) for a layer with no view."""
         view = self.views.pop(module.layer_idx, None)
         if view is None:
             return None
-        from kvlab.compress.quant.attention import decode_attention
+        from kvlab.policy.quant.attention import decode_attention
 
         plan, fp_k, fp_v = view
         b, heads, q_len, d = query.shape
@@ -150,7 +150,7 @@ def _open_packed_step(cache: LiveCache, rule: Any, model: PreTrainedModel, kwarg
     counted in ``cache.packed_steps`` and ``cache.packed_steps_by_path``; None where the step takes the
     reference path: more than one token, not float32, attention that is not plain, no packed path for
     the device."""
-    from kvlab.compress.quant.attention import packed_path
+    from kvlab.policy.quant.attention import packed_path
 
     x = kwargs.get("input_ids")
     x = x if isinstance(x, torch.Tensor) else kwargs.get("inputs_embeds")

@@ -4,7 +4,7 @@ The counts, decisions and positions are the rolling cache's own (:class:`~kvlab.
 the same ``base``, ``slots``, plan, rolls and re-bases in every layer); only the storage differs:
 
 * the sinks stay in full precision, re-rotated from their stored originals as in every rolling layer;
-* the window's older slots are packed codes (any :class:`~kvlab.compress.quant.Quantizer`), encoded
+* the window's older slots are packed codes (any :class:`~kvlab.policy.quant.Quantizer`), encoded
   ``block`` slots at a time, oldest first, once the newest ``tail`` slots (the codec's full-precision
   window) are full; a roll drops whole blocks (the eviction chunk is a multiple of the block), so no
   slot is ever quantized twice and nothing is re-encoded;
@@ -19,7 +19,7 @@ Invariant: codes are stored at their slots' *original* positions (a roll does no
 position; a re-base by ``r`` rotates every kept key by ``-r``): the layer keeps ``frame``, the total of
 its re-bases, and a key's true rotation is its decoded code rotated by ``-frame`` (an exact RoPE shift,
 applied to the decoded keys on the reference path, or as the query rotated by ``+frame`` on the
-packed-code path, :func:`kvlab.compress.quant.attention.decode_attention`). Nothing is rotated in place:
+packed-code path, :func:`kvlab.policy.quant.attention.decode_attention`). Nothing is rotated in place:
 each update builds new tensors and lists, so a checkpoint of the layer's attributes restores it.
 """
 
@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from kvlab.compress.quant.methods import Quantizer, Segment
-from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import head_dim_of, sliding_windows
 from kvlab.hf.cache_steps import packed_step
 from kvlab.hf.live_cache import restore_vars
 from kvlab.hf.rolling_layer import RollingLayer, RollPlan, RollRule
+from kvlab.policy.quant.methods import Quantizer, Segment
+from kvlab.policy.quant.pack import tensor_bytes
 from kvlab.rope.fast import rotate_by
 
 
@@ -209,7 +209,7 @@ class CodedRollingLayer(RollingLayer):
         """The codes as the packed-code attention reads them, with the query turned by ``+frame``."""
         key = (len(self.segments), id(self.segments[0]), self.frame)
         if self._plan_key != key:
-            from kvlab.compress.quant.attention import segment_plan
+            from kvlab.policy.quant.attention import segment_plan
 
             plan = segment_plan(self.segments, path=self.packed_path)
             if plan is not None and self.frame and self.rope is not None:
@@ -255,7 +255,7 @@ class CodedRollingLayer(RollingLayer):
 def check_codec(text: Any, rope: Any, codec: Quantizer, *, window: int, chunk: int, packed_path: str) -> int:
     """Refuse a codec the rolling window cannot hold (before anything is built); returns the eviction
     chunk rounded up to whole blocks of codes."""
-    from kvlab.compress.quant.attention import PATHS
+    from kvlab.policy.quant.attention import PATHS
 
     if not isinstance(codec, Quantizer):
         raise BadInputError(f"codec must be a kvlab Quantizer, got {type(codec).__name__}")

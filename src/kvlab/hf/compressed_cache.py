@@ -1,7 +1,7 @@
 """A drop-in transformers ``Cache`` that quantizes or evicts as the model runs (transformers 5.x layer API).
 
 ``CompressedCache(config, quantizer=...)`` stores every layer as full-precision sinks, packed
-segments (any :class:`~kvlab.compress.quant.Quantizer`) and a full-precision recent tail; each
+segments (any :class:`~kvlab.policy.quant.Quantizer`) and a full-precision recent tail; each
 ``update`` returns the decoded history plus the new tokens, so attention runs on what the cache
 really holds. ``CompressedCache(config, policy=..., keep=0.5, model=model)`` lets the prefill attend
 to everything, then keeps ``keep`` of the slots per layer and head (or ``budget=`` slots); with
@@ -11,7 +11,7 @@ evicts back to the budget (kvpress's DecodingPress). Attention-scored policies s
 the tokens fed since the last eviction, captured by a read-only hook on each ``q_proj`` (removed
 after the prefill's eviction, or by :meth:`CompressedCache.close` with ``every``). With a per-token
 quantizer as well, eviction runs on full-precision (decoded) K/V and the survivors stay encoded:
-kept tokens' codes are gathered (:meth:`~kvlab.compress.quant.methods.TokenCode.gather`), never
+kept tokens' codes are gathered (:meth:`~kvlab.policy.quant.methods.TokenCode.gather`), never
 re-quantized, and a token is encoded once, when it leaves the full-precision tail.
 
 The layers (and the bookkeeping invariant: positions seen, slots held) are in
@@ -22,10 +22,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvlab.compress.evict.observe import attention_modules
-from kvlab.compress.evict.policies import Policy
-from kvlab.compress.evict.select import budget_slots
-from kvlab.compress.quant.methods import Quantizer
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.binding import bind_to_model
 from kvlab.hf.cache import head_dim_of, sliding_windows, text_config
@@ -33,6 +29,10 @@ from kvlab.hf.cache_steps import attends_plainly
 from kvlab.hf.compressed_layer import DECODE_BLOCK, CompressedLayer, CompressionRule
 from kvlab.hf.live_cache import LiveCache
 from kvlab.hf.ragged_layer import RaggedLayer
+from kvlab.policy.evict.observe import attention_modules
+from kvlab.policy.evict.policies import Policy
+from kvlab.policy.evict.select import budget_slots
+from kvlab.policy.quant.methods import Quantizer
 from kvlab.rope.spec import Rope, rope_for_layer, rope_spec_from_config
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class CompressedCache(LiveCache):
 
     A bound quantizing cache decodes one-token steps on its packed codes: ``packed_path="auto"`` reads
     them with the C kernel on the CPU and with torch ops on other devices (``"kernel"`` / ``"torch"``
-    force one; see :func:`kvlab.compress.quant.attention.packed_path`). ``packed_steps`` counts those
+    force one; see :func:`kvlab.policy.quant.attention.packed_path`). ``packed_steps`` counts those
     steps, ``packed_steps_by_path`` which path read them.
     """
 
@@ -90,7 +90,7 @@ class CompressedCache(LiveCache):
     ):
         _check_eviction(quantizer, policy, keep, budget, every)
         _check_shares(heads, layers, quantizer, policy, every, model)
-        from kvlab.compress.quant.attention import PATHS
+        from kvlab.policy.quant.attention import PATHS
 
         if packed_path not in PATHS:
             raise BadInputError(f"packed_path must be one of {', '.join(PATHS)}, got {packed_path!r}")
@@ -183,7 +183,7 @@ def _check_shares(
     model: PreTrainedModel | None,
 ) -> None:
     """Refuse shared budgets the live cache cannot honour, in one line, before anything is built."""
-    from kvlab.compress.evict.budgets import HEAD_SHARES, LAYER_SHARES
+    from kvlab.policy.evict.budgets import HEAD_SHARES, LAYER_SHARES
 
     if heads not in HEAD_SHARES or layers not in LAYER_SHARES:
         raise BadInputError(

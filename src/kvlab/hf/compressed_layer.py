@@ -20,14 +20,14 @@ from typing import Any, cast
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.compress.evict.policies import LayerView, Policy
-from kvlab.compress.evict.select import budget_slots, keep_indices
-from kvlab.compress.quant.methods import Quantizer, Segment, TokenCode, decode_between, split_plan
-from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
 from kvlab.hf.cache_steps import packed_step
 from kvlab.hf.live_cache import restore_vars
+from kvlab.policy.evict.policies import LayerView, Policy
+from kvlab.policy.evict.select import budget_slots, keep_indices
+from kvlab.policy.quant.methods import Quantizer, Segment, TokenCode, decode_between, split_plan
+from kvlab.policy.quant.pack import tensor_bytes
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import Rope, rope_for_layer
 
@@ -45,7 +45,7 @@ class CompressionRule:
     keep: float | None = None
     rope: Rope | None = None
     scaling: float = 1.0
-    packed_path: str = "auto"  # kvlab.compress.quant.attention.packed_path: kernel, torch or auto
+    packed_path: str = "auto"  # kvlab.policy.quant.attention.packed_path: kernel, torch or auto
     budget: int | None = None  # slots kept per layer and head (instead of the fraction keep)
     every: int | None = None  # evict back to the budget whenever budget + every slots are held
     heads: str = "uniform"  # "ada": the layer's budget shared by its KV heads (kvlab.hf.ragged_layer)
@@ -97,7 +97,7 @@ class CompressionRule:
         n = budget_slots(prefill, self.keep, self.budget)
         if self.layers != "pyramid" or self.policy is None:
             return n
-        from kvlab.compress.evict.budgets import pyramid_counts
+        from kvlab.policy.evict.budgets import pyramid_counts
 
         protected = min(prefill, self.policy.sinks + self.policy.window)
         return pyramid_counts(self.num_layers, prefill, n, protected=protected)[layer]
@@ -132,7 +132,7 @@ class CompressedLayer(DynamicLayer):
         self.evictions = 0
         self.most_held = 0  # the most slots an attention of this layer has read (held + the new tokens)
         self.evicted = False
-        self._plan: Any = None  # kvlab.compress.quant.attention.SegmentPlan of self.segments, or None
+        self._plan: Any = None  # kvlab.policy.quant.attention.SegmentPlan of self.segments, or None
         self._plan_of: tuple[int, int] = (-1, 0)
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -280,10 +280,10 @@ class CompressedLayer(DynamicLayer):
 
     def segment_plan(self) -> Any:
         """The packed segments as the decode kernel reads them (rebuilt when a segment is added), or
-        None when they need the reference path (see :func:`kvlab.compress.quant.attention.segment_plan`)."""
+        None when they need the reference path (see :func:`kvlab.policy.quant.attention.segment_plan`)."""
         key = (len(self.segments), id(self.segments[-1]) if self.segments else 0)
         if self._plan_of != key:
-            from kvlab.compress.quant.attention import segment_plan
+            from kvlab.policy.quant.attention import segment_plan
 
             self._plan, self._plan_of = segment_plan(self.segments, path=self.rule.packed_path), key
         return self._plan

@@ -30,13 +30,13 @@ from typing import Any, Literal
 import torch
 from transformers import AttentionInterface
 
-from kvlab.compress.quant.codecs.int4rows import decode_rows
 from kvlab.errors import BadInputError
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.hf.runner import Runner
 from kvlab.hf.static_rolling import StaticRollingCache
 from kvlab.hf.step import grouped_sdpa
 from kvlab.kernels import split_attention
+from kvlab.policy.quant.codecs.int4rows import decode_rows
 
 Mode = Literal["auto", "eager", "compile", "cuda-graph"]
 MODES = ("auto", "eager", "compile", "cuda-graph")

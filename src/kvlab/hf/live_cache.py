@@ -47,9 +47,9 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import text_config
+from kvlab.policy.quant.pack import tensor_bytes
 
 
 class Bytes(int):
@@ -150,7 +150,7 @@ class LiveCache(Cache):
         values ``[1, Hkv, n, D]`` and their original positions ``[1, Hkv, n]`` (strictly increasing per head, in
         ``[0, seen)``), as if it had fed those tokens and evicted the rest itself. A cache that keeps every
         slot, or that cannot hold that many, refuses before anything changes. The server starts a conversation
-        from a shared compressed prefix with it (:meth:`~kvlab.compress.layouts.Layout.compress_prefix`)."""
+        from a shared compressed prefix with it (:meth:`~kvlab.policy.layouts.Layout.compress_prefix`)."""
         if not self.empty:
             raise BadInputError(f"seed_kept() needs an empty {type(self).__name__}")
         if len(layers) != len(self.layers) or not hasattr(self.layers[0], "seed_kept"):

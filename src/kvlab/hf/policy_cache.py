@@ -1,5 +1,5 @@
-"""The live cache a :class:`~kvlab.compress.spec.CachePolicy` names: one constructor for every spec, which
-asks the policy's layout (:mod:`kvlab.compress.layouts`) to build it.
+"""The live cache a :class:`~kvlab.policy.spec.CachePolicy` names: one constructor for every spec, which
+asks the policy's layout (:mod:`kvlab.policy.layouts`) to build it.
 
 ``cache_for(parse("sinks=4,window=2048,codec=kivi4"), model)`` returns a cache ready for
 ``model.generate(..., cache=...)``, kvlab's own loop or the server, bound to its model (each layout's file
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvlab.compress.spec import CachePolicy, parse
 from kvlab.errors import BadInputError
+from kvlab.policy.spec import CachePolicy, parse
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-    from kvlab.compress.quant import Quantizer
     from kvlab.hf.runner import Runner
+    from kvlab.policy.quant import Quantizer
 
 
 def model_parts(
@@ -54,7 +54,7 @@ def cache_for(
 ) -> Any:
     """A new, empty live cache running ``policy`` (a :class:`CachePolicy` or its spec string) for
     ``handle`` (a :class:`~kvlab.model.ModelHandle`, read as a :class:`~kvlab.hf.runner.Runner`, or a Hugging
-    Face causal LM), bound to the model: its layout builds it (:meth:`~kvlab.compress.layouts.Layout.cache`;
+    Face causal LM), bound to the model: its layout builds it (:meth:`~kvlab.policy.layouts.Layout.cache`;
     ``pinned`` first tokens stay where the layout rolls a window)."""
     if isinstance(policy, str):
         policy = parse(policy)

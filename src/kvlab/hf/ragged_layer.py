@@ -1,10 +1,10 @@
 """Per-head (AdaKV) budgets in a live cache, stored ragged: each KV head holds only its own kept slots.
 
 Invariant: after its prefill a layer of ``CompressedCache(..., heads="ada")`` holds, per KV head ``h``,
-exactly the slots :func:`kvlab.compress.evict.budgets.ada_indices` keeps for that head (the layer's
+exactly the slots :func:`kvlab.policy.evict.budgets.ada_indices` keeps for that head (the layer's
 budget over all its heads together), as ``[B, n_h, D]`` keys and values at their original positions,
 plus every token fed since; a forward over it equals one over the masked snapshot of the same slots
-(:meth:`~kvlab.compress.evict.budgets.RaggedCache.masked`, tested). Nothing pruned is kept, unlike
+(:meth:`~kvlab.policy.evict.budgets.RaggedCache.masked`, tested). Nothing pruned is kept, unlike
 kvpress's ``AdaKVPress`` (which masks pruned keys and keeps them all).
 
 Data: per layer and KV head a keys, values and positions tensor of its own length. Operations: the
@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from kvlab.compress.evict.budgets import ada_indices
-from kvlab.compress.evict.policies import LayerView
-from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
 from kvlab.hf.cache_steps import RaggedStep
 from kvlab.hf.compressed_layer import CompressedLayer
 from kvlab.hf.step import current
+from kvlab.policy.evict.budgets import ada_indices
+from kvlab.policy.evict.policies import LayerView
+from kvlab.policy.quant.pack import tensor_bytes
 
 
 class RaggedLayer(CompressedLayer):

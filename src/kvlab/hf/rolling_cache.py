@@ -75,11 +75,11 @@ class RollingCache(LiveCache):
             ``window - evict_chunk + 1`` to ``window`` tokens.
         max_position: largest RoPE position allowed + 1 (default: the config's maximum).
         rebase: ``"auto"`` | ``"always"`` | ``"never"`` (see the module docstring).
-        codec: a :class:`~kvlab.compress.quant.Quantizer`: the window is stored as its packed codes
+        codec: a :class:`~kvlab.policy.quant.Quantizer`: the window is stored as its packed codes
             (:mod:`kvlab.hf.coded_rolling`; its ``window`` is the full-precision tail); the eviction chunk
             is rounded up to whole blocks of codes. Full-attention models only.
         packed_path: how a bound cache's one-token steps read the codes (``"auto"``, ``"kernel"``,
-            ``"torch"``: :func:`kvlab.compress.quant.attention.packed_path`).
+            ``"torch"``: :func:`kvlab.policy.quant.attention.packed_path`).
     """
 
     # Only RollingLayers, typed as ours: transformers' Cache types the (invariant) list as any of its own

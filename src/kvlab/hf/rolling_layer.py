@@ -45,9 +45,9 @@ from typing import Any, Literal, cast
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError
 from kvlab.hf.cache import PADDED_BATCH, GrowingStore, rows_at_different_positions
+from kvlab.policy.quant.pack import tensor_bytes
 from kvlab.policy.window import SinksWindow
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import Rope

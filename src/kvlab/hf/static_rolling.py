@@ -14,7 +14,7 @@ the same relative positions — with a storage built for capture:
 * **Storage**: per layer, keys and values ``[batch, kv_heads, capacity, head_dim]`` allocated once,
   ``capacity = sinks + window + evict_chunk``: slots ``[0, sinks)`` hold the sinks, the rest is the
   ring (the window plus room for one feed of up to ``evict_chunk`` tokens). With ``codec="int4"``
-  they are rows of the registered codec ``int4rows`` (:mod:`kvlab.compress.quant.codecs.int4rows`:
+  they are rows of the registered codec ``int4rows`` (:mod:`kvlab.policy.quant.codecs.int4rows`:
   4-bit codes with an fp16 scale and minimum per group of ``group`` channels, 0.31x the bytes at
   head_dim 128), written as each token arrives and decoded inside the step.
 * **A step** (what a graph captures) reads only device tensors: the feed's slot indices
@@ -45,21 +45,21 @@ from typing import Any, Literal, cast
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvlab.compress.quant.codecs.int4rows import Int4RowsQuantizer, decode_rows
-from kvlab.compress.quant.methods import make_quantizer
-from kvlab.compress.quant.pack import tensor_bytes
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import head_dim_of, sliding_windows, text_config
 from kvlab.hf.live_cache import Bytes, LiveCache
 from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, RollRule, roll_rule
 from kvlab.hf.runner import Runner
 from kvlab.kernels import split_attention
+from kvlab.policy.quant.codecs.int4rows import Int4RowsQuantizer, decode_rows
+from kvlab.policy.quant.methods import make_quantizer
+from kvlab.policy.quant.pack import tensor_bytes
 from kvlab.rope.fast import rotate_by, rotate_by_
 from kvlab.rope.spec import RopeSpec
 
 EMPTY = 1 << 62  # slot_pos of a slot that holds nothing: no query position reaches it
 Codec = Literal["none", "int4"]
-#: the ring's codec names and the registered codecs they resolve to (:mod:`kvlab.compress.quant.codecs`)
+#: the ring's codec names and the registered codecs they resolve to (:mod:`kvlab.policy.quant.codecs`)
 RING_CODECS = {"int4": "int4rows"}
 
 
@@ -205,7 +205,7 @@ class StaticRollingCache(LiveCache):
         batch: rows fed in lockstep (same positions).
         dtype, device: of the model's K/V (``static_rolling_cache_for`` reads them off the model).
         codec: ``"none"`` (the model's dtype) or ``"int4"``: the registered codec ``int4rows``
-            (:mod:`kvlab.compress.quant.codecs.int4rows`: 4-bit codes, fp16 scale and minimum per ``group`` channels).
+            (:mod:`kvlab.policy.quant.codecs.int4rows`: 4-bit codes, fp16 scale and minimum per ``group`` channels).
 
     One feed holds at most ``evict_chunk`` tokens (the ring's spare room); longer prompts are fed in
     pieces or through a :class:`RollingCache` first (:meth:`load`). Not thread-safe.
@@ -312,7 +312,7 @@ class StaticRollingCache(LiveCache):
     def packed_reads(self, fused_writes: bool = False) -> Iterator[None]:
         """Inside, an ``int4`` cache's layers return their packed rows instead of decoding every slot:
         for an attention that reads the codes itself (:mod:`kvlab.kernels.split_attention`) or decodes
-        them (:func:`~kvlab.compress.quant.codecs.int4rows.decode_rows`). :class:`~kvlab.hf.graphs.RollingDecoder` runs its steps inside.
+        them (:func:`~kvlab.policy.quant.codecs.int4rows.decode_rows`). :class:`~kvlab.hf.graphs.RollingDecoder` runs its steps inside.
         ``fused_writes``: new rows are encoded by :func:`~kvlab.kernels.split_attention.write_int4`
         (the same bytes in one kernel; Triton prepared, a power-of-two group, not under torch.compile)."""
         before = self.packed, self.fused_writes

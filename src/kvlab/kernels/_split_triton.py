@@ -15,7 +15,7 @@ def load_rows(
 ):  # fmt: skip
     """``[BLOCK_N, BLOCK_D]`` keys or values of slots ``cols``: read as stored, or (``INT4``) decoded from
     their 4-bit codes (element ``2i`` in the low nibble of byte ``i``) times the fp16 scale plus the fp16
-    minimum of each ``GROUP`` channels, in fp32 as :func:`kvlab.compress.quant.codecs.int4rows.decode_rows` does.
+    minimum of each ``GROUP`` channels, in fp32 as :func:`kvlab.policy.quant.codecs.int4rows.decode_rows` does.
 
     int4 columns come permuted: column ``j`` holds channel ``feat[j]`` (the even channels, then the odd
     ones), so each half is one contiguous run of bytes; the caller permutes the queries and the output
@@ -189,7 +189,7 @@ def encode_kernel(
 ):  # fmt: skip
     """Token ``program_id(0)`` of row ``program_id(1)`` (batch x head) of ``X [B, H, n, D]`` as int4 codes,
     fp16 scale and fp16 minimum per ``GROUP`` channels, written at slot ``INDEX[t]``: the arithmetic of
-    :func:`kvlab.compress.quant.codecs.int4rows.encode4` step for step (IEEE division, round half to even; launched
+    :func:`kvlab.policy.quant.codecs.int4rows.encode4` step for step (IEEE division, round half to even; launched
     with fp fusion off, so no multiply-add is contracted), hence the same bytes."""
     t = tl.program_id(0)
     bh = tl.program_id(1)

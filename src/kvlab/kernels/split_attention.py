@@ -199,7 +199,7 @@ def can_write_int4(group: int) -> bool:
 
 def write_int4(packed: torch.Tensor, index: torch.Tensor, x: torch.Tensor, group: int) -> None:
     """Encode ``x [B, H, n, D]`` into the int4 rows (:func:`int4_rows`) of ``packed [B, H, C, row]`` at the
-    ``[n]`` slots ``index``, in one kernel, byte for byte as :func:`kvlab.compress.quant.codecs.int4rows.pack_rows` writes
+    ``[n]`` slots ``index``, in one kernel, byte for byte as :func:`kvlab.policy.quant.codecs.int4rows.pack_rows` writes
     them (the torch version is ~20 small kernels per call). In place; ``x`` may be any float dtype."""
     b, h, n, d = x.shape
     codes, scales, lows = int4_rows(packed, d)

@@ -203,7 +203,7 @@ def _train(
 
 def quantized_derivative(base: ModelHandle) -> ModelHandle:
     """A copy of ``base`` whose decoder layers' linear weights are rounded to :data:`QUANT_BITS`-bit symmetric
-    codes in groups of :data:`QUANT_GROUP` along each row (:func:`kvlab.compress.quant.scalar.quantize`, round to
+    codes in groups of :data:`QUANT_GROUP` along each row (:func:`kvlab.policy.quant.scalar.quantize`, round to
     nearest, one fp16 scale per group), then de-quantized back to ``base``'s dtype.
 
     Deterministic and quick (no training, nothing saved); embeddings, norms and the tied output head
@@ -211,7 +211,7 @@ def quantized_derivative(base: ModelHandle) -> ModelHandle:
     """
     import copy
 
-    from kvlab.compress.quant.scalar import quantize
+    from kvlab.policy.quant.scalar import quantize
 
     model = copy.deepcopy(base.model)
     with torch.no_grad():

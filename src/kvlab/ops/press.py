@@ -6,7 +6,7 @@ context through a :class:`~kvlab.hf.compressed_cache.CompressedCache` that evict
 forward (so the question never influences what is kept, as in kvpress), then feeds the question and
 answers from the compressed cache with kvlab's one decode loop. ``compression_ratio`` is the fraction
 *removed* (kvpress's convention); kvlab's ``keep`` is one minus it. Any registered eviction policy
-works (``kvlab.compress.evict.POLICIES``: streaming_llm, h2o, snapkv, tova, knorm, learned, ...).
+works (``kvlab.policy.evict.POLICIES``: streaming_llm, h2o, snapkv, tova, knorm, learned, ...).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.compress.evict import make_policy
-from kvlab.compress.evict.policies import Policy
 from kvlab.errors import BadInputError
 from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.loop import GREEDY, Sampling, decode_loop
 from kvlab.model.handle import ModelLike, as_handle
+from kvlab.policy.evict import make_policy
+from kvlab.policy.evict.policies import Policy
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ StreamingLLM's layout (Xiao et al. 2023): the first ``sinks`` slots stay forever
 ``window`` slots; everything between is dropped. Every place kvlab keeps sinks + a window uses
 :class:`SinksWindow`: the offline roll of a snapshot (:func:`kvlab.ops.suffix.roll`,
 :func:`kvlab.ops.transfer.drop_prefix`), the online :class:`~kvlab.hf.RollingCache` (how much to
-evict), the eviction policies' protected slots (:func:`kvlab.compress.evict.keep_indices`) and the
-quantizers' full-precision sinks and recent tail (:func:`kvlab.compress.quant.split_plan`).
+evict), the eviction policies' protected slots (:func:`kvlab.policy.evict.keep_indices`) and the
+quantizers' full-precision sinks and recent tail (:func:`kvlab.policy.quant.split_plan`).
 
 Invariants: the kept slots are ``[0, sink_end)`` then ``[window_start, T)``, in order, with
 ``sink_end = min(sinks, T)`` and ``window_start = max(sink_end, T - window)``; nothing is kept twice;

@@ -20,7 +20,7 @@ Where a prompt's cache comes from, in order:
 
 Prompts and replies beyond the window **roll** (attention sinks + window, exact RoPE re-rotation)
 instead of failing. With a cache spec (``EngineSettings.cache``, ``kvlab serve --cache``, a spec of
-:mod:`kvlab.compress.spec`) every session runs that policy's live cache (:func:`kvlab.hf.policy_cache.cache_for`):
+:mod:`kvlab.policy.spec`) every session runs that policy's live cache (:func:`kvlab.hf.policy_cache.cache_for`):
 
 * a sinks + window layout, e.g. ``sinks=4,window=2048,codec=kivi4``: the window stored as that codec's packed
   codes (:mod:`kvlab.hf.coded_rolling`). The system prompt is pinned: it is part of the cache's sinks,
@@ -40,7 +40,7 @@ instead of failing. With a cache spec (``EngineSettings.cache``, ``kvlab serve -
   layout (each new part in one forward, nothing pinned, no store). Its cache grows with the conversation, but
   its slots, like a scored layout's, keep their original positions: a request whose conversation would pass
   the model's position limit is refused (:func:`check_request_fits`), which bounds the cache
-  (:meth:`~kvlab.compress.layouts.Layout.held_at_most`).
+  (:meth:`~kvlab.policy.layouts.Layout.held_at_most`).
 
 ``rolls`` in each response's ``kvlab`` field counts the times a conversation's cache dropped tokens: a roll
 of the window, or an eviction back to the budget.
@@ -62,14 +62,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvlab.cache import KVSnapshot
-from kvlab.compress.spec import CachePolicy, SinksWindowLayout
-from kvlab.compress.spec import parse as parse_cache_spec
 from kvlab.errors import BadInputError, KvlabError
 from kvlab.hf.batch import step_rolling_rows_isolated
 from kvlab.hf.live_cache import LiveCache
 from kvlab.hf.policy_cache import cache_for
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.loop import Sampling
+from kvlab.policy.spec import CachePolicy, SinksWindowLayout
+from kvlab.policy.spec import parse as parse_cache_spec
 from kvlab.policy.window import default_chunk
 from kvlab.serve.fidelity import FidelityBoard, ScoringJob, skipped
 from kvlab.serve.policy import serve_policy
@@ -102,7 +102,7 @@ class EngineSettings:
     max_work_per_key: int | None = None
     max_sessions: int = 64  # idle conversations kept for reuse (least recently used dropped)
     prefill_chunk: int = 256  # prompt tokens computed per worker iteration, between two decode steps
-    # a cache spec (kvlab.compress.spec) its layout lets the server run (serve_policy); it replaces window,
+    # a cache spec (kvlab.policy.spec) its layout lets the server run (serve_policy); it replaces window,
     # sinks and evict_chunk, which then say its window where it rolls one (the status page shows them)
     cache: str | None = None
     # fidelity per response (kvlab.serve.fidelity): the share of responses scored against the exact full cache,

@@ -24,7 +24,7 @@ _KL = (1e-6, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)  # nats
 _SHARE = (0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0)
 
 if TYPE_CHECKING:
-    from kvlab.compress.spec import CachePolicy
+    from kvlab.policy.spec import CachePolicy
 
 
 class Metrics:

@@ -4,7 +4,7 @@ A served conversation under a scored layout (``h2o,budget=1024,every=64``) would
 prompt, so two conversations with the same system prompt and different questions keep different slots of it
 and nothing can be shared. Instead the system prompt (the request's pinned tokens) is compressed **alone**, by
 the layout's prefix score (``prefix=kvzip``: KVzip's reconstruction pass; default the layout's own score), as
-the eval compresses a context (:meth:`~kvlab.compress.layouts.Layout.compress_prefix`). The result depends on
+the eval compresses a context (:meth:`~kvlab.policy.layouts.Layout.compress_prefix`). The result depends on
 the prefix and the policy only, so it is stored under both (:class:`~kvlab.store.compressed.CompressedPrefixes`:
 a namespace of its own, salted per tenant, checked on every read, never returned as an exact prefix) and every
 conversation that shares it, in any process on the same store, starts from it
@@ -22,9 +22,9 @@ from kvlab.store.compressed import CompressedPrefix, CompressedPrefixes
 from kvlab.store.errors import StoreError
 
 if TYPE_CHECKING:
-    from kvlab.compress.spec import CachePolicy
     from kvlab.hf.live_cache import LiveCache
     from kvlab.model.handle import ModelHandle
+    from kvlab.policy.spec import CachePolicy
     from kvlab.store.keys import Namespace
     from kvlab.store.store import KVStore
 

@@ -64,11 +64,11 @@ METHODS: dict[str, StreamMethod] = {
 
 
 def policy_method(spec: str) -> str:
-    """The streaming method scoring cache policy ``spec`` (:func:`kvlab.compress.spec.parse`), registered
+    """The streaming method scoring cache policy ``spec`` (:func:`kvlab.policy.spec.parse`), registered
     in :data:`METHODS` under its canonical spec (the name to pass to :func:`stream_nll`). Sinks + a window
     in full precision is scored by the masked single pass where that is exact (the rolling methods' path);
     a codec or a scored layout by feeding the live cache :func:`kvlab.hf.policy_cache.cache_for` builds."""
-    from kvlab.compress.spec import parse
+    from kvlab.policy.spec import parse
 
     policy = parse(spec)
     if policy.spec not in METHODS or METHODS[policy.spec].kind == "policy":

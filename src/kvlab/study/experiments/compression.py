@@ -16,18 +16,18 @@ import numpy as np
 import torch
 
 from kvlab.cache.snapshot import KVSnapshot
-from kvlab.compress.evict import POLICIES, Observation, evict, kept_per_head, make_policy, observe, repack
-from kvlab.compress.evict.learned import DEFAULT_WEIGHTS
-from kvlab.compress.evict.select import budget_slots
-from kvlab.compress.measure import continuation_quality, distortion, reference, time_decode_ms
-from kvlab.compress.quant import make_quantizer, quantize_snapshot
-from kvlab.compress.quant.methods import QUANTIZERS, quantizer_names
-from kvlab.compress.quant.scalar import check_bits
 from kvlab.data import Text, default_long_text, python_docs, read_text_file, token_samples
 from kvlab.errors import BadInputError
 from kvlab.metrics import bootstrap_ci, bootstrap_curve
 from kvlab.metrics.divergence import divergence_summary
 from kvlab.metrics.stats import MIN_SAMPLES
+from kvlab.policy.evict import POLICIES, Observation, evict, kept_per_head, make_policy, observe, repack
+from kvlab.policy.evict.learned import DEFAULT_WEIGHTS
+from kvlab.policy.evict.select import budget_slots
+from kvlab.policy.measure import continuation_quality, distortion, reference, time_decode_ms
+from kvlab.policy.quant import make_quantizer, quantize_snapshot
+from kvlab.policy.quant.methods import QUANTIZERS, quantizer_names
+from kvlab.policy.quant.scalar import check_bits
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num
@@ -35,7 +35,7 @@ from kvlab.study.report.plots import style, subplots
 
 
 def _quant_methods() -> dict[str, tuple[str, dict]]:
-    """label -> (codec, options): every registered codec (:data:`~kvlab.compress.quant.methods.QUANTIZERS`,
+    """label -> (codec, options): every registered codec (:data:`~kvlab.policy.quant.methods.QUANTIZERS`,
     plus ``rotation+qjl``), alone and as ``+sinks`` (the first 4 slots kept in full precision)."""
     out: dict[str, tuple[str, dict]] = {}
     for name in quantizer_names():

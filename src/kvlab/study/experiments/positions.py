@@ -31,7 +31,7 @@ METRICS = (("kld", "KL", False), ("score", "accuracy", True), ("top1", "top-1", 
 
 def settings(ctx: ExperimentContext, opts: dict[str, Any]) -> dict[str, Any]:
     """Scores, ratios, lengths, tasks and trials: the profile's, or as given."""
-    from kvlab.compress.catalogue import SCORES
+    from kvlab.policy.catalogue import SCORES
 
     s = {
         "scores": opts.get("scores") or ctx.pick(["snapkv"], list(SCORES)),

@@ -17,7 +17,7 @@ from kvlab.errors import BadInputError
 from kvlab.metrics.similarity import compare_caches, normalise_against_baseline
 from kvlab.metrics.stats import bootstrap_ci
 from kvlab.ops.perturb import align_positions, align_roll, align_tokens, align_truncate, scramble_tokens
-from kvlab.policy import roll_amount
+from kvlab.policy.window import roll_amount
 from kvlab.study.experiments import _rolling as R
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Progress, Table
 from kvlab.study.report.format import format_interval, format_number, iv, num

@@ -34,7 +34,7 @@ from kvlab.metrics import (
 from kvlab.metrics.divergence import compare_logits
 from kvlab.metrics.stats import MIN_SAMPLES, Interval
 from kvlab.ops.suffix import recompute_first, recompute_most_deviant, roll, rolled_ids
-from kvlab.policy import roll_amount
+from kvlab.policy.window import roll_amount
 from kvlab.study.experiments._sampling import seeded_text
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_range, iv, says

@@ -1,1 +1,0 @@
-"""One module per added eviction policy; each is imported (and so registered) with ``kvlab.compress.evict``."""

@@ -1,0 +1,1 @@
+"""One module per added eviction policy; each is imported (and so registered) with ``kvlab.policy.evict``."""
