@@ -53,6 +53,7 @@ def test_inspect_config_llama70b_has_crossover(capsys, tmp_path):
         (["inspect", "--prompt", "   "], "empty"),
         (["inspect", "--config", "PLACEHOLDER", "--dtype", "float7"], "unknown dtype"),
         (["study", "--only", "no-such-experiment"], "unknown experiment"),
+        (["study", "--only", "kv_swap,no-such-experiment"], "unknown experiment(s) no-such-experiment;"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, args, message):
@@ -61,6 +62,13 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, args, message):
     assert code == 2
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_only_takes_names_repeated_or_comma_separated():
+    from kvlab.cli.study import _only_names
+
+    assert _only_names(["kv_swap,store_reuse", " inspect "]) == ["kv_swap", "store_reuse", "inspect"]
+    assert _only_names(None) is None and _only_names([]) == []
 
 
 @pytest.mark.process

@@ -22,13 +22,19 @@ from kvlab.cli.common import (
 )
 
 
+def _only_names(value: list[str] | None) -> list[str] | None:
+    """``--only``'s names, each option split at commas (``--only kv_swap,store_reuse``), checked before any work."""
+    names = [n.strip() for v in value for n in v.split(",")] if value else value
+    return checked("kvlab.study.experiments", "check_study_names")(names)
+
+
 def study_cmd(
     run: RunOptions = RunOptions(),
     only: Annotated[
         list[str] | None,
         typer.Option(
-            callback=checked("kvlab.study.experiments", "check_study_names"),
-            help="Run only these experiments (repeatable).",
+            callback=_only_names,
+            help="Run only these experiments (repeatable, or comma-separated).",
         ),
     ] = None,
     workers: Annotated[
