@@ -21,6 +21,7 @@ import pytest
 pytestmark = pytest.mark.process
 
 HEAVY = ("torch", "transformers")
+CALIBRATION = str(Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ruler_calibration.json")
 #: runs ``kvlab.cli.main(argv)`` and writes which heavy modules it imported to the file named first
 CHILD = f"""
 import json, sys
@@ -103,6 +104,12 @@ REFUSALS = [
     (["serve", "--cache", "int4"], "kvlab serve runs sinks + window caches"),
     (["serve", "--cache", "sinks=4,window=256", "--window", "64"], "drop --window"),
     (["study", "--only", "rol_sweep"], "unknown experiment(s) rol_sweep"),
+    (["study", "--only", "kv_swap,rol_sweep"], "unknown experiment(s) rol_sweep"),
+    (["eval", "ruler", "--calibration", "/no/such/calibration.json"], "cannot read it"),
+    (
+        ["eval", "ruler", "--calibration", CALIBRATION, "--lengths", "2048"],
+        "no entry for niah_single at 2048 tokens",
+    ),
     (["compress", "--method", "kivi+sink"], "unknown quantizer(s) 'kivi+sink'"),
     (["compress", "--policy", "snap"], "unknown policy(ies) 'snap'"),
     (["store", "gc", "--max-bytes", "lots"], "cannot read a size"),

@@ -239,7 +239,7 @@ def _calibrated(path: Path, tasks: list[str], lengths: list[int], trials: int, s
     """``--calibration``'s part of the settings: each task's knobs per length (``task@length``) and the pairs
     the calibration left apart; refused when it lacks a pair or its trials' seeds are the run's."""
     from kvlab.eval.calibrate import Calibration
-    from kvlab.eval.run import trial_seed
+    from kvlab.eval.tasks import trial_seed
 
     cal = Calibration.read(path)
     cal.check_seeds([trial_seed(seed, i) for i in range(trials)])

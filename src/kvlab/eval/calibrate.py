@@ -8,7 +8,7 @@ the setting whose accuracy lies in the band ``[0.6, 0.95]`` (:data:`BAND`), the 
 it on its own and leaves it out of the pooled figure.
 
 * **Seeds.** Calibration trials use seeds ``-1, -2, ...`` (:func:`calibration_seed`); an eval's trials
-  use ``trial_seed(seed, i) = seed * 100003 + i`` with ``seed, i >= 0`` (:func:`kvlab.eval.run.trial_seed`),
+  use ``trial_seed(seed, i) = seed * 100003 + i`` with ``seed, i >= 0`` (:func:`kvlab.eval.tasks.trial_seed`),
   never negative, so no calibration trial is ever an evaluation trial (:func:`check_disjoint`). Every
   setting of a ladder runs on the same calibration seeds.
 * **The walk.** A bisection over the ladder, assuming each rung is harder than the one before: it starts

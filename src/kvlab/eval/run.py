@@ -40,6 +40,7 @@ from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.e
     parse_cache_specs,
     parse_ratios,
 )
+from kvlab.eval.tasks import trial_seed
 from kvlab.policy.layouts.base import context
 
 if TYPE_CHECKING:
@@ -228,11 +229,6 @@ def _measures(trial: Any, text: str, full: torch.Tensor, logits: torch.Tensor, n
         "top1_answer": div_answer.top1,
         "compared_tokens": div.n,
     }
-
-
-def trial_seed(seed: int, index: int) -> int:
-    """The seed of trial ``index`` of a run seeded ``seed`` (trials of one run differ; runs repeat)."""
-    return int(seed) * 100_003 + int(index)
 
 
 def run_suite(

@@ -134,6 +134,11 @@ def encoder(tokenizer_or_handle: Any) -> Encode:
     return lambda text: list(tok.encode(text, add_special_tokens=False))
 
 
+def trial_seed(seed: int, index: int) -> int:
+    """The seed of trial ``index`` of a run seeded ``seed`` (trials of one run differ; runs repeat)."""
+    return int(seed) * 100_003 + int(index)
+
+
 def make_trial(
     name: str,
     tokenizer_or_handle: Any,
