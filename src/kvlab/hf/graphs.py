@@ -124,7 +124,9 @@ class RollingDecoder:
         self.mode, self.cache = mode, cache
         # split-KV attention (Triton) where it runs, else SDPA over the grouped layout; chosen once,
         # here, so nothing inside a captured or compiled step imports or queries the device
-        self.attention = SPLIT_ATTENTION if split_attention.prepare(cache.device) else GROUPED_ATTENTION
+        # (the split kernel reads one slot_pos for every row: rows not in lockstep, RingRows, attend by SDPA)
+        split = cache.slot_pos.ndim == 1 and split_attention.prepare(cache.device)
+        self.attention = SPLIT_ATTENTION if split else GROUPED_ATTENTION
         self._ids: dict[int, torch.Tensor] = {}
         self._pos: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

@@ -109,6 +109,9 @@ class RingLayer(CacheLayerMixin):
                 continue
             if o.coder and o.fused_writes:  # one Triton kernel, the same bytes as the codec's pack
                 split_attention.write_int4(buf, index, t, o.group)
+            elif index.ndim == 2:  # a slot per row ([batch, n]: rows not in lockstep, kvlab.hf.ring_rows)
+                at = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[-1])
+                buf.scatter_(2, at, o.stored(t))
             else:
                 buf.index_copy_(2, index, o.stored(t))
 
@@ -206,6 +209,10 @@ class StaticRollingCache(LiveCache):
         dtype, device: of the model's K/V (``static_rolling_cache_for`` reads them off the model).
         codec: ``"none"`` (the model's dtype) or ``"int4"``: the registered codec ``int4rows``
             (:mod:`kvlab.policy.quant.codecs.int4rows`: 4-bit codes, fp16 scale and minimum per ``group`` channels).
+        capacity: slots per row (default and least: ``sinks + window + evict_chunk``).
+        views: ``(storage, slot_pos)`` to hold the state in instead of buffers of its own: views of one row of
+            a :class:`~kvlab.hf.ring_rows.RingRows` (``storage["keys"|"values"]`` ``[layers, 1, heads,
+            capacity, head_dim]``, ``slot_pos`` ``[capacity]``), written in place.
 
     One feed holds at most ``evict_chunk`` tokens (the ring's spare room); longer prompts are fed in
     pieces or through a :class:`RollingCache` first (:meth:`load`). Not thread-safe.
@@ -224,6 +231,8 @@ class StaticRollingCache(LiveCache):
         device: torch.device | str = "cpu",
         codec: Codec = "none",
         group: int = 32,
+        capacity: int | None = None,
+        views: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         text = text_config(config)
         self.rule, rope, evict_chunk = rule, rule.rope, rule.evict_chunk
@@ -245,16 +254,18 @@ class StaticRollingCache(LiveCache):
             raise BadInputError(f"batch must be >= 1, got {batch}")
         self.dtype, self.device = dtype, torch.device(device)
         self.codec, self.group, self.batch = codec, int(group), int(batch)
-        self.capacity = sinks + window + evict_chunk
+        self.capacity = max(sinks + window + evict_chunk, int(capacity or 0))
         self.ring = window + evict_chunk
-        self.slot_pos = torch.full((self.capacity,), EMPTY, dtype=torch.long, device=self.device)
+        self.slot_pos = (
+            views[1] if views else torch.full((self.capacity,), EMPTY, dtype=torch.long, device=self.device)
+        )
         self._write_index: dict[int, torch.Tensor] = {}
         n_layers, self.head_dim = int(text.num_hidden_layers), head_dim
         # one buffer per K and V for every layer (each layer holds views): a roll places every layer's
         # sinks, and a re-base rotates every layer's keys, in a few kernels rather than a few per layer
         row = self.coder.row_bytes(head_dim) if self.coder else head_dim
         kind = torch.uint8 if self.coder else dtype
-        self.storage = {
+        self.storage = views[0] if views else {
             name: torch.zeros(
                 (n_layers, self.batch, heads, self.capacity, row), dtype=kind, device=self.device
             )
@@ -294,8 +305,10 @@ class StaticRollingCache(LiveCache):
 
     def attention_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``[batch, 1, n, capacity]`` additive mask for queries at ``positions [batch, n]``: 0 where a
-        slot's position is at most the query's, the dtype's minimum elsewhere (empty slots included)."""
-        visible = self.slot_pos[None, None, None, :] <= positions[:, None, :, None]
+        slot's position is at most the query's, the dtype's minimum elsewhere (empty slots included).
+        ``slot_pos`` is ``[capacity]`` (rows in lockstep) or ``[batch, capacity]`` (a row each)."""
+        slot_pos = self.slot_pos if self.slot_pos.ndim == 2 else self.slot_pos[None]
+        visible = slot_pos[:, None, None, :] <= positions[:, None, :, None]
         zero = torch.zeros((), dtype=dtype, device=self.device)
         return torch.where(visible, zero, torch.finfo(dtype).min)
 
@@ -489,9 +502,36 @@ class StaticRollingCache(LiveCache):
         self.slot_pos.index_copy_(0, index, torch.arange(start, start + kept, device=dev))
         self.next_position, self.slots, self.sinks_held = cache.next_position, kept, s
         self.tail, self.seen = 0, cache.tokens_seen
-        self.rolls, self.rebases = cache.rolls, cache.rebases
+        # visible() applied its pending roll: counted here, as its next update would have counted it
+        self.rolls, self.rebases = cache.rolls + (cache.plan.drop > 0), cache.rebases + (cache.plan.rebase != 0)
         self.plan = self.rule.next_plan(start, kept, True)
         return self
+
+    def store_into(self, cache: RollingCache) -> RollingCache:
+        """Write this cache's state into ``cache`` (an eager :class:`RollingCache` with the same rule, its
+        state replaced): the same slots in position order, the same counts and the same pending roll, so
+        feeding it continues exactly where this cache stands (the inverse of :meth:`load`). One row only.
+        Returns ``cache``; this cache is not modified."""
+        if cache.rule != self.rule or self.batch != 1 or self.coder or len(cache.layers) != len(self.layers):
+            raise BadInputError(
+                f"store_into() needs one full-precision row and the same rule: {self.describe()} into {cache.describe()}"
+            )
+        if not self.seen:
+            raise BadInputError("store_into() needs a StaticRollingCache that has been fed")
+        # every held slot in position order, the pending plan not applied (it stays pending there too)
+        window = self.slots - self.sinks_held
+        ring = self.sinks + (self.tail + torch.arange(window, device=self.device)) % self.ring
+        order = torch.cat([torch.arange(self.sinks_held, device=self.device), ring])
+        steady = int(self.rule.policy.capacity or 0) + 1
+        for i, (mine, theirs) in enumerate(zip(self.layers, cache.layers, strict=True)):
+            k, v = mine.read_slots(order)
+            theirs.reset()
+            theirs._regrow(max(self.slots, steady), 0, k, v)
+            theirs._write(0, k, v)
+            theirs.sink_keys = None if self.sink_keys is None else self.sink_keys[i].clone()
+            theirs.base, theirs.slots, theirs.plan = self.next_position - self.slots, self.slots, self.plan
+            theirs.tokens_seen, theirs.rolls, theirs.rebases = self.seen, self.rolls, self.rebases
+        return cache
 
     def clone(self) -> StaticRollingCache:
         """A copy in the same state with buffers of its own (e.g. to feed a captured and an eager decoder
