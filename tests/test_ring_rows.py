@@ -32,8 +32,8 @@ def _conversation(h, sinks: int, prompt: torch.Tensor) -> tuple[RollingCache, Ro
 
 
 def _pool(h, rows: int = 4) -> RingRows:
-    from kvlab.hf.rolling_cache import roll_rule
     from kvlab.hf.cache import text_config
+    from kvlab.hf.rolling_cache import roll_rule
 
     rule = roll_rule(text_config(h.config), h.rope, WINDOW, 4, CHUNK, h.max_positions, "auto")
     return RingRows(h.config, rule, rows=rows, most_sinks=12, dtype=h.dtype, device=h.device)
@@ -72,7 +72,11 @@ def _run(mode: str, tiny_model) -> tuple[float, dict]:
                 continue
             tok = c["ids"][c["at"] : c["at"] + 1]
             want = h.run(tok, c["ref"], logits_to_keep=1).logits[0, -1].float()
-            got = logits[c["row"]] if c["row"] is not None else h.run(tok, c["mine"], logits_to_keep=1).logits[0, -1]
+            got = (
+                logits[c["row"]]
+                if c["row"] is not None
+                else h.run(tok, c["mine"], logits_to_keep=1).logits[0, -1]
+            )
             worst = max(worst, float((want - got.float()).abs().max()))
             c["at"] += 1
     counts = {}

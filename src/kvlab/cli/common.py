@@ -11,7 +11,7 @@ import shutil
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast, get_type_hints
 
 import typer
 from rich.console import Console
@@ -189,6 +189,30 @@ def serve_cache_spec(value: str | None) -> str | None:
     from kvlab.serve.policy import serve_policy
 
     return _read_cache(value, lambda v: serve_policy(v[0]))
+
+
+CAPTURED = ("cuda-graph", "compile")  # --capture values that decode through the ring's captured step
+
+
+def capture_mode(value: str) -> str:
+    """Typer callback: ``--capture``'s choices, checked before any model loads."""
+    if value not in ("auto", "off", *CAPTURED):
+        raise typer.BadParameter(f"{value!r} is not one of auto, off, cuda-graph, compile")
+    return value
+
+
+def capture_on(capture: str, device: str) -> Literal["off", "compile", "cuda-graph"]:
+    """``--capture`` on ``device``: auto is CUDA graphs on a GPU and none on a CPU; cuda-graph needs a GPU."""
+    from kvlab.model import resolve_device
+
+    cuda = str(resolve_device(device)).startswith("cuda")
+    if capture == "auto":
+        return "cuda-graph" if cuda else "off"
+    if capture == "cuda-graph" and not cuda:
+        raise BadInputError("--capture cuda-graph needs a CUDA device (--device cuda)")
+    if capture not in ("off", *CAPTURED):
+        raise BadInputError(f"--capture {capture!r} is not one of auto, off, cuda-graph, compile")
+    return cast('Literal["off", "compile", "cuda-graph"]', capture)
 
 
 DEVICE_HELP = "Where the model runs: auto (CUDA when there is a GPU, else cpu), cpu, cuda or cuda:N."

@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvlab.cli.common import DeviceOpt, DtypeOpt, ModelOpt, group_command, serve_cache_spec
+from kvlab.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    capture_mode,
+    capture_on,
+    group_command,
+    serve_cache_spec,
+)
 from kvlab.errors import BadInputError
 from kvlab.serve.keys import check_keys
 
@@ -70,6 +78,16 @@ class ServeOptions:
             "See docs/serving.md.",
         ),
     ] = None
+    capture: Annotated[
+        str,
+        typer.Option(
+            callback=capture_mode,
+            help="Decode every conversation through one captured step over ring rows: compile (torch.compile, "
+            "on a CPU too), cuda-graph (a GPU), auto (CUDA graphs on a GPU, off on a CPU), or off (each "
+            "conversation's own cache in one eager batched forward). Sinks + window caches in full precision. "
+            "See docs/serving.md.",
+        ),
+    ] = "off"
     fidelity_sample: Annotated[
         float,
         typer.Option(
@@ -273,6 +291,9 @@ def _settings(o: ServeOptions, keys: tuple[str, ...]) -> tuple[EngineSettings, K
         max_batch_per_key=per_key.max_batch,
         max_work_per_key=per_key.max_work,
     )
+    if o.capture != "off":  # the policy refused first (no torch), then auto read off the device
+        settings.policy.captured_roll(o.capture)
+        settings = dataclasses.replace(settings, capture=capture_on(o.capture, o.device))
     return settings, per_key
 
 

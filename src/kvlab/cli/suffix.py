@@ -10,9 +10,12 @@ from typing import Annotated
 import typer
 
 from kvlab.cli.common import (
+    CAPTURED,
     MAX_COUNT,
     ModelOptions,
     SeedOpt,
+    capture_mode,
+    capture_on,
     count_option,
     experiment_command,
     finite,
@@ -36,16 +39,6 @@ ChunkOpt = Annotated[
         help="Tokens evicted at once when the window is full (default: 64, or half the window).",
     ),
 ]
-
-
-CAPTURED = ("cuda-graph", "compile")  # --capture values that run the ring, also for a --cache spec
-
-
-def _capture_mode(value: str) -> str:
-    """Typer callback: ``--capture``'s choices, checked before any model loads."""
-    if value not in ("auto", "off", "cuda-graph", "compile"):
-        raise typer.BadParameter(f"{value!r} is not one of auto, off, cuda-graph, compile")
-    return value
 
 
 def _stream_sinks(value: list[int] | None) -> list[int] | None:
@@ -171,21 +164,10 @@ def _write_tokens(handle, tokens, stops, *, stream: bool) -> tuple[int, str]:
     return n, handle.decode(done + pending)
 
 
-def _capture_on(capture: str, device: str) -> str:
-    """``--capture`` on ``device``: auto is CUDA graphs on a GPU and none on a CPU; cuda-graph needs a GPU."""
-    from kvlab.model import resolve_device
-
-    if capture == "auto":
-        return "cuda-graph" if str(resolve_device(device)).startswith("cuda") else "off"
-    if capture == "cuda-graph" and not str(resolve_device(device)).startswith("cuda"):
-        raise BadInputError("--capture cuda-graph needs a CUDA device (--device cuda)")
-    return capture
-
-
 def _generate_policy(ctx: typer.Context, spec: str | None, model: str, capture: str):
     """``--cache SPEC`` as a CachePolicy (None without it), refused before the weights load where
     ``--sinks/--window/--evict-chunk`` are given too, its window does not fit, or ``--capture`` asks for
-    a captured decode the spec's cache has none of (:func:`_captured_roll`)."""
+    a captured decode the spec's cache has none of (:meth:`~kvlab.policy.layouts.base.CachePolicy.captured_roll`)."""
     if spec is None:
         return None
     from kvlab.policy.spec import parse
@@ -197,28 +179,10 @@ def _generate_policy(ctx: typer.Context, spec: str | None, model: str, capture: 
             f"--cache names the whole cache policy; drop {', '.join(given)} (e.g. --cache sinks=4,window=512)"
         )
     policy = parse(spec)
-    roll = _captured_roll(policy, spec, capture) if capture in CAPTURED else policy.layout.rolls()
+    roll = policy.captured_roll(capture) if capture in CAPTURED else policy.layout.rolls()
     if roll is not None:
         _check_rolling(model, roll.window, roll.sinks)
     return policy
-
-
-def _captured_roll(policy, spec: str, capture: str):
-    """The window a captured decode of ``--cache SPEC`` rolls: its steps run on the ring
-    (:class:`~kvlab.hf.static_rolling.StaticRollingCache`, the dense rolling cache's rule in fixed buffers),
-    which holds sinks + a window in the model's dtype; any other spec is refused in one line naming why."""
-    roll = policy.layout.rolls()
-    if roll is None:
-        raise BadInputError(
-            f"--capture {capture} runs sinks + window caches (--cache sinks=N,window=M[,chunk=K]); "
-            f"'{spec}' keeps {policy.describe()}: drop --capture"
-        )
-    if policy.codec is not None:
-        raise BadInputError(
-            f"--capture {capture} holds the window in the model's dtype: {policy.codec_name} codes (written a "
-            "block at a time behind full-precision sinks and tail) have no captured step; drop codec= or --capture"
-        )
-    return roll
 
 
 def _rolled_window(policy, model: str, window: int, sinks: int, chunk: int | None):
@@ -389,7 +353,7 @@ def generate_cmd(
     capture: Annotated[
         str,
         typer.Option(
-            callback=_capture_mode,
+            callback=capture_mode,
             help="Decode steps captured: auto (CUDA graphs on a GPU, none on a CPU; none with --cache), "
             "cuda-graph, compile (torch.compile; with --cache, a sinks + window spec), off.",
         ),
@@ -401,7 +365,7 @@ def generate_cmd(
         return _generate_with_policy(
             policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model, seed
         )
-    mode = _capture_on(capture, model.device)
+    mode = capture_on(capture, model.device)
     window, sinks, chunk = _rolled_window(policy, model.model, window, sinks, evict_chunk)
     handle = model.load()
     ids = handle.encode(prompt, chat=chat)

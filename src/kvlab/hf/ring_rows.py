@@ -56,7 +56,9 @@ class RingRows(StaticRollingCache):
         device: torch.device | str = "cpu",
     ) -> None:
         if rule.codec is not None:
-            raise BadInputError("RingRows holds the window in the model's dtype: a codec's rule has no captured step")
+            raise BadInputError(
+                "RingRows holds the window in the model's dtype: a codec's rule has no captured step"
+            )
         most = max(int(most_sinks), int(rule.policy.sinks))
         widest = most + int(rule.policy.window or 0) + rule.evict_chunk
         super().__init__(config, rule, batch=rows, dtype=dtype, device=device, capacity=widest + 1)
@@ -83,7 +85,11 @@ class RingRows(StaticRollingCache):
         views = {name: t[:, r : r + 1, :, :cap] for name, t in self.storage.items()}
         self.slot_pos[r].fill_(EMPTY)
         row = StaticRollingCache(
-            self._config, cache.rule, dtype=self.dtype, device=self.device, views=(views, self.slot_pos[r, :cap])
+            self._config,
+            cache.rule,
+            dtype=self.dtype,
+            device=self.device,
+            views=(views, self.slot_pos[r, :cap]),
         )
         row._write_index[1] = self._write_index[1][r]
         self.rows[r] = row.load(cache)

@@ -265,12 +265,16 @@ class StaticRollingCache(LiveCache):
         # sinks, and a re-base rotates every layer's keys, in a few kernels rather than a few per layer
         row = self.coder.row_bytes(head_dim) if self.coder else head_dim
         kind = torch.uint8 if self.coder else dtype
-        self.storage = views[0] if views else {
-            name: torch.zeros(
-                (n_layers, self.batch, heads, self.capacity, row), dtype=kind, device=self.device
-            )
-            for name in ("keys", "values")
-        }
+        self.storage = (
+            views[0]
+            if views
+            else {
+                name: torch.zeros(
+                    (n_layers, self.batch, heads, self.capacity, row), dtype=kind, device=self.device
+                )
+                for name in ("keys", "values")
+            }
+        )
         self.sink_keys: torch.Tensor | None = None  # [layers, batch, heads, sinks, head_dim] at 0 ..
         self.sink_values: torch.Tensor | None = None  # int4 only: re-encoded with the keys, never compounding
         self.packed = False  # int4: update() returns packed rows (see packed_reads)
@@ -503,7 +507,10 @@ class StaticRollingCache(LiveCache):
         self.next_position, self.slots, self.sinks_held = cache.next_position, kept, s
         self.tail, self.seen = 0, cache.tokens_seen
         # visible() applied its pending roll: counted here, as its next update would have counted it
-        self.rolls, self.rebases = cache.rolls + (cache.plan.drop > 0), cache.rebases + (cache.plan.rebase != 0)
+        self.rolls, self.rebases = (
+            cache.rolls + (cache.plan.drop > 0),
+            cache.rebases + (cache.plan.rebase != 0),
+        )
         self.plan = self.rule.next_plan(start, kept, True)
         return self
 

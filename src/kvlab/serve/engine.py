@@ -57,7 +57,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
@@ -71,6 +71,7 @@ from kvlab.loop import Sampling
 from kvlab.policy.spec import CachePolicy, SinksWindowLayout
 from kvlab.policy.spec import parse as parse_cache_spec
 from kvlab.policy.window import default_chunk
+from kvlab.serve.captured import CapturedRows
 from kvlab.serve.fidelity import FidelityBoard, ScoringJob, skipped
 from kvlab.serve.policy import serve_policy
 from kvlab.serve.prefixes import SharedPrefixes
@@ -113,6 +114,9 @@ class EngineSettings:
     fidelity_wait_s: float = 0.5
     fidelity_chunk: int = 32
     fidelity_memory_mb: int = 512
+    # decode steps through one captured step over ring rows (kvlab.serve.captured): off, compile, cuda-graph,
+    # or eager (the rows uncaptured)
+    capture: Literal["off", "eager", "compile", "cuda-graph"] = "off"
 
     def __post_init__(self) -> None:
         if self.cache is None:
@@ -243,6 +247,7 @@ class _Row:
     entry: LogProb | None = None  # the last picked token's (when reported)
     last_step: float = field(default_factory=time.perf_counter)
     served: list[torch.Tensor] | None = None  # a scored response: each pick's [vocab] logits (on the CPU)
+    slot: int | None = None  # its row of the captured step (kvlab serve --capture), while it decodes there
 
 
 @dataclass
@@ -348,6 +353,8 @@ class Engine:
         # fidelity per response: the records (any thread), the answered responses waiting to be scored and the
         # bytes of kept logits reserved by scored requests, by record id (the worker's)
         self.fidelity = FidelityBoard()
+        mode = settings.capture
+        self.captured = None if mode == "off" else CapturedRows(handle, self.policy, settings.max_batch, mode)
         self._scoring: collections.deque[ScoringJob] = collections.deque()
         self._reserved: dict[str, int] = {}
         if metrics is not None:
@@ -392,15 +399,18 @@ class Engine:
         """Where the model runs, in words: ``cuda:0 (NVIDIA H100 80GB HBM3), bfloat16`` or ``cpu, float32``."""
         info = self.device_info()
         gpu = f" ({info['gpu']})" if info.get("gpu") else ""
-        return f"{info['device']}{gpu}, {info['dtype']}"
+        captured = f", decode steps captured ({info['capture']})" if info["capture"] != "off" else ""
+        return f"{info['device']}{gpu}, {info['dtype']}{captured}"
 
     def device_info(self) -> dict[str, Any]:
-        """The model's device and dtype (and the GPU's name on CUDA), for the status page and ``/health``."""
+        """The model's device and dtype (and the GPU's name on CUDA) and how decode steps run (``capture``), for
+        the status page and ``/health``."""
         from kvlab.model.loading import describe_device
 
         return {
             **describe_device(self.handle.device),
             "dtype": str(self.handle.dtype).replace("torch.", ""),
+            "capture": self.settings.capture,
         }
 
     def status(self) -> dict[str, Any]:
@@ -486,6 +496,7 @@ class Engine:
                     log.exception("decode step failed")
                     rows, self._active = self._active, []
                     for row in rows:  # sessions not returned (a cache may hold half a step)
+                        self._leave(row, keep=False)
                         self._fail(row.req, exc, None)
             if self._scoring and not spent:  # live work first: never in an iteration that computed a prompt
                 live = self._active or self._prefilling or self._pending
@@ -682,7 +693,7 @@ class Engine:
         session.requests += 1
         session.reused_tokens += p.cached
         session.computed_tokens += new
-        info = {
+        info: dict[str, Any] = {
             "session": session.id,
             "source": p.source,
             "cached_tokens": p.cached,
@@ -701,6 +712,10 @@ class Engine:
         gen = None if req.sampling.greedy else torch.Generator().manual_seed(req.sampling.seed)
         assert p.logits is not None
         row = _Row(req, session, p.logits[None], gen, info)
+        if self.captured is not None and req.max_new_tokens:
+            assert isinstance(session.cache, RollingCache)  # a captured policy rolls (captured_roll)
+            row.slot = slot = self.captured.join(session.cache)
+            info["rolls"] += self.captured.evictions(slot) - session.cache.evictions  # a roll join applied
         if req.fidelity is not None:
             info["fidelity_url"] = f"/v1/fidelity/{req.fidelity}"
             row.served = self._reserve(req)
@@ -714,6 +729,7 @@ class Engine:
             req.emit(("start", info))
         except Exception:
             self._active.remove(row)
+            self._leave(row, keep=False)
             raise
 
     # -- decode ----------------------------------------------------------------------------------------
@@ -736,10 +752,8 @@ class Engine:
                 failed[id(row)] = exc
         fed = [r for r in self._active if r.finish != "cancelled" and id(r) not in failed]
         if fed:
-            rolls = [r.session.cache.evictions for r in fed]
-            results = step_rolling_rows_isolated(
-                self.handle, [r.session.cache for r in fed], [r.out[-1] for r in fed]
-            )
+            rolls = [self._evictions(r) for r in fed]
+            results = self._decode(fed)
             for i, (row, res) in enumerate(zip(fed, results, strict=True)):
                 if isinstance(res, Exception):
                     failed[id(row)] = res
@@ -747,7 +761,7 @@ class Engine:
                 row.logits = res[None]
                 row.session.ids.append(row.out[-1])
                 row.session.scores.append(row.entry)
-                dropped = row.session.cache.evictions - rolls[i]
+                dropped = self._evictions(row) - rolls[i]
                 row.info["rolls"] += dropped
                 if self.metrics is not None and dropped > 0:
                     self.metrics.rolls.inc(dropped)
@@ -755,6 +769,10 @@ class Engine:
         # no longer counted as served when their last event arrives (a gauge read right after must say so)
         self._active = [r for r in self._active if r.finish is None and id(r) not in failed]
         for row in ended:
+            try:  # out of the captured rows, back into its own cache (dropped where the row failed)
+                self._leave(row, keep=id(row) not in failed)
+            except Exception as exc:
+                failed[id(row)] = exc
             error = failed.get(id(row))
             if error is not None:
                 self._fail(row.req, error, "decode step")
@@ -763,6 +781,34 @@ class Engine:
                 self._finish(row)
             except Exception as exc:
                 self._fail(row.req, exc, "reply")
+
+    def _decode(self, fed: list[_Row]) -> list[torch.Tensor | Exception]:
+        """One decode step for ``fed`` (each row's last picked token): each row's ``[vocab]`` logits or the error
+        it failed with. Eager: each row's own cache, a row failing alone. Captured: the rows' one step, which
+        fails for every row it carried (their rows' state may hold half a step: they are dropped)."""
+        tokens = [r.out[-1] for r in fed]
+        if self.captured is None:
+            return step_rolling_rows_isolated(self.handle, [r.session.cache for r in fed], tokens)
+        try:
+            logits = self.captured.step([cast(int, r.slot) for r in fed], tokens)
+        except Exception as exc:
+            log.warning("a captured decode step failed for its %d rows", len(fed), exc_info=True)
+            return [exc] * len(fed)
+        return [logits[i] for i in range(len(fed))]
+
+    def _evictions(self, row: _Row) -> int:
+        """Rolls of ``row``'s conversation so far (its captured row's while it decodes there)."""
+        if row.slot is None or self.captured is None:
+            return row.session.cache.evictions
+        return self.captured.evictions(row.slot)
+
+    def _leave(self, row: _Row, keep: bool) -> None:
+        """``row`` stops decoding in the captured rows: its state written back into its session's cache
+        (``keep``), or dropped with the session."""
+        if row.slot is None or self.captured is None:
+            return
+        slot, row.slot = row.slot, None
+        self.captured.leave(slot, cast(RollingCache, row.session.cache) if keep else None)
 
     def _pick(self, row: _Row, now: float) -> None:
         """Pick ``row``'s next token from its logits and report it."""
@@ -976,6 +1022,10 @@ def check_settings(handle: ModelHandle, settings: EngineSettings) -> None:
         raise BadInputError(f"--fidelity-sample must lie in [0, 1], got {settings.fidelity_sample}")
     if not settings.fidelity_wait_s >= 0 or settings.fidelity_chunk < 1 or settings.fidelity_memory_mb < 1:
         raise BadInputError("need fidelity_wait_s >= 0, fidelity_chunk >= 1 and fidelity_memory_mb >= 1")
+    if settings.capture not in ("off", "eager", "compile", "cuda-graph"):
+        raise BadInputError(f"capture must be off, eager, compile or cuda-graph, got {settings.capture!r}")
+    if settings.capture != "off":
+        settings.policy.captured_roll(settings.capture)
     # builds nothing but the rule (buffers are allocated on first use): raises for a bad window or model
     cache_for(settings.policy.live(), handle)
     if settings.policy.layout.held_at_most(handle.max_positions) is not None and not handle.max_positions:

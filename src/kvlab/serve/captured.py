@@ -1,0 +1,56 @@
+"""``kvlab serve --capture``: the server's decoding conversations through one captured step.
+
+Without it, each decode step feeds every conversation's own eager cache in one batched forward whose
+attention runs per row (:func:`kvlab.hf.batch.step_rolling_rows`). With it, a conversation that starts
+decoding joins a row of one :class:`~kvlab.hf.ring_rows.RingRows` (its eager cache's state, exactly), every
+step runs all rows through :class:`~kvlab.hf.graphs.RollingDecoder` (``torch.compile``-d, or a CUDA graph),
+and the conversation leaves back into its eager cache when its reply ends, so it continues, is stored
+and is reported as before. The rows are sized for the most sinks a conversation pins (a system prompt
+below half the window) and the policy's window; sinks + window policies in full precision only
+(:meth:`~kvlab.policy.layouts.base.CachePolicy.captured_roll`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.hf.graphs import Mode, RollingDecoder
+from kvlab.hf.ring_rows import RingRows
+from kvlab.hf.rolling_cache import RollingCache
+from kvlab.hf.runner import Runner
+from kvlab.policy.layouts.base import CachePolicy
+
+
+class CapturedRows:
+    """``rows`` decoding conversations in one :class:`RingRows`, stepped by one :class:`RollingDecoder`."""
+
+    def __init__(self, handle: Runner, policy: CachePolicy, rows: int, mode: Mode) -> None:
+        from kvlab.hf.policy_cache import cache_for
+
+        roll = policy.captured_roll(mode)
+        rule = cache_for(policy.live(), handle).rule  # a conversation's rule without a pinned prompt
+        most = max(roll.sinks, roll.window // 2)  # a pinned system prompt stays below half the window
+        self.pool = RingRows(
+            handle.config, rule, rows=rows, most_sinks=most, dtype=handle.dtype, device=handle.device
+        )
+        self.decoder = RollingDecoder(handle, self.pool, mode=mode)
+
+    def join(self, cache: RollingCache) -> int:
+        """A conversation starts decoding: its eager cache's state into a free row; returns the row."""
+        return self.pool.join(cache)
+
+    def leave(self, row: int, into: RollingCache | None) -> None:
+        """A conversation stops decoding: its row freed, its state written back ``into`` its eager cache
+        (None: dropped, e.g. after a failed step)."""
+        self.pool.leave(row, into)
+
+    def evictions(self, row: int) -> int:
+        return self.pool.row(row).evictions
+
+    def step(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        """Feed ``tokens[i]`` to row ``rows[i]`` (the other rows sit this step out); ``[len(rows), vocab]``
+        float32 logits."""
+        self.pool.feeding = list(rows)
+        ids = torch.zeros(self.pool.batch, dtype=torch.long)
+        ids[rows] = torch.tensor(tokens, dtype=torch.long)
+        return self.decoder.feed(ids)[rows]
