@@ -1,0 +1,509 @@
+"""Benchmark: decode throughput of ``kvlab serve --capture compile`` against eager (``--capture off``) and
+llama.cpp's ``llama-server``, side by side in one run, ONE thread each, on this CPU (issue 46).
+
+Every server serves SmolLM2-135M-Instruct in float32 (kvlab: its safetensors folder of the bundled model;
+llama-server: the same weights converted to an F32 GGUF by ``scripts/build_llama_server.sh``) on
+127.0.0.1 with OMP_NUM_THREADS=1 (``llama-server -t 1 -tb 1``). Each round sends every server, in an
+order rotated round by round, the same three things; round 0 is a warm-up (torch.compile compiles on
+the first requests) and is discarded:
+
+1. **Prefill**: one conversation with a ~500-token prompt (a passage of the book), ``max_tokens`` 1:
+   time to first token.
+2. **Decode, 1 conversation**: a short prompt whose greedy reply is long, ``max_tokens`` N (llama-server
+   is asked to ``ignore_eos``; kvlab has no such switch, so the tokens each reply has are counted).
+   Decode rate = (tokens - 1) / (time of the last streamed token - time of the first).
+3. **Decode, 4 conversations at once**: four such prompts sent together: the sum of their rates, and
+   the aggregate (all tokens - 1) / (last token of any - first token of any).
+
+Prompts differ from round to round from their first tokens (no server reuses a cached prefix), and are
+the same for every server within a round. Per setting: the median over rounds, and the PAIRED ratio per
+round (kvlab-compile / kvlab-off, llama-server / kvlab-compile) with a 95% t-interval on the log
+ratios (only from >= 5 rounds). The weight-bandwidth floor: this machine's one-thread memory read
+bandwidth (torch, sum over a 1 GiB float32 tensor, best of 5, before and after the rounds; the higher
+counts) and floor ms/token = weight bytes / bandwidth, beside each server's ms/token at 1 conversation.
+
+Run: python benchmarks/serve_decode.py [--rounds 7] [--max-tokens 64]
+         [--llama-server PATH --gguf PATH] [--no-write]     (writes benchmarks/results/serve_decode.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the servers inherit it; this process reads with 1 thread
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # compiling must not take the other core
+
+import openai  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, Refusal, run_main, write_results  # noqa: E402
+from serve import LOGS, free_port, passages, start, stop  # noqa: E402
+
+MODEL = "smollm2-135m"
+KEYS = ("off", "compile", "llama")
+ESSAY = (
+    "Write a long, detailed essay about the history of bridges, with many examples from different countries."
+)
+
+
+@dataclass
+class Server:
+    key: str  # off, compile, llama
+    label: str  # the baseline, named in full
+    port: int
+    extra: dict = field(default_factory=dict)  # extra request fields
+    proc: subprocess.Popen | None = None
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=900
+        )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7, help="measured rounds after the warm-up (>= 5 to write)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens asked per reply")
+    ap.add_argument("--prefill-tokens", type=int, default=500, help="about this many prompt tokens (prefill)")
+    ap.add_argument("--llama-server", type=Path, help="a llama-server binary (scripts/build_llama_server.sh)")
+    ap.add_argument("--gguf", type=Path, help="the F32 GGUF of the same weights, for --llama-server")
+    ap.add_argument("--no-write", action="store_true", help="print the tables, write no results file")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise Refusal(f"--rounds must be >= 1, got {args.rounds}")
+    if not args.no_write and args.rounds < 5:
+        raise Refusal(f"a results file needs --rounds >= 5 (got {args.rounds}); a smoke run takes --no-write")
+    if args.max_tokens < 2:
+        raise Refusal(f"--max-tokens must be >= 2 (a decode rate needs two tokens), got {args.max_tokens}")
+    if not 64 <= args.prefill_tokens <= 900:
+        raise Refusal(
+            f"--prefill-tokens must be in [64, 900] (within one 1,024-token window), got {args.prefill_tokens}"
+        )
+    if (args.llama_server is None) != (args.gguf is None):
+        raise Refusal("--llama-server and --gguf go together (or neither: no llama-server column)")
+    if args.llama_server is not None and not os.access(args.llama_server, os.X_OK):
+        raise Refusal(f"--llama-server {args.llama_server} is not an executable file")
+    if args.gguf is not None and not args.gguf.is_file():
+        raise Refusal(f"--gguf {args.gguf} is not a file")
+    return args
+
+
+# --- servers ---------------------------------------------------------------------------------------------
+
+
+def torch_kernel() -> str:
+    import torch
+
+    blas = next(
+        (
+            ln.split("=", 1)[1].strip(",")
+            for ln in torch.__config__.show().split()
+            if ln.startswith("BLAS_INFO=")
+        ),
+        "?",
+    )
+    return f"PyTorch {torch.__version__} (BLAS {blas})"
+
+
+def start_kvlab(capture: str) -> Server:
+    port = free_port()
+    how = {
+        "off": "eager: each conversation's own rolling cache in one batched forward",
+        "compile": "torch.compile(fullgraph=True) inductor C++ step over 4 ring rows",
+    }[capture]
+    label = (
+        f"kvlab serve --capture {capture} ({how}; {torch_kernel()}, fp32, 1 thread, window 1024 + 4 sinks)"
+    )
+    cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(port), "--device", "cpu", "--max-batch", "4"]
+    server = Server(capture, label, port)
+    server.proc = start([*cmd, "--capture", capture], port, LOGS / f"serve-decode-{capture}.log")
+    return server
+
+
+def log_value(log: Path, key: str) -> str:
+    """What follows ``key`` on the first line of ``log`` that has it ('?' where none does)."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if key in ln]
+    return lines[0].split(key, 1)[1].strip(" =:") if lines else "?"
+
+
+def start_llama(binary: Path, gguf: Path) -> Server:
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-tb", "1",
+           "-c", "4096", "-np", "4", "-cram", "0", "--no-webui"]  # fmt: skip
+    log = LOGS / "serve-decode-llama.log"
+    server = Server("llama", "", port, {"ignore_eos": True, "cache_prompt": False})
+    server.proc = start(cmd, port, log)
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
+    build = " ".join((version.stdout + version.stderr).split()[:6])
+    info, fa = log_value(log, "system_info:"), log_value(log, "flash_attn")
+    server.label = (
+        f"llama.cpp llama-server ({build}; ggml CPU backend, F32 GGUF `{gguf.name}`, -t 1 -tb 1, "
+        f"-c 4096 -np 4 (1,024 per slot), flash_attn {fa}, continuous batching; system_info: {info})"
+    )
+    return server
+
+
+# --- requests --------------------------------------------------------------------------------------------
+
+
+def stream(server: Server, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed greedy reply: when it was sent, its first and last content chunk, its token counts."""
+    times: list[float] = []
+    usage = None
+    sent = time.perf_counter()
+    chunks = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=server.extra or None,
+    )  # fmt: skip
+    for ch in chunks:
+        if ch.choices and ch.choices[0].delta.content:
+            times.append(time.perf_counter())
+        if getattr(ch, "usage", None):
+            usage = ch.usage
+    if not times:
+        raise RuntimeError(f"{server.key}: a reply without content")
+    tokens = usage.completion_tokens if usage else len(times)
+    prompt = usage.prompt_tokens if usage else 0
+    return {
+        "sent": sent,
+        "first": times[0],
+        "last": times[-1],
+        "tokens": tokens,
+        "chunks": len(times),
+        "prompt": prompt,
+    }
+
+
+def rate(r: dict) -> float:
+    return (r["tokens"] - 1) / max(r["last"] - r["first"], 1e-9)
+
+
+def essay(tag: str) -> list[dict]:
+    return [
+        {"role": "system", "content": f"Session {tag}. You are a helpful assistant."},
+        {"role": "user", "content": ESSAY},
+    ]
+
+
+def together(server: Server, prompts: list[list[dict]], max_tokens: int) -> list[dict]:
+    out: list[dict | None] = [None] * len(prompts)
+    gate = threading.Barrier(len(prompts))
+
+    def one(i: int) -> None:
+        gate.wait()
+        out[i] = stream(server, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(r is None for r in out):
+        raise RuntimeError(f"{server.key}: a conversation of 4 failed (see its log in benchmarks/out)")
+    return [r for r in out if r is not None]
+
+
+def measure(server: Server, r: int, passage: str, max_tokens: int) -> dict:
+    """One round on one server: prefill, decode alone, decode 4 at once."""
+    pre = [
+        {"role": "system", "content": f"Session {r:02d}9. You are a helpful assistant."},
+        {"role": "user", "content": passage + "\n\nRetell this passage in your own words."},
+    ]
+    p = stream(server, pre, 1)
+    one = stream(server, essay(f"{r:02d}0"), max_tokens)
+    four = together(server, [essay(f"{r:02d}{c}") for c in range(1, 5)], max_tokens)
+    total = sum(x["tokens"] for x in four)
+    span = max(x["last"] for x in four) - min(x["first"] for x in four)
+    return {
+        "ttft_ms": (p["first"] - p["sent"]) * 1000, "prefill_prompt": p["prompt"],
+        "d1": rate(one), "d1_tokens": one["tokens"], "d1_chunks": one["chunks"], "d1_prompt": one["prompt"],
+        "d4_sum": sum(rate(x) for x in four), "d4_agg": (total - 1) / span,
+        "d4_tokens": [x["tokens"] for x in four],
+    }  # fmt: skip
+
+
+# --- the machine's floor -----------------------------------------------------------------------------------
+
+
+def read_bandwidth(reps: int = 5) -> float:
+    """Bytes per second of one thread summing a 1 GiB float32 tensor (best of ``reps``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    x = torch.ones(2**28)
+    x.sum()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def weight_bytes(folder: Path) -> int:
+    """Bytes of the model's parameters (each stored tensor once: the tied embedding is the lm_head)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+            t = f.get_slice(name)
+            total += math.prod(t.get_shape()) * {"F32": 4, "F16": 2, "BF16": 2}[t.get_dtype()]
+    return total
+
+
+# --- statistics --------------------------------------------------------------------------------------------
+
+
+def paired(num: Sequence[float], den: Sequence[float]) -> dict:
+    """Per-round ratios num/den: geometric mean with a 95% t-interval on the logs (>= 5 rounds), median."""
+    from scipy import stats
+
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    logs = [math.log(x) for x in ratios]
+    mean = statistics.fmean(logs)
+    out = {
+        "ratios": ratios,
+        "geo": math.exp(mean),
+        "median": statistics.median(ratios),
+        "lo": None,
+        "hi": None,
+    }
+    if len(logs) >= 5:
+        half = float(stats.t.ppf(0.975, len(logs) - 1)) * statistics.stdev(logs) / math.sqrt(len(logs))
+        out["lo"], out["hi"] = math.exp(mean - half), math.exp(mean + half)
+    return out
+
+
+def fmt_ratio(p: dict) -> str:
+    return f"{p['geo']:.2f}x"
+
+
+def fmt_interval(p: dict) -> str:
+    return f"[{p['lo']:.2f}, {p['hi']:.2f}]" if p["lo"] is not None else "— (fewer than 5 rounds)"
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+
+
+def run_rounds(
+    servers: list[Server], rounds: int, max_tokens: int, texts: list[str]
+) -> list[dict[str, dict]]:
+    """Round 0 (warm-up, discarded) then ``rounds`` rounds, the servers' order rotated each round."""
+    rows: list[dict[str, dict]] = []
+    for r in range(rounds + 1):
+        order = servers[r % len(servers) :] + servers[: r % len(servers)]
+        got = {}
+        for s in order:
+            got[s.key] = measure(s, r, texts[r], max_tokens)
+        print(f"round {r}{' (warm-up)' if r == 0 else ''}: " + ", ".join(
+            f"{k} {v['d1']:.1f}/{v['d4_sum']:.1f} tok/s, TTFT {v['ttft_ms']:.0f} ms" for k, v in got.items()
+        ), flush=True)  # fmt: skip
+        if r:
+            rows.append(got)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    from kvlab.model.loading import bundled_model_dir
+
+    folder = bundled_model_dir()
+    LOGS.mkdir(exist_ok=True)
+    texts = passages(args.rounds + 1, args.prefill_tokens - 40, skip=60)
+    bw_before = read_bandwidth()
+    servers: list[Server] = []
+    try:
+        servers.append(start_kvlab("off"))
+        servers.append(start_kvlab("compile"))
+        if args.llama_server is not None:
+            servers.append(start_llama(args.llama_server, args.gguf))
+        t0 = time.perf_counter()
+        rows = run_rounds(servers, args.rounds, args.max_tokens, texts)
+        minutes = (time.perf_counter() - t0) / 60
+    finally:
+        stop(*[s.proc for s in servers if s.proc is not None])
+    bw_after = read_bandwidth()
+    floor = {"bytes": weight_bytes(folder), "bw": max(bw_before, bw_after), "bws": (bw_before, bw_after)}
+    body, summary = report(args, servers, rows, floor, minutes)
+    if args.no_write:
+        print(body)
+        return
+    path = RESULTS / "serve_decode.md"
+    path.write_text(summary)  # write_results carries a file's summary block over to the head: this one
+    write_results(
+        "serve_decode",
+        "Serving decode: kvlab serve --capture compile vs eager vs llama-server, 1 thread",
+        body,
+    )
+
+
+# --- the report -------------------------------------------------------------------------------------------
+
+
+def col(rows: list[dict[str, dict]], key: str, field_: str) -> list[float]:
+    return [r[key][field_] for r in rows]
+
+
+def setting_table(rows: list[dict[str, dict]], keys: list[str], floor: dict) -> list[str]:
+    floor_ms = floor["bytes"] / floor["bw"] * 1000
+    out = [
+        "| server | decode 1 conv tok/s | ms/token | floor ms/token | floor / measured | decode 4 conv: sum of "
+        "rates tok/s | 4 conv aggregate tok/s | prefill TTFT ms | prefill tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k in keys:
+        d1 = statistics.median(col(rows, k, "d1"))
+        ttft = statistics.median(col(rows, k, "ttft_ms"))
+        prompt = rows[0][k]["prefill_prompt"]
+        out.append(
+            f"| {k} | {d1:.1f} | {1000 / d1:.1f} | {floor_ms:.1f} | {floor_ms * d1 / 1000:.0%} | "
+            f"{statistics.median(col(rows, k, 'd4_sum')):.1f} | {statistics.median(col(rows, k, 'd4_agg')):.1f} | "
+            f"{ttft:.0f} | {prompt / ttft * 1000:.0f} |"
+        )
+    return out
+
+
+PAIRS = [
+    ("compile", "off", "kvlab-compile / kvlab-off"),
+    ("llama", "compile", "llama-server / kvlab-compile"),
+]
+MEASURES = [
+    ("d1", "decode rate, 1 conversation", False),
+    ("d4_sum", "decode, 4 conversations: sum of rates", False),
+    ("d4_agg", "decode, 4 conversations: aggregate", False),
+    ("ttft_ms", "prefill speed (TTFT of B / TTFT of A)", True),
+]
+
+
+def ratio_table(rows: list[dict[str, dict]], keys: list[str]) -> tuple[list[str], dict[tuple, dict]]:
+    out = [
+        "| ratio | measure | geometric mean | 95% interval | median | per round |",
+        "|---|---|---|---|---|---|",
+    ]
+    got: dict[tuple, dict] = {}
+    for a, b, name in PAIRS:
+        if a not in keys or b not in keys:
+            continue
+        for field_, what, inverse in MEASURES:
+            num, den = col(rows, a, field_), col(rows, b, field_)
+            p = paired(den, num) if inverse else paired(num, den)
+            got[(a, b, field_)] = p
+            per = ", ".join(f"{x:.2f}" for x in p["ratios"])
+            out.append(
+                f"| {name} | {what} | {fmt_ratio(p)} | {fmt_interval(p)} | {p['median']:.2f} | {per} |"
+            )
+    return out, got
+
+
+def raw_table(rows: list[dict[str, dict]], keys: list[str]) -> list[str]:
+    out = [
+        "| round | server | decode 1 tok/s (tokens, chunks) | 4 conv sum tok/s | 4 conv aggregate tok/s "
+        "| 4 conv tokens | TTFT ms (prompt tokens) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, row in enumerate(rows, 1):
+        for k in keys:
+            v = row[k]
+            out.append(
+                f"| {i} | {k} | {v['d1']:.2f} ({v['d1_tokens']}, {v['d1_chunks']}) | {v['d4_sum']:.2f} | "
+                f"{v['d4_agg']:.2f} | {'/'.join(map(str, v['d4_tokens']))} | {v['ttft_ms']:.0f} ({v['prefill_prompt']}) |"
+            )
+    return out
+
+
+def summary_block(got: dict[tuple, dict], rounds: int) -> str:
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    date = datetime.now().strftime("%Y-%m-%d")
+    rows = []
+    c = got[("compile", "off", "d1")]
+    rows.append(
+        f"| speed | `kvlab serve --capture compile` decode, 1 conversation, 1 thread | **{fmt_ratio(c)}** eager's "
+        f"rate ({rounds} paired rounds, 95% {fmt_interval(c)}) | kvlab serve --capture off, fp32, 1 thread | "
+        f"CPU 2 cores | {date} | {commit} | current |"
+    )
+    if ("llama", "compile", "d1") in got:
+        p = got[("llama", "compile", "d1")]
+        mine = 1 / p["geo"]
+        status = "current" if mine >= 1.0 else "bar not met"
+        rows.append(
+            f"| speed | `kvlab serve --capture compile` decodes >= 1.0x llama-server (1 conversation, 1 thread) | "
+            f"**{mine:.2f}x** its rate (llama-server / kvlab {fmt_ratio(p)}, 95% {fmt_interval(p)}) | llama.cpp "
+            f"llama-server, F32 GGUF of the same weights, -t 1 | CPU 2 cores | {date} | {commit} | {status} |"
+        )
+    head = "| theme | claim | figure | versus | machine | date | commit | status |\n|---|---|---|---|---|---|---|---|"
+    return "<!-- summary -->\n" + head + "\n" + "\n".join(rows) + "\n<!-- /summary -->\n"
+
+
+def report(args, servers: list[Server], rows, floor: dict, minutes: float) -> tuple[str, str]:
+    keys = [s.key for s in servers]
+    ratios, got = ratio_table(rows, keys)
+    n1 = col(rows, "compile", "d1_tokens")
+    floor_ms = floor["bytes"] / floor["bw"] * 1000
+    llama = "" if "llama" in keys else (
+        "\n**No llama-server column**: the run had no `--llama-server`/`--gguf` "
+        "(build them with `scripts/build_llama_server.sh`).\n"
+    )  # fmt: skip
+    prompt_tokens = [str(rows[0][k]["d1_prompt"]) for k in keys]
+    body = "\n".join([
+        f"{args.rounds} measured rounds after one warm-up round (discarded); the servers' order rotates each round. "
+        f"Every server: SmolLM2-135M-Instruct, float32, ONE thread, greedy, `max_tokens` {args.max_tokens}; "
+        f"decode prompts of {'/'.join(prompt_tokens)} tokens (per server, the chat template's count), prefill prompts of "
+        f"{rows[0][keys[0]]['prefill_prompt']} tokens. Wall time of the rounds: {minutes:.1f} min.",
+        llama,
+        "Servers (named in full):",
+        "",
+        *[f"- `{s.key}`: {s.label}" for s in servers],
+        "",
+        "### Per setting (median over rounds)",
+        "",
+        *setting_table(rows, keys, floor),
+        "",
+        f"Weight-bandwidth floor: {floor['bytes'] / 1e6:.1f} MB of fp32 weights read once per decode step, at "
+        f"{floor['bw'] / 1e9:.2f} GB/s (one thread summing 1 GiB of float32, best of 5: "
+        f"{floor['bws'][0] / 1e9:.2f} GB/s before the rounds, {floor['bws'][1] / 1e9:.2f} GB/s after) = "
+        f"**{floor_ms:.1f} ms/token** at 1 conversation (the same bytes serve all 4 rows of a step, so 4 "
+        f"conversations' floor is {4000 / floor_ms:.0f} tok/s). 'floor / measured' is the share of a "
+        "step the weight read alone explains; the rest is compute, attention over the cache, and overhead.",
+        "",
+        "### Paired ratios (per round; > 1: the first server is faster)",
+        "",
+        *ratios,
+        "",
+        "### Notes",
+        "",
+        "- The machine was shared: another CPU-heavy job (`benchmarks/calibrate_ruler.py`, a RULER calibration) "
+        "ran on the other core for the whole run, and other short jobs came and went; that is why the servers "
+        "alternate round by round and every ratio is paired within a round.",
+        f"- kvlab has no `ignore_eos`: its replies have the tokens counted in the raw rows (kvlab-compile "
+        f"at 1 conversation: {min(n1)}-{max(n1)} of {args.max_tokens}); llama-server was asked to `ignore_eos` "
+        "and to skip its prompt cache (`cache_prompt: false`, `-cram 0`).",
+        "- Decode rate = (tokens - 1) / (last streamed token - first), client side, per conversation; the "
+        "4-conversation aggregate = (all tokens - 1) / (last token of any - first token of any).",
+        "- Prefill: time to first token of a ~500-token prompt (`max_tokens` 1); 'prefill tok/s' = its prompt "
+        "tokens / TTFT.",
+        "- Logs of every server: `benchmarks/out/serve-decode-*.log`.",
+        "",
+        "### Raw rows",
+        "",
+        *raw_table(rows, keys),
+    ])  # fmt: skip
+    return body, summary_block(got, args.rounds)
+
+
+if __name__ == "__main__":
+    run_main(main)
