@@ -449,6 +449,17 @@ def summary_block(got: dict[tuple, dict], rounds: int) -> str:
     return "<!-- summary -->\n" + head + "\n" + "\n".join(rows) + "\n<!-- /summary -->\n"
 
 
+def goal_line(got: dict[tuple, dict]) -> str:
+    """The issue's goal in words: kvlab-compile's decode rate as a multiple of llama-server's."""
+    if ("llama", "compile", "d1") not in got:
+        return ""
+    one, four = got[("llama", "compile", "d1")], got[("llama", "compile", "d4_sum")]
+    return (
+        f"**Goal (decode >= 1.0x llama-server): kvlab serve --capture compile decodes at {1 / one['geo']:.2f}x "
+        f"llama-server's rate at 1 conversation and {1 / four['geo']:.2f}x at 4 (sum of rates).**\n"
+    )
+
+
 def report(args, servers: list[Server], rows, floor: dict, minutes: float) -> tuple[str, str]:
     keys = [s.key for s in servers]
     ratios, got = ratio_table(rows, keys)
@@ -484,6 +495,7 @@ def report(args, servers: list[Server], rows, floor: dict, minutes: float) -> tu
         "",
         *ratios,
         "",
+        goal_line(got),
         "### Notes",
         "",
         "- The machine was shared: another CPU-heavy job (`benchmarks/calibrate_ruler.py`, a RULER calibration) "
