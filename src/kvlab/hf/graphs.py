@@ -8,7 +8,8 @@ without giving up the roll:
 * ``mode="cuda-graph"``: each feed size is captured into a ``torch.cuda.CUDAGraph`` the first time it
   runs (after two eager warm-ups that compute the real result), then replayed;
 * ``mode="compile"``: the step is ``torch.compile(fullgraph=True)``-d (``"reduce-overhead"``, i.e.
-  inductor plus CUDA graphs, on CUDA; inductor's C++ kernels on the CPU);
+  inductor plus CUDA graphs, on CUDA; on the CPU inductor with the weights frozen into the graph and
+  packed for its C++ GEMM templates, since a CPU decode step is bound by reading the weights);
 * ``mode="eager"``: the same step, uncaptured (the reference the other two are tested against).
 
 The step reads only fixed tensors (the feed's token ids and positions, the cache's buffers, its
@@ -95,7 +96,9 @@ class RollingDecoder:
         mode: ``"cuda-graph"``, ``"compile"``, ``"eager"``, or ``"auto"`` (CUDA graphs on CUDA, eager
             elsewhere).
         compile_mode: ``torch.compile``'s mode for ``mode="compile"`` (default: ``"reduce-overhead"``
-            on CUDA, inductor's default elsewhere).
+            on CUDA; elsewhere ``"frozen"``: inductor with the weights frozen into the graph as constants,
+            packed for its C++ GEMM templates and autotuned, which holds a second copy of the weights and
+            compiles for a minute or two; ``"default"``: inductor's default).
 
     Each step returns the ``[batch, vocab]`` float32 logits of the feed's last token (a new tensor).
     The decoder owns the cache while it runs: do not feed the cache by other means in between.
@@ -132,7 +135,7 @@ class RollingDecoder:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: Callable[[int], torch.Tensor] | None = None
         self._compiled_sizes: set[int] = set()
-        self._compile_mode = compile_mode or ("reduce-overhead" if cuda else None)
+        self._compile_mode = compile_mode or ("reduce-overhead" if cuda else "frozen")
         self.captures = 0  # graphs captured (cuda-graph) or feed sizes compiled
 
     # -- public ---------------------------------------------------------------------------------------
@@ -216,6 +219,9 @@ class RollingDecoder:
                 "reduce-overhead": {"triton.cudagraphs": True},
                 "max-autotune": {"max_autotune": True, "triton.cudagraphs": True},
                 "max-autotune-no-cudagraphs": {"max_autotune": True},
+                # the CPU's default: the weights frozen into the graph and packed for inductor's C++ GEMM
+                # templates (a decode step is bound by reading the weights: ~2x aten's fp32 GEMV, one thread)
+                "frozen": {"freezing": True, "max_autotune": True},
             }.get(self._compile_mode or "default", {})
             if self.cache.codec != "none":
                 options = {**options, "emulate_precision_casts": True}

@@ -34,6 +34,7 @@ class CapturedRows:
             handle.config, rule, rows=rows, most_sinks=most, dtype=handle.dtype, device=handle.device
         )
         self.decoder = RollingDecoder(handle, self.pool, mode=mode)
+        self.step([], [])  # compiled or captured now, before the server listens: no row fed, all write scratch
 
     def join(self, cache: RollingCache) -> int:
         """A conversation starts decoding: its eager cache's state into a free row; returns the row."""
@@ -52,5 +53,6 @@ class CapturedRows:
         float32 logits."""
         self.pool.feeding = list(rows)
         ids = torch.zeros(self.pool.batch, dtype=torch.long)
-        ids[rows] = torch.tensor(tokens, dtype=torch.long)
+        if rows:
+            ids[rows] = torch.tensor(tokens, dtype=torch.long)
         return self.decoder.feed(ids)[rows]
