@@ -34,7 +34,9 @@ class CapturedRows:
             handle.config, rule, rows=rows, most_sinks=most, dtype=handle.dtype, device=handle.device
         )
         self.decoder = RollingDecoder(handle, self.pool, mode=mode)
-        self.step([], [])  # compiled or captured now, before the server listens: no row fed, all write scratch
+        self.step(
+            [], []
+        )  # compiled or captured now, before the server listens: no row fed, all write scratch
 
     def join(self, cache: RollingCache) -> int:
         """A conversation starts decoding: its eager cache's state into a free row; returns the row."""
