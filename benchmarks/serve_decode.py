@@ -31,15 +31,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import NoReturn
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the servers inherit it; this process reads with 1 thread
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -49,9 +52,10 @@ import openai  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, Refusal, run_main, write_results  # noqa: E402
-from serve import LOGS, free_port, passages, start, stop  # noqa: E402
+from serve import LOGS, free_port, passages, stop  # noqa: E402
 
 MODEL = "smollm2-135m"
+ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("off", "compile", "llama")
 ESSAY = (
     "Write a long, detailed essay about the history of bridges, with many examples from different countries."
@@ -72,14 +76,23 @@ class Server:
         )
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line and exit 2 (run_main), not argparse's usage block
+        raise Refusal(message)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7, help="measured rounds after the warm-up (>= 5 to write)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens asked per reply")
     ap.add_argument("--prefill-tokens", type=int, default=500, help="about this many prompt tokens (prefill)")
     ap.add_argument("--llama-server", type=Path, help="a llama-server binary (scripts/build_llama_server.sh)")
     ap.add_argument("--gguf", type=Path, help="the F32 GGUF of the same weights, for --llama-server")
     ap.add_argument("--no-write", action="store_true", help="print the tables, write no results file")
+    ap.add_argument(
+        "--kvlab-commit", default="HEAD", help="serve kvlab from a clean copy of this commit's src/"
+    )
+    ap.add_argument("--working-tree", action="store_true", help="serve kvlab from the working tree instead")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         raise Refusal(f"--rounds must be >= 1, got {args.rounds}")
@@ -97,10 +110,36 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise Refusal(f"--llama-server {args.llama_server} is not an executable file")
     if args.gguf is not None and not args.gguf.is_file():
         raise Refusal(f"--gguf {args.gguf} is not a file")
+    if args.working_tree and args.kvlab_commit != "HEAD":
+        raise Refusal("--working-tree and --kvlab-commit exclude each other")
+    probe = ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{args.kvlab_commit}^{{commit}}"]
+    if subprocess.run(probe, capture_output=True).returncode != 0:
+        raise Refusal(f"--kvlab-commit {args.kvlab_commit!r} is not a commit of this repository")
     return args
 
 
 # --- servers ---------------------------------------------------------------------------------------------
+
+
+def start(cmd: list[str], port: int, log: Path, minutes: float = 30) -> subprocess.Popen:
+    """``cmd`` started (output to ``log``), once it answers ``/v1/models``: ``kvlab serve --capture compile``
+    compiles (and autotunes) its step before it listens, which on one thread can take many minutes."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=5)
+    deadline = time.monotonic() + minutes * 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{Path(cmd[0]).name} {' '.join(cmd[1:4])} exited: {log.read_text()[-1500:]}")
+        try:
+            client.models.list()
+            return proc
+        except openai.OpenAIError:
+            time.sleep(0.5)
+    stop(proc)
+    raise RuntimeError(f"{Path(cmd[0]).name} {' '.join(cmd[1:4])} did not start in {minutes} minutes")
 
 
 def torch_kernel() -> str:
@@ -128,7 +167,9 @@ def start_kvlab(capture: str) -> Server:
     )
     cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(port), "--device", "cpu", "--max-batch", "4"]
     server = Server(capture, label, port)
+    t0 = time.perf_counter()
     server.proc = start([*cmd, "--capture", capture], port, LOGS / f"serve-decode-{capture}.log")
+    server.label += f"; ready {time.perf_counter() - t0:.0f} s after launch"
     return server
 
 
@@ -139,20 +180,46 @@ def log_value(log: Path, key: str) -> str:
 
 
 def start_llama(binary: Path, gguf: Path) -> Server:
-    port = free_port()
-    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-tb", "1",
-           "-c", "4096", "-np", "4", "-cram", "0", "--no-webui"]  # fmt: skip
-    log = LOGS / "serve-decode-llama.log"
-    server = Server("llama", "", port, {"ignore_eos": True, "cache_prompt": False})
-    server.proc = start(cmd, port, log)
+    def launch(name: str, *extra: str) -> tuple[subprocess.Popen, int, Path]:
+        port = free_port()
+        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-tb", "1",
+               "-c", "4096", "-np", "4", "-cram", "0", "--no-webui", *extra]  # fmt: skip
+        return start(cmd, port, LOGS / f"serve-decode-{name}.log"), port, LOGS / f"serve-decode-{name}.log"
+
+    probe, _, log = launch("llama-probe", "-lv", "5")  # trace logging (what it runs on), then stopped
+    stop(probe)
+    info, fa = log_value(log, "system_info:"), log_value(log, "flash_attn ")
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
     build = " ".join((version.stdout + version.stderr).split()[:6])
-    info, fa = log_value(log, "system_info:"), log_value(log, "flash_attn")
+    server = Server("llama", "", 0, {"ignore_eos": True, "cache_prompt": False})
+    server.proc, server.port, _ = launch("llama")  # default logging: none per token
     server.label = (
         f"llama.cpp llama-server ({build}; ggml CPU backend, F32 GGUF `{gguf.name}`, -t 1 -tb 1, "
-        f"-c 4096 -np 4 (1,024 per slot), flash_attn {fa}, continuous batching; system_info: {info})"
+        f"-c 4096 -np 4 (1,024 per slot), flash_attn {fa}, continuous batching; {info})"
     )
     return server
+
+
+def git(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def kvlab_snapshot(work: Path, rev: str) -> str:
+    """``rev``'s ``src/`` copied into ``work`` (``git archive``) and put first on the kvlab servers'
+    PYTHONPATH, so what they run is the commit the results name, not the working tree (which others may be
+    editing); returns that commit."""
+    root = ROOT
+    commit = git("rev-parse", "--short", rev)
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", commit, "src"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(work)], input=archive.stdout, check=True)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(work / "src"), os.environ.get("PYTHONPATH")) if p
+    )
+    return commit
 
 
 # --- requests --------------------------------------------------------------------------------------------
@@ -325,7 +392,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     texts = passages(args.rounds + 1, args.prefill_tokens - 40, skip=60)
     bw_before = read_bandwidth()
     servers: list[Server] = []
+    work = Path(tempfile.mkdtemp(prefix="kvlab-serve-decode-"))
     try:
+        args.commit = (
+            git("rev-parse", "--short", "HEAD")
+            if args.working_tree
+            else kvlab_snapshot(work, args.kvlab_commit)
+        )
         servers.append(start_kvlab("off"))
         servers.append(start_kvlab("compile"))
         if args.llama_server is not None:
@@ -335,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         minutes = (time.perf_counter() - t0) / 60
     finally:
         stop(*[s.proc for s in servers if s.proc is not None])
+        shutil.rmtree(work, ignore_errors=True)
     bw_after = read_bandwidth()
     floor = {"bytes": weight_bytes(folder), "bw": max(bw_before, bw_after), "bws": (bw_before, bw_after)}
     body, summary = report(args, servers, rows, floor, minutes)
@@ -424,10 +498,7 @@ def raw_table(rows: list[dict[str, dict]], keys: list[str]) -> list[str]:
     return out
 
 
-def summary_block(got: dict[tuple, dict], rounds: int) -> str:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+def summary_block(got: dict[tuple, dict], rounds: int, commit: str) -> str:
     date = datetime.now().strftime("%Y-%m-%d")
     rows = []
     c = got[("compile", "off", "d1")]
@@ -447,6 +518,15 @@ def summary_block(got: dict[tuple, dict], rounds: int) -> str:
         )
     head = "| theme | claim | figure | versus | machine | date | commit | status |\n|---|---|---|---|---|---|---|---|"
     return "<!-- summary -->\n" + head + "\n" + "\n".join(rows) + "\n<!-- /summary -->\n"
+
+
+def kvlab_source(args: argparse.Namespace) -> str:
+    if not args.working_tree:
+        return f"a clean copy of commit {args.commit}'s src/ (`git archive`, `--kvlab-commit`), not the working tree"
+    dirty = git("status", "--porcelain", "src")
+    return f"the working tree at commit {args.commit}" + (
+        ", with uncommitted changes in src/" if dirty else ""
+    )
 
 
 def goal_line(got: dict[tuple, dict]) -> str:
@@ -508,13 +588,14 @@ def report(args, servers: list[Server], rows, floor: dict, minutes: float) -> tu
         "4-conversation aggregate = (all tokens - 1) / (last token of any - first token of any).",
         "- Prefill: time to first token of a ~500-token prompt (`max_tokens` 1); 'prefill tok/s' = its prompt "
         "tokens / TTFT.",
+        f"- kvlab code: {kvlab_source(args)}.",
         "- Logs of every server: `benchmarks/out/serve-decode-*.log`.",
         "",
         "### Raw rows",
         "",
         *raw_table(rows, keys),
     ])  # fmt: skip
-    return body, summary_block(got, args.rounds)
+    return body, summary_block(got, args.rounds, args.commit)
 
 
 if __name__ == "__main__":
