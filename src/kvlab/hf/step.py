@@ -82,10 +82,9 @@ def grouped_sdpa(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
     q = query.reshape(b, key.shape[1], groups * n, d)  # head j*groups + i, token t -> row i*n + t
     mask = attention_mask.repeat(1, 1, groups, 1) if n > 1 else attention_mask
-    if (
-        n == 1 and q.device.type == "cpu"
-    ):  # a decode step: SDPA's CPU flash kernel takes ~10x two matmuls here
-        scores = (q @ key.transpose(-1, -2)) * (kw.get("scaling") or d**-0.5) + mask
+    if n == 1 and q.device.type == "cpu":  # one query: SDPA's CPU flash kernel takes ~10x two matmuls here
+        scores = (q @ key.transpose(-1, -2)) * (kw.get("scaling") or d**-0.5)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype) @ value
     else:
         out = torch.nn.functional.scaled_dot_product_attention(

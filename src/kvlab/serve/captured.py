@@ -54,7 +54,7 @@ class CapturedRows:
         """Feed ``tokens[i]`` to row ``rows[i]`` (the other rows sit this step out); ``[len(rows), vocab]``
         float32 logits."""
         self.pool.feeding = list(rows)
-        ids = torch.zeros(self.pool.batch, dtype=torch.long)
+        ids = torch.zeros(self.pool.batch, dtype=torch.long, device=self.pool.device)
         if rows:
-            ids[rows] = torch.tensor(tokens, dtype=torch.long)
+            ids[rows] = torch.tensor(tokens, dtype=torch.long, device=self.pool.device)
         return self.decoder.feed(ids)[rows]
