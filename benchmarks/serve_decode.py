@@ -188,14 +188,16 @@ def start_llama(binary: Path, gguf: Path) -> Server:
 
     probe, _, log = launch("llama-probe", "-lv", "5")  # trace logging (what it runs on), then stopped
     stop(probe)
-    info, fa = log_value(log, "system_info:"), log_value(log, "flash_attn ")
+    info, fa, kv = log_value(log, "system_info:"), log_value(log, "flash_attn "), log_value(log, "K (")
+    fa += " (FLASH_ATTN_EXT in its graph: on)" if "FLASH_ATTN_EXT" in log.read_text(errors="replace") else ""
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
     build = " ".join((version.stdout + version.stderr).split()[:6])
     server = Server("llama", "", 0, {"ignore_eos": True, "cache_prompt": False})
     server.proc, server.port, _ = launch("llama")  # default logging: none per token
     server.label = (
         f"llama.cpp llama-server ({build}; ggml CPU backend, F32 GGUF `{gguf.name}`, -t 1 -tb 1, "
-        f"-c 4096 -np 4 (1,024 per slot), flash_attn {fa}, continuous batching; {info})"
+        f"-c 4096 -np 4 (1,024 per slot), flash_attn {fa}, KV cache {kv.split(':')[0].strip(' )')} (its "
+        f"default), continuous batching; {info})"
     )
     return server
 
