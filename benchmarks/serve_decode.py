@@ -500,6 +500,15 @@ def raw_table(rows: list[dict[str, dict]], keys: list[str]) -> list[str]:
     return out
 
 
+def status(commit: str, otherwise: str = "current") -> str:
+    """'code changed since' where HEAD's src/ is not the measured commit's (e.g. ``--kvlab-commit`` older)."""
+    same = (
+        subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", commit, "HEAD", "--", "src"]).returncode
+        == 0
+    )
+    return otherwise if same else "code changed since"
+
+
 def summary_block(got: dict[tuple, dict], rounds: int, commit: str) -> str:
     date = datetime.now().strftime("%Y-%m-%d")
     rows = []
@@ -507,16 +516,16 @@ def summary_block(got: dict[tuple, dict], rounds: int, commit: str) -> str:
     rows.append(
         f"| speed | `kvlab serve --capture compile` decode, 1 conversation, 1 thread | **{fmt_ratio(c)}** eager's "
         f"rate ({rounds} paired rounds, 95% {fmt_interval(c)}) | kvlab serve --capture off, fp32, 1 thread | "
-        f"CPU 2 cores | {date} | {commit} | current |"
+        f"CPU 2 cores | {date} | {commit} | {status(commit)} |"
     )
     if ("llama", "compile", "d1") in got:
         p = got[("llama", "compile", "d1")]
         mine = 1 / p["geo"]
-        status = "current" if mine >= 1.0 else "bar not met"
+        met = "current" if mine >= 1.0 else "bar not met"
         rows.append(
             f"| speed | `kvlab serve --capture compile` decodes >= 1.0x llama-server (1 conversation, 1 thread) | "
             f"**{mine:.2f}x** its rate (llama-server / kvlab {fmt_ratio(p)}, 95% {fmt_interval(p)}) | llama.cpp "
-            f"llama-server, F32 GGUF of the same weights, -t 1 | CPU 2 cores | {date} | {commit} | {status} |"
+            f"llama-server, F32 GGUF of the same weights, -t 1 | CPU 2 cores | {date} | {commit} | {status(commit, met)} |"
         )
     head = "| theme | claim | figure | versus | machine | date | commit | status |\n|---|---|---|---|---|---|---|---|"
     return "<!-- summary -->\n" + head + "\n" + "\n".join(rows) + "\n<!-- /summary -->\n"
@@ -524,7 +533,9 @@ def summary_block(got: dict[tuple, dict], rounds: int, commit: str) -> str:
 
 def kvlab_source(args: argparse.Namespace) -> str:
     if not args.working_tree:
-        return f"a clean copy of commit {args.commit}'s src/ (`git archive`, `--kvlab-commit`), not the working tree"
+        head = git("rev-parse", "--short", "HEAD")
+        newer = "" if status(args.commit) == "current" else f"; HEAD ({head}) has a different src/ since"
+        return f"a clean copy of commit {args.commit}'s src/ (`git archive`, `--kvlab-commit`), not the working tree{newer}"
     dirty = git("status", "--porcelain", "src")
     return f"the working tree at commit {args.commit}" + (
         ", with uncommitted changes in src/" if dirty else ""
