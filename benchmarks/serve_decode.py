@@ -32,6 +32,7 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -387,6 +388,7 @@ def run_rounds(
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the servers too (finally)
     from kvlab.model.loading import bundled_model_dir
 
     folder = bundled_model_dir()
@@ -417,6 +419,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.no_write:
         print(body)
         return
+    # the command the file shows: build outputs as DEST/<name>, no machine path
+    sys.argv[1:] = [f"DEST/{Path(a).name}" if Path(a).is_absolute() else a for a in sys.argv[1:]]
     path = RESULTS / "serve_decode.md"
     path.write_text(summary)  # write_results carries a file's summary block over to the head: this one
     write_results(
@@ -602,7 +606,8 @@ def report(args, servers: list[Server], rows, floor: dict, minutes: float) -> tu
         "- Prefill: time to first token of a ~500-token prompt (`max_tokens` 1); 'prefill tok/s' = its prompt "
         "tokens / TTFT.",
         f"- kvlab code: {kvlab_source(args)}.",
-        "- Logs of every server: `benchmarks/out/serve-decode-*.log`.",
+        "- Logs of every server: `benchmarks/out/serve-decode-*.log`. In the command, DEST is the folder given "
+        "to `scripts/build_llama_server.sh DEST` (llama-server and the F32 GGUF it converted).",
         "",
         "### Raw rows",
         "",
