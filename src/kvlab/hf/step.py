@@ -83,14 +83,29 @@ def grouped_sdpa(
     q = query.reshape(b, key.shape[1], groups * n, d)  # head j*groups + i, token t -> row i*n + t
     mask = attention_mask.repeat(1, 1, groups, 1) if n > 1 else attention_mask
     if n == 1 and q.device.type == "cpu":  # one query: SDPA's CPU flash kernel takes ~10x two matmuls here
-        scores = (q @ key.transpose(-1, -2)) * (kw.get("scaling") or d**-0.5)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype) @ value
+        out = _one_query(q, key, value, mask, kw.get("scaling") or d**-0.5)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, key, value, attn_mask=mask, scale=kw.get("scaling")
         )
     return out.reshape(b, heads, n, d).transpose(1, 2).contiguous(), None
+
+
+def _one_query(
+    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of ``q`` ``[B, Hkv, groups, D]`` (one token's query heads) over ``key``/``value``
+    ``[B, Hkv, T, D]`` under ``mask`` (additive or boolean, ``[B, 1 | Hkv, 1, T]``). Compiled, the products
+    are written as sums that inductor fuses into one pass over the keys and one over the values (its
+    autotuned GEMM templates, which the frozen CPU step uses for the weights, take ~5x at these shapes)."""
+    compiled = torch.compiler.is_compiling()
+    if compiled:
+        scores = (q.unsqueeze(-2) * key.unsqueeze(-3)).sum(-1) * scale
+    else:
+        scores = (q @ key.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return (w.unsqueeze(-1) * value.unsqueeze(-3)).sum(-2) if compiled else w @ value
 
 
 def causal_after(q_len: int, total: int, device: Any) -> torch.Tensor:
