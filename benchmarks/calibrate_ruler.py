@@ -9,9 +9,11 @@ by :func:`kvlab.eval.run.run_trial` with the full cache, exactly as ``benchmarks
 Writes the calibration JSON (``--out``, default ``benchmarks/results/ruler_calibration.json``: what
 ``benchmarks/eval_ruler.py --calibration`` reads; every setting's per-trial seeds, scores and outputs in
 it) and the report (``--results``, default ``benchmarks/results/ruler_calibration.md``); each setting
-is also appended to ``<out>.progress.jsonl`` as it finishes.
+is also appended to ``<out>.progress.jsonl`` as it finishes, and each trial to ``<out>.trials.jsonl``:
+``--resume`` replays a stopped run from those trials and runs only the rest.
 
     nice -n 10 python3 benchmarks/calibrate_ruler.py --lengths 1024          # about 35 min on 1 thread
+    nice -n 10 python3 benchmarks/calibrate_ruler.py --lengths 1024 --resume # go on after a stop
     python3 benchmarks/calibrate_ruler.py --report-only                      # re-write the report
 """
 
@@ -58,6 +60,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=OUT, help="the calibration JSON")
     ap.add_argument("--results", type=Path, default=RESULTS, help="the report")
     ap.add_argument("--report-only", action="store_true", help="re-write the report from --out")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the trials an earlier run of the same command recorded (<out>.trials.jsonl): the walk "
+        "replays them and runs only the trials it has not run",
+    )
     args = ap.parse_args(argv)
     args.length_list = [int(v) for v in args.lengths.split(",") if v.strip()]
     args.task_list = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -79,19 +87,39 @@ def _commit() -> str:
         return "?"
 
 
-def scorer(handle: Any, text: str) -> Any:
+def _key(task: str, length: int, seed: int, knobs: Mapping[str, int]) -> str:
+    return json.dumps([task, int(length), int(seed), sorted(knobs.items())])
+
+
+def recorded(trials: Path) -> dict[str, dict]:
+    """The trials an earlier run recorded in ``trials`` (one JSON line each, keyed as :func:`_key`)."""
+    if not trials.exists():
+        return {}
+    out = {}
+    for line in trials.read_text().splitlines():
+        if line.strip():
+            doc = json.loads(line)
+            out[doc["key"]] = doc["row"]
+    return out
+
+
+def scorer(handle: Any, text: str, trials: Path, memo: Mapping[str, dict]) -> Any:
     """``score(task, length, seed, knobs)``: one trial on the full cache (:func:`kvlab.eval.run.run_trial`),
-    as a raw row."""
+    as a raw row, appended to ``trials`` as it finishes; a trial in ``memo`` (a resumed run's) is not run
+    again (the walk is a function of the trials' scores, so it replays the same way)."""
     from kvlab.eval.run import parse_cache_specs, run_trial
     from kvlab.eval.tasks import make_trial
 
     full = parse_cache_specs(["full"])
 
     def score(task: str, length: int, seed: int, knobs: Mapping[str, int]) -> dict:
+        key = _key(task, length, seed, knobs)
+        if key in memo:
+            return memo[key]
         t0 = time.perf_counter()
         trial = make_trial(task, handle, length, seed, text, knobs)
         (row,) = run_trial(handle, trial, full)
-        return {
+        out = {
             "seed": seed,
             "score": row["score"],
             "output": row["output"],
@@ -99,6 +127,9 @@ def scorer(handle: Any, text: str) -> Any:
             "prompt_tokens": row["context_tokens"] + row["question_tokens"],
             "seconds": round(time.perf_counter() - t0, 2),
         }
+        with open(trials, "a") as f:
+            f.write(json.dumps({"key": key, "row": out}) + "\n")
+        return out
 
     return score
 
@@ -114,7 +145,11 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> dict:
     source = read_text_file(args.haystack) if args.haystack else default_long_text()
     handle = load_model("smollm2-135m", device="cpu", dtype=args.dtype)
     progress = args.out.with_name(args.out.name + ".progress.jsonl")
+    trials = args.out.with_name(args.out.name + ".trials.jsonl")
     progress.parent.mkdir(parents=True, exist_ok=True)
+    memo = recorded(trials) if args.resume else {}
+    if not args.resume:
+        trials.write_text("")
     progress.write_text("")
     started = time.time()
 
@@ -142,7 +177,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> dict:
         "commit": _commit(),
     }
     doc = calibrate(
-        scorer(handle, source.text),
+        scorer(handle, source.text, trials, memo),
         args.task_list,
         args.length_list,
         n=args.n,
