@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.errors import BadInputError
+from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.serve.engine import EngineSettings, check_settings
 from tests.test_serve_isolation import Events, _engine, _idle, _ids, _request
 
@@ -58,6 +58,8 @@ def test_capture_refusals(tiny_model):
         check_settings(h, EngineSettings(cache="sinks=4,window=256,codec=kivi4", capture="compile"))
     with pytest.raises(BadInputError, match="capture must be"):
         check_settings(h, EngineSettings(capture="graphs"))  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedModelError, match="sliding-window layers"):
+        check_settings(tiny_model("gemma3"), EngineSettings(window=64, capture="compile"))
 
 
 def _conversations(server) -> list[tuple[str, int]]:

@@ -237,11 +237,7 @@ class StaticRollingCache(LiveCache):
         text = text_config(config)
         self.rule, rope, evict_chunk = rule, rule.rope, rule.evict_chunk
         sinks, window = int(rule.policy.sinks), int(rule.policy.window or 0)
-        if any(w is not None for w in sliding_windows(text)):
-            raise UnsupportedModelError(
-                "StaticRollingCache supports models whose layers all attend globally; this one has "
-                "sliding-window layers: use RollingCache"
-            )
+        check_ring_model(config)
         if codec not in ("none", *RING_CODECS):
             raise BadInputError(f"codec must be 'none' or 'int4', got {codec!r}")
         heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
@@ -566,6 +562,15 @@ class StaticRollingCache(LiveCache):
     def nbytes(self) -> Bytes:
         """Bytes held: every layer's buffers (codes, scales), the sinks' stored originals, the slot positions."""
         return Bytes(super().nbytes + tensor_bytes(self.sink_keys, self.sink_values, self.slot_pos))
+
+
+def check_ring_model(config: Any) -> None:
+    """Refuse a model the ring cannot hold: one with sliding-window layers (a ring layer attends globally)."""
+    if any(w is not None for w in sliding_windows(text_config(config))):
+        raise UnsupportedModelError(
+            "StaticRollingCache supports models whose layers all attend globally; this one has "
+            "sliding-window layers: use RollingCache"
+        )
 
 
 def static_rolling_cache_for(

@@ -67,6 +67,7 @@ from kvlab.hf.batch import step_rolling_rows_isolated
 from kvlab.hf.live_cache import LiveCache
 from kvlab.hf.policy_cache import cache_for
 from kvlab.hf.rolling_cache import RollingCache
+from kvlab.hf.static_rolling import check_ring_model
 from kvlab.loop import Sampling
 from kvlab.policy.spec import CachePolicy, SinksWindowLayout
 from kvlab.policy.spec import parse as parse_cache_spec
@@ -1026,6 +1027,7 @@ def check_settings(handle: ModelHandle, settings: EngineSettings) -> None:
         raise BadInputError(f"capture must be off, eager, compile or cuda-graph, got {settings.capture!r}")
     if settings.capture != "off":
         settings.policy.captured_roll(settings.capture)
+        check_ring_model(handle.config)
     # builds nothing but the rule (buffers are allocated on first use): raises for a bad window or model
     cache_for(settings.policy.live(), handle)
     if settings.policy.layout.held_at_most(handle.max_positions) is not None and not handle.max_positions:
