@@ -1,13 +1,14 @@
 """`kvlab serve --device cuda` answers the `openai` client, and says what the CPU server says.
 
 Builds a small random-weight Llama with the bundled model's tokenizer (``TOKENIZER_DIR``: a folder
-with ``tokenizer.json`` and the bundled model's ``config.json``), starts one server on CPU and one on
-CUDA (each a subprocess on 127.0.0.1), sends both the same greedy chat (two turns, the second
-continuing the first's cache) plus a streamed request, and prints the replies side by side. Exit 1
-if the CUDA server fails to answer; token-for-token agreement with the CPU server is reported, not
-required (fp32 on both, but different kernels may break a near-tie).
+with ``tokenizer.json`` and the bundled model's ``config.json``), starts one server per target (each a
+subprocess on 127.0.0.1): on CPU, on CUDA, and on CUDA with its decode steps captured as CUDA graphs
+(``cuda+cuda-graph``: ``--device cuda --capture cuda-graph``), sends each the same greedy chat (two
+turns, the second continuing the first's cache) plus a streamed request, and prints the replies and the
+seconds each conversation took side by side. Exit 1 if a CUDA server fails to answer; token-for-token
+agreement is reported, not required (fp32 everywhere, but different kernels may break a near-tie).
 
-    python scripts/gpu_serve_check.py TOKENIZER_DIR [--devices cpu,cuda]
+    python scripts/gpu_serve_check.py TOKENIZER_DIR [--devices cpu,cuda,cuda+cuda-graph]
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model: Path, device: str) -> tuple[subprocess.Popen, str]:
+def serve(model: Path, target: str) -> tuple[subprocess.Popen, str]:
+    device, _, capture = target.partition("+")
     port = free_port()
     log = open(Path(tempfile.gettempdir()) / f"kvlab-serve-{device.replace(':', '')}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -61,16 +63,18 @@ def serve(model: Path, device: str) -> tuple[subprocess.Popen, str]:
             device,
             "--port",
             str(port),
+            "--capture",
+            capture or "off",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
+    for _ in range(1200):  # a captured step is built before the server listens
         if proc.poll() is not None:
             tail = Path(log.name).read_text(errors="replace").splitlines()[-25:]
-            raise RuntimeError(f"kvlab serve --device {device} exited with {proc.returncode}:\n" + "\n".join(tail))
+            raise RuntimeError(f"kvlab serve {target} exited with {proc.returncode}:\n" + "\n".join(tail))
         try:
             with urllib.request.urlopen(url + "/health", timeout=1) as r:
                 if r.status == 200:
@@ -78,7 +82,7 @@ def serve(model: Path, device: str) -> tuple[subprocess.Popen, str]:
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"kvlab serve --device {device} did not answer /health in 120 s")
+    raise RuntimeError(f"kvlab serve {target} did not answer /health in 600 s")
 
 
 def converse(url: str) -> dict:
@@ -112,7 +116,7 @@ def converse(url: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("tokenizer_dir", type=Path)
-    ap.add_argument("--devices", default="cpu,cuda")
+    ap.add_argument("--devices", default="cpu,cuda,cuda+cuda-graph")
     args = ap.parse_args()
     model = Path(tempfile.mkdtemp(prefix="kvlab-tiny-serve-"))
     build_model(args.tokenizer_dir, model)
@@ -121,7 +125,9 @@ def main() -> int:
         proc = None
         try:
             proc, url = serve(model, device)
+            t0 = time.perf_counter()
             results[device] = converse(url)
+            results[device]["seconds"] = round(time.perf_counter() - t0, 3)
         except Exception as exc:
             results[device] = {"error": f"{type(exc).__name__}: {exc}"}
             failed = failed or device.startswith("cuda")
@@ -133,11 +139,13 @@ def main() -> int:
         if "error" in r:
             print(f"--- {d}: {r['error']}")
     print(json.dumps(results, indent=1))
-    devs = list(results)
-    if len(devs) == 2 and all("error" not in results[d] for d in devs):
-        a, b = (results[d] for d in devs)
+    devs = [d for d in results if "error" not in results[d]]
+    for other in devs[1:]:
+        a, b = results[devs[0]], results[other]
         same = all(a[k] == b[k] for k in ("first", "second", "streamed"))
-        print(f"serve {devs[0]} vs {devs[1]}: replies identical: {same}")
+        print(
+            f"serve {devs[0]} vs {other}: replies identical: {same}; seconds {a['seconds']} vs {b['seconds']}"
+        )
     print("serve check:", "FAILED" if failed else "ok")
     return 1 if failed else 0
 

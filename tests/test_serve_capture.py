@@ -112,3 +112,15 @@ def test_kvlab_serve_capture_compile_answers_as_eager_serve(tmp_path):
         assert f'"capture":"{capture}"'.encode() in status
     assert answers["compile"] == answers["off"]
     assert sum(rolls for _, rolls in answers["off"]) >= 3  # the windows (96 + 4 sinks) rolled
+
+
+def test_a_fresh_model_compiles_its_captured_step_before_anything_else():
+    """The server builds its compiled step at start-up, before the model ran once: nothing the traced step
+    reads may be computed lazily under a lock (a ``cached_property`` of the handle was)."""
+    from kvlab.model.random import tiny_random_model
+    from kvlab.serve.captured import CapturedRows
+    from tests.conftest import config_path
+
+    h = tiny_random_model(config_path("llama"))  # not the cached fixture: nothing has run on it
+    rows = CapturedRows(h, EngineSettings(window=64, sinks=4, evict_chunk=16).policy, 2, "compile")
+    assert rows.decoder.captures == 1

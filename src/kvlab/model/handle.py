@@ -95,6 +95,8 @@ class ModelHandle:
         self.config = model.config
         self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         self._weights_digest = weights_digest
+        # read once here: run() is traced by torch.compile, which cannot enter a cached_property's lock
+        self._cache_kwarg = cache_argument(model)
 
     # -- facts -------------------------------------------------------------------------------------
     @cached_property
@@ -150,10 +152,6 @@ class ModelHandle:
             default=str,
         )
         return hashlib.sha256(payload.encode()).hexdigest()
-
-    @cached_property
-    def _cache_kwarg(self) -> str:
-        return cache_argument(self.model)
 
     # -- tokens ------------------------------------------------------------------------------------
     def encode(self, text: str, *, chat: bool = False) -> list[int]:
