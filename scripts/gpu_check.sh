@@ -3,7 +3,8 @@
 # H100/H200 image has torch 2.11 and transformers 5.17; carry the transformers you test with as wheels
 # in .whl/: scripts/gpu_prepare.sh makes them). Writes everything under $OUT (default /tmp/kvlab-gpu):
 #   1. benchmarks/gpu.py: decode, roll and store at Llama-3.1-8B geometry (its own time budget);
-#   2. scripts/gpu_serve_check.py (beside 3.): `kvlab serve --device cuda` driven by the openai client, vs --device cpu
+#   2. scripts/gpu_serve_check.py (beside 3.): `kvlab serve --device cuda` (eager, and --capture cuda-graph) driven by
+#      the openai client, vs --device cpu
 #      (needs the bundled model's tokenizer files in .gpu/tok/: tokenizer.json, config.json, ...);
 #   3. the device-parametrized tests (CPU and CUDA): `make test-gpu`'s files
 #   (0. first, the Triton kernels' own tests on the card: their log says whether every variant works there).
@@ -36,7 +37,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 # 0. the Triton kernels on this card first (the split kernel under several launches, the int4 writer, the
 #    captured and compiled steps against eager): a failure is in preflight.log before any figure is trusted
 KVLAB_TEST_NO_SKIPS=1 timeout "${PREFLIGHT_S:-150}" python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_static_rolling.py -k "split_attention or int4_writer or cuda_graph or compiled_fullgraph_cuda" > "$OUT/preflight.log" 2>&1
+  tests/test_static_rolling.py tests/test_ring_rows.py -k "split_attention or int4_writer or cuda_graph or compiled_fullgraph_cuda" > "$OUT/preflight.log" 2>&1
 pre=$?
 echo "preflight rc=$pre"; tail -n 4 "$OUT/preflight.log"
 [ $pre -ne 0 ] && echo "preflight FAILED: read $OUT/preflight.log before trusting the figures below"
@@ -52,7 +53,7 @@ tail -n 45 "$OUT/gpu.md" 2>/dev/null || tail -n 40 "$OUT/bench.log"
 t=$(( $(left) - 5 ))
 echo "== tests ($t s) and serve, side by side"
 KVLAB_TEST_NO_SKIPS=1 timeout "$t" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TESTS:+-k "$TESTS"} \
-  tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py > "$OUT/pytest.log" 2>&1 &
+  tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py tests/test_ring_rows.py > "$OUT/pytest.log" 2>&1 &
 tests=$!
 timeout ${SERVE_S:-75} python3 scripts/gpu_serve_check.py .gpu/tok > "$OUT/serve.log" 2>&1
 echo "serve rc=$?"; grep -A12 -- "^---" "$OUT/serve.log" | head -40; tail -n 3 "$OUT/serve.log"

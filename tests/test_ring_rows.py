@@ -16,7 +16,7 @@ from kvlab.errors import BadInputError
 from kvlab.hf.graphs import RollingDecoder
 from kvlab.hf.ring_rows import RingRows
 from kvlab.hf.rolling_cache import RollingCache
-from tests.test_static_rolling import LOGIT_TOL, _ids, _model
+from tests.test_static_rolling import DEVICES, LOGIT_TOL, _ids, _model
 
 WINDOW, CHUNK = 40, 8
 
@@ -39,16 +39,16 @@ def _pool(h, rows: int = 4) -> RingRows:
     return RingRows(h.config, rule, rows=rows, most_sinks=12, dtype=h.dtype, device=h.device)
 
 
-def _run(mode: str, tiny_model) -> tuple[float, dict]:
+def _run(mode: str, tiny_model, device: str = "cpu") -> tuple[float, dict]:
     """Three conversations (4, 9 and 12 sinks) joining at steps 0, 0 and 30; the first leaves at 60 and
     goes on eagerly; 220 steps in all (rolls every 8 tokens, re-bases at the maximum position 256).
     Returns the worst logit difference and the conversations' counts."""
-    h = _model(None, "cpu", tiny_model, max_positions=256)
+    h = _model(None, device, tiny_model, max_positions=256)
     pool = _pool(h)
     dec = RollingDecoder(h, pool, mode=mode)
     convs = {}
     for name, sinks, n, seed in (("a", 4, 20, 1), ("b", 9, 37, 2), ("c", 12, 5, 3)):
-        ids = _ids(n + 260, seed=seed)
+        ids = _ids(n + 260, seed=seed).to(device)
         ref, mine = _conversation(h, sinks, ids[:n])
         convs[name] = {"ids": ids, "at": n, "ref": ref, "mine": mine, "row": None}
     worst = 0.0
@@ -63,7 +63,7 @@ def _run(mode: str, tiny_model) -> tuple[float, dict]:
             convs["a"]["row"] = None
         rows = [c for c in convs.values() if c["row"] is not None]
         pool.feeding = [c["row"] for c in rows]
-        tokens = torch.zeros(pool.batch, dtype=torch.long)
+        tokens = torch.zeros(pool.batch, dtype=torch.long, device=device)
         for c in rows:
             tokens[c["row"]] = c["ids"][c["at"]]
         logits = dec.feed(tokens)
@@ -87,8 +87,9 @@ def _run(mode: str, tiny_model) -> tuple[float, dict]:
     return worst, counts
 
 
-def test_rows_decode_each_conversation_as_its_own_eager_cache(tiny_model, one_torch_thread):
-    worst, counts = _run("eager", tiny_model)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_decode_each_conversation_as_its_own_eager_cache(device, tiny_model, one_torch_thread):
+    worst, counts = _run("eager", tiny_model, device)
     assert worst < LOGIT_TOL
     assert all(rolls > 10 for rolls, _, _, _ in counts.values()), counts
     assert counts["a"][1] >= 1 and counts["b"][1] >= 1, counts  # re-based (a after it left)
@@ -105,6 +106,15 @@ def test_compiled_rows_equal_eager_in_one_graph(tiny_model, one_torch_thread):
     assert worst < LOGIT_TOL
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+if torch.cuda.is_available():  # defined only where it can run (a skipped test fails `make test`)
+
+    def test_cuda_graph_rows_equal_eager(tiny_model):
+        """The rows' step captured as one CUDA graph: conversations joining and leaving, rolling and
+        re-basing between replays, each within fp32 rounding of its own eager cache."""
+        worst, _ = _run("cuda-graph", tiny_model, "cuda")
+        assert worst < LOGIT_TOL
 
 
 def test_the_written_back_cache_equals_the_eager_one(tiny_model, one_torch_thread):
