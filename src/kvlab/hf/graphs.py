@@ -221,17 +221,22 @@ class RollingDecoder:
                 "max-autotune-no-cudagraphs": {"max_autotune": True},
                 # the CPU's default: the weights frozen into the graph and packed for inductor's C++ GEMM
                 # templates (a decode step is bound by reading the weights: ~2x aten's fp32 GEMV, one thread)
-                "frozen": {"freezing": True, "max_autotune": True},
+                "frozen": {"max_autotune": True},  # and freezing, patched in around each call (below)
             }.get(self._compile_mode or "default", {})
             if self.cache.codec != "none":
                 options = {**options, "emulate_precision_casts": True}
             self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
+        frozen = self._compile_mode == "frozen"
         if n not in self._compiled_sizes:  # first call of this size: what the step mutates is static
-            for t in [*self.cache.static_tensors(), self._ids[n], self._pos[n]]:
+            # (not where the weights are frozen: freezing folds every static tensor in as a constant, the
+            # cache's buffers too, which would then never change; a CPU graph needs no fixed addresses)
+            for t in [] if frozen else [*self.cache.static_tensors(), self._ids[n], self._pos[n]]:
                 torch._dynamo.mark_static_address(t)
             self._compiled_sizes.add(n)
             self.captures += 1
-        return self._compiled(n).clone()
+        # freezing is read while the graph is compiled (on a call), not from torch.compile's options
+        with torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext():
+            return self._compiled(n).clone()
 
     def _capture(self, n: int) -> torch.Tensor:
         # Warm up on a side stream (these runs compute this feed for real: the same slots, the same

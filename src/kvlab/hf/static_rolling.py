@@ -110,6 +110,8 @@ class RingLayer(CacheLayerMixin):
             if o.coder and o.fused_writes:  # one Triton kernel, the same bytes as the codec's pack
                 split_attention.write_int4(buf, index, t, o.group)
             elif index.ndim == 2:  # a slot per row ([batch, n]: rows not in lockstep, kvlab.hf.ring_rows)
+                # (compiled on a CPU, inductor writes this as a copy of the whole buffer, every layer: an
+                # index_put_ that it writes in place read stale slots in the same graph, so not that)
                 at = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[-1])
                 buf.scatter_(2, at, o.stored(t))
             else:
