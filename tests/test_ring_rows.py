@@ -51,24 +51,26 @@ def _run(mode: str, tiny_model, device: str = "cpu") -> tuple[float, dict]:
         ids = _ids(n + 260, seed=seed).to(device)
         ref, mine = _conversation(h, sinks, ids[:n])
         convs[name] = {"ids": ids, "at": n, "ref": ref, "mine": mine, "row": None}
-    worst = 0.0
+    worst, widths = 0.0, []
     for step in range(220):
         if step == 0:
             for name in ("a", "b"):
                 convs[name]["row"] = pool.join(convs[name]["mine"])
         if step == 30:
             convs["c"]["row"] = pool.join(convs["c"]["mine"])
-        if step == 60:
-            pool.leave(convs["a"]["row"], into=convs["a"]["mine"])
-            convs["a"]["row"] = None
+        for at, name in ((60, "a"), (150, "c")):  # they leave and go on eagerly
+            if step == at:
+                pool.leave(convs[name]["row"], into=convs[name]["mine"])
+                convs[name]["row"], convs[name]["left"] = None, True
         rows = [c for c in convs.values() if c["row"] is not None]
         pool.feeding = [c["row"] for c in rows]
         tokens = torch.zeros(pool.batch, dtype=torch.long, device=device)
         for c in rows:
             tokens[c["row"]] = c["ids"][c["at"]]
         logits = dec.feed(tokens)
+        widths.append(pool.width)
         for c in convs.values():
-            if c["row"] is None and c is not convs["a"]:
+            if c["row"] is None and not c.get("left"):
                 continue
             tok = c["ids"][c["at"] : c["at"] + 1]
             want = h.run(tok, c["ref"], logits_to_keep=1).logits[0, -1].float()
@@ -84,6 +86,8 @@ def _run(mode: str, tiny_model, device: str = "cpu") -> tuple[float, dict]:
         state = c["mine"] if c["row"] is None else pool.row(c["row"])
         counts[name] = (c["ref"].rolls, c["ref"].rebases, c["ref"].next_position, state.evictions)
         assert (state.rolls, state.rebases, state.next_position) == counts[name][:3], name
+    # rows 0 and 1 take a step of 2 rows; row 2 joining widens it to 4; rows 0 and 2 leaving narrow it to 2
+    assert widths == [2] * 30 + [4] * 120 + [2] * 70
     return worst, counts
 
 
@@ -98,13 +102,13 @@ def test_rows_decode_each_conversation_as_its_own_eager_cache(device, tiny_model
 @pytest.mark.slow
 def test_compiled_rows_equal_eager_in_one_graph(tiny_model, one_torch_thread):
     """torch.compile(fullgraph=True) over the rows' step: conversations joining and leaving, rolling and
-    re-basing change host state only, so one graph serves all 220 steps."""
+    re-basing change host state only, so one graph per width (2 and 4 rows) serves all 220 steps."""
     import torch._dynamo
 
     torch._dynamo.utils.counters.clear()
     worst, _ = _run("compile", tiny_model)
     assert worst < LOGIT_TOL
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
@@ -138,6 +142,33 @@ def test_the_written_back_cache_equals_the_eager_one(tiny_model, one_torch_threa
     a, b = (h.run(ids[t + 1 : t + 2], c, logits_to_keep=1).logits for c in (ref, mine))
     assert torch.equal(a, b)
     assert (mine.rolls, mine.kept, mine.next_position) == (ref.rolls, ref.kept, ref.next_position)
+
+
+@pytest.mark.parametrize("mode", ["eager", pytest.param("compile", marks=pytest.mark.slow)])
+def test_one_conversation_takes_a_one_row_step(mode, tiny_model, one_torch_thread):
+    """Four rows, one conversation (row 0): each step computes one row, and its logits are the eager
+    cache's; a second conversation widens the step to two rows (its first step is exact too)."""
+    h = _model(None, "cpu", tiny_model, max_positions=4096)
+    pool = _pool(h)
+    dec = RollingDecoder(h, pool, mode=mode)
+    ids = _ids(80, seed=5)
+    ref, mine = _conversation(h, 4, ids[:20])
+    pool.feeding = [pool.join(mine)]
+    for t in range(20, 60):
+        tokens = torch.zeros(pool.batch, dtype=torch.long)
+        tokens[0] = ids[t]
+        got = dec.feed(tokens)
+        want = h.run(ids[t : t + 1], ref, logits_to_keep=1).logits[:, -1].float()
+        assert pool.width == 1 and got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=LOGIT_TOL, rtol=0)
+    ref2, other = _conversation(h, 9, ids[:30])
+    pool.feeding = [0, pool.join(other)]
+    tokens = torch.tensor([ids[60], ids[30], 0, 0])
+    got = dec.feed(tokens)
+    assert pool.width == 2 and got.shape[0] == 2
+    for row, (tok, cache) in enumerate(((ids[60:61], ref), (ids[30:31], ref2))):
+        want = h.run(tok, cache, logits_to_keep=1).logits[0, -1].float()
+        torch.testing.assert_close(got[row], want, atol=LOGIT_TOL, rtol=0)
 
 
 def test_refusals(tiny_model):

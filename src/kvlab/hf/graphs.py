@@ -44,6 +44,7 @@ MODES = ("auto", "eager", "compile", "cuda-graph")
 GROUPED_ATTENTION = "kvlab_grouped"
 SPLIT_ATTENTION = "kvlab_split"
 VISIBILITY = "kvlab_visibility"  # the attention kwarg carrying (slot_pos, positions) to the split kernel
+FRESH = "kvlab_fresh"  # the attention kwarg carrying a deferring cache's new K/V per layer (RingRows, CPU)
 
 
 def _grouped_attention(
@@ -51,9 +52,11 @@ def _grouped_attention(
 ) -> tuple[torch.Tensor, None]:
     """:func:`~kvlab.hf.step.grouped_sdpa`, reading the int4 rows of a StaticRollingCache packed."""
     kw.pop(VISIBILITY, None)  # the mask says the same
+    fresh = kw.pop(FRESH, None)  # the step's own K/V, written after it: attended beside the cache
     if key.dtype == torch.uint8:  # int4 rows of a StaticRollingCache read packed: decode them here
         key, value = (decode_rows(t, query.shape[-1], query.dtype) for t in (key, value))
-    return grouped_sdpa(module, query, key, value, attention_mask, **kw)
+    own = fresh[module.layer_idx] if fresh is not None else None
+    return grouped_sdpa(module, query, key, value, attention_mask, fresh=own, **kw)
 
 
 def _split_attention(
@@ -132,9 +135,9 @@ class RollingDecoder:
         self.attention = SPLIT_ATTENTION if split else GROUPED_ATTENTION
         self._ids: dict[int, torch.Tensor] = {}
         self._pos: dict[int, torch.Tensor] = {}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: Callable[[int], torch.Tensor] | None = None
-        self._compiled_sizes: set[int] = set()
+        self._compiled_sizes: set[tuple[int, int]] = set()  # (feed size, rows computed)
         self._compile_mode = compile_mode or ("reduce-overhead" if cuda else "frozen")
         self.captures = 0  # graphs captured (cuda-graph) or feed sizes compiled
 
@@ -188,18 +191,28 @@ class RollingDecoder:
     # -- the step -------------------------------------------------------------------------------------
     def _step(self, n: int) -> torch.Tensor:
         """What a graph captures: one forward of the feed in ``_ids[n]`` at ``_pos[n]``."""
-        ids, pos = self._ids[n], self._pos[n]
+        w = self.cache.width  # the rows this step computes (the first; all but for RingRows)
+        ids, pos = self._ids[n][:w], self._pos[n][:w]
         mask = self.cache.attention_mask(pos, self.handle.dtype)
         # the split kernel applies the mask's rule from the positions rather than reading the mask
-        extra = {VISIBILITY: (self.cache.slot_pos, pos)} if self.attention == SPLIT_ATTENTION else None
+        extra: dict[str, object] | None = None
+        if self.attention == SPLIT_ATTENTION:
+            extra = {VISIBILITY: (self.cache.slot_pos, pos)}
+        elif self.cache.defer:  # the new K/V attended from here, written by commit() after the step
+            extra = {FRESH: self.cache.fresh}
         out = self.handle.run(
             ids, self.cache, positions=pos, attention_mask=mask, logits_to_keep=1, attention_kwargs=extra
         )
         return out.logits[:, -1].float()
 
     def _run(self, n: int) -> torch.Tensor:
-        if self.mode == "cuda-graph" and n in self._graphs:
-            graph, out = self._graphs[n]
+        logits = self._run_step(n)
+        self.cache.commit()  # a deferring cache's new K/V, in place, outside any graph
+        return logits
+
+    def _run_step(self, n: int) -> torch.Tensor:
+        if self.mode == "cuda-graph" and (n, self.cache.width) in self._graphs:
+            graph, out = self._graphs[n, self.cache.width]
             graph.replay()
             return out.clone()
         # int4 rows encoded by Triton where the attention is Triton's; inductor fuses its own (compile)
@@ -227,12 +240,12 @@ class RollingDecoder:
                 options = {**options, "emulate_precision_casts": True}
             self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
         frozen = self._compile_mode == "frozen"
-        if n not in self._compiled_sizes:  # first call of this size: what the step mutates is static
+        if (n, self.cache.width) not in self._compiled_sizes:  # a new size: what the step mutates is static
             # (not where the weights are frozen: freezing folds every static tensor in as a constant, the
             # cache's buffers too, which would then never change; a CPU graph needs no fixed addresses)
             for t in [] if frozen else [*self.cache.static_tensors(), self._ids[n], self._pos[n]]:
                 torch._dynamo.mark_static_address(t)
-            self._compiled_sizes.add(n)
+            self._compiled_sizes.add((n, self.cache.width))
             self.captures += 1
         # freezing is read while the graph is compiled (on a call), not from torch.compile's options
         with torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext():
@@ -250,7 +263,7 @@ class RollingDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self._step(n)
-        self._graphs[n] = (graph, out)
+        self._graphs[n, self.cache.width] = (graph, out)
         self.captures += 1
         return result.clone()
 

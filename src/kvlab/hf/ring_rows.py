@@ -14,8 +14,12 @@ in its sinks. :class:`RingRows` holds ``rows`` of them in one set of ring buffer
   capacity + 1]``, the write index ``[rows, 1]``; ``capacity`` fits the widest rule served (the most
   sinks a pinned system prompt takes, plus the window and a chunk). The last slot is scratch: a row
   not fed in a step (free, or a conversation that sits one step out) writes there, and no query reads it.
-* **A step** (captured): each row's new K/V scattered at its own slot, the mask ``slot_pos[r] <=
-  position[r]`` per row; the weights are read once for every row.
+* **A step** (captured): the mask ``slot_pos[r] <= position[r]`` per row, each row's new K/V scattered
+  at its own slot; the weights are read once for every row. A step computes only the first ``width``
+  rows, the fewest of :attr:`widths` (powers of two and ``rows``) holding every fed row: rows are taken
+  lowest first, so one conversation decodes through a one-row step. On a CPU the new K/V are attended beside the
+  slots (the mask ``slot_pos[r] < position[r]``) and written by :meth:`commit` after the step, in place
+  and outside any graph.
 * **Between steps** (host): :meth:`prepare` asks each fed row's cache to apply its pending roll and
   point its write index; :meth:`advance` counts the feed. A conversation joins from its eager
   :class:`~kvlab.hf.RollingCache` (:meth:`join`, exact: :meth:`StaticRollingCache.load`) and leaves
@@ -67,6 +71,14 @@ class RingRows(StaticRollingCache):
         self.slot_pos = torch.full((rows, self.capacity), EMPTY, dtype=torch.long, device=self.device)
         self._write_index[1] = torch.full((rows, 1), self.scratch, dtype=torch.long, device=self.device)
         self._positions = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
+        # on a CPU a step leaves each layer's new K/V in ``fresh`` and attends them beside the slots, and
+        # commit() writes them after it: compiled, an in-graph per-row write became a copy of every row's
+        # whole buffer in every layer (inductor's functional scatter), and one kept in place read stale slots
+        self.defer = self.device.type == "cpu"
+        # a step computes the first `width` rows, the fewest of `widths` that holds every fed row (rows are
+        # taken lowest first): one conversation costs a one-row step, not `rows` (a graph per width)
+        self.widths = sorted({1 << i for i in range(rows.bit_length()) if 1 << i <= rows} | {rows})
+        self.least = 1  # the narrowest width the next step may take (a warm-up of every width)
         self.rows: list[StaticRollingCache | None] = [None] * rows
         self.feeding: list[int] = []  # the rows the next feed writes (set by the caller before it)
 
@@ -117,6 +129,8 @@ class RingRows(StaticRollingCache):
         if n != 1:
             raise BadInputError(f"RingRows decodes one token per row, got a feed of {n}")
         fed = set(self.feeding)
+        need = max(self.least, max(fed, default=0) + 1)
+        self.width = min(w for w in self.widths if w >= need)
         for r in range(self.batch):
             if r in fed:
                 self._positions[r] = self.row(r).prepare(1)
@@ -125,9 +139,37 @@ class RingRows(StaticRollingCache):
                 self._positions[r] = 0
         return self._positions
 
+    def write_index(self, n: int) -> torch.Tensor:
+        """``[width, 1]``: the slot each computed row's token is written to (the scratch slot if not fed)."""
+        if n != 1:
+            raise BadInputError(f"RingRows decodes one token per row, got a feed of {n}")
+        return self._write_index[1][: self.width]
+
     def advance(self) -> None:
         for r in self.feeding:
             self.row(r).advance()
+
+    def attention_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """As :meth:`StaticRollingCache.attention_mask`; deferring, a query sees the slots strictly before
+        it (its own slot still holds what the ring drops; its K/V come beside, ``fresh``)."""
+        if not self.defer:
+            return super().attention_mask(positions, dtype)
+        visible = self.slot_pos[: self.width, None, None, :] < positions[:, None, :, None]
+        zero = torch.zeros((), dtype=dtype, device=self.device)
+        return torch.where(visible, zero, torch.finfo(dtype).min)
+
+    def commit(self) -> None:
+        """Write the step's new K/V (:attr:`fresh`, every layer) at each row's write slot, in place: one
+        scatter per K and V for all layers; rows not fed write the scratch slot."""
+        if not self.fresh:
+            return
+        at = self.write_index(1)  # [width, 1]
+        for part, name in enumerate(("keys", "values")):
+            buf = self.storage[name][:, : self.width]
+            new = torch.stack([self.fresh[i][part] for i in range(len(self.layers))]).to(buf.dtype)
+            index = at[None, :, None, :, None].expand(buf.shape[0], -1, buf.shape[2], -1, buf.shape[-1])
+            buf.scatter_(3, index, new)
+        self.fresh.clear()
 
     def load(self, cache: RollingCache) -> StaticRollingCache:
         raise BadInputError("RingRows takes conversations one at a time: join()")

@@ -96,6 +96,9 @@ class RingLayer(CacheLayerMixin):
         """Write the new K/V at the feed's slots (in place); return every slot (the mask hides the empty):
         decoded, or with ``int4`` inside :meth:`StaticRollingCache.packed_reads` the packed rows
         (uint8, :func:`~kvlab.kernels.split_attention.int4_rows`) for an attention that decodes them."""
+        if self.owner.defer:  # rows not in lockstep on a CPU: written after the step (RingRows.commit)
+            self.owner.fresh[self.index] = (key_states, value_states)
+            return self.read()
         self._write(self.owner.write_index(key_states.shape[-2]), key_states, value_states)
         if self.owner.packed and self.owner.coder:
             return self.k_store, self.v_store
@@ -110,16 +113,21 @@ class RingLayer(CacheLayerMixin):
             if o.coder and o.fused_writes:  # one Triton kernel, the same bytes as the codec's pack
                 split_attention.write_int4(buf, index, t, o.group)
             elif index.ndim == 2:  # a slot per row ([batch, n]: rows not in lockstep, kvlab.hf.ring_rows)
-                # (compiled on a CPU, inductor writes this as a copy of the whole buffer, every layer: an
-                # index_put_ that it writes in place read stale slots in the same graph, so not that)
                 at = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[-1])
                 buf.scatter_(2, at, o.stored(t))
             else:
                 buf.index_copy_(2, index, o.stored(t))
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every slot's keys and values in the model's dtype (decoded from the codes with ``int4``)."""
-        return self.owner.loaded(self.k_store), self.owner.loaded(self.v_store)
+        """Every slot's keys and values of the rows a step computes (:attr:`StaticRollingCache.width`), in
+        the model's dtype (decoded from the codes with ``int4``)."""
+        o = self.owner
+        k, v = (
+            (self.k_store, self.v_store)
+            if o.width == o.batch
+            else (self.k_store[: o.width], self.v_store[: o.width])
+        )
+        return o.loaded(k), o.loaded(v)
 
     # -- between steps (host side) -------------------------------------------------------------------
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,6 +260,7 @@ class StaticRollingCache(LiveCache):
             raise BadInputError(f"batch must be >= 1, got {batch}")
         self.dtype, self.device = dtype, torch.device(device)
         self.codec, self.group, self.batch = codec, int(group), int(batch)
+        self.width = self.batch  # the rows a step computes, the first ones (fewer: RingRows)
         self.capacity = max(sinks + window + evict_chunk, int(capacity or 0))
         self.ring = window + evict_chunk
         self.slot_pos = (
@@ -275,6 +284,8 @@ class StaticRollingCache(LiveCache):
         )
         self.sink_keys: torch.Tensor | None = None  # [layers, batch, heads, sinks, head_dim] at 0 ..
         self.sink_values: torch.Tensor | None = None  # int4 only: re-encoded with the keys, never compounding
+        self.defer = False  # RingRows on a CPU: a step's new K/V wait in ``fresh`` for commit()
+        self.fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> the step's new K/V
         self.packed = False  # int4: update() returns packed rows (see packed_reads)
         self.fused_writes = False  # int4: new rows encoded by one Triton kernel (see packed_reads)
         specs = [rope.for_layer(i) for i in range(n_layers)]
@@ -309,10 +320,13 @@ class StaticRollingCache(LiveCache):
         """``[batch, 1, n, capacity]`` additive mask for queries at ``positions [batch, n]``: 0 where a
         slot's position is at most the query's, the dtype's minimum elsewhere (empty slots included).
         ``slot_pos`` is ``[capacity]`` (rows in lockstep) or ``[batch, capacity]`` (a row each)."""
-        slot_pos = self.slot_pos if self.slot_pos.ndim == 2 else self.slot_pos[None]
+        slot_pos = self.slot_pos[: self.width] if self.slot_pos.ndim == 2 else self.slot_pos[None]
         visible = slot_pos[:, None, None, :] <= positions[:, None, :, None]
         zero = torch.zeros((), dtype=dtype, device=self.device)
         return torch.where(visible, zero, torch.finfo(dtype).min)
+
+    def commit(self) -> None:
+        """After a step: write the K/V it left in :attr:`fresh` (nothing unless :attr:`defer`)."""
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every tensor a captured step reads or writes (to mark their addresses static)."""

@@ -68,16 +68,31 @@ def _attention(
 AttentionInterface.register(KVLAB_ATTENTION, _attention)
 
 
+Fresh = tuple[torch.Tensor, torch.Tensor]  # one layer's new keys and values, not yet in the cache
+
+
 def grouped_sdpa(
-    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    fresh: Fresh | None = None,
+    **kw: Any,
 ) -> tuple[torch.Tensor, None]:
     """SDPA with each KV head's query heads stacked along the query axis, so keys and values are read
     once per KV head and never copied: transformers repeats them per query head (``repeat_kv``) for
     every masked multi-token forward and every compiled step, which at 32k tokens on an 8B model
     writes 16 GiB per forward. The same function as SDPA; ``attention_mask`` is 4-D with one row per KV
-    head (or one for all: ``[B, 1 | Hkv, n, total]``); calls without one go to SDPA."""
+    head (or one for all: ``[B, 1 | Hkv, n, total]``); calls without one go to SDPA. ``fresh``: one
+    query's own key and value ``[B, Hkv, 1, D]``, attended beside ``key``/``value`` and never masked
+    (a cache that writes them after the step, :class:`~kvlab.hf.ring_rows.RingRows` on a CPU)."""
     b, heads, n, d = query.shape
     groups = heads // key.shape[1]
+    if fresh is not None:
+        q = query.reshape(b, key.shape[1], groups, d)
+        out = _one_query(q, key, value, attention_mask, kw.get("scaling") or d**-0.5, fresh)
+        return out.reshape(b, heads, n, d).transpose(1, 2).contiguous(), None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 or groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
     q = query.reshape(b, key.shape[1], groups * n, d)  # head j*groups + i, token t -> row i*n + t
@@ -92,20 +107,30 @@ def grouped_sdpa(
 
 
 def _one_query(
-    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    fresh: Fresh | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hkv, groups, D]`` (one token's query heads) over ``key``/``value``
-    ``[B, Hkv, T, D]`` under ``mask`` (additive or boolean, ``[B, 1 | Hkv, 1, T]``). Compiled, the products
-    are written as sums that inductor fuses into one pass over the keys and one over the values (its
-    autotuned GEMM templates, which the frozen CPU step uses for the weights, take ~5x at these shapes)."""
+    ``[B, Hkv, T, D]`` under ``mask`` (additive or boolean, ``[B, 1 | Hkv, 1, T]``), and over ``fresh``
+    (a key and value ``[B, Hkv, 1, D]`` every query sees) if given. Compiled, the products are written as
+    sums that inductor fuses into one pass over the keys and one over the values (its autotuned GEMM
+    templates, which the frozen CPU step uses for the weights, take ~5x at these shapes)."""
     compiled = torch.compiler.is_compiling()
     if compiled:
         scores = (q.unsqueeze(-2) * key.unsqueeze(-3)).sum(-1) * scale
     else:
         scores = (q @ key.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if fresh is not None:
+        scores = torch.cat([scores, (q * fresh[0]).sum(-1, keepdim=True) * scale], dim=-1)
     w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    return (w.unsqueeze(-1) * value.unsqueeze(-3)).sum(-2) if compiled else w @ value
+    w, w_fresh = (w[..., :-1], w[..., -1:]) if fresh is not None else (w, None)
+    out = (w.unsqueeze(-1) * value.unsqueeze(-3)).sum(-2) if compiled else w @ value
+    return out if fresh is None or w_fresh is None else out + w_fresh * fresh[1]
 
 
 def causal_after(q_len: int, total: int, device: Any) -> torch.Tensor:

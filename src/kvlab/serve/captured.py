@@ -34,9 +34,10 @@ class CapturedRows:
             handle.config, rule, rows=rows, most_sinks=most, dtype=handle.dtype, device=handle.device
         )
         self.decoder = RollingDecoder(handle, self.pool, mode=mode)
-        self.step(
-            [], []
-        )  # compiled or captured now, before the server listens: no row fed, all write scratch
+        for width in self.pool.widths:  # compiled or captured now, before the server listens: a step
+            self.pool.least = width  # of every width, no row fed (all write the scratch slot)
+            self.step([], [])
+        self.pool.least = 1
 
     def join(self, cache: RollingCache) -> int:
         """A conversation starts decoding: its eager cache's state into a free row; returns the row."""
