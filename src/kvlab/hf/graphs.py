@@ -238,7 +238,9 @@ class RollingDecoder:
             }.get(self._compile_mode or "default", {})
             if self.cache.codec != "none":
                 options = {**options, "emulate_precision_casts": True}
-            self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
+            # static shapes, but for a cache that reads a span of its slots (that size alone is dynamic)
+            dynamic = None if self.cache.span is not None else False
+            self._compiled = torch.compile(self._step, fullgraph=True, dynamic=dynamic, options=options)
         frozen = self._compile_mode == "frozen"
         if (n, self.cache.width) not in self._compiled_sizes:  # a new size: what the step mutates is static
             # (not where the weights are frozen: freezing folds every static tensor in as a constant, the
@@ -248,7 +250,10 @@ class RollingDecoder:
             self._compiled_sizes.add((n, self.cache.width))
             self.captures += 1
         # freezing is read while the graph is compiled (on a call), not from torch.compile's options
-        with torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext():
+        with (
+            torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext(),
+            torch._dynamo.config.patch(automatic_dynamic_shapes=False),  # what changes is marked so
+        ):
             return self._compiled(n).clone()
 
     def _capture(self, n: int) -> torch.Tensor:

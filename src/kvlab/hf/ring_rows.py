@@ -79,6 +79,8 @@ class RingRows(StaticRollingCache):
         # taken lowest first): one conversation costs a one-row step, not `rows` (a graph per width)
         self.widths = sorted({1 << i for i in range(rows.bit_length()) if 1 << i <= rows} | {rows})
         self.least = 1  # the narrowest width the next step may take (a warm-up of every width)
+        # deferring, a step reads only the slots its rows ever wrote: [0, span), a dynamic size in a graph
+        self._spans = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
         self.rows: list[StaticRollingCache | None] = [None] * rows
         self.feeding: list[int] = []  # the rows the next feed writes (set by the caller before it)
 
@@ -137,6 +139,10 @@ class RingRows(StaticRollingCache):
             else:
                 self._write_index[1][r] = self.scratch
                 self._positions[r] = 0
+        if self.defer:  # at least 2 slots: a graph specialises sizes 0 and 1
+            reach = max([2] + [row.reach for row in self.rows[: self.width] if row is not None])
+            self.span = self._spans[:reach]
+            torch._dynamo.maybe_mark_dynamic(self.span, 0)
         return self._positions
 
     def write_index(self, n: int) -> torch.Tensor:
@@ -154,7 +160,10 @@ class RingRows(StaticRollingCache):
         it (its own slot still holds what the ring drops; its K/V come beside, ``fresh``)."""
         if not self.defer:
             return super().attention_mask(positions, dtype)
-        visible = self.slot_pos[: self.width, None, None, :] < positions[:, None, :, None]
+        slot_pos = (
+            self.slot_pos[: self.width, : self.span.shape[0]] if self.span is not None else self.slot_pos
+        )
+        visible = slot_pos[:, None, None, :] < positions[:, None, :, None]
         zero = torch.zeros((), dtype=dtype, device=self.device)
         return torch.where(visible, zero, torch.finfo(dtype).min)
 

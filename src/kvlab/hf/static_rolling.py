@@ -122,11 +122,11 @@ class RingLayer(CacheLayerMixin):
         """Every slot's keys and values of the rows a step computes (:attr:`StaticRollingCache.width`), in
         the model's dtype (decoded from the codes with ``int4``)."""
         o = self.owner
-        k, v = (
-            (self.k_store, self.v_store)
-            if o.width == o.batch
-            else (self.k_store[: o.width], self.v_store[: o.width])
-        )
+        k, v = self.k_store, self.v_store
+        if o.width != o.batch:
+            k, v = k[: o.width], v[: o.width]
+        if o.span is not None:
+            k, v = k[:, :, : o.span.shape[0]], v[:, :, : o.span.shape[0]]
         return o.loaded(k), o.loaded(v)
 
     # -- between steps (host side) -------------------------------------------------------------------
@@ -261,6 +261,9 @@ class StaticRollingCache(LiveCache):
         self.dtype, self.device = dtype, torch.device(device)
         self.codec, self.group, self.batch = codec, int(group), int(batch)
         self.width = self.batch  # the rows a step computes, the first ones (fewer: RingRows)
+        self.reach = 0  # 1 + the highest slot ever written (host-side)
+        # a step reads slots [0, span.shape[0]) only, when span is set (RingRows on a CPU: a dynamic size)
+        self.span: torch.Tensor | None = None
         self.capacity = max(sinks + window + evict_chunk, int(capacity or 0))
         self.ring = window + evict_chunk
         self.slot_pos = (
@@ -427,6 +430,9 @@ class StaticRollingCache(LiveCache):
         ring_slots = s + (self.tail + window_held + steps - into_sinks) % self.ring
         index = torch.where(steps < into_sinks, self.sinks_held + steps, ring_slots)
         self.write_index(n).copy_(index)
+        written = n - into_sinks  # the slots below `reach` are the only ones ever written (host-side)
+        ring_reach = s + min(self.ring, self.tail + window_held + written) if written else 0
+        self.reach = max(self.reach, ring_reach, self.sinks_held + into_sinks)
         positions = self.next_position + steps
         self.slot_pos.index_copy_(0, index, positions)
         self._fed = (n, into_sinks)
@@ -517,7 +523,7 @@ class StaticRollingCache(LiveCache):
         self.slot_pos.fill_(EMPTY)
         self.slot_pos.index_copy_(0, index, torch.arange(start, start + kept, device=dev))
         self.next_position, self.slots, self.sinks_held = cache.next_position, kept, s
-        self.tail, self.seen = 0, cache.tokens_seen
+        self.tail, self.seen, self.reach = 0, cache.tokens_seen, kept
         # visible() applied its pending roll: counted here, as its next update would have counted it
         self.rolls, self.rebases = (
             cache.rolls + (cache.plan.drop > 0),
