@@ -161,7 +161,8 @@ def start_kvlab(capture: str) -> Server:
     port = free_port()
     how = {
         "off": "eager: each conversation's own rolling cache in one batched forward",
-        "compile": "torch.compile(fullgraph=True) inductor C++ step over 4 ring rows",
+        "compile": "torch.compile(fullgraph=True) inductor C++ step, weights frozen; a graph per width of 1, 2"
+        " and 4 ring rows, each step the narrowest holding its conversations, over the slots they wrote",
     }[capture]
     label = (
         f"kvlab serve --capture {capture} ({how}; {torch_kernel()}, fp32, 1 thread, window 1024 + 4 sinks)"
