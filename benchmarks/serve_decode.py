@@ -408,9 +408,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         servers.append(start_kvlab("compile"))
         if args.llama_server is not None:
             servers.append(start_llama(args.llama_server, args.gguf))
-        t0 = time.perf_counter()
+        t0, load = time.perf_counter(), os.getloadavg()[0]
         rows = run_rounds(servers, args.rounds, args.max_tokens, texts)
         minutes = (time.perf_counter() - t0) / 60
+        args.load = (load, os.getloadavg()[0])
     finally:
         stop(*[s.proc for s in servers if s.proc is not None])
         shutil.rmtree(work, ignore_errors=True)
@@ -521,9 +522,11 @@ def summary_block(got: dict[tuple, dict], rounds: int, commit: str) -> str:
     date = datetime.now().strftime("%Y-%m-%d")
     if ("llama", "compile", "d1") in got:
         c, e = 1 / got[("llama", "compile", "d1")]["geo"], 1 / got[("llama", "off", "d1")]["geo"]
+        c4 = 1 / got[("llama", "compile", "d4_sum")]["geo"]
         row = (
             f"| speed | kvlab serve decodes >= 1.0x llama-server (1 conversation, 1 thread) | **{c:.2f}x** "
-            f"(--capture compile), {e:.2f}x (eager) | llama-server, F32 GGUF | CPU 2 cores | {date} | {commit} | "
+            f"(--capture compile; {c4:.2f}x at 4), {e:.2f}x (eager) | llama-server, F32 GGUF | CPU 2 cores | "
+            f"{date} | {commit} | "
             f"{status(commit, 'current' if c >= 1.0 else 'bar not met')} |"
         )
     else:
@@ -598,9 +601,9 @@ def report(args, servers: list[Server], rows, floor: dict, minutes: float) -> tu
         goal_line(got),
         "### Notes",
         "",
-        "- The machine was shared: another CPU-heavy job (`benchmarks/calibrate_ruler.py`, a RULER calibration) "
-        "ran on the other core for the whole run, and other short jobs came and went; that is why the servers "
-        "alternate round by round and every ratio is paired within a round.",
+        f"- Load average (1 minute) {args.load[0]:.2f} as the rounds began and {args.load[1]:.2f} as they ended, "
+        "on 2 cores (each server runs one thread; the client is this process). The servers alternate round by "
+        "round and every ratio is paired within a round.",
         f"- kvlab has no `ignore_eos`: its replies have the tokens counted in the raw rows (kvlab-compile "
         f"at 1 conversation: {min(n1)}-{max(n1)} of {args.max_tokens}); llama-server was asked to `ignore_eos` "
         "and to skip its prompt cache (`cache_prompt: false`, `-cram 0`).",
