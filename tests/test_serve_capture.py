@@ -62,6 +62,18 @@ def test_capture_refusals(tiny_model):
         check_settings(tiny_model("gemma3"), EngineSettings(window=64, capture="compile"))
 
 
+def test_auto_capture_on_a_cpu_is_what_pays_there_per_command():
+    """``--capture auto`` on a CPU: serve's compiled rows (about 2x eager, serve_decode.md); off elsewhere
+    (generate's lockstep ring is not measured faster compiled on a CPU); cuda-graph needs a GPU."""
+    from kvlab.cli.common import capture_on
+
+    assert capture_on("auto", "cpu") == "off"
+    assert capture_on("auto", "cpu", on_cpu="compile") == "compile"
+    assert capture_on("compile", "cpu") == "compile"
+    with pytest.raises(BadInputError, match="needs a CUDA device"):
+        capture_on("cuda-graph", "cpu", on_cpu="compile")
+
+
 def _conversations(server) -> list[tuple[str, int]]:
     """Two conversations at once (one with a system prompt), then the first continued: each reply's text
     and the rolls its response reports."""

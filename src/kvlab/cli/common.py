@@ -201,13 +201,16 @@ def capture_mode(value: str) -> str:
     return value
 
 
-def capture_on(capture: str, device: str) -> Literal["off", "compile", "cuda-graph"]:
-    """``--capture`` on ``device``: auto is CUDA graphs on a GPU and none on a CPU; cuda-graph needs a GPU."""
+def capture_on(
+    capture: str, device: str, on_cpu: Literal["off", "compile"] = "off"
+) -> Literal["off", "compile", "cuda-graph"]:
+    """``--capture`` on ``device``: auto is CUDA graphs on a GPU and ``on_cpu`` on a CPU (what pays there,
+    measured per command); cuda-graph needs a GPU."""
     from kvlab.model import resolve_device
 
     cuda = str(resolve_device(device)).startswith("cuda")
     if capture == "auto":
-        return "cuda-graph" if cuda else "off"
+        return "cuda-graph" if cuda else on_cpu
     if capture == "cuda-graph" and not cuda:
         raise BadInputError("--capture cuda-graph needs a CUDA device (--device cuda)")
     if capture not in ("off", *CAPTURED):

@@ -83,7 +83,7 @@ class ServeOptions:
         typer.Option(
             callback=capture_mode,
             help="Decode every conversation through one captured step over ring rows: compile (torch.compile, "
-            "on a CPU too), cuda-graph (a GPU), auto (CUDA graphs on a GPU, off on a CPU), or off (each "
+            "on a CPU too), cuda-graph (a GPU), auto (CUDA graphs on a GPU, compile on a CPU), or off (each "
             "conversation's own cache in one eager batched forward). Sinks + window caches in full precision. "
             "See docs/serving.md.",
         ),
@@ -293,7 +293,8 @@ def _settings(o: ServeOptions, keys: tuple[str, ...]) -> tuple[EngineSettings, K
     )
     if o.capture != "off":  # the policy refused first (no torch), then auto read off the device
         settings.policy.captured_roll(o.capture)
-        settings = dataclasses.replace(settings, capture=capture_on(o.capture, o.device))
+        # on a CPU the compiled rows decode ~2x eager (benchmarks/results/serve_decode.md): auto takes them
+        settings = dataclasses.replace(settings, capture=capture_on(o.capture, o.device, on_cpu="compile"))
     return settings, per_key
 
 
