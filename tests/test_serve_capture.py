@@ -50,6 +50,22 @@ def test_captured_rows_serve_what_the_eager_engine_serves(capture, tiny_model):
     assert got[3][3] > 100  # the continuation reused a's written-back cache
 
 
+def test_the_status_of_a_conversation_in_a_captured_row_is_current(tiny_model):
+    """While a conversation decodes in a row, the status page counts its row's tokens, not the eager cache
+    it joined from (written back only when the reply ends)."""
+    with _engine(tiny_model("llama"), max_batch=2, capture="eager") as e:
+        ev = Events()
+        e.submit(_request(_ids(30, 7), 90, ev))
+        while ev.tokens() < 40 and not ev.finished.is_set():
+            ev.finished.wait(0.005)
+        decoding = [s for s in e.status()["sessions"] if s["state"] == "decoding"]
+        ev.wait()
+        _idle(e)
+    assert len(decoding) == 1
+    assert decoding[0]["seen"] >= 30 + 40 - 1  # the prompt and the tokens decoded so far
+    assert decoding[0]["rolls"] >= 1  # window 64: it rolled in the row
+
+
 def test_capture_refusals(tiny_model):
     h = tiny_model("llama")
     with pytest.raises(BadInputError, match="sinks \\+ window"):

@@ -421,7 +421,7 @@ class Engine:
         with self._sessions_lock:
             idle = list(self.sessions.values())
         sessions = [_row(p.session, "prefilling", prefilled=p.fed, prompt_tokens=p.total) for p in prefilling]
-        sessions += [_row(r.session, "decoding") for r in rows] + [_row(s, "idle") for s in idle]
+        sessions += [self._decoding(r) for r in rows] + [_row(s, "idle") for s in idle]
         return {
             "queue": self.queue_depth(),
             "prefilling": len(prefilling),
@@ -430,6 +430,20 @@ class Engine:
             "settings": dataclasses.asdict(self.settings),
             "device": self.device_info(),
         }
+
+    def _decoding(self, row: _Row) -> dict[str, Any]:
+        """A decoding session as the status page lists it; while it decodes in a captured row, with that row's
+        counts (its eager cache is written back only when the reply ends). Read from another thread: a row
+        that left, or changed hands, between the reads is listed from its eager cache."""
+        listed, slot, captured = _row(row.session, "decoding"), row.slot, self.captured
+        if slot is None or captured is None:
+            return listed
+        try:
+            ring = captured.pool.row(slot)
+            counts = {"kept": ring.kept, "seen": ring.tokens_seen, "rolls": ring.evictions}
+        except BadInputError:  # it left: its eager cache holds the counts again
+            return listed
+        return {**listed, **counts} if row.slot == slot else listed
 
     def store_stats(self) -> dict[str, Any]:
         """The store's tiers with their hit counters (counters only: walking a disk or Redis tier for its
