@@ -39,11 +39,11 @@ def _pool(h, rows: int = 4) -> RingRows:
     return RingRows(h.config, rule, rows=rows, most_sinks=12, dtype=h.dtype, device=h.device)
 
 
-def _run(mode: str, tiny_model, device: str = "cpu") -> tuple[float, dict]:
+def _run(mode: str, tiny_model, device: str = "cpu", family: str | None = None) -> tuple[float, dict]:
     """Three conversations (4, 9 and 12 sinks) joining at steps 0, 0 and 30; the first leaves at 60 and
     goes on eagerly; 220 steps in all (rolls every 8 tokens, re-bases at the maximum position 256).
     Returns the worst logit difference and the conversations' counts."""
-    h = _model(None, device, tiny_model, max_positions=256)
+    h = _model(family, device, tiny_model, max_positions=256)
     pool = _pool(h)
     dec = RollingDecoder(h, pool, mode=mode)
     convs = {}
@@ -97,6 +97,15 @@ def test_rows_decode_each_conversation_as_its_own_eager_cache(device, tiny_model
     assert worst < LOGIT_TOL
     assert all(rolls > 10 for rolls, _, _, _ in counts.values()), counts
     assert counts["a"][1] >= 1 and counts["b"][1] >= 1, counts  # re-based (a after it left)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "phi", "smollm3"])  # mistral, phi3: sliding windows, refused
+def test_every_family_attends_the_new_token_the_step_writes_after_it(family, tiny_model, one_torch_thread):
+    """On a CPU a step's new K/V reach attention only through kvlab's attention function (they are written
+    after the step): a family whose attention bypassed it would miss its own token. Eager; the compiled
+    step runs the same function."""
+    worst, _ = _run("eager", tiny_model, "cpu", family)
+    assert worst < LOGIT_TOL
 
 
 @pytest.mark.slow
