@@ -225,6 +225,25 @@ def _twins(h, ids, codec: str, mode: str):
 
 
 @pytest.mark.slow
+def test_each_decoder_compiles_against_its_own_recompile_limit(tiny_model, one_torch_thread):
+    """Dynamo counts recompiles per code object: decoders that shared RollingDecoder._step's added up, and a
+    process that made a few (the test suite) failed with "recompile limit exceeded". With the limit at 1,
+    two decoders over two models each compile their one graph."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for seed in (0, 1):
+            h = _model(None, "cpu", tiny_model)
+            torch.manual_seed(seed)
+            dec = RollingDecoder(
+                h, static_rolling_cache_for(h, window=16, sinks=4, evict_chunk=4), mode="compile"
+            )
+            dec.prefill(_ids(9, seed=seed))
+            dec.feed(_ids(1, seed=seed))
+            assert dec.captures == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["none", "int4"])
 def test_compiled_fullgraph_step_equals_eager(codec, tiny_model, one_torch_thread):
     """torch.compile(fullgraph=True) over the decode step (inductor, on the CPU): one graph for 100

@@ -25,6 +25,7 @@ same rule (one forward per ``headroom`` tokens, any length) and loaded into the 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -240,7 +241,7 @@ class RollingDecoder:
                 options = {**options, "emulate_precision_casts": True}
             # static shapes, but for a cache that reads a span of its slots (that size alone is dynamic)
             dynamic = None if self.cache.span is not None else False
-            self._compiled = torch.compile(self._step, fullgraph=True, dynamic=dynamic, options=options)
+            self._compiled = torch.compile(self._own_step(), fullgraph=True, dynamic=dynamic, options=options)
         frozen = self._compile_mode == "frozen"
         if (n, self.cache.width) not in self._compiled_sizes:  # a new size: what the step mutates is static
             # (not where the weights are frozen: freezing folds every static tensor in as a constant, the
@@ -255,6 +256,17 @@ class RollingDecoder:
             torch._dynamo.config.patch(automatic_dynamic_shapes=False),  # what changes is marked so
         ):
             return self._compiled(n).clone()
+
+    def _own_step(self) -> Callable[[int], torch.Tensor]:
+        """:meth:`_step` as a function of this decoder's own (a copy of its code object). Dynamo keeps the
+        graphs it compiled, and counts recompiles against its limit (8), per code object: decoders sharing
+        one added up (a process that made a few failed with "recompile limit exceeded") and kept the graphs
+        of decoders long gone."""
+        f = RollingDecoder._step
+        own = types.FunctionType(
+            f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__
+        )
+        return types.MethodType(own, self)
 
     def _capture(self, n: int) -> torch.Tensor:
         # Warm up on a side stream (these runs compute this feed for real: the same slots, the same
