@@ -155,18 +155,6 @@ class RingRows(StaticRollingCache):
         for r in self.feeding:
             self.row(r).advance()
 
-    def attention_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """As :meth:`StaticRollingCache.attention_mask`; deferring, a query sees the slots strictly before
-        it (its own slot still holds what the ring drops; its K/V come beside, ``fresh``)."""
-        if not self.defer:
-            return super().attention_mask(positions, dtype)
-        slot_pos = (
-            self.slot_pos[: self.width, : self.span.shape[0]] if self.span is not None else self.slot_pos
-        )
-        visible = slot_pos[:, None, None, :] < positions[:, None, :, None]
-        zero = torch.zeros((), dtype=dtype, device=self.device)
-        return torch.where(visible, zero, torch.finfo(dtype).min)
-
     def commit(self) -> None:
         """Write the step's new K/V (:attr:`fresh`, every layer) at each row's write slot, in place: one
         scatter per K and V for all layers; rows not fed write the scratch slot."""

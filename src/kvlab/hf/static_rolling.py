@@ -324,7 +324,12 @@ class StaticRollingCache(LiveCache):
         slot's position is at most the query's, the dtype's minimum elsewhere (empty slots included).
         ``slot_pos`` is ``[capacity]`` (rows in lockstep) or ``[batch, capacity]`` (a row each)."""
         slot_pos = self.slot_pos[: self.width] if self.slot_pos.ndim == 2 else self.slot_pos[None]
-        visible = slot_pos[:, None, None, :] <= positions[:, None, :, None]
+        if self.span is not None:
+            slot_pos = slot_pos[:, : self.span.shape[0]]
+        # deferring, a query sees the slots strictly before it: its own slot still holds what the ring
+        # drops, and its K/V come beside them (``fresh``, written by commit() after the step)
+        before = slot_pos[:, None, None, :] < positions[:, None, :, None]
+        visible = before if self.defer else slot_pos[:, None, None, :] <= positions[:, None, :, None]
         zero = torch.zeros((), dtype=dtype, device=self.device)
         return torch.where(visible, zero, torch.finfo(dtype).min)
 
