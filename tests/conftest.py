@@ -45,6 +45,7 @@ EXTRA_CONFIGS = {
     # Phi-3-mini-4k's config with Phi-4-mini's partial rotary split (0.75; without its longrope scaling)
     "phi3": "phi-3-mini-partial-rotary.json",
     "gpt2": "gpt2.json",  # learned absolute positions, no RoPE
+    "qwen3": "qwen3-0.6b.json",  # queries and keys normalised per head (q_norm, k_norm) before RoPE
 }
 
 

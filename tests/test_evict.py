@@ -219,3 +219,45 @@ def test_learned_policy_weights_load_and_round_trip(tiny, obs, tmp_path):
     with pytest.raises(BadInputError, match="train-evictor"):
         load_weights(str(tmp_path / "missing.json"))
     assert set(POLICIES) == {c.name for c in BUILT_IN} | {"random_sinks", "kvzip"}  # + the one-file methods
+
+
+def _qk_normed_model(family: str):
+    """A tiny random model whose attention normalises its queries before RoPE, its norm weights randomised
+    (their init, ones or zeros, would hide a norm applied without its weight)."""
+    from transformers import Olmo2Config, Qwen3Config
+
+    from kvlab.model.random import tiny_random_model
+    from tests.conftest import config_path
+
+    small = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
+    config = {
+        "qwen3": lambda: Qwen3Config(head_dim=16, **small),  # q_norm per head, on [B, T, H, D]
+        "olmo2": lambda: Olmo2Config(**small),  # q_norm over the whole projection, before the head split
+        "gemma3": lambda: config_path("gemma3"),  # q_norm per head, on [B, H, T, D]; a sliding layer of 64
+    }[family]()
+    h = tiny_random_model(config)
+    with torch.no_grad():
+        for name, p in h.model.named_parameters():
+            if "q_norm" in name:
+                p.uniform_(0.5, 1.5)
+    return h
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "gemma3"])
+def test_captured_queries_reproduce_eager_attention_under_a_query_norm(family):
+    h = _qk_normed_model(family)
+    ids = list(range(3, 40))  # within Gemma's sliding window: every layer attends to every earlier token
+    o = observe(h, ids)
+    with h.eager_attention():
+        ref = h.prefill(ids, output_attentions=True)
+    for layer in range(o.num_layers):
+        mine = attention_weights(o.queries[layer], o.snapshot.keys[layer], o.scaling, torch.arange(len(ids)))
+        assert torch.allclose(mine, ref.attentions[layer], atol=1e-5), (family, layer)

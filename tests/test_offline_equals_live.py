@@ -65,7 +65,7 @@ def _check(h, spec_text: str, n_ctx: int = 72) -> None:
     assert_forward_close(got, want, h, what=f"{spec_text}: question logits")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3"])  # Qwen3: queries scored after its q_norm
 @pytest.mark.parametrize("score", SCORES)
 def test_every_registered_score(tiny_model, family, score):
     if score in OFFLINE_SCORES:  # an extra pass after the context (kvzip): live refuses, never other queries

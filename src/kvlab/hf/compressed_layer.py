@@ -24,6 +24,7 @@ from kvlab.errors import BadInputError
 from kvlab.hf.cache import PADDED_BATCH, rows_at_different_positions
 from kvlab.hf.cache_steps import packed_step
 from kvlab.hf.live_cache import restore_vars
+from kvlab.policy.evict.observe import prerope_queries
 from kvlab.policy.evict.policies import LayerView, Policy
 from kvlab.policy.evict.select import budget_slots, keep_indices
 from kvlab.policy.quant.methods import Quantizer, Segment, TokenCode, decode_between, split_plan
@@ -117,15 +118,17 @@ class CompressedLayer(DynamicLayer):
         self.rule, self.index = rule, index
         self.rope = rope_for_layer(rule.rope, index)  # this layer's RoPE (None: no RoPE on this layer)
         self.query_hook: Any = None
-        self.query_module: Any = None  # the q_proj the hook is on (re-hooked if a checkpoint restores it)
+        self.query_module: Any = (
+            None  # the attention whose q_proj is hooked (re-hooked if a checkpoint restores it)
+        )
         self.may_rebase = False  # set by LiveCache.choosing_positions; kept slots keep their positions
         self.seen = 0
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
         self.segments: list[Segment] = []
         self.tail_positions = torch.zeros(0, dtype=torch.long, device="cpu")  # positions: host bookkeeping
-        self.pending_queries: torch.Tensor | None = None  # the latest q_proj output, not yet consumed
-        self.recent_queries: list[torch.Tensor] = []  # q_proj outputs since the last eviction (every=)
+        self.pending_queries: torch.Tensor | None = None  # the latest queries (before RoPE), not yet consumed
+        self.recent_queries: list[torch.Tensor] = []  # queries since the last eviction (every=)
         self.positions: torch.Tensor | None = None  # [B, Hkv, held] original positions (evicting layers)
         self.budget: int | None = None
         self.fresh = 0  # tokens fed since the last eviction
@@ -426,11 +429,12 @@ class CompressedLayer(DynamicLayer):
         self._plan, self._plan_of = None, (-1, 0)
 
     def capture_queries(self, _module: Any, _inputs: Any, output: torch.Tensor) -> None:
-        """Forward hook on this layer's ``q_proj``: the latest call's queries, until the layer evicts its
-        prefill (for good without ``every``). ``update`` takes them into ``recent_queries`` (so a forward
-        of the model on another cache in between overwrites them and is never counted)."""
+        """Forward hook on this layer's ``q_proj``: the latest call's queries (through the layer's ``q_norm``
+        where it has one), until the layer evicts its prefill (for good without ``every``). ``update`` takes
+        them into ``recent_queries`` (so a forward of the model on another cache in between overwrites them
+        and is never counted)."""
         if not self.evicted or self.rule.every is not None:
-            self.pending_queries = output.detach()
+            self.pending_queries = prerope_queries(self.query_module, output.detach())
 
     def _take_queries(self, n_new: int) -> None:
         """After a step that did not evict: keep its queries (at most ``every - 1`` rows are kept, the
@@ -441,7 +445,7 @@ class CompressedLayer(DynamicLayer):
 
     def hook_queries(self, attention: Any) -> None:
         """Capture the queries of ``attention.q_proj`` (attention-scored eviction)."""
-        self.query_module = attention.q_proj
+        self.query_module = attention
         self._register_hook()
 
     def _register_hook(self) -> None:
@@ -457,7 +461,7 @@ class CompressedLayer(DynamicLayer):
                 return
             layer.capture_queries(module, inputs, output)
 
-        self.query_hook = self.query_module.register_forward_hook(capture)
+        self.query_hook = self.query_module.q_proj.register_forward_hook(capture)
         handle.append(self.query_hook)
 
     def remove_hook(self) -> None:

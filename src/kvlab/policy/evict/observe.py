@@ -97,9 +97,9 @@ def attention_modules(model: torch.nn.Module) -> list[Any]:
             "no self_attn.q_proj modules found: kvlab observes Llama-style attention only"
         )
     for m in mods:
-        if any(hasattr(m, a) for a in ("q_norm", "q_layernorm")):
+        if getattr(m, "q_layernorm", None) is not None:
             raise UnsupportedModelError(
-                "this model normalises queries (q_norm); kvlab's query capture does not model it"
+                "this model normalises queries with q_layernorm; kvlab's query capture models q_norm only"
             )
     return mods
 
@@ -152,14 +152,44 @@ def _probe_pass(handle: HandleView, snap: KVSnapshot, ids: tuple[int, ...]) -> P
 
 
 def _capturing(mods: list[Any], run: Callable[[], R]) -> tuple[R, list[torch.Tensor]]:
-    """``run()`` with every layer's ``q_proj`` output captured (read-only hooks, removed after)."""
+    """``run()`` with every layer's queries before RoPE captured ``[B, n, Hq * D]``: ``q_proj``'s output, put
+    through the layer's own ``q_norm`` where it has one (Qwen3, Gemma-3, OLMo-2). Read-only hooks, removed
+    after."""
     captured: list[torch.Tensor] = []
-    hooks = [m.q_proj.register_forward_hook(lambda _m, _i, out: captured.append(out.detach())) for m in mods]
+
+    def hook(m: Any) -> Callable[..., None]:
+        return lambda _m, _i, out: captured.append(prerope_queries(m, out.detach()))
+
+    hooks = [m.q_proj.register_forward_hook(hook(m)) for m in mods]
     try:
         return run(), captured
     finally:
         for h in hooks:
             h.remove()
+
+
+def prerope_queries(module: Any, q: torch.Tensor) -> torch.Tensor:
+    """``q_proj``'s output ``[B, n, Hq * D]`` as the layer's attention sees it before RoPE: through its
+    ``q_norm``, over each head (a ``[D]`` or ``[Hq, D]`` weight: Qwen3, Gemma-3) or the whole projection
+    (OLMo-2); an elementwise norm, so the layout the model applies it in does not change it."""
+    norm = getattr(module, "q_norm", None)
+    if norm is None:
+        return q
+    weight = getattr(norm, "weight", None)
+    head_dim = int(getattr(module, "head_dim", 0))
+    b, n, width = q.shape
+    if weight is not None and weight.shape == (width,):
+        return norm(q)
+    if (
+        weight is None
+        or not head_dim
+        or tuple(weight.shape) not in ((head_dim,), (width // head_dim, head_dim))
+    ):
+        raise UnsupportedModelError(
+            f"this model's q_norm ({type(norm).__name__}, weight {tuple(getattr(weight, 'shape', ()))}) "
+            "is neither per head nor over the whole projection: kvlab's query capture does not model it"
+        )
+    return norm(q.view(b, n, width // head_dim, head_dim)).reshape(b, n, width)
 
 
 def _rotated(
