@@ -77,13 +77,17 @@ def test_generate_with_a_snapshot_cache(family, tiny_model):
         handle.model.generate(ids, max_new_tokens=6, do_sample=False, **{CACHE_ARG: whole})
 
 
-def test_sliding_window_layers_are_detected_and_long_sequences_refused(tiny_model):
+def test_sliding_window_layers_are_detected_and_a_long_snapshot_refused_as_a_transformers_cache(tiny_model):
+    """kvlab's snapshot of a model with sliding layers holds every token (tests/test_sliding_snapshots.py);
+    transformers' sliding layers would drop the old ones, so handing it to transformers is refused."""
     mistral = tiny_model("mistral")
     assert sliding_windows(mistral.config) == [4096, 4096]
     mistral.config.sliding_window = 8
     try:
+        snap = mistral.prefill(list(range(1, 20))).snapshot
+        assert snap.seq_len == 19
         with pytest.raises(UnsupportedModelError, match="sliding-window"):
-            mistral.prefill(list(range(1, 20)))
+            to_hf_cache(snap, mistral.config)
     finally:
         mistral.config.sliding_window = 4096
 

@@ -113,9 +113,11 @@ def cache_argument(model: PreTrainedModel | type[PreTrainedModel]) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def new_hf_cache(config: Any) -> DynamicCache:
-    """An empty transformers cache laid out for ``config`` (sliding layers included)."""
-    return DynamicCache(config=config)
+def new_hf_cache(config: Any | None) -> DynamicCache:
+    """An empty transformers cache laid out for ``config`` (sliding layers included); without one, layers
+    that keep every slot (a model's sliding layers too, their windows masked by kvlab:
+    :mod:`kvlab.hf.slot_mask`)."""
+    return DynamicCache(config=config) if config is not None else DynamicCache()
 
 
 def hf_cache_length(cache: Any) -> int:
@@ -339,13 +341,8 @@ class GrowingLayer(GrowingStore, DynamicLayer):
 def growing_cache(rows: Sequence[KVSnapshot], config: Any, room: int) -> DynamicCache:
     """A transformers cache of ``rows`` (snapshots of equal length and positions, stacked as one batch)
     with ``room`` new tokens reserved per layer (:class:`GrowingLayer`), for a decode loop: each row is
-    copied once into the buffers (a masked one too: the caller hides its slots). A model with
-    sliding-window layers gets transformers' own layers over one stacked copy."""
-    from kvlab.cache.snapshot import stack_rows
-
-    check_fits_sliding_windows(config, rows[0].seq_len + room)
-    if any(w is not None for w in sliding_windows(config)):
-        return to_hf_cache(stack_rows(rows), config, copy=False, masked=True)
+    copied once into the buffers (a masked one too: the caller hides its slots; a sliding layer keeps every
+    slot too, the caller masks its window: :mod:`kvlab.hf.slot_mask`)."""
     cache = new_hf_cache(config)
     if len(cache.layers) != rows[0].num_layers:
         raise UnsupportedModelError(

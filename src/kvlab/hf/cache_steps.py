@@ -22,7 +22,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.errors import UnsupportedModelError
-from kvlab.hf.cache import text_config
+from kvlab.hf.cache import sliding_windows, text_config
 from kvlab.hf.step import Step, causal_after, current, open_step
 
 if TYPE_CHECKING:
@@ -176,20 +176,32 @@ def _open_packed_step(cache: LiveCache, rule: Any, model: PreTrainedModel, kwarg
     return _opened(model, step, why, then=count)
 
 
-_PACKED_OK: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_EXTRAS: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def attention_extras(model: PreTrainedModel) -> frozenset[str]:
+    """What the model's attention does besides softmax over the slots it is given, read once per model:
+    ``"soft-capping"`` (of the logits), ``"learned sinks"``, ``"sliding window"``, ``"no layer index"``."""
+    if model not in _EXTRAS:
+        mods = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+        cfg = text_config(model.config)
+        found = {"no attention layers"} if not mods else set()
+        if getattr(cfg, "attn_logit_softcapping", None):
+            found.add("soft-capping")
+        if any(w is not None for w in sliding_windows(model.config)):  # Mistral's modules do not say so
+            found.add("sliding window")
+        for m in mods:
+            if getattr(m, "sinks", None) is not None:
+                found.add("learned sinks")
+            if getattr(m, "sliding_window", None):
+                found.add("sliding window")
+            if not hasattr(m, "layer_idx"):
+                found.add("no layer index")
+        _EXTRAS[model] = frozenset(found)
+    return _EXTRAS[model]
 
 
 def attends_plainly(model: PreTrainedModel) -> bool:
     """Softmax attention with nothing the packed-code or ragged step would drop (no logit soft-capping,
-    no learned sinks, no sliding window), checked once per model."""
-    if model not in _PACKED_OK:
-        mods = [m for name, m in model.named_modules() if name.endswith("self_attn")]
-        cfg = text_config(model.config)
-        _PACKED_OK[model] = bool(mods) and not any(
-            getattr(cfg, "attn_logit_softcapping", None)
-            or getattr(m, "sinks", None) is not None
-            or getattr(m, "sliding_window", None)
-            or not hasattr(m, "layer_idx")
-            for m in mods
-        )
-    return _PACKED_OK[model]
+    no learned sinks, no sliding window)."""
+    return not attention_extras(model)

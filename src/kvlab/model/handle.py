@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
 
@@ -24,8 +24,8 @@ from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.cache import (
     cache_argument,
-    check_fits_sliding_windows,
     new_hf_cache,
+    sliding_windows,
     snapshot_from_hf,
     to_hf_cache,
 )
@@ -229,13 +229,12 @@ class ModelHandle:
             if past.batch_size != ids.shape[0]:
                 raise BadInputError(f"the cache has batch {past.batch_size}, the tokens batch {ids.shape[0]}")
         total = n_new + (past.seq_len if past is not None else 0)
-        check_fits_sliding_windows(self.config, total)
+        windows = self._windows()
+        config = None if windows else self.config  # sliding layers: every slot kept, the window masked
         cache = (
-            to_hf_cache(past, self.config, copy=False, masked=True)
-            if past is not None
-            else new_hf_cache(self.config)
+            to_hf_cache(past, config, copy=False, masked=True) if past is not None else new_hf_cache(config)
         )
-        with self._hiding(past, output_attentions):
+        with self._hiding(past, pos, windows, output_attentions):
             out = self.run(
                 ids,
                 cache,
@@ -273,17 +272,40 @@ class ModelHandle:
                 f"the cache was made by another model ({past.model_name or past.fingerprint[:12]}), not {self.name}"
             )
 
-    def _hiding(self, past: KVSnapshot | None, output_attentions: bool) -> Any:
-        """A masked past's hidden slots hidden for one forward (:mod:`kvlab.hf.slot_mask`)."""
-        if past is None or past.valid is None:
+    def _windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention); empty for a model without sliding layers."""
+        windows = tuple(sliding_windows(self.config))
+        return windows if any(w is not None for w in windows) else ()
+
+    def _hiding(
+        self,
+        past: KVSnapshot | None,
+        fed: torch.Tensor,
+        windows: tuple[int | None, ...],
+        output_attentions: bool,
+    ) -> Any:
+        """For one forward: a masked past's hidden slots hidden and each sliding layer's window applied on the
+        slots' positions (:mod:`kvlab.hf.slot_mask`); nothing for a model without sliding layers over an
+        unmasked past."""
+        valid = None if past is None else past.valid
+        if valid is None and not windows:
             return contextlib.nullcontext()
+        context = past.positions if past is not None else torch.zeros(0, dtype=torch.long)
         if output_attentions:
-            raise BadInputError(
-                "attention weights over a masked (evicted) cache are not available; unmask it"
-            )
+            if valid is not None:
+                raise BadInputError(
+                    "attention weights over a masked (evicted) cache are not available; unmask it"
+                )
+            slots = torch.cat((context.cpu(), fed))
+            if not torch.equal(slots, torch.arange(slots.numel())):
+                raise BadInputError(
+                    "attention weights of a model with sliding-window layers are available over slots at "
+                    "positions 0, 1, 2, ... only (transformers' windows count slots)"
+                )
+            return contextlib.nullcontext()  # every slot kept: transformers' own windows are these
         from kvlab.hf.slot_mask import hidden_slots
 
-        return hidden_slots(self.model, past.valid)
+        return hidden_slots(self.model, valid, context=context, fed=fed, windows=windows)
 
     @torch.no_grad()
     def run(
@@ -387,12 +409,15 @@ class ModelHandle:
         for p in pasts:
             self._check_own(p)
         live = LiveRows(self, list(pasts), room, start)
-        if live.valid is None:
+        windows = self._windows()
+        if live.valid is None and not windows:
             yield live
             return
         from kvlab.hf.slot_mask import hidden_slots
 
-        with hidden_slots(self.model, live.valid):
+        with hidden_slots(
+            self.model, live.valid, context=pasts[0].positions, fed=live.start, windows=windows
+        ):
             yield live
 
     @torch.no_grad()
@@ -597,16 +622,9 @@ class LiveRows:
 
         if not 0 <= n <= self.fed.shape[1]:
             raise BadInputError(f"cannot rewind {self.fed.shape[1]} fed tokens to {n}")
-        kept = self.fed[:, :n]
-        if all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
-            for layer in self.cache.layers:
-                layer.rewind(self.pasts[0].seq_len + n)
-            self.fed = kept
-            return
-        self.cache = self._build()  # transformers' own layers (sliding windows): feed the kept tokens again
-        self.fed = self.fed[:, :0]
-        if n:
-            self.feed(kept)
+        for layer in self.cache.layers:
+            cast(GrowingLayer, layer).rewind(self.pasts[0].seq_len + n)
+        self.fed = self.fed[:, :n]
 
 
 class _StopForward(Exception):
