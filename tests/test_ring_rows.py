@@ -32,8 +32,8 @@ def _conversation(h, sinks: int, prompt: torch.Tensor) -> tuple[RollingCache, Ro
 
 
 def _pool(h, rows: int = 4) -> RingRows:
-    from kvlab.hf.cache import text_config
     from kvlab.hf.rolling_cache import roll_rule
+    from kvlab.rope.layers import text_config
 
     rule = roll_rule(text_config(h.config), h.rope, WINDOW, 4, CHUNK, h.max_positions, "auto")
     return RingRows(h.config, rule, rows=rows, most_sinks=12, dtype=h.dtype, device=h.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.errors import BadInputError
 from kvlab.model.facts import load_config_file
 from kvlab.model.random import tiny_random_model
 from tests.conftest import config_path
@@ -97,9 +97,99 @@ def test_attention_weights_past_the_window_equal_transformers_and_refuse_skipped
         slid.forward(ids[40:], past, positions=list(range(50, 90)), output_attentions=True)
 
 
-def test_an_evicted_past_on_a_sliding_model_is_still_refused(slid):
-    from kvlab.policy.evict import KeyNorm, evict
+def test_windowed_attention_weights_of_an_observation_equal_transformers(slid):
+    from kvlab.policy.evict import attention_weights, observe
 
-    past = evict(slid.prefill(_ids()).snapshot, KeyNorm(), keep=0.5)
-    with pytest.raises(UnsupportedModelError, match="sliding window"):
-        slid.forward([5, 6], past)
+    ids = _ids(100)
+    o = observe(slid, ids)
+    assert o.windows == tuple(w for w in _windows(slid))
+    with slid.eager_attention(), torch.no_grad():
+        theirs = slid.model(torch.tensor([ids]), output_attentions=True).attentions
+    for layer, window in enumerate(o.windows):
+        mine = attention_weights(
+            o.queries[layer], o.snapshot.keys[layer], o.scaling, torch.arange(100), window
+        )
+        torch.testing.assert_close(mine, theirs[layer].float(), atol=1e-5, rtol=0)
+
+
+def _windows(h) -> list[int | None]:
+    from kvlab.rope.layers import sliding_windows
+
+    return sliding_windows(h.config)
+
+
+@pytest.mark.parametrize("score", ["tova", "snapkv", "h2o", "knorm", "streaming_llm"])
+def test_an_eviction_keeps_a_sliding_layers_budget_within_its_window(slid, score):
+    """A sliding layer holds ``keep`` of the slots the next token can see (the last ``window - 1``), a full
+    layer ``keep`` of all; the question then runs on the held slots at their positions, as a cache that
+    holds only them (each layer its own slots, transformers' eager attention, masks built here)."""
+    from kvlab.policy.evict import evict, make_policy, observe
+
+    ids, question = _ids(), [7, 8, 9, 10]
+    ev = evict(observe(slid, ids), make_policy(score), keep=0.5)
+    for layer, (valid, window) in enumerate(zip(ev.valid_layers(), _windows(slid), strict=True)):
+        held = N if window is None else window - 1
+        counts = valid.sum(-1)
+        assert bool((counts == round(0.5 * held)).all()), (layer, counts)
+        if window is not None:
+            assert not bool(valid[..., : N - held].any())  # nothing out of the next token's sight
+    got = slid.forward(question, ev).logits
+    torch.testing.assert_close(got, _compacted_reference(slid, ev, question), atol=1e-5, rtol=0)
+
+
+def _compacted_reference(h, ev, question: list[int]) -> torch.Tensor:
+    """The question on a transformers cache holding each layer's and KV head's kept slots only, attention
+    eager, each layer handed its own mask (per query head, by positions) by a pre-hook."""
+    from transformers import DynamicCache
+
+    from kvlab.model.handle import decoder_layers
+    from kvlab.policy.evict import kept_per_head
+
+    cache, masks = DynamicCache(), []
+    q_pos = torch.arange(ev.next_position, ev.next_position + len(question))
+    groups = h.config.num_attention_heads // h.config.num_key_value_heads
+    keys, values, slots = kept_per_head(ev)  # each KV head its own kept slots
+    for layer, (k, v, idx, window) in enumerate(zip(keys, values, slots, _windows(h), strict=True)):
+        cache.update(k, v, layer)
+        held = ev.positions[idx[0]].repeat_interleave(groups, dim=0)  # [Hq, n] each query head's slots
+        at = torch.cat((held, q_pos[None].expand(held.shape[0], -1)), dim=1)  # [Hq, n + q]
+        gap = q_pos[None, :, None] - at[:, None, :]  # [Hq, q, n + q]
+        see = (gap >= 0) & (gap < (window or 10**9))
+        masks.append(torch.zeros(see.shape).masked_fill(~see, torch.finfo(torch.float32).min)[None])
+
+    def own_mask(layer: int):
+        def hook(_module, args, kwargs):
+            return args, {**kwargs, "attention_mask": masks[layer]}
+
+        return hook
+
+    hooks = [
+        d.self_attn.register_forward_pre_hook(own_mask(i), with_kwargs=True)
+        for i, d in enumerate(decoder_layers(h.model))
+    ]
+    try:
+        with h.eager_attention(), torch.no_grad():
+            out = h.model(torch.tensor([question]), past_key_values=cache, position_ids=q_pos[None])
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return out.logits[0].float()
+
+
+def test_tova_on_a_sliding_layer_keeps_the_top_of_transformers_windowed_attention(slid):
+    """TOVA's scores on a sliding layer are the last query's attention as the model computes it (over its
+    window): the kept slots are the top of transformers' own attention weights among the held ones."""
+    from kvlab.policy.evict import evict, make_policy, observe
+
+    ids = _ids()
+    ev = evict(observe(slid, ids), make_policy("tova"), keep=0.5)
+    with slid.eager_attention(), torch.no_grad():
+        theirs = slid.model(torch.tensor([ids]), output_attentions=True).attentions
+    for layer, window in enumerate(_windows(slid)):
+        if window is None:
+            continue
+        held = window - 1
+        last = theirs[layer][0, :, -1, N - held :].float().mean(0)  # every query head's, as TOVA averages
+        want = set((last.topk(round(0.5 * held)).indices + N - held).tolist())
+        got = set(ev.valid_layers()[layer][0, 0].nonzero().flatten().tolist())
+        assert got == want, layer

@@ -22,32 +22,17 @@ from transformers.cache_utils import DynamicLayer
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.rope.layers import sliding_windows, text_config
 from kvlab.rope.spec import Rope
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def text_config(config: Any) -> Any:
-    """The decoder's config inside a model's config (a multimodal one nests it; a text one is it)."""
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
 def head_dim_of(config: Any) -> int:
     """The size of one attention head's keys (the config's ``head_dim``, else hidden size / heads)."""
     text = text_config(config)
     return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-
-
-def sliding_windows(config: Any) -> list[int | None]:
-    """Per layer: the sliding-window size of that layer's attention, or None for full attention."""
-    text = text_config(config)
-    n = int(text.num_hidden_layers)
-    window = getattr(text, "sliding_window", None)
-    types = getattr(text, "layer_types", None)
-    if types is not None:
-        return [window if t == "sliding_attention" else None for t in types]
-    return [window] * n if window is not None else [None] * n
 
 
 def check_fits_sliding_windows(config: Any, total_tokens: int) -> None:

@@ -22,8 +22,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.errors import UnsupportedModelError
-from kvlab.hf.cache import sliding_windows, text_config
 from kvlab.hf.step import Step, causal_after, current, open_step
+from kvlab.rope.layers import sliding_windows, text_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

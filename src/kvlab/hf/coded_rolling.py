@@ -34,13 +34,14 @@ from typing import Any
 import torch
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import head_dim_of, sliding_windows
+from kvlab.hf.cache import head_dim_of
 from kvlab.hf.cache_steps import packed_step
 from kvlab.hf.live_cache import restore_vars
 from kvlab.hf.rolling_layer import RollingLayer, RollPlan, RollRule
 from kvlab.policy.quant.methods import Quantizer, Segment
 from kvlab.policy.quant.pack import tensor_bytes
 from kvlab.rope.fast import rotate_by
+from kvlab.rope.layers import sliding_windows
 
 
 class CodedRollingLayer(RollingLayer):

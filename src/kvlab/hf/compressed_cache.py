@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.binding import bind_to_model
-from kvlab.hf.cache import head_dim_of, sliding_windows, text_config
+from kvlab.hf.cache import head_dim_of
 from kvlab.hf.cache_steps import attends_plainly
 from kvlab.hf.compressed_layer import DECODE_BLOCK, CompressedLayer, CompressionRule
 from kvlab.hf.live_cache import LiveCache
@@ -33,6 +33,7 @@ from kvlab.policy.evict.observe import attention_modules
 from kvlab.policy.evict.policies import Policy
 from kvlab.policy.evict.select import budget_slots
 from kvlab.policy.quant.methods import Quantizer
+from kvlab.rope.layers import sliding_windows, text_config
 from kvlab.rope.spec import Rope, rope_for_layer, rope_spec_from_config
 
 if TYPE_CHECKING:

@@ -48,8 +48,8 @@ from transformers.cache_utils import (
 )
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import text_config
 from kvlab.policy.quant.pack import tensor_bytes
+from kvlab.rope.layers import text_config
 
 
 class Bytes(int):

@@ -18,8 +18,9 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import hf_cache_layers, new_hf_cache, sliding_windows, to_hf_cache
+from kvlab.hf.cache import hf_cache_layers, new_hf_cache, to_hf_cache
 from kvlab.hf.runner import Runner
+from kvlab.rope.layers import sliding_windows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

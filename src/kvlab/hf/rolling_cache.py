@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.binding import bind_to_model
-from kvlab.hf.cache import sliding_windows, text_config
 from kvlab.hf.coded_rolling import CodedRollingLayer, check_codec
 from kvlab.hf.live_cache import LiveCache
 from kvlab.hf.rolling_layer import Rebase, RollingLayer, RollPlan, RollRule, SlidingRollingLayer
 from kvlab.hf.runner import Runner
 from kvlab.policy.window import SinksWindow, default_chunk
 from kvlab.rope.fast import rotate_by, rotate_by_
+from kvlab.rope.layers import sliding_windows, text_config
 from kvlab.rope.spec import Rope, rope_spec_from_model
 
 if TYPE_CHECKING:

@@ -79,7 +79,11 @@ class SlotMaskStep(Step):
         rule, ``p_q - p_k < window``, on the slots' RoPE positions)."""
         if self.context is None:
             raise ValueError("a sliding window needs the past's positions")
-        fed = torch.arange(self.fed, self.fed + new) if isinstance(self.fed, int) else self.fed[:new].cpu()
+        fed = (  # positions: host-side metadata
+            torch.arange(self.fed, self.fed + new, device="cpu")
+            if isinstance(self.fed, int)
+            else self.fed[:new].cpu()
+        )
         at = torch.cat((self.context, fed))
         return (at[-q_len:, None] - at[None, :]) < window
 
@@ -107,8 +111,6 @@ def hidden_slots(
     cached slots; None: none hidden) and, given ``windows`` (per layer, None for full attention), each
     sliding layer's window over the positions of the past's slots (``context``) and of those ``fed``
     after it (:class:`SlotMaskStep`), for the forwards run inside."""
-    # a sliding layer's window over an evicted (masked) past is not modelled yet: which of its slots a
-    # policy keeps, and what it holds, differ from a full layer's; such a past is refused as before
-    check_model(model, windowed=valid is None and any(w is not None for w in windows))
+    check_model(model, windowed=any(w is not None for w in windows))
     with stepping(model, SlotMaskStep(valid, context=context, fed=fed, windows=windows)):
         yield

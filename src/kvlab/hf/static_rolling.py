@@ -46,7 +46,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import head_dim_of, sliding_windows, text_config
+from kvlab.hf.cache import head_dim_of
 from kvlab.hf.live_cache import Bytes, LiveCache
 from kvlab.hf.rolling_cache import Rebase, RollingCache, RollPlan, RollRule, roll_rule
 from kvlab.hf.runner import Runner
@@ -55,6 +55,7 @@ from kvlab.policy.quant.codecs.int4rows import Int4RowsQuantizer, decode_rows
 from kvlab.policy.quant.methods import make_quantizer
 from kvlab.policy.quant.pack import tensor_bytes
 from kvlab.rope.fast import rotate_by, rotate_by_
+from kvlab.rope.layers import sliding_windows, text_config
 from kvlab.rope.spec import RopeSpec
 
 EMPTY = 1 << 62  # slot_pos of a slot that holds nothing: no query position reaches it

@@ -228,7 +228,7 @@ def facts_from_config(config: Any, name: str = "", num_parameters: int | None = 
     check_config(config)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     n_heads = int(text.num_attention_heads)
-    from kvlab.hf.cache import sliding_windows
+    from kvlab.rope.layers import sliding_windows
 
     windows = sliding_windows(text)
     sliding = [w for w in windows if w is not None]

@@ -290,14 +290,14 @@ class ModelHandle:
         valid = None if past is None else past.valid
         if valid is None and not windows:
             return contextlib.nullcontext()
-        context = past.positions if past is not None else torch.zeros(0, dtype=torch.long)
+        context = past.positions if past is not None else torch.zeros(0, dtype=torch.long, device="cpu")
         if output_attentions:
             if valid is not None:
                 raise BadInputError(
                     "attention weights over a masked (evicted) cache are not available; unmask it"
                 )
             slots = torch.cat((context.cpu(), fed))
-            if not torch.equal(slots, torch.arange(slots.numel())):
+            if not torch.equal(slots, torch.arange(slots.numel(), device="cpu")):
                 raise BadInputError(
                     "attention weights of a model with sliding-window layers are available over slots at "
                     "positions 0, 1, 2, ... only (transformers' windows count slots)"

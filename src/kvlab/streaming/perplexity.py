@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 from kvlab.errors import BadInputError
-from kvlab.hf.cache import sliding_windows
 from kvlab.hf.masked import accepts_mask_per_layer_type
 from kvlab.hf.rolling_cache import Rebase, RollingCache
 from kvlab.metrics.divergence import token_kl, top1_agreement
 from kvlab.metrics.logits import nll
 from kvlab.metrics.stats import Interval
 from kvlab.model.handle import ModelHandle, ModelLike, as_handle
+from kvlab.rope.layers import sliding_windows
 from kvlab.streaming.masked import evicted_before, masked_rolling_nll
 
 

@@ -23,6 +23,7 @@ import torch
 from kvlab.cache.handle_view import HandleView
 from kvlab.cache.snapshot import KVSnapshot
 from kvlab.errors import BadInputError, UnsupportedModelError
+from kvlab.rope.layers import sliding_windows
 from kvlab.rope.ops import apply_rope
 from kvlab.rope.spec import Rope, rope_for_layer
 
@@ -63,6 +64,7 @@ class Observation:
     views: list = field(default_factory=list, repr=False, compare=False)
     handle: HandleView | None = field(default=None, repr=False, compare=False)
     probes: dict = field(default_factory=dict, repr=False, compare=False)
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full); empty: no sliding layer
 
     @property
     def num_layers(self) -> int:
@@ -111,19 +113,27 @@ def expand_kv(x: torch.Tensor, q_heads: int) -> torch.Tensor:
 
 
 def attention_weights(
-    queries: torch.Tensor, keys: torch.Tensor, scaling: float, query_slots: torch.Tensor | None = None
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    query_slots: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention ``[B, Hq, n, T]`` of ``queries [B, Hq, n, D]`` over ``keys [B, Hkv, T, D]``.
 
     ``query_slots [n]`` are the cache slots of the queries (causal: slot i sees keys 0..i); None means
-    the queries come after the cache and see every key.
+    the queries come after the cache and see every key. ``window``: a sliding layer's, over slots (a
+    query at slot i sees slots after ``i - window``; an observed prefill's slots are its positions).
     """
     k = expand_kv(keys.float(), queries.shape[1])
     scores = torch.matmul(queries.float(), k.transpose(-1, -2)) * scaling
     if query_slots is not None:
         t = keys.shape[-2]
-        mask = torch.arange(t, device=keys.device)[None, :] > query_slots.to(keys.device)[:, None]
+        at, q = torch.arange(t, device=keys.device)[None, :], query_slots.to(keys.device)[:, None]
+        mask = (at > q) | (q - at >= window) if window is not None else at > q
         scores = scores.masked_fill(mask, float("-inf"))
+    elif window is not None:
+        raise ValueError("a window needs the queries' slots")
     return torch.softmax(scores, dim=-1)
 
 
@@ -137,7 +147,15 @@ def observe(handle: HandleView, tokens: list[int] | torch.Tensor) -> Observation
     fwd, raw = _capturing(mods, lambda: handle.prefill(tokens, all_logits=False))
     snap = fwd.snapshot
     queries = _rotated(raw, snap.positions, handle.rope, snap.head_dim)
-    return Observation(snap, queries, fwd.logits, _scaling(mods, snap.head_dim), handle=handle)
+    windows = tuple(sliding_windows(handle.config))
+    return Observation(
+        snap,
+        queries,
+        fwd.logits,
+        _scaling(mods, snap.head_dim),
+        handle=handle,
+        windows=windows if any(w is not None for w in windows) else (),
+    )
 
 
 @torch.no_grad()

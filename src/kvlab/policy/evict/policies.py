@@ -38,7 +38,8 @@ class LayerView:
     means the queries are the context's own, one per slot (``n == T``). A live cache that evicts while
     decoding carries only the queries fed since its last eviction, at the last ``n`` slots.
     ``probe``: the extra pass the policy asked for (:meth:`Policy.probe_ids`), all layers' (read
-    ``probe.queries[layer]``); None where none was run (a live cache runs none).
+    ``probe.queries[layer]``); None where none was run (a live cache runs none). ``window``: a sliding
+    layer's (each query sees only the slots after its own minus the window), None for full attention.
     """
 
     layer: int
@@ -50,6 +51,7 @@ class LayerView:
     scaling: float = 1.0
     query_slots: torch.Tensor | None = None
     probe: Probe | None = None
+    window: int | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -78,7 +80,7 @@ class LayerView:
             q = self.require_queries("this policy")
             n = min(n, q.shape[2])
             slots = self.slots_of_queries()[q.shape[2] - n :]
-            a = attention_weights(q[:, :, q.shape[2] - n :], self.keys, self.scaling, slots)
+            a = attention_weights(q[:, :, q.shape[2] - n :], self.keys, self.scaling, slots, self.window)
             self._memo[key] = _group_mean(a.mean(dim=2), self.keys.shape[1])
         return self._memo[key]
 
@@ -94,7 +96,9 @@ class LayerView:
             # causal: these queries see no slot past the last one's, so the rest is left out (its weights
             # are exact zeros; a quarter of the T x T work at 4k tokens, half of it in all)
             end = min(int(slots_all[s:e].max()) + 1, self.seq_len)
-            a = attention_weights(q[:, :, s:e], self.keys[:, :, :end], self.scaling, slots_all[s:e])
+            a = attention_weights(
+                q[:, :, s:e], self.keys[:, :, :end], self.scaling, slots_all[s:e], self.window
+            )
             total[..., :end] += a.sum(dim=2)
         return _group_mean(total, self.keys.shape[1])
 

@@ -145,8 +145,18 @@ def _views(source: KVSnapshot | Observation) -> list[LayerView]:
         snap, queries, scaling = source, (None,) * source.num_layers, 1.0
     else:
         raise BadInputError(f"evict needs a KVSnapshot or an Observation, got {type(source).__name__}")
+    windows = source.windows if isinstance(source, Observation) else ()
     views = [
-        LayerView(i, snap.num_layers, k, v, snap.positions, queries[i], scaling)
+        LayerView(
+            i,
+            snap.num_layers,
+            k,
+            v,
+            snap.positions,
+            queries[i],
+            scaling,
+            window=windows[i] if windows else None,
+        )
         for i, (k, v) in enumerate(zip(snap.keys, snap.values, strict=True))
     ]
     if isinstance(source, Observation):
@@ -160,6 +170,7 @@ def evict(
     *,
     keep: float | None = None,
     n_keep: int | None = None,
+    windows: tuple[int | None, ...] | None = None,
 ) -> KVSnapshot:
     """Keep a budget of slots per layer and KV head, chosen by ``policy``: a masked
     :class:`~kvlab.cache.KVSnapshot` (``source`` is not modified).
@@ -170,14 +181,40 @@ def evict(
     :meth:`~kvlab.model.ModelHandle.forward` runs the result; :attr:`~kvlab.cache.KVSnapshot.held_nbytes`
     is what a compacting cache keeps of it. Attention-based policies need an :class:`Observation` (from
     :func:`observe`); key-only policies also accept a plain snapshot.
+
+    A model's sliding-window layers (``windows``: each layer's, None for full attention; an Observation
+    carries its model's) hold only the slots the next token can see, the last ``window - 1``: there the
+    budget is ``keep`` of those (``n_keep`` at most all of them), chosen among them by scores over each
+    query's window, the policy's recent window kept and its sinks (out of sight) not.
     """
     views = layer_views(source, policy)
     snap = source.snapshot if isinstance(source, Observation) else source
     snap.require_unmasked("scoring slots for eviction")
     n = budget_slots(snap.seq_len, keep, n_keep)
+    windows = (source.windows if isinstance(source, Observation) else ()) if windows is None else windows
     valid = []
     for view in views:
-        idx = keep_indices(policy.score(view), n, policy.sinks, policy.window)
+        window = windows[view.layer] if windows else None
+        if window is None:
+            idx = keep_indices(policy.score(view), n, policy.sinks, policy.window)
+        else:
+            idx = _keep_in_window(policy, view, snap, window, keep, n_keep)
         mask = torch.zeros(tuple(view.keys.shape[:3]), dtype=torch.bool, device=view.keys.device)
         valid.append(mask.scatter_(2, idx.to(mask.device), True))
     return snap.replace(valid=tuple(valid), provenance="edited")
+
+
+def _keep_in_window(
+    policy: Policy, view: LayerView, snap: KVSnapshot, window: int, keep: float | None, n_keep: int | None
+) -> torch.Tensor:
+    """A sliding layer's kept slots ``[B, H, n]``: its budget out of the slots within ``window`` of the next
+    position (the last ones of a context whose positions rise), the rest dropped."""
+    seen = (snap.next_position - snap.positions.cpu()) < window
+    held = int(seen.sum())
+    start = view.seq_len - held
+    if not held or not bool(seen[start:].all()):
+        raise BadInputError(
+            "a sliding layer's eviction needs a context whose positions rise to its last slot"
+        )
+    n = budget_slots(held, keep) if keep is not None else min(int(n_keep or held), held)
+    return keep_indices(policy.score(view)[..., start:], n, 0, policy.window) + start

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvlab.errors import BadInputError
+from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.policy.catalogue import OFFLINE_SCORES, SCORES, codec_facts
 from kvlab.policy.layouts.base import Items, Layout, context
 
@@ -214,8 +214,15 @@ class ScoredLayout(Layout):
         """The evicted context as a masked snapshot (a shared budget: a ragged cache, run masked), its kept
         slots through the codec where there is one."""
         from kvlab.policy.evict import evict
+        from kvlab.rope.layers import sliding_windows
 
         snap = context(source)
+        windows = tuple(sliding_windows(handle.config))
+        windows = windows if any(w is not None for w in windows) else ()
+        if self.shared and windows:
+            raise UnsupportedModelError(
+                "shared budgets (heads=, layers=) are not modelled on sliding-window layers; use uniform ones"
+            )
         if self.shared:
             from kvlab.policy.evict.budgets import evict_ragged
 
@@ -234,7 +241,7 @@ class ScoredLayout(Layout):
             if self.keep is not None
             else {"n_keep": min(int(self.budget or 1), snap.seq_len)}
         )
-        ev = evict(source, self.policy(), **budget)
+        ev = evict(source, self.policy(), windows=windows, **budget)
         if policy.codec is None:
             return ev, ev.held_nbytes, {}
         return (*_encoded(policy, ev), {})

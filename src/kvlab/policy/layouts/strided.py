@@ -105,8 +105,8 @@ def _cache_class() -> type:
     import torch
 
     from kvlab.errors import UnsupportedModelError
-    from kvlab.hf.cache import sliding_windows
     from kvlab.hf.live_cache import FullLayer, FullRule, LiveCache, full_cache_supported
+    from kvlab.rope.layers import sliding_windows
 
     class StridedLayer(FullLayer):
         """One full-attention layer: transformers' own update (FullLayer's), then the slots that fall out gathered away."""

@@ -15,9 +15,9 @@ import numpy as np
 
 from kvlab.data import PHASE1_PROMPTS, python_docs
 from kvlab.errors import BadInputError, UnsupportedModelError
-from kvlab.hf.cache import sliding_windows
 from kvlab.metrics.stats import bootstrap_ci
 from kvlab.model.facts import ModelFacts, dtype_bytes, facts_from_config, load_config_file
+from kvlab.rope.layers import sliding_windows
 from kvlab.study.experiments.base import Experiment, ExperimentContext, ExperimentResult, Table
 from kvlab.study.report.format import format_number, iv, num
 from kvlab.study.report.plots import style, subplots

@@ -466,7 +466,7 @@ def _cross_table(rows: list, label: str, alpha: float, summary: dict, n_train: i
 
 
 def _layer_kinds(handle) -> list[str]:
-    from kvlab.hf.cache import sliding_windows
+    from kvlab.rope.layers import sliding_windows
 
     return [f"sliding ({w})" if w is not None else "full" for w in sliding_windows(handle.config)]
 
