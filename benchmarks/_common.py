@@ -60,3 +60,11 @@ def run_main(main, *args) -> None:
     except Refusal as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def model_label(spec: str) -> str:
+    """How a report names the model a run used (its ``--model``)."""
+    return {
+        "smollm2-135m": "SmolLM2-135M-Instruct (bundled)",
+        "gemma3-270m": "Gemma-3-270M (base; Q4_K_M de-quantized to fp32, the optional package)",
+    }.get(spec, spec)

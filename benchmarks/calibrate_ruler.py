@@ -1,4 +1,5 @@
-"""Benchmark: calibrate the RULER-style tasks on the bundled model, per length, on the full cache only.
+"""Benchmark: calibrate the RULER-style tasks on a model (``--model``, the bundled one by default), per
+length, on the full cache only.
 
 For each task and length, :func:`kvlab.eval.calibrate.calibrate` walks the task's difficulty ladder
 (:data:`kvlab.eval.calibrate.LADDERS`) on calibration seeds (-1, -2, ...: never an evaluation trial's)
@@ -37,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import Refusal, run_main  # noqa: E402
+from _common import Refusal, model_label, run_main  # noqa: E402
 
 ROOT = HERE.parent
 OUT = HERE / "results" / "ruler_calibration.json"
@@ -55,6 +56,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-stop-early", action="store_true", help="run every setting's n trials")
     ap.add_argument("--no-refine", action="store_true", help="stop at the first setting in the band")
     ap.add_argument("--haystack", type=Path, help="a text file to hide the facts in (default: kvlab's)")
+    ap.add_argument(
+        "--model", default="smollm2-135m", help="smollm2-135m (bundled), gemma3-270m (the optional package)"
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--out", type=Path, default=OUT, help="the calibration JSON")
@@ -143,7 +147,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> dict:
 
     torch.set_num_threads(max(1, args.threads))
     source = read_text_file(args.haystack) if args.haystack else default_long_text()
-    handle = load_model("smollm2-135m", device="cpu", dtype=args.dtype)
+    handle = load_model(args.model, device="cpu", dtype=args.dtype)
     progress = args.out.with_name(args.out.name + ".progress.jsonl")
     trials = args.out.with_name(args.out.name + ".trials.jsonl")
     progress.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +169,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> dict:
         )
 
     about = {
-        "model": "SmolLM2-135M-Instruct (bundled)",
+        "model": model_label(args.model),
+        "model_spec": args.model,
         "dtype": args.dtype,
         "device": "cpu",
         "threads": args.threads,

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import Refusal, run_main  # noqa: E402
+from _common import Refusal, model_label, run_main  # noqa: E402
 
 ROOT = HERE.parent
 OUT = HERE / "out" / "eval_ruler"
@@ -588,6 +588,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--haystack", type=Path, help="a text file to hide the facts in (default: kvlab's)")
     ap.add_argument("--max-new-tokens", type=int, help="answer budget (default: each task's own)")
     ap.add_argument("--no-kvpress", action="store_true", help="kvlab's side only")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="smollm2-135m (bundled), gemma3-270m (the optional package) or a local folder; both sides",
+    )
     ap.add_argument("--device", default="cpu", help="where kvlab's side runs: cpu, cuda, cuda:N, auto")
     ap.add_argument("--dtype", default="float32", help="kvlab's model dtype: float32, bfloat16, float16")
     ap.add_argument(
@@ -663,6 +668,7 @@ def calibration_of(
     want = [(t, n) for t in args.task_list for n in args.length_list]
     try:
         cal = Calibration.read(args.calibration)
+        cal.check_model(args.model)
         cal.check_seeds(
             trial_seed(args.seed, i) for i in range(args.first_trial, args.first_trial + args.trials)
         )
@@ -701,11 +707,11 @@ def cache_specs(args: argparse.Namespace) -> list[Any]:
 
 
 def worker_job(args: argparse.Namespace, handle: Any, trials_file: Path) -> dict:
-    from kvlab.model.loading import bundled_model_dir
+    from kvlab.model.loading import resolve_model_dir
 
     return {
         "kind": "ruler",
-        "model_dir": str(bundled_model_dir()),
+        "model_dir": str(resolve_model_dir(args.model)[0]),
         "presses": _csv(args.presses),
         "ratios": args.ratio_list,
         "stop_ids": sorted(int(i) for i in handle.eos_ids()),
@@ -733,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.archive and args.archive.exists() and not args.archive.is_dir():
         raise Refusal(f"--archive {args.archive}: a file is there; give a folder")
     # a report of pieces run elsewhere needs only the tokenizer: the model on the CPU
-    handle = load_model("smollm2-135m", device="cpu" if args.report_only else args.device, dtype=args.dtype)
+    handle = load_model(args.model, device="cpu" if args.report_only else args.device, dtype=args.dtype)
     out = args.out_dir
     if args.report_only:  # merge what an earlier run of the same arguments left in --out-dir
         if args.merge:
@@ -747,6 +753,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             saved.get("argv") is not None
         ):  # the run's own arguments; the report's outputs and timings from now
             run_args = parse_args(saved["argv"])
+            if run_args.model != args.model:
+                raise Refusal(
+                    f"the run in {out} is of --model {run_args.model}: give that model to report it"
+                )
             run_args.results, run_args.figure = args.results, args.figure
             run_args.timing_runs, run_args.out_dir = args.timing_runs, args.out_dir
             run_args.raw = args.raw
@@ -1168,7 +1178,7 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
         ]
     ).replace(f"{ROOT}/", "")  # paths relative to the repository, never this machine's
     title = (
-        f"SmolLM2-135M-Instruct, {n_trials} trials ({args.trials} per task x {len(args.task_list)} tasks x "
+        f"{model_label(args.model)}, {n_trials} trials ({args.trials} per task x {len(args.task_list)} tasks x "
         f"{len(args.length_list)} lengths), seed {args.seed}; kvlab solid, kvpress dashed"
     )
     figure(pool, args.figure, title)
@@ -1230,7 +1240,7 @@ def write_report(args, doc: dict, records: Sequence[dict], source: Any, load_bef
         f"{'' if args.no_kvpress else ', the kvpress worker one'}; kvlab torch {mach['torch']}, transformers "
         f"{mach.get('transformers', '?')}; "
         f"kvpress side: {json.dumps(meta['versions']) if meta else '—'}",
-        f"- model: SmolLM2-135M-Instruct (bundled), {args.dtype}, {mach['device']}; haystack: {hay_text}",
+        f"- model: {model_label(args.model)}, {args.dtype}, {mach['device']}; haystack: {hay_text}",
         f"- trials: **{args.trials} per task** x tasks {', '.join(args.task_list)} x lengths "
         f"{', '.join(map(str, args.length_list))} = {n_trials} trials (seeds `trial_seed({args.seed}, i)`); prompt "
         "tokens reached (context + question): "

@@ -250,6 +250,16 @@ def test_the_cli_refuses_a_calibration_it_cannot_serve_before_loading(tmp_path, 
     (tmp_path / "bad.json").write_text("{")
     code, _, err = _ruler_cli(capsys, "--calibration", str(tmp_path / "bad.json"))
     assert code == 2 and "cannot read" in err
+    gemma = tmp_path / "gemma.json"  # a task's difficulty is its model's: another model's calibration refused
+    gemma.write_text(json.dumps({**json.loads(path.read_text()), "model_spec": "gemma3-270m"}))
+    args = ["--tasks", "vt", "--lengths", "200", "--calibration", str(gemma)]
+    code, out, err = _ruler_cli(capsys, *args)
+    assert code == 2 and not out and "calibrate smollm2-135m first" in err, err
+    # an alias of the calibrated model passes, to the next check (a length it lacks)
+    code, out, err = _ruler_cli(
+        capsys, "--tasks", "vt", "--lengths", "512", "--calibration", str(gemma), "-m", "gemma3"
+    )
+    assert code == 2 and "no entry for vt at 512" in err, err
 
 
 def test_the_cli_runs_each_task_at_its_calibrated_knobs(tiny_llama_2x64, tmp_path, monkeypatch, capsys):

