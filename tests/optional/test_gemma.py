@@ -86,3 +86,22 @@ def test_gemma_rolling_window_past_the_local_window_equals_the_masked_pass():
     assert len(local) == 15 and all(layer.held == 512 for layer in local)  # 511 reached + the new token
     # layer 5 is global: it holds the whole window
     assert cache.rolls == 1 and cache.layers[5].keys.shape[-2] == cache.kept > 512
+
+
+def test_gemma_past_its_local_window_prefills_evicts_and_answers_as_transformers():
+    """The real Gemma-3-270M at 900 tokens (its local layers see 512): kvlab's prefill equals transformers'
+    own forward (its sliding cache), and an eviction keeps half of what each layer holds (a local layer its
+    last 511 slots' half), the queries scored through each layer's q_norm."""
+    from kvlab import load_model
+    from kvlab.policy.evict import evict, make_policy, observe
+
+    g = load_model("gemma3-270m")
+    ids = torch.randint(10, 20000, (900,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        theirs = g.model(torch.tensor([ids])).logits[0, -50:].float()
+    torch.testing.assert_close(g.prefill(ids).logits[-50:], theirs, atol=1e-4, rtol=0)
+    ev = evict(observe(g, ids), make_policy("tova"), keep=0.5)
+    for valid, t in zip(ev.valid_layers(), g.config.layer_types, strict=True):
+        held = 511 if t == "sliding_attention" else 900
+        assert bool((valid.sum(-1) == round(0.5 * held)).all())
+    assert torch.isfinite(g.forward([5, 6, 7], ev).logits).all()
