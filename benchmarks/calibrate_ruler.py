@@ -252,10 +252,13 @@ def report(doc: Mapping, out: Path) -> list[str]:
     for n in lengths:
         at = [e for e in doc["tasks"] if e["length"] == n]
         pooled = [e for e in at if e["status"] == "pooled"]
-        apart = ", ".join(e["task"] for e in at if e["status"] == "apart") or "none"
+        names = [e["task"] for e in at if e["status"] == "apart"]
+        apart = ", ".join(names) if len(names) <= 2 else str(len(names))
+        spec = doc.get("model_spec", "smollm2-135m")
+        what = "RULER tasks" if spec == "smollm2-135m" else f"{doc['model'].split(' (')[0]}: tasks"
         rows.append(  # short: BENCHMARKS.md has a size cap
-            f"| quality | RULER tasks calibrated: the full cache in [0.6, 0.95] | **{len(pooled)} of {len(at)}** "
-            f"at {n} tokens; {apart} apart | full cache, fp32, {doc['threads']} thread | CPU 2 cores | "
+            f"| quality | {what} calibrated ({n // 1024}k) | **{len(pooled)} of {len(at)}** in "
+            f"[0.6, 0.95]; {apart} apart | full cache, {doc['threads']} thread{'s' * (doc['threads'] > 1)} | CPU 2 cores | "
             f"{doc['date'][:10]} | {doc['commit']} | current |"
         )
     trials = sum(t["n"] for e in doc["tasks"] for t in e["tried"])
