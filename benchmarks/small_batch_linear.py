@@ -8,7 +8,7 @@ Issue 28, item 6: the rewrite stays only if a whole decode shows it pays on this
   (e.g. ``/usr/bin/time -v``), under ``OMP_NUM_THREADS=1`` and ``=2``.
 * ``--compare``: in one process, the decode loop with the rewrite on and off in alternating
   rounds, paired ratio per round, and each linear shape of the model timed both ways; writes
-  ``benchmarks/results/small_batch_linear.md``.
+  ``benchmarks/results/archive/small_batch_linear.md`` (the rewrite it measured was removed).
 
 The rewrite measured is the one kvlab's batched step applied until issue 28 (a ``TorchFunctionMode``
 routing ``F.linear`` on 2-8 rows through ``(W @ x.T).T``); it lives here now, since it did not pay.
