@@ -48,6 +48,9 @@ class SlotMaskStep(Step):
         self.valid = None if valid is None else tuple(valid)
         self.context = None if context is None else context.to("cpu", torch.long)
         self.fed, self.windows = fed, tuple(windows)
+        self._near: tuple[tuple, torch.Tensor] | None = (
+            None  # the last window mask: the layers of a forward share it
+        )
         if self.valid is None and self.context is None:
             raise ValueError("a slot mask needs the past's valid slots or its positions")
 
@@ -70,7 +73,10 @@ class SlotMaskStep(Step):
         mask = torch.cat([ctx, causal.expand(*ctx.shape[:2], q_len, new)], dim=-1)
         window = self.windows[i] if self.windows else None
         if window is not None:
-            mask = mask & self._within(window, m, new, q_len).to(query.device)
+            at = (window, m, new, q_len, query.device)
+            if self._near is None or self._near[0] != at:
+                self._near = at, self._within(window, m, new, q_len).to(query.device)
+            mask = mask & self._near[1]
         kw.pop("is_causal", None)
         return grouped_sdpa(module, query, key, value, mask, **kw)
 
