@@ -15,7 +15,7 @@ import time
 import torch
 
 from kvlab import load_model
-from kvlab.hf.policy_cache import cache_for
+from kvlab.policy.spec import cache_for
 
 
 def main(specs: list[str]) -> None:

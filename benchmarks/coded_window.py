@@ -30,7 +30,8 @@ from _common import write_results  # noqa: E402
 
 
 def _generate(handle, spec: str, prompt: torch.Tensor, n: int) -> dict:
-    from kvlab.hf.policy_cache import cache_for, held_bytes
+    from kvlab.hf.policy_cache import held_bytes
+    from kvlab.policy.spec import cache_for
 
     cache = cache_for(spec, handle)
     seen: list[int] = []
@@ -62,7 +63,7 @@ def _generate(handle, spec: str, prompt: torch.Tensor, n: int) -> dict:
 @torch.no_grad()
 def _nll(handle, spec: str, ids: torch.Tensor, prompt: int) -> np.ndarray:
     """Per-token NLL of ``ids[prompt+1:]`` fed one at a time after a ``prompt``-token forward."""
-    from kvlab.hf.policy_cache import cache_for
+    from kvlab.policy.spec import cache_for
 
     cache = cache_for(spec, handle)
     logits = handle.run(ids[:, :prompt], cache).logits[0, -1].float()
@@ -102,7 +103,7 @@ def main() -> None:
         f"{r['rolls']} / {r['rebases']} | {r['packed_steps']:,} |"
         for r in runs
     )
-    generation = f"""Generation through `model.generate` with the cache `kvlab.hf.policy_cache.cache_for(spec)` builds
+    generation = f"""Generation through `model.generate` with the cache `kvlab.policy.cache_for(spec)` builds
 (greedy, prompt "Once upon a time, ..."); bytes = K/V the cache holds, read at every step.
 
 | spec | new tokens | ms / token | peak bytes | bytes at 10% → end | rolls / re-bases | packed-code steps |

@@ -35,7 +35,7 @@ SCRIPT = """
 import json, sys, time, torch
 torch.set_num_threads(1)
 import kvlab
-from kvlab.hf.policy_cache import cache_for
+from kvlab.policy.spec import cache_for
 from kvlab.hf.rolling_cache import rolling_cache_for
 tokens = int(sys.argv[1])
 model = kvlab.load_model()

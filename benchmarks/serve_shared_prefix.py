@@ -202,7 +202,7 @@ def _seeded_logits(handle: Any, policy: Any, held: Any, seen: int, rest: list[in
     """Logits of ``rest`` on a conversation's live cache started from the compressed prefix ``held``."""
     import torch
 
-    from kvlab.hf.policy_cache import cache_for
+    from kvlab.policy.spec import cache_for
 
     cache = cache_for(policy.live(), handle)
     cache.seed_kept(held, seen)

@@ -121,7 +121,7 @@ def test_keep_one_is_the_full_cache_and_kvzip_runs_in_the_eval(llama, tmp_path, 
 def test_live_caches_refuse_it(llama, monkeypatch, capsys):
     from kvlab.cli import main
     from kvlab.hf.compressed_cache import CompressedCache
-    from kvlab.hf.policy_cache import cache_for
+    from kvlab.policy.spec import cache_for
     from kvlab.serve.policy import serve_policy
 
     with pytest.raises(BadInputError, match="heads=global runs offline only"):

@@ -186,7 +186,8 @@ def test_a_one_file_codec_and_policy_run_in_the_study(smollm, tmp_path):
 )
 def test_cache_for_builds_the_live_cache_a_spec_names(tiny_llama_2x64, spec, kind):
     """One constructor for every spec: the cache runs a prompt and 40 steps and holds what it says."""
-    from kvlab.hf.policy_cache import cache_for, held_bytes
+    from kvlab.hf.policy_cache import held_bytes
+    from kvlab.policy.spec import cache_for
 
     h = tiny_llama_2x64
     p = parse(spec)

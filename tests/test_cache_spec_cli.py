@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kvlab.hf.policy_cache import cache_for
+from kvlab.policy.spec import cache_for
 from kvlab.streaming.generate import HeldBytes, policy_generate
 from kvlab.streaming.perplexity import streaming_perplexity, summarize
 

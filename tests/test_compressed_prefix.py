@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from kvlab.errors import BadInputError
-from kvlab.hf.policy_cache import cache_for
 from kvlab.policy.evict import evict, make_policy, observe
-from kvlab.policy.spec import parse
+from kvlab.policy.spec import cache_for, parse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

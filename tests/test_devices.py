@@ -261,7 +261,7 @@ def test_live_shared_budgets(device, handles, share):
     """Per-head (ragged) and per-layer budgets in a live cache, under model.generate, on every device."""
 
     def path(h: ModelHandle) -> Result:
-        from kvlab.hf.policy_cache import cache_for
+        from kvlab.policy.spec import cache_for
 
         cache = cache_for(f"snapkv,keep=0.5,{share}", h)
         out = _generate(h, _ids(h, PROMPT), cache, 8)
@@ -279,7 +279,7 @@ def test_live_caches_from_a_spec(device, handles, spec):
     model.generate, on every device: tokens, logits and bytes held as on the CPU."""
 
     def path(h: ModelHandle) -> Result:
-        from kvlab.hf.policy_cache import cache_for
+        from kvlab.policy.spec import cache_for
 
         cache = cache_for(spec, h)
         out = _generate(h, _ids(h, PROMPT), cache, 12)

@@ -89,9 +89,9 @@ def test_budgets_are_kept(tiny, budget):
 def test_spec_spellings_and_refusals(tiny):
     from kvlab.eval.run import parse_cache_spec
     from kvlab.hf.compressed_cache import CompressedCache
-    from kvlab.hf.policy_cache import cache_for
     from kvlab.policy.catalogue import OFFLINE_SCORES
     from kvlab.policy.evict import POLICIES
+    from kvlab.policy.spec import cache_for
     from kvlab.serve.policy import serve_policy
 
     # the catalogue's offline-only scores are the registered ones that ask for an extra pass

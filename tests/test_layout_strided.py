@@ -13,10 +13,9 @@ import torch
 
 from kvlab.errors import BadInputError
 from kvlab.eval.run import parse_cache_spec, parse_cache_specs, run_trial
-from kvlab.hf.policy_cache import cache_for
 from kvlab.policy.evict import kept_per_head
 from kvlab.policy.layouts import LAYOUTS
-from kvlab.policy.spec import parse
+from kvlab.policy.spec import cache_for, parse
 from kvlab.streaming.generate import HeldBytes, policy_generate
 from kvlab.streaming.perplexity import streaming_perplexity, summarize
 from tests.tolerances import assert_forward_close

@@ -10,8 +10,8 @@ from transformers import DynamicCache
 from kvlab.errors import BadInputError, UnsupportedModelError
 from kvlab.hf.coded_rolling import CodedRollingLayer
 from kvlab.hf.live_cache import Bytes, FullCache, LiveCache
-from kvlab.hf.policy_cache import cache_for
 from kvlab.hf.rolling_cache import RollingLayer
+from kvlab.policy.spec import cache_for
 
 # one spec per kind of layer: full, rolling, rolling over codes, codes over every slot, scored eviction
 # (attention- and key-scored, keeping a budget while decoding), shared budgets (per layer, per head)

@@ -9,10 +9,10 @@ import torch
 
 from kvlab.eval.run import parse_cache_spec
 from kvlab.hf.compressed_cache import CompressedCache
-from kvlab.hf.policy_cache import cache_for
 from kvlab.policy.catalogue import OFFLINE_SCORES
 from kvlab.policy.evict import POLICIES, kept_per_head, observe
 from kvlab.policy.quant.methods import QUANTIZERS, quantizer_names
+from kvlab.policy.spec import cache_for
 from tests.tolerances import assert_forward_close
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from kvlab.hf.cache import head_dim_of
-from kvlab.hf.policy_cache import cache_for
 from kvlab.loop import GREEDY
-from kvlab.policy.spec import parse
+from kvlab.policy.spec import cache_for, parse
 from kvlab.serve.engine import Engine, EngineSettings, Request
 from tests.test_serve_cache_spec import _ids, _Reply
 

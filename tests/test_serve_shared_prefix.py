@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.hf.policy_cache import cache_for
 from kvlab.loop import GREEDY
-from kvlab.policy.spec import parse
+from kvlab.policy.spec import cache_for, parse
 from kvlab.serve.engine import Engine, EngineSettings, Request
 from kvlab.store import open_store
 from tests.test_serve_cache_spec import _ids, _Reply

@@ -24,9 +24,10 @@ from transformers import LlamaForCausalLM
 from kvlab.errors import BadInputError
 from kvlab.hf import cache_argument
 from kvlab.hf.coded_rolling import CodedRollingLayer
-from kvlab.hf.policy_cache import cache_for, held_bytes
+from kvlab.hf.policy_cache import held_bytes
 from kvlab.hf.rolling_cache import RollingCache, RollingLayer, rolling_cache_for
 from kvlab.policy.quant.methods import make_quantizer
+from kvlab.policy.spec import cache_for
 from kvlab.streaming.generate import feed
 
 CACHE_ARG = cache_argument(LlamaForCausalLM)
@@ -264,7 +265,8 @@ RSS_CHILD = textwrap.dedent(
     import ctypes, gc, json, sys
     import torch
     from transformers import LlamaConfig
-    from kvlab.hf.policy_cache import cache_for, held_bytes
+    from kvlab.policy.spec import cache_for
+    from kvlab.hf.policy_cache import held_bytes
     from kvlab.model.random import tiny_random_model
 
     def rss():

@@ -198,10 +198,10 @@ def _rolled_window(policy, model: str, window: int, sinks: int, chunk: int | Non
 def _generate_with_policy(
     policy, prompt, max_new_tokens, temperature, chat, stats, json_out, model: ModelOptions, seed
 ) -> None:
-    """``kvlab generate --cache SPEC``: the live cache :func:`~kvlab.hf.policy_cache.cache_for` builds,
+    """``kvlab generate --cache SPEC``: the live cache :func:`~kvlab.policy.cache_for` builds,
     streamed (a RollingCache) or run through kvlab's decode loop (any other); says the policy and the
     K/V bytes held at the end and at most."""
-    from kvlab.hf.policy_cache import cache_for
+    from kvlab.policy.spec import cache_for
     from kvlab.streaming.generate import HeldBytes, policy_generate
 
     handle = model.load()

@@ -28,7 +28,7 @@ storage (``codec``, ``shared`` budgets): the step a bound forward opens for it i
 :class:`~kvlab.hf.rolling_cache.RollingCache`, :class:`~kvlab.hf.compressed_cache.CompressedCache` and
 :class:`FullCache` are thin presets: each validates its arguments and builds its rule and layers (the
 in-place rolling buffers, the packed-code layers, the ragged per-head layers, transformers' own dynamic
-layers). :func:`kvlab.hf.policy_cache.cache_for` picks the preset a policy spec names.
+layers). :func:`kvlab.policy.cache_for` picks the preset a policy spec names.
 """
 
 from __future__ import annotations

@@ -1,23 +1,19 @@
-"""The live cache a :class:`~kvlab.policy.spec.CachePolicy` names: one constructor for every spec, which
-asks the policy's layout (:mod:`kvlab.policy.layouts`) to build it.
-
-``cache_for(parse("sinks=4,window=2048,codec=kivi4"), model)`` returns a cache ready for
-``model.generate(..., cache=...)``, kvlab's own loop or the server, bound to its model (each layout's file
-says which cache it builds: the full layout a ``FullCache``, or a ``CompressedCache`` over a codec; sinks +
-window a ``RollingCache``; a scored layout a ``CompressedCache`` that evicts).
-"""
+"""What a layout builds its live cache from (:meth:`~kvlab.policy.layouts.Layout.cache`, reached through
+:func:`kvlab.policy.spec.cache_for`): the model's config and codec, the full layout's cache, and the bytes any
+such cache holds. Nothing here reads a spec: :mod:`kvlab.policy` sits below :mod:`kvlab.hf`, and a layout's own
+``cache`` is its one call up."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from kvlab.errors import BadInputError
-from kvlab.policy.spec import CachePolicy, parse
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
     from kvlab.hf.runner import Runner
+    from kvlab.policy.layouts.base import CachePolicy
     from kvlab.policy.quant import Quantizer
 
 
@@ -49,20 +45,8 @@ def full_cache(config: PretrainedConfig) -> Any:
     return DynamicCache(config=config)
 
 
-def cache_for(
-    policy: CachePolicy | str, handle: Runner | PreTrainedModel, *, packed_path: str = "auto", pinned: int = 0
-) -> Any:
-    """A new, empty live cache running ``policy`` (a :class:`CachePolicy` or its spec string) for
-    ``handle`` (a :class:`~kvlab.model.ModelHandle`, read as a :class:`~kvlab.hf.runner.Runner`, or a Hugging
-    Face causal LM), bound to the model: its layout builds it (:meth:`~kvlab.policy.layouts.Layout.cache`;
-    ``pinned`` first tokens stay where the layout rolls a window)."""
-    if isinstance(policy, str):
-        policy = parse(policy)
-    return policy.layout.cache(policy, handle, packed_path=packed_path, pinned=pinned)
-
-
 def held_bytes(cache: Any) -> int:
-    """K/V bytes a live cache holds now (any cache :func:`cache_for` makes)."""
+    """K/V bytes a live cache holds now (any cache :func:`kvlab.policy.cache_for` makes)."""
     n = getattr(cache, "nbytes", None)
     if callable(n):
         return int(n())

@@ -26,7 +26,7 @@ class Runner(Protocol):
     * ``config``, ``fingerprint``, ``run`` (with ``stop_after_layer``): :mod:`kvlab.hf.masked`;
     * ``model``, ``config``, ``rope``, ``max_positions``, ``rope_problem``:
       :func:`kvlab.hf.rolling_cache.rolling_cache_for` (and through it
-      :func:`kvlab.hf.policy_cache.cache_for`, which reads ``model`` and ``config``).
+      :func:`kvlab.policy.cache_for`, which reads ``model`` and ``config``).
     """
 
     @property

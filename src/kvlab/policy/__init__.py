@@ -1,6 +1,7 @@
 """Cache policies: which slots stay (layouts, eviction scores, sinks + window) and how they are stored (codecs).
 
-``kvlab.policy.spec`` reads a ``--cache`` spec into a ``CachePolicy`` (a layout x a codec) without torch;
+``kvlab.policy.spec`` reads a ``--cache`` spec into a ``CachePolicy`` (a layout x a codec) without torch
+(``parse``), and ``cache_for(spec, model)`` builds the live cache it names, bound to the model;
 ``kvlab.policy.window`` is :class:`SinksWindow` (attention sinks + a recent window), the policy every roll,
 rolling cache and protected window in kvlab is built on;
 
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING
 from kvlab._lazy import lazy_exports
 
 _EXPORTS = {
+    "cache_for": "kvlab.policy.spec",
+    "parse": "kvlab.policy.spec",
     "SinksWindow": "kvlab.policy.window",
     "roll_amount": "kvlab.policy.window",
     "POLICIES": "kvlab.policy.evict",
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
         make_quantizer,
         quantize_snapshot,
     )
+    from kvlab.policy.spec import cache_for, parse
     from kvlab.policy.window import SinksWindow, roll_amount
 
 
@@ -58,6 +62,8 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [
+    "cache_for",
+    "parse",
     "SinksWindow",
     "roll_amount",
     "POLICIES",

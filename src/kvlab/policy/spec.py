@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvlab.errors import BadInputError
 from kvlab.policy.catalogue import CODECS, SUPPORTED_BITS, VARIANTS, codec_facts
@@ -38,6 +39,9 @@ from kvlab.policy.layouts.base import CachePolicy as CachePolicy  # re-exported
 from kvlab.policy.layouts.base import number
 from kvlab.policy.layouts.full import FullLayout
 from kvlab.policy.layouts.rolling import SinksWindowLayout as SinksWindowLayout  # re-exported
+
+if TYPE_CHECKING:
+    from kvlab.policy.layouts.base import Model
 from kvlab.policy.layouts.scored import ScoredLayout as ScoredLayout  # re-exported
 
 CODEC_KEYS = ("codec", "tail")  # the policy's own keys; every other key is a layout's
@@ -171,3 +175,14 @@ def parse_many(specs: Sequence[str]) -> list[CachePolicy]:
             raise BadInputError(f"cache spec '{p.spec}' is given twice")
         seen.add(p.spec)
     return parsed
+
+
+def cache_for(policy: CachePolicy | str, handle: Model, *, packed_path: str = "auto", pinned: int = 0) -> Any:
+    """A new, empty live cache running ``policy`` (a :class:`CachePolicy` or its spec string) for
+    ``handle`` (a :class:`~kvlab.model.ModelHandle`, read as a :class:`~kvlab.hf.runner.Runner`, or a Hugging
+    Face causal LM), bound to the model, ready for ``model.generate(..., past_key_values=...)``, kvlab's own
+    loop or the server: its layout builds it (:meth:`~kvlab.policy.layouts.Layout.cache`; each layout's file
+    says which cache; ``pinned`` first tokens stay where the layout rolls a window)."""
+    if isinstance(policy, str):
+        policy = parse(policy)
+    return policy.layout.cache(policy, handle, packed_path=packed_path, pinned=pinned)

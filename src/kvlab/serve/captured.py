@@ -25,7 +25,7 @@ class CapturedRows:
     """``rows`` decoding conversations in one :class:`RingRows`, stepped by one :class:`RollingDecoder`."""
 
     def __init__(self, handle: Runner, policy: CachePolicy, rows: int, mode: Mode) -> None:
-        from kvlab.hf.policy_cache import cache_for
+        from kvlab.policy.spec import cache_for
 
         roll = policy.captured_roll(mode)
         rule = cache_for(policy.live(), handle).rule  # a conversation's rule without a pinned prompt

@@ -20,7 +20,7 @@ Where a prompt's cache comes from, in order:
 
 Prompts and replies beyond the window **roll** (attention sinks + window, exact RoPE re-rotation)
 instead of failing. With a cache spec (``EngineSettings.cache``, ``kvlab serve --cache``, a spec of
-:mod:`kvlab.policy.spec`) every session runs that policy's live cache (:func:`kvlab.hf.policy_cache.cache_for`):
+:mod:`kvlab.policy.spec`) every session runs that policy's live cache (:func:`kvlab.policy.cache_for`):
 
 * a sinks + window layout, e.g. ``sinks=4,window=2048,codec=kivi4``: the window stored as that codec's packed
   codes (:mod:`kvlab.hf.coded_rolling`). The system prompt is pinned: it is part of the cache's sinks,
@@ -65,11 +65,10 @@ from kvlab.cache import KVSnapshot
 from kvlab.errors import BadInputError, KvlabError
 from kvlab.hf.batch import step_rolling_rows_isolated
 from kvlab.hf.live_cache import LiveCache
-from kvlab.hf.policy_cache import cache_for
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.hf.static_rolling import check_ring_model
 from kvlab.loop import Sampling
-from kvlab.policy.spec import CachePolicy, SinksWindowLayout
+from kvlab.policy.spec import CachePolicy, SinksWindowLayout, cache_for
 from kvlab.policy.spec import parse as parse_cache_spec
 from kvlab.policy.window import default_chunk
 from kvlab.serve.captured import CapturedRows

@@ -115,7 +115,7 @@ def policy_generate(
     stop_ids: Sequence[int] = (),
     held: HeldBytes | None = None,
 ) -> Iterator[int]:
-    """Token ids generated after ``token_ids`` over any live cache :func:`kvlab.hf.policy_cache.cache_for`
+    """Token ids generated after ``token_ids`` over any live cache :func:`kvlab.policy.cache_for`
     makes (``held`` sees the cache after the prompt and after every step).
 
     A :class:`RollingCache` (sinks + window, with or without a codec) streams as :func:`stream_generate`

@@ -67,7 +67,7 @@ def policy_method(spec: str) -> str:
     """The streaming method scoring cache policy ``spec`` (:func:`kvlab.policy.spec.parse`), registered
     in :data:`METHODS` under its canonical spec (the name to pass to :func:`stream_nll`). Sinks + a window
     in full precision is scored by the masked single pass where that is exact (the rolling methods' path);
-    a codec or a scored layout by feeding the live cache :func:`kvlab.hf.policy_cache.cache_for` builds."""
+    a codec or a scored layout by feeding the live cache :func:`kvlab.policy.cache_for` builds."""
     from kvlab.policy.spec import parse
 
     policy = parse(spec)
@@ -173,7 +173,7 @@ def _cache_loop_nll(
     handle: ModelHandle, ids: torch.Tensor, cache, feed: int, on_chunk, on_logits=None
 ) -> tuple[np.ndarray, dict]:
     """Feed ``ids`` ``feed`` tokens per forward through a live ``cache`` (a RollingCache, coded or not,
-    or any cache :func:`kvlab.hf.policy_cache.cache_for` makes), scoring each next token; extra: the
+    or any cache :func:`kvlab.policy.cache_for` makes), scoring each next token; extra: the
     rolls, re-bases and largest position of a rolling cache, the K/V bytes held at the end and at most."""
     from kvlab.hf.policy_cache import held_bytes
 
@@ -200,7 +200,7 @@ def _policy_nll(
     """A ``--cache`` spec's NLL: sinks + window in full precision by the masked pass where exact (as the
     ``sinks{s}`` methods), anything else (a codec, a scored layout, full) through its live cache; a
     rolling layout without ``chunk=`` evicts ``feed`` at a time, as the other rolling methods do."""
-    from kvlab.hf.policy_cache import cache_for
+    from kvlab.policy.spec import cache_for
 
     policy, n = method.policy, ids.shape[1]
     policy = replace(policy, layout=policy.layout.for_feed(feed))

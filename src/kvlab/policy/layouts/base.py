@@ -10,7 +10,7 @@ class, what it means:
 ``items()`` / ``fields()``      its part of the canonical spec string / of the policy's JSON
 ``describe()``                  the slots it keeps, in words
 ``check(policy, spec)``         refuse a policy it cannot hold (raised while reading the spec)
-``cache(policy, handle)``       the live cache running it (:func:`kvlab.hf.policy_cache.cache_for`)
+``cache(policy, handle)``       the live cache running it (:func:`kvlab.policy.cache_for`)
 ``apply(policy, source, h)``    offline: what that cache holds after a context (the eval's rows)
 ``eval_check(policy, spec)``    refuse what a one-shot offline run cannot do
 ``serve_check(policy, spec)``   refuse what ``kvlab serve`` cannot run (default: everything)
