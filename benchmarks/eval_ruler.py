@@ -591,7 +591,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--model",
         default="smollm2-135m",
-        help="smollm2-135m (bundled), gemma3-270m (the optional package) or a local folder; both sides",
+        help="smollm2-135m (bundled), gemma3-270m (the optional package; kvpress cannot run it: --no-kvpress) "
+        "or a local folder; both sides",
     )
     ap.add_argument("--device", default="cpu", help="where kvlab's side runs: cpu, cuda, cuda:N, auto")
     ap.add_argument("--dtype", default="float32", help="kvlab's model dtype: float32, bfloat16, float16")
@@ -706,6 +707,20 @@ def cache_specs(args: argparse.Namespace) -> list[Any]:
     return parse_cache_specs(["full", *evictions, *_csv(args.codecs)])
 
 
+def kvpress_cannot_run(config: Mapping) -> str | None:
+    """Why kvpress cannot run a model (its ``config.json``), or None. kvpress 0.5.5 skips the sliding layers
+    of ``Gemma3ForConditionalGeneration`` only: on a text-only Gemma-3 it compresses them too, and the next
+    forward fails (``benchmarks/anchors/kvpress_gemma3_check.py``)."""
+    text = config.get("text_config") or config
+    sliding = "sliding_attention" in (text.get("layer_types") or [])
+    if text.get("model_type") == "gemma3_text" and sliding and "text_config" not in config:
+        return (
+            "kvpress 0.5.5 does not run a text-only Gemma-3: it compresses the sliding layers, and the next "
+            "forward fails (benchmarks/anchors/kvpress_gemma3_check.py); give --no-kvpress"
+        )
+    return None
+
+
 def worker_job(args: argparse.Namespace, handle: Any, trials_file: Path) -> dict:
     from kvlab.model.loading import resolve_model_dir
 
@@ -736,6 +751,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise Refusal("the kvpress worker runs on the CPU beside kvlab: give --no-kvpress with --device")
     if (args.merge or args.archive) and not args.report_only:
         raise Refusal("--merge and --archive report pieces that ran: give them with --report-only")
+    if not (args.no_kvpress or args.report_only):
+        from kvlab.model.loading import resolve_model_dir
+
+        config = json.loads((resolve_model_dir(args.model)[0] / "config.json").read_text())
+        if (why := kvpress_cannot_run(config)) is not None:
+            raise Refusal(f"--model {args.model}: {why}")
     if args.archive and args.archive.exists() and not args.archive.is_dir():
         raise Refusal(f"--archive {args.archive}: a file is there; give a folder")
     # a report of pieces run elsewhere needs only the tokenizer: the model on the CPU

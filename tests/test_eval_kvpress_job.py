@@ -237,3 +237,26 @@ def test_a_refused_command_line_is_one_line_and_exit_2(tmp_path):
         == "error: --merge and --archive report pieces that ran: give them with --report-only"
     )
     assert not out.exists()
+
+
+def test_a_model_kvpress_cannot_run_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    """A text-only Gemma-3 (kvpress compresses its sliding layers and the next forward fails) is refused in
+    one line unless --no-kvpress, before the model loads or anything is written; the multimodal Gemma-3
+    (kvpress skips its sliding layers) and the bundled Llama are not."""
+    from tests.conftest import config_path
+
+    gemma = json.loads(config_path("gemma3").read_text())
+    assert "give --no-kvpress" in eval_ruler.kvpress_cannot_run(gemma)
+    assert eval_ruler.kvpress_cannot_run({"model_type": "gemma3", "text_config": gemma}) is None
+    assert eval_ruler.kvpress_cannot_run(json.loads(config_path("llama").read_text())) is None
+
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(gemma))  # no weights: the refusal comes first
+    import kvlab
+
+    monkeypatch.setattr(kvlab, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    out = tmp_path / "out"
+    with pytest.raises(eval_ruler.Refusal, match="does not run a text-only Gemma-3"):
+        eval_ruler.main(["--model", str(folder), "--trials", "1", "--out-dir", str(out)])
+    assert not out.exists()
