@@ -450,6 +450,42 @@ def test_autograd_through_a_live_cache(device, handles, kind):
         assert max_abs_diff(got[name], plain[name]) <= bound, name
 
 
+@pytest.fixture(scope="module")
+def slid_handles() -> dict[str, ModelHandle]:
+    """A tiny Gemma-3 (layer 0 slides over 64 tokens, layer 1 attends to all) on every device."""
+    from kvlab.model.facts import load_config_file
+    from kvlab.model.random import tiny_random_model
+    from tests.conftest import config_path
+
+    h = tiny_random_model(load_config_file(config_path("gemma3")))
+    out = {"cpu": h}
+    for device in DEVICES[1:]:
+        model = copy.deepcopy(h.model).to(device)
+        out[device] = ModelHandle(model, h.tokenizer, name=h.name, weights_digest=h.weights_digest())
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sliding_window_model_past_its_window(device, slid_handles):
+    """Past the window, a snapshot keeps every slot and each forward masks the sliding layer on the slots'
+    positions (the mask is built from host positions: it must reach the data's device), a live batch
+    decodes on it, and an eviction keeps part of the sliding layer's window."""
+    ids = STREAM + MORE + PROMPT[:46]  # 150 tokens: past the window of 64
+
+    def path(h: ModelHandle) -> Result:
+        past = h.prefill(ids[:100]).snapshot
+        ext = h.extend(past, ids[100:]).logits
+        with h.live_rows([past], room=60) as live:
+            fed = live.feed(ids[100:])
+            answer = live.greedy(fed[:, -1], 8)[0]
+        o = observe(h, ids[:100])
+        kept = evict(o, make_policy("tova"), keep=0.5)  # the observation carries the model's windows
+        after = h.extend(kept, ids[100:104]).logits
+        return {"extend": ext, "live": fed[0], "answer": answer, "held": kept.held_slots, "after": after}
+
+    on_device(device, slid_handles, path)
+
+
 def test_every_device_present_is_tested():
     """The device list is what this machine has: CUDA runs here exactly when torch sees a GPU."""
     assert DEVICES[0] == "cpu" and ("cuda" in DEVICES) == torch.cuda.is_available()
