@@ -39,10 +39,10 @@ from kvlab.policy.layouts.base import CachePolicy as CachePolicy  # re-exported
 from kvlab.policy.layouts.base import number
 from kvlab.policy.layouts.full import FullLayout
 from kvlab.policy.layouts.rolling import SinksWindowLayout as SinksWindowLayout  # re-exported
+from kvlab.policy.layouts.scored import ScoredLayout as ScoredLayout  # re-exported
 
 if TYPE_CHECKING:
     from kvlab.policy.layouts.base import Model
-from kvlab.policy.layouts.scored import ScoredLayout as ScoredLayout  # re-exported
 
 CODEC_KEYS = ("codec", "tail")  # the policy's own keys; every other key is a layout's
 
