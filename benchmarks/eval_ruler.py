@@ -721,6 +721,18 @@ def kvpress_cannot_run(config: Mapping) -> str | None:
     return None
 
 
+def kvpress_refusal(model: str) -> str | None:
+    """:func:`kvpress_cannot_run` for ``--model``, converting nothing: a local folder's ``config.json``, or
+    for the bundled aliases what they are (Gemma-3-270M is a text-only Gemma-3, SmolLM2 a Llama)."""
+    from kvlab.model.loading import GEMMA_ALIASES, local_model_dir
+
+    folder = local_model_dir(model)
+    if folder is not None:
+        return kvpress_cannot_run(json.loads((folder / "config.json").read_text()))
+    gemma = {"model_type": "gemma3_text", "layer_types": ["sliding_attention", "full_attention"]}
+    return kvpress_cannot_run(gemma) if model.lower() in GEMMA_ALIASES else None
+
+
 def worker_job(args: argparse.Namespace, handle: Any, trials_file: Path) -> dict:
     from kvlab.model.loading import resolve_model_dir
 
@@ -751,12 +763,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise Refusal("the kvpress worker runs on the CPU beside kvlab: give --no-kvpress with --device")
     if (args.merge or args.archive) and not args.report_only:
         raise Refusal("--merge and --archive report pieces that ran: give them with --report-only")
-    if not (args.no_kvpress or args.report_only):
-        from kvlab.model.loading import resolve_model_dir
-
-        config = json.loads((resolve_model_dir(args.model)[0] / "config.json").read_text())
-        if (why := kvpress_cannot_run(config)) is not None:
-            raise Refusal(f"--model {args.model}: {why}")
+    if not (args.no_kvpress or args.report_only) and (why := kvpress_refusal(args.model)) is not None:
+        raise Refusal(f"--model {args.model}: {why}")
     if args.archive and args.archive.exists() and not args.archive.is_dir():
         raise Refusal(f"--archive {args.archive}: a file is there; give a folder")
     # a report of pieces run elsewhere needs only the tokenizer: the model on the CPU

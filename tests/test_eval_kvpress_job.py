@@ -249,6 +249,8 @@ def test_a_model_kvpress_cannot_run_is_refused_before_anything_loads(tmp_path, m
     assert "give --no-kvpress" in eval_ruler.kvpress_cannot_run(gemma)
     assert eval_ruler.kvpress_cannot_run({"model_type": "gemma3", "text_config": gemma}) is None
     assert eval_ruler.kvpress_cannot_run(json.loads(config_path("llama").read_text())) is None
+    assert "give --no-kvpress" in eval_ruler.kvpress_refusal("gemma3-270m")  # the alias: nothing converted
+    assert eval_ruler.kvpress_refusal("smollm2-135m") is None
 
     folder = tmp_path / "gemma"
     folder.mkdir()

@@ -48,9 +48,8 @@ class SlotMaskStep(Step):
         self.valid = None if valid is None else tuple(valid)
         self.context = None if context is None else context.to("cpu", torch.long)
         self.fed, self.windows = fed, tuple(windows)
-        self._near: tuple[tuple, torch.Tensor] | None = (
-            None  # the last window mask: the layers of a forward share it
-        )
+        # the last window mask built: the layers of a forward share it
+        self._near: tuple[tuple, torch.Tensor] | None = None
         if self.valid is None and self.context is None:
             raise ValueError("a slot mask needs the past's valid slots or its positions")
 
