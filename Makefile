@@ -48,7 +48,7 @@ test-fast: setup-dev
 # each path, which exposes a factory without device=); on a CUDA machine the same tests also run on
 # cuda and compare each result with the CPU one within the dtype's tolerance. Tiny random models only.
 test-gpu: setup-dev
-	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py tests/test_ring_rows.py tests/optional/test_triton_kernels.py
+	KVLAB_TEST_NO_SKIPS=1 $(VENV)/python -m pytest -q tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py tests/test_ring_rows.py tests/optional/test_triton_kernels.py tests/test_eval_capture.py::test_the_captured_answer_on_every_device
 
 # Checks that need what is not installed by default (Gemma-3-270M, Triton: see tests/optional/).
 test-optional: setup-dev

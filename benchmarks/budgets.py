@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(1)
     from kvlab import load_model
     from kvlab.data import default_long_text
-    from kvlab.eval.run import parse_cache_specs
+    from kvlab.eval.specs import parse_cache_specs
     from kvlab.model.loading import bundled_model_dir
 
     if args.report_only:

@@ -111,7 +111,8 @@ def scorer(handle: Any, text: str, trials: Path, memo: Mapping[str, dict]) -> An
     """``score(task, length, seed, knobs)``: one trial on the full cache (:func:`kvlab.eval.run.run_trial`),
     as a raw row, appended to ``trials`` as it finishes; a trial in ``memo`` (a resumed run's) is not run
     again (the walk is a function of the trials' scores, so it replays the same way)."""
-    from kvlab.eval.run import parse_cache_specs, run_trial
+    from kvlab.eval.run import run_trial
+    from kvlab.eval.specs import parse_cache_specs
     from kvlab.eval.tasks import make_trial
 
     full = parse_cache_specs(["full"])

@@ -664,7 +664,7 @@ def calibration_of(
         return {}, set()
     from kvlab.errors import BadInputError
     from kvlab.eval.calibrate import Calibration
-    from kvlab.eval.run import trial_seed
+    from kvlab.eval.tasks import trial_seed
 
     want = [(t, n) for t in args.task_list for n in args.length_list]
     try:
@@ -701,7 +701,7 @@ def pooled_rows(rows: Sequence[dict], apart: set[tuple[str, int]]) -> list[dict]
 
 
 def cache_specs(args: argparse.Namespace) -> list[Any]:
-    from kvlab.eval.run import parse_cache_specs
+    from kvlab.eval.specs import parse_cache_specs
 
     evictions = [f"{p}:{r:g}" for p in _csv(args.policies) for r in args.ratio_list]
     return parse_cache_specs(["full", *evictions, *_csv(args.codecs)])

@@ -95,8 +95,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from kvlab import load_model
     from kvlab.data import default_long_text
-    from kvlab.eval.run import parse_cache_specs, run_suite, summarize, trial_seed
-    from kvlab.eval.tasks import TASKS, make_trial
+    from kvlab.eval.run import run_suite, summarize
+    from kvlab.eval.specs import parse_cache_specs
+    from kvlab.eval.tasks import TASKS, make_trial, trial_seed
     from kvlab.metrics.stats import bootstrap_ci
 
     try:

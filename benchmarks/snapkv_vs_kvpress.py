@@ -38,8 +38,7 @@ RATIOS = (0.25, 0.5, 0.75)
 
 def contexts(handle, length: int, trials: int, haystack: str | None) -> dict[str, list[int]]:
     """The eval's trials (``trial_seed(0, i)``), context ids only: what both sides compress."""
-    from kvlab.eval.run import trial_seed
-    from kvlab.eval.tasks import TASKS, encoder, make_trial
+    from kvlab.eval.tasks import TASKS, encoder, make_trial, trial_seed
 
     encode = encoder(handle)
     out = {}

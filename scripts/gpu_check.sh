@@ -53,7 +53,8 @@ tail -n 45 "$OUT/gpu.md" 2>/dev/null || tail -n 40 "$OUT/bench.log"
 t=$(( $(left) - 5 ))
 echo "== tests ($t s) and serve, side by side"
 KVLAB_TEST_NO_SKIPS=1 timeout "$t" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TESTS:+-k "$TESTS"} \
-  tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py tests/test_ring_rows.py > "$OUT/pytest.log" 2>&1 &
+  tests/test_devices.py tests/test_device_static.py tests/test_static_rolling.py tests/test_ring_rows.py \
+  tests/test_eval_capture.py::test_the_captured_answer_on_every_device > "$OUT/pytest.log" 2>&1 &
 tests=$!
 timeout ${SERVE_S:-75} python3 scripts/gpu_serve_check.py .gpu/tok > "$OUT/serve.log" 2>&1
 echo "serve rc=$?"; grep -A12 -- "^---" "$OUT/serve.log" | head -40; tail -n 3 "$OUT/serve.log"

@@ -175,7 +175,8 @@ def test_ragged_forward_equals_each_heads_own_slots(tiny_llama_2x64, obs):
 
 
 def test_eval_runs_shared_budgets(tiny_llama_2x64):
-    from kvlab.eval.run import parse_cache_specs, run_trial
+    from kvlab.eval.run import run_trial
+    from kvlab.eval.specs import parse_cache_specs
     from kvlab.eval.tasks import make_trial
     from kvlab.model.handle import ModelHandle
     from tests.test_eval_tasks import HAYSTACK, WordTokenizer

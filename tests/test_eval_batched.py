@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvlab.errors import BadInputError
-from kvlab.eval.run import parse_cache_specs, run_trial
+from kvlab.eval.run import run_trial
+from kvlab.eval.specs import parse_cache_specs
 from kvlab.eval.tasks import make_trial
 from kvlab.model.handle import ModelHandle
 from tests.test_eval_tasks import HAYSTACK, WordTokenizer

@@ -24,8 +24,9 @@ from kvlab.eval.calibrate import (
     check_disjoint,
     try_setting,
 )
-from kvlab.eval.run import parse_cache_specs, run_suite, trial_seed
-from kvlab.eval.tasks import TASKS, make_trial
+from kvlab.eval.run import run_suite
+from kvlab.eval.specs import parse_cache_specs
+from kvlab.eval.tasks import TASKS, make_trial, trial_seed
 from tests.test_eval_tasks import HAYSTACK, WordTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from kvlab.errors import BadInputError
-from kvlab.eval.run import CacheSpec, parse_cache_spec, parse_cache_specs, run_suite, run_trial, summarize
+from kvlab.eval.run import run_suite, run_trial, summarize
+from kvlab.eval.specs import CacheSpec, parse_cache_spec, parse_cache_specs
 from kvlab.eval.tasks import make_trial
 from tests.test_eval_tasks import HAYSTACK, WordTokenizer
 

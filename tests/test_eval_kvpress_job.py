@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.eval.run import parse_cache_specs, trial_seed
-from kvlab.eval.tasks import encoder, make_trial
+from kvlab.eval.specs import parse_cache_specs
+from kvlab.eval.tasks import encoder, make_trial, trial_seed
 from tests.test_eval_tasks import HAYSTACK, WordTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

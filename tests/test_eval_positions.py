@@ -9,7 +9,8 @@ import torch
 
 from kvlab.errors import BadInputError
 from kvlab.eval.positions import CONVENTIONS, check_positions, place
-from kvlab.eval.run import parse_cache_specs, run_trial, summarize
+from kvlab.eval.run import run_trial, summarize
+from kvlab.eval.specs import parse_cache_specs
 from kvlab.eval.tasks import encoder, make_trial
 from kvlab.model.handle import ModelHandle
 from kvlab.policy.evict import kept_per_head, observe

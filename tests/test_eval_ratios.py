@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab.errors import BadInputError
-from kvlab.eval.run import bare_score, expand_specs, parse_cache_specs, parse_ratios
+from kvlab.eval.specs import bare_score, expand_specs, parse_cache_specs, parse_ratios
 
 
 def test_ratios_parse():

@@ -87,7 +87,7 @@ def test_budgets_are_kept(tiny, budget):
 
 
 def test_spec_spellings_and_refusals(tiny):
-    from kvlab.eval.run import parse_cache_spec
+    from kvlab.eval.specs import parse_cache_spec
     from kvlab.hf.compressed_cache import CompressedCache
     from kvlab.policy.catalogue import OFFLINE_SCORES
     from kvlab.policy.evict import POLICIES

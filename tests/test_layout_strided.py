@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvlab.errors import BadInputError
-from kvlab.eval.run import parse_cache_spec, parse_cache_specs, run_trial
+from kvlab.eval.run import run_trial
+from kvlab.eval.specs import parse_cache_spec, parse_cache_specs
 from kvlab.policy.evict import kept_per_head
 from kvlab.policy.layouts import LAYOUTS
 from kvlab.policy.spec import cache_for, parse

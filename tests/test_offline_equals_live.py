@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.eval.run import parse_cache_spec
+from kvlab.eval.specs import parse_cache_spec
 from kvlab.hf.compressed_cache import CompressedCache
 from kvlab.policy.catalogue import OFFLINE_SCORES
 from kvlab.policy.evict import POLICIES, kept_per_head, observe

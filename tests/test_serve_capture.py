@@ -146,9 +146,9 @@ def test_a_fresh_model_compiles_its_captured_step_before_anything_else():
     """The server builds its compiled step at start-up, before the model ran once: nothing the traced step
     reads may be computed lazily under a lock (a ``cached_property`` of the handle was)."""
     from kvlab.model.random import tiny_random_model
-    from kvlab.serve.captured import CapturedRows
+    from kvlab.serve.engine import captured_rows
     from tests.conftest import config_path
 
     h = tiny_random_model(config_path("llama"))  # not the cached fixture: nothing has run on it
-    rows = CapturedRows(h, EngineSettings(window=64, sinks=4, evict_chunk=16).policy, 2, "compile")
+    rows = captured_rows(h, EngineSettings(window=64, sinks=4, evict_chunk=16).policy, 2, "compile")
     assert rows.decoder.captures == len(rows.pool.widths) == 2  # a step of one row and of both

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from kvlab.eval.run import parse_cache_specs
+from kvlab.eval.specs import parse_cache_specs
 from kvlab.study.experiments import ExperimentContext, get_experiment
 from kvlab.study.experiments import ruler as R
 from kvlab.study.runner import run_experiment

@@ -11,6 +11,8 @@ from kvlab.cli.common import (
     JsonOpt,
     ModelOptions,
     SeedOpt,
+    capture_mode,
+    capture_on,
     check_output_dir,
     checked,
     console,
@@ -138,6 +140,18 @@ PositionsOpt = Annotated[
     ),
 ]
 
+CaptureOpt = Annotated[
+    str,
+    typer.Option(
+        "--capture",
+        callback=capture_mode,
+        help="Answer through the captured step kvlab serve --capture runs: compile (torch.compile, on a CPU "
+        "too), cuda-graph (a GPU), auto (CUDA graphs on a GPU, compile on a CPU), or off (the default: a live "
+        "batch). It runs the sinks + window caches in the model's dtype; the others as without it. Each row "
+        "says its runtime. See docs/eval.md.",
+    ),
+]
+
 
 def _fmt(interval: dict | None, digits: str = ".2f") -> str:
     if interval is None:
@@ -179,6 +193,7 @@ def ruler(
     resume: ResumeOpt = None,
     positions: PositionsOpt = "original",
     calibration: CalibrationOpt = None,
+    capture: CaptureOpt = "off",
     model: ModelOptions = ModelOptions(),
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
@@ -189,13 +204,16 @@ def ruler(
     one line per trial otherwise, nothing with --json)."""
     from kvlab.eval.positions import DEFAULT, check_positions
     from kvlab.eval.resume import run_ruler
-    from kvlab.eval.specs import expand_specs, parse_cache_specs, parse_ratios
+    from kvlab.eval.specs import check_capture, expand_specs, parse_cache_specs, parse_ratios
     from kvlab.eval.tasks import TASKS
     from kvlab.progress import choose_mode
 
     ratio_list = parse_ratios(ratios) if ratios is not None else None
     specs = parse_cache_specs(expand_specs(cache or ["full"], ratio_list))
     check_positions([positions], specs)
+    if capture != "off":
+        check_capture(specs, capture)
+        capture = capture_on(capture, model.device, on_cpu="compile")
     task_names = [t.strip() for t in tasks.split(",")] if tasks else list(TASKS)
     length_list = [int(v) for v in lengths.split(",")]
     if resume is not None:
@@ -220,6 +238,7 @@ def ruler(
         "haystack": str(haystack) if haystack is not None else "default",
         "max_new_tokens": max_new_tokens,
         **({"positions": positions} if positions != DEFAULT else {}),  # a default run's settings as before
+        **({"capture": capture} if capture != "off" else {}),
         **(
             _calibrated(calibration, model.model, task_names, length_list, trials, seed)
             if calibration is not None

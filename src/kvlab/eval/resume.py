@@ -203,6 +203,7 @@ def run_kept(
             done={k: r for k, (r, _) in kept.items()},
             on_trial=on_trial,
             positions=[settings.get("positions", DEFAULT)],
+            capture=settings.get("capture", "off"),
             knobs={
                 (k.rsplit("@", 1)[0], int(k.rsplit("@", 1)[1])): v
                 for k, v in settings.get("knobs", {}).items()

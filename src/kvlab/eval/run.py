@@ -32,21 +32,15 @@ import torch
 
 from kvlab.errors import BadInputError
 from kvlab.eval.positions import DEFAULT, check_positions, place
-from kvlab.eval.specs import (  # noqa: F401  (the spec readers moved to kvlab.eval.specs; run.py re-exports them)
-    CacheSpec,
-    bare_score,
-    expand_specs,
-    parse_cache_spec,
-    parse_cache_specs,
-    parse_ratios,
-)
+from kvlab.eval.specs import CacheSpec, check_capture
 from kvlab.eval.tasks import trial_seed
 from kvlab.policy.layouts.base import context
 
 if TYPE_CHECKING:
     from kvlab.cache.snapshot import KVSnapshot
+    from kvlab.eval.captured import CapturedAnswers
     from kvlab.model.handle import ModelHandle
-    from kvlab.policy.layouts.base import Source
+    from kvlab.policy.layouts.base import Roll, Source
 
     External = Callable[[KVSnapshot], dict[str, tuple[KVSnapshot, int]]]  # caches made elsewhere, by name
 
@@ -104,18 +98,28 @@ def _caches(
 
 
 def _answer(
-    handle: ModelHandle, caches: dict, seconds: dict, question: list[int], n_new: int, stop: set[int]
+    handle: ModelHandle,
+    caches: dict,
+    seconds: dict,
+    question: list[int],
+    n_new: int,
+    stop: set[int],
+    captured: Mapping[str, Roll] | None = None,
+    capture: CapturedAnswers | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
     """Each cache's greedy answer, and its logits on the question and the full cache's answer (teacher-forced),
     batched over the caches of equal length, positions and question start; each batch's seconds shared
-    among its rows."""
+    among its rows. The caches in ``captured`` (name: the window it rolls) answer through ``capture``
+    instead (:mod:`kvlab.eval.captured`)."""
     from kvlab.cache.snapshot import batchable_groups
 
+    captured = captured or {}
     answers: dict[str, list[int]] = {}
     logits: dict[str, torch.Tensor] = {}
     starts: dict[int, dict[str, KVSnapshot]] = {}  # the full cache's start first
     for name, c in caches.items():
-        starts.setdefault(c[3], {})[name] = c[0]
+        if name not in captured:
+            starts.setdefault(c[3], {})[name] = c[0]
     groups = [(start, names) for start, named in starts.items() for names in batchable_groups(named)]
     for start, names in groups:  # the full cache's group first
         t1 = time.perf_counter()
@@ -129,6 +133,13 @@ def _answer(
         logits.update(zip(names, out.unbind(0), strict=True))
         for n in names:
             seconds[n] += (time.perf_counter() - t1) / len(names)
+    for name, roll in captured.items():
+        assert capture is not None
+        t1 = time.perf_counter()
+        answers[name], logits[name] = capture.answer(
+            roll, caches[name][0], question, n_new, stop, answers["full"]
+        )
+        seconds[name] += time.perf_counter() - t1
     return answers, logits
 
 
@@ -142,6 +153,7 @@ def run_trial(
     on_reference: Callable[[dict], None] | None = None,
     external: External | None = None,
     positions: Sequence[str] = (DEFAULT,),
+    capture: CapturedAnswers | None = None,
 ) -> list[dict]:
     """One row per spec: the answer, its score, and KL / top-1 against the full cache on the same tokens.
 
@@ -153,7 +165,8 @@ def run_trial(
     ``external(prefill snapshot)`` adds caches made elsewhere (another library's quantizer): ``{name:
     (snapshot it attends over, K/V bytes it holds)}``, each a row with ``kind`` ``"external"``. An
     eviction gives one row per convention of ``positions`` (:mod:`kvlab.eval.positions`), all on the
-    same kept slots.
+    same kept slots. With ``capture``, each sinks + window cache it can run answers through its captured
+    step (:mod:`kvlab.eval.captured`; the row's ``runtime`` says so).
     """
     from kvlab.eval.tasks import encoder
     from kvlab.policy.evict import observe
@@ -171,7 +184,8 @@ def run_trial(
     prefill_s = time.perf_counter() - t0
     stop = handle.eos_ids()
     caches, seconds, labels = _caches(handle, specs, source, external, positions)
-    answers, logits = _answer(handle, caches, seconds, question, n_new, stop)
+    captured, labels = _runtimes(specs, labels, capture)
+    answers, logits = _answer(handle, caches, seconds, question, n_new, stop, captured, capture)
     forced = question + answers["full"][:-1]
     if on_reference is not None:
         on_reference(
@@ -209,6 +223,19 @@ def run_trial(
             }
         )
     return rows
+
+
+def _runtimes(
+    specs: Sequence[CacheSpec], labels: dict[str, dict], capture: CapturedAnswers | None
+) -> tuple[dict[str, Roll], dict[str, dict]]:
+    """The caches ``capture`` runs (sinks + window in the model's dtype), by name: the window each rolls; and
+    the labels, each with its row's ``runtime`` (the captured step, or ``eager``: the live batch) under it."""
+    if capture is None:
+        return {}, labels
+    rolls = {s.spec: s.policy.capturable() for s in specs if s.kind != "full"}
+    captured = {name: roll for name, roll in rolls.items() if roll is not None}
+    runtime = {n: capture.mode if n in captured else "eager" for n in labels}
+    return captured, {n: {**label, "runtime": runtime[n]} for n, label in labels.items()}
 
 
 def _measures(trial: Any, text: str, full: torch.Tensor, logits: torch.Tensor, n_question: int) -> dict:
@@ -249,6 +276,7 @@ def run_suite(
     on_trial: Callable[[tuple[str, int, int], list[dict], float], None] | None = None,
     positions: Sequence[str] = (DEFAULT,),
     knobs: Mapping[tuple[str, int], Mapping[str, int]] | None = None,
+    capture: str = "off",
 ) -> list[dict]:
     """Every ``(task, length, trial)`` under every spec: the raw rows (see :func:`run_trial`), with ``trial``.
 
@@ -257,7 +285,9 @@ def run_suite(
     interrupted part ran (by ``(task, length, trial)``): they are not run again, and take their place in
     the rows. ``on_trial(key, rows, seconds)`` receives each trial this call runs, as it finishes.
     ``positions``: see :func:`run_trial`. ``knobs[(task, length)]``: that task's difficulty at that length
-    (:mod:`kvlab.eval.calibrate`; the task's defaults where absent)."""
+    (:mod:`kvlab.eval.calibrate`; the task's defaults where absent). ``capture`` (``compile``,
+    ``cuda-graph``; default ``off``): the sinks + window caches answer through a captured step
+    (:mod:`kvlab.eval.captured`)."""
     from kvlab.eval.tasks import TASKS, make_trial
 
     unknown = [t for t in tasks if t not in TASKS]
@@ -267,6 +297,7 @@ def run_suite(
         raise BadInputError(f"trials must be >= 1, got {trials}")
     if first_trial < 0:
         raise BadInputError(f"first_trial must be >= 0, got {first_trial}")
+    captured = _capture(handle, specs, capture)
     done = done or {}
     total, rows = len(tasks) * len(lengths) * trials, []
     count = sum(
@@ -295,6 +326,7 @@ def run_suite(
                     on_reference=on_reference,
                     external=external,
                     positions=positions,
+                    capture=captured,
                 )
                 rows_of_trial = [{**row, "trial": i} for row in rows_of_trial]
                 rows += rows_of_trial
@@ -304,6 +336,19 @@ def run_suite(
                 if progress is not None:
                     progress(count, total)
     return rows
+
+
+def _capture(handle: ModelHandle, specs: Sequence[CacheSpec], capture: str) -> CapturedAnswers | None:
+    """The captured step of a run (``capture``: ``off``, ``compile`` or ``cuda-graph``), or None; a run that
+    asks for one and has no cache a captured step runs is refused."""
+    if capture == "off":
+        return None
+    if capture not in ("compile", "cuda-graph"):
+        raise BadInputError(f"capture must be off, compile or cuda-graph, got {capture!r}")
+    check_capture(specs, capture)
+    from kvlab.eval.captured import CapturedAnswers
+
+    return CapturedAnswers(handle, "compile" if capture == "compile" else "cuda-graph")
 
 
 def interval(values: Sequence[float], seed: int, *, share: bool = False) -> dict | None:

@@ -127,3 +127,14 @@ def expand_specs(texts: Sequence[str], ratios: Sequence[float] | None) -> list[s
             "--cache h2o); none was given"
         )
     return out
+
+
+def check_capture(specs: Sequence[CacheSpec], capture: str) -> None:
+    """``--capture compile|cuda-graph`` runs the sinks + window caches in the model's dtype through a captured
+    step (the others as without it): refused in one line where no cache asked is one."""
+    if not any(s.kind != "full" and s.policy.capturable() is not None for s in specs):
+        asked = ", ".join(s.spec for s in specs)
+        raise BadInputError(
+            f"--capture {capture} runs sinks + window caches in the model's dtype (--cache sinks=N,window=M); "
+            f"none of {asked} is one: drop --capture"
+        )

@@ -64,6 +64,7 @@ import torch
 from kvlab.cache import KVSnapshot
 from kvlab.errors import BadInputError, KvlabError
 from kvlab.hf.batch import step_rolling_rows_isolated
+from kvlab.hf.captured_rows import CapturedRows
 from kvlab.hf.live_cache import LiveCache
 from kvlab.hf.rolling_cache import RollingCache
 from kvlab.hf.static_rolling import check_ring_model
@@ -71,7 +72,6 @@ from kvlab.loop import Sampling
 from kvlab.policy.spec import CachePolicy, SinksWindowLayout, cache_for
 from kvlab.policy.spec import parse as parse_cache_spec
 from kvlab.policy.window import default_chunk
-from kvlab.serve.captured import CapturedRows
 from kvlab.serve.fidelity import FidelityBoard, ScoringJob, skipped
 from kvlab.serve.policy import serve_policy
 from kvlab.serve.prefixes import SharedPrefixes
@@ -114,7 +114,7 @@ class EngineSettings:
     fidelity_wait_s: float = 0.5
     fidelity_chunk: int = 32
     fidelity_memory_mb: int = 512
-    # decode steps through one captured step over ring rows (kvlab.serve.captured): off, compile, cuda-graph,
+    # decode steps through one captured step over ring rows (kvlab.hf.captured_rows): off, compile, cuda-graph,
     # or eager (the rows uncaptured)
     capture: Literal["off", "eager", "compile", "cuda-graph"] = "off"
 
@@ -320,6 +320,16 @@ def _emit(req: Request, event: tuple) -> None:
         log.warning("could not deliver a %s event", event[0], exc_info=True)
 
 
+def captured_rows(
+    handle: ModelHandle, policy: CachePolicy, rows: int, mode: Literal["eager", "compile", "cuda-graph"]
+) -> CapturedRows:
+    """The server's captured rows: ``policy``'s rule (refused where it has no captured step), sized for a
+    pinned system prompt below half the window."""
+    roll = policy.captured_roll(mode)
+    rule = cache_for(policy.live(), handle).rule  # a conversation's rule without a pinned prompt
+    return CapturedRows(handle, rule, rows, mode, most_sinks=max(roll.sinks, roll.window // 2))
+
+
 # tokens per forward when a prompt is scored: every position's logits are kept ([chunk, vocab] at a time)
 SCORE_CHUNK = 256
 
@@ -354,7 +364,9 @@ class Engine:
         # bytes of kept logits reserved by scored requests, by record id (the worker's)
         self.fidelity = FidelityBoard()
         mode = settings.capture
-        self.captured = None if mode == "off" else CapturedRows(handle, self.policy, settings.max_batch, mode)
+        self.captured = (
+            None if mode == "off" else captured_rows(handle, self.policy, settings.max_batch, mode)
+        )
         self._scoring: collections.deque[ScoringJob] = collections.deque()
         self._reserved: dict[str, int] = {}
         if metrics is not None:

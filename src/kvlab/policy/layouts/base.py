@@ -266,6 +266,12 @@ class CachePolicy:
             q = make_quantizer(self.codec, self.bits, **opts, group_size=math.gcd(q.group_size, head_dim))
         return q
 
+    def capturable(self) -> Roll | None:
+        """The window a captured decode of this policy rolls, or None where it has no captured step (see
+        :meth:`captured_roll`, which says why)."""
+        roll = self.layout.rolls()
+        return roll if self.codec is None else None
+
     def captured_roll(self, capture: str) -> Roll:
         """The window a captured decode (``--capture compile|cuda-graph``) of this policy rolls: its steps run
         on the ring (:class:`~kvlab.hf.static_rolling.StaticRollingCache`, the dense rolling cache's rule in

@@ -54,7 +54,7 @@ def settings(ctx: ExperimentContext, opts: dict[str, Any]) -> dict[str, Any]:
 
 def _distinct(scores: list[str]) -> list[str]:
     """The scores less those another one already names (``window`` is ``streaming_llm``)."""
-    from kvlab.eval.run import parse_cache_spec
+    from kvlab.eval.specs import parse_cache_spec
 
     seen: dict[str, str] = {}
     for score in scores:
@@ -184,7 +184,7 @@ def _tables(pts: list[dict], claims: list[dict]) -> list[Table]:
 def run(ctx: ExperimentContext, *, text_file: str | Path | None = None, **opts: Any) -> ExperimentResult:
     from kvlab.errors import BadInputError
     from kvlab.eval.positions import CONVENTIONS
-    from kvlab.eval.run import expand_specs, parse_cache_specs
+    from kvlab.eval.specs import expand_specs, parse_cache_specs
 
     unknown = set(opts) - {"scores", "ratios", "lengths", "tasks", "trials", "max_new_tokens"}
     if unknown:

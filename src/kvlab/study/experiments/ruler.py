@@ -30,7 +30,7 @@ CLAIM_RATIO = 0.5
 
 def settings(ctx: ExperimentContext, opts: dict[str, Any]) -> dict[str, Any]:
     """The run's tasks, lengths, trials, policies (scores), ratios and codecs: the profile's, or as given."""
-    from kvlab.eval.run import parse_ratios
+    from kvlab.eval.specs import parse_ratios
 
     all_tasks = ["niah_single", "niah_multikey", "vt", "cwe", "qa"]
     # default: a few minutes on a laptop CPU (the study's other experiments take 1-5); full: the
@@ -61,7 +61,7 @@ def settings(ctx: ExperimentContext, opts: dict[str, Any]) -> dict[str, Any]:
 
 def _specs(s: dict[str, Any]) -> list[Any]:
     """``full`` + every policy at every ratio + every codec, parsed by the eval's one reader."""
-    from kvlab.eval.run import expand_specs, parse_cache_specs
+    from kvlab.eval.specs import expand_specs, parse_cache_specs
 
     return parse_cache_specs(["full", *expand_specs(s["policies"], s["ratios"]), *s["codecs"]])
 
@@ -232,7 +232,7 @@ def _accuracy_figure(ctx: ExperimentContext, pts: list[dict], s: dict[str, Any])
 def _method_of(policy: str) -> str:
     """The score a policy name stands for (``keynorm`` -> ``knorm``, ``window`` -> ``streaming_llm``,
     ``h2o,sinks=4`` -> ``h2o``)."""
-    from kvlab.eval.run import bare_score, parse_cache_spec
+    from kvlab.eval.specs import bare_score, parse_cache_spec
 
     base = bare_score(policy)
     return parse_cache_spec(f"{base},ratio=0.5").method if base else policy.strip().lower()

@@ -1,13 +1,14 @@
-"""``kvlab serve --capture``: the server's decoding conversations through one captured step.
+"""Conversations decoded through one captured step: what ``kvlab serve --capture`` and ``kvlab eval
+--capture`` run.
 
 Without it, each decode step feeds every conversation's own eager cache in one batched forward whose
 attention runs per row (:func:`kvlab.hf.batch.step_rolling_rows`). With it, a conversation that starts
 decoding joins a row of one :class:`~kvlab.hf.ring_rows.RingRows` (its eager cache's state, exactly), every
 step runs all rows through :class:`~kvlab.hf.graphs.RollingDecoder` (``torch.compile``-d, or a CUDA graph),
 and the conversation leaves back into its eager cache when its reply ends, so it continues, is stored
-and is reported as before. The rows are sized for the most sinks a conversation pins (a system prompt
-below half the window) and the policy's window; sinks + window policies in full precision only
-(:meth:`~kvlab.policy.layouts.base.CachePolicy.captured_roll`).
+and is reported as before. The rows are sized for a rule (sinks + window in the model's dtype; the caller
+checks its policy: :meth:`~kvlab.policy.layouts.base.CachePolicy.captured_roll`) and the most sinks a
+conversation may keep (the server's pinned system prompts).
 """
 
 from __future__ import annotations
@@ -16,25 +17,19 @@ import torch
 
 from kvlab.hf.graphs import Mode, RollingDecoder
 from kvlab.hf.ring_rows import RingRows
-from kvlab.hf.rolling_cache import RollingCache
+from kvlab.hf.rolling_cache import RollingCache, RollRule
 from kvlab.hf.runner import Runner
-from kvlab.policy.layouts.base import CachePolicy
 
 
 class CapturedRows:
     """``rows`` decoding conversations in one :class:`RingRows`, stepped by one :class:`RollingDecoder`."""
 
-    def __init__(self, handle: Runner, policy: CachePolicy, rows: int, mode: Mode) -> None:
-        from kvlab.policy.spec import cache_for
-
-        roll = policy.captured_roll(mode)
-        rule = cache_for(policy.live(), handle).rule  # a conversation's rule without a pinned prompt
-        most = max(roll.sinks, roll.window // 2)  # a pinned system prompt stays below half the window
+    def __init__(self, handle: Runner, rule: RollRule, rows: int, mode: Mode, *, most_sinks: int) -> None:
         self.pool = RingRows(
-            handle.config, rule, rows=rows, most_sinks=most, dtype=handle.dtype, device=handle.device
+            handle.config, rule, rows=rows, most_sinks=most_sinks, dtype=handle.dtype, device=handle.device
         )
         self.decoder = RollingDecoder(handle, self.pool, mode=mode)
-        for width in self.pool.widths:  # compiled or captured now, before the server listens: a step
+        for width in self.pool.widths:  # compiled or captured now, before anything is served: a step
             self.pool.least = width  # of every width, no row fed (all write the scratch slot)
             self.step([], [])
         self.pool.least = 1
