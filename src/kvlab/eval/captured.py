@@ -6,15 +6,19 @@ in the model's dtype (:meth:`~kvlab.policy.layouts.base.CachePolicy.captured_rol
 a row of :class:`~kvlab.hf.captured_rows.CapturedRows`: one captured :class:`~kvlab.hf.graphs.RollingDecoder`
 step over ring rows, ``torch.compile``-d or a CUDA graph, the server's own.
 
-The eval's rule holds on both: the question and the answer are never compressed. The row keeps the
-policy's sinks and a window widened by the question and the answer (``room``): the context's rolled K/V
-(:meth:`~kvlab.policy.layouts.Layout.apply`, the same for both runtimes), then every token fed on top,
-nothing evicted; a row that evicted is refused, never scored. The rolled slots sit at positions ``p..p+n-1``
-(the live cache's, the question at ``p+n``); the row holds them at ``0..n-1``, the question at ``n``: one
-RoPE shift of every key, as a re-base makes (relative error ~1e-7), and the same distances for attention.
-So a captured row equals the eager row up to that shift and the arithmetic of feeding one token a step
-(tested within 1e-5 on the logits: ``tests/test_eval_capture.py``). The rows are built
-once, for the widest cache a run captures, and again (wider) only if a trial needs more room.
+As a server does, the row's cache takes the question in one eager forward (a prefill), and the answer is
+decoded through the captured step, one token a step; the full cache's answer is teacher-forced through the
+step too (or read off the greedy pass, where it is that answer's start).
+
+The eval's rule holds on both runtimes: the question and the answer are never compressed. The row keeps
+the policy's sinks and a window widened by the question and the answer (``room``): the context's rolled
+K/V (:meth:`~kvlab.policy.layouts.Layout.apply`, the same for both runtimes), then every token fed on top,
+nothing evicted; a cache that evicted is refused, never scored. The rolled slots sit at positions
+``p..p+n-1`` (the live cache's, the question at ``p+n``); the row holds them at ``0..n-1``, the question at
+``n``: one RoPE shift of every key, as a re-base makes (relative error ~1e-7), and the same distances for
+attention. So a captured row equals the eager row up to that shift and the arithmetic of one token a step
+(tested within 1e-5 on the logits: ``tests/test_eval_capture.py``). The rows are built once, for the
+widest cache a run captures, and again (wider) only if a trial needs more room.
 """
 
 from __future__ import annotations
@@ -109,14 +113,12 @@ class CapturedAnswers:
         cache = self._cache(roll.sinks, roll.window, room)
         for layer, k, v in zip(cache.layers, self._keys_from_zero(snap), snap.values, strict=True):
             layer.update(k, v)  # the rolled context's slots, at 0..n-1: nothing evicted
-        row = rows.join(cache)
-        try:
-            asked = self._feed(row, question)
-            self._kept_all(row, room)
-        except BaseException:
-            rows.leave(row, into=None)
-            raise
-        rows.leave(row, into=cache)  # the state after the question, for the answer and the forced answer
+        # the question in one eager forward, as a server prefills (its logits at every position), then the
+        # answer decoded through the captured step, as a server decodes
+        ids = torch.tensor([question], dtype=torch.long, device=self.handle.device)
+        asked = list(self.handle.run(ids, cache, logits_to_keep=0).logits[0].float().unbind(0))
+        if cache.evictions:
+            raise KvlabError(f"a captured row's cache evicted with {room} slots of room: not scored")
         answer, fed = self._greedy(row_of=cache, first=asked[-1], n_new=n_new, stop=stop, room=room)
         n = len(reference) - 1
         if answer[:n] != reference[:-1] or len(fed) < n:  # else the forced answer is this one's start
