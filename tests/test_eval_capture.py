@@ -181,3 +181,35 @@ def test_the_captured_answer_on_every_device(device, tiny_llama_2x64):
     want_answer, want = _live(h, snap, question, 6, reference)
     assert got.device.type == device and answer == want_answer
     torch.testing.assert_close(got, want, atol=1e-5 if device == "cpu" else 1e-4, rtol=0)
+
+
+def test_a_model_the_ring_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """Sliding-window layers (Gemma-3) attend through a window the ring does not mask: refused when the run
+    starts (the model known), before a trial runs or ``--out`` holds anything."""
+    import kvlab
+    from kvlab.errors import UnsupportedModelError
+    from kvlab.eval.run import capture_for
+    from kvlab.model.facts import load_config_file
+    from kvlab.model.random import tiny_random_model
+    from tests.conftest import config_path
+
+    h = tiny_random_model(load_config_file(config_path("gemma3")))
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        capture_for(h, parse_cache_specs(["full", WINDOW]), "compile")
+    monkeypatch.setattr(kvlab, "load_model", lambda *a, **k: h)
+    out = tmp_path / "run"
+    args = [
+        "--cache",
+        WINDOW,
+        "--lengths",
+        "160",
+        "--tasks",
+        "niah_single",
+        "--trials",
+        "1",
+        "--device",
+        "cpu",
+    ]
+    code, _, err = _cli(capsys, *args, "--capture", "compile", "--out", str(out))
+    assert code == 2 and "sliding-window" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() or not any(out.iterdir())

@@ -30,6 +30,7 @@ import torch
 from kvlab.errors import KvlabError
 from kvlab.hf.captured_rows import CapturedRows
 from kvlab.hf.rolling_cache import RollingCache, rolling_cache_for
+from kvlab.hf.static_rolling import check_ring_model
 from kvlab.loop import decode_loop
 from kvlab.rope.fast import rotate_by
 
@@ -45,6 +46,9 @@ class CapturedAnswers:
     """One eval run's captured rows (one row, built on the first captured cache; see the module)."""
 
     def __init__(self, handle: ModelHandle, mode: Literal["compile", "cuda-graph"]) -> None:
+        check_ring_model(handle.config)  # a ring layer attends globally: no sliding-window layers
+        if handle.rope is not None:
+            handle.rope.require_shift_exact("a captured answer (its keys move to positions 0..n-1)")
         self.handle, self.mode = handle, mode
         self.rows: CapturedRows | None = None
         self.size = (0, 0, 0)  # the sinks, window and room the rows hold
@@ -88,7 +92,6 @@ class CapturedAnswers:
         rope = self.handle.rope
         if first == 0 or rope is None:
             return snap.keys
-        rope.require_shift_exact("a captured answer (its keys move to positions 0..n-1)")
         shifted = []
         for i, k in enumerate(snap.keys):
             spec = rope.for_layer(i)

@@ -164,8 +164,9 @@ def run_kept(
     holds and keeping each new one there as it finishes; progress as ``mode`` says (trials done of all,
     an estimate of the time left weighting each trial by its length). Returns the rows in run order and
     the wall seconds (the kept trials' and this part's)."""
-    from kvlab.eval.run import run_suite
+    from kvlab.eval.run import capture_for, run_suite
 
+    capture = capture_for(handle, specs, settings.get("capture", "off"))  # refused before anything is written
     tasks, lengths, trials = settings["tasks"], settings["lengths"], settings["trials"]
     keys = [(t, n, i) for t in tasks for n in lengths for i in range(trials)]
     kept = dict(partial.kept) if partial is not None else {}
@@ -203,7 +204,7 @@ def run_kept(
             done={k: r for k, (r, _) in kept.items()},
             on_trial=on_trial,
             positions=[settings.get("positions", DEFAULT)],
-            capture=settings.get("capture", "off"),
+            capture=capture,
             knobs={
                 (k.rsplit("@", 1)[0], int(k.rsplit("@", 1)[1])): v
                 for k, v in settings.get("knobs", {}).items()

@@ -276,7 +276,7 @@ def run_suite(
     on_trial: Callable[[tuple[str, int, int], list[dict], float], None] | None = None,
     positions: Sequence[str] = (DEFAULT,),
     knobs: Mapping[tuple[str, int], Mapping[str, int]] | None = None,
-    capture: str = "off",
+    capture: CapturedAnswers | None = None,
 ) -> list[dict]:
     """Every ``(task, length, trial)`` under every spec: the raw rows (see :func:`run_trial`), with ``trial``.
 
@@ -285,9 +285,8 @@ def run_suite(
     interrupted part ran (by ``(task, length, trial)``): they are not run again, and take their place in
     the rows. ``on_trial(key, rows, seconds)`` receives each trial this call runs, as it finishes.
     ``positions``: see :func:`run_trial`. ``knobs[(task, length)]``: that task's difficulty at that length
-    (:mod:`kvlab.eval.calibrate`; the task's defaults where absent). ``capture`` (``compile``,
-    ``cuda-graph``; default ``off``): the sinks + window caches answer through a captured step
-    (:mod:`kvlab.eval.captured`)."""
+    (:mod:`kvlab.eval.calibrate`; the task's defaults where absent). ``capture``
+    (:func:`capture_for`): the sinks + window caches answer through a captured step."""
     from kvlab.eval.tasks import TASKS, make_trial
 
     unknown = [t for t in tasks if t not in TASKS]
@@ -297,7 +296,6 @@ def run_suite(
         raise BadInputError(f"trials must be >= 1, got {trials}")
     if first_trial < 0:
         raise BadInputError(f"first_trial must be >= 0, got {first_trial}")
-    captured = _capture(handle, specs, capture)
     done = done or {}
     total, rows = len(tasks) * len(lengths) * trials, []
     count = sum(
@@ -326,7 +324,7 @@ def run_suite(
                     on_reference=on_reference,
                     external=external,
                     positions=positions,
-                    capture=captured,
+                    capture=capture,
                 )
                 rows_of_trial = [{**row, "trial": i} for row in rows_of_trial]
                 rows += rows_of_trial
@@ -338,9 +336,10 @@ def run_suite(
     return rows
 
 
-def _capture(handle: ModelHandle, specs: Sequence[CacheSpec], capture: str) -> CapturedAnswers | None:
-    """The captured step of a run (``capture``: ``off``, ``compile`` or ``cuda-graph``), or None; a run that
-    asks for one and has no cache a captured step runs is refused."""
+def capture_for(handle: ModelHandle, specs: Sequence[CacheSpec], capture: str) -> CapturedAnswers | None:
+    """The captured step of a run under ``specs`` (``capture``: ``off``, ``compile`` or ``cuda-graph``;
+    :mod:`kvlab.eval.captured`), or None; refused where no spec is a cache a captured step runs, or the model
+    is one the ring cannot hold. Nothing is compiled until the first captured answer."""
     if capture == "off":
         return None
     if capture not in ("compile", "cuda-graph"):
