@@ -103,6 +103,12 @@ def test_a_trial_under_capture_labels_each_rows_runtime(handle, captured):
         assert row["kld"] == pytest.approx(eager[spec]["kld"], abs=1e-5)
 
 
+def _run_args(*caches: str, trials: int) -> list[str]:
+    """``kvlab eval ruler``'s options for ``trials`` niah_single trials at 160 tokens on the CPU."""
+    named = [a for c in caches for a in ("--cache", c)]
+    return [*named, "--lengths", "160", "--tasks", "niah_single", "--trials", str(trials), "--device", "cpu"]
+
+
 def _cli(capsys, *args):
     from kvlab.cli import main
 
@@ -133,22 +139,9 @@ def test_kvlab_eval_ruler_capture_compile(handle, tmp_path, monkeypatch, capsys)
     import kvlab
 
     monkeypatch.setattr(kvlab, "load_model", lambda *a, **k: handle)
-    common = [
-        "--cache",
-        "full",
-        "--cache",
-        WINDOW,
-        "--lengths",
-        "160",
-        "--tasks",
-        "niah_single",
-        "--trials",
-        "2",
-    ]
+    common = _run_args("full", WINDOW, trials=2)
     for capture in ("off", "compile"):
-        code, _, err = _cli(
-            capsys, *common, "--capture", capture, "--device", "cpu", "--out", str(tmp_path / capture)
-        )
+        code, _, err = _cli(capsys, *common, "--capture", capture, "--out", str(tmp_path / capture))
         assert code == 0, err
     off, on = (json.loads((tmp_path / c / "ruler.json").read_text()) for c in ("off", "compile"))
     assert on["settings"]["capture"] == "compile" and "capture" not in off["settings"]
@@ -198,18 +191,7 @@ def test_a_model_the_ring_cannot_hold_is_refused_before_anything_is_written(tmp_
         capture_for(h, parse_cache_specs(["full", WINDOW]), "compile")
     monkeypatch.setattr(kvlab, "load_model", lambda *a, **k: h)
     out = tmp_path / "run"
-    args = [
-        "--cache",
-        WINDOW,
-        "--lengths",
-        "160",
-        "--tasks",
-        "niah_single",
-        "--trials",
-        "1",
-        "--device",
-        "cpu",
-    ]
+    args = _run_args(WINDOW, trials=1)
     code, _, err = _cli(capsys, *args, "--capture", "compile", "--out", str(out))
     assert code == 2 and "sliding-window" in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists() or not any(out.iterdir())
