@@ -85,9 +85,10 @@ class CapturedAnswers:
         for every key, as a re-base moves them (:func:`~kvlab.rope.fast.rotate_by`); attention sees the same
         distances, the question comes right after them."""
         first = snap.next_position - snap.seq_len
-        if snap.batch_size != 1 or not torch.equal(
-            snap.positions.cpu(), torch.arange(first, snap.next_position)
-        ):
+        here = torch.arange(
+            first, snap.next_position, device="cpu"
+        )  # a snapshot's positions live on the host
+        if snap.batch_size != 1 or not torch.equal(snap.positions.cpu(), here):
             raise KvlabError(f"a captured answer needs one row of contiguous positions: {snap}")
         rope = self.handle.rope
         if first == 0 or rope is None:
