@@ -61,6 +61,7 @@ class Server:
         keys: tuple[str, ...] = (KEY_A, KEY_B),
         admin: str | None = ADMIN,
         prelude: str | None = None,
+        start_s: float = 180,
     ) -> None:
         self.port = _free_port()
         self.admin = admin
@@ -79,7 +80,7 @@ class Server:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + start_s  # a compiled step's start-up depends on the load
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvlab serve exited: {self.log.read_text()[-2000:]}")

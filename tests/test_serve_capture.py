@@ -131,7 +131,8 @@ def test_kvlab_serve_capture_compile_answers_as_eager_serve(tmp_path):
 
     answers = {}
     for capture in ("off", "compile"):
-        server = Server(tmp_path, "--capture", capture, "--max-batch", "2")
+        # the compiled server compiles and autotunes a step per width before it listens: minutes, with load
+        server = Server(tmp_path, "--capture", capture, "--max-batch", "2", start_s=600)
         try:
             answers[capture] = _conversations(server)
             status = server.get("/health")[2]

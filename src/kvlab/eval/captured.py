@@ -85,14 +85,14 @@ class CapturedAnswers:
         for every key, as a re-base moves them (:func:`~kvlab.rope.fast.rotate_by`); attention sees the same
         distances, the question comes right after them."""
         first = snap.next_position - snap.seq_len
-        here = torch.arange(
-            first, snap.next_position, device="cpu"
-        )  # a snapshot's positions live on the host
+        here = torch.arange(first, snap.next_position, device="cpu")  # a snapshot's positions: on the host
         if snap.batch_size != 1 or not torch.equal(snap.positions.cpu(), here):
             raise KvlabError(f"a captured answer needs one row of contiguous positions: {snap}")
-        rope = self.handle.rope
-        if first == 0 or rope is None:
+        if first == 0:
             return snap.keys
+        rope = self.handle.rope
+        if rope is None:  # without RoPE nothing says the same distances survive a move: refuse, not guess
+            raise KvlabError("a captured answer moves the rolled keys to 0..n-1, which needs a RoPE model")
         shifted = []
         for i, k in enumerate(snap.keys):
             spec = rope.for_layer(i)

@@ -32,7 +32,7 @@ import torch
 
 from kvlab.errors import BadInputError
 from kvlab.eval.positions import DEFAULT, check_positions, place
-from kvlab.eval.specs import CacheSpec, check_capture
+from kvlab.eval.specs import CacheSpec, captured_rolls, check_capture
 from kvlab.eval.tasks import trial_seed
 from kvlab.policy.layouts.base import context
 
@@ -232,8 +232,7 @@ def _runtimes(
     the labels, each with its row's ``runtime`` (the captured step, or ``eager``: the live batch) under it."""
     if capture is None:
         return {}, labels
-    rolls = {s.spec: s.policy.capturable() for s in specs if s.kind != "full"}
-    captured = {name: roll for name, roll in rolls.items() if roll is not None}
+    captured = captured_rolls(specs)
     runtime = {n: capture.mode if n in captured else "eager" for n in labels}
     return captured, {n: {**label, "runtime": runtime[n]} for n, label in labels.items()}
 

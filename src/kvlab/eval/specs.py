@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvlab.errors import BadInputError
 from kvlab.policy.spec import FULL, CachePolicy, parse, parse_many
+
+if TYPE_CHECKING:
+    from kvlab.policy.layouts.base import Roll
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,16 @@ def expand_specs(texts: Sequence[str], ratios: Sequence[float] | None) -> list[s
     return out
 
 
+def captured_rolls(specs: Sequence[CacheSpec]) -> dict[str, Roll]:
+    """The specs a captured step runs (sinks + window in the model's dtype), by name: the window each rolls."""
+    rolls = {s.spec: s.policy.capturable() for s in specs if s.kind != "full"}
+    return {name: roll for name, roll in rolls.items() if roll is not None}
+
+
 def check_capture(specs: Sequence[CacheSpec], capture: str) -> None:
     """``--capture compile|cuda-graph`` runs the sinks + window caches in the model's dtype through a captured
     step (the others as without it): refused in one line where no cache asked is one."""
-    if not any(s.kind != "full" and s.policy.capturable() is not None for s in specs):
+    if not captured_rolls(specs):
         asked = ", ".join(s.spec for s in specs)
         raise BadInputError(
             f"--capture {capture} runs sinks + window caches in the model's dtype (--cache sinks=N,window=M); "

@@ -277,18 +277,18 @@ class CachePolicy:
         on the ring (:class:`~kvlab.hf.static_rolling.StaticRollingCache`, the dense rolling cache's rule in
         fixed buffers), which holds sinks + a window in the model's dtype; any other policy is refused in one
         line naming why."""
-        roll = self.layout.rolls()
-        if roll is None:
+        roll = self.capturable()
+        if roll is not None:
+            return roll
+        if self.layout.rolls() is None:
             raise BadInputError(
                 f"--capture {capture} runs sinks + window caches (--cache sinks=N,window=M[,chunk=K]); "
                 f"'{self.spec}' keeps {self.describe()}: drop --capture"
             )
-        if self.codec is not None:
-            raise BadInputError(
-                f"--capture {capture} holds the window in the model's dtype: {self.codec_name} codes (written a "
-                "block at a time behind full-precision sinks and tail) have no captured step; drop codec= or --capture"
-            )
-        return roll
+        raise BadInputError(
+            f"--capture {capture} holds the window in the model's dtype: {self.codec_name} codes (written a "
+            "block at a time behind full-precision sinks and tail) have no captured step; drop codec= or --capture"
+        )
 
     def live(self) -> CachePolicy:
         """Itself as one conversation's live cache runs it (:meth:`Layout.live`)."""
