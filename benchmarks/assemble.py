@@ -190,8 +190,11 @@ def page(rows: list[Row], scripts: dict[str, str], archived: list[str]) -> str:
             + "\n"
         )
     if archived:
-        links = ", ".join(f"[{n}](benchmarks/results/archive/{n}.md)" for n in archived)
-        parts.append(f"## Archive\n\nSuperseded runs, kept for the record: {links}.\n")
+        names = ", ".join(f"`{n}.md`" for n in archived)  # one link: the page has a size cap
+        parts.append(
+            "## Archive\n\nSuperseded runs, kept for the record in "
+            f"[benchmarks/results/archive/](benchmarks/results/archive/): {names}.\n"
+        )
     return "\n".join(parts)
 
 
