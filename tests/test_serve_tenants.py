@@ -279,61 +279,96 @@ K2_TEXT = " ".join(f"word{i}" for i in range(45))
 
 
 @pytest.mark.real_model
-def test_one_keys_flood_of_streams_leaves_anothers_requests_served_on_time(server):
-    """K1 keeps 40 streams open (each re-opened as it ends, 0.5 s after a 429) for up to 60 s; K2, sending
-    one request at a time, gets no 429 and its p95 time to first token stays within 3x its solo median,
-    measured here before the flood, same prompts, same server."""
-    port, n_k2 = server.port, 20  # 20 samples: the p95 is the 19th
-    solo, bound = [], time.monotonic() + 120
-    for i in range(n_k2):
-        status, ttft, err = _stream(port, f"Solo {i}. {K2_TEXT}", 2, K2)
-        assert status == 200 and ttft is not None, err
-        solo.append(ttft)
-        assert time.monotonic() < bound, "K2's solo requests took too long"
-    before = _metrics(server)
-    stop, lock = threading.Event(), threading.Lock()
-    k1: dict = {"statuses": [], "errors": []}
+class _Flood:
+    """K1's flood: 40 threads, each keeping a stream open and re-opening it as it ends (0.5 s after a 429).
+    Paused, it opens nothing new and waits for its open requests to end."""
 
-    def flood(j: int) -> None:
-        while not stop.is_set():
+    def __init__(self, port: int, n: int = 40):
+        self.port, self.lock = port, threading.Lock()
+        self.on, self.stop = threading.Event(), threading.Event()  # flooding; ending
+        self.statuses: list[int] = []
+        self.errors: list[dict] = []
+        self.open = 0
+        self.threads = [threading.Thread(target=self._run, args=(j,), daemon=True) for j in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, j: int) -> None:
+        while not self.stop.is_set():
+            if not self.on.wait(0.1):
+                continue
+            with self.lock:
+                self.open += 1
             try:
-                status, _, err = _stream(port, f"Stream {j}: count from 1 to 50: 1, 2, 3,", 16, K1)
+                status, _, err = _stream(self.port, f"Stream {j}: count from 1 to 50: 1, 2, 3,", 16, K1)
             except OSError as exc:  # counted: the flood must not be refused at the socket
                 status, err = -1, {"error": repr(exc)}
-            with lock:
-                k1["statuses"].append(status)
+            with self.lock:
+                self.open -= 1
+                self.statuses.append(status)
                 if status == 429:
-                    k1["errors"].append(err)
+                    self.errors.append(err)
             if status != 200:
                 time.sleep(0.5)  # 30 threads refused: about 60 x 429 a second (the audit's client: 85)
 
-    threads = [threading.Thread(target=flood, args=(j,), daemon=True) for j in range(40)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    try:
-        while time.monotonic() < deadline:  # the flood holds its share: 10 open, the rest refused
-            with lock:
-                refused = k1["statuses"].count(429)
-            if refused >= 20:
-                break
-            time.sleep(0.1)
-        flooded, k2 = [], []
-        for i in range(n_k2):
-            status, ttft, err = _stream(port, f"Flood {i}. {K2_TEXT}", 2, K2)
-            k2.append(status)
-            if ttft is not None:
-                flooded.append(ttft)
-            assert time.monotonic() < deadline + 60, "K2's requests took too long"
-    finally:
-        stop.set()
-        for t in threads:
+    def _until(self, done, what: str, seconds: float = 120) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            with self.lock:
+                if done():
+                    return
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    def resume(self) -> None:
+        """Flood until K1 is at its share: 10 more of its requests refused since now (10 open)."""
+        with self.lock:
+            refused = self.statuses.count(429)
+        self.on.set()
+        self._until(lambda: self.statuses.count(429) >= refused + 10, "the flood never reached its share")
+
+    def pause(self) -> None:
+        self.on.clear()
+        self._until(lambda: self.open == 0, "the flood's streams never ended")
+
+    def close(self) -> None:
+        self.on.clear()
+        self.stop.set()
+        for t in self.threads:
             t.join(60)
+
+
+def test_one_keys_flood_of_streams_leaves_anothers_requests_served_on_time(server):
+    """K1 floods the server with 40 streams (10 open, the rest refused with a 429); K2, sending one request at
+    a time, gets no 429 and the p95 of its time to first token under the flood stays within 3x its solo
+    median. Solo and flooded requests alternate in 5 blocks of 4, each flooded time divided by its own block's
+    solo median, so a machine that slows down or speeds up during the test moves both sides alike."""
+    port, blocks, per = server.port, 5, 4  # 20 flooded samples: the p95 is the 19th
+    before = _metrics(server)
+    flood, solo, ratios, k2 = _Flood(port), [], [], []
+    try:
+        for blk in range(blocks):
+            flood.pause()
+            times = []
+            for i in range(per):
+                status, ttft, err = _stream(port, f"Solo {blk}.{i}. {K2_TEXT}", 2, K2)
+                assert status == 200 and ttft is not None, err
+                times.append(ttft)
+            solo += times
+            flood.resume()
+            for i in range(per):
+                status, ttft, err = _stream(port, f"Flood {blk}.{i}. {K2_TEXT}", 2, K2)
+                k2.append(status)
+                if ttft is not None:
+                    ratios.append(ttft / statistics.median(times))
+    finally:
+        flood.close()
     after = _metrics(server)
-    base, worst = statistics.median(solo), _p95(flooded)
+    k1 = {"statuses": flood.statuses, "errors": flood.errors}
+    n_k2 = blocks * per
     print(
-        f"K2 TTFT solo median {base * 1000:.0f} ms (p95 {_p95(solo) * 1000:.0f}); under the flood "
-        f"median {statistics.median(flooded) * 1000:.0f} ms, p95 {worst * 1000:.0f} ms; "
+        f"K2 TTFT solo median {statistics.median(solo) * 1000:.0f} ms; under the flood / its block's solo "
+        f"median: median {statistics.median(ratios):.2f}x, p95 {_p95(ratios):.2f}x; "
         f"K1: {k1['statuses'].count(200)} x 200, {k1['statuses'].count(429)} x 429"
     )
     assert k2 == [200] * n_k2, k2
@@ -342,7 +377,7 @@ def test_one_keys_flood_of_streams_leaves_anothers_requests_served_on_time(serve
     for err in k1["errors"]:
         assert err["error"]["code"] == "per_key_limit" and "--max-open-per-key" in err["error"]["message"]
         assert err["retry_after"] == "1"
-    assert worst <= 3 * base, (worst, base)
+    assert _p95(ratios) <= 3, sorted(ratios)
     # /metrics by tenant: a hash of each key, never the key
     a, b = tenant_label(K1), tenant_label(K2)
 
@@ -350,10 +385,10 @@ def test_one_keys_flood_of_streams_leaves_anothers_requests_served_on_time(serve
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     assert moved(f'kvlab_tenant_requests_total{{status="429",tenant="{a}"}}') == k1["statuses"].count(429)
-    assert moved(f'kvlab_tenant_requests_total{{status="200",tenant="{b}"}}') == n_k2
+    assert moved(f'kvlab_tenant_requests_total{{status="200",tenant="{b}"}}') == 2 * n_k2
     assert f'kvlab_tenant_requests_total{{status="429",tenant="{b}"}}' not in after
     assert moved(f'kvlab_tenant_tokens_total{{kind="generated",tenant="{a}"}}') >= 16 * 10
-    assert moved(f'kvlab_tenant_tokens_total{{kind="computed",tenant="{b}"}}') >= 60 * n_k2
+    assert moved(f'kvlab_tenant_tokens_total{{kind="computed",tenant="{b}"}}') >= 60 * 2 * n_k2
     page = server.get("/metrics", ADMIN)[2].decode()
     assert K1 not in page and K2 not in page
 
