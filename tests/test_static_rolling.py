@@ -244,6 +244,39 @@ def test_each_decoder_compiles_against_its_own_recompile_limit(tiny_model, one_t
 
 
 @pytest.mark.slow
+def test_a_compiled_step_follows_its_model_changed_after_it_compiled(tiny_model, one_torch_thread):
+    """A compiled step follows its model. Its CPU graph holds the weights as constants (frozen): a weight
+    changed in place (which no Dynamo guard sees), a parameter replaced, a forward hook added (which Dynamo's
+    guards ignore by default) and removed, and the replaced parameter changed in place each compile the step
+    again, whose logits then equal the eager step's on the changed model."""
+    h = _model(None, "cpu", tiny_model)  # a model of its own: this test changes it
+    ids = _ids(40)
+    eager, _, dec, _ = _twins(h, ids, "none", "compile")
+
+    def step(t: int, captures: int) -> None:
+        a, b = eager.feed(ids[t : t + 1]), dec.feed(ids[t : t + 1])
+        assert float((a - b).abs().max()) < LOGIT_TOL, t
+        assert dec.captures == captures, t
+
+    step(20, 1)
+    step(21, 1)
+    layer = h.model.model.layers[1]
+    with torch.no_grad():
+        layer.mlp.down_proj.weight.mul_(1.5)
+    step(22, 2)
+    layer.self_attn.o_proj.weight = torch.nn.Parameter(-layer.self_attn.o_proj.weight.detach())
+    step(23, 3)
+    hook = layer.mlp.register_forward_hook(lambda module, args, out: out * 0.5)
+    step(24, 4)  # Dynamo's guards (by its default) do not see a hook added after it compiled
+    hook.remove()
+    step(25, 5)
+    with torch.no_grad():
+        layer.self_attn.o_proj.weight.mul_(0.5)  # the replaced weight, changed in place
+    step(26, 6)
+    step(27, 6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["none", "int4"])
 def test_compiled_fullgraph_step_equals_eager(codec, tiny_model, one_torch_thread):
     """torch.compile(fullgraph=True) over the decode step (inductor, on the CPU): one graph for 100

@@ -293,7 +293,7 @@ def _settings(o: ServeOptions, keys: tuple[str, ...]) -> tuple[EngineSettings, K
     )
     if o.capture != "off":  # the policy refused first (no torch), then auto read off the device
         settings.policy.captured_roll(o.capture)
-        # on a CPU the compiled rows decode ~2x eager (benchmarks/results/serve_decode.md): auto takes them
+        # on a CPU the compiled rows decode faster than eager (benchmarks/results/serve_decode.md): auto takes them
         settings = dataclasses.replace(settings, capture=capture_on(o.capture, o.device, on_cpu="compile"))
     return settings, per_key
 

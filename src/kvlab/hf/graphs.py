@@ -25,6 +25,8 @@ same rule (one forward per ``headroom`` tokens, any length) and loaded into the 
 from __future__ import annotations
 
 import contextlib
+import logging
+import operator
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -39,6 +41,8 @@ from kvlab.hf.static_rolling import StaticRollingCache
 from kvlab.hf.step import grouped_sdpa
 from kvlab.kernels import split_attention
 from kvlab.policy.quant.codecs.int4rows import decode_rows
+
+log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "eager", "compile", "cuda-graph"]
 MODES = ("auto", "eager", "compile", "cuda-graph")
@@ -91,6 +95,36 @@ def _attention(config: Any, name: str) -> Iterator[None]:
         config._attn_implementation = before
 
 
+class _ModelParts:
+    """What a captured or compiled step took of its model as it was made, checked before each step: every
+    module's children, parameters, buffers and forward hooks (the same objects) and the version counter of
+    every parameter and buffer, which moves when it is changed in place. A CPU graph holds the weights as
+    constants (frozen), a CUDA graph reads them where they were, and Dynamo runs the hooks it traced first
+    (its default): each would go on as if nothing had changed. About 0.25 ms for the bundled model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.modules = list(model.modules())
+        self.parts = self._now()
+        self.tensors = [t for t in self.parts if isinstance(t, torch.Tensor)]
+        self.versions = [t._version for t in self.tensors]
+
+    def _now(self) -> list[object]:
+        return [
+            x
+            for m in self.modules
+            for d in (m._modules, m._parameters, m._buffers, m._forward_hooks, m._forward_pre_hooks)
+            for x in d.values()
+        ]
+
+    def same(self) -> bool:
+        now = self._now()
+        return (
+            len(now) == len(self.parts)
+            and all(map(operator.is_, now, self.parts))
+            and [t._version for t in self.tensors] == self.versions
+        )
+
+
 class RollingDecoder:
     """Feed tokens through a :class:`StaticRollingCache` with captured steps.
 
@@ -139,6 +173,7 @@ class RollingDecoder:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: Callable[[int], torch.Tensor] | None = None
         self._compiled_sizes: set[tuple[int, int]] = set()  # (feed size, rows computed)
+        self._parts: _ModelParts | None = None  # the model as the captured or compiled steps took it
         self._compile_mode = compile_mode or ("reduce-overhead" if cuda else "frozen")
         self.captures = 0  # graphs captured (cuda-graph) or feed sizes compiled
 
@@ -212,6 +247,13 @@ class RollingDecoder:
         return logits
 
     def _run_step(self, n: int) -> torch.Tensor:
+        if self.mode != "eager":
+            if self._parts is None:  # taken before the first step: what it captures or compiles
+                self._parts = _ModelParts(self.handle.model)
+            elif not self._parts.same():
+                log.warning("the model changed since its %s step was made: making it again", self.mode)
+                self._graphs, self._compiled, self._compiled_sizes = {}, None, set()
+                self._parts = _ModelParts(self.handle.model)
         if self.mode == "cuda-graph" and (n, self.cache.width) in self._graphs:
             graph, out = self._graphs[n, self.cache.width]
             graph.replay()
