@@ -247,8 +247,9 @@ def test_each_decoder_compiles_against_its_own_recompile_limit(tiny_model, one_t
 def test_a_compiled_step_follows_its_model_changed_after_it_compiled(tiny_model, one_torch_thread):
     """A compiled step follows its model. Its CPU graph holds the weights as constants (frozen): a weight
     changed in place (which no Dynamo guard sees), a parameter replaced, a forward hook added (which Dynamo's
-    guards ignore by default) and removed, and the replaced parameter changed in place each compile the step
-    again, whose logits then equal the eager step's on the changed model."""
+    guards ignore by default) and removed, the replaced parameter changed in place, and a weight's ``.data``
+    assigned (which moves no version counter) each compile the step again, whose logits then equal the
+    eager step's on the changed model."""
     h = _model(None, "cpu", tiny_model)  # a model of its own: this test changes it
     ids = _ids(40)
     eager, _, dec, _ = _twins(h, ids, "none", "compile")
@@ -273,7 +274,9 @@ def test_a_compiled_step_follows_its_model_changed_after_it_compiled(tiny_model,
     with torch.no_grad():
         layer.self_attn.o_proj.weight.mul_(0.5)  # the replaced weight, changed in place
     step(26, 6)
-    step(27, 6)
+    layer.mlp.up_proj.weight.data = layer.mlp.up_proj.weight.detach() * 0.75
+    step(27, 7)
+    step(28, 7)
 
 
 @pytest.mark.slow
