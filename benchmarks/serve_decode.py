@@ -54,8 +54,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # compiling must no
 
 import openai  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 from _common import RESULTS, Refusal, run_main, write_results  # noqa: E402
 from serve import LOGS, free_port, passages, stop  # noqa: E402
 
@@ -337,8 +337,9 @@ def read_bandwidth(reps: int = 5) -> dict[str, float]:
     if reader is not None:
         for streams, ahead in [(1, 0), (4, 1024), (8, 1024), (16, 1024)]:
             t = _best(lambda s=streams, a=ahead: reader(x.data_ptr(), x.numel(), s, a), reps)
-            if x.numel() * 4 / t > out.get("streams", 0.0):
-                out.update(streams=x.numel() * 4 / t, n_streams=streams, ahead=ahead)
+            read = x.numel() // streams // 64 * 64 * streams * 4  # the bytes it reads (whole 256-byte steps)
+            if read / t > out.get("streams", 0.0):
+                out.update(streams=read / t, n_streams=streams, ahead=ahead)
     return out
 
 
@@ -352,10 +353,11 @@ def _best(f, reps: int) -> float:
 
 
 def _stream_reader():
-    """``read_streams.c`` built with the system's C compiler into a temporary folder (None: no compiler)."""
+    """``read_streams.c`` built with the system's C compiler (``$CC`` first, as :mod:`kvlab.kernels` picks
+    it) into a private temporary folder (None: no compiler, or it failed)."""
     import ctypes
 
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
     out = Path(tempfile.mkdtemp(prefix="kvlab-read-streams-")) / "read_streams.so"
