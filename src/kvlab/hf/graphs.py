@@ -9,7 +9,8 @@ without giving up the roll:
   runs (after two eager warm-ups that compute the real result), then replayed;
 * ``mode="compile"``: the step is ``torch.compile(fullgraph=True)``-d (``"reduce-overhead"``, i.e.
   inductor plus CUDA graphs, on CUDA; on the CPU inductor with the weights frozen into the graph and
-  packed for its C++ GEMM templates, since a CPU decode step is bound by reading the weights);
+  packed for its C++ GEMM templates, since a CPU decode step is bound by reading the weights, and its
+  kernels called from a C++ wrapper rather than a Python one);
 * ``mode="eager"``: the same step, uncaptured (the reference the other two are tested against).
 
 The step reads only fixed tensors (the feed's token ids and positions, the cache's buffers, its
@@ -95,6 +96,13 @@ def _attention(config: Any, name: str) -> Iterator[None]:
         config._attn_implementation = before
 
 
+# The frozen CPU step's inductor settings besides its options: the weights folded in as constants, and
+# the graph's kernels called from C++ rather than from a Python function of ~500 calls a step (0.96x the
+# step's time over 5 compiles each, alternated in one process: benchmarks/results/compile_ab.md; it
+# compiles ~30 s longer). Read when a graph is compiled.
+FROZEN_INDUCTOR: dict[str, object] = {"freezing": True, "cpp_wrapper": True}
+
+
 class _ModelParts:
     """What a captured or compiled step took of its model as it was made, checked before each step: every
     module's children, parameters, buffers and forward hooks (the same objects), and every parameter's and
@@ -141,8 +149,9 @@ class RollingDecoder:
             elsewhere).
         compile_mode: ``torch.compile``'s mode for ``mode="compile"`` (default: ``"reduce-overhead"``
             on CUDA; elsewhere ``"frozen"``: inductor with the weights frozen into the graph as constants,
-            packed for its C++ GEMM templates and autotuned, which holds a second copy of the weights and
-            compiles for a minute or two; ``"default"``: inductor's default).
+            packed for its C++ GEMM templates and autotuned, its kernels called from a C++ wrapper, which
+            holds a second copy of the weights and compiles for a minute or two; ``"default"``: inductor's
+            default).
 
     Each step returns the ``[batch, vocab]`` float32 logits of the feed's last token (a new tensor).
     The decoder owns the cache while it runs: do not feed the cache by other means in between.
@@ -298,9 +307,9 @@ class RollingDecoder:
                 torch._dynamo.mark_static_address(t)
             self._compiled_sizes.add((n, self.cache.width))
             self.captures += 1
-        # freezing is read while the graph is compiled (on a call), not from torch.compile's options
+        # FROZEN_INDUCTOR is read while the graph is compiled (on a call), not from torch.compile's options
         with (
-            torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext(),
+            torch._inductor.config.patch(FROZEN_INDUCTOR) if frozen else contextlib.nullcontext(),
             torch._dynamo.config.patch(automatic_dynamic_shapes=False),  # what changes is marked so
         ):
             return self._compiled(n).clone()
