@@ -163,9 +163,24 @@ def _table(rows: list[Row], scripts: dict[str, str]) -> str:
 HEADER = """# Benchmarks
 
 One row per headline, from the summary block of each file in [benchmarks/results/](benchmarks/results/)
-(`python benchmarks/assemble.py`). Rows ran on 2 CPU cores in float32 unless they say otherwise; speed
-figures are ratios measured side by side in one run. *code changed since*: the code it measured changed.
+(`benchmarks/assemble.py`). Rows ran on 2 CPU cores in float32 unless they say otherwise; speed figures
+are ratios measured side by side in one run. *code changed since*: the code it measured changed.
 """
+
+
+def _grouped(stems: list[str]) -> list[str]:
+    """The files' stems for the page, those that share a stem before their last ``_`` as one
+    (``serve_decode_{2b59823,51fd8d0}``), in order."""
+    by: dict[str, list[str]] = {}
+    for stem in stems:
+        by.setdefault(stem.rpartition("_")[0] or stem, []).append(stem)
+    out = []
+    for head, group in by.items():
+        if len(group) == 1:
+            out.append(f"`{group[0]}`")
+        else:
+            out.append(f"`{head}_{{{','.join(g[len(head) + 1 :] for g in group)}}}`")
+    return out
 
 
 def page(rows: list[Row], scripts: dict[str, str], archived: list[str]) -> str:
@@ -190,9 +205,9 @@ def page(rows: list[Row], scripts: dict[str, str], archived: list[str]) -> str:
             + "\n"
         )
     if archived:
-        names = ", ".join(f"`{n}.md`" for n in archived)  # one link: the page has a size cap
+        names = ", ".join(_grouped(archived))  # one link: the page has a size cap
         parts.append(
-            "## Archive\n\nSuperseded runs, kept for the record in "
+            "## Archive\n\nSuperseded runs (`.md`), kept for the record in "
             f"[benchmarks/results/archive/](benchmarks/results/archive/): {names}.\n"
         )
     return "\n".join(parts)

@@ -77,8 +77,17 @@ def test_the_page_groups_rows_and_keeps_regressions_apart():
     ]
     assert fastest < where[0] < not_met < where[1] < regress < where[2]
     assert "[store.py](benchmarks/store.py)" in text
-    assert "(benchmarks/results/archive/): `old_run.md`." in text
+    assert "(benchmarks/results/archive/): `old_run`." in text
     assert "## Quality" not in text  # the only quality row is not current
+
+
+def test_the_archive_names_runs_of_one_stem_once():
+    stems = ["eval_ruler", "serve_decode_2b59823", "serve_decode_51fd8d0", "serve_decode_cpp_wrapper"]
+    assert assemble._grouped(stems) == [
+        "`eval_ruler`",
+        "`serve_decode_{2b59823,51fd8d0}`",
+        "`serve_decode_cpp_wrapper`",
+    ]
 
 
 def test_a_rerun_keeps_the_block_for_its_rows_to_be_updated(tmp_path, monkeypatch):
