@@ -1,7 +1,7 @@
 """Does an inductor setting of the frozen CPU step pay? Several compiles of each arm, in one process.
 
-Two compiles of the same frozen step, on this machine, decode at speeds a few percent apart (where the
-weights and their packed copies land differs from one compile to the next), so one compile per arm
+Two compiles of the same frozen step, on this machine, decode at speeds a few percent apart (not by the
+autotuner's choices, which are the same each time; why, we have not found), so one compile per arm
 cannot tell a change of a few percent from that. This script compiles the served step
 (:func:`kvlab.serve.engine.captured_rows`, the bundled model, one conversation, window 1024 + 4 sinks,
 float32, one thread) ``--compiles`` times per arm, the arms alternating, each arm's settings laid over
@@ -29,8 +29,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Refusal, run_main, write_results  # noqa: E402
-
-T95 = {8: 2.306, 10: 2.228, 12: 2.179, 14: 2.145, 16: 2.120, 18: 2.101}  # two-sided t, 95%
 
 
 def settings(items: list[str]) -> dict[str, object]:
@@ -147,16 +145,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(args, arms, blocks, times, took, diff: float, wrappers: list[str]) -> str:
+    from scipy import stats
+
     med = [statistics.median(t) for t in times]
-    la = [math.log(m) for (arm, _), m in zip(blocks, med, strict=True) if arm == "A"]
-    lb = [math.log(m) for (arm, _), m in zip(blocks, med, strict=True) if arm == "B"]
+    ia, ib = ([i for i, (arm, _) in enumerate(blocks) if arm == name] for name in "AB")
+    la, lb = [math.log(med[i]) for i in ia], [math.log(med[i]) for i in ib]
     d = statistics.fmean(lb) - statistics.fmean(la)
     se = math.sqrt(statistics.variance(la) / len(la) + statistics.variance(lb) / len(lb))
-    t = T95[len(la) + len(lb) - 2]
-    ia, ib = (
-        [i for i, (arm, _) in enumerate(blocks) if arm == "A"],
-        [i for i, (arm, _) in enumerate(blocks) if arm == "B"],
-    )
+    t = float(stats.t.ppf(0.975, len(la) + len(lb) - 2))
     per_round = [
         statistics.fmean(times[i][r] for i in ib) / statistics.fmean(times[i][r] for i in ia)
         for r in range(args.rounds)
