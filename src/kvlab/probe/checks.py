@@ -69,7 +69,9 @@ def nonce() -> str:
 
 
 def question(k: int) -> str:
-    return f"\nQuestion {k}: which word follows '{WORDS[k % len(WORDS)]}' above? Answer in a few words."
+    """A short question that ends in a word ``k`` picks: prompts that differ in ``k`` differ at their end,
+    where a model's next token looks first (a question asked again after an empty answer)."""
+    return f"\nQuestion {k}: in a few words, which word comes after '{WORDS[k % len(WORDS)]}'?"
 
 
 def compare(ref: Reply, got: Reply, tol: float) -> dict[str, object]:
@@ -193,12 +195,10 @@ def context(client: Client, cfg: ProbeConfig, limit: int, log: Log, max_turns: i
     for turn in range(max_turns):
         log(f"correctness: long conversation, turn {turn + 1} (limit {limit} tokens)")
         chunk = 32 if per_word is None else max(8, int(limit / 2 / per_word))  # turn 0 calibrates
-        head = nonce() if turn == 0 else ""
         sent += chunk
-        for ask in range(
-            EMPTY_RETRIES + 1
-        ):  # an empty answer once is the model's; the same question asked anew
-            text = head + words(300 + turn, chunk) + question(turn + 100 * ask)
+        for ask in range(EMPTY_RETRIES + 1):  # an empty answer once is the model's: another question
+            head = nonce() if turn == 0 else ""  # the first turn's retry also starts afresh
+            text = head + words(300 + turn, chunk) + question(turn + 7 * ask)
             reply = client.chat(cfg.tenant_a, [*messages, {"role": "user", "content": text}], cfg.max_tokens)
             if not reply.ok or reply.text.strip():
                 break
