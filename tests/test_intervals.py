@@ -70,6 +70,27 @@ def test_wilson_at_0_and_n_is_not_degenerate_where_the_bootstrap_is():
         assert format_interval(w).count("[") == 1 and "[1, 1]" not in format_interval(w)
 
 
+def test_every_wilson_interval_holds_its_own_proportion_exactly():
+    """k/n for every k <= n <= 150: low <= value <= high with no float slack. Rounding had put 0/n's low
+    end 3e-17 above 0 and n/n's high end an ulp below 1: a figure's error bar (value - low) came out
+    negative and matplotlib refused the study's retention plot."""
+    for n in range(5, 151):
+        for k in range(n + 1):
+            w = wilson_ci([1.0] * k + [0.0] * (n - k))
+            assert 0.0 <= w.low <= w.value <= w.high <= 1.0, (k, n, w)
+        assert wilson_ci([0.0] * n).low == 0.0 and wilson_ci([1.0] * n).high == 1.0
+
+
+def test_every_paired_share_interval_holds_its_own_difference():
+    for n in (5, 6, 17, 40):
+        for b10 in range(n + 1):
+            for b01 in range(n - b10 + 1):
+                a = [1.0] * b10 + [0.0] * b01 + [1.0] * (n - b10 - b01)
+                b = [0.0] * b10 + [1.0] * b01 + [1.0] * (n - b10 - b01)
+                iv = paired_share_ci(a, b)
+                assert -1.0 <= iv.low <= iv.value <= iv.high <= 1.0, (b10, b01, n, iv)
+
+
 def test_wilson_on_shares_and_its_refusals():
     shares = wilson_ci([0.9, 0.95, 1.0, 0.85, 0.9, np.nan])  # one text sample's own share each
     assert shares.n == 5 and shares.value == pytest.approx(0.92) and shares.low < 0.92 < shares.high

@@ -155,7 +155,9 @@ def wilson_ci(samples: np.ndarray | list[float], *, confidence: float = 0.95) ->
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), n)
+    # the interval holds p (exactly: at 0/n its low end is 0, at n/n its high end 1); float rounding of
+    # centre -/+ half can land an ulp on the wrong side of p, which a bar's error (p - low) would turn negative
+    return Interval(p, min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half)), n)
 
 
 def bootstrap_curve(
