@@ -592,6 +592,7 @@ EXPECTED_SECONDS: dict[str, float] = {
     "streaming_ppl": 57, "kv_swap": 43, "layer_transfer": 34, "transfer_equivalence": 27,
     "store_reuse": 20, "findings": 14, "inspect": 4, "rope_derotation": 1,
     "ruler": 240,  # estimated from its quick run (not yet timed by benchmarks/study_timing.py)
+    "positions": 167,  # `kvlab study --only positions`, alone, 2026-12-01 (not yet timed by study_timing.py)
 }  # fmt: skip
 # Seconds each experiment took in the quick profile, in its worker (benchmarks/results/study_timing_quick.md:
 # 2 workers of 1 torch thread on a 2-core Linux x86_64 CPU, 2026-11-26 08:13 UTC; ruler was not in it).
