@@ -43,6 +43,7 @@ from kvlab.serve.engine import (
 )
 from kvlab.serve.keys import check_keys
 from kvlab.serve.metrics import Metrics
+from kvlab.serve.relay import Relay
 from kvlab.serve.status import status_page
 from kvlab.serve.tenants import KeyLimitError, QueueFullError, WorkTooLargeError, tenant_label
 
@@ -337,6 +338,14 @@ class _Server:
     admin: bytes | None
     limits: Limits
     started: float = field(default_factory=time.time)
+    _relay: Relay | None = field(default=None, repr=False)
+
+    def relay(self) -> Relay:
+        """The running loop's :class:`~kvlab.serve.relay.Relay` (made on the first request)."""
+        loop = asyncio.get_running_loop()
+        if self._relay is None or self._relay.loop is not loop:
+            self._relay = Relay(loop)
+        return self._relay
 
     def tenant(self, request: Request) -> _Caller:
         """The caller's tenant (its key's salt and label), after checking its key in constant time."""
@@ -434,9 +443,8 @@ class _Server:
             if len(prompts) > 1 and body.stream:
                 message = "stream is supported with one prompt only; send the prompts one per request"
                 raise _invalid(message, "stream", "unsupported_value")
-            loop = asyncio.get_running_loop()
             queues: list[asyncio.Queue] = [asyncio.Queue() for _ in prompts]
-            emits = [_emitter(loop, q) for q in queues]
+            emits = [self.relay().emitter(q) for q in queues]
             reqs = [_prepare(engine, limits, body, caller, p, e) for p, e in zip(prompts, emits, strict=True)]
             _check_logprob_budget(
                 reqs, limits.max_logprob_entries, "top_logprobs" if kind == "chat" else "logprobs"
@@ -628,15 +636,6 @@ async def _scored(engine: Engine, fid: str | None, doc: dict) -> dict:
         if result is not None:
             doc["usage"]["fidelity"] = result
     return doc
-
-
-def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[tuple], None]:
-    """The engine's ``emit`` for one prompt: its events onto ``queue``, from the worker thread."""
-
-    def emit(event: tuple) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, event)
-
-    return emit
 
 
 def _most_prompts(settings: EngineSettings) -> tuple[int, str]:
