@@ -163,7 +163,7 @@ def _table(rows: list[Row], scripts: dict[str, str]) -> str:
 HEADER = """# Benchmarks
 
 One row per headline, from the summary block of each file in [benchmarks/results/](benchmarks/results/)
-(`benchmarks/assemble.py`). Rows ran on 2 CPU cores in float32 unless they say otherwise; speed ratios
+(`benchmarks/assemble.py`). Rows: 2 CPU cores, float32, unless they say otherwise; speed ratios
 are measured side by side in one run. *code changed since*: the code it measured changed.
 """
 
