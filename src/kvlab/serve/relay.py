@@ -6,11 +6,11 @@ order it was given (one FIFO, one thread delivering it).
 Why a thread: ``loop.call_soon_threadsafe`` wakes the loop by writing to its self-pipe, a system call,
 and a system call lets go of the GIL. Made from the engine's thread after each token, the loop woke, took
 the GIL and turned the token into a chunk of the stream while the engine waited for it back (py-spy, one
-conversation decoding through ``--capture compile``: 1.7% of the engine's samples were in that write).
+conversation decoding through ``--capture compile``, 2026-12-01: 1.7% of the engine's samples were in that
+write; the served rate did not move measurably, ``benchmarks/results/serve_decode.md``).
 The engine now appends to a queue, which lets go of nothing; the relay wakes the loop once the GIL is
 free, which is while the engine's next step runs its kernels (they release it), so the chunk is made on
-the other core. A token reaches its stream a step's Python later (about 2 ms on the bundled model), not
-slower.
+the other core. A token reaches its stream a step's Python later.
 """
 
 from __future__ import annotations
