@@ -63,21 +63,12 @@ def _usage_error_line(exc: Exception) -> str:
     return f"{where}: error: {message} (see '{where} --help')"
 
 
-# torch's switch for backing each CPU allocation of 2 MiB or more with transparent huge pages (aligned to 2 MiB
-# and madvised; read once, at torch's first allocation, so set before torch is imported: command modules import
-# it in their bodies). A decode step streams every weight, and a hardware prefetcher stops at a page's end:
-# what it buys the served step is measured in benchmarks/results/serve_decode.md. The user's own value wins
-# ("0" turns it off); a kernel whose THP is "never" ignores it.
-HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app, turning kvlab errors into one line on stderr and exit code 2."""
     from kvlab.errors import KvlabError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault(HUGE_PAGES, "1")
     try:
         # With standalone_mode=False click returns a command's typer.Exit code instead of exiting.
         code = app(args=argv, prog_name="kvlab", standalone_mode=False)
