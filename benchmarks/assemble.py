@@ -149,7 +149,7 @@ def read_results(folder: Path = RESULTS) -> tuple[list[Row], dict[str, str]]:
 
 
 def _table(rows: list[Row], scripts: dict[str, str]) -> str:
-    head = "| claim (details) | figure | versus | date | commit | command | status |\n|---|---|---|---|---|---|---|"
+    head = "| claim | figure | versus | date | commit | command | status |\n|---|---|---|---|---|---|---|"
     out = [head]
     for r in rows:
         claim = f"[{r.claim}](benchmarks/results/{r.source})"  # the file: command, raw rows, reading
