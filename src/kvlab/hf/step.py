@@ -121,6 +121,10 @@ def _one_query(
     templates, which the frozen CPU step uses for the weights, take ~5x at these shapes)."""
     compiled = torch.compiler.is_compiling()
     if compiled:
+        # the query written out first: left to inductor, its producer (the RoPE, cos and sin of the position
+        # included) was computed inside the scores' loop, once per cached slot: most of that kernel's time
+        # at 330 slots in the frozen CPU step (torch.profiler, the bundled model); a no-op outside a graph
+        q = torch.ops.prims.inductor_force_stride_order(q, q.stride())
         scores = (q.unsqueeze(-2) * key.unsqueeze(-3)).sum(-1) * scale
     else:
         scores = (q @ key.transpose(-1, -2)) * scale
