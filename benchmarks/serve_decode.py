@@ -24,8 +24,9 @@ several interleaved streams prefetching ahead, which reads faster), best of 5 ea
 weight bytes / that bandwidth, beside each server's ms/token at 1 conversation.
 
 Run: python benchmarks/serve_decode.py [--rounds 7] [--max-tokens 64]
-         [--llama-server PATH --gguf PATH] [--before COMMIT] [--no-write]
-     (writes benchmarks/results/serve_decode.md; ``--before``: a fourth server, ``--capture compile`` at that
+         [--llama-server PATH --gguf PATH] [--before COMMIT] [--no-write] [--name serve_decode]
+     (writes benchmarks/results/<name>.md, a row of its own, e.g. ``--max-tokens 512 --name
+     serve_decode_512`` for long replies; ``--before``: a fourth server, ``--capture compile`` at that
      commit, paired with ``compile`` round by round: a change measured against the commit before it)
 """
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -93,6 +95,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--llama-server", type=Path, help="a llama-server binary (scripts/build_llama_server.sh)")
     ap.add_argument("--gguf", type=Path, help="the F32 GGUF of the same weights, for --llama-server")
     ap.add_argument("--no-write", action="store_true", help="print the tables, write no results file")
+    ap.add_argument("--name", default="serve_decode", help="the results file: benchmarks/results/<name>.md")
     ap.add_argument(
         "--kvlab-commit", default="HEAD", help="serve kvlab from a clean copy of this commit's src/"
     )
@@ -107,6 +110,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise Refusal(f"--rounds must be >= 1, got {args.rounds}")
     if not args.no_write and args.rounds < 5:
         raise Refusal(f"a results file needs --rounds >= 5 (got {args.rounds}); a smoke run takes --no-write")
+    if not re.fullmatch(r"serve_decode[a-z0-9_]*", args.name):
+        raise Refusal(f"--name must be serve_decode followed by [a-z0-9_] (a results file's name), got {args.name!r}")
     if args.max_tokens < 2:
         raise Refusal(f"--max-tokens must be >= 2 (a decode rate needs two tokens), got {args.max_tokens}")
     if not 64 <= args.prefill_tokens <= 900:
@@ -477,10 +482,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     # the command the file shows: build outputs as DEST/<name>, no machine path
     sys.argv[1:] = [f"DEST/{Path(a).name}" if Path(a).is_absolute() else a for a in sys.argv[1:]]
-    path = RESULTS / "serve_decode.md"
+    path = RESULTS / f"{args.name}.md"
     path.write_text(summary)  # write_results carries a file's summary block over to the head: this one
     write_results(
-        "serve_decode",
+        args.name,
         "Serving decode: kvlab serve --capture compile vs eager vs llama-server, 1 thread",
         body,
     )
@@ -586,15 +591,17 @@ def status(commit: str, otherwise: str = "current") -> str:
     return otherwise if same else "code changed since"
 
 
-def summary_block(got: dict[tuple, dict], rounds: int, commit: str) -> str:
+def summary_block(got: dict[tuple, dict], rounds: int, commit: str, max_tokens: int = 64) -> str:
     """One row (BENCHMARKS.md has a size cap): with llama-server, kvlab's decode rate as a multiple of
-    its (the issue's goal); without, kvlab-compile's as a multiple of eager's."""
+    its (the issue's goal); without, kvlab-compile's as a multiple of eager's. Replies other than the
+    default 64 tokens are named in the claim."""
     date = datetime.now().strftime("%Y-%m-%d")
+    what = "1 thread" if max_tokens == 64 else f"{max_tokens}-token replies"
     if ("llama", "compile", "d1") in got:
         c, e = 1 / got[("llama", "compile", "d1")]["geo"], 1 / got[("llama", "off", "d1")]["geo"]
         c4 = 1 / got[("llama", "compile", "d4_sum")]["geo"]
         row = (
-            f"| speed | Serve decode vs llama-server, 1 thread | **{c:.2f}x** at 1 conv ({c4:.2f}x at 4), "
+            f"| speed | Serve decode vs llama-server, {what} | **{c:.2f}x** at 1 conv ({c4:.2f}x at 4), "
             f"eager {e:.2f}x | llama-server, F32 | CPU 2 cores | "
             f"{date} | {commit} | "
             f"{status(commit, 'current' if c >= 1.0 else 'bar not met')} |"
@@ -602,7 +609,7 @@ def summary_block(got: dict[tuple, dict], rounds: int, commit: str) -> str:
     else:
         c = got[("compile", "off", "d1")]["geo"]
         row = (
-            f"| speed | kvlab serve --capture compile decode (1 conversation, 1 thread) | **{c:.2f}x** eager's "
+            f"| speed | kvlab serve --capture compile decode (1 conversation, {what}) | **{c:.2f}x** eager's "
             f"rate ({rounds} rounds) | --capture off, fp32 | CPU 2 cores | {date} | {commit} | {status(commit)} |"
         )
     head = "| theme | claim | figure | versus | machine | date | commit | status |\n|---|---|---|---|---|---|---|---|"
@@ -688,7 +695,7 @@ def report(args, servers: list[Server], rows, floor: dict, minutes: float) -> tu
         "",
         *raw_table(rows, keys),
     ])  # fmt: skip
-    return body, summary_block(got, args.rounds, args.commit)
+    return body, summary_block(got, args.rounds, args.commit, args.max_tokens)
 
 
 if __name__ == "__main__":

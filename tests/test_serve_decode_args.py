@@ -23,6 +23,8 @@ pytestmark = pytest.mark.process  # parse_args asks git (a subprocess) whether a
         (["--working-tree", "--kvlab-commit", "HEAD~1"], "exclude each other"),
         (["--rounds", "3"], "--rounds >= 5"),
         (["--llama-server", "/bin/true"], "go together"),
+        (["--name", "../BENCHMARKS"], "--name must be serve_decode"),
+        (["--name", "other"], "--name must be serve_decode"),
     ],
 )
 def test_a_bad_command_line_is_refused(argv, says):
@@ -43,3 +45,11 @@ def test_before_takes_a_commit_and_pairs_compile_with_it():
     lines, got = serve_decode.ratio_table(rows, ["compile", "before"])
     assert got[("compile", "before", "d1")]["geo"] == pytest.approx(2.0)
     assert any("kvlab-compile / kvlab-compile at --before" in line for line in lines)
+
+
+def test_a_named_run_writes_its_own_row_naming_the_reply_length():
+    got = {("llama", k, d): {"geo": 0.8} for k in ("compile", "off") for d in ("d1", "d4_sum")}
+    long = serve_decode.summary_block(got, 5, "abc1234", max_tokens=512)
+    assert "Serve decode vs llama-server, 512-token replies | **1.25x**" in long
+    assert "Serve decode vs llama-server, 1 thread |" in serve_decode.summary_block(got, 5, "abc1234")
+    assert serve_decode.parse_args(["--name", "serve_decode_512", "--no-write"]).name == "serve_decode_512"
