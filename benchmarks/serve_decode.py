@@ -111,7 +111,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not args.no_write and args.rounds < 5:
         raise Refusal(f"a results file needs --rounds >= 5 (got {args.rounds}); a smoke run takes --no-write")
     if not re.fullmatch(r"serve_decode[a-z0-9_]*", args.name):
-        raise Refusal(f"--name must be serve_decode followed by [a-z0-9_] (a results file's name), got {args.name!r}")
+        raise Refusal(
+            f"--name must be serve_decode followed by [a-z0-9_] (a results file's name), got {args.name!r}"
+        )
     if args.max_tokens < 2:
         raise Refusal(f"--max-tokens must be >= 2 (a decode rate needs two tokens), got {args.max_tokens}")
     if not 64 <= args.prefill_tokens <= 900:
