@@ -76,7 +76,7 @@ def test_the_page_groups_rows_and_keeps_regressions_apart():
         for c, f in (("fast", "a"), ("good", "b"), ("same", "c"))
     ]
     assert fastest < where[0] < not_met < where[1] < regress < where[2]
-    assert "[store.py](benchmarks/store.py)" in text
+    assert "| `store.py` |" in text
     assert "(benchmarks/results/archive/): `old_run`." in text
     assert "## Quality" not in text  # the only quality row is not current
 
