@@ -600,10 +600,12 @@ def summary_block(got: dict[tuple, dict], rounds: int, commit: str, max_tokens: 
     date = datetime.now().strftime("%Y-%m-%d")
     what = "1 thread" if max_tokens == 64 else f"{max_tokens}-token replies"
     if ("llama", "compile", "d1") in got:
-        c, e = 1 / got[("llama", "compile", "d1")]["geo"], 1 / got[("llama", "off", "d1")]["geo"]
+        pair = got[("llama", "compile", "d1")]  # llama-server / kvlab, paired: its interval is the row's too
+        c, e = 1 / pair["geo"], 1 / got[("llama", "off", "d1")]["geo"]
         c4 = 1 / got[("llama", "compile", "d4_sum")]["geo"]
         row = (
-            f"| speed | Serve decode vs llama-server, {what} | **{c:.2f}x** at 1 conv ({c4:.2f}x at 4), "
+            f"| speed | Serve decode vs llama-server, {what} | **{c:.2f}x** at 1 conv (llama / kvlab "
+            f"{pair['geo']:.2f}x {fmt_interval(pair)}; {c4:.2f}x at 4), "
             f"eager {e:.2f}x | llama-server, F32 | CPU 2 cores | "
             f"{date} | {commit} | "
             f"{status(commit, 'current' if c >= 1.0 else 'bar not met')} |"

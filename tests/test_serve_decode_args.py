@@ -48,8 +48,15 @@ def test_before_takes_a_commit_and_pairs_compile_with_it():
 
 
 def test_a_named_run_writes_its_own_row_naming_the_reply_length():
-    got = {("llama", k, d): {"geo": 0.8} for k in ("compile", "off") for d in ("d1", "d4_sum")}
+    got = {
+        ("llama", k, d): {"geo": 0.8, "lo": 0.75, "hi": 0.85}
+        for k in ("compile", "off")
+        for d in ("d1", "d4_sum")
+    }
     long = serve_decode.summary_block(got, 5, "abc1234", max_tokens=512)
-    assert "Serve decode vs llama-server, 512-token replies | **1.25x**" in long
+    assert (
+        "Serve decode vs llama-server, 512-token replies | **1.25x** at 1 conv (llama / kvlab 0.80x [0.75, 0.85]; 1.25x at 4)"
+        in long
+    )
     assert "Serve decode vs llama-server, 1 thread |" in serve_decode.summary_block(got, 5, "abc1234")
     assert serve_decode.parse_args(["--name", "serve_decode_512", "--no-write"]).name == "serve_decode_512"
