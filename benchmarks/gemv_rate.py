@@ -13,7 +13,9 @@ goes, on the bundled model's own weights (SmolLM2-135M-Instruct, float32, one th
 * ``streams``: ``gemv_streams.c``, a hand-written GEMV that reads each weight as 4 sequential streams,
   each prefetching ahead of itself (how ``read_streams.c`` reads fastest), called through ctypes;
 * ``sum``: the same bytes as one flat tensor, summed by torch (one stream, no arithmetic to speak of);
-* ``read_streams``: ``read_streams.c`` over that flat tensor, 8 streams prefetching 1,024 bytes ahead.
+* ``read_streams``: ``read_streams.c`` over that flat tensor, 8 streams prefetching 1,024 bytes ahead;
+* ``step``: one greedy decode step of the served step itself (``compile_ab.py``'s: ``kvlab serve --capture
+  compile``'s one-row graph, window 1024 + 4 sinks, a 40-token prompt): its GEMVs, and all the rest.
 
 ``--rounds`` rounds, each running every arm once over all the weights, the order rotating; per arm the
 median and the rate; every arm paired per round against ``inductor`` (geometric mean of the ratios, a
@@ -35,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Refusal, run_main, write_results  # noqa: E402
+from compile_ab import compile_one  # noqa: E402
 from serve_decode import _stream_reader, fmt_interval, paired  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -68,11 +71,12 @@ def _streams_gemv() -> Callable[..., None]:
     return lib.gemv_streams
 
 
-def arms(weights: list, xs: dict) -> tuple[dict[str, Callable[[], object]], dict[str, list]]:
-    """The five ways to read the weights, each a callable over all of them; and the GEMVs' outputs."""
+def arms(handle, weights: list, xs: dict) -> tuple[dict[str, Callable[[], object]], dict[str, list]]:
+    """The ways to read the weights, each a callable over all of them; and the GEMVs' outputs."""
     import torch
 
     from kvlab.hf.graphs import FROZEN_INDUCTOR
+    from kvlab.serve.engine import EngineSettings
 
     class Linears(torch.nn.Module):
         def __init__(self) -> None:
@@ -107,12 +111,15 @@ def arms(weights: list, xs: dict) -> tuple[dict[str, Callable[[], object]], dict
     if reader is None:
         raise SystemExit("read_streams.c did not build")
     outs = {"inductor": inductor(), "aten": aten(), "streams": streams()}
+    policy = EngineSettings(window=1024, sinks=4, evict_chunk=64, max_batch=1).policy
+    step = compile_one(handle, policy, dict(FROZEN_INDUCTOR))[0]
     return {
         "inductor": inductor,
         "aten": aten,
         "streams": streams,
         "sum": flat.sum,
         "read_streams": lambda: reader(flat.data_ptr(), flat.numel(), 8, 1024),
+        "step": lambda: step(1),
     }, outs
 
 
@@ -124,14 +131,16 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = load_model("smollm2-135m", device="cpu", dtype=torch.float32).model
+    torch.set_grad_enabled(False)
+    handle = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+    model = handle.model
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if any(w.shape[1] % 16 for w in weights):
         raise SystemExit("a weight's row is not a multiple of 16 floats")
     nbytes = sum(w.numel() * 4 for w in weights)
     xs = {k: torch.randn(k) for k in sorted({w.shape[1] for w in weights})}
     t0 = time.perf_counter()
-    fns, outs = arms(weights, xs)
+    fns, outs = arms(handle, weights, xs)
     compile_s = time.perf_counter() - t0
     errs = {}
     for name, ys in outs.items():
@@ -169,7 +178,7 @@ def report(
     lines = [
         f"{n} weights, {nbytes / 1e6:.1f} MB of float32, one thread (PyTorch {torch.__version__}, "
         f"BLAS {torch.backends.mkl.is_available() and 'mkl' or 'other'}); {len(times['inductor'])} rounds, "
-        f"the order rotating; inductor compiled in {compile_s:.0f} s. Max |difference| from a float64 "
+        f"the order rotating; inductor and the step compiled in {compile_s:.0f} s. Max |difference| from a float64 "
         "product: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()) + ".",
         "",
         "| arm | median ms | GB/s | share of the fastest read | / inductor (time) | 95% interval | per round |",
