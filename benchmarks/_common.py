@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -39,6 +42,33 @@ def write_results(name: str, title: str, body: str) -> Path:
     path.write_text(text)
     print(text)
     return path
+
+
+def c_compiler() -> str | None:
+    """The system's C compiler, picked as :mod:`kvlab.kernels` picks it (``$CC`` first)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def c_function(source: Path, symbol: str, argtypes: list, restype=None):
+    """``symbol`` of the C file ``source`` (a benchmark's own, beside this one), built with
+    :func:`c_compiler` into a private temporary folder and loaded with ctypes; None without a compiler or
+    when the build fails."""
+    import ctypes
+
+    cc = c_compiler()
+    if cc is None:
+        return None
+    out = Path(tempfile.mkdtemp(prefix=f"kvlab-{source.stem}-")) / f"{source.stem}.so"
+    flags = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared"]
+    built = subprocess.run([cc, *flags, str(source), "-o", str(out)], capture_output=True)
+    if built.returncode:
+        shutil.rmtree(out.parent, ignore_errors=True)
+        return None
+    lib = ctypes.CDLL(str(out))
+    shutil.rmtree(out.parent, ignore_errors=True)  # loaded: the file is no longer needed
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 class Refusal(SystemExit):

@@ -2,7 +2,7 @@
 
 A decode step of one conversation is a GEMV per weight: each weight is read once and used for one row.
 ``serve_decode.py`` puts kvlab's and llama-server's steps beside a floor (the weights' bytes at the
-fastest rate one thread read a 1 GiB tensor); both run at ~3/4 of it. This script asks where the rest
+fastest rate one thread read a 1 GiB tensor); both take well over it. This script asks where the rest
 goes, on the bundled model's own weights (SmolLM2-135M-Instruct, float32, one thread), in decode order
 (every layer's q, k, v, o, gate, up and down, then the tied lm_head):
 
@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Refusal, run_main, write_results  # noqa: E402
+from _common import Refusal, c_compiler, c_function, run_main, write_results  # noqa: E402
 from compile_ab import compile_one  # noqa: E402
 from serve_decode import _stream_reader, fmt_interval, paired  # noqa: E402
 
@@ -53,22 +50,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         raise Refusal(
             f"--rounds must be 5 to 200 (an interval over fewer than 5 is not given), not {args.rounds}"
         )
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
-        raise Refusal("needs a C compiler (cc or gcc) for gemv_streams.c and read_streams.c")
+    if c_compiler() is None:
+        raise Refusal("needs a C compiler ($CC, cc, gcc or clang) for gemv_streams.c and read_streams.c")
     return args
 
 
 def _streams_gemv() -> Callable[..., None]:
-    """``gemv_streams.c`` built like ``read_streams.c`` (serve_decode's reader), loaded with ctypes."""
-    out = Path(tempfile.mkdtemp(prefix="kvlab-gemv-streams-")) / "gemv_streams.so"
-    flags = ["-O3", "-march=native", "-fPIC", "-shared"]
-    built = subprocess.run(["cc", *flags, str(HERE / "gemv_streams.c"), "-o", str(out)], capture_output=True)
-    if built.returncode:
-        raise SystemExit(f"gemv_streams.c did not build: {built.stderr.decode()[-500:]}")
-    lib = ctypes.CDLL(str(out))
-    shutil.rmtree(out.parent, ignore_errors=True)
-    lib.gemv_streams.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-    return lib.gemv_streams
+    """``gemv_streams.c``, built and loaded as ``read_streams.c`` is."""
+    gemv = c_function(HERE / "gemv_streams.c", "gemv_streams", [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3)
+    if gemv is None:
+        raise SystemExit("gemv_streams.c did not build")
+    return gemv
 
 
 def arms(handle, weights: list, xs: dict) -> tuple[dict[str, Callable[[], object]], dict[str, list]]:

@@ -58,7 +58,7 @@ import openai  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, Refusal, run_main, write_results  # noqa: E402
+from _common import RESULTS, Refusal, c_function, run_main, write_results  # noqa: E402
 from serve import LOGS, free_port, passages, stop  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -360,24 +360,11 @@ def _best(f, reps: int) -> float:
 
 
 def _stream_reader():
-    """``read_streams.c`` built with the system's C compiler (``$CC`` first, as :mod:`kvlab.kernels` picks
-    it) into a private temporary folder (None: no compiler, or it failed)."""
+    """``read_streams.c``, built and loaded (None: no compiler, or it failed)."""
     import ctypes
 
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        return None
-    out = Path(tempfile.mkdtemp(prefix="kvlab-read-streams-")) / "read_streams.so"
-    flags = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared"]
-    if subprocess.run(
-        [cc, *flags, str(HERE / "read_streams.c"), "-o", str(out)], capture_output=True
-    ).returncode:
-        return None
-    lib = ctypes.CDLL(str(out))
-    shutil.rmtree(out.parent, ignore_errors=True)  # loaded: the file is no longer needed
-    lib.read_streams.restype = ctypes.c_float
-    lib.read_streams.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_long]
-    return lib.read_streams
+    args = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_long]
+    return c_function(HERE / "read_streams.c", "read_streams", args, ctypes.c_float)
 
 
 def weight_bytes(folder: Path) -> int:
