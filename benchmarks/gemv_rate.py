@@ -15,7 +15,11 @@ goes, on the bundled model's own weights (SmolLM2-135M-Instruct, float32, one th
 * ``sum``: the same bytes as one flat tensor, summed by torch (one stream, no arithmetic to speak of);
 * ``read_streams``: ``read_streams.c`` over that flat tensor, 8 streams prefetching 1,024 bytes ahead;
 * ``step``: one greedy decode step of the served step itself (``compile_ab.py``'s: ``kvlab serve --capture
-  compile``'s one-row graph, window 1024 + 4 sinks, a 40-token prompt): its GEMVs, and all the rest.
+  compile``'s one-row graph, window 1024 + 4 sinks, a 40-token prompt): its GEMVs, and all the rest;
+* ``step_unguarded``: the same step with Dynamo's guards not evaluated
+  (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``; one graph, so none runs): what they cost;
+* ``step_unchecked``: that, and kvlab's check of the model (``_ModelParts.same``) skipped too: what the two
+  checks a step makes before its graph cost together. Measured here only: a step is never served so.
 
 ``--rounds`` rounds, each running every arm once over all the weights, the order rotating; per arm the
 median and the rate; every arm paired per round against ``inductor`` (geometric mean of the ratios, a
@@ -31,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Refusal, c_compiler, c_function, run_main, write_results  # noqa: E402
@@ -67,6 +72,7 @@ def arms(handle, weights: list, xs: dict) -> tuple[dict[str, Callable[[], object
     """The ways to read the weights, each a callable over all of them; and the GEMVs' outputs."""
     import torch
 
+    from kvlab.hf import graphs
     from kvlab.hf.graphs import FROZEN_INDUCTOR
     from kvlab.serve.engine import EngineSettings
 
@@ -105,6 +111,15 @@ def arms(handle, weights: list, xs: dict) -> tuple[dict[str, Callable[[], object
     outs = {"inductor": inductor(), "aten": aten(), "streams": streams()}
     policy = EngineSettings(window=1024, sinks=4, evict_chunk=64, max_batch=1).policy
     step = compile_one(handle, policy, dict(FROZEN_INDUCTOR))[0]
+
+    def unguarded() -> float:
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return step(1)
+
+    def unchecked() -> float:
+        with mock.patch.object(graphs._ModelParts, "same", lambda self: True):
+            return unguarded()
+
     return {
         "inductor": inductor,
         "aten": aten,
@@ -112,6 +127,8 @@ def arms(handle, weights: list, xs: dict) -> tuple[dict[str, Callable[[], object
         "sum": flat.sum,
         "read_streams": lambda: reader(flat.data_ptr(), flat.numel(), 8, 1024),
         "step": lambda: step(1),
+        "step_unguarded": unguarded,
+        "step_unchecked": unchecked,
     }, outs
 
 
