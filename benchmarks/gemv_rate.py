@@ -200,6 +200,17 @@ def report(
             f"| {name} | {statistics.median(v) * 1e3:.1f} | {rate / 1e9:.2f} | {rate / fastest:.0%} | "
             f"{p['geo']:.3f}x | {fmt_interval(p)} | {', '.join(f'{x * 1e3:.1f}' for x in v)} |"
         )
+    checks = [name for name in times if name.startswith("step_")]
+    if "step" in times and checks:
+        lines += ["", "The step without its checks, paired round by round against the step:", ""]
+        lines += [
+            "| arm | / step (time) | 95% interval | ms saved (median of the rounds) |",
+            "|---|---|---|---|",
+        ]
+        for name in checks:
+            p = paired(times[name], times["step"])
+            saved = statistics.median(a - b for a, b in zip(times["step"], times[name], strict=True))
+            lines.append(f"| {name} | {p['geo']:.3f}x | {fmt_interval(p)} | {saved * 1e3:.2f} |")
     return "\n".join(lines)
 
 

@@ -52,3 +52,22 @@ def test_the_report_pairs_every_arm_with_inductor():
     assert rows["streams"][4] == "0.900x" and rows["streams"][5] == "[0.90, 0.90]"
     assert rows["read_streams"][3] == "100%" and rows["read_streams"][2] == "10.00"
     assert rows["inductor"][3] == "80%"  # 400 MB / 50 ms against 400 MB / 40 ms
+
+
+def test_the_steps_without_their_checks_are_paired_against_the_step():
+    step = [0.044, 0.046, 0.042, 0.045, 0.043]
+    times = {
+        "inductor": [0.040] * 5,
+        "step": step,
+        "step_unguarded": [x * 0.95 for x in step],  # 0.95x the step's time, round by round
+    }
+    text = gemv_rate.report(times, {}, 400_000_000, 211, 90.0)
+    tail = text.split("paired round by round against the step:")[1]
+    row = next(line.split(" | ") for line in tail.splitlines() if line.startswith("| step_unguarded"))
+    assert row[1] == "0.950x" and row[2] == "[0.95, 0.95]"
+    assert row[3].strip(" |") == f"{0.044 * 0.05 * 1e3:.2f}"  # the median round's 5%
+
+
+def test_without_a_step_arm_there_is_no_checks_table():
+    text = gemv_rate.report({"inductor": [0.040] * 5, "aten": [0.041] * 5}, {}, 400_000_000, 211, 90.0)
+    assert "against the step" not in text
