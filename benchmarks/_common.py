@@ -12,6 +12,8 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
+from kvlab.kernels import compiler as c_compiler  # the one pick of a C compiler (no torch)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -42,11 +44,6 @@ def write_results(name: str, title: str, body: str) -> Path:
     path.write_text(text)
     print(text)
     return path
-
-
-def c_compiler() -> str | None:
-    """The system's C compiler, picked as :mod:`kvlab.kernels` picks it (``$CC`` first)."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 def c_function(source: Path, symbol: str, argtypes: list, restype=None):

@@ -38,7 +38,7 @@ def _plant(tmp_path, at):
     marker = tmp_path / "marker"
     src = tmp_path / "plant.c"
     src.write_text(PLANT.replace("MARKER", str(marker)))
-    subprocess.run([kernels._compiler(), "-shared", "-fPIC", str(src), "-o", str(at)], check=True)
+    subprocess.run([kernels.compiler(), "-shared", "-fPIC", str(src), "-o", str(at)], check=True)
     return marker
 
 

@@ -52,7 +52,8 @@ def _machine_key() -> str:
     return platform.processor() or platform.machine()
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The system's C compiler: ``$CC``, else ``cc``, ``gcc`` or ``clang`` (None: none found)."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
@@ -78,7 +79,7 @@ def why_not(name: str) -> str | None:
 
 def _build(name: str) -> Path:
     source = HERE / f"{name}.c"
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     digest = hashlib.sha256(
