@@ -280,6 +280,55 @@ def test_a_compiled_step_follows_its_model_changed_after_it_compiled(tiny_model,
 
 
 @pytest.mark.slow
+def test_a_compiled_step_drops_only_the_guards_its_check_covers(tiny_model, one_torch_thread):
+    """The compiled step's guard filter drops Dynamo's identity guards on the model's own parameters and
+    buffers (what kvlab's check compares before each step), and nothing else."""
+    from kvlab.hf import graphs
+
+    h = _model(None, "cpu", tiny_model)
+    ids = _ids(40)
+    seen: list[tuple[object, bool]] = []
+    real = graphs._ModelParts.guards
+
+    def guards(self, entries):
+        keep = real(self, entries)
+        seen.extend((e, k) for e, k in zip(entries, keep, strict=True))
+        return keep
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphs._ModelParts, "guards", guards)
+        eager, _, dec, _ = _twins(h, ids, "none", "compile")
+        a, b = eager.feed(ids[20:21]), dec.feed(ids[20:21])
+    assert float((a - b).abs().max()) < LOGIT_TOL
+    tensors = {id(t) for t in [*h.model.parameters(), *h.model.buffers()]}
+    dropped = [e for e, keep in seen if not keep]
+    assert len(dropped) >= len(list(h.model.parameters())) and len(dropped) < len(seen)
+    assert all(e.guard_type == "ID_MATCH" and id(e.value) in tensors for e in dropped)
+    assert any(e.guard_type == "ID_MATCH" for e, keep in seen if keep)  # others' identity guards stay
+
+
+@pytest.mark.slow
+def test_a_compiled_step_follows_a_new_model_of_the_same_shape(tiny_model, one_torch_thread):
+    """A handle given another model of the same architecture (other weights): kvlab's check sees it and
+    makes the step again, whose logits are the new model's. Dynamo's guards no longer match the old
+    model's tensors by identity (the filter above); those it keeps on the modules see it too."""
+    import copy
+
+    h = _model(None, "cpu", tiny_model)
+    ids = _ids(40)
+    eager, _, dec, _ = _twins(h, ids, "none", "compile")
+    a, b = eager.feed(ids[20:21]), dec.feed(ids[20:21])
+    assert float((a - b).abs().max()) < LOGIT_TOL and dec.captures == 1
+    other = copy.deepcopy(h.model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.25)
+    h.model = other
+    a, b = eager.feed(ids[21:22]), dec.feed(ids[21:22])
+    assert float((a - b).abs().max()) < LOGIT_TOL and dec.captures == 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["none", "int4"])
 def test_compiled_fullgraph_step_equals_eager(codec, tiny_model, one_torch_thread):
     """torch.compile(fullgraph=True) over the decode step (inductor, on the CPU): one graph for 100

@@ -30,7 +30,7 @@ import logging
 import operator
 import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from transformers import AttentionInterface
@@ -42,6 +42,9 @@ from kvlab.hf.static_rolling import StaticRollingCache
 from kvlab.hf.step import grouped_sdpa
 from kvlab.kernels import split_attention
 from kvlab.policy.quant.codecs.int4rows import decode_rows
+
+if TYPE_CHECKING:
+    from torch._dynamo.types import GuardFilterEntry
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +107,9 @@ FROZEN_INDUCTOR: dict[str, object] = {"freezing": True, "cpp_wrapper": True}
 
 
 class _ModelParts:
-    """What a captured or compiled step took of its model as it was made, checked before each step: every
-    module's children, parameters, buffers and forward hooks (the same objects), and every parameter's and
+    """What a captured or compiled step took of its model as it was made, checked before each step: the
+    model (the same object), every module's children, parameters, buffers and forward hooks (the same
+    objects), and every parameter's and
     buffer's version counter (it moves when the tensor is changed in place) and data pointer (it moves when
     ``.data`` is assigned, which leaves the counter). A CPU graph holds the weights as constants (frozen), a
     CUDA graph reads them where they were, and Dynamo runs the hooks it traced first (its default): each
@@ -114,10 +118,12 @@ class _ModelParts:
     the bundled model (warm; about 1 ms right after a step has streamed the weights)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
         self.modules = list(model.modules())
         self.parts = self._now()
         self.tensors = [t for t in self.parts if isinstance(t, torch.Tensor)]
         self.versions = self._versions()
+        self._held = {id(t) for t in self.tensors}
 
     def _now(self) -> list[object]:
         return [
@@ -130,13 +136,32 @@ class _ModelParts:
     def _versions(self) -> list[tuple[int, int]]:
         return [(t._version, t.data_ptr()) for t in self.tensors]
 
-    def same(self) -> bool:
+    def same(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` (the step's model now) is the model these parts were taken of, unchanged."""
         now = self._now()
         return (
-            len(now) == len(self.parts)
+            model is self.model
+            and len(now) == len(self.parts)
             and all(map(operator.is_, now, self.parts))
             and self._versions() == self.versions
         )
+
+    def guards(self, entries: Sequence[GuardFilterEntry]) -> list[bool]:
+        """Dynamo's guards a compiled step keeps (its ``guard_filter_fn``): all but those matching one of
+        the model's parameters or buffers by identity (frozen, there is one per tensor), which :meth:`same`
+        checks before each step, and on a path that reaches it from the model through modules this
+        check holds (``self.handle.model``: :meth:`RollingDecoder._step`'s path). Each one reached its
+        tensor through a chain of cold dictionaries: dropped, the guards take about half the time (1 ms
+        a step for the bundled model, after a step has streamed its weights)."""
+        return [
+            not (
+                e.guard_type == "ID_MATCH"
+                and e.has_value
+                and id(e.value) in self._held
+                and e.name.startswith("self.handle.model.")
+            )
+            for e in entries
+        ]
 
 
 class RollingDecoder:
@@ -265,7 +290,7 @@ class RollingDecoder:
         if self.mode != "eager":
             if self._parts is None:  # taken before the first step: what it captures or compiles
                 self._parts = _ModelParts(self.handle.model)
-            elif not self._parts.same():
+            elif not self._parts.same(self.handle.model):
                 log.warning("the model changed since its %s step was made: making it again", self.mode)
                 self._graphs, self._compiled, self._compiled_sizes = {}, None, set()
                 self._parts = _ModelParts(self.handle.model)
@@ -298,6 +323,8 @@ class RollingDecoder:
                 options = {**options, "emulate_precision_casts": True}
             # static shapes, but for a cache that reads a span of its slots (that size alone is dynamic)
             dynamic = None if self.cache.span is not None else False
+            if self._parts is not None:  # taken before the first step (_run_step)
+                options = {**options, "guard_filter_fn": self._parts.guards}
             self._compiled = torch.compile(self._own_step(), fullgraph=True, dynamic=dynamic, options=options)
         frozen = self._compile_mode == "frozen"
         if (n, self.cache.width) not in self._compiled_sizes:  # a new size: what the step mutates is static
