@@ -109,11 +109,10 @@ FROZEN_INDUCTOR: dict[str, object] = {"freezing": True, "cpp_wrapper": True}
 class _ModelParts:
     """What a captured or compiled step took of its model as it was made, checked before each step: the
     model (the same object), every module's children, parameters, buffers and forward hooks (the same
-    objects), and every parameter's and
-    buffer's version counter (it moves when the tensor is changed in place) and data pointer (it moves when
-    ``.data`` is assigned, which leaves the counter). A CPU graph holds the weights as constants (frozen), a
-    CUDA graph reads them where they were, and Dynamo runs the hooks it traced first (its default): each
-    would go on as if nothing had changed. Not seen: a write through ``.data`` in place (``w.data[0] = 0``),
+    objects), and every parameter's and buffer's version counter (it moves when the tensor is changed in
+    place) and data pointer (it moves when ``.data`` is assigned, which leaves the counter). A CPU graph
+    holds the weights as constants (frozen), a CUDA graph reads them where they were, and Dynamo runs the
+    hooks it traced first (its default): each would go on as if nothing had changed. Not seen: a write through ``.data`` in place (``w.data[0] = 0``),
     which moves no counter; change a weight in place under ``torch.no_grad()`` instead. About 0.3 ms for
     the bundled model (warm; about 1 ms right after a step has streamed the weights)."""
 
@@ -150,9 +149,10 @@ class _ModelParts:
         """Dynamo's guards a compiled step keeps (its ``guard_filter_fn``): all but those matching one of
         the model's parameters or buffers by identity (frozen, there is one per tensor), which :meth:`same`
         checks before each step, and on a path that reaches it from the model through modules this
-        check holds (``self.handle.model``: :meth:`RollingDecoder._step`'s path). Each one reached its
-        tensor through a chain of cold dictionaries: dropped, the guards take about half the time (1 ms
-        a step for the bundled model, after a step has streamed its weights)."""
+        check holds (``self.handle.model``: :meth:`RollingDecoder._step`'s path; any other path keeps
+        its guard). Each one reached its tensor through a chain of cold dictionaries: without them the
+        bundled model's guard check took about 0.7 ms less, right after a step had streamed the weights
+        (issue 46's note of 2026-12-01; the step's share: ``benchmarks/results/gemv_rate.md``)."""
         return [
             not (
                 e.guard_type == "ID_MATCH"
