@@ -3,15 +3,17 @@ llama.cpp's ``llama-server``, side by side in one run, ONE thread each, on this 
 
 Every server serves SmolLM2-135M-Instruct in float32 (kvlab: its safetensors folder of the bundled model;
 llama-server: the same weights converted to an F32 GGUF by ``scripts/build_llama_server.sh``) on
-127.0.0.1 with OMP_NUM_THREADS=1 (``llama-server -t 1 -tb 1``). Each round sends every server, in an
-order rotated round by round, the same three things; round 0 is a warm-up (torch.compile compiles on
-the first requests) and is discarded:
+127.0.0.1 with OMP_NUM_THREADS=1 (``llama-server -t 1 -tb 1``). Each round measures three things, each
+on every server before the next thing begins (a pair's two measurements seconds apart), in an order rotated
+round by round; round 0 is a warm-up (torch.compile compiles on the first requests) and is discarded:
 
 1. **Prefill**: one conversation with a ~500-token prompt (a passage of the book), ``max_tokens`` 1:
    time to first token.
 2. **Decode, 1 conversation**: a short prompt whose greedy reply is long, ``max_tokens`` N (llama-server
-   is asked to ``ignore_eos``; kvlab has no such switch, so the tokens each reply has are counted).
-   Decode rate = (tokens - 1) / (time of the last streamed token - time of the first).
+   is asked to ``ignore_eos``; kvlab has no such switch, so the tokens each reply has are counted), sent
+   to the servers there and back (A B C C B A: a drift of the machine's speed within the phase falls on
+   each server alike). Decode rate = (tokens - 1) / (time of the last streamed token - time of the
+   first), a server's two replies pooled (their tokens - 1 summed over their spans summed).
 3. **Decode, 4 conversations at once**: four such prompts sent together: the sum of their rates, and
    the aggregate (all tokens - 1) / (last token of any - first token of any).
 
@@ -306,20 +308,33 @@ def together(server: Server, prompts: list[list[dict]], max_tokens: int) -> list
     return [r for r in out if r is not None]
 
 
-def measure(server: Server, r: int, passage: str, max_tokens: int) -> dict:
-    """One round on one server: prefill, decode alone, decode 4 at once."""
+def prefill(server: Server, r: int, passage: str) -> dict:
+    """Time to first token of a ~500-token prompt (``max_tokens`` 1)."""
     pre = [
         {"role": "system", "content": f"Session {r:02d}9. You are a helpful assistant."},
         {"role": "user", "content": passage + "\n\nRetell this passage in your own words."},
     ]
     p = stream(server, pre, 1)
-    one = stream(server, essay(f"{r:02d}0"), max_tokens)
+    return {"ttft_ms": (p["first"] - p["sent"]) * 1000, "prefill_prompt": p["prompt"]}
+
+
+def decode_one(replies: list[dict]) -> dict:
+    """One conversation's decode rate over its replies of a round, pooled: (tokens - 1 summed) / (their
+    spans summed)."""
+    spans = sum(x["last"] - x["first"] for x in replies)
+    return {
+        "d1": sum(x["tokens"] - 1 for x in replies) / max(spans, 1e-9),
+        "d1_tokens": min(x["tokens"] for x in replies), "d1_chunks": min(x["chunks"] for x in replies),
+        "d1_prompt": replies[0]["prompt"], "d1_rates": [rate(x) for x in replies],
+    }  # fmt: skip
+
+
+def decode_four(server: Server, r: int, max_tokens: int) -> dict:
+    """Four conversations sent together: the sum of their rates and the aggregate rate."""
     four = together(server, [essay(f"{r:02d}{c}") for c in range(1, 5)], max_tokens)
     total = sum(x["tokens"] for x in four)
     span = max(x["last"] for x in four) - min(x["first"] for x in four)
     return {
-        "ttft_ms": (p["first"] - p["sent"]) * 1000, "prefill_prompt": p["prompt"],
-        "d1": rate(one), "d1_tokens": one["tokens"], "d1_chunks": one["chunks"], "d1_prompt": one["prompt"],
         "d4_sum": sum(rate(x) for x in four), "d4_agg": (total - 1) / span,
         "d4_tokens": [x["tokens"] for x in four],
     }  # fmt: skip
@@ -413,6 +428,20 @@ def fmt_interval(p: dict) -> str:
 # --- the run ----------------------------------------------------------------------------------------------
 
 
+def one_round(servers: list[Server], r: int, passage: str, max_tokens: int) -> dict[str, dict]:
+    """One round in three phases, each going through every server before the next begins (a pair's two
+    measurements seconds apart, not a server's whole round): prefill in ``servers``' order; one
+    conversation's decode there and back (A B C C B A: a drift of the machine's speed within the phase
+    falls on every server alike), each server's two replies pooled; four conversations in order."""
+    got: dict[str, dict] = {s.key: prefill(s, r, passage) for s in servers}
+    replies: dict[str, list[dict]] = {s.key: [] for s in servers}
+    for i, s in enumerate([*servers, *reversed(servers)]):
+        replies[s.key].append(stream(s, essay(f"{r:02d}0{i}"), max_tokens))
+    for s in servers:
+        got[s.key] |= decode_one(replies[s.key]) | decode_four(s, r, max_tokens)
+    return got
+
+
 def run_rounds(
     servers: list[Server], rounds: int, max_tokens: int, texts: list[str]
 ) -> list[dict[str, dict]]:
@@ -420,9 +449,7 @@ def run_rounds(
     rows: list[dict[str, dict]] = []
     for r in range(rounds + 1):
         order = servers[r % len(servers) :] + servers[: r % len(servers)]
-        got = {}
-        for s in order:
-            got[s.key] = measure(s, r, texts[r], max_tokens)
+        got = one_round(order, r, texts[r], max_tokens)
         print(f"round {r}{' (warm-up)' if r == 0 else ''}: " + ", ".join(
             f"{k} {v['d1']:.1f}/{v['d4_sum']:.1f} tok/s, TTFT {v['ttft_ms']:.0f} ms" for k, v in got.items()
         ), flush=True)  # fmt: skip
@@ -557,7 +584,7 @@ def ratio_table(rows: list[dict[str, dict]], keys: list[str]) -> tuple[list[str]
 
 def raw_table(rows: list[dict[str, dict]], keys: list[str]) -> list[str]:
     out = [
-        "| round | server | decode 1 tok/s (tokens, chunks) | 4 conv sum tok/s | 4 conv aggregate tok/s "
+        "| round | server | decode 1 tok/s (fewest tokens, chunks; each reply's rate) | 4 conv sum tok/s | 4 conv aggregate tok/s "
         "| 4 conv tokens | TTFT ms (prompt tokens) |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -565,7 +592,8 @@ def raw_table(rows: list[dict[str, dict]], keys: list[str]) -> list[str]:
         for k in keys:
             v = row[k]
             out.append(
-                f"| {i} | {k} | {v['d1']:.2f} ({v['d1_tokens']}, {v['d1_chunks']}) | {v['d4_sum']:.2f} | "
+                f"| {i} | {k} | {v['d1']:.2f} ({v['d1_tokens']}, {v['d1_chunks']}; "
+                f"{', '.join(f'{x:.2f}' for x in v.get('d1_rates', []))}) | {v['d4_sum']:.2f} | "
                 f"{v['d4_agg']:.2f} | {'/'.join(map(str, v['d4_tokens']))} | {v['ttft_ms']:.0f} ({v['prefill_prompt']}) |"
             )
     return out
@@ -580,6 +608,15 @@ def status(commit: str, otherwise: str = "current") -> str:
     return otherwise if same else "code changed since"
 
 
+def shown(pair: dict) -> str:
+    """Whether the paired interval of llama-server / kvlab shows kvlab ahead, behind, or neither."""
+    if pair["lo"] is None:
+        return ""
+    if pair["hi"] < 1.0:
+        return ": clear of 1, kvlab ahead"
+    return ": clear of 1, llama-server ahead" if pair["lo"] > 1.0 else ": holds 1, so not shown"
+
+
 def summary_block(got: dict[tuple, dict], rounds: int, commit: str, max_tokens: int = 64) -> str:
     """One row (BENCHMARKS.md has a size cap): with llama-server, kvlab's decode rate as a multiple of
     its (the issue's goal); without, kvlab-compile's as a multiple of eager's. Replies other than the
@@ -592,7 +629,7 @@ def summary_block(got: dict[tuple, dict], rounds: int, commit: str, max_tokens: 
         c4 = 1 / got[("llama", "compile", "d4_sum")]["geo"]
         row = (
             f"| speed | Serve decode vs llama-server, {what} | **{c:.2f}x** at 1 conv (llama / kvlab "
-            f"{pair['geo']:.2f}x {fmt_interval(pair)}; {c4:.2f}x at 4), "
+            f"{pair['geo']:.2f}x {fmt_interval(pair)}{shown(pair)}; {c4:.2f}x at 4), "
             f"eager {e:.2f}x | llama-server, F32 | CPU 2 cores | "
             f"{date} | {commit} | "
             f"{status(commit, 'current' if c >= 1.0 else 'bar not met')} |"
@@ -642,7 +679,9 @@ def report(args, servers: list[Server], rows, floor: dict, minutes: float) -> tu
     )  # fmt: skip
     prompt_tokens = [str(rows[0][k]["d1_prompt"]) for k in keys]
     body = "\n".join([
-        f"{args.rounds} measured rounds after one warm-up round (discarded); the servers' order rotates each round. "
+        f"{args.rounds} measured rounds after one warm-up round (discarded); in each, prefill, then one conversation's "
+        "decode (two replies per server, there and back: A B C C B A), then four conversations', each on every server "
+        "before the next; the servers' order rotates each round. "
         f"Every server: SmolLM2-135M-Instruct, float32, ONE thread, greedy, `max_tokens` {args.max_tokens}; "
         f"decode prompts of {'/'.join(prompt_tokens)} tokens (per server, the chat template's count), prefill prompts of "
         f"{rows[0][keys[0]]['prefill_prompt']} tokens. Wall time of the rounds: {minutes:.1f} min.",
@@ -669,8 +708,8 @@ def report(args, servers: list[Server], rows, floor: dict, minutes: float) -> tu
         "### Notes",
         "",
         f"- Load average (1 minute) {args.load[0]:.2f} as the rounds began and {args.load[1]:.2f} as they ended, "
-        "on 2 cores (each server runs one thread; the client is this process). The servers alternate round by "
-        "round and every ratio is paired within a round.",
+        "on 2 cores (each server runs one thread; the client is this process). Every ratio is paired within a "
+        "round, its two measurements taken in the same phase of it.",
         f"- kvlab has no `ignore_eos`: its replies have the tokens counted in the raw rows (kvlab-compile "
         f"at 1 conversation: {min(n1)}-{max(n1)} of {args.max_tokens}); llama-server was asked to `ignore_eos` "
         "and to skip its prompt cache (`cache_prompt: false`, `-cram 0`).",

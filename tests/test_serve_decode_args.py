@@ -55,8 +55,49 @@ def test_a_named_run_writes_its_own_row_naming_the_reply_length():
     }
     long = serve_decode.summary_block(got, 5, "abc1234", max_tokens=512)
     assert (
-        "Serve decode vs llama-server, 512-token replies | **1.25x** at 1 conv (llama / kvlab 0.80x [0.75, 0.85]; 1.25x at 4)"
-        in long
+        "Serve decode vs llama-server, 512-token replies | **1.25x** at 1 conv (llama / kvlab 0.80x [0.75, 0.85]: "
+        "clear of 1, kvlab ahead; 1.25x at 4)" in long
     )
     assert "Serve decode vs llama-server, 1 thread |" in serve_decode.summary_block(got, 5, "abc1234")
     assert serve_decode.parse_args(["--name", "serve_decode_512", "--no-write"]).name == "serve_decode_512"
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "says"),
+    [(0.9, 0.99, ": clear of 1, kvlab ahead"), (0.95, 1.05, ": holds 1, so not shown"),
+     (1.01, 1.2, ": clear of 1, llama-server ahead"), (None, None, "")],
+)  # fmt: skip
+def test_the_row_says_whether_its_interval_shows_the_bar(lo, hi, says):
+    assert serve_decode.shown({"geo": 1.0, "lo": lo, "hi": hi}) == says
+
+
+def test_a_round_measures_each_thing_on_every_server_before_the_next(monkeypatch):
+    """Prefill on every server, then one conversation's decode there and back (A B C C B A, two replies
+    pooled per server), then four conversations on every server: the log of who was asked what, in order."""
+    asked: list[tuple[str, str]] = []
+    clock = iter(range(10_000))
+
+    def stream(server, messages, max_tokens):
+        asked.append((server.key, "prefill" if max_tokens == 1 else "one"))
+        t = float(next(clock))
+        span = 2.0 if server.key == "a" and len([x for x in asked if x == ("a", "one")]) == 2 else 1.0
+        return {"sent": t, "first": t, "last": t + span, "tokens": 11, "chunks": 11, "prompt": 7}
+
+    def together(server, prompts, max_tokens):
+        asked.append((server.key, "four"))
+        reply = {"sent": 0.0, "first": 0.0, "last": 1.0, "tokens": 5, "chunks": 5, "prompt": 7}
+        return [reply] * len(prompts)
+
+    monkeypatch.setattr(serve_decode, "stream", stream)
+    monkeypatch.setattr(serve_decode, "together", together)
+    servers = [serve_decode.Server(k, k, 0) for k in ("a", "b", "c")]
+    got = serve_decode.one_round(servers, 1, "passage", 11)
+    assert asked == [
+        ("a", "prefill"), ("b", "prefill"), ("c", "prefill"),
+        ("a", "one"), ("b", "one"), ("c", "one"), ("c", "one"), ("b", "one"), ("a", "one"),
+        ("a", "four"), ("b", "four"), ("c", "four"),
+    ]  # fmt: skip
+    assert got["b"]["d1"] == pytest.approx(10.0)  # two replies of 10 tokens after the first, 1 s each
+    assert got["a"]["d1"] == pytest.approx(20 / 3)  # pooled: 20 tokens over 1 s + 2 s, not the mean rate
+    assert got["a"]["d1_rates"] == pytest.approx([10.0, 5.0])
+    assert got["c"]["d4_sum"] == pytest.approx(16.0) and got["c"]["d4_agg"] == pytest.approx(19.0)
