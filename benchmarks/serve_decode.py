@@ -5,7 +5,9 @@ Every server serves SmolLM2-135M-Instruct in float32 (kvlab: its safetensors fol
 llama-server: the same weights converted to an F32 GGUF by ``scripts/build_llama_server.sh``) on
 127.0.0.1 with OMP_NUM_THREADS=1 (``llama-server -t 1 -tb 1``). Each round measures three things, each
 on every server before the next thing begins (a pair's two measurements seconds apart), in an order rotated
-round by round; round 0 is a warm-up (torch.compile compiles on the first requests) and is discarded:
+round by round, each measurement right after a short reply of the same server (``WARM_TOKENS``, discarded:
+the machine's caches then hold that server's weights, as when it serves alone, not the server's before);
+round 0 is a warm-up (torch.compile compiles on the first requests) and is discarded:
 
 1. **Prefill**: one conversation with a ~500-token prompt (a passage of the book), ``max_tokens`` 1:
    time to first token.
@@ -428,16 +430,36 @@ def fmt_interval(p: dict) -> str:
 # --- the run ----------------------------------------------------------------------------------------------
 
 
+WARM_TOKENS = 16  # each measurement's warm-up reply: the machine's caches hold this server's weights, not the last one's
+
+
+def warm(server: Server, tag: str) -> None:
+    """A short reply, discarded, right before a measurement on ``server``: a server measured right after
+    another (whose weights fill the caches) would otherwise be measured in a state it is never in when it
+    serves alone. Its prompt differs from the measured ones from its first word (no prefix to reuse)."""
+    stream(
+        server,
+        [{"role": "system", "content": f"Warm-up {tag}."}, {"role": "user", "content": ESSAY}],
+        WARM_TOKENS,
+    )
+
+
 def one_round(servers: list[Server], r: int, passage: str, max_tokens: int) -> dict[str, dict]:
     """One round in three phases, each going through every server before the next begins (a pair's two
-    measurements seconds apart, not a server's whole round): prefill in ``servers``' order; one
-    conversation's decode there and back (A B C C B A: a drift of the machine's speed within the phase
-    falls on every server alike), each server's two replies pooled; four conversations in order."""
-    got: dict[str, dict] = {s.key: prefill(s, r, passage) for s in servers}
+    measurements seconds apart, not a server's whole round), each measurement right after a warm-up
+    reply of its own server: prefill in ``servers``' order; one conversation's decode there and back
+    (A B C C B A: a drift of the machine's speed within the phase falls on every server alike), each
+    server's two replies pooled; four conversations in order."""
+    got: dict[str, dict] = {}
+    for s in servers:
+        warm(s, f"{r:02d}p")
+        got[s.key] = prefill(s, r, passage)
     replies: dict[str, list[dict]] = {s.key: [] for s in servers}
     for i, s in enumerate([*servers, *reversed(servers)]):
+        warm(s, f"{r:02d}{i}")
         replies[s.key].append(stream(s, essay(f"{r:02d}0{i}"), max_tokens))
     for s in servers:
+        warm(s, f"{r:02d}f")
         got[s.key] |= decode_one(replies[s.key]) | decode_four(s, r, max_tokens)
     return got
 
@@ -681,7 +703,8 @@ def report(args, servers: list[Server], rows, floor: dict, minutes: float) -> tu
     body = "\n".join([
         f"{args.rounds} measured rounds after one warm-up round (discarded); in each, prefill, then one conversation's "
         "decode (two replies per server, there and back: A B C C B A), then four conversations', each on every server "
-        "before the next; the servers' order rotates each round. "
+        f"before the next, each measurement right after a {WARM_TOKENS}-token reply of its own server (discarded); the "
+        "servers' order rotates each round. "
         f"Every server: SmolLM2-135M-Instruct, float32, ONE thread, greedy, `max_tokens` {args.max_tokens}; "
         f"decode prompts of {'/'.join(prompt_tokens)} tokens (per server, the chat template's count), prefill prompts of "
         f"{rows[0][keys[0]]['prefill_prompt']} tokens. Wall time of the rounds: {minutes:.1f} min.",

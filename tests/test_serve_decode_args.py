@@ -73,12 +73,14 @@ def test_the_row_says_whether_its_interval_shows_the_bar(lo, hi, says):
 
 def test_a_round_measures_each_thing_on_every_server_before_the_next(monkeypatch):
     """Prefill on every server, then one conversation's decode there and back (A B C C B A, two replies
-    pooled per server), then four conversations on every server: the log of who was asked what, in order."""
+    pooled per server), then four conversations on every server, each right after a warm-up reply of
+    its own server: the log of who was asked what, in order."""
     asked: list[tuple[str, str]] = []
     clock = iter(range(10_000))
 
     def stream(server, messages, max_tokens):
-        asked.append((server.key, "prefill" if max_tokens == 1 else "one"))
+        what = {1: "prefill", serve_decode.WARM_TOKENS: "warm"}.get(max_tokens, "one")
+        asked.append((server.key, what))
         t = float(next(clock))
         span = 2.0 if server.key == "a" and len([x for x in asked if x == ("a", "one")]) == 2 else 1.0
         return {"sent": t, "first": t, "last": t + span, "tokens": 11, "chunks": 11, "prompt": 7}
@@ -92,11 +94,15 @@ def test_a_round_measures_each_thing_on_every_server_before_the_next(monkeypatch
     monkeypatch.setattr(serve_decode, "together", together)
     servers = [serve_decode.Server(k, k, 0) for k in ("a", "b", "c")]
     got = serve_decode.one_round(servers, 1, "passage", 11)
-    assert asked == [
+    measured = [x for x in asked if x[1] != "warm"]
+    assert measured == [
         ("a", "prefill"), ("b", "prefill"), ("c", "prefill"),
         ("a", "one"), ("b", "one"), ("c", "one"), ("c", "one"), ("b", "one"), ("a", "one"),
         ("a", "four"), ("b", "four"), ("c", "four"),
     ]  # fmt: skip
+    # every measurement right after a warm-up reply of its own server
+    assert all(asked[i - 1] == (key, "warm") for i, (key, what) in enumerate(asked) if what != "warm")
+    assert len(asked) == 2 * len(measured)
     assert got["b"]["d1"] == pytest.approx(10.0)  # two replies of 10 tokens after the first, 1 s each
     assert got["a"]["d1"] == pytest.approx(20 / 3)  # pooled: 20 tokens over 1 s + 2 s, not the mean rate
     assert got["a"]["d1_rates"] == pytest.approx([10.0, 5.0])
