@@ -56,7 +56,7 @@ def test_a_named_run_writes_its_own_row_naming_the_reply_length():
     long = serve_decode.summary_block(got, 5, "abc1234", max_tokens=512)
     assert (
         "Serve decode vs llama-server, 512-token replies | **1.25x** at 1 conv (llama / kvlab 0.80x [0.75, 0.85]: "
-        "clear of 1, kvlab ahead; 1.25x at 4)" in long
+        "clear of 1, kvlab ahead; 1.25x at 4, llama / kvlab 0.80x [0.75, 0.85])" in long
     )
     assert "Serve decode vs llama-server, 1 thread |" in serve_decode.summary_block(got, 5, "abc1234")
     assert serve_decode.parse_args(["--name", "serve_decode_512", "--no-write"]).name == "serve_decode_512"
