@@ -59,6 +59,10 @@ def test_a_named_run_writes_its_own_row_naming_the_reply_length():
         "clear of 1, kvlab ahead; 1.25x at 4, llama / kvlab 0.80x [0.75, 0.85])" in long
     )
     assert "Serve decode vs llama-server, 1 thread |" in serve_decode.summary_block(got, 5, "abc1234")
+    # the status: current only where the interval shows kvlab ahead (HEAD: src/ not changed since)
+    assert "| HEAD | current |" in serve_decode.summary_block(got, 5, "HEAD")
+    got[("llama", "compile", "d1")] = {"geo": 0.98, "lo": 0.9, "hi": 1.06}  # kvlab ahead, interval holding 1
+    assert "| HEAD | bar not met |" in serve_decode.summary_block(got, 5, "HEAD")
     assert serve_decode.parse_args(["--name", "serve_decode_512", "--no-write"]).name == "serve_decode_512"
 
 
