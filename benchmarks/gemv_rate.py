@@ -10,8 +10,9 @@ goes, on the bundled model's own weights (SmolLM2-135M-Instruct, float32, one th
   (``torch.compile(fullgraph=True)``, max-autotune, ``kvlab.hf.graphs.FROZEN_INDUCTOR``: the weights
   frozen and packed for inductor's C++ GEMM templates, the kernels called from its C++ wrapper);
 * ``aten``: ``torch.mv`` per weight (PyTorch's own kernel);
-* ``streams``: ``gemv_streams.c``, a hand-written GEMV that reads each weight as 4 sequential streams,
-  each prefetching ahead of itself (how ``read_streams.c`` reads fastest), called through ctypes;
+* ``kvlab_gemv``: ``kvlab::gemv`` (``kvlab/kernels/gemv.cpp``, the operator the served step's one-row
+  linears are routed to), which reads each weight as 16 sequential streams, each prefetching ahead of
+  itself (how ``read_streams.c`` reads fastest), called per weight from Python;
 * ``sum``: the same bytes as one flat tensor, summed by torch (one stream, no arithmetic to speak of);
 * ``read_streams``: ``read_streams.c`` over that flat tensor, 8 streams prefetching 1,024 bytes ahead;
 * ``step``: one greedy decode step of the served step itself (``compile_ab.py``'s: ``kvlab serve --capture
@@ -29,7 +30,6 @@ median and the rate; every arm paired per round against ``inductor`` (geometric 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 import time
@@ -38,12 +38,11 @@ from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Refusal, c_compiler, c_function, run_main, write_results  # noqa: E402
+from _common import Refusal, c_compiler, run_main, write_results  # noqa: E402
 from compile_ab import compile_one  # noqa: E402
 from serve_decode import _stream_reader, fmt_interval, paired  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-AHEAD = 512  # bytes gemv_streams prefetches ahead of each stream (256-2,048 measured alike here)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,24 +55,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             f"--rounds must be 5 to 200 (an interval over fewer than 5 is not given), not {args.rounds}"
         )
     if c_compiler() is None:
-        raise Refusal("needs a C compiler ($CC, cc, gcc or clang) for gemv_streams.c and read_streams.c")
+        raise Refusal("needs a C compiler ($CC, cc, gcc or clang) for read_streams.c")
     return args
-
-
-def _streams_gemv() -> Callable[..., None]:
-    """``gemv_streams.c``, built and loaded as ``read_streams.c`` is."""
-    gemv = c_function(HERE / "gemv_streams.c", "gemv_streams", [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3)
-    if gemv is None:
-        raise SystemExit("gemv_streams.c did not build")
-    return gemv
 
 
 def arms(handle, weights: list, xs: dict) -> tuple[dict[str, Callable[[], object]], dict[str, list]]:
     """The ways to read the weights, each a callable over all of them; and the GEMVs' outputs."""
     import torch
 
+    from kvlab import kernels
     from kvlab.hf import graphs
     from kvlab.hf.graphs import FROZEN_INDUCTOR
+    from kvlab.kernels import gemv as kernel_gemv
     from kvlab.serve.engine import EngineSettings
 
     class Linears(torch.nn.Module):
@@ -93,22 +86,21 @@ def arms(handle, weights: list, xs: dict) -> tuple[dict[str, Callable[[], object
             return [y[0] for y in compiled(a, b)]
 
     ys = [torch.empty(w.shape[0]) for w in weights]
-    ys2 = [torch.empty(w.shape[0]) for w in weights]
-    gemv = _streams_gemv()
+    gemv = kernel_gemv.op()
+    if gemv is None:
+        raise SystemExit(f"kvlab::gemv did not build: {kernels.why_not(kernel_gemv.KERNEL)}")
 
     def aten() -> list[torch.Tensor]:
         return [torch.mv(w, xs[w.shape[1]], out=y) for w, y in zip(weights, ys, strict=True)]
 
-    def streams() -> list[torch.Tensor]:
-        for w, y in zip(weights, ys2, strict=True):
-            gemv(w.data_ptr(), xs[w.shape[1]].data_ptr(), y.data_ptr(), w.shape[0], w.shape[1], AHEAD)
-        return ys2
+    def kvlab_gemv() -> list[torch.Tensor]:
+        return [gemv(xs[w.shape[1]], w) for w in weights]
 
     flat = torch.cat([w.reshape(-1) for w in weights])
     reader = _stream_reader()
     if reader is None:
         raise SystemExit("read_streams.c did not build")
-    outs = {"inductor": inductor(), "aten": aten(), "streams": streams()}
+    outs = {"inductor": inductor(), "aten": aten(), "kvlab_gemv": kvlab_gemv()}
     policy = EngineSettings(window=1024, sinks=4, evict_chunk=64, max_batch=1).policy
     step = compile_one(handle, policy, dict(FROZEN_INDUCTOR))[0]
 
@@ -123,7 +115,7 @@ def arms(handle, weights: list, xs: dict) -> tuple[dict[str, Callable[[], object
     return {
         "inductor": inductor,
         "aten": aten,
-        "streams": streams,
+        "kvlab_gemv": kvlab_gemv,
         "sum": flat.sum,
         "read_streams": lambda: reader(flat.data_ptr(), flat.numel(), 8, 1024),
         "step": lambda: step(1),

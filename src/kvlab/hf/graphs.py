@@ -40,7 +40,7 @@ from kvlab.hf.rolling_cache import RollingCache
 from kvlab.hf.runner import Runner
 from kvlab.hf.static_rolling import StaticRollingCache
 from kvlab.hf.step import grouped_sdpa
-from kvlab.kernels import split_attention
+from kvlab.kernels import gemv, split_attention
 from kvlab.policy.quant.codecs.int4rows import decode_rows
 
 if TYPE_CHECKING:
@@ -334,9 +334,12 @@ class RollingDecoder:
                 torch._dynamo.mark_static_address(t)
             self._compiled_sizes.add((n, self.cache.width))
             self.captures += 1
-        # FROZEN_INDUCTOR is read while the graph is compiled (on a call), not from torch.compile's options
+        # FROZEN_INDUCTOR is read while the graph is compiled (on a call), not from torch.compile's options;
+        # with it, the step's one-row linears routed to kvlab::gemv where it builds (kvlab.kernels.gemv)
         with (
-            torch._inductor.config.patch(FROZEN_INDUCTOR) if frozen else contextlib.nullcontext(),
+            torch._inductor.config.patch({**gemv.settings(), **FROZEN_INDUCTOR})
+            if frozen
+            else contextlib.nullcontext(),
             torch._dynamo.config.patch(automatic_dynamic_shapes=False),  # what changes is marked so
         ):
             return self._compiled(n).clone()

@@ -5,7 +5,9 @@ first, and doing that expansion with tensor ops costs more than the attention it
 kernels here are plain C (no torch headers, so a build takes well under a second), compiled once per
 source version and machine into kvlab's cache folder (``$KVLAB_CACHE_DIR/kernels``), and written
 there atomically (a half-written library is never loaded). Without a working compiler,
-:func:`load` returns None and callers keep their tensor-op path: slower, same results.
+:func:`load` returns None and callers keep their tensor-op path: slower, same results. A C++ kernel
+(``<name>.cpp``) is a torch operator: built against the running torch's headers and libraries (a few
+seconds), it registers itself with torch's dispatcher when loaded.
 
 Loading a shared library runs its code, and the library's name is predictable, so a file planted at
 that name must never be loaded (issues 27 and 48). The folder is private (created 0700; one owned by
@@ -36,6 +38,7 @@ from kvlab.paths import cache_dir
 
 HERE = Path(__file__).resolve().parent
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11"]
+CXX_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c++20", "-w"]
 _LOCK = threading.Lock()
 _LOADED: dict[str, ctypes.CDLL | None] = {}
 _ERRORS: dict[str, str] = {}
@@ -52,9 +55,28 @@ def _machine_key() -> str:
     return platform.processor() or platform.machine()
 
 
-def compiler() -> str | None:
-    """The system's C compiler: ``$CC``, else ``cc``, ``gcc`` or ``clang`` (None: none found)."""
+def compiler(cxx: bool = False) -> str | None:
+    """The system's C (or C++) compiler (None: none found)."""
+    if cxx:
+        return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _command(source: Path, out: str) -> list[str]:
+    """How ``source`` builds: plain C, or C++ against the running torch (its headers, ABI and libraries)."""
+    cxx = source.suffix == ".cpp"
+    cc = compiler(cxx)
+    if cc is None:
+        raise RuntimeError(f"no {'C++' if cxx else 'C'} compiler on PATH")
+    if not cxx:
+        return [cc, *FLAGS, str(source), "-o", out]
+    import torch
+    from torch.utils import cpp_extension
+
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [x for p in cpp_extension.library_paths() for x in (f"-L{p}", f"-Wl,-rpath,{p}")]
+    return [cc, *CXX_FLAGS, abi, *includes, str(source), "-o", out, *libs, "-lc10", "-ltorch_cpu"]
 
 
 def load(name: str) -> ctypes.CDLL | None:
@@ -78,12 +100,11 @@ def why_not(name: str) -> str | None:
 
 
 def _build(name: str) -> Path:
-    source = HERE / f"{name}.c"
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    source = next((p for p in (HERE / f"{name}.c", HERE / f"{name}.cpp") if p.exists()), HERE / f"{name}.c")
+    command = _command(source, "OUT")
+    versions = " ".join(command) + (_torch_version() if source.suffix == ".cpp" else "")
     digest = hashlib.sha256(
-        b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), cc.encode(), _machine_key().encode()])
+        b"\0".join([source.read_bytes(), versions.encode(), _machine_key().encode()])
     ).hexdigest()[:16]
     out_dir = _private_dir(cache_dir() / "kernels")
     target = out_dir / f"{name}-{digest}.so"
@@ -96,11 +117,9 @@ def _build(name: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}-", suffix=".so")
     os.close(fd)
     try:
-        proc = subprocess.run(
-            [cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=120
-        )
+        proc = subprocess.run(_command(source, tmp), capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[:2000]}")
+            raise RuntimeError(f"{command[0]} failed on {source.name}: {proc.stderr.strip()[:2000]}")
         os.chmod(tmp, 0o700)
         _write_atomic(record, _sha256(Path(tmp)).encode(), out_dir)
         os.replace(tmp, target)  # atomic: another process sees the old state or the whole library
@@ -110,6 +129,12 @@ def _build(name: str) -> Path:
     if not _trusted(target, record):  # another process replaced it between our writes: build again later
         raise RuntimeError(f"{target} changed while it was being built; not loading it")
     return target
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _private_dir(path: Path) -> Path:
