@@ -20,7 +20,9 @@ goes, on the bundled model's own weights (SmolLM2-135M-Instruct, float32, one th
 * ``step_unguarded``: the same step with Dynamo's guards not evaluated
   (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``; one graph, so none runs): what they cost;
 * ``step_unchecked``: that, and kvlab's check of the model (``_ModelParts.same``) skipped too: what the two
-  checks a step makes before its graph cost together. Measured here only: a step is never served so.
+  checks a step makes before its graph cost together. Measured here only: a step is never served so;
+* ``template_step``: the served step with its one-row linears left to inductor's GEMM templates (the pass
+  that routes them to ``kvlab::gemv`` off): what the operator changes in the step.
 
 ``--rounds`` rounds, each running every arm once over all the weights, the order rotating; per arm the
 median and the rate; every arm paired per round against ``inductor`` (geometric mean of the ratios, a
@@ -103,6 +105,7 @@ def arms(handle, weights: list, xs: dict) -> tuple[dict[str, Callable[[], object
     outs = {"inductor": inductor(), "aten": aten(), "kvlab_gemv": kvlab_gemv()}
     policy = EngineSettings(window=1024, sinks=4, evict_chunk=64, max_batch=1).policy
     step = compile_one(handle, policy, dict(FROZEN_INDUCTOR))[0]
+    template = compile_one(handle, policy, {**FROZEN_INDUCTOR, "pre_grad_custom_pass": None})[0]
 
     def unguarded() -> float:
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -121,6 +124,7 @@ def arms(handle, weights: list, xs: dict) -> tuple[dict[str, Callable[[], object
         "step": lambda: step(1),
         "step_unguarded": unguarded,
         "step_unchecked": unchecked,
+        "template_step": lambda: template(1),
     }, outs
 
 
@@ -192,9 +196,14 @@ def report(
             f"| {name} | {statistics.median(v) * 1e3:.1f} | {rate / 1e9:.2f} | {rate / fastest:.0%} | "
             f"{p['geo']:.3f}x | {fmt_interval(p)} | {', '.join(f'{x * 1e3:.1f}' for x in v)} |"
         )
-    checks = [name for name in times if name.startswith("step_")]
+    checks = [name for name in times if name.startswith("step_") or name == "template_step"]
     if "step" in times and checks:
-        lines += ["", "The step without its checks, paired round by round against the step:", ""]
+        lines += [
+            "",
+            "The step without its checks, and with inductor's templates for its linears (`template_step`), "
+            "paired round by round against the step:",
+            "",
+        ]
         lines += [
             "| arm | / step (time) | 95% interval | ms saved (median of the rounds) |",
             "|---|---|---|---|",

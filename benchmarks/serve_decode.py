@@ -208,11 +208,18 @@ def log_value(log: Path, key: str) -> str:
     return lines[0].split(key, 1)[1].strip(" =:") if lines else "?"
 
 
+# llama-server's weights read into its own memory (`-lm none`), as kvlab's compiled step holds its frozen
+# copy, not memory-mapped from the page cache (its default): mapped, it decoded ~0.8x as fast here on
+# 2026-12-02 (one thread, alone, 6 alternated rounds of 64-token replies by its own timings), so llama-server
+# is measured at its faster setting
+LLAMA_LOAD = ("-lm", "none")
+
+
 def start_llama(binary: Path, gguf: Path) -> Server:
     def launch(name: str, *extra: str) -> tuple[subprocess.Popen, int, Path]:
         port = free_port()
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-tb", "1",
-               "-c", "4096", "-np", "4", "-cram", "0", "--no-webui", *extra]  # fmt: skip
+               "-c", "4096", "-np", "4", "-cram", "0", "--no-webui", *LLAMA_LOAD, *extra]  # fmt: skip
         return start(cmd, port, LOGS / f"serve-decode-{name}.log"), port, LOGS / f"serve-decode-{name}.log"
 
     probe, _, log = launch("llama-probe", "-lv", "5")  # trace logging (what it runs on), then stopped
@@ -225,7 +232,7 @@ def start_llama(binary: Path, gguf: Path) -> Server:
     server.proc, server.port, _ = launch("llama")  # default logging: none per token
     server.label = (
         f"llama.cpp llama-server ({build}; ggml CPU backend, F32 GGUF `{gguf.name}`, -t 1 -tb 1, "
-        f"-c 4096 -np 4 (1,024 per slot), flash_attn {fa}, KV cache {kv.split(':')[0].strip(' )')} (its "
+        f"-c 4096 -np 4 (1,024 per slot), -lm none (the weights read into its own memory), flash_attn {fa}, KV cache {kv.split(':')[0].strip(' )')} (its "
         f"default), continuous batching; {info})"
     )
     return server
