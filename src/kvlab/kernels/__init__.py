@@ -6,8 +6,8 @@ kernels here are plain C (no torch headers, so a build takes well under a second
 source version and machine into kvlab's cache folder (``$KVLAB_CACHE_DIR/kernels``), and written
 there atomically (a half-written library is never loaded). Without a working compiler,
 :func:`load` returns None and callers keep their tensor-op path: slower, same results. A C++ kernel
-(``<name>.cpp``) is a torch operator: built against the running torch's headers and libraries (a few
-seconds), it registers itself with torch's dispatcher when loaded.
+(``<name>.cpp``) is a torch operator: built against the running torch's headers and libraries (about ten
+seconds on 2 cores), it registers itself with torch's dispatcher when loaded.
 
 Loading a shared library runs its code, and the library's name is predictable, so a file planted at
 that name must never be loaded (issues 27 and 48). The folder is private (created 0700; one owned by

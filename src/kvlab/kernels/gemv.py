@@ -11,8 +11,8 @@ graph pass the frozen CPU step runs before its graph is lowered (``kvlab.hf.grap
 ``kvlab::gemv``; everything else (several rows, a bias, another dtype or device) stays inductor's.
 
 The operator is built on first use by :mod:`kvlab.kernels` (a C++ compiler and the running torch's
-headers; a few seconds, once per machine and torch); without one, :func:`settings` is empty and the
-step keeps inductor's GEMVs: the same products, summed in another order.
+headers; about ten seconds on 2 cores, once per machine and torch); without one, :func:`settings` is
+empty and the step keeps inductor's GEMVs: the same products, summed in another order.
 """
 
 from __future__ import annotations
