@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -148,3 +149,22 @@ def test_the_loader_maps_the_descriptor_it_hashed(fresh, monkeypatch):
     monkeypatch.setattr(kernels.ctypes, "CDLL", lambda path: opened.append(path) or real_cdll(path))
     assert kernels.load(qa.KERNEL) is not None
     assert len(opened) == 1 and opened[0].startswith("/proc/self/fd/")
+
+
+def test_two_kernels_loaded_one_after_the_other_are_each_themselves(tmp_path):
+    """The loader knows a library by the name it was opened under (``/proc/self/fd/N``): a second kernel
+    opened at a number the first had used and closed came back as the first, without its functions.
+    A fresh process, so that no earlier load in this one decides which numbers are free."""
+    code = (
+        "import kvlab.policy.quant.attention as qa\n"
+        "from kvlab import kernels\n"
+        "from kvlab.kernels import gemv\n"
+        "assert gemv.op() is not None, kernels.why_not(gemv.KERNEL)\n"
+        "lib = kernels.load(qa.KERNEL)\n"
+        "assert lib is not None, kernels.why_not(qa.KERNEL)\n"
+        "print(hasattr(lib, 'kvq_scores'))\n"
+    )
+    env = {**os.environ, "KVLAB_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"

@@ -42,6 +42,7 @@ CXX_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c++20", "-w"]
 _LOCK = threading.Lock()
 _LOADED: dict[str, ctypes.CDLL | None] = {}
 _ERRORS: dict[str, str] = {}
+_HELD: list[int] = []  # descriptors of the libraries loaded by /proc/self/fd/N, open for the process's life
 
 
 def _machine_key() -> str:
@@ -175,9 +176,13 @@ def _check_ancestors(path: Path) -> None:
 
 def _load_verified(target: Path) -> ctypes.CDLL:
     """Load ``target`` after checking its bytes against its record once more, from one open descriptor:
-    on Linux the loader maps ``/proc/self/fd/N``, the very file that was hashed."""
+    on Linux the loader maps ``/proc/self/fd/N``, the very file that was hashed. The descriptor of a
+    library loaded so stays open (:data:`_HELD`): the loader knows a library by the name it was opened
+    under and hands back the one already loaded under a name asked for again, so a second kernel opened
+    at a number the first had used and closed came back as the first (issue 46's note of 2026-12-02)."""
     record = target.with_suffix(".sha256")
     fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW)
+    held = False
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
@@ -188,9 +193,15 @@ def _load_verified(target: Path) -> ctypes.CDLL:
         if not hmac.compare_digest(record.read_bytes(), h.hexdigest().encode()):
             raise RuntimeError(f"{target} does not match its record; not loading it")
         by_fd = Path(f"/proc/self/fd/{fd}")
-        return ctypes.CDLL(str(by_fd if by_fd.exists() else target))
+        if not by_fd.exists():
+            return ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(by_fd))
+        _HELD.append(fd)
+        held = True
+        return lib
     finally:
-        os.close(fd)
+        if not held:
+            os.close(fd)
 
 
 def _trusted(target: Path, record: Path) -> bool:
