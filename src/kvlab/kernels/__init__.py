@@ -81,7 +81,7 @@ def _command(source: Path, out: str) -> list[str]:
 
 
 def load(name: str) -> ctypes.CDLL | None:
-    """The compiled kernel ``name`` (``kvlab/kernels/<name>.c``), building it if needed; None if no
+    """The compiled kernel ``name`` (``kvlab/kernels/<name>.c`` or ``.cpp``), building it if needed; None if no
     compiler can build it here (the reason is in :func:`why_not`)."""
     with _LOCK:
         if name in _LOADED:
