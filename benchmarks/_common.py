@@ -27,21 +27,30 @@ def machine() -> str:
     )
 
 
-def write_results(name: str, title: str, body: str) -> Path:
-    """Write ``benchmarks/results/<name>.md`` with the command, machine and date, and print it.
-
-    The summary block of the file it replaces is carried over as it was: ``benchmarks/assemble.py`` then
-    refuses it until its figures are the new body's (update the rows, their date and commit)."""
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.md"
+def write_page(path: Path, text: str) -> Path:
+    """Write a results page, carrying the summary block of the page it replaces over as it was, after the
+    new page's first line (its title): ``benchmarks/assemble.py`` then refuses it until its figures are the
+    new run's (update the rows, their date and commit). Every benchmark writes its page through here, so a
+    re-run never drops a row from BENCHMARKS.md unseen."""
     old = path.read_text() if path.exists() else ""
     block = re.search(r"<!-- summary -->\n.*?\n<!-- /summary -->\n", old, re.S)
+    if block and "<!-- summary -->" not in text:
+        title, _, rest = text.partition("\n")
+        text = f"{title}\n\n{block.group(0)}\n{rest.lstrip(chr(10))}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def write_results(name: str, title: str, body: str) -> Path:
+    """Write ``benchmarks/results/<name>.md`` with the command, machine and date (through
+    :func:`write_page`, which keeps its summary block), and print it."""
     command = "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     text = (
-        f"## {title}\n\n{block.group(0) + chr(10) if block else ''}Command: `{command}` · machine: {machine()} · "
+        f"## {title}\n\nCommand: `{command}` · machine: {machine()} · "
         f"date: {datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n{body.strip()}\n"
     )
-    path.write_text(text)
+    path = write_page(RESULTS / f"{name}.md", text)
     print(text)
     return path
 

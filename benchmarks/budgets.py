@@ -39,6 +39,7 @@ import torch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import eval_ruler as er  # noqa: E402
+from _common import write_page  # noqa: E402
 
 OUT = HERE / "out" / "budgets"
 RESULTS = HERE / "results" / "budgets.md"
@@ -226,8 +227,7 @@ def write_report(args, summary, pairs, meta, path: Path) -> None:
                 + ".",
             ]
     lines += ["", *meta.get("notes", [])]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    write_page(path, "\n".join(lines) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import Refusal, machine, run_main, write_results
+from _common import Refusal, machine, run_main, write_page, write_results
 
 COMMANDS = {
     "kvlab experiments": ["experiments"],
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
     )
     if args.results is not None:
-        args.results.write_text(f"## kvlab's cheap paths\n\nMachine: {machine()}\n\n{body}\n")
+        write_page(args.results, f"## kvlab's cheap paths\n\nMachine: {machine()}\n\n{body}\n")
         print(args.results.read_text())
         return
     write_results("cheap_paths", "kvlab's cheap paths (listing, help, refusals), whole commands", body)

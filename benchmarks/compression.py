@@ -33,6 +33,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
+from _common import write_page  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
 RESULTS = HERE / "results" / "compression.md"
@@ -388,8 +390,7 @@ def main() -> None:
         "",
         f"Raw results: `{kv['dir']}` (result.json, arrays.npz, figures) and `benchmarks/out/anchors-result.json` (log: `benchmarks/out/anchors.log`).",
     ]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(md) + "\n")
+    write_page(RESULTS, "\n".join(md) + "\n")
     print("\n".join(md))
 
 

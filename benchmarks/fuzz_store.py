@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from _common import write_page  # noqa: E402
 from kvlab.store import KVStore  # noqa: E402
 from kvlab.store._fuzz import (  # noqa: E402
     CRASH,
@@ -122,7 +123,7 @@ def main() -> int:
     )
     bad = total[DIFFERENT] + total[CRASH] + total["HANG"]
     lines += ["", f"Wrong data served, non-kvlab exceptions and hangs: **{bad}**.", ""]
-    args.out.write_text("\n".join(lines))
+    write_page(args.out, "\n".join(lines))
     print("\n".join(lines))
     return 1 if bad else 0
 

@@ -32,6 +32,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
+from _common import write_page  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "hf_quantized_cache.md"
 OUT = HERE / "out" / "hf_quantized_cache"
@@ -172,7 +174,7 @@ def main() -> None:
             + " |"
         )
     md += ["", "Raw rows: `benchmarks/out/hf_quantized_cache/rows.json`."]
-    args.results.write_text("\n".join(md) + "\n")
+    write_page(args.results, "\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from _common import write_page  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "newcomer_times.md"
 STEPS = ("install", "first_load", "later_load", "study_quick", "readme_snippets")
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
         rows = run_steps(clone, set(args.skip), args.cold_pip)
     text = report(rows, commit, set(args.skip), args.cold_pip)
-    Path(args.results).write_text(text)
+    write_page(Path(args.results), text)
     print(text)
     return 0 if all(r.rc == 0 for r in rows) else 1
 

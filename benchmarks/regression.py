@@ -35,7 +35,10 @@ SCRIPT = """
 import json, sys, time, torch
 torch.set_num_threads(1)
 import kvlab
-from kvlab.policy.spec import cache_for
+try:
+    from kvlab.policy.spec import cache_for
+except ImportError:  # before 12fca8a (issue 46) moved it beside the spec's parser
+    from kvlab.hf.policy_cache import cache_for
 from kvlab.hf.rolling_cache import rolling_cache_for
 tokens = int(sys.argv[1])
 model = kvlab.load_model()
@@ -62,9 +65,9 @@ print(json.dumps(got))
 
 def run_side(src: Path, tokens: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tokens)], env=env, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tokens)], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise Refusal(f"the side at {src} failed: {out.stderr.strip().splitlines()[-1:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from _common import write_page  # noqa: E402
 from kvlab import load_model
 from kvlab.data import default_long_text, shared_book
 from kvlab.hf import new_hf_cache
@@ -637,7 +638,7 @@ def write_section(key: str, body: str, t_start: float) -> None:
         found = dict(re.findall(r"<!-- section: (\w+) -->\n(.*?)(?=<!-- section: |\Z)", old, flags=re.S))
         found[key] = stamp + body.rstrip() + "\n\n"
         order = sorted(found, key=lambda k: (SECTIONS.index(k.split("_")[0]), k))
-        RESULTS.write_text(header() + "".join(f"<!-- section: {k} -->\n{found[k]}" for k in order))
+        write_page(RESULTS, header() + "".join(f"<!-- section: {k} -->\n{found[k]}" for k in order))
     print(stamp + body)
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from _common import write_page  # noqa: E402
 from kvlab import load_model
 from kvlab.data import default_long_text
 from kvlab.store import DiskTier, KVStore, MemoryTier, chain_hashes, prefill_with_store
@@ -253,8 +254,7 @@ def main() -> None:
     ]
     out = "\n".join(lines)
     print(out)
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "store.md").write_text(out)
+    write_page(HERE / "results" / "store.md", out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from _common import write_page  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -147,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     res = Path(args.results)
-    res.parent.mkdir(parents=True, exist_ok=True)
-    res.write_text(text)
+    write_page(res, text)
     return 0 if rc == 0 and all(r[2] in ("ok", "not_applicable") for r in rows) else 1
 
 

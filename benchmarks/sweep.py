@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from _common import write_page  # noqa: E402
 from kvlab.study.sweep import run_sweep  # noqa: E402
 
 CONFIGS = ROOT / "tests" / "fixtures" / "model-configs"
@@ -63,7 +64,7 @@ def main() -> int:
         "",
     ]
     out = ROOT / "benchmarks" / "results" / "sweep.md"
-    out.write_text("\n".join(lines))
+    write_page(out, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -100,3 +100,22 @@ def test_a_rerun_keeps_the_block_for_its_rows_to_be_updated(tmp_path, monkeypatc
     assert text.count("<!-- summary -->") == 1
     with pytest.raises(assemble.Refused, match="1.39, which its body does not"):
         assemble.check_text(text, "x.md")
+
+
+def test_a_page_written_whole_keeps_the_block_after_its_title(tmp_path):
+    page = tmp_path / "x.md"
+    page.write_text(_file())
+    _common.write_page(page, "# Title\n\nMedian 1.52x a plain read over 7 rounds.\n")
+    text = page.read_text()
+    assert text.startswith("# Title\n\n<!-- summary -->\n")
+    assert text.count("<!-- summary -->") == 1 and text.endswith("Median 1.52x a plain read over 7 rounds.\n")
+    with pytest.raises(assemble.Refused, match="1.39, which its body does not"):
+        assemble.check_text(text, "x.md")
+
+
+def test_a_page_that_brings_its_own_block_is_written_as_it_is(tmp_path):
+    page = tmp_path / "x.md"
+    page.write_text(_file())
+    own = _file().replace("1.39", "1.52")
+    _common.write_page(page, own)
+    assert page.read_text() == own
