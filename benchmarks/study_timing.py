@@ -8,7 +8,7 @@ noisy, so each figure is also expressed in units of one 1,000-token prefill meas
 before and after the run (averaged).
 
     python3 benchmarks/study_timing.py                      # every experiment, default profile
-    python3 benchmarks/study_timing.py --profile quick --results benchmarks/results/study_timing_quick.md
+    python3 benchmarks/study_timing.py --profile quick     # writes results/study_timing_quick.md
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--workers", type=int, help="passed to kvlab study (default: kvlab's own default)")
     ap.add_argument("--out", default=str(HERE / "out" / "study_timing"))
-    ap.add_argument("--results", default=str(HERE / "results" / "study_timing.md"))
+    ap.add_argument("--results", help="default: results/study_timing.md, or study_timing_<profile>.md")
     args = ap.parse_args(argv)
 
     import json
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    res = Path(args.results)
+    suffix = "" if args.profile == "default" else f"_{args.profile}"
+    res = Path(args.results or HERE / "results" / f"study_timing{suffix}.md")
     write_page(res, text)
     return 0 if rc == 0 and all(r[2] in ("ok", "not_applicable") for r in rows) else 1
 
