@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{peak / 2**20:,.0f} MiB. Every experiment runs at the profile's usual sizes (windows, samples, "
         "bootstrap intervals): workers change where experiments run, not what they measure.",
         "",
-        f"Run folder: `{root}`",
+        f"Run folder: `{_shown(root)}`",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
@@ -152,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     res = Path(args.results or HERE / "results" / f"study_timing{suffix}.md")
     write_page(res, text)
     return 0 if rc == 0 and all(r[2] in ("ok", "not_applicable") for r in rows) else 1
+
+
+def _shown(path: Path) -> str:
+    """A path as a results page may name it: relative to the repository when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(HERE.parent))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":
