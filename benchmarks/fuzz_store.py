@@ -98,7 +98,7 @@ def main() -> int:
     lines = [
         "## KV store block fuzz",
         "",
-        f"Command: `python benchmarks/fuzz_store.py --mutations {args.mutations}` · machine: {_machine()} · "
+        f"Command: `python benchmarks/fuzz_store.py --mutations {args.mutations} --seed {args.seed}` · machine: {_machine()} · "
         f"date: {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         f"{args.mutations:,} mutations (seed {args.seed}) of one block file in a real 3-block chain on disk, each read "
