@@ -33,7 +33,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-from _common import write_page  # noqa: E402
+from _common import write_page
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import write_page  # noqa: E402
+from _common import write_page
 from kvlab import load_model
 from kvlab.data import default_long_text, shared_book
 from kvlab.hf import new_hf_cache

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from _common import write_page  # noqa: E402
+from _common import write_page
 from kvlab import load_model
 from kvlab.data import default_long_text
 from kvlab.store import DiskTier, KVStore, MemoryTier, chain_hashes, prefill_with_store

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import write_page  # noqa: E402
+from _common import write_page
 
 HERE = Path(__file__).resolve().parent
 
