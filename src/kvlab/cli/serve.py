@@ -330,7 +330,6 @@ def run_server(o: ServeOptions) -> None:
         max_per_client=o.max_per_client,
     )
     setup_logging()
-    fix_mmap_threshold()
     settings, per_key = _settings(o, keys)
     handle = load_model(o.model, device=o.device, dtype=o.dtype)
     check_settings(handle, settings)  # before the store creates a folder
@@ -400,27 +399,6 @@ def _announce(
         err=True,
     )
     typer.echo(f"kvlab serve: per API key: {_describe_key_limits(per_key)}", err=True)
-
-
-def fix_mmap_threshold() -> None:
-    """Make glibc's malloc give every block of 128 KiB or more its own mapping, returned when freed.
-
-    By default glibc raises that threshold each time such a block is freed (up to 32 MiB), so once sessions
-    have been dropped the next sessions' cache buffers (one per layer and K/V, allocated for the whole window:
-    0.8 MB each for SmolLM2 at window 1024) come from the heap, which keeps every page any buffer there ever
-    wrote: over 1,000 sessions of a few turns with 64 kept, resident memory climbed from 1.4 GB to 3.2 GB (3.9
-    GB at 2,000); with the threshold fixed it stayed at 1.4 GB
-    (``benchmarks/results/serve_sessions_smollm2.md``). ``MALLOC_MMAP_THRESHOLD_`` in the environment wins; not glibc: nothing.
-    """
-    import sys
-
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
-        return
-    import contextlib
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):  # another C library: nothing to do
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD (fixing it ends the adjustment)
 
 
 def _check_can_listen(host: str, port: int) -> None:

@@ -73,6 +73,7 @@ from kvlab.policy.spec import CachePolicy, SinksWindowLayout, cache_for
 from kvlab.policy.spec import parse as parse_cache_spec
 from kvlab.policy.window import default_chunk
 from kvlab.serve.fidelity import FidelityBoard, ScoringJob, skipped
+from kvlab.serve.heap import Trimmer
 from kvlab.serve.policy import serve_policy
 from kvlab.serve.prefixes import SharedPrefixes
 from kvlab.serve.tenants import FairQueue, KeyLimits
@@ -369,6 +370,7 @@ class Engine:
         )
         self._scoring: collections.deque[ScoringJob] = collections.deque()
         self._reserved: dict[str, int] = {}
+        self.heap = Trimmer()  # freed pages back to the system (kvlab.serve.heap)
         if metrics is not None:
             metrics.watch(self)
         self._thread = threading.Thread(target=self._work, name="kvlab-engine", daemon=True)
@@ -490,7 +492,8 @@ class Engine:
                 while not (
                     self._pending or self._prefilling or self._active or self._scoring or self._stopping
                 ):
-                    self._cv.wait()
+                    if not self._cv.wait(self.heap.wait):  # quiet for a while: freed pages go back (heap)
+                        self.heap.idle()
                 if self._stopping:
                     gone = ShuttingDownError("the server is shutting down")
                     for req in [*self._pending.drain(), *self._serving()]:
@@ -527,6 +530,7 @@ class Engine:
             if self._scoring and not spent:  # live work first: never in an iteration that computed a prompt
                 live = self._active or self._prefilling or self._pending
                 self._score_some(self.settings.fidelity_chunk if live else self.settings.prefill_chunk)
+            self.heap.trim()
 
     def _serving(self) -> list[Request]:
         """The requests being prefilled or decoded."""
