@@ -11,13 +11,19 @@ than the prompt, which is the old behaviour):
 2. **First token behind a long prompt.** B's long prompt is being prefilled; A (a short prompt)
    arrives 0.3 s later. The time from A's arrival to its first token.
 
-Run: python3 benchmarks/prefill_interleave.py [--tokens 10801] [--chunk 256]
+3. **A lone prompt.** The first ``--lone`` tokens of B alone (``--repeats`` runs of each, alternated):
+   their prefill time fed ``prefill_alone`` tokens an iteration (few large forwards: each piece re-reads
+   every weight) against ``prefill_chunk`` pieces, and the paired ratio.
+
+Run: python3 benchmarks/prefill_interleave.py [--tokens 10801] [--chunk 256] [--alone 1024] [--lone 2048]
+[--repeats 7]
 (writes benchmarks/results/prefill_interleave.md)
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import threading
 import time
@@ -27,11 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_results  # noqa: E402
 
 
-def measure(handle, long_ids: list[int], short_ids: list[int], chunk: int, scenario: str) -> dict:
+def measure(
+    handle, long_ids: list[int], short_ids: list[int], budgets: tuple[int, int], scenario: str
+) -> dict:
     from kvlab.loop import Sampling
     from kvlab.serve.engine import Engine, EngineSettings, Request
 
-    engine = Engine(handle, EngineSettings(window=1024, prefill_chunk=chunk, max_batch=4))
+    chunk, alone = budgets
+    engine = Engine(
+        handle, EngineSettings(window=1024, prefill_chunk=chunk, prefill_alone=alone, max_batch=4)
+    )
     times: list[float] = []
     marks: dict[str, float] = {}
     a_done, b_done = threading.Event(), threading.Event()
@@ -70,6 +81,11 @@ def measure(handle, long_ids: list[int], short_ids: list[int], chunk: int, scena
                 "a_tokens_during": sum(sent <= t <= ready for t in times),
                 "b_prefill_s": ready - sent,
             }
+        if scenario == "lone":
+            sent = time.perf_counter()
+            engine.submit(b)
+            b_done.wait()
+            return {"b_prefill_s": marks["b_prefilled"] - sent}
         engine.submit(b)
         time.sleep(0.3)
         sent = time.perf_counter()
@@ -85,6 +101,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=10_801)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--alone", type=int, default=1024)
+    ap.add_argument("--lone", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     import torch
 
@@ -97,23 +116,39 @@ def main() -> None:
         raise SystemExit(f"the default text has only {len(long_ids)} tokens")
     short_ids = handle.encode("Count from 1 to 100: 1, 2, 3, 4,")
     off = 10**9
+    columns = {"now": (args.chunk, args.alone), "pieces": (args.chunk, args.chunk), "off": (off, off)}
     rows = {}
     for scenario in ("pause", "first"):
-        for chunk in (args.chunk, off):
-            rows[(scenario, chunk)] = measure(handle, long_ids, short_ids, chunk, scenario)
-            print(scenario, chunk, rows[(scenario, chunk)], flush=True)
-    p_on, p_off = rows[("pause", args.chunk)], rows[("pause", off)]
-    f_on, f_off = rows[("first", args.chunk)], rows[("first", off)]
+        for name, budgets in columns.items():
+            rows[(scenario, name)] = measure(handle, long_ids, short_ids, budgets, scenario)
+            print(scenario, name, rows[(scenario, name)], flush=True)
+    lone: dict[str, list[float]] = {"now": [], "pieces": []}
+    for r in range(args.repeats):
+        for name in ("now", "pieces") if r % 2 == 0 else ("pieces", "now"):
+            run = measure(handle, long_ids[: args.lone], short_ids, columns[name], "lone")
+            lone[name].append(run["b_prefill_s"])
+            print("lone", name, run, flush=True)
+    ratio = statistics.median(b / a for a, b in zip(lone["now"], lone["pieces"], strict=True))
+
+    def cells(scenario: str, cell) -> str:
+        return " | ".join(cell(rows[(scenario, name)]) for name in columns)
+
+    n = f"{len(long_ids):,}"
     body = f"""The bundled SmolLM2 in-process (`kvlab.serve.engine.Engine`, window 1024, batch 4), torch with
-{torch.get_num_threads()} threads; a {len(long_ids):,}-token prompt (B) from the default long text beside a short
-request (A), greedy.
+{torch.get_num_threads()} threads; a {n}-token prompt (B) from the default long text beside a short
+request (A), greedy. Columns: the engine's budgets (`prefill_chunk` {args.chunk} while a row decodes,
+`prefill_alone` {args.alone} while none does); {args.chunk} in both cases (the engine before `prefill_alone`);
+the prompt in one go (before chunked prefill).
 
-| with B's {len(long_ids):,}-token prompt | prefill in pieces of {args.chunk} | in one go (before) |
-|---|---|---|
-| A's longest pause while B is prefilled | **{p_on["longest_pause_s"]:.2f} s** ({p_on["a_tokens_during"]} tokens during B's {p_on["b_prefill_s"]:.1f} s prefill) | {p_off["longest_pause_s"]:.2f} s ({p_off["a_tokens_during"]} tokens during {p_off["b_prefill_s"]:.1f} s) |
-| A's first token, A sent 0.3 s after B | **{f_on["first_token_s"]:.2f} s** (B prefilled at {f_on["b_prefill_s"]:.1f} s) | {f_off["first_token_s"]:.2f} s (B prefilled at {f_off["b_prefill_s"]:.1f} s) |
+| with B's {n}-token prompt | {args.chunk} / {args.alone} alone | {args.chunk} throughout | in one go |
+|---|---|---|---|
+| A's longest pause while B is prefilled | {cells("pause", lambda r: f"**{r['longest_pause_s']:.2f} s** ({r['a_tokens_during']} tokens during B's {r['b_prefill_s']:.1f} s prefill)")} |
+| A's first token, A sent 0.3 s after B | {cells("first", lambda r: f"**{r['first_token_s']:.2f} s** (B prefilled at {r['b_prefill_s']:.1f} s)")} |
+| B's first {args.lone:,} tokens alone: prefill, median of {args.repeats} | **{statistics.median(lone["now"]):.2f} s** | {statistics.median(lone["pieces"]):.2f} s ({ratio:.2f}x, paired median) | (forwards of the window's headroom: as the first column) |
 
-B's own prefill time is not compared here: in pieces it shares the machine with A's decode steps.
+B's prefill beside A is not compared: in pieces it shares the machine with A's decode steps. Raw rows of
+the lone runs (seconds, in the order run): {args.chunk} / {args.alone} alone {[round(x, 2) for x in lone["now"]]};
+{args.chunk} throughout {[round(x, 2) for x in lone["pieces"]]}.
 """
     write_results("prefill_interleave", "A long prompt beside a decoding request", body)
 

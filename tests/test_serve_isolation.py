@@ -237,7 +237,7 @@ def _raise(*args, **kw):
 def _serve(h, chunk: int, script, store_spec: str | None = None):
     """Run ``script(submit)`` on an engine with this prefill budget; returns its outputs and the sessions."""
     store = open_store(store_spec) if store_spec else None
-    with _engine(h, store=store, prefill_chunk=chunk) as e:
+    with _engine(h, store=store, prefill_chunk=chunk, prefill_alone=chunk) as e:
 
         def submit(ids, n, **kw) -> Events:
             ev = Events()
@@ -422,6 +422,30 @@ def test_a_long_prompt_delays_a_decoding_row_by_one_chunk_at_most(tiny_model, mo
     monkeypatch.undo()
     a_tokens, between, _ = _decoding_during_prefill(h, monkeypatch, UNCHUNKED)
     assert a_tokens <= 1 and max(between) == 10_000  # before chunking: one long wait
+
+
+def test_while_no_row_decodes_a_prompt_is_fed_prefill_alone_tokens_an_iteration(tiny_model, monkeypatch):
+    """Alone, a prompt is fed ``prefill_alone`` tokens an iteration; from the moment a row decodes (here a
+    short prompt finished earlier in the same iteration), ``prefill_chunk`` counted from the iteration's start."""
+    h = tiny_model("llama")
+    with _engine(h, prefill_chunk=16, prefill_alone=48) as e:
+        spent: list[int] = []
+        real = e._prefill_some
+        monkeypatch.setattr(e, "_prefill_some", lambda: spent.append(real()) or spent[-1])
+        lone = Events()
+        e.submit(_request(_ids(200, 15), 1, lone))
+        assert lone.wait()[0] == "done"
+        _idle(e)
+        assert spent == [48, 48, 48, 48, 8]
+        spent.clear()
+        short, long = Events(), Events()
+        with e._cv:  # both wait when the worker next looks: admitted in one iteration
+            e.submit(_request(_ids(10, 16), 40, short))
+            e.submit(_request(_ids(300, 17), 1, long))
+        assert long.wait()[0] == "done" and short.wait()[0] == "done"
+        _idle(e)
+        assert spent == [16] * 19 + [6]  # 10 + 6, then 16 an iteration while the short one decodes
+        assert short.tokens() == 40
 
 
 # -- cancelled requests -----------------------------------------------------------------------------------------

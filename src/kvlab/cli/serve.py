@@ -131,6 +131,13 @@ class ServeOptions:
             help="Prompt tokens computed between two decode steps: a long prompt delays the others' next token by this much prefill at most.",
         ),
     ] = 256
+    prefill_alone: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Prompt tokens computed per iteration while no conversation decodes (at least --prefill-chunk): a lone turn goes in few large forwards; a request arriving meanwhile waits this much prefill at most.",
+        ),
+    ] = 1024
     store_memory_mb: Annotated[
         int,
         typer.Option(
@@ -284,6 +291,7 @@ def _settings(o: ServeOptions, keys: tuple[str, ...]) -> tuple[EngineSettings, K
         max_queue=o.max_queue,
         max_sessions=o.max_sessions,
         prefill_chunk=o.prefill_chunk,
+        prefill_alone=o.prefill_alone,
         cache=o.cache,
         fidelity_sample=o.fidelity_sample,
         fidelity_wait_s=o.fidelity_wait,

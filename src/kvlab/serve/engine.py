@@ -5,7 +5,8 @@ requests (up to ``max_batch`` prefilling or decoding at once), computes up to ``
 tokens of the requests being prefilled, then runs one batched forward over every decoding request
 (:func:`kvlab.hf.batch.step_rolling_rows`), so requests join and leave between steps (continuous
 batching) and a long prompt delays the others' next token by one prefill budget at most (chunked
-prefill). A row that fails fails alone: its pick, its text or its part of the forward.
+prefill). While no row decodes the budget is ``prefill_alone`` (1,024 tokens): a piece re-reads every
+weight, so a lone conversation's turn is fed in few large forwards. A row that fails fails alone: its pick, its text or its part of the forward.
 
 Where a prompt's cache comes from, in order:
 
@@ -104,6 +105,9 @@ class EngineSettings:
     max_work_per_key: int | None = None
     max_sessions: int = 64  # idle conversations kept for reuse (least recently used dropped)
     prefill_chunk: int = 256  # prompt tokens computed per worker iteration, between two decode steps
+    # ... and while no row decodes (at least prefill_chunk): one piece re-reads every weight, so a lone
+    # prompt goes in few large forwards; a request arriving meanwhile waits this much prefill at most
+    prefill_alone: int = 1024
     # a cache spec (kvlab.policy.spec) its layout lets the server run (serve_policy); it replaces window,
     # sinks and evict_chunk, which then say its window where it rolls one (the status page shows them)
     cache: str | None = None
@@ -609,12 +613,15 @@ class Engine:
 
     def _prefill_some(self) -> int:
         """Spend this iteration's budget of prompt tokens: shortest remaining prompt first (a short prompt is
-        not held behind a long one; the long one takes what the short ones leave). Returns the tokens spent."""
-        budget = self.settings.prefill_chunk
+        not held behind a long one; the long one takes what the short ones leave). The budget is
+        ``prefill_chunk`` while a row decodes (from the moment one does), else ``prefill_alone``. Returns the
+        tokens spent."""
+        chunk = self.settings.prefill_chunk
+        budget, spent = (chunk if self._active else max(chunk, self.settings.prefill_alone)), 0
         for p in sorted(self._prefilling, key=lambda p: p.remaining):
             try:
-                while budget > 0 and p.remaining > 0 and not p.req.cancelled.is_set():
-                    budget -= self._piece(p, budget)
+                while spent < budget and p.remaining > 0 and not p.req.cancelled.is_set():
+                    spent += self._piece(p, budget - spent)
             except Exception as exc:
                 self._prefilling.remove(p)
                 self._fail(p.req, exc, "prefill")
@@ -631,9 +638,11 @@ class Engine:
                     self._prefilled(p)
                 except Exception as exc:
                     self._fail(p.req, exc, "prefill")
-            if budget <= 0:
+            if self._active:  # a prompt just done decodes: its next token waits one chunk at most
+                budget = chunk
+            if spent >= budget:
                 break
-        return self.settings.prefill_chunk - budget
+        return spent
 
     def _piece(self, p: _Prefill, budget: int) -> int:
         """Compute the next piece of ``p``'s prompt, at most ``budget`` tokens; returns how many."""
@@ -1044,7 +1053,13 @@ def check_settings(handle: ModelHandle, settings: EngineSettings) -> None:
     """Refuse settings this model cannot be served with, before anything is created."""
     if settings.max_batch < 1 or settings.max_queue < 0 or settings.max_sessions < 1:
         raise BadInputError("need max_batch >= 1, max_queue >= 0 and max_sessions >= 1")
-    for name in ("prefill_chunk", "max_open_per_key", "max_batch_per_key", "max_work_per_key"):
+    for name in (
+        "prefill_chunk",
+        "prefill_alone",
+        "max_open_per_key",
+        "max_batch_per_key",
+        "max_work_per_key",
+    ):
         value = getattr(settings, name)
         if value is not None and value < 1:
             raise BadInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
