@@ -12,7 +12,8 @@ to 3.2 GB, still growing (``benchmarks/results/serve_sessions_smollm2.md``). ``m
 free pages back (a few milliseconds on the bundled model's heap). The earlier fix, the mmap threshold fixed
 at 128 KiB, gave every block that size its own mapping, faulted in and zeroed at each allocation: a
 prompt's activations are such blocks, and a long served turn's first token came 1.83x later than on 6050923
-(median of turns 2-4, 4 rounds alternated, ``benchmarks/results/serve.md``; 1.17x with the trim). Not glibc: nothing to do.
+(median of turns 2-4, 4 rounds alternated, ``benchmarks/results/serve.md``; 1.17x with the trim, the rest the
+prompt fed in pieces: ``EngineSettings.prefill_alone``). Not glibc: nothing to do.
 """
 
 from __future__ import annotations
