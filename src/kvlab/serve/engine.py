@@ -6,7 +6,8 @@ tokens of the requests being prefilled, then runs one batched forward over every
 (:func:`kvlab.hf.batch.step_rolling_rows`), so requests join and leave between steps (continuous
 batching) and a long prompt delays the others' next token by one prefill budget at most (chunked
 prefill). While no row decodes the budget is ``prefill_alone`` (1,024 tokens): a piece re-reads every
-weight, so a lone conversation's turn is fed in few large forwards. A row that fails fails alone: its pick, its text or its part of the forward.
+weight, so a lone conversation's turn is fed in few large forwards. A row that fails fails alone: its
+pick, its text or its part of the forward.
 
 Where a prompt's cache comes from, in order:
 
