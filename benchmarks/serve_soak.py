@@ -380,6 +380,8 @@ def main() -> None:
     ap.add_argument("--store-memory-mb", type=int, default=256)
     ap.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
+    if (args.minutes - args.warmup) * 60 < 30:  # memory_growth needs 6 samples, one every 5 s
+        ap.error("--minutes must exceed --warmup by at least 0.5 (6 memory samples after warm-up)")
     LOGS.mkdir(exist_ok=True)
     book = passages(40, 180, skip=80)
     port = free_port()
